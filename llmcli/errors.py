@@ -1,0 +1,18 @@
+"""Errors the user can fix.
+
+Library code raises `InputError` (or a subclass) for bad input: a wrong config value, a missing
+file, a prompt the tokenizer cannot encode. The CLI prints the message and exits with status 2,
+never a traceback. Anything else is an internal error (exit status 1).
+"""
+
+
+class InputError(ValueError):
+    """Bad input, with a message that names what to fix."""
+
+
+class ConfigError(InputError):
+    """A config file or `--set` override that does not validate."""
+
+
+class CheckpointError(InputError):
+    """A run directory that is missing, incomplete, corrupt or unsafe to load."""
