@@ -1,0 +1,426 @@
+"""Typed, validated run configuration.
+
+A config is a YAML file with four sections, `model`, `data`, `train` and `sample`, each a
+dataclass below. Every key has a default; unknown keys, wrong types and values that break a rule
+are `ConfigError`s whose message names the key, the value and the rule. `--set section.key=value`
+overrides are parsed as YAML scalars and validated exactly like the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from llmcli.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    """The network's shape and architecture options (the seed's GPT by default)."""
+
+    n_layer: int = 4
+    n_head: int = 4
+    n_embed: int = 128
+    context_length: int = 64
+    dropout: float = 0.0
+    bias: bool = True
+    # Recipe options (all off by default, so the default model is the seed's architecture).
+    pos_emb: Literal["learned", "rope"] = "learned"
+    rope_base: float = 10000.0
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    qk_norm: bool = False
+    mlp: Literal["gelu", "relu2"] = "gelu"
+    tie_embeddings: bool = True
+
+    def validate(self) -> None:
+        for key in ("n_layer", "n_head", "n_embed", "context_length"):
+            _require(getattr(self, key) > 0, "model", key, getattr(self, key), "must be positive")
+        if self.n_embed % self.n_head != 0:
+            raise ConfigError(
+                f"model.n_embed ({self.n_embed}) must be divisible by model.n_head "
+                f"({self.n_head}): pick n_head among {_divisors(self.n_embed)} "
+                f"or change n_embed."
+            )
+        _require(0 <= self.dropout < 1, "model", "dropout", self.dropout, "must be in [0, 1)")
+        _require(self.rope_base > 0, "model", "rope_base", self.rope_base, "must be positive")
+        if self.pos_emb == "rope":
+            head_size = self.n_embed // self.n_head
+            _require(
+                head_size % 2 == 0, "model", "pos_emb", self.pos_emb,
+                f"needs an even head size (n_embed / n_head = {head_size})",
+            )
+
+
+@dataclass
+class DataConfig:
+    """Where the text comes from and how it becomes tokens."""
+
+    path: str | None = "data/shakespeare.txt"
+    val_path: str | None = None
+    dataset: str | None = None
+    split: str = "train"
+    val_split: str | None = None
+    text_column: str = "text"
+    tokenizer: str = "char"
+    vocab_size: int = 1024
+    val_fraction: float = 0.1
+    cache_dir: str | None = None
+
+    def validate(self) -> None:
+        if self.path is None and self.dataset is None:
+            raise ConfigError(
+                "data: give either data.path (a file, folder or glob of text) or data.dataset "
+                "(a Hugging Face datasets name or local json/csv/parquet files); both are empty."
+            )
+        if self.path is not None and self.dataset is not None:
+            raise ConfigError(
+                f"data: data.path ({self.path!r}) and data.dataset ({self.dataset!r}) are both "
+                "set; keep one of them (set the other to null)."
+            )
+        _require(self.vocab_size > 0, "data", "vocab_size", self.vocab_size, "must be positive")
+        _require(
+            0 < self.val_fraction < 1, "data", "val_fraction", self.val_fraction,
+            "must be between 0 and 1 (exclusive)",
+        )
+        _require(self.tokenizer != "", "data", "tokenizer", self.tokenizer,
+                 "must be 'char', 'bpe' or a path to a tokenizer.json")
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation, evaluation and checkpointing schedule."""
+
+    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    batch_size: int = 12
+    grad_accum: int = 1
+    max_steps: int = 2000
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0
+    eval_interval: int = 250
+    eval_steps: int = 20
+    log_interval: int = 10
+    seed: int = 1337
+    compile: bool = False
+    out_dir: str | None = None
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    muon_lr: float = 0.02
+    schedule: Literal["cosine", "wsd"] = "cosine"
+    decay_fraction: float = 0.2
+    init_from: str | None = None
+
+    def validate(self) -> None:
+        for key in ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_steps",
+                    "log_interval"):
+            _require(getattr(self, key) > 0, "train", key, getattr(self, key), "must be positive")
+        _require(self.lr > 0, "train", "lr", self.lr, "must be > 0")
+        _require(self.muon_lr > 0, "train", "muon_lr", self.muon_lr, "must be > 0")
+        _require(self.min_lr >= 0, "train", "min_lr", self.min_lr, "must be >= 0")
+        if self.min_lr > self.lr:
+            raise ConfigError(
+                f"train.min_lr ({self.min_lr}) must be <= train.lr ({self.lr}): the schedule "
+                "decays from lr down to min_lr."
+            )
+        _require(self.warmup_steps >= 0, "train", "warmup_steps", self.warmup_steps,
+                 "must be >= 0")
+        if self.warmup_steps > self.max_steps:
+            raise ConfigError(
+                f"train.warmup_steps ({self.warmup_steps}) must be <= train.max_steps "
+                f"({self.max_steps}): lower warmup_steps or raise max_steps."
+            )
+        _require(self.weight_decay >= 0, "train", "weight_decay", self.weight_decay,
+                 "must be >= 0")
+        for key in ("beta1", "beta2"):
+            _require(0 <= getattr(self, key) < 1, "train", key, getattr(self, key),
+                     "must be in [0, 1)")
+        _require(self.grad_clip >= 0, "train", "grad_clip", self.grad_clip,
+                 "must be >= 0 (0 turns clipping off)")
+        _require(0 < self.decay_fraction <= 1, "train", "decay_fraction", self.decay_fraction,
+                 "must be in (0, 1]")
+
+
+@dataclass
+class SampleConfig:
+    """Generation defaults for `llmcli sample`."""
+
+    max_new_tokens: int = 500
+    temperature: float = 0.8
+    top_k: int | None = 200
+    top_p: float = 1.0
+    seed: int = 1337
+
+    def validate(self) -> None:
+        _require(self.max_new_tokens > 0, "sample", "max_new_tokens", self.max_new_tokens,
+                 "must be positive")
+        _require(self.temperature >= 0, "sample", "temperature", self.temperature,
+                 "must be >= 0 (0 means greedy)")
+        if self.top_k is not None:
+            _require(self.top_k >= 1, "sample", "top_k", self.top_k,
+                     "must be >= 1 (or null for no top-k filtering)")
+        _require(0 < self.top_p <= 1, "sample", "top_p", self.top_p, "must be in (0, 1]")
+
+
+@dataclass
+class Config:
+    """A whole run's configuration."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    # Where the config came from (not a YAML key): its file stem names the default run directory.
+    name: str = field(default="run", compare=False, repr=False)
+
+    def validate(self) -> None:
+        for section in SECTIONS:
+            getattr(self, section).validate()
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """The fully resolved config as plain data (what `config.yaml` in a run holds)."""
+        return {section: dataclasses.asdict(getattr(self, section)) for section in SECTIONS}
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "sample": SampleConfig,
+}
+
+
+def _require(ok: bool, section: str, key: str, value: Any, rule: str) -> None:
+    if not ok:
+        raise ConfigError(f"{section}.{key} ({value!r}) {rule}.")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, min(n, 64) + 1) if n % d == 0]
+
+
+def _type_name(tp: Any) -> str:
+    if tp is type(None):
+        return "null"
+    if typing.get_origin(tp) is Literal:
+        return " or ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
+        tp, getattr(tp, "__name__", str(tp))
+    )
+
+
+_FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+def _coerce(tp: Any, value: Any) -> tuple[bool, Any]:
+    """Check `value` against the annotation `tp`; returns (ok, value converted)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            ok, converted = _coerce(arg, value)
+            if ok:
+                return True, converted
+        return False, value
+    if origin is Literal:
+        return (type(value) is str and value in typing.get_args(tp)), value
+    if tp is type(None):
+        return value is None, value
+    if tp is bool:
+        return type(value) is bool, value
+    if tp is int:
+        return type(value) is int, value
+    if tp is float:
+        # PyYAML reads `1e-3` (no dot) as a string under YAML 1.1: accept such numbers.
+        if type(value) is str and _FLOAT_RE.fullmatch(value.strip()):
+            value = float(value)
+        if type(value) in (int, float) and math.isfinite(value):
+            return True, float(value)
+        return False, value
+    if tp is str:
+        return type(value) is str, value
+    raise TypeError(f"unsupported config annotation {tp!r}")
+
+
+def _build_section(section: str, raw: Any) -> Any:
+    cls = SECTIONS[section]
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"config section '{section}' must be a mapping of keys to values, "
+            f"not {type(raw).__name__} ({_short(raw)})."
+        )
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in dataclasses.fields(cls)]
+    values = {}
+    for key, value in raw.items():
+        if not isinstance(key, str) or key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.5)
+            hint = f" Did you mean '{section}.{close[0]}'?" if close else ""
+            raise ConfigError(
+                f"unknown key '{section}.{key}'.{hint} Known keys in '{section}': "
+                f"{', '.join(known)}."
+            )
+        ok, converted = _coerce(hints[key], value)
+        if not ok:
+            raise ConfigError(
+                f"{section}.{key} must be {_type_name(hints[key])}, got {_short(value)} "
+                f"({type(value).__name__})."
+            )
+        values[key] = converted
+    return cls(**values)
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def config_from_dict(raw: Any, name: str = "run") -> Config:
+    """Build and validate a `Config` from parsed YAML (a mapping of sections)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"a config must be a mapping with the sections {', '.join(SECTIONS)}; "
+            f"got {type(raw).__name__} ({_short(raw)})."
+        )
+    for key in raw:
+        if key not in SECTIONS:
+            close = difflib.get_close_matches(str(key), list(SECTIONS), n=1, cutoff=0.5)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(
+                f"unknown config section '{key}'.{hint} The sections are "
+                f"{', '.join(SECTIONS)}."
+            )
+    config = Config(
+        **{section: _build_section(section, raw.get(section)) for section in SECTIONS},
+        name=name,
+    )
+    config.validate()
+    return config
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """Parse one `--set section.key=value` into (section, key, YAML scalar value)."""
+    if "=" not in text:
+        raise ConfigError(
+            f"--set {text!r}: expected section.key=value, for example "
+            "--set train.max_steps=200."
+        )
+    dotted, _, raw_value = text.partition("=")
+    parts = dotted.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(
+            f"--set {text!r}: the key must be section.key with a section among "
+            f"{', '.join(SECTIONS)} (for example model.n_head=8)."
+        )
+    try:
+        value = yaml.safe_load(raw_value) if raw_value.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {text!r}: the value is not a YAML scalar ({exc}).") from None
+    if isinstance(value, (dict, list)):
+        raise ConfigError(
+            f"--set {text!r}: the value must be a single scalar (number, string, true/false, "
+            "null), not a list or mapping."
+        )
+    return parts[0], parts[1], value
+
+
+def read_yaml(path: str | Path) -> Any:
+    """Read a YAML config file, turning every way it can be unreadable into a `ConfigError`."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"config file {str(p)!r} does not exist: check the path.")
+    if p.is_dir():
+        raise ConfigError(
+            f"config path {str(p)!r} is a directory, not a YAML file: give the file itself, "
+            "for example configs/tiny.yaml."
+        )
+    try:
+        data = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {str(p)!r}: {exc.strerror}.") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file {str(p)!r} is not UTF-8 text (bad byte at offset {exc.start}): "
+            "is it a binary file?"
+        ) from None
+    if not text.strip():
+        raise ConfigError(
+            f"config file {str(p)!r} is empty: write at least one section, for example "
+            "'model: {n_layer: 4}', or copy configs/tiny.yaml."
+        )
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        where = ""
+        mark = getattr(exc, "problem_mark", None)
+        if mark is not None:
+            where = f" at line {mark.line + 1}, column {mark.column + 1}"
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise ConfigError(
+            f"config file {str(p)!r} is not valid YAML{where}: {problem}. Fix the syntax "
+            "(indentation, colons, quotes) there."
+        ) from None
+    if raw is None:
+        raise ConfigError(f"config file {str(p)!r} holds no settings (only comments?).")
+    return raw
+
+
+def apply_overrides(raw: Any, overrides: list[str]) -> Any:
+    """Return a copy of the parsed YAML with `--set` overrides applied."""
+    if not overrides:
+        return raw
+    if not isinstance(raw, dict):
+        return raw  # config_from_dict reports the shape problem
+    merged = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
+    for text in overrides:
+        section, key, value = parse_override(text)
+        if section not in SECTIONS:
+            close = difflib.get_close_matches(section, list(SECTIONS), n=1, cutoff=0.5)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(
+                f"--set {text!r}: unknown section '{section}'.{hint} The sections are "
+                f"{', '.join(SECTIONS)}."
+            )
+        current = merged.get(section)
+        if current is None:
+            current = merged[section] = {}
+        if not isinstance(current, dict):
+            raise ConfigError(f"--set {text!r}: section '{section}' in the file is not a mapping.")
+        current[key] = value
+    return merged
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
+    """Load, override and validate a config file.
+
+    Args:
+        path: a YAML file with any of the sections model, data, train, sample.
+        overrides: `section.key=value` strings, applied after the file.
+
+    Raises:
+        ConfigError: the file is missing, unreadable, not YAML, or a value breaks a rule.
+    """
+    raw = apply_overrides(read_yaml(path), list(overrides or []))
+    return config_from_dict(raw, name=Path(path).stem)
+
+
+def dump_yaml(config: Config) -> str:
+    """The fully resolved config as YAML text, sections in their usual order."""
+    return yaml.safe_dump(config.to_dict(), sort_keys=False, default_flow_style=False)
