@@ -1,0 +1,159 @@
+"""Config loading, validation messages and `--set` overrides (llmcli/config.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from llmcli.config import (
+    Config,
+    ModelConfig,
+    config_from_dict,
+    dump_yaml,
+    load_config,
+)
+from llmcli.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path: Path, text: str, name: str = "c.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads_and_validates(path: Path) -> None:
+    config = load_config(path)
+    assert config.name == path.stem
+    raw = yaml.safe_load(path.read_text())
+    # Every value written in the file survives loading unchanged.
+    for section, values in raw.items():
+        for key, value in values.items():
+            assert getattr(getattr(config, section), key) == value, f"{section}.{key}"
+
+
+def test_tiny_and_small_have_the_issue_sizes() -> None:
+    tiny = load_config(ROOT / "configs" / "tiny.yaml").model
+    small = load_config(ROOT / "configs" / "small.yaml").model
+    assert (tiny.n_layer, tiny.n_head, tiny.n_embed, tiny.context_length) == (4, 4, 128, 64)
+    assert (small.n_layer, small.n_head, small.n_embed, small.context_length) == (6, 6, 384, 256)
+
+
+def test_defaults_fill_every_key_and_round_trip(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, "model: {n_layer: 2}\n"))
+    assert config.model.n_layer == 2
+    assert config.model.n_head == ModelConfig().n_head
+    resolved = yaml.safe_load(dump_yaml(config))
+    assert list(resolved) == ["model", "data", "train", "sample"]
+    assert resolved["model"]["n_layer"] == 2
+    # The resolved YAML is itself a valid config that gives back the same values.
+    assert config_from_dict(resolved) == config
+
+
+def test_overrides_are_yaml_scalars_and_validated(tmp_path: Path) -> None:
+    path = write(tmp_path, "train: {lr: 0.001}\n")
+    config = load_config(
+        path,
+        ["train.max_steps=200", "model.n_head=8", "train.lr=3e-4", "sample.top_k=null",
+         "model.bias=false", "data.tokenizer=bpe"],
+    )
+    assert config.train.max_steps == 200
+    assert config.model.n_head == 8
+    assert config.train.lr == pytest.approx(3e-4)
+    assert config.sample.top_k is None
+    assert config.model.bias is False
+    assert config.data.tokenizer == "bpe"
+    with pytest.raises(ConfigError, match=r"n_embed \(128\) must be divisible by model.n_head \(3\)"):
+        load_config(path, ["model.n_head=3"])
+
+
+def test_yaml_11_exponent_without_dot_is_a_number(tmp_path: Path) -> None:
+    # PyYAML reads 1e-3 as a string; a config user means a number.
+    config = load_config(write(tmp_path, "train:\n  lr: 1e-3\n  min_lr: 1e-5\n"))
+    assert config.train.lr == pytest.approx(1e-3)
+
+
+@pytest.mark.parametrize(
+    ("text", "overrides", "pattern"),
+    [
+        ("model: {n_hed: 4}\n", [], r"unknown key 'model.n_hed'.*Did you mean 'model.n_head'"),
+        ("modle: {n_head: 4}\n", [], r"unknown config section 'modle'.*Did you mean 'model'"),
+        ("model: {n_layer: four}\n", [], r"model.n_layer must be an integer, got 'four' \(str\)"),
+        ("model: {n_layer: 2.5}\n", [], r"model.n_layer must be an integer, got 2.5"),
+        ("model: {bias: 1}\n", [], r"model.bias must be true or false"),
+        ("train: {lr: fast}\n", [], r"train.lr must be a number"),
+        ("model: {pos_emb: alibi}\n", [], r"model.pos_emb must be 'learned' or 'rope'"),
+        ("model: {n_embed: 100, n_head: 3}\n", [],
+         r"model.n_embed \(100\) must be divisible by model.n_head \(3\)"),
+        ("model: {n_layer: 0}\n", [], r"model.n_layer \(0\) must be positive"),
+        ("model: {n_embed: -8}\n", [], r"model.n_embed \(-8\) must be positive"),
+        ("model: {context_length: 0}\n", [], r"model.context_length \(0\) must be positive"),
+        ("train: {batch_size: 0}\n", [], r"train.batch_size \(0\) must be positive"),
+        ("model: {dropout: 1.0}\n", [], r"model.dropout \(1.0\) must be in \[0, 1\)"),
+        ("model: {dropout: -0.1}\n", [], r"model.dropout \(-0.1\) must be in \[0, 1\)"),
+        ("train: {lr: 0}\n", [], r"train.lr \(0.0\) must be > 0"),
+        ("train: {lr: 0.001, min_lr: 0.01}\n", [],
+         r"train.min_lr \(0.01\) must be <= train.lr \(0.001\)"),
+        ("train: {warmup_steps: 300, max_steps: 200}\n", [],
+         r"train.warmup_steps \(300\) must be <= train.max_steps \(200\)"),
+        ("data: {val_fraction: 0}\n", [], r"data.val_fraction \(0.0\) must be between 0 and 1"),
+        ("data: {val_fraction: 1}\n", [], r"data.val_fraction \(1.0\) must be between 0 and 1"),
+        ("sample: {top_p: 0}\n", [], r"sample.top_p \(0.0\) must be in \(0, 1\]"),
+        ("sample: {top_p: 1.5}\n", [], r"sample.top_p \(1.5\) must be in \(0, 1\]"),
+        ("sample: {temperature: -1}\n", [], r"sample.temperature \(-1.0\) must be >= 0"),
+        ("sample: {top_k: 0}\n", [], r"sample.top_k \(0\) must be >= 1"),
+        ("train: {lr: .nan}\n", [], r"train.lr must be a number"),
+        ("model: [1, 2]\n", [], r"section 'model' must be a mapping"),
+        ("- 1\n- 2\n", [], r"a config must be a mapping"),
+        ("data: {path: null}\n", [], r"give either data.path"),
+        ("model: {}\n", ["model.n_head"], r"expected section.key=value"),
+        ("model: {}\n", ["n_head=4"], r"the key must be section.key"),
+        ("model: {}\n", ["modl.n_head=4"], r"unknown section 'modl'.*Did you mean 'model'"),
+        ("model: {}\n", ["model.n_head=[1, 2]"], r"must be a single scalar"),
+        ("model: {}\n", ["model.n_head=x"], r"model.n_head must be an integer, got 'x'"),
+        ("model: {}\n", ["train.lr=-1"], r"train.lr \(-1.0\) must be > 0"),
+    ],
+)
+def test_rule_messages_name_key_value_and_rule(
+    tmp_path: Path, text: str, overrides: list[str], pattern: str
+) -> None:
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(write(tmp_path, text), overrides)
+
+
+@pytest.mark.parametrize(
+    ("make", "pattern"),
+    [
+        (lambda d: d / "missing.yaml", r"does not exist"),
+        (lambda d: d, r"is a directory, not a YAML file"),
+        (lambda d: write(d, ""), r"is empty"),
+        (lambda d: write(d, "   \n\n"), r"is empty"),
+        (lambda d: write(d, "# only a comment\n"), r"holds no settings"),
+        (lambda d: write(d, "model: {n_head: 4\n"), r"not valid YAML at line \d+, column \d+"),
+        (lambda d: write(d, "model:\n  n_head: 4\n bad: 1\n"), r"not valid YAML"),
+    ],
+)
+def test_unreadable_files_are_config_errors(tmp_path: Path, make, pattern: str) -> None:
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(make(tmp_path))
+
+
+def test_binary_file_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "weights.yaml"
+    path.write_bytes(b"\x80\x02\x93\xff\x00binary")
+    with pytest.raises(ConfigError, match=r"not UTF-8 text \(bad byte at offset 0\)"):
+        load_config(path)
+
+
+def test_config_error_is_a_value_error() -> None:
+    # Library users can catch ValueError, as with litgpt's configs.
+    with pytest.raises(ValueError):
+        config_from_dict({"model": {"n_head": 5}})
+
+
+def test_default_config_is_valid() -> None:
+    Config().validate()
