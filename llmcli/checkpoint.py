@@ -1,0 +1,581 @@
+"""The run directory: atomic saves, safe loads, validation, finding the latest run.
+
+A run directory (`checkpoints/<config name>/` by default) holds:
+
+| file | written | what it is |
+| --- | --- | --- |
+| `config.yaml` | once, at the start | the fully resolved config that produced the run |
+| `tokenizer.json` | once, at the start | the tokenizer: enough to encode and decode alone |
+| `model.safetensors` | every save | the weights at the last save (evaluation, end, Ctrl-C) |
+| `best.safetensors` | when val improves | the weights with the lowest val loss so far |
+| `meta.json` | every save | step, tokens, elapsed time, val losses, library versions |
+| `state.pt` | every save, last | resume state: weights, optimizer, schedule step, RNG and |
+| | | batch-sampler states; read with `torch.load(weights_only=True)` |
+| `metrics.jsonl` | every log step | one JSON object per logged step and per evaluation |
+| `loss.png` | every evaluation | train and val loss against steps |
+
+Readers (`sample`, `inspect-attention`) load `best.safetensors` by default (`weights="last"`
+picks `model.safetensors`). Weights are safetensors, and the resume state is loaded with
+`weights_only=True`: loading a run never runs code from it.
+
+Every file is written to a temporary name in the same folder, flushed to disk (fsync) and renamed
+into place (`os.replace`), so a crash at any instant leaves either the old or the new file, never a
+half-written one. `state.pt` is written last at each save and holds its own copy of the weights:
+it is the commit point of a save, and resuming needs nothing else, so a run killed between two
+files of a save still resumes exactly from the previous save.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import json
+import logging
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmcli.config import Config, config_from_dict, dump_yaml, read_yaml
+from llmcli.errors import CheckpointError, InputError
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.yaml"
+TOKENIZER_FILE = "tokenizer.json"
+MODEL_FILE = "model.safetensors"
+BEST_FILE = "best.safetensors"
+META_FILE = "meta.json"
+STATE_FILE = "state.pt"
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "loss.png"
+
+WEIGHTS_FORMAT = "llmcli-1"
+TRAIN_HINT = "train one first with `llmcli train configs/tiny.yaml`"
+_TMP_MARK = ".tmp-"
+
+
+# ---------------------------------------------------------------------------------------------
+# Atomic writes
+# ---------------------------------------------------------------------------------------------
+
+
+def _write_and_sync(path: Path, data: bytes) -> None:
+    """Write `data` to a new file at `path` and flush it to disk (the one place bytes hit disk)."""
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _fsync_dir(folder: Path) -> None:
+    # Makes the rename itself durable; not every platform can open a directory.
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write `data` to `path` atomically: temp name in the same folder, fsync, `os.replace`.
+
+    On any failure (for example `OSError(ENOSPC)`) the temp file is removed, the previous file
+    at `path` is left untouched, and the error is raised.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}")
+    try:
+        _write_and_sync(tmp, data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+    _fsync_dir(path.parent)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """`atomic_write_bytes` for UTF-8 text."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | Path, obj: Any) -> None:
+    """`atomic_write_bytes` for a JSON document (indented, trailing newline)."""
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def atomic_torch_save(path: str | Path, obj: Any) -> None:
+    """`torch.save` through `atomic_write_bytes` (plain tensors and containers only)."""
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    atomic_write_bytes(path, buffer.getvalue())
+
+
+def remove_stale_temp_files(run_dir: Path) -> None:
+    """Delete temp files a killed process left behind in `run_dir` (readers never look at them)."""
+    for tmp in run_dir.glob(f".*{_TMP_MARK}*"):
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+
+
+def ensure_run_dir(run_dir: str | Path) -> Path:
+    """Create `run_dir` (and parents) and check that files can be written there.
+
+    Raises:
+        CheckpointError: the folder cannot be created or written (names it and the reason).
+    """
+    run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise CheckpointError(
+            f"output path '{run_dir}' exists and is not a directory: choose another --out "
+            "or remove that file."
+        )
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(run_dir / ".write-test", b"")
+        (run_dir / ".write-test").unlink()
+    except OSError as exc:
+        raise CheckpointError(
+            f"cannot write to output directory '{run_dir}': {exc.strerror or exc}. "
+            "Choose a writable folder with --out DIR (or train.out_dir)."
+        ) from None
+    return run_dir
+
+
+def describe_os_error(exc: OSError) -> str:
+    """A short human reason for a failed write (ENOSPC gets a hint)."""
+    if exc.errno == errno.ENOSPC:
+        return "no space left on device (free some disk space)"
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"{exc.strerror or 'permission denied'} (check the folder's permissions)"
+    return exc.strerror or str(exc)
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights (safetensors)
+# ---------------------------------------------------------------------------------------------
+
+
+def unique_state_dict(model: Any) -> dict[str, Any]:
+    """The model's state dict with tied tensors (same storage) kept once, contiguous, on CPU.
+
+    safetensors refuses tensors that share memory (tied embedding / LM head); the first name
+    keeps the tensor and `load_weights` restores the alias through the model itself.
+    """
+    out: dict[str, Any] = {}
+    seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
+    for name, tensor in model.state_dict().items():
+        key = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
+        if tensor.numel() > 0 and key in seen:
+            continue
+        seen.add(key)
+        out[name] = tensor.detach().to("cpu").contiguous()
+    return out
+
+
+def weights_bytes(model: Any, metadata: dict[str, Any]) -> bytes:
+    """Serialize `model`'s weights to safetensors bytes with string `metadata`."""
+    from safetensors.torch import save
+
+    meta = {"format": WEIGHTS_FORMAT, **{k: str(v) for k, v in metadata.items()}}
+    return save(unique_state_dict(model), metadata=meta)
+
+
+def save_weights(path: str | Path, model: Any, metadata: dict[str, Any]) -> None:
+    """Atomically write `model`'s weights as safetensors (metadata values become strings)."""
+    atomic_write_bytes(path, weights_bytes(model, metadata))
+
+
+def read_weights(path: str | Path) -> tuple[dict[str, Any], dict[str, str]]:
+    """Read a safetensors file into CPU tensors and its metadata, refusing anything else.
+
+    Raises:
+        CheckpointError: missing, not safetensors (a pickle, say), truncated or corrupt.
+    """
+    from safetensors.torch import load
+
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(f"weights file '{path}' is missing.") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read weights file '{path}': {exc.strerror}.") from None
+    header = _safetensors_header(path, data)
+    try:
+        tensors = load(data)
+    except Exception as exc:  # safetensors raises its own error types for bad buffers
+        raise CheckpointError(
+            f"weights file '{path}' is corrupt or truncated ({exc}); retrain, or use the "
+            "other weights file of the run (--weights last / best)."
+        ) from None
+    metadata = header.get("__metadata__") or {}
+    return tensors, {str(k): str(v) for k, v in metadata.items()}
+
+
+def _safetensors_header(path: Path, data: bytes) -> dict[str, Any]:
+    # A safetensors file starts with an 8-byte little-endian header length and a JSON header.
+    # Checking it first turns pickles and other foreign files into a clear message.
+    not_st = (
+        f"weights file '{path}' is not a safetensors file (a pickle or other format?); "
+        "llmcli only loads safetensors weights, which cannot run code."
+    )
+    if len(data) < 8:
+        raise CheckpointError(f"weights file '{path}' is truncated ({len(data)} bytes).")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n < 2 or n > 100_000_000 or data[8:9] != b"{":
+        raise CheckpointError(not_st)
+    if 8 + n > len(data):
+        raise CheckpointError(
+            f"weights file '{path}' is truncated: its header says {n} bytes but the file has "
+            f"{len(data)} in all."
+        )
+    try:
+        header = json.loads(data[8 : 8 + n])
+    except ValueError:
+        raise CheckpointError(not_st) from None
+    if not isinstance(header, dict):
+        raise CheckpointError(not_st)
+    ends = [v["data_offsets"][1] for k, v in header.items()
+            if k != "__metadata__" and isinstance(v, dict) and "data_offsets" in v]
+    if ends and 8 + n + max(ends) > len(data):
+        raise CheckpointError(
+            f"weights file '{path}' is truncated: {len(data)} bytes, "
+            f"{8 + n + max(ends)} expected."
+        )
+    return header
+
+
+def load_weights(model: Any, tensors: dict[str, Any], path: str | Path) -> None:
+    """Load `tensors` into `model`, checking names and shapes; tied aliases may be absent.
+
+    Raises:
+        CheckpointError: a tensor is missing, unexpected or of the wrong shape (names it).
+    """
+    import torch
+
+    path = Path(path)
+    expected = model.state_dict()
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        raise CheckpointError(
+            f"weights file '{path}' has tensors the model does not: {', '.join(unexpected[:5])}"
+            f"{' ...' if len(unexpected) > 5 else ''}; the weights do not match config.yaml."
+        )
+    for name, tensor in tensors.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise CheckpointError(
+                f"weights file '{path}': tensor '{name}' has shape {tuple(tensor.shape)} but "
+                f"the model in config.yaml needs {tuple(expected[name].shape)}."
+            )
+    # A name may be missing only if it aliases (shares storage with) a tensor that is present.
+    by_storage: dict[int, list[str]] = {}
+    for name, tensor in expected.items():
+        by_storage.setdefault(tensor.data_ptr(), []).append(name)
+    missing = [
+        name for name in expected
+        if name not in tensors
+        and not any(alias in tensors for alias in by_storage[expected[name].data_ptr()])
+    ]
+    if missing:
+        raise CheckpointError(
+            f"weights file '{path}' lacks tensors {', '.join(missing[:5])}"
+            f"{' ...' if len(missing) > 5 else ''}; it is incomplete or from another model."
+        )
+    with torch.no_grad():
+        model.load_state_dict(tensors, strict=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Resume state (torch.load with weights_only=True)
+# ---------------------------------------------------------------------------------------------
+
+
+def save_state(run_dir: str | Path, state: dict[str, Any]) -> None:
+    """Atomically write the resume state (plain tensors, numbers, strings and containers)."""
+    atomic_torch_save(Path(run_dir) / STATE_FILE, state)
+
+
+def load_state(run_dir: str | Path) -> dict[str, Any]:
+    """Read the resume state safely (`weights_only=True`: no code runs).
+
+    Raises:
+        CheckpointError: missing, unsafe (arbitrary pickled objects), truncated or corrupt.
+    """
+    import pickle
+
+    import torch
+
+    path = Path(run_dir) / STATE_FILE
+    if not path.is_file():
+        raise CheckpointError(
+            f"no resume state '{path}': nothing to resume in '{run_dir}'. Start a new run "
+            "without --resume."
+        )
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        if "weights_only" in str(exc) or "Unsupported global" in str(exc):
+            raise CheckpointError(
+                f"resume state '{path}' holds Python objects other than tensors and plain "
+                "data; it was refused unread (loading it could run code). It was not written "
+                "by llmcli: remove it to start afresh."
+            ) from None
+        raise CheckpointError(f"resume state '{path}' is corrupt or truncated ({exc}).") from None
+    except (RuntimeError, EOFError, OSError, ValueError, KeyError) as exc:
+        raise CheckpointError(
+            f"resume state '{path}' is corrupt or truncated ({str(exc).splitlines()[0]})."
+        ) from None
+    if not isinstance(state, dict) or state.get("format") != WEIGHTS_FORMAT:
+        raise CheckpointError(
+            f"resume state '{path}' is not an llmcli resume state (format "
+            f"{state.get('format') if isinstance(state, dict) else type(state).__name__!r})."
+        )
+    return state
+
+
+# ---------------------------------------------------------------------------------------------
+# Metadata
+# ---------------------------------------------------------------------------------------------
+
+
+def versions() -> dict[str, str | None]:
+    """Versions of the software a run depends on (recorded in `meta.json` as "versions")."""
+    from llmcli.versions import record
+
+    return record()
+
+
+def read_meta(run_dir: str | Path) -> dict[str, Any]:
+    """`meta.json` of a run as a dict ({} when absent or unreadable: it is informative only)."""
+    path = Path(run_dir) / META_FILE
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def write_config_and_tokenizer(run_dir: Path, config: Config, tokenizer: Any) -> None:
+    """Write `config.yaml` and `tokenizer.json` atomically."""
+    atomic_write_text(run_dir / CONFIG_FILE, dump_yaml(config))
+    tmp = run_dir / f".{TOKENIZER_FILE}{_TMP_MARK}{os.getpid()}"
+    try:
+        tokenizer.save(tmp)
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, run_dir / TOKENIZER_FILE)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+
+
+def save_model_run(
+    run_dir: str | Path,
+    config: Config,
+    tokenizer: Any,
+    model: Any,
+    *,
+    extra_meta: dict[str, Any] | None = None,
+) -> None:
+    """Write a complete readable run (no resume state): config, tokenizer, weights, meta.
+
+    `model.safetensors` and `best.safetensors` both get the given weights. Used to package a
+    model without training (tests of the readers, imported weights).
+
+    Args:
+        run_dir: the folder to write (created if needed).
+        config: the config that describes `model`.
+        tokenizer: an llmcli tokenizer (has `.save(path)` and `.vocab_size`).
+        model: a `Transformer` built from `config.model`.
+        extra_meta: merged into `meta.json` (for example `{"step": 100}`).
+    """
+    run_dir = ensure_run_dir(run_dir)
+    meta = {"step": 0, "vocab_size": _vocab_size(tokenizer), "versions": versions()}
+    meta.update(extra_meta or {})
+    write_config_and_tokenizer(run_dir, config, tokenizer)
+    data = weights_bytes(model, {"step": meta["step"], "vocab_size": meta["vocab_size"]})
+    atomic_write_bytes(run_dir / MODEL_FILE, data)
+    atomic_write_bytes(run_dir / BEST_FILE, data)
+    atomic_write_json(run_dir / META_FILE, meta)
+
+
+def _vocab_size(tokenizer: Any) -> int:
+    size = tokenizer.vocab_size
+    return int(size() if callable(size) else size)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading a run
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoadedRun:
+    """A run loaded for reading: the model is in eval mode on the requested device."""
+
+    run_dir: Path
+    config: Config
+    tokenizer: Any
+    model: Any
+    step: int
+    meta: dict[str, Any] = field(default_factory=dict)
+    weights_path: Path | None = None
+
+
+def find_latest_run(root: str | Path = Path("checkpoints")) -> Path:
+    """The run under `root` whose `model.safetensors` was written most recently.
+
+    Raises:
+        CheckpointError: no run under `root`, saying how to train one.
+    """
+    root = Path(root)
+    runs = []
+    if root.is_dir():
+        for child in root.iterdir():
+            weights = child / MODEL_FILE
+            if child.is_dir() and weights.is_file():
+                runs.append((weights.stat().st_mtime_ns, str(child), child))
+    if not runs:
+        raise CheckpointError(
+            f"no trained run found under '{root}/': {TRAIN_HINT}, or pass --checkpoint DIR "
+            "pointing at a run directory."
+        )
+    return max(runs)[2]
+
+
+def load_config_file(run_dir: Path) -> Config:
+    """The run's `config.yaml` as a validated `Config` (named after the run folder)."""
+    path = run_dir / CONFIG_FILE
+    if not path.is_file():
+        raise CheckpointError(
+            f"run directory '{run_dir}' has no {CONFIG_FILE}: it is not a complete llmcli run "
+            f"({TRAIN_HINT})."
+        )
+    try:
+        return config_from_dict(read_yaml(path), name=run_dir.resolve().name)
+    except InputError as exc:
+        raise CheckpointError(f"run file '{path}' is not a valid config: {exc}") from None
+
+
+def load_tokenizer_file(run_dir: Path) -> Any:
+    """The run's `tokenizer.json` as an llmcli tokenizer."""
+    from llmcli.tokenizer import load_tokenizer
+
+    path = run_dir / TOKENIZER_FILE
+    if not path.is_file():
+        raise CheckpointError(
+            f"run directory '{run_dir}' has no {TOKENIZER_FILE}: it is not a complete llmcli "
+            f"run ({TRAIN_HINT})."
+        )
+    try:
+        return load_tokenizer(path)
+    except InputError as exc:
+        raise CheckpointError(f"run file '{path}' is not a valid tokenizer: {exc}") from None
+    except Exception as exc:  # tokenizers raises plain Exceptions on corrupt JSON
+        raise CheckpointError(
+            f"run file '{path}' is corrupt or not an llmcli tokenizer ({exc})."
+        ) from None
+
+
+def load_run(
+    run_dir: str | Path | None = None,
+    *,
+    weights: str = "best",
+    device: str = "cpu",
+) -> LoadedRun:
+    """Load a run for reading (sampling, inspection): config, tokenizer, model in eval mode.
+
+    Args:
+        run_dir: a run directory; None picks `find_latest_run()`. A path to a `.safetensors`
+            file inside a run loads that file.
+        weights: "best" (`best.safetensors`, falling back to `model.safetensors` if a run has
+            no best yet) or "last" (`model.safetensors`).
+        device: where to put the model ("cpu", "cuda", "mps").
+
+    Raises:
+        CheckpointError: a missing, incomplete, corrupt or mismatched run (names the file).
+    """
+    from llmcli.model import Transformer
+
+    if run_dir is None:
+        run_dir = find_latest_run()
+    run_dir = Path(run_dir)
+    weights_path: Path | None = None
+    if run_dir.is_file() and run_dir.suffix == ".safetensors":
+        weights_path, run_dir = run_dir, run_dir.parent
+    if not run_dir.exists():
+        raise CheckpointError(
+            f"run directory '{run_dir}' does not exist: {TRAIN_HINT}, or check the path."
+        )
+    if not run_dir.is_dir():
+        raise CheckpointError(
+            f"checkpoint '{run_dir}' is a file, not a run directory: pass the folder that holds "
+            f"{CONFIG_FILE}, {TOKENIZER_FILE} and {MODEL_FILE}."
+        )
+    if weights_path is None:
+        if weights not in ("best", "last"):
+            raise CheckpointError(f"weights must be 'best' or 'last', not {weights!r}.")
+        weights_path = run_dir / (BEST_FILE if weights == "best" else MODEL_FILE)
+        if weights == "best" and not weights_path.is_file():
+            weights_path = run_dir / MODEL_FILE
+        if not weights_path.is_file():
+            raise CheckpointError(
+                f"run directory '{run_dir}' has no {weights_path.name}: the run has not saved "
+                f"weights yet ({TRAIN_HINT})."
+            )
+
+    config = load_config_file(run_dir)
+    tokenizer = load_tokenizer_file(run_dir)
+    tensors, metadata = read_weights(weights_path)
+    vocab = _vocab_size(tokenizer)
+    saved_vocab = metadata.get("vocab_size")
+    if saved_vocab is not None and saved_vocab.isdigit() and int(saved_vocab) != vocab:
+        raise CheckpointError(
+            f"tokenizer '{run_dir / TOKENIZER_FILE}' has {vocab} tokens but the weights "
+            f"'{weights_path}' were trained with {saved_vocab}: the files come from different "
+            "runs."
+        )
+    try:
+        model = Transformer.from_config(config.model, vocab)
+    except InputError as exc:
+        raise CheckpointError(f"cannot build the model of '{run_dir}': {exc}") from None
+    try:
+        load_weights(model, tensors, weights_path)
+    except CheckpointError as exc:
+        if saved_vocab is None:
+            raise CheckpointError(
+                f"{exc} (does tokenizer '{run_dir / TOKENIZER_FILE}', with {vocab} tokens, "
+                "belong to these weights?)"
+            ) from None
+        raise
+    model.to(device)
+    model.eval()
+    step_text = metadata.get("step", "0")
+    step = int(step_text) if step_text.isdigit() else 0
+    return LoadedRun(
+        run_dir=run_dir,
+        config=config,
+        tokenizer=tokenizer,
+        model=model,
+        step=step,
+        meta=read_meta(run_dir),
+        weights_path=weights_path,
+    )
+
