@@ -1,0 +1,645 @@
+"""Tests that pin the model's maths against references.
+
+References: a NumPy float64 implementation of the seed's formula, a stack of seed-style `Head`s,
+`torch.nn.MultiheadAttention`, and Hugging Face `GPT2LMHeadModel`. Everything runs in fp32 at tiny
+sizes. Each comparison prints its max abs difference (`pytest -s` shows them).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmcli.errors import InputError
+from llmcli.model import (
+    MLP,
+    Block,
+    Head,
+    KVCache,
+    MultiHeadAttention,
+    RMSNorm,
+    RotaryEmbedding,
+    Transformer,
+)
+
+OPTIONS = {
+    "seed": {},
+    "rope+qknorm": {"rope": True, "qk_norm": True},
+}
+
+
+def assert_close(actual, expected, name: str, atol: float = 1e-5, rtol: float = 1e-5) -> None:
+    """`torch.testing.assert_close`, printing the max abs difference first."""
+    expected = torch.as_tensor(expected, dtype=actual.dtype)
+    diff = (actual.detach() - expected).abs().max().item() if actual.numel() else 0.0
+    print(f"max_abs_diff {name}: {diff:.3e}")
+    torch.testing.assert_close(actual.detach(), expected, atol=atol, rtol=rtol)
+
+
+def gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def randomize_(module: nn.Module, seed: int = 0) -> nn.Module:
+    """Give every parameter (biases and norm gains included) random non-trivial values."""
+    g = gen(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return module
+
+
+def tiny_model(seed: int = 0, **kwargs) -> Transformer:
+    args = {"vocab_size": 37, "n_layer": 2, "n_head": 4, "n_embed": 32, "context_length": 16}
+    args.update(kwargs)
+    return Transformer(**args, generator=gen(seed)).eval()
+
+
+# ----------------------------------------------------------------------------- NumPy reference
+
+
+def numpy_rope(x: np.ndarray, positions: np.ndarray, base: float = 10000.0) -> np.ndarray:
+    """Rotate channel pairs (i, i + hs/2) of x (..., T, hs) by positions (T,) * base**(-2i/hs)."""
+    hs = x.shape[-1]
+    half = hs // 2
+    theta = positions[:, None] * base ** (-2.0 * np.arange(half) / hs)  # (T, hs/2)
+    a, b = x[..., :half], x[..., half:]
+    return np.concatenate([a * np.cos(theta) - b * np.sin(theta),
+                           a * np.sin(theta) + b * np.cos(theta)], axis=-1)
+
+
+def numpy_mha(x, mha: MultiHeadAttention, rope=False, qk_norm=False):
+    """The seed's formula per head in float64: softmax(QK^T/sqrt(hs)) causal, @V, cat, proj."""
+    x = x.detach().double().numpy()
+    W = mha.qkv.weight.detach().double().numpy()
+    b = mha.qkv.bias.detach().double().numpy()
+    Wp = mha.proj.weight.detach().double().numpy()
+    bp = mha.proj.bias.detach().double().numpy()
+    B, T, C = x.shape
+    nh = mha.n_head
+    hs = C // nh
+    qkv = x @ W.T + b  # (B, T, 3C)
+    mask = np.tril(np.ones((T, T), dtype=bool))
+    outs, weights = [], []
+    for h in range(nh):
+        q = qkv[..., h * hs:(h + 1) * hs]
+        k = qkv[..., C + h * hs:C + (h + 1) * hs]
+        v = qkv[..., 2 * C + h * hs:2 * C + (h + 1) * hs]
+        if qk_norm:
+            q = q / np.sqrt((q**2).mean(-1, keepdims=True) + 1e-5)
+            k = k / np.sqrt((k**2).mean(-1, keepdims=True) + 1e-5)
+        if rope:
+            q, k = numpy_rope(q, np.arange(T)), numpy_rope(k, np.arange(T))
+        s = q @ k.transpose(0, 2, 1) / np.sqrt(hs)
+        s = np.where(mask, s, -np.inf)
+        e = np.exp(s - s.max(-1, keepdims=True))
+        w = e / e.sum(-1, keepdims=True)
+        weights.append(w)
+        outs.append(w @ v)
+    y = np.concatenate(outs, axis=-1) @ Wp.T + bp
+    return torch.from_numpy(y).float(), torch.from_numpy(np.stack(weights, 1)).float()
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def test_seed_examples_run_as_written():
+    assert MultiHeadAttention(n_head=4, n_embed=32, context_length=8)(
+        torch.randn(2, 8, 32)
+    ).shape == (2, 8, 32)
+    assert Block(n_head=4, n_embed=32, context_length=8)(torch.randn(2, 8, 32)).shape == (2, 8, 32)
+
+
+@pytest.mark.parametrize("opts", OPTIONS.values(), ids=OPTIONS.keys())
+def test_mha_equals_numpy_seed_formula(opts):
+    mha = randomize_(MultiHeadAttention(4, 32, 8, **opts)).eval()
+    x = torch.randn(2, 8, 32, generator=gen(1))
+    y_ref, w_ref = numpy_mha(x, mha, **opts)
+    tag = "+".join(opts) or "seed"
+    assert_close(mha(x), y_ref, f"mha fused vs numpy [{tag}]")
+    y, w = mha(x, return_weights=True)
+    assert_close(y, y_ref, f"mha explicit vs numpy [{tag}]")
+    assert_close(w, w_ref, f"mha weights vs numpy [{tag}]")
+
+
+@pytest.mark.parametrize("opts", OPTIONS.values(), ids=OPTIONS.keys())
+def test_from_heads_equals_stack_of_heads(opts):
+    torch.manual_seed(0)
+    heads = [Head(32, 8, 8, **opts) for _ in range(4)]  # the seed's heads: no bias
+    proj = nn.Linear(32, 32)
+    x = torch.randn(2, 8, 32, generator=gen(1))
+    ref = proj(torch.cat([h(x) for h in heads], dim=-1))
+    mha = MultiHeadAttention.from_heads(heads, proj)
+    tag = "+".join(opts) or "seed"
+    assert_close(mha(x), ref, f"from_heads vs stack of Heads [{tag}]")
+
+
+@pytest.mark.parametrize("opts", OPTIONS.values(), ids=OPTIONS.keys())
+def test_heads_equal_fused_layer(opts):
+    mha = randomize_(MultiHeadAttention(4, 32, 8, **opts)).eval()
+    heads = mha.heads()
+    assert len(heads) == 4 and all(isinstance(h, Head) for h in heads)
+    x = torch.randn(2, 8, 32, generator=gen(1))
+    kpm = torch.tensor([[True, True, False, False, False, False, False, False],
+                        [False] * 6 + [True, True]])
+    tag = "+".join(opts) or "seed"
+    ref = mha.proj(torch.cat([h(x) for h in heads], dim=-1))
+    assert_close(mha(x), ref, f"heads() stack vs fused [{tag}]")
+    ref = mha.proj(torch.cat([h(x, kpm) for h in heads], dim=-1))
+    assert_close(mha(x, kpm), ref, f"heads() stack vs fused, padded [{tag}]")
+    # The heads hold copies: changing one leaves the layer untouched.
+    with torch.no_grad():
+        heads[0].query.weight.zero_()
+    assert mha.qkv.weight[:8].abs().sum() > 0
+
+
+def _torch_mha(mha: MultiHeadAttention) -> nn.MultiheadAttention:
+    ref = nn.MultiheadAttention(mha.n_embed, mha.n_head, bias=True, batch_first=True).eval()
+    with torch.no_grad():
+        ref.in_proj_weight.copy_(mha.qkv.weight)
+        ref.in_proj_bias.copy_(mha.qkv.bias)
+        ref.out_proj.weight.copy_(mha.proj.weight)
+        ref.out_proj.bias.copy_(mha.proj.bias)
+    return ref
+
+
+PADDINGS = {
+    "none": None,
+    "right": [[False] * 8, [False] * 5 + [True] * 3],
+    "left": [[True] * 3 + [False] * 5, [False] * 8],
+    "middle": [[False, False, True, True, False, False, False, False], [False] * 8],
+}
+
+
+@pytest.mark.parametrize("padding", PADDINGS.keys())
+def test_mha_equals_torch_multihead_attention(padding):
+    mha = randomize_(MultiHeadAttention(4, 32, 8)).eval()
+    ref = _torch_mha(mha)
+    x = torch.randn(2, 8, 32, generator=gen(1))
+    kpm = None if PADDINGS[padding] is None else torch.tensor(PADDINGS[padding])
+    causal = torch.ones(8, 8, dtype=torch.bool).triu(1)  # torch's convention: True = blocked
+    y_ref, w_ref = ref(x, x, x, key_padding_mask=kpm, attn_mask=causal, need_weights=True,
+                       average_attn_weights=False)
+    # Rows whose keys are all masked are NaN in torch; ours are defined (checked below).
+    rows = ~torch.isnan(y_ref).any(-1)  # (B, T)
+    y_fused = mha(x, kpm)
+    y_expl, w = mha(x, kpm, return_weights=True)
+    assert_close(y_fused[rows], y_ref[rows], f"mha fused vs torch MHA [{padding} padding]")
+    assert_close(y_expl[rows], y_ref[rows], f"mha explicit vs torch MHA [{padding} padding]")
+    w_rows = rows[:, None, :].expand(-1, 4, -1)  # (B, nh, T)
+    assert_close(w[w_rows], w_ref[w_rows], f"mha weights vs torch MHA [{padding} padding]")
+    if padding == "left":
+        assert not rows.all()  # the comparison did skip torch's NaN rows
+        assert_close(y_fused[~rows], mha.proj.bias.expand(int((~rows).sum()), -1),
+                     "empty rows == proj.bias")
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("opts", OPTIONS.values(), ids=OPTIONS.keys())
+def test_fused_equals_explicit_outputs_and_gradients(opts, padded):
+    mha = randomize_(MultiHeadAttention(4, 32, 8, **opts))
+    x = torch.randn(2, 8, 32, generator=gen(1))
+    g = torch.randn(2, 8, 32, generator=gen(2))
+    kpm = torch.tensor(PADDINGS["left"]) if padded else None
+    results = []
+    for explicit in (False, True):
+        mha.zero_grad()
+        xi = x.clone().requires_grad_(True)
+        y = mha(xi, kpm, return_weights=True)[0] if explicit else mha(xi, kpm)
+        (y * g).sum().backward()
+        grads = [p.grad.clone() for p in mha.parameters()] + [xi.grad.clone()]
+        results.append((y.detach(), grads))
+    tag = "+".join(opts) or "seed"
+    tag += ", padded" if padded else ""
+    assert_close(results[0][0], results[1][0], f"fused vs explicit output [{tag}]")
+    for i, (g0, g1) in enumerate(zip(results[0][1], results[1][1], strict=True)):
+        assert_close(g0, g1, f"fused vs explicit grad {i} [{tag}]", atol=1e-4, rtol=1e-4)
+
+
+def test_all_masked_rows_are_zero_not_nan():
+    mha = randomize_(MultiHeadAttention(4, 32, 8))
+    x = torch.randn(2, 8, 32, generator=gen(1), requires_grad=True)
+    kpm = torch.tensor([[True] * 3 + [False] * 5, [True] * 8])  # row 1: everything padding
+    for explicit in (False, True):
+        out = mha(x, kpm, return_weights=explicit)
+        y = out[0] if explicit else out
+        assert torch.isfinite(y).all()
+        empty = torch.tensor([[True] * 3 + [False] * 5, [True] * 8])
+        assert_close(y[empty], mha.proj.bias.expand(int(empty.sum()), -1),
+                     f"empty rows == proj.bias [{'explicit' if explicit else 'fused'}]", atol=0,
+                     rtol=0)
+        if explicit:
+            assert (out[1][0, :, :3] == 0).all() and (out[1][1] == 0).all()
+        x.grad = None
+        y.sum().backward()
+        assert torch.isfinite(x.grad).all()
+        assert (x.grad[1] == 0).all()  # a fully padded sequence passes no gradient
+    head = mha.heads()[0]
+    assert (head(x, kpm)[empty] == 0).all()
+
+
+def test_padded_keys_receive_no_gradient_from_real_rows():
+    mha = randomize_(MultiHeadAttention(4, 32, 8))
+    x = torch.randn(2, 8, 32, generator=gen(1), requires_grad=True)
+    kpm = torch.tensor(PADDINGS["middle"])
+    y = mha(x, kpm)
+    y[~kpm].sum().backward()  # loss on real positions only
+    assert (x.grad[kpm] == 0).all()
+    assert (x.grad[~kpm] != 0).any(dim=-1).all()
+
+
+def test_input_longer_than_context_raises():
+    x = torch.randn(1, 9, 32)
+    for layer in (MultiHeadAttention(4, 32, 8), Block(4, 32, 8), Head(32, 8, 8)):
+        with pytest.raises(ValueError, match=r"T = 9 .*context_length is 8"):
+            layer(x)
+    model = tiny_model()
+    with pytest.raises(ValueError, match=r"T = 17 .*context_length is 16"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_bad_masks_raise_input_error():
+    mha = MultiHeadAttention(4, 32, 8)
+    x = torch.randn(2, 8, 32)
+    with pytest.raises(InputError, match="bool"):
+        mha(x, torch.ones(2, 8, dtype=torch.long))
+    with pytest.raises(InputError, match="shape"):
+        mha(x, torch.zeros(2, 7, dtype=torch.bool))
+
+
+# ----------------------------------------------------------------------------- recipe options
+
+
+def test_rope_rotation_matches_formula_keeps_norms_and_is_relative():
+    rot = RotaryEmbedding(16, 32, base=10000.0)
+    x = torch.randn(3, 32, 16, generator=gen(1))  # (B, T, hs)
+    y = rot(x)
+    assert_close(y, numpy_rope(x.double().numpy(), np.arange(32.0)), "rope vs numpy formula")
+    assert_close(y.norm(dim=-1), x.norm(dim=-1), "rope keeps norms")
+    assert_close(y[:, 0], x[:, 0], "rope at position 0 is identity", atol=0, rtol=0)
+    # q . k depends only on the offset m - n: shift both positions by s.
+    q, k = torch.randn(1, 1, 16, generator=gen(2)), torch.randn(1, 1, 16, generator=gen(3))
+    dots = []
+    for s in (0, 5, 17):
+        qm = rot(q, torch.tensor([[7 + s]]))
+        kn = rot(k, torch.tensor([[3 + s]]))
+        dots.append((qm * kn).sum())
+    assert_close(torch.stack(dots), dots[0].expand(3), "rope q.k shift invariance")
+    assert not torch.allclose(
+        (rot(q, torch.tensor([[7]])) * rot(k, torch.tensor([[3]]))).sum(),
+        (rot(q, torch.tensor([[7]])) * rot(k, torch.tensor([[4]]))).sum(),
+    )
+    # position_ids and offset give the same rotation as the default positions.
+    assert_close(rot(x[:, 4:9], offset=4), y[:, 4:9], "rope offset", atol=0, rtol=0)
+    pos = torch.arange(4, 9).expand(3, -1)
+    assert_close(rot(x[:, 4:9], pos), y[:, 4:9], "rope position_ids", atol=0, rtol=0)
+
+
+def test_rope_model_has_no_position_embedding_and_is_shift_invariant():
+    model = tiny_model(pos_emb="rope")
+    assert model.wpe is None
+    assert all(b.attn.rotary is not None for b in model.blocks)
+    idx = torch.randint(37, (2, 8), generator=gen(1))
+    logits, _ = model(idx)
+    # Only relative positions matter: starting at position 5 gives the same logits.
+    shifted, _ = model(idx, position_ids=torch.arange(5, 13).expand(2, -1))
+    assert_close(shifted, logits, "rope model shifted positions", atol=1e-4, rtol=1e-4)
+
+
+def test_rmsnorm_matches_formula():
+    norm = randomize_(RMSNorm(32))
+    x = torch.randn(2, 5, 32, generator=gen(1)) * 3 + 1
+    ref = x / torch.sqrt((x**2).mean(-1, keepdim=True) + 1e-5) * norm.weight
+    assert_close(norm(x), ref, "rmsnorm vs formula")
+    model = tiny_model(norm="rmsnorm")
+    norms = [model.ln_f] + [m for b in model.blocks for m in (b.ln1, b.ln2)]
+    assert all(isinstance(m, RMSNorm) for m in norms)
+    assert not any(isinstance(m, nn.LayerNorm) for m in model.modules())
+
+
+def test_qk_norm_normalises_queries_and_keys():
+    # The NumPy reference with normalised q, k is in test_mha_equals_numpy_seed_formula; here:
+    # scaling the query and key projections leaves the output unchanged, only with qk_norm.
+    x = torch.randn(2, 8, 32, generator=gen(1))
+    for qk_norm in (True, False):
+        mha = randomize_(MultiHeadAttention(4, 32, 8, qk_norm=qk_norm)).eval()
+        y = mha(x)
+        with torch.no_grad():
+            mha.qkv.weight[:64] *= 7.0
+            mha.qkv.bias[:64] *= 7.0
+        if qk_norm:
+            assert_close(mha(x), y, "qk_norm invariant to q/k scale", atol=1e-4, rtol=1e-4)
+        else:
+            assert not torch.allclose(mha(x), y, atol=1e-3)
+    mha = randomize_(MultiHeadAttention(4, 32, 8, qk_norm=True)).eval()
+    y_ref, _ = numpy_mha(x, mha, qk_norm=True)
+    assert_close(mha(x), y_ref, "qk_norm mha vs numpy")
+
+
+def test_mlp_activations_match_formulas():
+    x = torch.randn(2, 5, 16, generator=gen(1))
+    for activation in ("gelu", "relu2"):
+        mlp = randomize_(MLP(16, activation=activation))
+        h = x @ mlp.fc.weight.T + mlp.fc.bias
+        if activation == "gelu":  # exact (erf) GELU, GPT-2's activation_function="gelu"
+            h = h * 0.5 * (1.0 + torch.special.erf(h / math.sqrt(2.0)))
+        else:
+            h = torch.clamp(h, min=0) ** 2
+        ref = h @ mlp.proj.weight.T + mlp.proj.bias
+        assert_close(mlp(x), ref, f"mlp {activation} vs formula")
+        assert mlp.fc.out_features == 64
+
+
+def test_tied_and_untied_lm_head():
+    tied = tiny_model()
+    assert tied.lm_head.weight is tied.wte.weight
+    untied = tiny_model(tie_embeddings=False)
+    assert untied.lm_head.weight is not untied.wte.weight
+    assert untied.lm_head.weight.data_ptr() != untied.wte.weight.data_ptr()
+    assert untied.num_parameters() == tied.num_parameters() + 37 * 32
+    assert_close(untied.lm_head.weight.std(), torch.tensor(0.02), "untied head init std",
+                 atol=3e-3, rtol=0)
+    # The head's own weight drives the logits: changing it leaves the embedding alone.
+    idx = torch.randint(37, (1, 8), generator=gen(1))
+    before = untied.wte.weight.clone()
+    logits, _ = untied(idx)
+    with torch.no_grad():
+        untied.lm_head.weight.mul_(2.0)
+    assert_close(untied(idx)[0], 2 * logits, "untied logits scale with the head")
+    assert torch.equal(untied.wte.weight, before)
+
+
+# ----------------------------------------------------------------------------- Transformer
+
+
+def test_matches_hf_gpt2():
+    import transformers
+
+    cfg = transformers.GPT2Config(
+        vocab_size=37, n_positions=16, n_embd=32, n_layer=2, n_head=4,
+        activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        layer_norm_epsilon=1e-5, bos_token_id=0, eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(cfg).eval()
+    model = tiny_model()
+    hft = hf.transformer
+    with torch.no_grad():
+        randomize_(hf, seed=3)  # non-trivial biases and gains too
+        model.wte.weight.copy_(hft.wte.weight)
+        model.wpe.weight.copy_(hft.wpe.weight)
+        for ours, theirs in zip(model.blocks, hft.h, strict=True):
+            # Hugging Face's Conv1D stores weights as (in, out): transpose them.
+            pairs = [(ours.ln1, theirs.ln_1), (ours.ln2, theirs.ln_2),
+                     (ours.attn.qkv, theirs.attn.c_attn), (ours.attn.proj, theirs.attn.c_proj),
+                     (ours.mlp.fc, theirs.mlp.c_fc), (ours.mlp.proj, theirs.mlp.c_proj)]
+            for a, b in pairs:
+                a.weight.copy_(b.weight if isinstance(a, nn.LayerNorm) else b.weight.T)
+                a.bias.copy_(b.bias)
+        model.ln_f.weight.copy_(hft.ln_f.weight)
+        model.ln_f.bias.copy_(hft.ln_f.bias)
+    assert hf.lm_head.weight is hft.wte.weight
+    idx = torch.randint(37, (2, 16), generator=gen(1))
+    targets = torch.cat([idx[:, 1:], torch.full((2, 1), -1)], dim=1)
+    logits, loss = model(idx, targets)
+    with torch.no_grad():
+        out = hf(idx, labels=idx)
+    assert_close(logits, out.logits, "Transformer vs HF GPT2LMHeadModel logits")
+    assert_close(loss, out.loss, "Transformer vs HF GPT2LMHeadModel loss")
+    # Left padding: HF's attention_mask (1 = keep) and explicit positions.
+    kpm = torch.zeros(2, 16, dtype=torch.bool)
+    kpm[0, :5] = True
+    pos = ((~kpm).cumsum(1) - 1).clamp(min=0)
+    logits, _ = model(idx, key_padding_mask=kpm)
+    with torch.no_grad():
+        out = hf(idx, attention_mask=(~kpm).long(), position_ids=pos)
+    assert_close(logits[~kpm], out.logits[~kpm], "Transformer vs HF GPT2 logits, left padded")
+
+
+def test_causality_later_tokens_do_not_change_earlier_logits():
+    model = tiny_model()
+    idx = torch.randint(37, (2, 16), generator=gen(1))
+    logits, _ = model(idx)
+    for t in (0, 6, 14):
+        changed = idx.clone()
+        changed[:, t + 1:] = torch.randint(37, (2, 15 - t), generator=gen(t))
+        logits2, _ = model(changed)
+        assert_close(logits2[:, : t + 1], logits[:, : t + 1], f"causality t={t}", atol=1e-6,
+                     rtol=1e-6)
+        assert not torch.allclose(logits2[:, t + 1:], logits[:, t + 1:])
+
+
+def test_forward_with_attention():
+    model = tiny_model(dropout=0.1)
+    idx = torch.randint(37, (2, 16), generator=gen(1))
+    logits, weights = model.forward_with_attention(idx)
+    assert_close(logits, model(idx)[0], "forward_with_attention logits vs forward")
+    assert len(weights) == 2 and weights[0].shape == (2, 4, 16, 16)
+    for w in weights:
+        assert_close(w.sum(-1), torch.ones(2, 4, 16), "attention rows sum to 1")
+        assert (w.triu(1) == 0).all()
+
+
+def test_initial_loss_near_uniform():
+    for opts in ({}, {"pos_emb": "rope", "norm": "rmsnorm", "qk_norm": True, "mlp": "relu2",
+                      "tie_embeddings": False}):
+        model = Transformer(65, 4, 4, 128, 64, **opts, generator=gen(0))
+        idx = torch.randint(65, (8, 64), generator=gen(1))
+        targets = torch.randint(65, (8, 64), generator=gen(2))
+        with torch.no_grad():
+            _, loss = model(idx, targets)
+        print(f"initial loss {opts}: {loss.item():.4f} vs ln(65) = {math.log(65):.4f}")
+        assert abs(loss.item() - math.log(65)) < 0.3
+
+
+def test_loss_ignores_minus_one_targets():
+    model = tiny_model()
+    idx = torch.randint(37, (2, 8), generator=gen(1))
+    targets = torch.randint(37, (2, 8), generator=gen(2))
+    targets[:, :3] = -1
+    logits, loss = model(idx, targets)
+    ref = F.cross_entropy(logits[:, 3:].reshape(-1, 37), targets[:, 3:].reshape(-1))
+    assert_close(loss, ref, "loss with ignored targets")
+
+
+def test_eval_is_deterministic_with_dropout():
+    model = tiny_model(dropout=0.3)
+    idx = torch.randint(37, (2, 16), generator=gen(1))
+    assert torch.equal(model(idx)[0], model(idx)[0])
+    model.train()
+    torch.manual_seed(0)
+    assert not torch.equal(model(idx)[0], model(idx)[0])
+
+
+def test_init_is_gpt2_style_and_seeded():
+    model = Transformer(65, 4, 4, 128, 64, generator=gen(0))
+    block = model.blocks[0]
+    assert_close(block.attn.qkv.weight.std(), torch.tensor(0.02), "qkv init std", atol=1e-3,
+                 rtol=0)
+    assert_close(block.mlp.proj.weight.std(), torch.tensor(0.02 / math.sqrt(8)),
+                 "residual proj init std", atol=5e-4, rtol=0)
+    assert (block.attn.qkv.bias == 0).all() and (block.ln1.weight == 1).all()
+    again = Transformer(65, 4, 4, 128, 64, generator=gen(0))
+    for a, b in zip(model.parameters(), again.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_num_parameters():
+    V, L, C, T = 37, 2, 32, 16
+    model = tiny_model()
+    per_block = 2 * C + (3 * C * C + 3 * C) + (C * C + C) + 2 * C + (4 * C * C + 4 * C) + (
+        4 * C * C + C)
+    assert model.num_parameters() == V * C + T * C + L * per_block + 2 * C
+    assert model.num_parameters(non_embedding=True) == V * C + L * per_block + 2 * C
+    untied = tiny_model(tie_embeddings=False, pos_emb="rope", bias=False)
+    assert untied.num_parameters(non_embedding=True) == untied.num_parameters() - V * C
+
+
+def test_from_config():
+    from llmcli.config import ModelConfig
+
+    cfg = ModelConfig(n_layer=2, n_head=2, n_embed=16, context_length=8, dropout=0.1, bias=False,
+                      pos_emb="rope", rope_base=500.0, norm="rmsnorm", qk_norm=True, mlp="relu2",
+                      tie_embeddings=False)
+    model = Transformer.from_config(cfg, vocab_size=11)
+    assert (model.vocab_size, model.n_layer, model.n_head, model.n_embed, model.context_length) \
+        == (11, 2, 2, 16, 8)
+    attn = model.blocks[0].attn
+    assert attn.rotary is not None and attn.qk_norm and attn.qkv.bias is None
+    assert model.blocks[0].mlp.activation == "relu2" and isinstance(model.ln_f, RMSNorm)
+    assert model.lm_head.weight is not model.wte.weight
+    assert_close(attn.rotary.cos[1, 1], torch.tensor(math.cos(500.0 ** (-2 / 8))), "rope_base")
+    logits, loss = model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))
+    assert logits.shape == (1, 8, 11) and torch.isfinite(loss)
+    default = Transformer.from_config(ModelConfig(), vocab_size=65)
+    assert default.wpe is not None and default.lm_head.weight is default.wte.weight
+
+
+# ----------------------------------------------------------------------------- KV cache
+
+MODEL_OPTIONS = {
+    "seed": {},
+    "all-options": {"pos_emb": "rope", "norm": "rmsnorm", "qk_norm": True, "mlp": "relu2",
+                    "tie_embeddings": False},
+}
+
+
+@pytest.mark.parametrize("opts", MODEL_OPTIONS.values(), ids=MODEL_OPTIONS.keys())
+def test_kv_cache_decode_and_chunked_prefill_equal_full_forward(opts):
+    model = tiny_model(**opts)
+    idx = torch.randint(37, (2, 16), generator=gen(1))
+    full, _ = model(idx)
+    tag = ",".join(opts) or "seed"
+    for chunks in ([1] * 16, [5, 4, 1, 6]):
+        cache = model.new_kv_cache(2)
+        outs, start = [], 0
+        for n in chunks:
+            logits, _ = model(idx[:, start:start + n], kv_cache=cache)
+            outs.append(logits)
+            start += n
+        assert cache.length == 16
+        assert_close(torch.cat(outs, dim=1), full, f"kv cache chunks {chunks[:4]} [{tag}]",
+                     atol=1e-5, rtol=1e-5)
+    # crop and recompute the tail
+    cache.crop(10)
+    logits, _ = model(idx[:, 10:], kv_cache=cache)
+    assert_close(logits, full[:, 10:], f"kv cache after crop [{tag}]")
+    cache.reset()
+    logits, _ = model(idx[:, :3], kv_cache=cache)
+    assert_close(logits, full[:, :3], f"kv cache after reset [{tag}]")
+
+
+@pytest.mark.parametrize("opts", MODEL_OPTIONS.values(), ids=MODEL_OPTIONS.keys())
+def test_kv_cache_left_padded_batch_equals_each_prompt_alone(opts):
+    model = tiny_model(**opts)
+    prompts = [torch.randint(37, (n,), generator=gen(n)) for n in (3, 7, 5)]
+    continuation = torch.randint(37, (3, 6), generator=gen(9))
+    width = max(len(p) for p in prompts)
+    idx = torch.zeros(3, width, dtype=torch.long)
+    kpm = torch.ones(3, width, dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        idx[i, width - len(p):] = p
+        kpm[i, width - len(p):] = False
+    tag = ",".join(opts) or "seed"
+    for explicit_positions in (False, True):
+        cache = model.new_kv_cache(3)
+        if explicit_positions:
+            pos = ((~kpm).cumsum(1) - 1).clamp(min=0)
+            prefill, _ = model(idx, key_padding_mask=kpm, position_ids=pos, kv_cache=cache)
+        else:
+            prefill, _ = model(idx, key_padding_mask=kpm, kv_cache=cache)
+        steps = []
+        for t in range(continuation.shape[1]):
+            pos = None
+            if explicit_positions:
+                pos = torch.tensor([[len(p) + t] for p in prompts])
+            logits, _ = model(continuation[:, t:t + 1], position_ids=pos, kv_cache=cache)
+            steps.append(logits)
+        steps = torch.cat(steps, dim=1)  # (3, 6, V)
+        for i, p in enumerate(prompts):
+            alone, _ = model(torch.cat([p, continuation[i]])[None])
+            name = f"left-padded cached vs alone, prompt {i} [{tag}, pos={explicit_positions}]"
+            assert_close(torch.cat([prefill[i, width - len(p):], steps[i]]), alone[0], name)
+    # And equals the full padded forward without cache.
+    full, _ = model(torch.cat([idx, continuation], 1),
+                    key_padding_mask=torch.cat([kpm, torch.zeros(3, 6, dtype=torch.bool)], 1))
+    real = torch.cat([~kpm, torch.ones(3, 6, dtype=torch.bool)], 1)
+    cached = torch.cat([prefill, steps], dim=1)
+    assert_close(cached[real], full[real], f"cached vs full padded forward [{tag}]")
+
+
+def test_padded_batch_gradients_equal_separate_sequences():
+    model = tiny_model(dropout=0.0).train()
+    seqs = [torch.randint(37, (n,), generator=gen(n)) for n in (5, 9)]
+    idx = torch.zeros(2, 9, dtype=torch.long)
+    kpm = torch.ones(2, 9, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        idx[i, 9 - len(s):] = s
+        kpm[i, 9 - len(s):] = False
+    targets = torch.where(kpm, -1, torch.roll(idx, -1, dims=1))
+    targets[:, -1] = -1
+    model.zero_grad()
+    logits, _ = model(idx, key_padding_mask=kpm)
+    F.cross_entropy(logits.reshape(-1, 37), targets.reshape(-1), ignore_index=-1,
+                    reduction="sum").backward()
+    padded_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    for s in seqs:
+        logits, _ = model(s[None])
+        F.cross_entropy(logits[0, :-1], s[1:], reduction="sum").backward()
+    for i, (a, p) in enumerate(zip(padded_grads, model.parameters(), strict=True)):
+        assert_close(a, p.grad, f"padded batch grad vs separate, param {i}", atol=1e-5,
+                     rtol=1e-4)
+
+
+def test_kv_cache_errors():
+    model = tiny_model()
+    with pytest.raises(InputError, match="max_len"):
+        model.new_kv_cache(1, max_len=17)
+    cache = model.new_kv_cache(1, max_len=8)
+    model(torch.zeros(1, 6, dtype=torch.long), kv_cache=cache)
+    with pytest.raises(InputError, match="max_len = 8"):
+        model(torch.zeros(1, 3, dtype=torch.long), kv_cache=cache)
+    with pytest.raises(InputError, match="batch size"):
+        model(torch.zeros(2, 1, dtype=torch.long), kv_cache=cache)
+    assert cache.length == 6  # failed calls left the cache as it was
+    assert isinstance(cache, KVCache) and cache.k.shape == (2, 1, 4, 8, 8)
+
+
+def test_mha_standalone_kv_cache():
+    mha = randomize_(MultiHeadAttention(4, 32, 8, rope=True)).eval()
+    x = torch.randn(2, 8, 32, generator=gen(1))
+    cache = KVCache(1, 2, 4, 8, 8)
+    parts = [mha(x[:, :3], kv_cache=cache), mha(x[:, 3:4], kv_cache=cache),
+             mha(x[:, 4:], kv_cache=cache)]
+    assert_close(torch.cat(parts, 1), mha(x), "standalone mha kv cache")
+    cache.reset()
+    y, w = mha(x[:, :5], return_weights=True, kv_cache=cache)
+    y2, w2 = mha(x[:, 5:], return_weights=True, kv_cache=cache)
+    assert w2.shape == (2, 4, 3, 8)
+    assert_close(w2, mha(x, return_weights=True)[1][:, :, 5:], "cached explicit weights")
