@@ -1,0 +1,343 @@
+"""Tokenizers: characters or byte-level BPE, behind one interface, each saved as one JSON file.
+
+Three kinds share the `Tokenizer` protocol:
+
+- `CharTokenizer`: one token per character of the training text (the seed's tokenizer), plus
+  `"\\n"`, which joins documents and starts an empty prompt. Its `tokenizer.json` is our own small
+  format, `{"kind": "llmcli-char", "version": 1, "chars": [...]}`.
+- `BPETokenizer`: byte-level BPE trained with Hugging Face `tokenizers` (GPT-2's pre-tokenizer
+  regex and byte alphabet) with one special token, `<|endoftext|>`, which joins documents. Any
+  Unicode string round-trips exactly. Its `tokenizer.json` is the Hugging Face format, so other
+  tools read it, and the same class wraps any existing Hugging Face `tokenizer.json`
+  (`data.tokenizer: path/to/tokenizer.json`), used as is.
+
+`load_tokenizer(path)` tells the kinds apart by the file's content, so a run directory's
+`tokenizer.json` is enough to encode and decode.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from llmcli.errors import InputError
+
+if TYPE_CHECKING:
+    from llmcli.config import DataConfig
+
+log = logging.getLogger(__name__)
+
+EOT = "<|endoftext|>"
+CHAR_KIND = "llmcli-char"
+# 256 byte tokens + <|endoftext|>: the smallest byte-level BPE vocabulary (no merges at all).
+MIN_BPE_VOCAB = 257
+# End-of-text spellings of common Hugging Face tokenizers, tried in order for a foreign file.
+_EOT_CANDIDATES = (EOT, "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
+_MAX_LISTED = 20  # unknown characters named in an error message before "and N more"
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What every tokenizer offers. `eot_id` is None when there is no end-of-text token."""
+
+    vocab_size: int
+    eot_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+
+    def save(self, path: str | os.PathLike) -> None: ...
+
+    def to_json(self) -> str: ...
+
+
+def _write_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write `text` to a temporary file beside `path`, then rename it into place."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _list_chars(chars: Iterable[str]) -> str:
+    chars = sorted(set(chars))
+    shown = ", ".join(repr(c) for c in chars[:_MAX_LISTED])
+    more = f" and {len(chars) - _MAX_LISTED} more" if len(chars) > _MAX_LISTED else ""
+    return shown + more
+
+
+class CharTokenizer:
+    """One token per character; ids are the characters' ranks in sorted order (as the seed).
+
+    Args:
+        chars: the vocabulary, any order; it is sorted and deduplicated.
+    """
+
+    eot_id: int | None = None
+
+    def __init__(self, chars: Iterable[str]) -> None:
+        self.chars: list[str] = sorted(set(chars))
+        if not self.chars or any(len(c) != 1 for c in self.chars):
+            raise InputError("a char tokenizer needs a non-empty list of single characters.")
+        self.vocab_size = len(self.chars)
+        self.stoi = {c: i for i, c in enumerate(self.chars)}
+        # Sorted code points, for a vectorised encode by binary search (see encode_array).
+        self._codepoints = np.array([ord(c) for c in self.chars], dtype=np.uint32)
+
+    @classmethod
+    def train(cls, texts: Iterable[str]) -> CharTokenizer:
+        """The characters of `texts`, plus "\\n" (the document separator and empty prompt)."""
+        chars = {"\n"}
+        for text in texts:
+            chars.update(text)
+        return cls(chars)
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """Encode to a `(len(text),)` int64 array; fast (vectorised) for long texts.
+
+        Raises:
+            InputError: `text` holds characters outside the vocabulary; the message names them.
+        """
+        # "surrogatepass" keeps lone surrogates (which no vocabulary holds) reportable.
+        points = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+        ids = np.searchsorted(self._codepoints, points)
+        np.minimum(ids, self.vocab_size - 1, out=ids)
+        unknown = self._codepoints[ids] != points
+        if unknown.any():
+            bad = {chr(p) for p in np.unique(points[unknown])}
+            raise InputError(
+                f"the text holds {len(bad)} character(s) that the char tokenizer's vocabulary "
+                f"lacks: {_list_chars(bad)}. Remove them, or train on a corpus that has them."
+            )
+        return ids.astype(np.int64, copy=False)
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_array(text).tolist()
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        ids = [int(i) for i in ids]
+        bad = sorted({i for i in ids if not 0 <= i < self.vocab_size})
+        if bad:
+            raise InputError(
+                f"token ids {bad[:_MAX_LISTED]} are outside the char vocabulary "
+                f"(0..{self.vocab_size - 1})."
+            )
+        return "".join([self.chars[i] for i in ids])
+
+    def to_json(self) -> str:
+        return json.dumps({"kind": CHAR_KIND, "version": 1, "chars": self.chars})
+
+    def save(self, path: str | os.PathLike) -> None:
+        _write_atomic(path, self.to_json())
+
+    def __repr__(self) -> str:
+        return f"CharTokenizer(vocab_size={self.vocab_size})"
+
+
+class BPETokenizer:
+    """A Hugging Face `tokenizers.Tokenizer`: our byte-level BPE, or any `tokenizer.json`.
+
+    Encoding never adds special tokens (no BOS/EOS post-processing); decoding keeps them, so
+    `<|endoftext|>` written in a text comes back as written.
+
+    Args:
+        hf: the `tokenizers.Tokenizer` to wrap.
+    """
+
+    def __init__(self, hf: Any) -> None:
+        self.hf = hf
+        self.vocab_size: int = hf.get_vocab_size(with_added_tokens=True)
+        self.eot_id: int | None = next(
+            (i for i in map(hf.token_to_id, _EOT_CANDIDATES) if i is not None), None
+        )
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int) -> BPETokenizer:
+        """Train byte-level BPE (GPT-2 style) with `<|endoftext|>` to `vocab_size` tokens.
+
+        A small corpus may end with fewer tokens than asked (no pair left to merge).
+
+        Raises:
+            InputError: `vocab_size` is below 257 (256 bytes + `<|endoftext|>`).
+        """
+        if vocab_size < MIN_BPE_VOCAB:
+            raise InputError(
+                f"data.vocab_size ({vocab_size}) is too small for byte-level BPE: it needs at "
+                f"least {MIN_BPE_VOCAB} (256 byte tokens + {EOT}); use e.g. 1024, or "
+                "data.tokenizer=char."
+            )
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models, pre_tokenizers, trainers
+
+        hf = HFTokenizer(models.BPE())
+        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        hf.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=[EOT],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        hf.train_from_iterator(_lines_in_batches(texts), trainer)
+        tok = cls(hf)
+        if tok.vocab_size < vocab_size:
+            log.warning("BPE stopped at %d tokens (asked %d): the corpus has no more pairs "
+                        "to merge.", tok.vocab_size, vocab_size)
+        return tok
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "tokenizer.json") -> BPETokenizer:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        try:
+            return cls(HFTokenizer.from_str(text))
+        except Exception as exc:  # tokenizers raises plain Exception for a malformed file
+            raise InputError(
+                f"{source} is not a valid Hugging Face tokenizer.json ({exc})."
+            ) from None
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Encode many texts in parallel (Rust threads); same ids as `encode` on each."""
+        return [e.ids for e in self.hf.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        ids = [int(i) for i in ids]
+        bad = sorted({i for i in ids if not 0 <= i < self.vocab_size})
+        if bad:
+            raise InputError(
+                f"token ids {bad[:_MAX_LISTED]} are outside the vocabulary "
+                f"(0..{self.vocab_size - 1})."
+            )
+        return self.hf.decode(ids, skip_special_tokens=False)
+
+    def to_json(self) -> str:
+        return self.hf.to_str()
+
+    def save(self, path: str | os.PathLike) -> None:
+        _write_atomic(path, self.to_json())
+
+    def __repr__(self) -> str:
+        return f"BPETokenizer(vocab_size={self.vocab_size}, eot_id={self.eot_id})"
+
+
+# Any Hugging Face tokenizer.json is wrapped by the same class as our own BPE.
+HFTokenizer = BPETokenizer
+
+
+def _lines_in_batches(texts: Iterable[str], lines_per_batch: int = 1000) -> Iterator[list[str]]:
+    """Feed BPE training in batches of lines, so that `tokenizers` spreads it over threads."""
+    batch: list[str] = []
+    for text in texts:
+        for line in text.splitlines(keepends=True):
+            batch.append(line)
+            if len(batch) == lines_per_batch:
+                yield batch
+                batch = []
+    if batch:
+        yield batch
+
+
+def tokenizer_from_json(text: str, source: str = "tokenizer.json") -> Tokenizer:
+    """Rebuild a tokenizer from the text of a `tokenizer.json` (ours or Hugging Face's)."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(
+            f"{source} is not JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})."
+        ) from None
+    if not isinstance(data, dict):
+        raise InputError(f"{source} is not a tokenizer: it holds a JSON {type(data).__name__}.")
+    if data.get("kind") == CHAR_KIND:
+        chars = data.get("chars")
+        if not isinstance(chars, list) or not all(isinstance(c, str) for c in chars):
+            raise InputError(f"{source}: a char tokenizer needs 'chars', a list of strings.")
+        return CharTokenizer(chars)
+    if "model" not in data:
+        raise InputError(
+            f"{source} is neither an llmcli char tokenizer (kind {CHAR_KIND!r}) nor a Hugging "
+            "Face tokenizer.json (no 'model' key)."
+        )
+    return BPETokenizer.from_json(text, source)
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """Restore a tokenizer, exactly as saved, from one `tokenizer.json`.
+
+    Raises:
+        InputError: the file is missing, unreadable or not a tokenizer.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(
+            f"tokenizer file {str(p)!r} does not exist"
+            + (" (it is a folder)" if p.is_dir() else "") + ": check the path."
+        )
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(
+            f"tokenizer file {str(p)!r} is not UTF-8 JSON (bad byte at offset {exc.start})."
+        ) from None
+    return tokenizer_from_json(text, repr(str(p)))
+
+
+def train_tokenizer(data_cfg: DataConfig, texts: Iterable[str] | str) -> Tokenizer:
+    """Build the tokenizer that `data_cfg.tokenizer` names.
+
+    Args:
+        data_cfg: uses `tokenizer` ("char", "bpe" or a path to a tokenizer.json) and
+            `vocab_size` (bpe).
+        texts: the training text, one string or an iterable of documents (consumed once;
+            ignored for a tokenizer.json path, which is loaded as is).
+
+    Raises:
+        InputError: `vocab_size` too small for BPE, or a tokenizer path that is not one.
+    """
+    if isinstance(texts, str):
+        texts = [texts]
+    kind = data_cfg.tokenizer
+    if kind == "char":
+        return CharTokenizer.train(texts)
+    if kind == "bpe":
+        return BPETokenizer.train(texts, data_cfg.vocab_size)
+    if not Path(kind).is_file():
+        raise InputError(
+            f"data.tokenizer ({kind!r}) must be 'char', 'bpe' or the path of an existing "
+            "tokenizer.json; no such file."
+        )
+    return load_tokenizer(kind)
+
+
+def start_ids(tok: Tokenizer) -> list[int]:
+    """The ids an empty prompt starts from: `[eot_id]` when there is one, else `encode("\\n")`."""
+    if tok.eot_id is not None:
+        return [tok.eot_id]
+    ids = tok.encode("\n")
+    if not ids:
+        raise InputError(
+            "this tokenizer has no end-of-text token and encodes '\\n' to nothing: "
+            "give a non-empty prompt."
+        )
+    return ids

@@ -1,0 +1,238 @@
+"""Tokenizers: char (against the seed's formula) and byte-level BPE (against a pure-Python
+GPT-2 BPE encoder written from OpenAI's `encoder.py` algorithm), save/load, errors."""
+
+import json
+from pathlib import Path
+
+import pytest
+import regex
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmcli.config import DataConfig
+from llmcli.errors import InputError
+from llmcli.tokenizer import (
+    EOT,
+    BPETokenizer,
+    CharTokenizer,
+    Tokenizer,
+    load_tokenizer,
+    start_ids,
+    train_tokenizer,
+)
+
+CORPUS = Path(__file__).resolve().parents[1] / "data" / "shakespeare.txt"
+TRICKY = [
+    "",
+    " ",
+    "\n\n\n",
+    "  leading and trailing  \n",
+    "héllo wörld, ça va? 🎉🎉 日本語のテキスト",
+    "tabs\tand\r\nwindows\rlines",
+    "\x00\x01\x7f\u200b\ufeff",
+    "e\u0301 (combining accent), 👩‍👩‍👧 (ZWJ family)",
+    f"one document{EOT}another{EOT}{EOT}",
+    "<|endoftext",
+    "it's they're we've I'm you'll he'd 1234567 3.14",
+]
+
+
+@pytest.fixture(scope="module")
+def text() -> str:
+    return CORPUS.read_text(encoding="utf-8")[:300_000]
+
+
+@pytest.fixture(scope="module")
+def bpe(text: str) -> BPETokenizer:
+    return BPETokenizer.train([text], vocab_size=600)
+
+
+# --- char ---------------------------------------------------------------------------------
+
+
+def test_char_matches_the_seed_formula(text: str) -> None:
+    tok = train_tokenizer(DataConfig(tokenizer="char"), text)
+    chars = sorted(set(text) | {"\n"})  # the seed: sorted(list(set(text)))
+    stoi = {c: i for i, c in enumerate(chars)}
+    sample = text[1000:3000]
+    assert isinstance(tok, CharTokenizer) and isinstance(tok, Tokenizer)
+    assert tok.vocab_size == len(chars)
+    assert tok.eot_id is None
+    assert tok.encode(sample) == [stoi[c] for c in sample]
+    assert tok.decode(tok.encode(sample)) == sample
+    assert tok.encode_batch([sample, "", "a"]) == [tok.encode(sample), [], [stoi["a"]]]
+    assert start_ids(tok) == [stoi["\n"]]
+
+
+def test_char_trains_on_documents_and_adds_newline() -> None:
+    tok = train_tokenizer(DataConfig(tokenizer="char"), iter(["ba", "ca"]))
+    assert tok.chars == ["\n", "a", "b", "c"]
+
+
+def test_char_unknown_characters_are_named_sorted_once() -> None:
+    tok = CharTokenizer.train(["hello world"])
+    with pytest.raises(InputError) as err:
+        tok.encode("hello ☃ wörld é ☃ ZZ")
+    msg = str(err.value)
+    assert "'Z', 'é', 'ö', '☃'" in msg
+    assert msg.count("'☃'") == 1 and "4 character" in msg
+
+
+def test_char_save_load_restores_exactly(tmp_path: Path, text: str) -> None:
+    tok = CharTokenizer.train([text + "é\u2028"])
+    tok.save(tmp_path / "tokenizer.json")
+    data = json.loads((tmp_path / "tokenizer.json").read_text(encoding="utf-8"))
+    assert data["kind"] == "llmcli-char"
+    back = load_tokenizer(tmp_path / "tokenizer.json")
+    assert isinstance(back, CharTokenizer)
+    assert back.to_json() == tok.to_json() and back.chars == tok.chars
+    assert back.encode(text[:500] + "é\u2028") == tok.encode(text[:500] + "é\u2028")
+    assert [p.name for p in tmp_path.iterdir()] == ["tokenizer.json"]  # no temp file left
+
+
+def test_char_decode_rejects_unknown_ids() -> None:
+    tok = CharTokenizer.train(["ab"])
+    with pytest.raises(InputError, match=r"\[3, -1\]|\[-1, 3\]"):
+        tok.decode([0, 3, -1])
+
+
+# --- BPE ----------------------------------------------------------------------------------
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (OpenAI encoder.py)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1)
+    )
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs), strict=True))
+
+
+GPT2_PATTERN = regex.compile(
+    r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+)
+
+
+def reference_bpe_encode(tokenizer_json: str, text: str) -> list[int]:
+    """GPT-2 byte-level BPE, as OpenAI's encoder.py does it, from a tokenizer.json's vocab and
+    merges; `<|endoftext|>` is split out first as a special token."""
+    model = json.loads(tokenizer_json)["model"]
+    vocab = model["vocab"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    ranks = {pair: i for i, pair in enumerate(merges)}
+    byte_map = _bytes_to_unicode()
+    ids: list[int] = []
+    for k, part in enumerate(text.split(EOT)):
+        if k:
+            ids.append(vocab[EOT])
+        for word in GPT2_PATTERN.findall(part):
+            symbols = [byte_map[b] for b in word.encode("utf-8")]
+            while len(symbols) > 1:
+                rank, i = min((ranks.get(p, float("inf")), i)
+                              for i, p in enumerate(zip(symbols, symbols[1:], strict=False)))
+                if rank == float("inf"):
+                    break
+                first, second = symbols[i], symbols[i + 1]
+                merged, j = [], 0
+                while j < len(symbols):
+                    if j + 1 < len(symbols) and (symbols[j], symbols[j + 1]) == (first, second):
+                        merged.append(first + second)
+                        j += 2
+                    else:
+                        merged.append(symbols[j])
+                        j += 1
+                symbols = merged
+            ids.extend(vocab[s] for s in symbols)
+    return ids
+
+
+def test_bpe_trains_to_vocab_size_with_eot(bpe: BPETokenizer) -> None:
+    assert bpe.vocab_size == 600
+    assert bpe.eot_id == bpe.hf.token_to_id(EOT) is not None
+    assert start_ids(bpe) == [bpe.eot_id]
+    assert isinstance(bpe, Tokenizer)
+
+
+def test_bpe_matches_reference_gpt2_encoder(bpe: BPETokenizer, text: str) -> None:
+    sample = text[50_000:58_000]
+    for s in [sample, *TRICKY]:
+        assert bpe.encode(s) == reference_bpe_encode(bpe.to_json(), s), repr(s[:40])
+    assert len(bpe.encode(sample)) < len(sample.encode("utf-8")) / 2  # merges do compress
+
+
+def test_bpe_batch_equals_single(bpe: BPETokenizer, text: str) -> None:
+    texts = [text[i : i + 700] for i in range(0, 7000, 700)] + TRICKY
+    assert bpe.encode_batch(texts) == [bpe.encode(t) for t in texts]
+
+
+@pytest.mark.parametrize("s", TRICKY)
+def test_bpe_round_trips_tricky_strings(bpe: BPETokenizer, s: str) -> None:
+    assert bpe.decode(bpe.encode(s)) == s
+
+
+@settings(max_examples=300, deadline=None)
+@given(s=st.text())
+def test_bpe_round_trips_any_unicode(bpe: BPETokenizer, s: str) -> None:
+    assert bpe.decode(bpe.encode(s)) == s
+
+
+@settings(max_examples=100, deadline=None)
+@given(parts=st.lists(st.text(max_size=20), max_size=5))
+def test_bpe_round_trips_text_containing_the_eot_token(bpe: BPETokenizer, parts: list) -> None:
+    s = EOT.join(parts)
+    assert bpe.decode(bpe.encode(s)) == s
+
+
+def test_bpe_save_load_restores_exactly(tmp_path: Path, bpe: BPETokenizer, text: str) -> None:
+    bpe.save(tmp_path / "tokenizer.json")
+    back = load_tokenizer(tmp_path / "tokenizer.json")
+    assert isinstance(back, BPETokenizer)
+    assert back.to_json() == bpe.to_json()
+    assert (back.vocab_size, back.eot_id) == (bpe.vocab_size, bpe.eot_id)
+    assert back.encode(text[:3000]) == bpe.encode(text[:3000])
+
+
+def test_tokenizer_json_path_is_used_as_is(tmp_path: Path, bpe: BPETokenizer) -> None:
+    path = tmp_path / "tok.json"
+    bpe.save(path)
+    tok = train_tokenizer(DataConfig(tokenizer=str(path), vocab_size=5000), "ignored text")
+    assert tok.to_json() == bpe.to_json()
+
+
+def test_bpe_vocab_size_too_small() -> None:
+    with pytest.raises(InputError, match=r"data.vocab_size \(100\).*at least 257"):
+        train_tokenizer(DataConfig(tokenizer="bpe", vocab_size=100), "some text")
+
+
+def test_bpe_decode_rejects_unknown_ids(bpe: BPETokenizer) -> None:
+    with pytest.raises(InputError, match="outside the vocabulary"):
+        bpe.decode([1, 600])
+
+
+# --- loading errors -----------------------------------------------------------------------
+
+
+def test_load_errors_name_the_file(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="does not exist"):
+        load_tokenizer(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json", encoding="utf-8")
+    with pytest.raises(InputError, match="bad.json.*not JSON"):
+        load_tokenizer(bad)
+    bad.write_text("[1, 2]", encoding="utf-8")
+    with pytest.raises(InputError, match="JSON list"):
+        load_tokenizer(bad)
+    bad.write_text('{"hello": 1}', encoding="utf-8")
+    with pytest.raises(InputError, match="neither"):
+        load_tokenizer(bad)
+    bad.write_text('{"model": {"type": "nonsense"}}', encoding="utf-8")
+    with pytest.raises(InputError, match="not a valid Hugging Face tokenizer.json"):
+        load_tokenizer(bad)
+    with pytest.raises(InputError, match="must be 'char', 'bpe' or the path"):
+        train_tokenizer(DataConfig(tokenizer=str(tmp_path / "nope.json")), "x")
