@@ -1,0 +1,652 @@
+"""From text sources to batches of token windows, through a memory-mapped token cache.
+
+`prepare_data` reads the configured text (`data.path`: a file, a folder of `.txt` files or a
+glob; or `data.dataset`: a Hugging Face `datasets` source), trains the tokenizer unless one is
+given, and tokenizes the text once into a binary token file (uint16 when the vocabulary fits,
+else uint32) under a cache folder. The file is keyed by a hash of the source content and of the
+tokenizer, so an unchanged corpus is not tokenized again and a changed one is. Training reads the
+file through `np.memmap`, and `BatchSampler` draws `(x, y)` windows from it with its own
+`torch.Generator`, so memory does not grow with the corpus.
+
+Cache folder: the `cache_dir` argument, else `data.cache_dir`, else `$LLMCLI_CACHE`, else
+`$XDG_CACHE_HOME/llmcli`, else `~/.cache/llmcli`. It holds `tokens/<key>.bin` (+ `.json`
+metadata), `tokenizers/<key>.json` (trained tokenizers, so that a rerun does not train again) and
+`datasets/` (the `datasets` library's cache for local files). Deleting it is always safe.
+
+Documents (files of a folder or glob, rows of a dataset) are joined with the end-of-text token
+(BPE) or a newline (char). Long documents are cut into pieces at line boundaries
+(`<non-space>\\n<non-space>`) and encoded in parallel batches; for our char and byte-level BPE
+tokenizers this gives exactly the tokens of encoding the whole text at once. (A foreign
+tokenizer.json whose normalizer or pre-tokenizer treats the start of a text specially, e.g. one
+that prepends "▁", may encode a piece's first word differently.)
+"""
+
+from __future__ import annotations
+
+import codecs
+import glob
+import hashlib
+import json
+import logging
+import mmap
+import os
+import re
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from llmcli.errors import InputError
+from llmcli.tokenizer import CharTokenizer, Tokenizer, load_tokenizer, train_tokenizer
+
+if TYPE_CHECKING:
+    from llmcli.config import DataConfig
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = "llmcli-tokens-v1"  # part of every cache key: bump it when the format changes
+READ_BLOCK_BYTES = 16 << 20  # bytes read from a file at a time
+PIECE_CHARS = 4096  # characters handed to one encode call (small pieces balance the threads)
+BATCH_CHARS = 4 << 20  # characters per encode_batch call
+PROGRESS_MIN = 16 << 20  # show a progress bar from this many bytes (or 100k dataset rows)
+_GLOB_CHARS = re.compile(r"[*?\[]")
+# Safe cuts for encoding a text in pieces: after a newline between two non-space characters,
+# else before a space between two non-space characters. GPT-2's pre-tokenizer regex never joins
+# text across either point, so the tokens are the same as for the whole text.
+_LINE_CUT = re.compile(r"\S\n(?=\S)")
+_SPACE_CUT = re.compile(r"\S(?= \S)")
+_DATASET_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+_SAVE_TO_DISK_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+
+
+Progress = Callable[[int], None]
+
+
+def default_cache_dir() -> Path:
+    """`$LLMCLI_CACHE`, else `$XDG_CACHE_HOME/llmcli`, else `~/.cache/llmcli`."""
+    if os.environ.get("LLMCLI_CACHE"):
+        return Path(os.environ["LLMCLI_CACHE"])
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "llmcli"
+
+
+# --- Sources: where the text comes from ------------------------------------------------------
+
+
+class FileSource:
+    """Text files read as UTF-8, one document per file, in the given order.
+
+    Args:
+        files: the files (already resolved and sorted).
+        label: how messages name the source, e.g. "data.path 'corpus/'".
+    """
+
+    def __init__(self, files: list[Path], label: str) -> None:
+        self.files = files
+        self.label = label
+
+    def size(self) -> int:
+        """Total bytes (the progress bar's unit)."""
+        return sum(f.stat().st_size for f in self.files)
+
+    def content_hash(self) -> str:
+        h = hashlib.sha256(b"files\0")
+        total = 0
+        for path in self.files:
+            fh = hashlib.sha256()
+            with open(path, "rb") as f:
+                while block := f.read(READ_BLOCK_BYTES):
+                    fh.update(block)
+                    total += len(block)
+            h.update(fh.digest())
+        if total == 0:
+            raise InputError(
+                f"{self.label}: the corpus is empty ({len(self.files)} file(s), 0 bytes): "
+                "point it at a file with text in it."
+            )
+        return h.hexdigest()
+
+    def documents(self, progress: Progress = lambda n: None) -> Iterator[Iterator[str]]:
+        """Each file as an iterator of decoded text blocks; `progress` gets bytes read."""
+        for path in self.files:
+            yield _read_utf8_blocks(path, progress)
+
+
+class DatasetSource:
+    """One text column of a Hugging Face `datasets.Dataset`, one document per row.
+
+    Args:
+        dataset: the `datasets.Dataset`.
+        column: the text column (checked to exist and hold strings).
+        label: how messages name the source.
+    """
+
+    def __init__(self, dataset: Any, column: str, label: str) -> None:
+        if column not in dataset.column_names:
+            raise InputError(
+                f"{label}: data.text_column ({column!r}) is not a column of the dataset; its "
+                f"columns are: {', '.join(dataset.column_names)}. Set data.text_column to one "
+                "of them."
+            )
+        dtype = getattr(dataset.features[column], "dtype", None)
+        if dtype not in ("string", "large_string"):
+            raise InputError(
+                f"{label}: column {column!r} holds {dtype or dataset.features[column]}, not "
+                "text; set data.text_column to a string column."
+            )
+        self.dataset = dataset.select_columns([column])
+        self.column = column
+        self.label = label
+
+    def size(self) -> int:
+        """Number of rows (the progress bar's unit)."""
+        return self.dataset.num_rows
+
+    def _texts(self) -> Iterator[list[str]]:
+        for batch in self.dataset.iter(batch_size=1000):
+            yield [t or "" for t in batch[self.column]]
+
+    def content_hash(self) -> str:
+        h = hashlib.sha256(b"dataset\0")
+        total = 0
+        for texts in self._texts():
+            for text in texts:
+                data = text.encode("utf-8", "surrogatepass")
+                h.update(len(data).to_bytes(8, "little"))
+                h.update(data)
+                total += len(data)
+        if total == 0:
+            raise InputError(
+                f"{self.label}: the corpus is empty ({self.dataset.num_rows} rows, no text in "
+                f"column {self.column!r})."
+            )
+        return h.hexdigest()
+
+    def documents(self, progress: Progress = lambda n: None) -> Iterator[Iterator[str]]:
+        """Each row as a one-block iterator; `progress` gets rows read."""
+        for texts in self._texts():
+            for text in texts:
+                yield iter((text,))
+            progress(len(texts))
+
+
+Source = FileSource | DatasetSource
+
+
+def _read_utf8_blocks(path: Path, progress: Callable[[int], None]) -> Iterator[str]:
+    """Decode a file as strict UTF-8 block by block, naming the file and byte offset on error."""
+    decoder = codecs.getincrementaldecoder("utf-8")("strict")
+    offset = 0  # bytes given to the decoder so far
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(READ_BLOCK_BYTES)
+            held = len(decoder.getstate()[0])  # bytes of a split character held from before
+            try:
+                text = decoder.decode(block, final=not block)
+            except UnicodeDecodeError as exc:
+                # exc.object is the held bytes followed by this block.
+                at = offset - held + exc.start
+                f.seek(at)
+                bad = f.read(4)
+                raise InputError(
+                    f"{str(path)!r} is not UTF-8 text: the bytes at offset {at} "
+                    f"({bad.hex(' ')}...) do not decode "
+                    f"({exc.reason}). "
+                    "Convert the file to UTF-8, e.g. `iconv -f latin1 -t utf-8`."
+                ) from None
+            progress(len(block))
+            offset += len(block)
+            if text:
+                yield text
+            if not block:
+                return
+
+
+def _resolve_files(spec: str, key: str) -> list[Path]:
+    """A file, a folder (every `.txt` below it) or a glob, as a sorted list of files."""
+    p = Path(spec).expanduser()
+    if _GLOB_CHARS.search(spec) and not p.exists():
+        files = sorted(Path(f) for f in glob.glob(str(p), recursive=True) if Path(f).is_file())
+        if not files:
+            raise InputError(f"{key} ({spec!r}) is a glob that matches no files: check it.")
+        return files
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*.txt") if f.is_file())
+        if not files:
+            raise InputError(
+                f"{key} ({spec!r}) is a folder with no .txt files below it: put the text in "
+                ".txt files, or give a file or a glob."
+            )
+        return files
+    if not p.is_file():
+        raise InputError(
+            f"{key} ({spec!r}) does not exist (relative paths start from {os.getcwd()!r}): "
+            "give a text file, a folder of .txt files or a glob."
+        )
+    return [p]
+
+
+def _load_dataset(spec: str, split: str, key: str, cache_dir: Path) -> Any:
+    """A `datasets.Dataset` from a save_to_disk folder, local json/jsonl/csv/parquet files
+    (a file, a folder or a glob) or a hub name (network)."""
+    import datasets  # slow to import, and not needed for plain text: import here
+
+    p = Path(spec).expanduser()
+    label = f"{key} ({spec!r})"
+    errors = (FileNotFoundError, ConnectionError, ValueError,
+              datasets.exceptions.DatasetGenerationError)
+    builder = _DATASET_FILE_BUILDERS.get(p.suffix.lower())
+    try:
+        if p.is_dir() and any((p / m).exists() for m in _SAVE_TO_DISK_MARKERS):
+            loaded = datasets.load_from_disk(str(p))
+        elif builder and (p.is_file() or _GLOB_CHARS.search(spec)):
+            files = [str(f) for f in _resolve_files(spec, key)]
+            loaded = datasets.load_dataset(builder, data_files=files,
+                                           cache_dir=str(cache_dir / "datasets"))
+        elif p.exists():
+            loaded = datasets.load_dataset(str(p), cache_dir=str(cache_dir / "datasets"))
+        else:  # a hub name
+            loaded = datasets.load_dataset(spec, cache_dir=str(cache_dir / "datasets"))
+    except errors as exc:
+        raise InputError(f"cannot load {label}: {exc}") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise InputError(
+                f"{label} has no split {split!r}; its splits are: {', '.join(loaded)}. Set "
+                "data.split (or data.val_split) to one of them."
+            )
+        loaded = loaded[split]
+    return loaded
+
+
+def _sources(data_cfg: DataConfig, cache_dir: Path) -> tuple[Source, Source | None]:
+    """The training source and the separate validation source (None: split off the tail)."""
+    if data_cfg.path is not None:
+        if data_cfg.val_split is not None:
+            raise InputError(
+                f"data.val_split ({data_cfg.val_split!r}) applies to data.dataset only; with "
+                "data.path give a separate validation file as data.val_path."
+            )
+        train = FileSource(_resolve_files(data_cfg.path, "data.path"),
+                           f"data.path ({data_cfg.path!r})")
+        val = None
+        if data_cfg.val_path is not None:
+            val = FileSource(_resolve_files(data_cfg.val_path, "data.val_path"),
+                             f"data.val_path ({data_cfg.val_path!r})")
+        return train, val
+    if data_cfg.dataset is None:
+        raise InputError("data: give data.path or data.dataset; both are empty.")
+    ds = _load_dataset(data_cfg.dataset, data_cfg.split, "data.dataset", cache_dir)
+    train = DatasetSource(ds, data_cfg.text_column,
+                          f"data.dataset ({data_cfg.dataset!r}, split {data_cfg.split!r})")
+    if data_cfg.val_path is None and data_cfg.val_split is None:
+        return train, None
+    # The validation text is split `val_split` (default: data.split) of `val_path` (default:
+    # the training dataset).
+    spec = data_cfg.val_path or data_cfg.dataset
+    split = data_cfg.val_split or data_cfg.split
+    key = "data.val_path" if data_cfg.val_path else "data.dataset"
+    val_ds = _load_dataset(spec, split, key, cache_dir)
+    return train, DatasetSource(val_ds, data_cfg.text_column, f"{key} ({spec!r}, split {split!r})")
+
+
+# --- Tokenizing into the cache -------------------------------------------------------------
+
+
+def _find_cut(text: str, lo: int, hi: int) -> int | None:
+    for pattern in (_LINE_CUT, _SPACE_CUT):
+        m = pattern.search(text, lo, hi)
+        if m:
+            return m.end()
+    return None
+
+
+def _pieces(blocks: Iterable[str], size: int | None = None) -> Iterator[str]:
+    """Cut one document's text (given in blocks) into pieces of about `size` (default
+    `PIECE_CHARS`) characters at safe cuts (see `_LINE_CUT`), so that encoding the pieces
+    equals encoding the whole."""
+    size = size or PIECE_CHARS
+    rest = ""
+    for block in blocks:
+        text = rest + block if rest else block
+        pos = 0
+        while len(text) - pos > size:
+            end = _find_cut(text, pos + size, min(len(text), pos + 8 * size))
+            if end is None:
+                if len(text) - pos < 8 * size:
+                    break  # wait for more text: a cut may come in the next block
+                # No newline or space in 7 * size characters: cut mid-word (a few tokens at the
+                # cut may differ from encoding the text whole).
+                end = pos + 4 * size
+            yield text[pos:end]
+            pos = end
+        rest = text[pos:]
+    if rest:
+        yield rest
+
+
+def _separator(tok: Tokenizer) -> np.ndarray:
+    """What joins two documents: the end-of-text token, else the tokens of a newline."""
+    ids = [tok.eot_id] if tok.eot_id is not None else tok.encode("\n")
+    return np.asarray(ids, dtype=np.int64)
+
+
+def _encode_many(tok: Tokenizer, texts: list[str]) -> list[np.ndarray]:
+    if isinstance(tok, CharTokenizer):
+        # One vectorised call; a char tokenizer gives exactly one token per character.
+        flat = tok.encode_array("".join(texts))
+        return np.split(flat, np.cumsum([len(t) for t in texts[:-1]]))
+    return [np.asarray(ids, dtype=np.int64) for ids in tok.encode_batch(texts)]
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id fits, else uint32."""
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+def _tokenize_to_file(tok: Tokenizer, source: Source, path: Path, dtype: np.dtype) -> int:
+    """Tokenize `source` into the raw token file `path` (written atomically); returns its
+    number of tokens."""
+    sep = _separator(tok)
+    size = source.size()
+    is_files = isinstance(source, FileSource)
+    bar = tqdm(
+        total=size, unit="B" if is_files else "rows", unit_scale=is_files,
+        desc=f"tokenizing {source.label}",
+        disable=True if size < (PROGRESS_MIN if is_files else 100_000) else None,
+    )
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    n_tokens = 0
+    batch: list[str | None] = []  # pieces of text, None where a separator goes
+    chars = 0
+
+    def flush() -> None:
+        nonlocal n_tokens, chars
+        texts = [t for t in batch if t is not None]
+        encoded = iter(_encode_many(tok, texts) if texts else [])
+        parts = [sep if t is None else next(encoded) for t in batch]
+        if parts:
+            ids = np.concatenate(parts)
+            if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(dtype).max):
+                raise RuntimeError(f"token id {ids.max()} does not fit {dtype} (vocab_size "
+                                   f"{tok.vocab_size}): the tokenizer reports a wrong size")
+            f.write(ids.astype(dtype).tobytes())
+            n_tokens += ids.size
+        batch.clear()
+        chars = 0
+
+    try:
+        with os.fdopen(fd, "wb") as f, bar:
+            for i, document in enumerate(source.documents(bar.update)):
+                if i:
+                    batch.append(None)
+                for piece in _pieces(document):
+                    batch.append(piece)
+                    chars += len(piece)
+                    if chars >= BATCH_CHARS:
+                        flush()
+            flush()
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return n_tokens
+
+
+def _cached_tokens(tok: Tokenizer, source: Source, source_hash: str, cache_dir: Path) -> Path:
+    """The token file for (source, tokenizer): reused when present and whole, else written."""
+    tok_hash = hashlib.sha256(tok.to_json().encode("utf-8")).hexdigest()
+    key = hashlib.sha256(f"{FORMAT_VERSION}\0{source_hash}\0{tok_hash}".encode()).hexdigest()[:40]
+    folder = cache_dir / "tokens"
+    folder.mkdir(parents=True, exist_ok=True)
+    bin_path, meta_path = folder / f"{key}.bin", folder / f"{key}.json"
+    dtype = token_dtype(tok.vocab_size)
+    meta = _read_meta(meta_path)
+    if meta and bin_path.exists() and bin_path.stat().st_size == meta["n_tokens"] * dtype.itemsize:
+        log.info("token cache hit for %s: %s (%d tokens)", source.label, bin_path, meta["n_tokens"])
+        return bin_path
+    log.info("tokenizing %s into %s", source.label, bin_path)
+    n_tokens = _tokenize_to_file(tok, source, bin_path, dtype)
+    meta = {"format": FORMAT_VERSION, "dtype": dtype.name, "n_tokens": n_tokens,
+            "source_hash": source_hash, "tokenizer_sha256": tok_hash, "source": source.label}
+    _write_text_atomic(meta_path, json.dumps(meta, indent=1))
+    return bin_path
+
+
+def _read_meta(path: Path) -> dict | None:
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(meta, dict) and meta.get("format") == FORMAT_VERSION
+    return meta if ok and isinstance(meta.get("n_tokens"), int) else None
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _trained_tokenizer(data_cfg: DataConfig, sources: list[Source], source_hash: str,
+                       cache_dir: Path) -> Tokenizer:
+    """Train the configured tokenizer on every source (validation included, as nanoGPT's char
+    preparation does, so that every validation character is encodable), or reuse the one
+    trained before on the same text."""
+    if data_cfg.tokenizer not in ("char", "bpe"):
+        return train_tokenizer(data_cfg, [])  # a tokenizer.json path, used as is
+    spec = data_cfg.tokenizer + (f"-{data_cfg.vocab_size}" if data_cfg.tokenizer == "bpe" else "")
+    key = hashlib.sha256(f"{FORMAT_VERSION}\0{source_hash}\0{spec}".encode()).hexdigest()[:40]
+    path = cache_dir / "tokenizers" / f"{key}.json"
+    if path.exists():
+        try:
+            return load_tokenizer(path)
+        except InputError:
+            log.warning("ignoring unreadable cached tokenizer %s", path)
+
+    def texts() -> Iterator[str]:
+        for source in sources:
+            for document in source.documents():
+                yield from document
+
+    tok = train_tokenizer(data_cfg, texts())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_text_atomic(path, tok.to_json())
+    return tok
+
+
+# --- The prepared data ---------------------------------------------------------------------
+
+
+@dataclass
+class TokenData:
+    """Tokenized train and validation streams, memory-mapped from the token cache.
+
+    Attributes:
+        tokenizer: the tokenizer that produced the ids.
+        train: `(N_train,)` uint16/uint32 `np.memmap` of token ids.
+        val: `(N_val,)` uint16/uint32 `np.memmap` of token ids.
+        source_hash: sha256 of the source text (training and validation), tokenizer aside.
+        cache_files: the token files the arrays map.
+    """
+
+    tokenizer: Tokenizer
+    train: np.ndarray
+    val: np.ndarray
+    source_hash: str
+    cache_files: list[Path] = field(default_factory=list)
+
+
+def _check_split(name: str, n: int, context_length: int, hint: str) -> None:
+    if n < context_length + 1:
+        raise InputError(
+            f"the {name} split has {n} tokens, but model.context_length ({context_length}) "
+            f"needs at least {context_length + 1} (context_length + 1): {hint}"
+        )
+
+
+def prepare_data(
+    data_cfg: DataConfig,
+    context_length: int,
+    tokenizer: Tokenizer | None = None,
+    cache_dir: str | os.PathLike | None = None,
+) -> TokenData:
+    """Read the sources, train the tokenizer if none is given, tokenize once into the cache.
+
+    Args:
+        data_cfg: the `data` config section.
+        context_length: the model's window; each split must hold at least this + 1 tokens.
+        tokenizer: a tokenizer to use as is (a resumed run passes its saved one).
+        cache_dir: the cache folder; default `data_cfg.cache_dir`, else `default_cache_dir()`.
+
+    Returns:
+        `TokenData` whose `train`/`val` are memory maps: the last `val_fraction` of the token
+        stream is the validation split, unless `val_path`/`val_split` give a separate one.
+
+    Raises:
+        InputError: missing path, empty corpus, non-UTF-8 bytes (file and offset), a split
+            shorter than `context_length + 1` tokens, `vocab_size` too small for BPE, a missing
+            text column or split.
+    """
+    cache = Path(cache_dir or data_cfg.cache_dir or default_cache_dir()).expanduser()
+    cache.mkdir(parents=True, exist_ok=True)
+    train_src, val_src = _sources(data_cfg, cache)
+    train_hash = train_src.content_hash()
+    val_hash = val_src.content_hash() if val_src is not None else None
+    source_hash = hashlib.sha256(f"{train_hash}\0{val_hash}".encode()).hexdigest()
+    sources = [train_src] + ([val_src] if val_src is not None else [])
+    tok = tokenizer or _trained_tokenizer(data_cfg, sources, source_hash, cache)
+    dtype = token_dtype(tok.vocab_size)
+
+    train_file = _cached_tokens(tok, train_src, train_hash, cache)
+    n = train_file.stat().st_size // dtype.itemsize
+    if val_src is None:
+        n_train = int(n * (1 - data_cfg.val_fraction))
+        _check_split("train", n_train, context_length,
+                     f"the corpus has {n} tokens in all; add text or lower model.context_length.")
+        _check_split("validation", n - n_train, context_length,
+                     f"it is the last data.val_fraction ({data_cfg.val_fraction}) of {n} tokens; "
+                     "raise data.val_fraction, add text or lower model.context_length.")
+        train = np.memmap(train_file, dtype=dtype, mode="r", shape=(n_train,))
+        val = np.memmap(train_file, dtype=dtype, mode="r", offset=n_train * dtype.itemsize,
+                        shape=(n - n_train,))
+        files = [train_file]
+    else:
+        val_file = _cached_tokens(tok, val_src, val_hash, cache)
+        n_val = val_file.stat().st_size // dtype.itemsize
+        _check_split("train", n, context_length, "add text or lower model.context_length.")
+        _check_split("validation", n_val, context_length,
+                     f"{val_src.label} is too short; add text or lower model.context_length.")
+        train = np.memmap(train_file, dtype=dtype, mode="r", shape=(n,))
+        val = np.memmap(val_file, dtype=dtype, mode="r", shape=(n_val,))
+        files = [train_file, val_file]
+    log.info("data: %d train + %d validation tokens, vocab_size %d", len(train), len(val),
+             tok.vocab_size)
+    return TokenData(tokenizer=tok, train=train, val=val, source_hash=source_hash,
+                     cache_files=files)
+
+
+# --- Batches -------------------------------------------------------------------------------
+
+
+def _stream_seed(seed: int, rank: int) -> int:
+    """Rank 0 draws from `seed` itself; other ranks from well-mixed, distinct seeds."""
+    if rank == 0:
+        return seed
+    return int(np.random.SeedSequence([seed % (1 << 63), rank]).generate_state(1, np.uint64)[0])
+
+
+class BatchSampler:
+    """Random `(x, y)` windows of a token stream, drawn with the sampler's own generator.
+
+    Window starts are uniform over `[0, len(tokens) - context_length)` (nanoGPT's `get_batch`).
+    Rank r of a DDP job draws its own stream; saving `state_dict()` and loading it into a new
+    sampler continues the exact stream. With a read-only `np.memmap`, the pages each batch
+    touched are released from this process after the copy, so memory stays flat however large
+    the file is.
+
+    Args:
+        tokens: `(N,)` token ids, an `np.ndarray` or `np.memmap` (uint16/uint32).
+        batch_size: B.
+        context_length: T.
+        seed: the stream's seed.
+        rank: this process's rank under DDP.
+        world_size: number of ranks.
+        device: where `next()` puts the batches.
+    """
+
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        batch_size: int,
+        context_length: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if len(tokens) < context_length + 1:
+            raise InputError(
+                f"the token stream has {len(tokens)} tokens, but context_length "
+                f"({context_length}) needs at least {context_length + 1}."
+            )
+        if batch_size < 1:
+            raise ValueError(f"batch_size ({batch_size}) must be positive")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank ({rank}) must be in [0, world_size={world_size})")
+        self.tokens = tokens
+        self.batch_size = batch_size
+        self.context_length = context_length
+        self.device = torch.device(device)
+        self.generator = torch.Generator().manual_seed(_stream_seed(seed, rank))
+        self.batches = 0
+        self._offsets = np.arange(context_length + 1)  # (T+1,)
+        mm = getattr(tokens, "_mmap", None)
+        # Only a read-only shared map: dropping the pages of a copy-on-write map loses writes.
+        self._release = (mm if isinstance(tokens, np.memmap) and tokens.mode == "r"
+                         and hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED") else None)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next batch: `x` `(B, T)` int64 and `y` `(B, T)` int64, `y[:, t] == x[:, t+1]`."""
+        T = self.context_length
+        starts = torch.randint(len(self.tokens) - T, (self.batch_size,), generator=self.generator)
+        index = starts.numpy()[:, None] + self._offsets  # (B, T+1)
+        windows = torch.from_numpy(np.asarray(self.tokens[index], dtype=np.int64))  # (B, T+1)
+        if self._release is not None:
+            # The copy is made: give back the mapped pages (they stay in the OS page cache), or
+            # they would add up in this process's memory over a long run on a large file.
+            self._release.madvise(mmap.MADV_DONTNEED)
+        x = windows[:, :-1].contiguous()  # (B, T)
+        y = windows[:, 1:].contiguous()  # (B, T)
+        self.batches += 1
+        if self.device.type == "cuda":
+            return (x.pin_memory().to(self.device, non_blocking=True),
+                    y.pin_memory().to(self.device, non_blocking=True))
+        return x.to(self.device), y.to(self.device)
+
+    __next__ = next
+
+    def __iter__(self) -> BatchSampler:
+        return self
+
+    def state_dict(self) -> dict[str, torch.Tensor | int]:
+        """Generator state and batch count; safe for `torch.load(weights_only=True)`."""
+        return {"rng_state": self.generator.get_state(), "batches": self.batches}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the stream saved by `state_dict()`."""
+        rng = state.get("rng_state")
+        if not isinstance(rng, torch.Tensor) or rng.dtype != torch.uint8:
+            raise InputError("the data sampler state has no valid 'rng_state' (a uint8 tensor).")
+        self.generator.set_state(rng.cpu())
+        self.batches = int(state.get("batches", 0))

@@ -1,0 +1,415 @@
+"""Data: sources, the token cache, splits, bad input, and the batch sampler (against nanoGPT's
+`get_batch` formula)."""
+
+import ast
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmcli import data as D
+from llmcli import tokenizer as tokenizer_module
+from llmcli.config import DataConfig
+from llmcli.data import BatchSampler, TokenData, default_cache_dir, prepare_data
+from llmcli.errors import InputError
+from llmcli.tokenizer import BPETokenizer, CharTokenizer
+
+CORPUS = Path(__file__).resolve().parents[1] / "data" / "shakespeare.txt"
+
+
+@pytest.fixture(scope="module")
+def text() -> str:
+    return CORPUS.read_text(encoding="utf-8")[:20_000]
+
+
+@pytest.fixture(scope="module")
+def bpe(text: str) -> BPETokenizer:
+    return BPETokenizer.train([text], vocab_size=400)
+
+
+def char_ids(text: str, chars: list[str] | None = None) -> list[int]:
+    """The seed's char encoding: ids are ranks in sorted(set(text)) (plus the newline)."""
+    chars = chars or sorted(set(text) | {"\n"})
+    stoi = {c: i for i, c in enumerate(chars)}
+    return [stoi[c] for c in text]
+
+
+def write(path: Path, content: str | bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content, encoding="utf-8", newline="")
+    return path
+
+
+def prep(tmp_path: Path, context_length: int = 8, **cfg) -> TokenData:
+    return prepare_data(DataConfig(**cfg), context_length, cache_dir=tmp_path / "cache")
+
+
+# --- plain text sources and the cache ------------------------------------------------------
+
+
+def test_char_file_matches_reference_split(tmp_path: Path, text: str) -> None:
+    path = write(tmp_path / "corpus.txt", text)
+    d = prep(tmp_path, path=str(path), val_fraction=0.1)
+    ref = np.array(char_ids(text))
+    n_train = int(len(ref) * 0.9)  # nanoGPT: the first 90% train, the rest validation
+    assert isinstance(d.train, np.memmap) and isinstance(d.val, np.memmap)
+    assert d.train.dtype == np.uint16 and d.val.dtype == np.uint16
+    np.testing.assert_array_equal(d.train, ref[:n_train])
+    np.testing.assert_array_equal(d.val, ref[n_train:])
+    assert d.tokenizer.decode(np.asarray(d.train[:300]).tolist()) == text[:300]
+    assert len(d.source_hash) == 64
+
+
+def test_cache_is_reused_and_invalidated(tmp_path: Path, text: str, monkeypatch) -> None:
+    calls = []
+    real = D._tokenize_to_file
+    monkeypatch.setattr(D, "_tokenize_to_file", lambda *a: calls.append(1) or real(*a))
+    path = write(tmp_path / "corpus.txt", text)
+    first = prep(tmp_path, path=str(path))
+    second = prep(tmp_path, path=str(path))
+    assert len(calls) == 1
+    assert second.cache_files == first.cache_files and second.source_hash == first.source_hash
+    write(path, text.replace("the", "THE"))  # same size, new content
+    third = prep(tmp_path, path=str(path))
+    assert len(calls) == 2 and third.source_hash != first.source_hash
+    np.testing.assert_array_equal(
+        np.concatenate([third.train, third.val]), char_ids(text.replace("the", "THE"))
+    )
+    # Same text, other tokenizer: a new cache entry too.
+    prep(tmp_path, path=str(path), tokenizer="bpe", vocab_size=300)
+    assert len(calls) == 3
+
+
+def test_given_tokenizer_is_used_as_is(tmp_path: Path) -> None:
+    path = write(tmp_path / "c.txt", "abc" * 30)
+    tok = CharTokenizer("abcdefgh\n")
+    d = prepare_data(DataConfig(path=str(path)), 4, tokenizer=tok, cache_dir=tmp_path / "c")
+    assert d.tokenizer is tok
+    np.testing.assert_array_equal(
+        np.concatenate([d.train, d.val]), char_ids(path.read_text(), tok.chars)
+    )
+
+
+def test_folder_and_glob_join_documents_with_newline(tmp_path: Path) -> None:
+    a = "first document, " * 5
+    b = "second one. " * 5
+    c = "third, in a sub-folder " * 5
+    write(tmp_path / "docs" / "b.txt", b)
+    write(tmp_path / "docs" / "a.txt", a)
+    write(tmp_path / "docs" / "sub" / "c.txt", c)
+    write(tmp_path / "docs" / "notes.md", "not text input")
+    d = prep(tmp_path, path=str(tmp_path / "docs"))  # every .txt below, sorted by path
+    np.testing.assert_array_equal(np.concatenate([d.train, d.val]), char_ids("\n".join([a, b, c])))
+    g = prep(tmp_path, path=str(tmp_path / "docs" / "*.txt"))  # a glob: not recursive here
+    np.testing.assert_array_equal(np.concatenate([g.train, g.val]), char_ids("\n".join([a, b])))
+
+
+def test_bpe_documents_joined_with_eot_and_pieces_encode_like_the_whole(
+    tmp_path: Path, text: str, bpe: BPETokenizer, monkeypatch
+) -> None:
+    # Tiny pieces, batches and read blocks: many cuts, blocks ending inside multi-byte
+    # characters; the tokens must still be those of encoding each document whole.
+    monkeypatch.setattr(D, "PIECE_CHARS", 50)
+    monkeypatch.setattr(D, "BATCH_CHARS", 300)
+    monkeypatch.setattr(D, "READ_BLOCK_BYTES", 37)
+    doc1 = text[:6000] + "\n  indented\n\n\n   \nline with trailing spaces   \nx y\n"
+    doc2 = "Unicode: héllo wörld 🎉 日本語\n" * 20 + "no-spaces-" * 60
+    write(tmp_path / "d" / "1.txt", doc1)
+    write(tmp_path / "d" / "2.txt", doc2)
+    bpe_path = tmp_path / "tok.json"
+    bpe.save(bpe_path)
+    d = prep(tmp_path, path=str(tmp_path / "d"), tokenizer=str(bpe_path))
+    ref = bpe.encode(doc1) + [bpe.eot_id] + bpe.encode(doc2)
+    np.testing.assert_array_equal(np.concatenate([d.train, d.val]), ref)
+
+
+@settings(max_examples=200, deadline=None)
+@given(blocks=st.lists(st.text(alphabet=" \nab.é", max_size=40), max_size=8),
+       size=st.integers(1, 12))
+def test_pieces_put_back_together_give_the_text(blocks: list[str], size: int) -> None:
+    pieces = list(D._pieces(iter(blocks), size))
+    assert "".join(pieces) == "".join(blocks)
+    assert all(pieces)
+
+
+def test_uint32_when_the_vocabulary_does_not_fit_uint16(tmp_path: Path) -> None:
+    chars = [chr(0x20000 + i) for i in range(70_000)]  # 70,000 distinct characters
+    body = "".join(chars) + "\n" + "".join(reversed(chars))
+    path = write(tmp_path / "wide.txt", body)
+    d = prep(tmp_path, path=str(path))
+    assert d.tokenizer.vocab_size == 70_001 and d.train.dtype == np.uint32
+    np.testing.assert_array_equal(np.concatenate([d.train, d.val]), char_ids(body))
+
+
+def test_separate_validation_file(tmp_path: Path) -> None:
+    train_text = "the quick brown fox jumps over the lazy dog. " * 10
+    val_text = "QUICK! " * 10  # characters absent from the training file
+    d = prep(tmp_path, path=str(write(tmp_path / "t.txt", train_text)),
+             val_path=str(write(tmp_path / "v.txt", val_text)))
+    chars = sorted(set(train_text + val_text + "\n"))
+    np.testing.assert_array_equal(d.train, char_ids(train_text, chars))
+    np.testing.assert_array_equal(d.val, char_ids(val_text, chars))
+    assert len(d.cache_files) == 2
+
+
+def test_default_cache_dir(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("LLMCLI_CACHE", str(tmp_path / "a"))
+    assert default_cache_dir() == tmp_path / "a"
+    monkeypatch.delenv("LLMCLI_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "xdg" / "llmcli"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert default_cache_dir() == Path.home() / ".cache" / "llmcli"
+    # data.cache_dir is used when no cache_dir argument is given.
+    path = write(tmp_path / "c.txt", "hello world " * 10)
+    d = prepare_data(DataConfig(path=str(path), cache_dir=str(tmp_path / "cfg")), 4)
+    assert d.cache_files[0].parent == tmp_path / "cfg" / "tokens"
+
+
+def test_datasets_is_imported_lazily() -> None:
+    # `datasets` is slow to import and may be absent: no module-level import of it (checked on
+    # the source, as other tests import it into this process).
+    for module in (D, tokenizer_module):
+        tree = ast.parse(Path(module.__file__).read_text(encoding="utf-8"))
+        for node in tree.body:
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n.split(".")[0] == "datasets" for n in names), module.__name__
+
+
+# --- bad input ------------------------------------------------------------------------------
+
+
+def test_missing_path_empty_folder_and_glob(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match=r"data.path \('.*nope.txt'\) does not exist"):
+        prep(tmp_path, path=str(tmp_path / "nope.txt"))
+    (tmp_path / "empty_dir").mkdir()
+    with pytest.raises(InputError, match="no .txt files"):
+        prep(tmp_path, path=str(tmp_path / "empty_dir"))
+    with pytest.raises(InputError, match="matches no files"):
+        prep(tmp_path, path=str(tmp_path / "*.none"))
+    with pytest.raises(InputError, match=r"data.val_path \('.*v.txt'\) does not exist"):
+        prep(tmp_path, path=str(write(tmp_path / "t.txt", "x" * 50)),
+             val_path=str(tmp_path / "v.txt"))
+
+
+def test_empty_corpus(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="empty"):
+        prep(tmp_path, path=str(write(tmp_path / "empty.txt", "")))
+
+
+def test_too_short_for_context_names_split_size_and_need(tmp_path: Path) -> None:
+    path = write(tmp_path / "short.txt", "x" * 100)  # 90 train + 10 validation tokens
+    with pytest.raises(InputError, match=r"train split has 90 tokens.*\(128\).*at least 129"):
+        prep(tmp_path, context_length=128, path=str(path))
+    with pytest.raises(InputError, match=r"validation split has 10 tokens.*\(16\).*at least 17"
+                       r".*val_fraction"):
+        prep(tmp_path, context_length=16, path=str(path))
+    d = prep(tmp_path, context_length=9, path=str(path))  # 10 >= 9 + 1: just enough
+    assert (len(d.train), len(d.val)) == (90, 10)
+
+
+def test_non_utf8_names_file_and_offset(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(D, "READ_BLOCK_BYTES", 7)  # the offset must survive block boundaries
+    good = "é" * 50  # 100 bytes of two-byte characters
+    path = write(tmp_path / "latin1.txt", good.encode() + b"caf\xe9 au lait")
+    with pytest.raises(InputError, match=r"latin1.txt.*not UTF-8.*offset 103 \(e9 20 61 75"):
+        prep(tmp_path, path=str(path))
+    cut = write(tmp_path / "cut.txt", b"ok\xe2\x82")  # a character cut off at the end
+    with pytest.raises(InputError, match=r"cut.txt.*offset 2 "):
+        prep(tmp_path, path=str(cut))
+
+
+def test_bpe_vocab_too_small(tmp_path: Path) -> None:
+    path = write(tmp_path / "c.txt", "hello world " * 10)
+    with pytest.raises(InputError, match=r"data.vocab_size \(200\) is too small"):
+        prep(tmp_path, path=str(path), tokenizer="bpe", vocab_size=200)
+
+
+def test_val_split_needs_a_dataset(tmp_path: Path) -> None:
+    path = write(tmp_path / "c.txt", "hello world " * 10)
+    with pytest.raises(InputError, match="val_split.*data.dataset only"):
+        prep(tmp_path, path=str(path), val_split="validation")
+
+
+# --- datasets sources (local files only) -----------------------------------------------------
+
+ROWS = [f"row {i}: {'to be or not to be ' * (i % 3 + 1)}" for i in range(40)]
+
+
+def _write_rows(tmp_path: Path, fmt: str, rows: list[str], column: str = "text") -> Path:
+    records = [{column: r, "id": i} for i, r in enumerate(rows)]
+    path = tmp_path / f"rows.{fmt}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    elif fmt == "json":
+        path.write_text(json.dumps(records), encoding="utf-8")
+    elif fmt == "csv":
+        with open(path, "w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=[column, "id"])
+            writer.writeheader()
+            writer.writerows(records)
+    elif fmt == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(records), path)
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["json", "jsonl", "csv", "parquet"])
+def test_dataset_files_rows_joined_with_newline(tmp_path: Path, fmt: str) -> None:
+    path = _write_rows(tmp_path, fmt, ROWS)
+    d = prep(tmp_path, path=None, dataset=str(path))
+    np.testing.assert_array_equal(np.concatenate([d.train, d.val]), char_ids("\n".join(ROWS)))
+
+
+def test_dataset_rows_joined_with_eot_for_bpe(tmp_path: Path, bpe: BPETokenizer) -> None:
+    path = _write_rows(tmp_path, "jsonl", ROWS)
+    d = prepare_data(DataConfig(path=None, dataset=str(path)), 8, tokenizer=bpe,
+                     cache_dir=tmp_path / "cache")
+    ref = []
+    for i, row in enumerate(ROWS):
+        ref += ([bpe.eot_id] if i else []) + bpe.encode(row)
+    np.testing.assert_array_equal(np.concatenate([d.train, d.val]), ref)
+
+
+def test_dataset_save_to_disk_with_splits(tmp_path: Path) -> None:
+    import datasets
+
+    val_rows = ["held-out text, never trained on? " * 2] * 5
+    ds = datasets.DatasetDict({
+        "train": datasets.Dataset.from_dict({"content": ROWS}),
+        "validation": datasets.Dataset.from_dict({"content": val_rows}),
+    })
+    ds.save_to_disk(str(tmp_path / "saved"))
+    d = prep(tmp_path, path=None, dataset=str(tmp_path / "saved"), text_column="content",
+             val_split="validation")
+    chars = sorted(set("".join(ROWS + val_rows)) | {"\n"})
+    np.testing.assert_array_equal(d.train, char_ids("\n".join(ROWS), chars))
+    np.testing.assert_array_equal(d.val, char_ids("\n".join(val_rows), chars))
+    with pytest.raises(InputError, match="no split 'test'; its splits are: train, validation"):
+        prep(tmp_path, path=None, dataset=str(tmp_path / "saved"), text_column="content",
+             split="test")
+    # A single saved Dataset (no splits).
+    ds["train"].save_to_disk(str(tmp_path / "one"))
+    one = prep(tmp_path, path=None, dataset=str(tmp_path / "one"), text_column="content")
+    np.testing.assert_array_equal(np.concatenate([one.train, one.val]),
+                                  char_ids("\n".join(ROWS)))
+
+
+def test_dataset_separate_validation_file(tmp_path: Path) -> None:
+    train = _write_rows(tmp_path / "t", "jsonl", ROWS)
+    val = _write_rows(tmp_path / "v", "jsonl", ROWS[:5])
+    d = prep(tmp_path, path=None, dataset=str(train), val_path=str(val))
+    np.testing.assert_array_equal(d.train, char_ids("\n".join(ROWS)))
+    np.testing.assert_array_equal(d.val, char_ids("\n".join(ROWS[:5]), sorted(set(
+        "\n".join(ROWS)) | {"\n"})))
+
+
+def test_dataset_missing_or_non_text_column(tmp_path: Path) -> None:
+    path = _write_rows(tmp_path, "jsonl", ROWS, column="content")
+    with pytest.raises(InputError, match=r"text_column \('text'\).*columns are: content, id"):
+        prep(tmp_path, path=None, dataset=str(path))
+    with pytest.raises(InputError, match="column 'id' holds int64, not text"):
+        prep(tmp_path, path=None, dataset=str(path), text_column="id")
+
+
+def test_dataset_empty_text(tmp_path: Path) -> None:
+    path = _write_rows(tmp_path, "jsonl", ["", ""])
+    with pytest.raises(InputError, match="empty"):
+        prep(tmp_path, path=None, dataset=str(path))
+
+
+# --- the batch sampler ----------------------------------------------------------------------
+
+
+def nanogpt_get_batch(data: np.ndarray, batch_size: int, block_size: int, g: torch.Generator):
+    """nanoGPT's train.py get_batch, with an explicit generator."""
+    ix = torch.randint(len(data) - block_size, (batch_size,), generator=g)
+    x = torch.stack([torch.from_numpy(data[i : i + block_size].astype(np.int64)) for i in ix])
+    y = torch.stack(
+        [torch.from_numpy(data[i + 1 : i + 1 + block_size].astype(np.int64)) for i in ix]
+    )
+    return x, y
+
+
+@pytest.fixture
+def tokens(tmp_path: Path) -> np.memmap:
+    rng = np.random.default_rng(0)
+    path = tmp_path / "tokens.bin"
+    rng.integers(0, 50_000, size=10_000, dtype=np.uint16).tofile(path)
+    return np.memmap(path, dtype=np.uint16, mode="r")
+
+
+def test_sampler_matches_nanogpt_get_batch(tokens: np.memmap) -> None:
+    sampler = BatchSampler(tokens, batch_size=6, context_length=32, seed=123)
+    g = torch.Generator().manual_seed(123)
+    for _ in range(5):
+        x, y = sampler.next()
+        rx, ry = nanogpt_get_batch(np.asarray(tokens), 6, 32, g)
+        assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (6, 32)
+        torch.testing.assert_close(x, rx, rtol=0, atol=0)
+        torch.testing.assert_close(y, ry, rtol=0, atol=0)
+        torch.testing.assert_close(x[:, 1:], y[:, :-1], rtol=0, atol=0)
+
+
+def test_sampler_same_seed_same_stream_other_seed_other_stream(tokens: np.memmap) -> None:
+    a = BatchSampler(tokens, 4, 16, seed=1)
+    b = BatchSampler(np.array(tokens), 4, 16, seed=1)  # in-memory array: same batches
+    c = BatchSampler(tokens, 4, 16, seed=2)
+    for _ in range(3):
+        xa, ya = a.next()
+        xb, yb = b.next()
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+        assert not torch.equal(xa, c.next()[0])
+
+
+def test_sampler_ranks_draw_different_reproducible_streams(tokens: np.memmap) -> None:
+    r0 = [BatchSampler(tokens, 4, 16, seed=5, rank=0, world_size=2).next()[0] for _ in range(2)]
+    r1 = [BatchSampler(tokens, 4, 16, seed=5, rank=1, world_size=2).next()[0] for _ in range(2)]
+    assert torch.equal(r0[0], r0[1]) and torch.equal(r1[0], r1[1])
+    assert not torch.equal(r0[0], r1[0])
+    with pytest.raises(ValueError, match="rank"):
+        BatchSampler(tokens, 4, 16, seed=5, rank=2, world_size=2)
+
+
+def test_sampler_state_round_trip_continues_the_stream(tokens: np.memmap, tmp_path) -> None:
+    sampler = BatchSampler(tokens, 4, 16, seed=9)
+    for _ in range(3):
+        sampler.next()
+    torch.save(sampler.state_dict(), tmp_path / "state.pt")
+    expected = [sampler.next() for _ in range(4)]
+    resumed = BatchSampler(tokens, 4, 16, seed=0)  # the seed is overridden by the state
+    resumed.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    assert resumed.batches == 3
+    for ex, ey in expected:
+        x, y = resumed.next()
+        assert torch.equal(x, ex) and torch.equal(y, ey)
+    with pytest.raises(InputError, match="rng_state"):
+        resumed.load_state_dict({"batches": 1})
+
+
+def test_sampler_needs_context_plus_one_tokens() -> None:
+    with pytest.raises(InputError, match="at least 17"):
+        BatchSampler(np.zeros(16, dtype=np.uint16), 2, 16, seed=0)
+    x, y = BatchSampler(np.arange(17, dtype=np.uint16), 2, 16, seed=0).next()
+    assert torch.equal(x[0], torch.arange(16)) and torch.equal(y[0], torch.arange(1, 17))
+
+
+def test_sampler_on_prepared_data(tmp_path: Path, text: str) -> None:
+    d = prep(tmp_path, context_length=32, path=str(write(tmp_path / "c.txt", text)))
+    x, y = BatchSampler(d.val, 8, 32, seed=0).next()
+    ref = np.asarray(d.val)
+    for row_x, row_y in zip(x.numpy(), y.numpy(), strict=True):
+        start = next(i for i in range(len(ref) - 32) if (ref[i : i + 32] == row_x).all())
+        np.testing.assert_array_equal(row_y, ref[start + 1 : start + 33])
