@@ -372,18 +372,7 @@ def read_meta(run_dir: str | Path) -> dict[str, Any]:
 def write_config_and_tokenizer(run_dir: Path, config: Config, tokenizer: Any) -> None:
     """Write `config.yaml` and `tokenizer.json` atomically."""
     atomic_write_text(run_dir / CONFIG_FILE, dump_yaml(config))
-    tmp = run_dir / f".{TOKENIZER_FILE}{_TMP_MARK}{os.getpid()}"
-    try:
-        tokenizer.save(tmp)
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, run_dir / TOKENIZER_FILE)
-    except BaseException:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise
+    atomic_write_text(run_dir / TOKENIZER_FILE, tokenizer.to_json())
 
 
 def save_model_run(
@@ -402,7 +391,7 @@ def save_model_run(
     Args:
         run_dir: the folder to write (created if needed).
         config: the config that describes `model`.
-        tokenizer: an llmcli tokenizer (has `.save(path)` and `.vocab_size`).
+        tokenizer: an llmcli tokenizer (has `.to_json()` and `.vocab_size`).
         model: a `Transformer` built from `config.model`.
         extra_meta: merged into `meta.json` (for example `{"step": 100}`).
     """
@@ -414,6 +403,38 @@ def save_model_run(
     atomic_write_bytes(run_dir / MODEL_FILE, data)
     atomic_write_bytes(run_dir / BEST_FILE, data)
     atomic_write_json(run_dir / META_FILE, meta)
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    model: Any,
+    state: dict[str, Any],
+    meta: dict[str, Any],
+    *,
+    best: bool,
+) -> None:
+    """One save of a training run: weights, best weights (if `best`), meta, then resume state.
+
+    `state.pt` is written last: it is the commit point. A crash before it leaves the previous
+    resume state, which holds its own weights, so resuming is exact either way.
+
+    Args:
+        run_dir: the run directory (exists, with config.yaml and tokenizer.json).
+        model: the unwrapped model (its weights go to `model.safetensors`).
+        state: the resume state (must include "model", the weights as a state dict).
+        meta: the `meta.json` content (must include "step" and "vocab_size").
+        best: also write the weights to `best.safetensors`.
+
+    Raises:
+        OSError: a write failed (the file being written keeps its previous content).
+    """
+    run_dir = Path(run_dir)
+    data = weights_bytes(model, {"step": meta["step"], "vocab_size": meta["vocab_size"]})
+    atomic_write_bytes(run_dir / MODEL_FILE, data)
+    if best:
+        atomic_write_bytes(run_dir / BEST_FILE, data)
+    atomic_write_json(run_dir / META_FILE, meta)
+    save_state(run_dir, {"format": WEIGHTS_FORMAT, **state})
 
 
 def _vocab_size(tokenizer: Any) -> int:
