@@ -1,0 +1,884 @@
+"""Autoregressive sampling: temperature, top-k, top-p, seeds, KV cache, batches, stop strings.
+
+Three layers, each usable alone:
+
+- `sample_next(logits, generator, temperature, top_k, top_p)`: a pure function from one step's
+  logits `(B, V)` to the next ids `(B,)` (nanochat's design).
+- `generate(model, prompts_ids, max_new_tokens, ...)`: an iterator that yields the `(B,)` new ids
+  of each step. Prompts of different lengths run as one left-padded batch (a key padding mask
+  hides the padding, positions count real tokens only) and each row draws from its own
+  `torch.Generator`, so every prompt gets exactly what it would get alone with the same seed.
+  The KV cache is prefilled with the prompts, then fed one token per step.
+- `sample_texts(model, tokenizer, prompts, ...)`: text in, `Sample`s out, with streaming
+  (`TextSink`), stop strings and per-sample speed; what `llmcli sample` calls.
+
+Past `context_length` the model sees the last `context_length` tokens (a sliding window, as in
+nanoGPT and litgpt). Positions are absolute (learned or rotary from 0 at the window's start), so
+once the window slides every cached key is stale; the window is then recomputed each step, which
+keeps cached and uncached generation exactly the same computation.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Literal, Protocol
+
+import torch
+from torch import Tensor
+
+from llmcli.errors import InputError
+
+logger = logging.getLogger(__name__)
+
+GeneratorArg = torch.Generator | Sequence[torch.Generator] | None
+
+
+# ----------------------------------------------------------------------------- one step
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float) -> None:
+    """Raise `InputError` for sampling controls outside their ranges.
+
+    Args:
+        temperature: >= 0 (0 = greedy).
+        top_k: None (off) or >= 1.
+        top_p: in (0, 1] (1 = off).
+    """
+    is_number = isinstance(temperature, (int, float)) and math.isfinite(temperature)
+    if not is_number or temperature < 0:
+        raise InputError(
+            f"temperature ({temperature}) must be a number >= 0: 0 is greedy decoding, 1 samples "
+            "from the model's distribution, higher is more random."
+        )
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise InputError(
+            f"top_k ({top_k}) must be an integer >= 1 (the number of most likely tokens kept); "
+            "leave it out, or use a value >= the vocabulary size, to keep every token."
+        )
+    if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise InputError(
+            f"top_p ({top_p}) must be in (0, 1]: the probability mass of the most likely tokens "
+            "kept (nucleus sampling); 1 keeps every token."
+        )
+
+
+def sample_next(
+    logits: Tensor,
+    generator: GeneratorArg = None,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+) -> Tensor:
+    """Pick the next token of every row from its logits.
+
+    Temperature 0 is greedy (argmax, first index on ties) and ignores the generator, `top_k` and
+    `top_p`. Otherwise the logits are divided by the temperature, filtered, and one token is drawn
+    per row by inverse-CDF sampling from one uniform number of that row's generator:
+
+    - `top_k` keeps exactly `k` tokens, the lowest ids winning ties (nanoGPT's
+      `logits < v[:, [-1]]` would keep every token tied with the k-th);
+    - `top_p` keeps the smallest set of most likely tokens whose probability reaches `top_p`
+      (after `top_k`), always at least one.
+
+    Args:
+        logits: `(B, V)` scores of the next token.
+        generator: one `torch.Generator` for the whole batch, one per row (a row then draws the
+            same numbers whatever the batch it is in), or None for torch's global generator.
+        temperature: >= 0.
+        top_k: None or >= 1.
+        top_p: in (0, 1].
+
+    Returns:
+        `(B,)` long token ids, on `logits.device`.
+    """
+    if logits.ndim != 2:
+        raise InputError(f"logits must have shape (B, V), got {tuple(logits.shape)}")
+    if temperature == 0:
+        return logits.argmax(dim=-1)  # (B,)
+    probs, ids = _filtered(logits, temperature, top_k, top_p)  # (B, V') each
+    choice = _inverse_cdf(probs, _uniform(logits.shape[0], generator, logits.device))  # (B,)
+    if ids is None:
+        return choice
+    return ids.gather(-1, choice[:, None]).squeeze(-1)  # (B, V') -> (B,)
+
+
+def filter_probs(
+    logits: Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float = 1.0
+) -> Tensor:
+    """The distribution `sample_next` draws from: `(B, V)` logits -> `(B, V)` probabilities.
+
+    Temperature 0 gives a one-hot of the argmax; filtered-out tokens get probability 0.
+    """
+    if temperature == 0:
+        one_hot = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+        return one_hot.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)  # (B, V)
+    probs, ids = _filtered(logits, temperature, top_k, top_p)  # (B, V') each
+    probs = probs / probs.sum(dim=-1, keepdim=True)  # (B, V')
+    if ids is None:
+        return probs
+    full = torch.zeros(logits.shape, dtype=probs.dtype, device=logits.device)  # (B, V)
+    return full.scatter_(-1, ids, probs)
+
+
+def _filtered(
+    logits: Tensor, temperature: float, top_k: int | None, top_p: float
+) -> tuple[Tensor, Tensor | None]:
+    """Probabilities after temperature, top-k and top-p, in the sorted space when filtering.
+
+    Returns:
+        `(probs (B, V'), ids (B, V') or None)`: `probs[b, j]` belongs to token `ids[b, j]`
+        (to token `j` when `ids` is None). Dropped tokens have probability 0 (top-p) or are
+        left out (top-k: `V' = k`); the kept ones are not renormalised.
+    """
+    V = logits.shape[-1]
+    scores = logits.float() / temperature  # (B, V)
+    ids = None
+    use_k = top_k is not None and top_k < V
+    if use_k or top_p < 1.0:
+        # A stable descending sort ranks tied tokens by id, so top-k keeps exactly k of them.
+        scores, ids = torch.sort(scores, dim=-1, descending=True, stable=True)  # (B, V) each
+        if use_k:
+            scores, ids = scores[:, :top_k], ids[:, :top_k]  # (B, k) each
+    probs = torch.softmax(scores, dim=-1)  # (B, V')
+    if top_p < 1.0:
+        # A token is needed while the more likely ones have not yet reached top_p.
+        mass_before = probs.cumsum(dim=-1) - probs  # (B, V'), exactly 0 for the first token
+        probs = probs.masked_fill(mass_before >= top_p, 0.0)  # (B, V')
+    return probs, ids
+
+
+def _uniform(B: int, generator: GeneratorArg, device: torch.device) -> Tensor:
+    """`(B,)` float64 uniform numbers in [0, 1): one per row, from the row's own generator."""
+    if generator is None or isinstance(generator, torch.Generator):
+        gen_device = generator.device if generator is not None else device
+        u = torch.rand(B, generator=generator, dtype=torch.float64, device=gen_device)  # (B,)
+    else:
+        if len(generator) != B:
+            raise InputError(f"got {len(generator)} generators for a batch of {B} rows")
+        u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generator])
+    return u.to(device, non_blocking=True)
+
+
+def _inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
+    """Index of the first token whose cumulative probability exceeds `u * total`.
+
+    A token with probability 0 never is: its cumulative equals its predecessor's.
+
+    Args:
+        probs: `(B, V)` non-negative, need not sum to 1.
+        u: `(B,)` float64 in [0, 1).
+
+    Returns:
+        `(B,)` long indices into the last dimension.
+    """
+    cdf = probs.double().cumsum(dim=-1)  # (B, V); float64 so that u * total < total
+    target = (u * cdf[:, -1])[:, None]  # (B, 1)
+    choice = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # (B,)
+    return choice.clamp_(max=probs.shape[-1] - 1)
+
+
+def make_generators(n: int, seed: int | None) -> list[torch.Generator]:
+    """One CPU `torch.Generator` per row, seeded `seed, seed + 1, ...` (a fresh seed if None).
+
+    CPU generators give the same random numbers whatever device the model runs on.
+    """
+    if seed is None:
+        seed = int(torch.Generator().seed()) % (2**62)
+    return [torch.Generator().manual_seed(seed + i) for i in range(n)]
+
+
+# ----------------------------------------------------------------------------- the decode loop
+
+
+class _Window:
+    """The token buffer of a left-padded batch and the model inputs for each step.
+
+    Row `b` holds `pads[b]` padding columns, its prompt, then its new tokens; all rows end at
+    column `end`. `tokens` is preallocated for every step, so a step only writes one column.
+    """
+
+    def __init__(self, rows: list[list[int]], max_new_tokens: int, device: torch.device) -> None:
+        B = len(rows)
+        lengths = [len(r) for r in rows]
+        P = max(lengths)
+        self.pads = [P - n for n in lengths]
+        self.max_pad = max(self.pads)
+        tokens = torch.zeros(B, P + max_new_tokens, dtype=torch.long)  # (B, P + N)
+        for b, row in enumerate(rows):
+            tokens[b, self.pads[b] : P] = torch.tensor(row, dtype=torch.long)
+        self.tokens = tokens.to(device)
+        self.cols = torch.arange(P + max_new_tokens, device=device)  # (P + N,)
+        self.pads_t = torch.tensor(self.pads, device=device)  # (B,)
+        self.end = P  # columns filled
+        self.cached = 0  # columns whose keys/values are in the KV cache
+
+    def inputs(self, start: int) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """`(idx, key_padding_mask, position_ids)` for the columns `start .. end - 1`, as a
+        window of its own: position 0 at its first real token, earlier columns masked."""
+        idx = self.tokens[:, start : self.end]  # (B, W)
+        if self.max_pad <= start:  # no padding left in the window: the model's defaults
+            return idx, None, None
+        W = self.end - start
+        pads = (self.pads_t - start).clamp(min=0)[:, None]  # (B, 1) padding columns in window
+        cols = self.cols[:W][None, :]  # (1, W)
+        return idx, cols < pads, (cols - pads).clamp(min=0)  # (B, W) each
+
+    def append(self, next_ids: Tensor) -> None:
+        self.tokens[:, self.end] = next_ids  # (B,)
+        self.end += 1
+
+
+def _next_logits(model: Any, window: _Window, cache: Any) -> Tensor:
+    """Logits `(B, V)` of the token after column `end - 1`."""
+    C = model.context_length
+    end = window.end
+    if cache is not None and end <= C:
+        start = window.cached
+        idx, mask, pos = window.inputs(0)
+        if start > 0:  # decode: one new column; the cache remembers the padding
+            idx = idx[:, start:]  # (B, 1)
+            mask = None
+            pos = None if pos is None else pos[:, start:]  # (B, 1)
+        logits, _ = model(idx, key_padding_mask=mask, position_ids=pos, kv_cache=cache)
+        window.cached = end
+    else:
+        # No cache, or past the context: the model sees the last C columns, recomputed.
+        idx, mask, pos = window.inputs(max(0, end - C))
+        logits, _ = model(idx, key_padding_mask=mask, position_ids=pos)
+    return logits[:, -1, :]  # (B, T, V) -> (B, V)
+
+
+def _check_prompts(prompts_ids: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:
+    if len(prompts_ids) == 0:
+        raise InputError("no prompts to generate from: give at least one prompt")
+    rows = []
+    for i, ids in enumerate(prompts_ids):
+        row = [int(t) for t in ids]
+        if not row:
+            raise InputError(
+                f"prompt {i} has no tokens: start an empty prompt from the tokenizer's start ids "
+                "(llmcli.tokenizer.start_ids)"
+            )
+        if min(row) < 0 or max(row) >= vocab_size:
+            bad = sorted({t for t in row if not 0 <= t < vocab_size})
+            raise InputError(
+                f"prompt {i} holds token ids {bad[:10]} outside the model's vocabulary "
+                f"(0..{vocab_size - 1}): was it encoded with this run's tokenizer?"
+            )
+        rows.append(row)
+    return rows
+
+
+def generate(
+    model: Any,
+    prompts_ids: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    generators: Sequence[torch.Generator] | None = None,
+    use_cache: bool = True,
+    vocab_size: int | None = None,
+) -> Iterator[Tensor]:
+    """Generate for a batch of prompts, one step at a time.
+
+    Prompts of different lengths are left-padded into one batch; row `b` gets exactly the tokens
+    it would get alone with the generator `generators[b]` (by default seeded `seed + b`). Prompts
+    longer than `context_length` are cropped to their last `context_length` tokens.
+
+    Args:
+        model: a `llmcli.model.Transformer` in eval mode (or anything with its `forward`,
+            `new_kv_cache` and `context_length`).
+        prompts_ids: B non-empty lists of token ids.
+        max_new_tokens: steps to run (the caller may stop earlier by leaving the loop).
+        temperature, top_k, top_p: see `sample_next`.
+        seed: seeds the per-row generators `seed + b` (ignored with `generators`; a fresh random
+            seed when both are None). Unused at temperature 0.
+        generators: B generators, one per row, advanced in place.
+        use_cache: prefill a KV cache and feed one token per step (False: recompute the whole
+            window each step, the nanoGPT way; same tokens, slower).
+        vocab_size: sample only among ids `< vocab_size` (a model's vocabulary may be padded
+            beyond its tokenizer's).
+
+    Yields:
+        `(B,)` long tensors on the model's device: the new token of every row, step by step.
+    """
+    check_sampling(temperature, top_k, top_p)
+    if max_new_tokens < 0:
+        raise InputError(f"max_new_tokens ({max_new_tokens}) must be >= 0")
+    rows = _check_prompts(prompts_ids, model.vocab_size)
+    B, C = len(rows), model.context_length
+    rows = [row[-C:] for row in rows]
+    if generators is not None and len(generators) != B:
+        raise InputError(f"got {len(generators)} generators for {B} prompts")
+    if temperature > 0 and generators is None:
+        generators = make_generators(B, seed)
+    gens: GeneratorArg = None if temperature == 0 else generators
+    if gens is not None and len(gens) == 1:
+        gens = gens[0]  # one draw per step instead of a list of one
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        window = _Window(rows, max_new_tokens, device)
+        fits = window.end < C  # else the first step already slides the window
+        cache = model.new_kv_cache(B) if use_cache and fits and max_new_tokens > 0 else None
+    for _ in range(max_new_tokens):
+        with torch.inference_mode():
+            logits = _next_logits(model, window, cache)  # (B, V)
+            if vocab_size is not None:
+                logits = logits[:, :vocab_size]  # (B, vocab_size)
+            next_ids = sample_next(logits, gens, temperature, top_k, top_p)  # (B,)
+            window.append(next_ids)
+        yield next_ids
+
+
+def generate_ids(
+    model: Any, prompts_ids: Sequence[Sequence[int]], max_new_tokens: int, **kwargs: Any
+) -> list[list[int]]:
+    """`generate` run to the end: the new ids of every prompt, `B` lists of `max_new_tokens`."""
+    steps = [step.cpu() for step in generate(model, prompts_ids, max_new_tokens, **kwargs)]
+    if not steps:
+        return [[] for _ in prompts_ids]
+    return torch.stack(steps, dim=1).tolist()  # (B, N)
+
+
+# ----------------------------------------------------------------------------- text
+
+
+class Tokenizer(Protocol):
+    """What sampling needs from `llmcli.tokenizer`'s tokenizers."""
+
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class TextSink(Protocol):
+    """Receives the text of samples as it is generated (see `OrderedWriter`)."""
+
+    def text(self, index: int, piece: str) -> None: ...
+
+    def end(self, index: int) -> None: ...
+
+
+@dataclass
+class Sample:
+    """One generated sample.
+
+    Attributes:
+        prompt: the prompt text as given.
+        completion: the generated text (without a stop string that ended it).
+        tokens: new tokens generated (including the one that completed a stop string).
+        seconds: from the start of its batch to the end of this sample.
+        stop_reason: "length" (max_new_tokens reached) or "stop" (a stop string or stop id).
+        seed: the seed of its generator (run it alone with this seed for the same text).
+        prompt_index, sample_index: which prompt, and which of its `num_samples`.
+    """
+
+    prompt: str
+    completion: str
+    tokens: int
+    seconds: float
+    stop_reason: Literal["length", "stop"]
+    seed: int | None
+    prompt_index: int = 0
+    sample_index: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else float("inf")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form `llmcli sample --json` prints."""
+        return {
+            "prompt": self.prompt,
+            "completion": self.completion,
+            "tokens": self.tokens,
+            "tokens_per_s": round(self.tokens_per_s, 2),
+            "stop_reason": self.stop_reason,
+            "seed": self.seed,
+            "prompt_index": self.prompt_index,
+            "sample_index": self.sample_index,
+        }
+
+
+class _TextState:
+    """One sample's new tokens turned into text, with stop strings held back.
+
+    Text is released only when it can no longer be the start of a stop string, and tokens that
+    end inside a multi-byte character (byte-level BPE) wait for the rest of the character.
+    """
+
+    # Up to 4 bytes make one UTF-8 character; a byte-level token holds at least one.
+    MAX_PENDING = 4
+
+    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str], stop_ids: set[int]) -> None:
+        self.tokenizer = tokenizer
+        self.stops = [s for s in stops if s]
+        self.stop_ids = stop_ids
+        self.ids: list[int] = []
+        self.decoded = 0  # ids[:decoded] are in `text`
+        self.text = ""
+        self.emitted = 0  # text[:emitted] has been released
+        self.done = False
+        self.stop_reason: Literal["length", "stop"] = "length"
+
+    def push(self, token: int) -> str:
+        """Add one token; returns the text that is now final."""
+        self.ids.append(token)
+        if token in self.stop_ids:
+            self.done, self.stop_reason = True, "stop"
+            return self.finish(include_last=False)
+        pending = self.ids[self.decoded :]
+        piece = self.tokenizer.decode(pending)
+        if piece.endswith("\ufffd") and len(pending) < self.MAX_PENDING:
+            return ""
+        self.decoded = len(self.ids)
+        return self._add(piece)
+
+    def _add(self, piece: str) -> str:
+        self.text += piece
+        if self.stops:
+            hits = [i for i in (self.text.find(s, self.emitted) for s in self.stops) if i >= 0]
+            if hits:
+                self.text = self.text[: min(hits)]
+                self.done, self.stop_reason = True, "stop"
+                return self._release(len(self.text))
+            return self._release(len(self.text) - self._held())
+        return self._release(len(self.text))
+
+    def _held(self) -> int:
+        """Length of the longest end of `text` that could begin a stop string."""
+        tail = self.text[self.emitted :]
+        longest = 0
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, len(tail)), longest, -1):
+                if tail.endswith(stop[:n]):
+                    longest = n
+                    break
+        return longest
+
+    def _release(self, upto: int) -> str:
+        out = self.text[self.emitted : upto]
+        self.emitted = max(self.emitted, upto)
+        return out
+
+    def finish(self, include_last: bool = True) -> str:
+        """End the sample: decode what is pending and release everything held back."""
+        stop = len(self.ids) if include_last else len(self.ids) - 1
+        if self.decoded < stop:
+            self.text += self.tokenizer.decode(self.ids[self.decoded : stop])
+            self.decoded = stop
+        self.done = True
+        return self._release(len(self.text))
+
+
+class OrderedWriter:
+    """Writes samples generated together as if one came after another.
+
+    Sample 0 is written as its text arrives; the others are buffered until every sample before
+    them has ended. Each sample is its header (the prompt), its text and a newline if the text
+    does not end with one; `separator` goes between samples.
+
+    Args:
+        write: called with each piece of output (for example `sys.stdout.write` + flush).
+        headers: one per sample, written before its text.
+        separator: a line written between samples.
+    """
+
+    def __init__(
+        self, write: Callable[[str], Any], headers: Sequence[str], separator: str = "-" * 15
+    ) -> None:
+        self.write = write
+        self.headers = list(headers)
+        self.separator = separator
+        self.current = -1
+        self.buffers: dict[int, list[str]] = {i: [] for i in range(len(self.headers))}
+        self.ended: set[int] = set()
+        self.last_char = "\n"
+        self._advance()
+
+    def _out(self, text: str) -> None:
+        if text:
+            self.write(text)
+            self.last_char = text[-1]
+
+    def _advance(self) -> None:
+        """Move on to the next sample, writing what it buffered, as far as samples have ended."""
+        while True:
+            if self.current >= 0:
+                if self.last_char != "\n":
+                    self._out("\n")
+                if self.current + 1 < len(self.headers):
+                    self._out(self.separator + "\n")
+            self.current += 1
+            if self.current >= len(self.headers):
+                return
+            self._out(self.headers[self.current])
+            self._out("".join(self.buffers.pop(self.current)))
+            if self.current not in self.ended:
+                return
+
+    def text(self, index: int, piece: str) -> None:
+        if index == self.current:
+            self._out(piece)
+        elif piece:
+            self.buffers[index].append(piece)
+
+    def end(self, index: int) -> None:
+        self.ended.add(index)
+        if index == self.current:
+            self._advance()
+
+
+def encode_prompt(tokenizer: Any, prompt: str, context_length: int) -> tuple[list[int], bool]:
+    """Token ids of a prompt (the start ids when empty), cropped to its last `context_length`.
+
+    Returns:
+        `(ids, cropped)`.
+    """
+    if prompt == "":
+        from llmcli.tokenizer import start_ids
+
+        ids = list(start_ids(tokenizer))
+    else:
+        ids = list(tokenizer.encode(prompt))
+    if not ids:  # text that encodes to nothing (e.g. only characters a BPE drops)
+        from llmcli.tokenizer import start_ids
+
+        ids = list(start_ids(tokenizer))
+    return ids[-context_length:], len(ids) > context_length
+
+
+def sample_texts(
+    model: Any,
+    tokenizer: Tokenizer,
+    prompts: Sequence[str],
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    num_samples: int = 1,
+    stop: Sequence[str] = (),
+    stop_ids: Sequence[int] = (),
+    use_cache: bool = True,
+    sink: TextSink | None = None,
+    batch_size: int = 64,
+) -> list[Sample]:
+    """Generate `num_samples` continuations of every prompt, batched.
+
+    Sample `r = prompt_index * num_samples + sample_index` draws from a generator seeded
+    `seed + r`, so it is the same text whether it runs in a batch or alone with that seed. Up to
+    `batch_size` samples run as one left-padded batch.
+
+    Args:
+        model: a `Transformer` in eval mode.
+        tokenizer: the run's tokenizer.
+        prompts: texts; an empty one starts from the tokenizer's start ids.
+        max_new_tokens: tokens to generate per sample at most (>= 1).
+        temperature, top_k, top_p: see `sample_next`.
+        seed: base seed (a fresh random one when None).
+        num_samples: samples per prompt (>= 1).
+        stop: a sample ends when its text contains one of these; that text is not part of it.
+        stop_ids: a sample ends when it generates one of these ids (not part of its text).
+        use_cache: use the KV cache (see `generate`).
+        sink: receives each sample's text as it becomes final (streaming), then `end(r)`.
+        batch_size: most samples generated at once.
+
+    Returns:
+        The samples in order `r`.
+    """
+    check_sampling(temperature, top_k, top_p)
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise InputError(f"max_new_tokens ({max_new_tokens}) must be an integer >= 1")
+    if not isinstance(num_samples, int) or num_samples < 1:
+        raise InputError(f"num_samples ({num_samples}) must be an integer >= 1")
+    if not prompts:
+        raise InputError("no prompts given: pass at least one (an empty text is fine)")
+    if tokenizer.vocab_size > model.vocab_size:
+        raise InputError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
+            f"{model.vocab_size}: the run's tokenizer.json does not belong to its weights"
+        )
+    C = model.context_length
+    encoded = [encode_prompt(tokenizer, p, C) for p in prompts]
+    cropped = [i for i, (_, was_cropped) in enumerate(encoded) if was_cropped]
+    if cropped:
+        logger.warning(
+            "%d prompt(s) (first: #%d) are longer than the model's context_length (%d tokens): "
+            "the model sees only the last %d tokens of each.",
+            len(cropped), cropped[0], C, C,
+        )
+    if seed is None:
+        seed = int(torch.Generator().seed()) % (2**62)
+    jobs = [(i, j) for i in range(len(prompts)) for j in range(num_samples)]
+    samples: list[Sample] = []
+    for first in range(0, len(jobs), batch_size):
+        chunk = list(range(first, min(first + batch_size, len(jobs))))
+        samples.extend(
+            _sample_batch(
+                model, tokenizer, prompts, encoded, jobs, chunk,
+                max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                top_p=top_p, seed=seed, stop=stop, stop_ids=set(stop_ids),
+                use_cache=use_cache, sink=sink,
+            )
+        )
+    return samples
+
+
+def _sample_batch(
+    model: Any,
+    tokenizer: Tokenizer,
+    prompts: Sequence[str],
+    encoded: list[tuple[list[int], bool]],
+    jobs: list[tuple[int, int]],
+    chunk: list[int],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    top_p: float,
+    seed: int,
+    stop: Sequence[str],
+    stop_ids: set[int],
+    use_cache: bool,
+    sink: TextSink | None,
+) -> list[Sample]:
+    """Run the samples `chunk` (indices into `jobs`) as one batch."""
+    states = [_TextState(tokenizer, stop, stop_ids) for _ in chunk]
+    seconds = [0.0] * len(chunk)
+    vocab = tokenizer.vocab_size if tokenizer.vocab_size < model.vocab_size else None
+    start = time.perf_counter()
+    steps = generate(
+        model,
+        [encoded[jobs[r][0]][0] for r in chunk],
+        max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        generators=make_generators(len(chunk), seed + chunk[0]),
+        use_cache=use_cache,
+        vocab_size=vocab,
+    )
+    live = len(chunk)
+    for step in steps:
+        now = None
+        for b, token in enumerate(step.tolist()):
+            state = states[b]
+            if state.done:
+                continue
+            piece = state.push(token)
+            if sink is not None and piece:
+                sink.text(chunk[b], piece)
+            if state.done:
+                now = time.perf_counter() if now is None else now
+                seconds[b] = now - start
+                live -= 1
+                if sink is not None:
+                    sink.end(chunk[b])
+        if live == 0:
+            break
+    steps.close()
+    end = time.perf_counter()
+    for b, state in enumerate(states):
+        if not state.done:
+            piece = state.finish()
+            seconds[b] = end - start
+            if sink is not None:
+                if piece:
+                    sink.text(chunk[b], piece)
+                sink.end(chunk[b])
+    return [
+        Sample(
+            prompt=prompts[jobs[r][0]],
+            completion=state.text,
+            tokens=len(state.ids),
+            seconds=seconds[b],
+            stop_reason=state.stop_reason,
+            seed=seed + r,
+            prompt_index=jobs[r][0],
+            sample_index=jobs[r][1],
+        )
+        for b, (r, state) in enumerate(zip(chunk, states, strict=True))
+    ]
+
+
+
+def format_samples(samples: Sequence[Sample], separator: str = "-" * 15) -> str:
+    """The plain-text output of `llmcli sample`: each prompt + completion, separator between."""
+    out: list[str] = []
+    writer = OrderedWriter(out.append, [s.prompt for s in samples], separator)
+    for i, s in enumerate(samples):
+        writer.text(i, s.completion)
+        writer.end(i)
+    return "".join(out)
+
+
+# ----------------------------------------------------------------------------- a run
+
+
+def read_prompts(
+    prompt: str | None, prompt_file: str | Path | None, stdin: IO[str] | None = None
+) -> list[str]:
+    """The prompts of `llmcli sample`: `--prompt TEXT`, `--prompt -` (stdin), `--prompt-file`.
+
+    A prompt file holds one prompt per line (empty lines are skipped), or a JSON list of strings
+    (a `.json` file must be one; another file is read as JSON when it parses as such a list).
+    With neither option there is one empty prompt.
+
+    Raises:
+        InputError: both options, an unreadable or empty file, a JSON file of the wrong shape.
+    """
+    if prompt is not None and prompt_file is not None:
+        raise InputError("give either --prompt or --prompt-file, not both.")
+    stdin = sys.stdin if stdin is None else stdin
+    if prompt == "-":
+        return [stdin.read()]
+    if prompt is not None:
+        return [prompt]
+    if prompt_file is None:
+        return [""]
+    name = str(prompt_file)
+    if name == "-":
+        text = stdin.read()
+    else:
+        path = Path(prompt_file)
+        if not path.is_file():
+            what = "is a directory" if path.is_dir() else "does not exist"
+            raise InputError(f"prompt file '{path}' {what}: give a text or JSON file.")
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InputError(
+                f"prompt file '{path}' is not UTF-8 text (bad byte at offset {exc.start})."
+            ) from None
+        except OSError as exc:
+            raise InputError(f"cannot read prompt file '{path}': {exc.strerror}.") from None
+    prompts = _json_prompts(text, name, required=name.endswith(".json"))
+    if prompts is None:
+        prompts = [line for line in text.splitlines() if line.strip("\r") != ""]
+    if not prompts:
+        raise InputError(
+            f"prompt file '{name}' holds no prompts: write one prompt per line, or a JSON list "
+            'of strings such as ["ROMEO:", "JULIET:"].'
+        )
+    return prompts
+
+
+def _json_prompts(text: str, name: str, required: bool) -> list[str] | None:
+    if not required and not text.lstrip().startswith("["):
+        return None
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        if not required:
+            return None
+        raise InputError(f"prompt file '{name}' is not valid JSON ({exc}).") from None
+    if not isinstance(data, list) or not all(isinstance(p, str) for p in data):
+        if not required:
+            return None
+        raise InputError(
+            f"prompt file '{name}' must hold a JSON list of strings, such as "
+            '["ROMEO:", "JULIET:"].'
+        )
+    return data
+
+
+def resolve_device(device: str) -> str:
+    """"auto" -> "cuda" when available, else "mps" when available, else "cpu"."""
+    if device != "auto":
+        if device not in ("cpu", "cuda", "mps"):
+            raise InputError(f"device must be auto, cpu, cuda or mps, not {device!r}.")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise InputError("device 'cuda' was asked for but torch sees no CUDA GPU.")
+        if device == "mps" and not torch.backends.mps.is_available():
+            raise InputError("device 'mps' was asked for but torch sees no Apple GPU.")
+        return device
+    if torch.cuda.is_available():
+        return "cuda"
+    if torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def sample_run(
+    checkpoint: str | Path | None,
+    prompts: Sequence[str],
+    *,
+    max_new_tokens: int | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    num_samples: int = 1,
+    stop: Sequence[str] = (),
+    device: str = "auto",
+    write: Callable[[str], Any] | None = None,
+    notify: Callable[[str], Any] = logger.warning,
+) -> list[Sample]:
+    """Load a run and sample from it: what `llmcli sample` does.
+
+    Settings left None come from the run's `sample:` config. A BPE run's samples also end at the
+    end-of-text token.
+
+    Args:
+        checkpoint: a run directory (or a weights file in one); None = the latest run under
+            `checkpoints/`.
+        prompts: texts; each gets `num_samples` samples, all generated as one batch.
+        max_new_tokens, temperature, top_k, top_p, seed: override the run's defaults.
+        num_samples: samples per prompt.
+        stop: stop strings (see `sample_texts`).
+        device: "auto", "cpu", "cuda" or "mps".
+        write: stream the formatted output through this as it is generated (see
+            `OrderedWriter`); None to only return the samples.
+        notify: receives one-line notices (which run is used, version differences).
+
+    Returns:
+        The samples, prompt by prompt.
+    """
+    from llmcli.checkpoint import find_latest_run, load_run
+
+    check_sampling(
+        0.0 if temperature is None else temperature, top_k, 1.0 if top_p is None else top_p
+    )
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens ({max_new_tokens}) must be >= 1.")
+    if num_samples < 1:
+        raise InputError(f"--num-samples ({num_samples}) must be >= 1.")
+    if checkpoint is None:
+        checkpoint = find_latest_run()
+        notify(f"using the latest run: {checkpoint}")
+    run = load_run(checkpoint, device=resolve_device(device))
+    from llmcli.versions import warnings_for
+
+    for line in warnings_for(run.meta.get("versions")):
+        notify(line)
+    defaults = run.config.sample
+    eot = run.tokenizer.eot_id
+    headers = [p for p in prompts for _ in range(num_samples)]
+    return sample_texts(
+        run.model,
+        run.tokenizer,
+        prompts,
+        max_new_tokens=defaults.max_new_tokens if max_new_tokens is None else max_new_tokens,
+        temperature=defaults.temperature if temperature is None else temperature,
+        top_k=defaults.top_k if top_k is None else top_k,
+        top_p=defaults.top_p if top_p is None else top_p,
+        seed=defaults.seed if seed is None else seed,
+        num_samples=num_samples,
+        stop=stop,
+        stop_ids=() if eot is None else (eot,),
+        sink=None if write is None else OrderedWriter(write, headers),
+    )
