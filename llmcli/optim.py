@@ -1,0 +1,137 @@
+"""The optimizer (parameter groups) and the learning-rate schedule.
+
+`build_optimizer` is the one place an optimizer is made from a config. Every param group keeps
+its peak learning rate under `"base_lr"`; `apply_lr` scales all groups by the schedule's factor
+`lr_at(step) / train.lr`, so groups with their own peak (a Muon group at `muon_lr`, say) follow the
+same warmup and decay.
+
+Schedules, for the 0-based optimizer step `s` with `W = warmup_steps`, `N = max_steps`:
+- warmup (both): `lr * (s + 1) / (W + 1)` for `s < W`, so the rate is never 0 at step 0;
+- `cosine`: `min_lr + (lr - min_lr) * (1 + cos(pi * p)) / 2` with `p = (s - W) / (N - 1 - W)`;
+- `wsd` (warmup, stable, decay): `lr` until the last `decay_fraction * N` steps, then a linear
+  decay reaching `min_lr` at the last step.
+Both reach their peak at step `W` and `min_lr` at the last step, `N - 1`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmcli.config import TrainConfig
+from llmcli.errors import ConfigError
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups: weight decay on matrices and embeddings (dim >= 2), none on the rest.
+
+    Biases and norm gains (dim < 2) are not decayed, as in GPT-2 / nanoGPT: shrinking them
+    towards 0 does not regularise and hurts. A tied weight (embedding = LM head) appears once.
+
+    Returns:
+        `[{"params": decay, "weight_decay": weight_decay}, {"params": no_decay,
+        "weight_decay": 0.0}]`, each with `"names"` listing the parameter names.
+    """
+    decay, no_decay, decay_names, no_decay_names = [], [], [], []
+    for name, param in model.named_parameters():  # tied parameters are listed once
+        if not param.requires_grad:
+            continue
+        if param.dim() >= 2:
+            decay.append(param)
+            decay_names.append(name)
+        else:
+            no_decay.append(param)
+            no_decay_names.append(name)
+    return [
+        {"params": decay, "weight_decay": weight_decay, "names": decay_names},
+        {"params": no_decay, "weight_decay": 0.0, "names": no_decay_names},
+    ]
+
+
+def build_optimizer(
+    model: nn.Module, train: TrainConfig, device_type: str
+) -> torch.optim.Optimizer:
+    """The optimizer `train.optimizer` names, with its groups at their peak learning rate.
+
+    AdamW uses the fused kernel on CUDA and the multi-tensor (foreach) one elsewhere.
+
+    Args:
+        model: the (unwrapped) model whose parameters are optimised.
+        train: the train section of the config (optimizer, lr, betas, weight_decay, ...).
+        device_type: "cuda", "mps" or "cpu".
+
+    Raises:
+        ConfigError: an optimizer this build does not provide.
+    """
+    if train.optimizer == "adamw":
+        groups = param_groups(model, train.weight_decay)
+        for group in groups:
+            group["base_lr"] = train.lr
+            group["lr"] = train.lr
+        kernel = {"fused": True} if device_type == "cuda" else {"foreach": True}
+        return torch.optim.AdamW(
+            groups, lr=train.lr, betas=(train.beta1, train.beta2), eps=1e-8, **kernel
+        )
+    raise ConfigError(
+        f"train.optimizer ({train.optimizer!r}) is not available in this version of llmcli; "
+        "use train.optimizer=adamw."
+    )
+
+
+def _progress(step: int, start: int, max_steps: int) -> float:
+    """Fraction of the way from `start` to the last step `max_steps - 1`, clamped to [0, 1]."""
+    span = max_steps - 1 - start
+    if span <= 0:
+        return 1.0
+    return min(1.0, max(0.0, (step - start) / span))
+
+
+def learning_rate(
+    step: int,
+    *,
+    lr: float,
+    min_lr: float,
+    warmup_steps: int,
+    max_steps: int,
+    schedule: str = "cosine",
+    decay_fraction: float = 0.2,
+) -> float:
+    """The learning rate for 0-based optimizer step `step` (see the module docstring)."""
+    if step < warmup_steps:
+        return lr * (step + 1) / (warmup_steps + 1)
+    if schedule == "cosine":
+        p = _progress(step, warmup_steps, max_steps)
+        return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * p))
+    if schedule == "wsd":
+        decay_steps = max(1, round(decay_fraction * max_steps))
+        decay_start = max(warmup_steps, max_steps - decay_steps)
+        if step < decay_start:
+            return lr
+        return lr + (min_lr - lr) * _progress(step, decay_start, max_steps)
+    raise ConfigError(f"train.schedule ({schedule!r}) must be 'cosine' or 'wsd'.")
+
+
+def lr_at(step: int, train: TrainConfig) -> float:
+    """`learning_rate` with the values of the train config."""
+    return learning_rate(
+        step,
+        lr=train.lr,
+        min_lr=train.min_lr,
+        warmup_steps=train.warmup_steps,
+        max_steps=train.max_steps,
+        schedule=train.schedule,
+        decay_fraction=train.decay_fraction,
+    )
+
+
+def apply_lr(optimizer: torch.optim.Optimizer, step: int, train: TrainConfig) -> float:
+    """Set every group's lr for `step` (its `base_lr` times the schedule's factor); returns the
+    rate of the base schedule (`lr_at(step)`)."""
+    lr = lr_at(step, train)
+    factor = lr / train.lr
+    for group in optimizer.param_groups:
+        group["lr"] = group.get("base_lr", train.lr) * factor
+    return lr
