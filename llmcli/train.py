@@ -543,6 +543,10 @@ def _train(
     from llmcli.model import Transformer
 
     tc = config.train
+    if tc.init_from:  # a Hugging Face GPT-2 folder sets the model's shape and the tokenizer
+        from llmcli.hf import resolve_init_from
+
+        config = resolve_init_from(config)
     ctx = config.model.context_length
 
     # --- run directory, resume state, data: every rank agrees before going on ---------------
@@ -575,6 +579,10 @@ def _train(
     model = Transformer.from_config(
         config.model, vocab, generator=torch.Generator().manual_seed(tc.seed)
     )
+    if tc.init_from and state is None:  # a resumed run's weights come from its state
+        from llmcli.hf import load_gpt2_weights
+
+        load_gpt2_weights(model, tc.init_from)
     model.to(device)
     optimizer = build_optimizer(model, tc, device.type)
     scaler = torch.amp.GradScaler(device.type) if use_scaler else None
