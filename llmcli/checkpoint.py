@@ -335,9 +335,12 @@ def load_state(run_dir: str | Path) -> dict[str, Any]:
                 "by llmcli: remove it to start afresh."
             ) from None
         raise CheckpointError(f"resume state '{path}' is corrupt or truncated ({exc}).") from None
-    except (RuntimeError, EOFError, OSError, ValueError, KeyError) as exc:
+    except Exception as exc:  # a damaged file fails in many ways (zip, pickle, EOF, storage)
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        size = path.stat().st_size
         raise CheckpointError(
-            f"resume state '{path}' is corrupt or truncated ({str(exc).splitlines()[0]})."
+            f"resume state '{path}' is corrupt or truncated ({size} bytes; {reason}). Remove "
+            "it to start afresh, or restore it from a backup."
         ) from None
     if not isinstance(state, dict) or state.get("format") != WEIGHTS_FORMAT:
         raise CheckpointError(
