@@ -566,14 +566,34 @@ def _stream_seed(seed: int, rank: int) -> int:
     return int(np.random.SeedSequence([seed % (1 << 63), rank]).generate_state(1, np.uint64)[0])
 
 
+def _file_region(tokens: np.ndarray) -> tuple[str, int] | None:
+    """(file name, byte offset of `tokens[0]`) for a 1-D contiguous `np.memmap` (a view of one
+    included), else None."""
+    mm = getattr(tokens, "_mmap", None)
+    if (not isinstance(tokens, np.memmap) or mm is None or tokens.filename is None
+            or tokens.mode == "c" or tokens.ndim != 1 or tokens.strides[0] != tokens.itemsize):
+        return None  # "c": copy-on-write, its changes are not in the file
+    # The map starts at `offset` rounded down to the allocation granularity (numpy.memmap);
+    # a view's first element lies `address - map address` bytes further.
+    map_address = np.frombuffer(mm, dtype=np.uint8).ctypes.data
+    map_start = tokens.offset - tokens.offset % mmap.ALLOCATIONGRANULARITY
+    offset = map_start + tokens.ctypes.data - map_address
+    if offset < 0 or offset + tokens.nbytes > os.path.getsize(tokens.filename):
+        return None
+    return tokens.filename, offset
+
+
 class BatchSampler:
     """Random `(x, y)` windows of a token stream, drawn with the sampler's own generator.
 
     Window starts are uniform over `[0, len(tokens) - context_length)` (nanoGPT's `get_batch`).
     Rank r of a DDP job draws its own stream; saving `state_dict()` and loading it into a new
-    sampler continues the exact stream. With a read-only `np.memmap`, the pages each batch
-    touched are released from this process after the copy, so memory stays flat however large
-    the file is.
+    sampler continues the exact stream.
+
+    Memory stays flat however large the token file: from an `np.memmap`, each window is read
+    with `os.pread` into the batch, so no page of the file is ever mapped into this process
+    (touching a memory map instead adds the pages, often large folios, to the process's RSS
+    until they are unmapped). Other arrays are indexed directly.
 
     Args:
         tokens: `(N,)` token ids, an `np.ndarray` or `np.memmap` (uint16/uint32).
@@ -611,21 +631,30 @@ class BatchSampler:
         self.generator = torch.Generator().manual_seed(_stream_seed(seed, rank))
         self.batches = 0
         self._offsets = np.arange(context_length + 1)  # (T+1,)
-        mm = getattr(tokens, "_mmap", None)
-        # Only a read-only shared map: dropping the pages of a copy-on-write map loses writes.
-        self._release = (mm if isinstance(tokens, np.memmap) and tokens.mode == "r"
-                         and hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED") else None)
+        self._fd: int | None = None
+        region = _file_region(tokens) if hasattr(os, "pread") else None
+        if region is not None:
+            self._fd = os.open(region[0], os.O_RDONLY | getattr(os, "O_BINARY", 0))
+            self._file_offset = region[1]
+
+    def _windows(self, starts: np.ndarray) -> np.ndarray:
+        """`(B, T+1)` tokens from the given window starts, as int64."""
+        if self._fd is None:
+            index = starts[:, None] + self._offsets  # (B, T+1)
+            return np.asarray(self.tokens[index], dtype=np.int64)
+        itemsize = self.tokens.itemsize
+        n_bytes = (self.context_length + 1) * itemsize
+        raw = b"".join(
+            os.pread(self._fd, n_bytes, self._file_offset + int(i) * itemsize) for i in starts
+        )
+        windows = np.frombuffer(raw, dtype=self.tokens.dtype)  # (B * (T+1),)
+        return windows.reshape(len(starts), -1).astype(np.int64)  # (B, T+1)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next batch: `x` `(B, T)` int64 and `y` `(B, T)` int64, `y[:, t] == x[:, t+1]`."""
         T = self.context_length
         starts = torch.randint(len(self.tokens) - T, (self.batch_size,), generator=self.generator)
-        index = starts.numpy()[:, None] + self._offsets  # (B, T+1)
-        windows = torch.from_numpy(np.asarray(self.tokens[index], dtype=np.int64))  # (B, T+1)
-        if self._release is not None:
-            # The copy is made: give back the mapped pages (they stay in the OS page cache), or
-            # they would add up in this process's memory over a long run on a large file.
-            self._release.madvise(mmap.MADV_DONTNEED)
+        windows = torch.from_numpy(self._windows(starts.numpy()))  # (B, T+1)
         x = windows[:, :-1].contiguous()  # (B, T)
         y = windows[:, 1:].contiguous()  # (B, T)
         self.batches += 1
@@ -638,6 +667,19 @@ class BatchSampler:
 
     def __iter__(self) -> BatchSampler:
         return self
+
+    def close(self) -> None:
+        """Close the token file (also done when the sampler is garbage-collected)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", None) is not None:
+            try:
+                self.close()
+            except OSError:
+                pass
 
     def state_dict(self) -> dict[str, torch.Tensor | int]:
         """Generator state and batch count; safe for `torch.load(weights_only=True)`."""

@@ -363,6 +363,25 @@ def test_sampler_matches_nanogpt_get_batch(tokens: np.memmap) -> None:
         torch.testing.assert_close(x[:, 1:], y[:, :-1], rtol=0, atol=0)
 
 
+def test_sampler_reads_memmap_views_and_offsets_like_arrays(tokens: np.memmap) -> None:
+    path = tokens.filename
+    cases = {
+        "view": tokens[1234:8000],
+        "offset": np.memmap(path, dtype=np.uint16, mode="r", offset=2 * 777, shape=(5000,)),
+        "view of offset": np.memmap(path, dtype=np.uint16, mode="r", offset=2 * 5000)[3:4000],
+        "strided (indexed directly)": tokens[::3],
+    }
+    for name, view in cases.items():
+        sampler = BatchSampler(view, 5, 24, seed=3)
+        assert (sampler._fd is None) == name.startswith("strided"), name
+        g = torch.Generator().manual_seed(3)
+        for _ in range(3):
+            x, y = sampler.next()
+            rx, ry = nanogpt_get_batch(np.array(view), 5, 24, g)
+            assert torch.equal(x, rx) and torch.equal(y, ry), name
+        sampler.close()
+
+
 def test_sampler_same_seed_same_stream_other_seed_other_stream(tokens: np.memmap) -> None:
     a = BatchSampler(tokens, 4, 16, seed=1)
     b = BatchSampler(np.array(tokens), 4, 16, seed=1)  # in-memory array: same batches
