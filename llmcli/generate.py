@@ -201,20 +201,26 @@ class _Window:
     """The token buffer of a left-padded batch and the model inputs for each step.
 
     Row `b` holds `pads[b]` padding columns, its prompt, then its new tokens; all rows end at
-    column `end`. `tokens` is preallocated for every step, so a step only writes one column.
+    column `end`. The buffer is preallocated, so a step only writes one column; for long
+    generations it holds `P + 2 * context_length` columns and drops the columns the model can
+    no longer see when it is full.
     """
 
-    def __init__(self, rows: list[list[int]], max_new_tokens: int, device: torch.device) -> None:
+    def __init__(
+        self, rows: list[list[int]], max_new_tokens: int, context_length: int, device: torch.device
+    ) -> None:
         B = len(rows)
         lengths = [len(r) for r in rows]
         P = max(lengths)
+        self.context_length = context_length
         self.pads = [P - n for n in lengths]
         self.max_pad = max(self.pads)
-        tokens = torch.zeros(B, P + max_new_tokens, dtype=torch.long)  # (B, P + N)
+        capacity = P + min(max_new_tokens, 2 * context_length)
+        tokens = torch.zeros(B, capacity, dtype=torch.long)  # (B, capacity)
         for b, row in enumerate(rows):
             tokens[b, self.pads[b] : P] = torch.tensor(row, dtype=torch.long)
         self.tokens = tokens.to(device)
-        self.cols = torch.arange(P + max_new_tokens, device=device)  # (P + N,)
+        self.cols = torch.arange(capacity, device=device)  # (capacity,)
         self.pads_t = torch.tensor(self.pads, device=device)  # (B,)
         self.end = P  # columns filled
         self.cached = 0  # columns whose keys/values are in the KV cache
@@ -230,7 +236,22 @@ class _Window:
         cols = self.cols[:W][None, :]  # (1, W)
         return idx, cols < pads, (cols - pads).clamp(min=0)  # (B, W) each
 
+    def last_position(self) -> Tensor | None:
+        """`(B, 1)` position of column `end - 1` (None without padding: the cache length)."""
+        if self.max_pad == 0:
+            return None
+        return (self.end - 1 - self.pads_t).clamp(min=0)[:, None]  # (B, 1)
+
     def append(self, next_ids: Tensor) -> None:
+        if self.end == self.tokens.shape[1]:
+            # Full: keep the last context_length columns (here end > context_length, so the
+            # cache is no longer in use and nothing older can be seen again).
+            shift = self.end - self.context_length
+            self.tokens[:, : self.context_length] = self.tokens[:, shift:].clone()
+            self.pads = [max(0, p - shift) for p in self.pads]
+            self.max_pad = max(self.pads)
+            self.pads_t = (self.pads_t - shift).clamp(min=0)
+            self.end = self.context_length
         self.tokens[:, self.end] = next_ids  # (B,)
         self.end += 1
 
@@ -240,12 +261,10 @@ def _next_logits(model: Any, window: _Window, cache: Any) -> Tensor:
     C = model.context_length
     end = window.end
     if cache is not None and end <= C:
-        start = window.cached
-        idx, mask, pos = window.inputs(0)
-        if start > 0:  # decode: one new column; the cache remembers the padding
-            idx = idx[:, start:]  # (B, 1)
-            mask = None
-            pos = None if pos is None else pos[:, start:]  # (B, 1)
+        if window.cached == 0:  # prefill the prompts (with their padding mask)
+            idx, mask, pos = window.inputs(0)
+        else:  # decode one column; the cache remembers the padding
+            idx, mask, pos = window.tokens[:, end - 1 : end], None, window.last_position()
         logits, _ = model(idx, key_padding_mask=mask, position_ids=pos, kv_cache=cache)
         window.cached = end
     else:
@@ -327,7 +346,7 @@ def generate(
         gens = gens[0]  # one draw per step instead of a list of one
     device = next(model.parameters()).device
     with torch.inference_mode():
-        window = _Window(rows, max_new_tokens, device)
+        window = _Window(rows, max_new_tokens, C, device)
         fits = window.end < C  # else the first step already slides the window
         cache = model.new_kv_cache(B) if use_cache and fits and max_new_tokens > 0 else None
     for _ in range(max_new_tokens):
@@ -576,6 +595,7 @@ def sample_texts(
     use_cache: bool = True,
     sink: TextSink | None = None,
     batch_size: int = 64,
+    notify: Callable[[str], Any] = logger.warning,
 ) -> list[Sample]:
     """Generate `num_samples` continuations of every prompt, batched.
 
@@ -596,6 +616,7 @@ def sample_texts(
         use_cache: use the KV cache (see `generate`).
         sink: receives each sample's text as it becomes final (streaming), then `end(r)`.
         batch_size: most samples generated at once.
+        notify: receives a one-line notice when prompts are cropped to the context.
 
     Returns:
         The samples in order `r`.
@@ -615,12 +636,13 @@ def sample_texts(
     C = model.context_length
     encoded = [encode_prompt(tokenizer, p, C) for p in prompts]
     cropped = [i for i, (_, was_cropped) in enumerate(encoded) if was_cropped]
-    if cropped:
-        logger.warning(
-            "%d prompt(s) (first: #%d) are longer than the model's context_length (%d tokens): "
-            "the model sees only the last %d tokens of each.",
-            len(cropped), cropped[0], C, C,
-        )
+    if len(cropped) == 1 and len(prompts) == 1:
+        notify(f"the prompt is longer than the model's context_length ({C} tokens): the model "
+               f"sees only its last {C} tokens.")
+    elif cropped:
+        shown = ", ".join(str(i) for i in cropped[:5]) + (", ..." if len(cropped) > 5 else "")
+        notify(f"{len(cropped)} prompts (index {shown}) are longer than the model's "
+               f"context_length ({C} tokens): the model sees only the last {C} tokens of each.")
     if seed is None:
         seed = int(torch.Generator().seed()) % (2**62)
     jobs = [(i, j) for i in range(len(prompts)) for j in range(num_samples)]
@@ -881,4 +903,5 @@ def sample_run(
         stop=stop,
         stop_ids=() if eot is None else (eot,),
         sink=None if write is None else OrderedWriter(write, headers),
+        notify=notify,
     )

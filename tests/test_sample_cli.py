@@ -1,0 +1,238 @@
+"""`llmcli sample` end to end on tiny run directories made with `save_model_run`."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmcli.checkpoint import load_run, save_model_run
+from llmcli.cli import main
+from llmcli.config import config_from_dict
+from llmcli.generate import generate_ids
+from llmcli.model import Transformer
+from llmcli.tokenizer import BPETokenizer, CharTokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = "ROMEO: But soft, what light through yonder window breaks?\nJULIET: Ay me!\n"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread (and the CI machine's 2 cores are shared)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_run(run_dir: Path, tokenizer, sample: dict | None = None, seed: int = 0) -> Path:
+    config = config_from_dict({
+        "model": {"n_layer": 2, "n_head": 2, "n_embed": 32, "context_length": 16},
+        "sample": {"max_new_tokens": 20, "temperature": 1.0, "top_k": 10, "seed": 3,
+                   **(sample or {})},
+    })
+    model = Transformer.from_config(config.model, tokenizer.vocab_size,
+                                    generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():  # sharper logits than the initialisation's near-uniform ones
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.mul_(8.0)
+    save_model_run(run_dir, config, tokenizer, model)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    return make_run(tmp_path_factory.mktemp("runs") / "tiny", CharTokenizer.train([TEXT]))
+
+
+def cli(capsys, *args: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(list(args))
+    out = capsys.readouterr()
+    return exc.value.code, out.out, out.err
+
+
+def expected_completion(run_dir: Path, prompt: str, n: int, seed: int, **kw) -> str:
+    run = load_run(run_dir)
+    ids = run.tokenizer.encode(prompt) if prompt else [run.tokenizer.encode("\n")[0]]
+    s = run.config.sample
+    settings = dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, **kw)
+    new = generate_ids(run.model, [ids], n, seed=seed, **settings)[0]
+    return run.tokenizer.decode(new)
+
+
+def test_prompt_and_continuation_with_run_defaults(capsys, run_dir) -> None:
+    code, out, err = cli(capsys, "sample", "--checkpoint", str(run_dir), "--prompt", "ROMEO:",
+                         "--no-stream")
+    assert code == 0, err
+    assert out == "ROMEO:" + expected_completion(run_dir, "ROMEO:", 20, seed=3) + "\n"
+    code, streamed, _ = cli(capsys, "sample", "--checkpoint", str(run_dir), "--prompt",
+                            "ROMEO:", "--stream")
+    assert code == 0 and streamed == out
+
+
+def test_options_override_the_config(capsys, run_dir) -> None:
+    code, out, _ = cli(capsys, "sample", "--checkpoint", str(run_dir), "--prompt", "JULIET",
+                       "--max-new-tokens", "7", "--temperature", "0", "--no-stream")
+    assert code == 0
+    run = load_run(run_dir)
+    ids = generate_ids(run.model, [run.tokenizer.encode("JULIET")], 7, temperature=0.0)[0]
+    assert out == "JULIET" + run.tokenizer.decode(ids) + "\n"
+    code, out, _ = cli(capsys, "sample", "--checkpoint", str(run_dir), "--prompt", "JULIET",
+                       "--top-k", "3", "--top-p", "0.6", "--seed", "5", "--no-stream")
+    assert code == 0
+    ids = generate_ids(run.model, [run.tokenizer.encode("JULIET")], 20, temperature=1.0,
+                       top_k=3, top_p=0.6, seed=5)[0]
+    assert out == "JULIET" + run.tokenizer.decode(ids) + "\n"
+
+
+def test_num_samples_is_one_batch_with_seeds_seed_plus_i(capsys, run_dir) -> None:
+    code, out, _ = cli(capsys, "sample", "--checkpoint", str(run_dir), "--prompt", "ROMEO:",
+                       "--num-samples", "3", "--seed", "40", "--json")
+    assert code == 0
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["seed"] for r in rows] == [40, 41, 42]
+    for i, r in enumerate(rows):
+        assert r["prompt"] == "ROMEO:" and r["tokens"] == 20 and r["tokens_per_s"] > 0
+        assert r["completion"] == expected_completion(run_dir, "ROMEO:", 20, seed=40 + i)
+    assert len({r["completion"] for r in rows}) == 3
+    code, text, _ = cli(capsys, "sample", "--checkpoint", str(run_dir), "--prompt", "ROMEO:",
+                        "--num-samples", "3", "--seed", "40", "--no-stream")
+    blocks = text.split("---------------\n")
+    assert [b.rstrip("\n") for b in blocks] == ["ROMEO:" + r["completion"] for r in rows]
+
+
+def test_prompt_file_batch_keeps_order_and_equals_alone(capsys, run_dir, tmp_path) -> None:
+    prompts = ["ROMEO: But soft, what light", "J", "", "JULIET: Ay me!\nROMEO: what light through"]
+    path = tmp_path / "prompts.json"
+    path.write_text(json.dumps(prompts))
+    code, out, err = cli(capsys, "sample", "--checkpoint", str(run_dir), "--prompt-file",
+                         str(path), "--seed", "9", "--json", "--max-new-tokens", "24")
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["prompt"] for r in rows] == prompts
+    assert "context_length" in err  # the last prompt (35 chars) is longer than 16
+    for i, (p, r) in enumerate(zip(prompts, rows, strict=True)):
+        code, alone, _ = cli(capsys, "sample", "--checkpoint", str(run_dir), "--prompt", p,
+                             "--seed", str(9 + i), "--json", "--max-new-tokens", "24")
+        assert json.loads(alone)["completion"] == r["completion"], p
+        assert r["completion"] == expected_completion(run_dir, p[-16:], 24, seed=9 + i)
+
+
+def test_stop_string_ends_the_sample_and_is_not_printed(capsys, run_dir) -> None:
+    full = expected_completion(run_dir, "ROMEO:", 20, seed=3)
+    stop = full[8:10]  # text that does appear, at position 8 at the latest
+    code, out, _ = cli(capsys, "sample", "--checkpoint", str(run_dir), "--prompt", "ROMEO:",
+                       "--stop", stop, "--stop", "@@", "--stream")
+    assert code == 0
+    assert out == "ROMEO:" + full[: full.index(stop)] + "\n"
+
+
+def test_empty_prompt_and_stdin(capsys, run_dir, monkeypatch) -> None:
+    code, out, _ = cli(capsys, "sample", "--checkpoint", str(run_dir), "--prompt", "",
+                       "--no-stream")
+    assert code == 0 and out.rstrip("\n") == expected_completion(run_dir, "", 20,
+                                                                  seed=3).rstrip("\n")
+    monkeypatch.setattr(sys, "stdin", io.StringIO("ROMEO:"))
+    code, out2, _ = cli(capsys, "sample", "--checkpoint", str(run_dir), "--prompt", "-",
+                        "--no-stream")
+    assert code == 0 and out2 == "ROMEO:" + expected_completion(run_dir, "ROMEO:", 20,
+                                                                 seed=3) + "\n"
+
+
+def test_bpe_run_starts_empty_prompt_at_end_of_text(capsys, tmp_path) -> None:
+    tok = BPETokenizer.train([TEXT * 5], vocab_size=280)
+    run_dir = make_run(tmp_path / "bpe", tok)
+    code, out, _ = cli(capsys, "sample", "--checkpoint", str(run_dir), "--json",
+                       "--temperature", "0", "--max-new-tokens", "12")
+    assert code == 0
+    row = json.loads(out)
+    run = load_run(run_dir)
+    new = generate_ids(run.model, [[tok.eot_id]], 12, temperature=0.0)[0]
+    if tok.eot_id in new:  # the sample ends at end-of-text, which is not printed
+        new = new[: new.index(tok.eot_id)]
+        assert row["stop_reason"] == "stop"
+    assert row["completion"] == tok.decode(new)
+
+
+def test_latest_run_is_used_and_named(capsys, tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, _, err = cli(capsys, "sample", "--prompt", "ROMEO:")
+    assert code == 2 and "llmcli train configs/tiny.yaml" in err
+    make_run(tmp_path / "checkpoints" / "old", CharTokenizer.train([TEXT]), seed=1)
+    newest = make_run(tmp_path / "checkpoints" / "new", CharTokenizer.train([TEXT]))
+    os.utime(tmp_path / "checkpoints" / "old" / "model.safetensors", (1, 1))
+    code, out, err = cli(capsys, "sample", "--prompt", "ROMEO:", "--no-stream")
+    assert code == 0
+    assert str(Path("checkpoints") / "new") in err
+    assert out == "ROMEO:" + expected_completion(newest, "ROMEO:", 20, seed=3) + "\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--temperature", "-1"], "temperature (-1.0) must be a number >= 0"),
+        (["--top-p", "0"], "top_p (0.0) must be in (0, 1]"),
+        (["--top-p", "1.5"], "top_p (1.5) must be in (0, 1]"),
+        (["--top-k", "0"], "top_k (0) must be an integer >= 1"),
+        (["--max-new-tokens", "0"], "max-new-tokens (0) must be >= 1"),
+        (["--num-samples", "0"], "num-samples (0) must be >= 1"),
+        (["--prompt", "ROMEO€ and ЖЖ"], "'Ж', '€'"),
+        (["--prompt", "x", "--prompt-file", "p.txt"], "not both"),
+        (["--prompt-file", "nope.txt"], "does not exist"),
+    ],
+)
+def test_bad_input_exits_2_with_a_message(capsys, run_dir, args, message) -> None:
+    code, out, err = cli(capsys, "sample", "--checkpoint", str(run_dir), *args)
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in out + err
+
+
+def test_broken_runs_exit_2(capsys, run_dir, tmp_path) -> None:
+    import shutil
+
+    def broken(name: str) -> Path:
+        target = tmp_path / name
+        shutil.copytree(run_dir, target)
+        return target
+
+    no_tok = broken("no_tok")
+    (no_tok / "tokenizer.json").unlink()
+    truncated = broken("truncated")
+    for weights in ("model.safetensors", "best.safetensors"):
+        data = (truncated / weights).read_bytes()
+        (truncated / weights).write_bytes(data[: len(data) // 2])
+    mismatch = broken("mismatch")
+    CharTokenizer.train([TEXT + "XYZ"]).save(mismatch / "tokenizer.json")
+    for d, message in [(no_tok, "no tokenizer.json"), (truncated, "truncated"),
+                       (mismatch, "tokens but the weights"), (tmp_path / "absent", "does not")]:
+        code, out, err = cli(capsys, "sample", "--checkpoint", str(d), "--prompt", "R")
+        assert code == 2, err
+        assert message in err and "Traceback" not in out + err
+
+
+def test_ctrl_c_exits_130_without_traceback(run_dir) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmcli", "sample", "--checkpoint", str(run_dir),
+         "--max-new-tokens", "1000000", "--stream"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout.read(1)  # generation has started
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130
+    assert b"Traceback" not in err
