@@ -67,6 +67,45 @@ def config_command(
     typer.echo(dump_yaml(load_config(config, set_ or [])), nl=False)
 
 
+@app.command("train")
+def train_command(
+    config: ConfigArg,
+    set_: SetOption = None,
+    out: Annotated[
+        Optional[Path],
+        typer.Option(help="Run directory (default: train.out_dir, else checkpoints/<config "
+                     "name>).", metavar="DIR"),
+    ] = None,
+    resume: Annotated[
+        bool, typer.Option(help="Continue the run saved in the run directory, exactly.")
+    ] = False,
+    overwrite: Annotated[
+        bool, typer.Option(help="Start afresh even if the run directory holds a run.")
+    ] = False,
+    progress: Annotated[
+        bool, typer.Option(help="Show the progress bar.")
+    ] = True,
+) -> None:
+    """Train a model (Ctrl-C saves and stops; under torchrun, trains with DDP)."""
+    import logging
+
+    from llmcli.config import load_config
+    from llmcli.train import train
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    summary = train(load_config(config, set_ or []), out_dir=out, resume=resume,
+                    overwrite=overwrite, progress=progress)
+    if summary.rank != 0:
+        return
+    rate = f", {summary.tokens_per_s:,.0f} tokens/s" if summary.tokens_per_s else ""
+    typer.echo(f"run {summary.run_dir}: step {summary.step}/{summary.max_steps}, "
+               f"{summary.tokens:,} tokens, {summary.elapsed_s:.0f} s{rate}")
+    if summary.val_loss is not None:
+        typer.echo(f"val loss {summary.val_loss:.4f} (perplexity {summary.val_ppl:.2f}), "
+                   f"train loss {summary.train_loss:.4f}, best val loss "
+                   f"{summary.best_val_loss:.4f}")
+
+
 @app.command("sample")
 def sample_command(
     checkpoint: Annotated[
@@ -151,6 +190,129 @@ def sample_command(
             typer.echo(json.dumps(sample.to_dict(), ensure_ascii=False))
     elif not streaming:
         write(format_samples(samples))
+
+
+@app.command("inspect-attention")
+def inspect_attention_command(
+    checkpoint: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="Run directory (default: the latest run under checkpoints/).", metavar="DIR"
+        ),
+    ] = None,
+    prompt: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            help="Prompt text; repeatable, one dump per prompt (default: the start of the "
+            "run's validation text).",
+            metavar="TEXT",
+        ),
+    ] = None,
+    prompt_file: Annotated[
+        Optional[Path],
+        typer.Option(help="More prompts: one per line, or a JSON list of strings.", metavar="FILE"),
+    ] = None,
+    layer: Annotated[
+        Optional[list[int]],
+        typer.Option(help="Keep only this layer (0-based); repeatable (default: all).",
+                     metavar="L"),
+    ] = None,
+    head: Annotated[
+        Optional[list[int]],
+        typer.Option(help="Keep only this head (0-based); repeatable (default: all).", metavar="H"),
+    ] = None,
+    out: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="Output folder (default: <run>/attention/); several prompts go to "
+            "prompt-000/, prompt-001/, ... inside it.",
+            metavar="DIR",
+        ),
+    ] = None,
+    format_: Annotated[
+        str, typer.Option("--format", help="Dump format: npz, safetensors or json.", metavar="FMT")
+    ] = "npz",
+    induction: Annotated[
+        bool,
+        typer.Option(help="Add an induction score per head (on a repeated random sequence)."),
+    ] = False,
+    truncate: Annotated[
+        bool,
+        typer.Option(help="Keep the last context_length tokens of a longer prompt."),
+    ] = False,
+    weights: Annotated[
+        str, typer.Option(help="Which weights of the run: best or last.", metavar="WHICH")
+    ] = "best",
+    device: Annotated[str, typer.Option(help="cpu, cuda, mps or auto.", metavar="DEV")] = "cpu",
+    pictures: Annotated[
+        bool, typer.Option("--pictures/--no-pictures", help="Write one PNG per layer.")
+    ] = True,
+) -> None:
+    """Dump every head's attention for a prompt, score each head, draw it, write a viewer."""
+    from llmcli.inspect import format_metrics_table, inspect_attention
+
+    if checkpoint is None:
+        from llmcli.checkpoint import find_latest_run
+
+        checkpoint = find_latest_run()
+    typer.echo(f"checkpoint: {checkpoint}", err=True)
+    result = inspect_attention(
+        checkpoint,
+        prompt or [],
+        prompt_file=prompt_file,
+        layers=layer,
+        heads=head,
+        out_dir=out,
+        fmt=format_,
+        induction=induction,
+        truncate=truncate,
+        weights=weights,
+        device=device,
+        pictures=pictures,
+    )
+    for note in result.notes:
+        typer.echo(note, err=True)
+    for i, (dump, folder) in enumerate(zip(result.dumps, result.out_dirs, strict=True)):
+        text = dump.meta["prompt"]
+        shown = repr(text if len(text) <= 60 else text[:57] + "...")
+        cut = ", truncated to the last tokens" if dump.meta["truncated"] else ""
+        typer.echo(f"prompt {i} ({len(dump.tokens)} tokens{cut}): {shown}")
+        typer.echo(format_metrics_table(dump))
+        typer.echo(f"wrote {folder}/: " + ", ".join(p.name for p in result.files[i]))
+        typer.echo("")
+
+
+@app.command("export")
+def export_command(
+    out: Annotated[
+        Path, typer.Option(help="Folder to write (must be new or empty).", metavar="DIR")
+    ],
+    checkpoint: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="Run directory (default: the latest run under checkpoints/).", metavar="DIR"
+        ),
+    ] = None,
+    format_: Annotated[
+        str,
+        typer.Option("--format", help="Output format: hf (a Hugging Face GPT-2 folder).",
+                     metavar="FMT"),
+    ] = "hf",
+    force: Annotated[
+        bool, typer.Option(help="Write into a non-empty --out, replacing a previous export.")
+    ] = False,
+    weights: Annotated[
+        str, typer.Option(help="Which weights of the run: best or last.", metavar="WHICH")
+    ] = "best",
+) -> None:
+    """Export a run as a Hugging Face GPT-2 folder (transformers' AutoModelForCausalLM)."""
+    from llmcli.hf import export_hf
+
+    result = export_hf(checkpoint, out, format=format_, force=force, weights=weights)
+    typer.echo(
+        f"exported {result.run_dir} (step {result.step}, {result.n_params:,} parameters, "
+        f"vocab {result.vocab_size}) to {result.out_dir}/: {', '.join(result.files)}"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
