@@ -107,24 +107,24 @@ class RotaryEmbedding(nn.Module):
         """Rotate `x` by its positions.
 
         Args:
-            x: `(..., T, hs)`; e.g. `(B, T, hs)` or `(B, nh, T, hs)` or `(2, B, nh, T, hs)`.
+            x: `(B, T, hs)` or `(B, T, nh, hs)`: time on dim 1, channels last.
             position_ids: `(B, T)` long, or None for positions `offset .. offset + T - 1`.
             offset: first position when `position_ids` is None.
 
         Returns:
             Tensor of the same shape as `x`.
         """
-        T, hs = x.shape[-2], x.shape[-1]
+        T, hs = x.shape[1], x.shape[-1]
         if position_ids is None:
             cos = self.cos[offset : offset + T]  # (T, hs)
             sin = self.sin[offset : offset + T]  # (T, hs)
         else:
             cos = self.cos[position_ids]  # (B, T, hs)
             sin = self.sin[position_ids]  # (B, T, hs)
-            if x.ndim >= 4:  # heads sit between batch and time
-                cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, hs)
-        rotated_half = x.roll(hs // 2, dims=-1)  # (..., T, hs): [b, a] for x = [a, b]
-        return x * cos.to(x.dtype) + rotated_half * sin.to(x.dtype)
+        if x.ndim == 4:  # heads sit between time and channels
+            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (T, 1, hs) or (B, T, 1, hs)
+        rotated_half = x.roll(hs // 2, dims=-1)  # (B, T, ..., hs): [b, a] for x = [a, b]
+        return torch.addcmul(x * cos.to(x.dtype), rotated_half, sin.to(x.dtype))
 
 
 def _allowed_keys(
@@ -420,17 +420,20 @@ class MultiHeadAttention(nn.Module):
         if key_padding_mask is not None:
             _check_padding_mask(key_padding_mask, B, past + T)
 
-        qkv = self.qkv(x).view(B, T, 3, nh, hs).permute(2, 0, 3, 1, 4)  # (3, B, nh, T, hs)
-        if self.qk_norm or self.rotary is not None:
-            qk = qkv[:2]  # (2, B, nh, T, hs): queries and keys, processed together
-            if self.qk_norm:
-                qk = qk_rms_norm(qk)
-            if self.rotary is not None:
-                qk = self.rotary(qk, position_ids, offset=past)
-            q, k = qk.unbind(0)  # each (B, nh, T, hs)
-            v = qkv[2]  # (B, nh, T, hs)
-        else:
-            q, k, v = qkv.unbind(0)  # each (B, nh, T, hs)
+        # split + view + transpose (not a 5-D permute): SDPA's backward hands back gradients whose
+        # memory is (B, T, nh, hs), so the backward of this is one concatenation, no extra copy.
+        q, k, v = self.qkv(x).split(C, dim=2)  # each (B, T, C)
+        q = q.view(B, T, nh, hs)  # (B, T, nh, hs)
+        k = k.view(B, T, nh, hs)  # (B, T, nh, hs)
+        v = v.view(B, T, nh, hs)  # (B, T, nh, hs)
+        if self.qk_norm:
+            q, k = qk_rms_norm(q), qk_rms_norm(k)
+        if self.rotary is not None:
+            q = self.rotary(q, position_ids, offset=past)
+            k = self.rotary(k, position_ids, offset=past)
+        q = q.transpose(1, 2)  # (B, nh, T, hs)
+        k = k.transpose(1, 2)  # (B, nh, T, hs)
+        v = v.transpose(1, 2)  # (B, nh, T, hs)
         if kv_cache is not None:
             k, v = kv_cache.update(layer_idx, k, v)  # each (B, nh, past + T, hs)
         T_k = past + T
@@ -871,7 +874,10 @@ class Transformer(nn.Module):
         x = self.wte(idx)  # (B, T, C)
         if self.wpe is not None:
             if position_ids is None:
-                x = x + self.wpe.weight[past : past + T]  # (B, T, C) + (T, C)
+                # A slice costs a copy in backward; the whole table (the usual training case) not.
+                wpe = self.wpe.weight
+                pos = wpe if past == 0 and T == wpe.shape[0] else wpe[past : past + T]  # (T, C)
+                x = x + pos  # (B, T, C) + (T, C)
             else:
                 x = x + self.wpe(position_ids)  # (B, T, C)
         if self.training and self.dropout > 0.0:
