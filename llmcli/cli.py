@@ -67,6 +67,30 @@ def config_command(
     typer.echo(dump_yaml(load_config(config, set_ or [])), nl=False)
 
 
+@app.command("prepare-data")
+def prepare_data_command(
+    config: ConfigArg,
+    set_: SetOption = None,
+    cache_dir: Annotated[
+        Optional[Path],
+        typer.Option(help="Token cache folder (default: data.cache_dir, else $LLMCLI_CACHE, "
+                     "else ~/.cache/llmcli).", metavar="DIR"),
+    ] = None,
+) -> None:
+    """Train the tokenizer and tokenize the corpus into the cache, ahead of `train`."""
+    import logging
+
+    from llmcli.config import load_config
+    from llmcli.data import prepare_data
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cfg = load_config(config, set_ or [])
+    data = prepare_data(cfg.data, cfg.model.context_length, cache_dir=cache_dir)
+    typer.echo(f"{len(data.train):,} train + {len(data.val):,} validation tokens "
+               f"({data.train.dtype}), vocab_size {data.tokenizer.vocab_size}; cache: "
+               + ", ".join(str(f) for f in data.cache_files))
+
+
 @app.command("train")
 def train_command(
     config: ConfigArg,

@@ -432,3 +432,22 @@ def test_sampler_on_prepared_data(tmp_path: Path, text: str) -> None:
     for row_x, row_y in zip(x.numpy(), y.numpy(), strict=True):
         start = next(i for i in range(len(ref) - 32) if (ref[i : i + 32] == row_x).all())
         np.testing.assert_array_equal(row_y, ref[start + 1 : start + 33])
+
+
+def test_cli_prepare_data(tmp_path: Path, text: str, capsys) -> None:
+    from llmcli.cli import main
+
+    corpus = write(tmp_path / "c.txt", text)
+    cfg = write(tmp_path / "cfg.yaml", f"data: {{path: {str(corpus)!r}}}\n")
+    with pytest.raises(SystemExit) as exit_:
+        main(["prepare-data", str(cfg), "--cache-dir", str(tmp_path / "cache"),
+              "--set", "model.context_length=16"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    n_train = int(len(text) * 0.9)
+    assert f"{n_train:,} train + {len(text) - n_train:,} validation tokens (uint16)" in out
+    with pytest.raises(SystemExit) as exit_:
+        main(["prepare-data", str(cfg), "--cache-dir", str(tmp_path / "cache"),
+              "--set", f"data.path={tmp_path / 'missing.txt'}"])
+    assert exit_.value.code == 2
+    assert "error: data.path" in capsys.readouterr().err
