@@ -4,14 +4,16 @@
 glob; or `data.dataset`: a Hugging Face `datasets` source), trains the tokenizer unless one is
 given, and tokenizes the text once into a binary token file (uint16 when the vocabulary fits,
 else uint32) under a cache folder. The file is keyed by a hash of the source content and of the
-tokenizer, so an unchanged corpus is not tokenized again and a changed one is. Training reads the
-file through `np.memmap`, and `BatchSampler` draws `(x, y)` windows from it with its own
-`torch.Generator`, so memory does not grow with the corpus.
+tokenizer, so an unchanged corpus is not tokenized again and a changed one is. `TokenData` holds
+the splits as `np.memmap`s of that file, and `BatchSampler` draws `(x, y)` windows from them with
+its own `torch.Generator`, reading each window from the file (`os.pread`), so memory does not
+grow with the corpus.
 
 Cache folder: the `cache_dir` argument, else `data.cache_dir`, else `$LLMCLI_CACHE`, else
 `$XDG_CACHE_HOME/llmcli`, else `~/.cache/llmcli`. It holds `tokens/<key>.bin` (+ `.json`
 metadata), `tokenizers/<key>.json` (trained tokenizers, so that a rerun does not train again) and
-`datasets/` (the `datasets` library's cache for local files). Deleting it is always safe.
+`datasets/` (the `datasets` library's Arrow cache for local json/csv/parquet files; hub datasets
+use that library's own cache). Deleting it is always safe.
 
 Documents (files of a folder or glob, rows of a dataset) are joined with the end-of-text token
 (BPE) or a newline (char). Long documents are cut into pieces at line boundaries
@@ -99,10 +101,15 @@ class FileSource:
         total = 0
         for path in self.files:
             fh = hashlib.sha256()
-            with open(path, "rb") as f:
-                while block := f.read(READ_BLOCK_BYTES):
-                    fh.update(block)
-                    total += len(block)
+            try:
+                with open(path, "rb") as f:
+                    while block := f.read(READ_BLOCK_BYTES):
+                        fh.update(block)
+                        total += len(block)
+            except OSError as exc:
+                raise InputError(
+                    f"{self.label}: cannot read {str(path)!r}: {exc.strerror}."
+                ) from None
             h.update(fh.digest())
         if total == 0:
             raise InputError(
@@ -250,8 +257,8 @@ def _load_dataset(spec: str, split: str, key: str, cache_dir: Path) -> Any:
                                            cache_dir=str(cache_dir / "datasets"))
         elif p.exists():
             loaded = datasets.load_dataset(str(p), cache_dir=str(cache_dir / "datasets"))
-        else:  # a hub name
-            loaded = datasets.load_dataset(spec, cache_dir=str(cache_dir / "datasets"))
+        else:  # a hub name: downloads go to the datasets library's own cache, shared
+            loaded = datasets.load_dataset(spec)
     except errors as exc:
         raise InputError(f"cannot load {label}: {exc}") from None
     if isinstance(loaded, datasets.DatasetDict):
@@ -519,7 +526,14 @@ def prepare_data(
             text column or split.
     """
     cache = Path(cache_dir or data_cfg.cache_dir or default_cache_dir()).expanduser()
-    cache.mkdir(parents=True, exist_ok=True)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        (cache / "tokens").mkdir(exist_ok=True)
+    except OSError as exc:
+        raise InputError(
+            f"cannot create the token cache folder {str(cache)!r} ({exc.strerror}): set "
+            "data.cache_dir or $LLMCLI_CACHE to a writable folder."
+        ) from None
     train_src, val_src = _sources(data_cfg, cache)
     train_hash = train_src.content_hash()
     val_hash = val_src.content_hash() if val_src is not None else None
