@@ -23,7 +23,6 @@ import json
 import logging
 import math
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -263,15 +262,17 @@ class AttentionDump:
 
 
 def _atomic_write(path: Path, write: Any) -> None:
-    """Call write(tmp_path) on a temporary file next to `path`, then rename it into place."""
+    """Call write(tmp_path) on a temporary file next to `path`, then rename it into place.
+
+    The temporary file is created by `write` itself, so it gets the usual permissions (umask).
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        write(Path(tmp))
+        write(tmp)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 

@@ -184,6 +184,8 @@ def test_viewer_loads_without_console_errors(browser, tmp_path) -> None:
 
 @needs_chromium
 def test_switching_head_and_layer_changes_the_picture(browser, tmp_path) -> None:
+    from selenium.webdriver.common.by import By
+
     _open(browser, write_viewer(make_dump(), tmp_path / "attention.html"))
     # Layer 0 head 0 is a previous-token head: cell (3, 2) is 1, cell (3, 0) is 0.
     assert _pixel(browser, 3, 2) == VIRIDIS_HIGH and _pixel(browser, 3, 0) == VIRIDIS_LOW
@@ -196,6 +198,9 @@ def test_switching_head_and_layer_changes_the_picture(browser, tmp_path) -> None
     assert _pixel(browser, 0, 0) == VIRIDIS_HIGH
     assert _pixel(browser, 1, 0) not in (VIRIDIS_HIGH, VIRIDIS_LOW)
     assert _pixel(browser, 1, 5) == (255, 255, 255)  # above the diagonal: blank
+    # Scaling each row to its maximum paints a uniform row at full colour.
+    browser.find_element(By.ID, "rowscale").click()
+    assert _pixel(browser, 1, 0) == VIRIDIS_HIGH and _pixel(browser, 7, 3) == VIRIDIS_HIGH
     assert _severe(browser) == []
 
 
