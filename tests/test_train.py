@@ -1,0 +1,450 @@
+"""The training loop (llmcli/train.py) and `llmcli train`: metrics, evaluation, checkpoints,
+exact resume after Ctrl-C and SIGKILL, divergence, write failures, bad input, and DDP.
+
+Every run here is a 1-layer model of width 16 on 30k characters, trained on one thread (in this
+process and in subprocesses alike) so that bitwise comparisons do not depend on thread count.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmcli import checkpoint as ckpt
+from llmcli.config import Config, config_from_dict, dump_yaml
+from llmcli.errors import CheckpointError, InputError
+from llmcli.optim import lr_at
+from llmcli.train import (
+    EVAL_SEED_OFFSET,
+    DivergenceError,
+    read_metrics,
+    resolve_device,
+    resolve_precision,
+    train,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+VOLATILE = ("elapsed_s", "tok_per_s")  # the only metrics allowed to differ between runs
+
+# Run by subprocess tests in place of `python -m llmcli`: the same CLI, with a pause at step
+# $PAUSE_AT (after the step, before anything else) until $PAUSE_MARKER.go exists, so that a
+# test can send a signal at a known moment between two saves.
+PAUSING_CLI = """
+import os, sys, time
+from pathlib import Path
+import llmcli.train as T
+
+pause_at, marker = int(os.environ["PAUSE_AT"]), Path(os.environ["PAUSE_MARKER"])
+original = T.train
+
+def on_step(step):
+    if step == pause_at:
+        marker.write_text(str(step))
+        for _ in range(12000):
+            if marker.with_suffix(".go").exists():
+                break
+            time.sleep(0.01)
+
+def train(*args, **kwargs):
+    return original(*args, on_step=on_step, **kwargs)
+
+T.train = train
+from llmcli.cli import main
+main(sys.argv[1:])
+"""
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    text = (ROOT / "data" / "shakespeare.txt").read_text(encoding="utf-8")[:30_000]
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def make_config(corpus: Path, **train: object) -> Config:
+    raw = {
+        "model": {"n_layer": 1, "n_head": 2, "n_embed": 16, "context_length": 8},
+        "data": {"path": str(corpus), "tokenizer": "char",
+                 "cache_dir": str(corpus.parent / "cache")},
+        "train": {"device": "cpu", "batch_size": 4, "max_steps": 30, "warmup_steps": 3,
+                  "eval_interval": 10, "eval_steps": 2, "log_interval": 5, "seed": 7, **train},
+    }
+    return config_from_dict(raw, name="t")
+
+
+def write_config(config: Config, path: Path) -> Path:
+    path.write_text(dump_yaml(config), encoding="utf-8")
+    return path
+
+
+def weights(run_dir: Path, name: str = "model.safetensors") -> dict[str, torch.Tensor]:
+    return ckpt.read_weights(run_dir / name)[0]
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), f"{name} differs bitwise"
+
+
+def assert_close_weights(a: Path, b: Path, atol: float) -> None:
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], atol=atol, rtol=0, msg=name)
+
+
+def stable_metrics(run_dir: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in VOLATILE}
+            for r in read_metrics(run_dir / "metrics.jsonl")]
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **extra)
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llmcli", *args], cwd=ROOT, env=cli_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def reference(corpus: Path, tmp_path_factory) -> Path:
+    """An uninterrupted 30-step run (in this process), to compare resumed runs with."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train(make_config(corpus), out_dir=run_dir, progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    return run_dir
+
+
+# --- devices and precision -------------------------------------------------------------------
+
+
+def test_device_and_precision_choices() -> None:
+    assert resolve_device("cpu") == torch.device("cpu")
+    if torch.cuda.is_available():
+        assert resolve_device("cuda").type == "cuda"
+        name, amp, scaler = resolve_precision(torch.device("cuda"), "auto")
+        assert amp == (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16)
+        assert scaler is (amp == torch.float16)
+    else:
+        assert resolve_device("auto").type in ("cpu", "mps")
+        with pytest.raises(InputError, match="no CUDA device"):
+            resolve_device("cuda")
+    assert resolve_precision(torch.device("cpu"), "auto") == ("float32", None, False)
+    assert resolve_precision(torch.device("cpu"), "bfloat16") == ("bfloat16", torch.bfloat16,
+                                                                  False)
+    with pytest.raises(InputError, match="float16"):
+        resolve_precision(torch.device("cpu"), "float16")
+
+
+# --- a run: files, metrics, evaluation -------------------------------------------------------
+
+
+def test_a_run_writes_its_directory_metrics_and_evaluations(reference: Path, corpus: Path) -> None:
+    from llmcli.data import BatchSampler, prepare_data
+
+    names = set(os.listdir(reference))
+    assert names == {"config.yaml", "tokenizer.json", "model.safetensors", "best.safetensors",
+                     "meta.json", "state.pt", "metrics.jsonl", "loss.png"}
+    assert (reference / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    config = make_config(corpus)
+    records = read_metrics(reference / "metrics.jsonl")
+    logs = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in logs] == [5, 10, 15, 20, 25, 30]
+    assert [r["step"] for r in evals] == [10, 20, 30]
+    for r in records:
+        assert r["tokens"] == r["step"] * 4 * 8
+        assert r["lr"] == pytest.approx(lr_at(r["step"] - 1, config.train))
+        assert math.isfinite(r["train_loss"])
+    for r in evals:
+        assert r["val_ppl"] == pytest.approx(math.exp(r["val_loss"]))
+    elapsed = [r["elapsed_s"] for r in records]
+    assert elapsed == sorted(elapsed) and elapsed[0] > 0
+    vocab = ckpt.load_run(reference).tokenizer.vocab_size
+    assert evals[-1]["val_loss"] < min(evals[0]["val_loss"], math.log(vocab))  # it learns
+
+    # The final evaluation equals the mean loss of the final weights over the eval batches.
+    run = ckpt.load_run(reference, weights="last")
+    data = prepare_data(config.data, 8)
+    for split, tokens in (("train", data.train), ("val", data.val)):
+        sampler = BatchSampler(tokens, 4, 8, seed=7 + EVAL_SEED_OFFSET)
+        with torch.no_grad():
+            losses = [run.model(*sampler.next())[1].item() for _ in range(2)]
+        key = "val_loss" if split == "val" else "train_loss"
+        assert evals[-1][key] == pytest.approx(sum(losses) / 2, rel=1e-5)
+
+    meta = json.loads((reference / "meta.json").read_text())
+    assert meta["step"] == 30 and meta["tokens"] == 960
+    assert meta["best_val_loss"] == min(r["val_loss"] for r in evals)
+    assert ckpt.load_state(reference)["best_step"] == meta["best_step"]
+    if meta["best_step"] == 30:
+        assert (reference / "best.safetensors").read_bytes() == \
+            (reference / "model.safetensors").read_bytes()
+
+
+def test_evaluation_does_not_move_the_training_stream(reference: Path, corpus: Path,
+                                                      tmp_path: Path) -> None:
+    train(make_config(corpus, eval_interval=30), out_dir=tmp_path / "run", progress=False)
+    assert_same_weights(reference, tmp_path / "run")
+
+
+def test_gradient_accumulation_scales_the_loss(corpus: Path, tmp_path: Path) -> None:
+    # Two micro-batches of 4 draw the same windows as one batch of 8 (one generator), so the
+    # runs differ only by float rounding if the loss is divided by grad_accum.
+    # (Evaluation batches have batch_size rows, so the val losses differ; train losses do not.)
+    one = train(make_config(corpus, batch_size=8, max_steps=10, eval_interval=10),
+                out_dir=tmp_path / "one", progress=False)
+    two = train(make_config(corpus, batch_size=4, grad_accum=2, max_steps=10, eval_interval=10),
+                out_dir=tmp_path / "two", progress=False)
+    assert two.tokens == one.tokens == 10 * 8 * 8
+    logged = [[r["train_loss"] for r in read_metrics(tmp_path / name / "metrics.jsonl")
+               if r["kind"] == "train"] for name in ("one", "two")]
+    assert logged[1] == pytest.approx(logged[0], abs=1e-5)
+    assert_close_weights(tmp_path / "one", tmp_path / "two", atol=1e-6)
+
+
+# --- exact resume ----------------------------------------------------------------------------
+
+
+def test_ctrl_c_saves_and_resume_is_bitwise_exact(reference: Path, corpus: Path,
+                                                  tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+
+    def interrupt(step: int) -> None:
+        if step == 13:
+            signal.raise_signal(signal.SIGINT)
+
+    with pytest.raises(KeyboardInterrupt):
+        train(make_config(corpus), out_dir=run_dir, progress=False, on_step=interrupt)
+    assert ckpt.load_state(run_dir)["step"] == 13
+    assert ckpt.load_run(run_dir).step in (10, 13)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+    summary = train(make_config(corpus), out_dir=run_dir, resume=True, progress=False)
+    assert summary.resumed_from == 13 and summary.step == 30
+    assert_same_weights(reference, run_dir)
+    assert stable_metrics(run_dir) == stable_metrics(reference)
+    elapsed = [r["elapsed_s"] for r in read_metrics(run_dir / "metrics.jsonl")]
+    assert elapsed == sorted(elapsed)  # summed across the two sessions
+
+
+def test_resume_refuses_another_model_shape_and_needs_a_saved_run(
+    reference: Path, corpus: Path, tmp_path: Path
+) -> None:
+    config = make_config(corpus)
+    config.model.n_embed = 32
+    with pytest.raises(CheckpointError, match=r"model\.n_embed: saved 16, config 32"):
+        train(config, out_dir=reference, resume=True, progress=False)
+    with pytest.raises(CheckpointError, match="nothing to resume"):
+        train(make_config(corpus), out_dir=tmp_path / "empty", resume=True, progress=False)
+    assert not (tmp_path / "empty").exists()
+    with pytest.raises(CheckpointError, match="already holds a run"):
+        train(make_config(corpus), out_dir=reference, progress=False)
+    # A finished run resumed with the same config has nothing left to do.
+    done = train(make_config(corpus), out_dir=reference, resume=True, progress=False)
+    assert done.step == 30 and done.tokens_per_s is None
+
+
+def test_divergence_names_the_step_and_keeps_the_last_good_checkpoint(
+    corpus: Path, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    holder: dict = {}
+
+    def poison(step: int) -> None:
+        if step == 12:  # the loss of step 13 is the first one computed with a NaN weight
+            with torch.no_grad():
+                holder["model"].wte.weight[0, 0] = float("nan")
+
+    import llmcli.model
+
+    original = llmcli.model.Transformer.from_config
+
+    def capture(*args, **kwargs):
+        holder["model"] = original(*args, **kwargs)
+        return holder["model"]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(llmcli.model.Transformer, "from_config", capture)
+        with pytest.raises(DivergenceError) as info:
+            train(make_config(corpus), out_dir=run_dir, progress=False, on_step=poison)
+    message = str(info.value)
+    assert "nan at step 13" in message and "train.lr" in message and "step 10" in message
+    assert ckpt.load_state(run_dir)["step"] == 10
+    run = ckpt.load_run(run_dir)
+    assert all(torch.isfinite(p).all() for p in run.model.parameters())
+
+
+def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(
+    corpus: Path, tmp_path: Path, monkeypatch
+) -> None:
+    run_dir = tmp_path / "run"
+    real = ckpt._write_and_sync
+    saves = {"n": 0}
+
+    def write(path: Path, data: bytes) -> None:
+        if path.name.startswith(".state.pt"):
+            saves["n"] += 1
+        if saves["n"] >= 1 and not path.name.startswith(".state.pt"):
+            path.write_bytes(data[: len(data) // 3])
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path, data)
+
+    monkeypatch.setattr(ckpt, "_write_and_sync", write)
+    with pytest.raises(CheckpointError) as info:
+        train(make_config(corpus), out_dir=run_dir, progress=False)
+    message = str(info.value)
+    assert "step 20" in message and "no space left" in message and "(step 10) is intact" in message
+    assert ckpt.load_state(run_dir)["step"] == 10
+    assert ckpt.load_run(run_dir).step == 10
+    assert not [p for p in os.listdir(run_dir) if ".tmp-" in p]
+
+
+def test_a_corpus_too_small_for_the_context_is_bad_input(tmp_path: Path) -> None:
+    corpus = tmp_path / "small.txt"
+    corpus.write_text("tiny text\n" * 3)
+    with pytest.raises(InputError, match="context_length"):
+        train(make_config(corpus), out_dir=tmp_path / "run", progress=False)
+
+
+# --- the command, in real processes ----------------------------------------------------------
+
+
+def start_pausing(config: Path, run_dir: Path, marker: Path, at: int, *extra: str):
+    script = marker.parent / "pausing_cli.py"
+    script.write_text(PAUSING_CLI)
+    return subprocess.Popen(
+        [sys.executable, str(script), "train", str(config), "--out", str(run_dir),
+         "--no-progress", *extra],
+        cwd=ROOT, env=cli_env(PAUSE_AT=str(at), PAUSE_MARKER=str(marker)),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"process ended early: {proc.communicate()}")
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_sigkill_and_sigint_leave_a_run_that_resumes_bitwise_exactly(
+    reference: Path, corpus: Path, tmp_path: Path
+) -> None:
+    config = write_config(make_config(corpus), tmp_path / "t.yaml")
+    run_dir, marker = tmp_path / "run", tmp_path / "pause"
+
+    # SIGKILL at step 17, between the saves of steps 10 and 20.
+    proc = start_pausing(config, run_dir, marker, 17)
+    wait_for(marker, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert ckpt.load_state(run_dir)["step"] == 10
+    assert ckpt.load_run(run_dir).step == 10
+
+    # Resume; Ctrl-C (SIGINT) at step 23 saves there and exits 130 with no traceback.
+    marker.unlink()
+    proc = start_pausing(config, run_dir, marker, 23, "--resume")
+    wait_for(marker, proc)
+    proc.send_signal(signal.SIGINT)
+    marker.with_suffix(".go").write_text("")
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr and "--resume" in stderr
+    assert ckpt.load_state(run_dir)["step"] == 23
+
+    # Resume to the end: the same weights, bit for bit, and the same metrics.
+    out = run_cli("train", str(config), "--out", str(run_dir), "--resume", "--no-progress")
+    assert out.returncode == 0, out.stderr
+    assert "Traceback" not in out.stderr and "step 30/30" in out.stdout
+    assert_same_weights(reference, run_dir)
+    assert stable_metrics(run_dir) == stable_metrics(reference)
+
+
+def test_bad_runs_exit_2_with_a_message(corpus: Path, tmp_path: Path) -> None:
+    config = write_config(make_config(corpus), tmp_path / "t.yaml")
+    (tmp_path / "file").write_text("")
+    for args, needle in (
+        (["--out", str(tmp_path / "new"), "--resume"], "nothing to resume"),
+        (["--out", str(tmp_path / "file" / "run")], "cannot write to output directory"),
+    ):
+        out = run_cli("train", str(config), *args)
+        assert out.returncode == 2, out.stderr
+        assert needle in out.stderr and "Traceback" not in out.stderr
+
+
+def test_ddp_two_processes_match_one_process_with_the_union_of_their_batches(
+    corpus: Path, tmp_path: Path, monkeypatch
+) -> None:
+    import llmcli.data
+
+    steps = dict(max_steps=20, warmup_steps=2, eval_interval=20, log_interval=10, grad_accum=2)
+    config = write_config(make_config(corpus, batch_size=4, **steps), tmp_path / "ddp.yaml")
+    ddp_dir = tmp_path / "ddp"
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "-m", "llmcli", "train", str(config), "--out", str(ddp_dir), "--no-progress"],
+        cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+
+    # One process, batch 8: each batch is rank 0's 4 windows followed by rank 1's.
+    Sampler = llmcli.data.BatchSampler
+
+    class Union:
+        def __init__(self, tokens, batch_size, context_length, seed, rank=0, world_size=1,
+                     device="cpu"):
+            self.parts = [Sampler(tokens, batch_size // 2, context_length, seed, rank=r,
+                                  world_size=2, device=device) for r in range(2)]
+
+        def next(self):
+            xs, ys = zip(*(p.next() for p in self.parts), strict=True)
+            return torch.cat(xs), torch.cat(ys)
+
+        def state_dict(self):
+            return {"parts": [p.state_dict() for p in self.parts]}
+
+    monkeypatch.setattr(llmcli.data, "BatchSampler", Union)
+    train(make_config(corpus, batch_size=8, **steps), out_dir=tmp_path / "one", progress=False)
+
+    ddp, one = read_metrics(ddp_dir / "metrics.jsonl"), read_metrics(tmp_path / "one" /
+                                                                     "metrics.jsonl")
+    assert [(r["kind"], r["step"], r["tokens"]) for r in ddp] == \
+        [(r["kind"], r["step"], r["tokens"]) for r in one]
+    assert ddp[-1]["step"] == 20 and ddp[-1]["tokens"] == 20 * 2 * 2 * 4 * 8
+    for a, b in zip(ddp, one, strict=True):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], abs=1e-4)
+        if a["kind"] == "eval":
+            assert a["val_loss"] == pytest.approx(b["val_loss"], abs=1e-4)
+    assert_close_weights(ddp_dir, tmp_path / "one", atol=1e-5)
+    assert ckpt.load_state(ddp_dir)["step"] == 20 and len(ckpt.load_state(ddp_dir)["rng"]) == 2
