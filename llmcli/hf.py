@@ -597,13 +597,19 @@ def read_gpt2_weights(folder: Path) -> dict[str, torch.Tensor]:
                 tensors.update(load_file(path, device="cpu"))
             else:
                 tensors.update(torch.load(path, map_location="cpu", weights_only=True))
-        except pickle.UnpicklingError:
-            raise CheckpointError(
-                f"'{path}' holds Python objects other than tensors; it was refused unread "
-                "(loading it could run code). Convert it to model.safetensors."
-            ) from None
+        except pickle.UnpicklingError as exc:
+            if "Unsupported global" in str(exc):  # a pickled class or function
+                raise CheckpointError(
+                    f"'{path}' holds Python objects other than tensors; it was refused unread "
+                    "(loading it could run code). Convert it to model.safetensors."
+                ) from None
+            raise CheckpointError(f"'{path}' is corrupt or not a weights file.") from None
         except Exception as exc:  # safetensors and torch raise many error types on bad files
             raise CheckpointError(f"'{path}' is corrupt or not a weights file ({exc}).") from None
+    bad = [k for k, v in tensors.items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        raise CheckpointError(f"the weights of '{folder}' hold non-tensor entries: "
+                              f"{', '.join(map(str, bad[:5]))}.")
     return tensors
 
 

@@ -216,7 +216,10 @@ class BPETokenizer:
             ) from None
 
     def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=False).ids
+        try:
+            return self.hf.encode(text, add_special_tokens=False).ids
+        except Exception as exc:  # a WordLevel model without an unknown token meets a new word
+            raise InputError(f"the tokenizer cannot encode this text ({exc}).") from None
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Encode many texts in parallel (Rust threads); same ids as `encode` on each."""

@@ -342,3 +342,37 @@ def test_exported_run_round_trips_through_init_from(tmp_path):
     ids = torch.tensor([original.tokenizer.encode(TEXT)[:64]])
     with torch.no_grad():
         assert_close(loaded.model(ids)[0], original.model(ids)[0], "export -> init_from logits", 0)
+
+
+def test_llmcli_train_with_a_bad_init_from_exits_2(tmp_path, capsys):
+    save_tiny_gpt2(tmp_path / "gpt2", vocab_extra=3)
+    (tmp_path / "empty").mkdir()
+    config = tmp_path / "c.yaml"
+    config.write_text("train: {device: cpu, max_steps: 2, warmup_steps: 0}\n")
+    for folder, message in ((tmp_path / "empty", "lacks config.json"),
+                            (tmp_path / "gpt2", "larger than its tokenizer")):
+        code = cli("train", config, "--out", tmp_path / "run", "--set",
+                   f"train.init_from={folder}")
+        assert code == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "run" / ckpt.MODEL_FILE).exists()
+
+
+def test_gpt2model_names_and_pytorch_model_bin_load_too(tmp_path):
+    """OpenAI's original GPT-2 files: no `transformer.` prefix, causal-mask buffers, a .bin."""
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "gpt2"
+    tok = save_tiny_gpt2(folder)
+    tensors = load_file(folder / "model.safetensors")
+    legacy = {k.removeprefix("transformer."): v for k, v in tensors.items()}
+    legacy["h.0.attn.bias"] = torch.tril(torch.ones(1, 1, 32, 32))  # (1, 1, L, L) mask buffer
+    expected = hf_logits(folder, ids := torch.tensor([tok.encode(TEXT)[:32]]))
+    (folder / "model.safetensors").unlink()
+    torch.save(legacy, folder / "pytorch_model.bin")
+    with torch.no_grad():
+        ours = hf.load_gpt2_folder(folder).model(ids)[0]
+    assert_close(ours, expected, "import from pytorch_model.bin without prefix")
+    (folder / "pytorch_model.bin").write_bytes(b"not a checkpoint")
+    with pytest.raises(InputError, match="pytorch_model.bin' is corrupt"):
+        hf.load_gpt2_folder(folder)
