@@ -56,7 +56,7 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """The optimizer `train.optimizer` names, with its groups at their peak learning rate.
 
-    AdamW uses the fused kernel on CUDA and the multi-tensor (foreach) one elsewhere.
+    AdamW uses the fused kernel on CUDA and the CPU, the multi-tensor (foreach) one elsewhere.
 
     Args:
         model: the (unwrapped) model whose parameters are optimised.
@@ -71,7 +71,8 @@ def build_optimizer(
         for group in groups:
             group["base_lr"] = train.lr
             group["lr"] = train.lr
-        kernel = {"fused": True} if device_type == "cuda" else {"foreach": True}
+        # The fused kernel exists for CUDA and the CPU (about twice as fast as foreach there).
+        kernel = {"fused": True} if device_type in ("cuda", "cpu") else {"foreach": True}
         return torch.optim.AdamW(
             groups, lr=train.lr, betas=(train.beta1, train.beta2), eps=1e-8, **kernel
         )

@@ -40,7 +40,7 @@ def test_adamw_decays_only_the_decay_group() -> None:
     model = tiny_model()
     train = TrainConfig(lr=0.01, weight_decay=0.5, max_steps=10, warmup_steps=0)
     opt = build_optimizer(model, train, "cpu")
-    assert opt.defaults["foreach"] is True
+    assert opt.defaults["fused"] is True
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
