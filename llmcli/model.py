@@ -182,6 +182,10 @@ class KVCache:
     The cache also remembers the key padding mask it was given (see `Transformer.forward`), so a
     left-padded batch is prefilled once with its mask and then decoded without passing it again.
 
+    Cached states depend on absolute positions (and, past the first layer, on every earlier
+    token), so generation beyond `max_len` cannot just drop the oldest entry: `reset()` and
+    prefill the last window again (or `crop(n)` to go back to a shared prefix).
+
     Attributes:
         k, v: `(n_layer, B, nh, max_len, hs)`.
         padding: `(B, max_len)` bool, True = padding; meaningful where `has_padding`.
