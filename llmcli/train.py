@@ -250,32 +250,40 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 
 
 class StopRequest:
-    """Turns the first SIGINT into a request to save and stop at the end of the current step.
+    """Turns SIGINT (Ctrl-C) and SIGTERM into a request to save and stop after the current step.
 
-    A second SIGINT raises KeyboardInterrupt at once (every file is written atomically, so even
-    that leaves a loadable run). Installed only in the main thread, where signals arrive.
+    Alone, a second signal raises KeyboardInterrupt at once (every file is written atomically,
+    so even that leaves a loadable run). Under torchrun (`escalate=False`) a second signal is
+    expected, since torchrun forwards the terminal's Ctrl-C to workers that got it already, and
+    only repeats the request. Installed only in the main thread, where signals arrive.
     """
 
-    def __init__(self) -> None:
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, escalate: bool = True) -> None:
         self.requested = False
-        self._previous: Any = None
+        self.escalate = escalate
+        self._previous: dict[int, Any] = {}
 
     def _handler(self, signum: int, frame: Any) -> None:
         if self.requested:
-            raise KeyboardInterrupt
+            if self.escalate:
+                raise KeyboardInterrupt
+            return
         self.requested = True
-        logger.warning("interrupt: saving a checkpoint after this step (press Ctrl-C again to "
-                       "quit at once)")
+        logger.warning("%s: saving a checkpoint after this step%s", signal.Signals(signum).name,
+                       " (press Ctrl-C again to quit at once)" if self.escalate else "")
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handler)
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handler)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous.clear()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -734,7 +742,11 @@ def _train(
 
     bar = tqdm(total=tc.max_steps, initial=step, unit="step", dynamic_ncols=True,
                disable=not (progress and info.main), desc="train")
-    with StopRequest() as stop, logging_redirect_tqdm(), contextlib.closing(bar):
+    with (
+        StopRequest(escalate=not info.enabled) as stop,
+        logging_redirect_tqdm(),
+        contextlib.closing(bar),
+    ):
         try:
             while step < tc.max_steps:
                 lr = apply_lr(optimizer, step, tc)

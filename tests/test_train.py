@@ -246,7 +246,7 @@ def test_ctrl_c_saves_and_resume_is_bitwise_exact(reference: Path, corpus: Path,
         train(make_config(corpus), out_dir=run_dir, progress=False, on_step=interrupt)
     assert ckpt.load_state(run_dir)["step"] == 13
     assert ckpt.load_run(run_dir).step in (10, 13)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
 
     summary = train(make_config(corpus), out_dir=run_dir, resume=True, progress=False)
     assert summary.resumed_from == 13 and summary.step == 30
