@@ -415,7 +415,7 @@ class Sample:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else float("inf")
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form `llmcli sample --json` prints."""

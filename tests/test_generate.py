@@ -11,6 +11,8 @@ import logging
 import numpy as np
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from llmcli.errors import InputError
 from llmcli.generate import (
@@ -106,6 +108,26 @@ def test_filter_probs_match_numpy(logits, temperature, top_k, top_p) -> None:
     got = filter_probs(torch.tensor([logits]), temperature, top_k, top_p)[0]
     np.testing.assert_allclose(got.numpy(), numpy_filter(logits, temperature, top_k, top_p),
                                atol=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    logits=st.lists(st.integers(-4, 4).map(float), min_size=1, max_size=12),
+    top_k=st.none() | st.integers(1, 14),
+    top_p=st.floats(0.05, 1.0),
+)
+def test_filter_keeps_exactly_k_and_the_smallest_nucleus(logits, top_k, top_p) -> None:
+    """Integer logits make ties common: top-k keeps min(k, V) tokens; top-p keeps the most
+    likely tokens until their mass reaches top_p, and not one more."""
+    top_k_probs = numpy_filter(logits, 1.0, top_k)
+    cum = np.cumsum(np.sort(top_k_probs)[::-1])
+    assume(np.abs(cum - top_p).min() > 1e-5)  # float32 vs float64 may round a tie either way
+    probs = filter_probs(torch.tensor([logits]), 1.0, top_k, top_p)[0].double()
+    kept = probs > 0
+    if top_p == 1.0 and top_k is not None:
+        assert int(kept.sum()) == min(top_k, len(logits))
+    np.testing.assert_allclose(probs.numpy(), numpy_filter(logits, 1.0, top_k, top_p), atol=1e-6)
+    assert abs(float(probs.sum()) - 1.0) < 1e-6
 
 
 def test_top_k_keeps_exactly_k_tokens_on_ties() -> None:
