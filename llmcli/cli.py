@@ -339,6 +339,45 @@ def export_command(
     )
 
 
+@app.command("eval")
+def eval_command(
+    checkpoint: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="Run directory (default: the latest run under checkpoints/).", metavar="DIR"
+        ),
+    ] = None,
+    data: Annotated[
+        Optional[Path],
+        typer.Option(help="A UTF-8 text file to score (default: the run's validation split).",
+                     metavar="PATH"),
+    ] = None,
+    steps: Annotated[
+        Optional[int],
+        typer.Option(help="Score only the first N batches (default: the whole text).",
+                     metavar="N"),
+    ] = None,
+    batch_size: Annotated[
+        Optional[int],
+        typer.Option(help="Windows of context_length tokens per batch (default: the run's "
+                     "train.batch_size)."),
+    ] = None,
+    weights: Annotated[
+        str, typer.Option(help="Which weights of the run: best or last.", metavar="WHICH")
+    ] = "best",
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda or mps.")] = "auto",
+    json_: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Mean loss, perplexity and bits per byte of a run on its validation split or a text."""
+    import json
+
+    from llmcli.evaluate import evaluate_run, format_result
+
+    result = evaluate_run(checkpoint, data, steps=steps, batch_size=batch_size, weights=weights,
+                          device=device, progress=sys.stderr.isatty())
+    typer.echo(json.dumps(result.to_dict()) if json_ else format_result(result))
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: runs the app and maps errors to exit statuses (2 bad input, 130 Ctrl-C)."""
     try:

@@ -1,0 +1,253 @@
+"""Evaluate a trained run: mean loss, perplexity and bits per byte on a text.
+
+`evaluate_run` scores a run's model on its own validation split (the same split training
+reports, rebuilt from the run's config and tokenizer) or on any UTF-8 text file. Unlike the
+training loop's estimate, which averages `eval_steps` random batches, this is a deterministic
+pass: the token stream `t_0 .. t_{n-1}` is cut into consecutive windows of `context_length`
+inputs, window `k` predicting `t_{kT+1} .. t_{kT+T}` from `t_{kT} .. t_{kT+T-1}`, so that every
+token after the first is predicted exactly once (the last window may be shorter). With
+`steps=N` only the first `N` batches of `batch_size` windows are scored.
+
+Figures, over the predicted tokens:
+- `loss`: mean cross-entropy in nats per token; `perplexity = exp(loss)`;
+- `bits_per_byte`: total nats / ln 2 / total UTF-8 bytes of the predicted text. Unlike the
+  loss, it does not depend on the tokenizer, so a char run and a BPE run compare. Special tokens
+  (a BPE run's end-of-text separator) are no text: they are left out of both sums, as in
+  nanochat's `evaluate_bpb`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmcli.errors import InputError
+
+logger = logging.getLogger(__name__)
+
+DECODE_CHUNK = 1 << 16  # tokens decoded at a time to count bytes
+
+
+@dataclass
+class EvalResult:
+    """What `evaluate_run` measured (JSON-ready through `to_dict`)."""
+
+    run_dir: str
+    weights: str
+    step: int
+    data: str
+    tokens: int
+    bytes: int
+    windows: int
+    loss: float
+    perplexity: float
+    bits_per_token: float
+    bits_per_byte: float
+    elapsed_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Totals:
+    """Sums over the scored tokens."""
+
+    nats: float = 0.0  # every predicted token
+    tokens: int = 0
+    text_nats: float = 0.0  # tokens that are text (not special tokens)
+    bytes: int = 0
+    windows: int = 0
+
+
+def read_text(path: str | Path) -> str:
+    """A text file as strict UTF-8.
+
+    Raises:
+        InputError: missing, a directory, unreadable, not UTF-8 (names the byte offset), empty.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise InputError(f"--data {str(p)!r} does not exist: give a UTF-8 text file.")
+    if p.is_dir():
+        raise InputError(f"--data {str(p)!r} is a directory: give a UTF-8 text file.")
+    try:
+        data = p.read_bytes()
+    except OSError as exc:
+        raise InputError(f"cannot read --data {str(p)!r}: {exc.strerror}.") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(
+            f"--data {str(p)!r} is not UTF-8 text (bad byte at offset {exc.start}): convert it, "
+            "e.g. `iconv -f latin1 -t utf-8`."
+        ) from None
+    if not text:
+        raise InputError(f"--data {str(p)!r} is empty: give a file with text in it.")
+    return text
+
+
+def _text_bytes(tokenizer: Any, ids: np.ndarray) -> int:
+    """UTF-8 bytes of the text of `ids` (special tokens left out), decoded in chunks."""
+    eot = getattr(tokenizer, "eot_id", None)
+    if eot is not None:
+        ids = ids[ids != eot]
+    return sum(len(tokenizer.decode(ids[i : i + DECODE_CHUNK].tolist()).encode("utf-8"))
+               for i in range(0, len(ids), DECODE_CHUNK))
+
+
+@torch.no_grad()
+def score_tokens(
+    model: nn.Module,
+    tokens: np.ndarray,
+    context_length: int,
+    batch_size: int,
+    *,
+    steps: int | None = None,
+    special_id: int | None = None,
+    device: torch.device | str = "cpu",
+    progress: bool = False,
+) -> Totals:
+    """Sum the model's negative log-likelihood over consecutive windows of `tokens`.
+
+    Args:
+        model: a causal LM whose `forward(idx)` returns `(logits (B, T, V), _)`.
+        tokens: `(n,)` token ids, n >= 2.
+        context_length: `T`, the window length.
+        batch_size: windows per forward pass.
+        steps: score only the first `steps` batches (None: the whole stream).
+        special_id: a token id that is not text (left out of `text_nats`).
+        device: where to run the model.
+        progress: show a tqdm bar.
+
+    Returns:
+        `Totals` (bytes left at 0: the caller counts them from the tokens scored).
+    """
+    from tqdm.auto import tqdm
+
+    n = len(tokens)
+    T = context_length
+    starts = list(range(0, n - 1, T))  # window k: inputs [s, s + T), targets [s + 1, s + T + 1)
+    full = [s for s in starts if s + T + 1 <= n]
+    partial = [s for s in starts if s + T + 1 > n]  # at most one, the shorter last window
+    batches = [full[i : i + batch_size] for i in range(0, len(full), batch_size)]
+    batches += [partial] if partial else []
+    if steps is not None:
+        batches = batches[:steps]
+    totals = Totals()
+    model.eval()
+    for batch in tqdm(batches, desc="eval", unit="batch", disable=not progress):
+        length = min(T, n - 1 - batch[0])  # all windows of a batch have the same length
+        index = np.asarray(batch)[:, None] + np.arange(length + 1)  # (B, L+1)
+        windows = torch.from_numpy(np.asarray(tokens[index], dtype=np.int64)).to(device)
+        x, y = windows[:, :-1], windows[:, 1:]  # (B, L), (B, L)
+        logits, _ = model(x)  # (B, L, V)
+        nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(),
+                              reduction="none")  # (B * L,)
+        totals.nats += nll.sum().item()
+        totals.tokens += nll.numel()
+        if special_id is not None:
+            nll = nll[y.flatten() != special_id]
+        totals.text_nats += nll.sum().item()
+        totals.windows += len(batch)
+    return totals
+
+
+def evaluate_run(
+    checkpoint: str | Path | None = None,
+    data: str | Path | None = None,
+    *,
+    steps: int | None = None,
+    batch_size: int | None = None,
+    weights: str = "best",
+    device: str = "auto",
+    progress: bool = False,
+) -> EvalResult:
+    """Mean loss, perplexity and bits per byte of a run's model on a text.
+
+    Args:
+        checkpoint: a run directory (None: the latest run under `checkpoints/`).
+        data: a UTF-8 text file to score (None: the run's validation split, rebuilt from its
+            config: the same corpus path must still be readable).
+        steps: score only the first `steps` batches (None: all of the text).
+        batch_size: windows per batch (None: the run's `train.batch_size`).
+        weights: "best" or "last" weights of the run.
+        device: "auto", "cpu", "cuda" or "mps".
+        progress: show a tqdm bar.
+
+    Raises:
+        InputError: a bad run directory, data file, `steps` or `batch_size`; a text with
+            characters the run's tokenizer cannot encode, or fewer than 2 tokens.
+    """
+    from llmcli.checkpoint import load_run
+    from llmcli.train import resolve_device
+
+    if steps is not None and steps < 1:
+        raise InputError(f"--steps ({steps}) must be a positive number of batches.")
+    if batch_size is not None and batch_size < 1:
+        raise InputError(f"--batch-size ({batch_size}) must be positive.")
+    t0 = time.perf_counter()
+    dev = resolve_device(device)
+    run = load_run(checkpoint, weights=weights, device=str(dev))
+    ctx = run.config.model.context_length
+    if data is not None:
+        text = read_text(data)
+        tokens = np.asarray(run.tokenizer.encode(text), dtype=np.int64)
+        label = str(data)
+    else:
+        from llmcli.data import prepare_data
+
+        try:
+            tokens = prepare_data(run.config.data, ctx, tokenizer=run.tokenizer).val
+        except InputError as exc:
+            raise InputError(
+                f"cannot rebuild the validation split of '{run.run_dir}': {exc} Or pass "
+                "--data PATH to score a text file."
+            ) from None
+        source = run.config.data.val_path or run.config.data.path or run.config.data.dataset
+        label = f"validation split of {source}"
+    if len(tokens) < 2:
+        raise InputError(
+            f"{label} has {len(tokens)} token(s): at least 2 are needed (one to predict from)."
+        )
+    totals = score_tokens(
+        run.model, tokens, ctx, batch_size or run.config.train.batch_size, steps=steps,
+        special_id=getattr(run.tokenizer, "eot_id", None), device=dev, progress=progress,
+    )
+    scored = np.asarray(tokens[1 : 1 + totals.tokens], dtype=np.int64)  # the predicted tokens
+    n_bytes = _text_bytes(run.tokenizer, scored)
+    loss = totals.nats / totals.tokens
+    return EvalResult(
+        run_dir=str(run.run_dir),
+        weights=str(run.weights_path),
+        step=run.step,
+        data=label,
+        tokens=totals.tokens,
+        bytes=n_bytes,
+        windows=totals.windows,
+        loss=loss,
+        perplexity=math.exp(loss) if loss < 700 else math.inf,
+        bits_per_token=loss / math.log(2),
+        bits_per_byte=totals.text_nats / math.log(2) / n_bytes if n_bytes else math.nan,
+        elapsed_s=time.perf_counter() - t0,
+    )
+
+
+def format_result(result: EvalResult) -> str:
+    """A few human-readable lines."""
+    return (
+        f"run {result.run_dir} (step {result.step}, {Path(result.weights).name})\n"
+        f"data: {result.data}: {result.tokens:,} tokens predicted, {result.bytes:,} bytes, "
+        f"{result.windows:,} windows\n"
+        f"loss {result.loss:.4f} nats/token, perplexity {result.perplexity:.3f}, "
+        f"{result.bits_per_token:.4f} bits/token, {result.bits_per_byte:.4f} bits/byte"
+    )

@@ -1,0 +1,202 @@
+"""`llmcli eval` (llmcli/evaluate.py): loss, perplexity and bits per byte against hand sums."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from llmcli.checkpoint import save_model_run
+from llmcli.cli import main
+from llmcli.config import config_from_dict
+from llmcli.evaluate import evaluate_run
+from llmcli.model import Transformer
+from llmcli.tokenizer import BPETokenizer, CharTokenizer
+
+CTX, BATCH = 16, 3
+# Multi-byte characters (é: 2 bytes, —: 3 bytes) make bytes differ from characters.
+TEXT = ("ROMEO: But soft, what light through yonder window breaks?\n"
+        "JULIET: Ay me! — Café, où est l'été?\n") * 3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread (and the CI machine's 2 cores are shared)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_run(run_dir: Path, tokenizer, data: dict | None = None) -> Path:
+    config = config_from_dict({
+        "model": {"n_layer": 2, "n_head": 2, "n_embed": 32, "context_length": CTX},
+        "data": data or {},
+        "train": {"batch_size": BATCH},
+    })
+    model = Transformer.from_config(config.model, tokenizer.vocab_size,
+                                    generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # sharper logits than the near-uniform initialisation
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.mul_(6.0)
+    save_model_run(run_dir, config, tokenizer, model, extra_meta={"step": 7})
+    return run_dir
+
+
+def reference_nll(run_dir: Path, ids: list[int]) -> np.ndarray:
+    """Per-token negative log-likelihoods by hand: window k predicts ids[kT+1 .. kT+T] from
+    ids[kT .. kT+T-1], one window at a time, log-softmax in float64 NumPy."""
+    from llmcli.checkpoint import load_run
+
+    model = load_run(run_dir).model
+    out = []
+    for s in range(0, len(ids) - 1, CTX):
+        x = ids[s : s + CTX]
+        y = ids[s + 1 : s + CTX + 1]
+        x = x[: len(y)]
+        with torch.no_grad():
+            logits, _ = model(torch.tensor([x]))
+        z = logits[0].double().numpy()  # (L, V)
+        logz = np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1)) + z.max(-1)
+        out.extend(logz - z[np.arange(len(y)), y])
+    return np.asarray(out)
+
+
+@pytest.fixture(scope="module")
+def char_run(tmp_path_factory) -> Path:
+    return make_run(tmp_path_factory.mktemp("runs") / "char", CharTokenizer.train([TEXT]))
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("text") / "eval.txt"
+    path.write_text(TEXT, encoding="utf-8")
+    return path
+
+
+def test_loss_perplexity_and_bits_per_byte_on_a_file_match_a_hand_computation(
+    char_run: Path, text_file: Path
+) -> None:
+    result = evaluate_run(char_run, text_file, device="cpu")
+    ids = CharTokenizer.train([TEXT]).encode(TEXT)
+    nll = reference_nll(char_run, ids)
+    assert len(nll) == len(TEXT) - 1  # every character after the first, once
+    total_bytes = len(TEXT[1:].encode("utf-8"))
+    assert total_bytes > len(TEXT) - 1  # the multi-byte characters count
+    assert result.tokens == len(TEXT) - 1 and result.bytes == total_bytes
+    assert result.windows == math.ceil((len(TEXT) - 1) / CTX)
+    assert result.loss == pytest.approx(nll.mean(), rel=1e-5)
+    assert result.perplexity == pytest.approx(math.exp(nll.mean()), rel=1e-5)
+    assert result.bits_per_token == pytest.approx(nll.mean() / math.log(2), rel=1e-5)
+    assert result.bits_per_byte == pytest.approx(nll.sum() / math.log(2) / total_bytes, rel=1e-5)
+    assert result.step == 7 and result.data == str(text_file)
+
+
+def test_steps_scores_only_the_first_batches(char_run: Path, text_file: Path) -> None:
+    result = evaluate_run(char_run, text_file, steps=2, device="cpu")
+    n = 2 * BATCH * CTX  # two batches of BATCH full windows
+    nll = reference_nll(char_run, CharTokenizer.train([TEXT]).encode(TEXT))[:n]
+    assert result.tokens == n and result.windows == 2 * BATCH
+    assert result.bytes == len(TEXT[1 : n + 1].encode("utf-8"))
+    assert result.loss == pytest.approx(nll.mean(), rel=1e-5)
+    assert result.bits_per_byte == pytest.approx(nll.sum() / math.log(2) / result.bytes,
+                                                 rel=1e-5)
+    # The batch size changes how windows are grouped, not what they score.
+    whole = evaluate_run(char_run, text_file, batch_size=1, device="cpu")
+    assert whole.loss == pytest.approx(evaluate_run(char_run, text_file).loss, rel=1e-6)
+
+
+def test_default_data_is_the_runs_validation_split(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT * 4, encoding="utf-8")
+    tok = CharTokenizer.train([TEXT])
+    run = make_run(tmp_path / "run", tok, data={"path": str(corpus), "val_fraction": 0.25,
+                                                "cache_dir": str(tmp_path / "cache")})
+    result = evaluate_run(run, device="cpu")
+    ids = tok.encode(TEXT * 4)
+    val = ids[int(len(ids) * 0.75):]  # the last val_fraction of the token stream
+    nll = reference_nll(run, val)
+    assert result.tokens == len(val) - 1
+    assert result.loss == pytest.approx(nll.mean(), rel=1e-5)
+    assert result.data == f"validation split of {corpus}"
+
+
+def test_bpe_bits_per_byte_counts_bytes_and_leaves_special_tokens_out(tmp_path: Path) -> None:
+    tok = BPETokenizer.train([TEXT * 2], vocab_size=300)
+    text = TEXT + "<|endoftext|>" + TEXT[:50]
+    path = tmp_path / "bpe.txt"
+    path.write_text(text, encoding="utf-8")
+    run = make_run(tmp_path / "run", tok)
+    ids = tok.encode(text)
+    assert tok.eot_id in ids and len(ids) < len(text)
+    result = evaluate_run(run, path, device="cpu")
+    nll = reference_nll(run, ids)
+    targets = np.asarray(ids[1:])
+    is_text = targets != tok.eot_id
+    text_bytes = len((TEXT + TEXT[:50]).encode("utf-8")) - len(tok.decode(ids[:1]).encode())
+    assert result.tokens == len(ids) - 1 and result.bytes == text_bytes
+    assert result.loss == pytest.approx(nll.mean(), rel=1e-5)
+    assert result.bits_per_byte == pytest.approx(
+        nll[is_text].sum() / math.log(2) / text_bytes, rel=1e-5)
+
+
+def cli(capsys, *args: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(list(args))
+    out = capsys.readouterr()
+    return exc.value.code, out.out, out.err
+
+
+def test_cli_json_and_text_output_and_the_latest_run_by_default(
+    capsys, tmp_path: Path, char_run: Path, text_file: Path
+) -> None:
+    code, out, err = cli(capsys, "eval", "--checkpoint", str(char_run), "--data",
+                         str(text_file), "--json", "--device", "cpu")
+    assert code == 0, err
+    record = json.loads(out)
+    expected = evaluate_run(char_run, text_file, device="cpu").to_dict()
+    assert record.keys() == expected.keys()
+    for key in ("loss", "perplexity", "bits_per_byte", "tokens", "bytes", "step"):
+        assert record[key] == pytest.approx(expected[key])
+
+    make_run(tmp_path / "checkpoints" / "latest", CharTokenizer.train([TEXT]))
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        code, out, err = cli(capsys, "eval", "--data", str(text_file), "--steps", "1")
+    finally:
+        os.chdir(cwd)
+    assert code == 0, err
+    assert "checkpoints/latest" in out and "bits/byte" in out and "perplexity" in out
+
+
+@pytest.mark.parametrize("case", ["missing", "binary", "empty", "unknown_chars", "steps",
+                                  "no_run"])
+def test_bad_input_exits_2_with_a_message(capsys, tmp_path: Path, char_run: Path,
+                                          case: str) -> None:
+    data = tmp_path / "data.txt"
+    args = ["eval", "--checkpoint", str(char_run), "--data", str(data)]
+    if case == "binary":
+        data.write_bytes(b"abc\xff\xfe")
+    elif case == "empty":
+        data.write_text("")
+    elif case == "unknown_chars":
+        data.write_text("ROMEO 1234 {}")
+    elif case == "steps":
+        data.write_text(TEXT)
+        args += ["--steps", "0"]
+    elif case == "no_run":
+        data.write_text(TEXT)
+        args[2] = str(tmp_path / "nowhere")
+    code, out, err = cli(capsys, *args)
+    assert code == 2 and out == ""
+    expected = {"missing": "does not exist", "binary": "not UTF-8", "empty": "empty",
+                "unknown_chars": "vocabulary lacks", "steps": "--steps",
+                "no_run": "does not exist"}[case]
+    assert err.startswith("error: ") and expected in err and "Traceback" not in err
