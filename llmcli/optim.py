@@ -23,6 +23,7 @@ from torch import nn
 
 from llmcli.config import TrainConfig
 from llmcli.errors import ConfigError
+from llmcli.muon import Muon
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -51,12 +52,52 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     ]
 
 
+def muon_param_groups(model: nn.Module, train: TrainConfig) -> list[dict[str, Any]]:
+    """Muon groups: Muon for the 2-D hidden weight matrices, AdamW for everything else.
+
+    Hidden matrices are the 2-D parameters that are neither an `nn.Embedding` table nor the
+    model's `lm_head` (attention QKV and output projections, MLP matrices). The embeddings and
+    the LM head go to AdamW with weight decay, norm gains and biases to AdamW without (see
+    `param_groups`). See `llmcli.muon` for why.
+
+    Returns:
+        `[muon, adamw decay, adamw no-decay]` groups, each with `"names"` and `"base_lr"`.
+    """
+    skip = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, nn.Linear):
+        skip.add(id(head.weight))
+    hidden, hidden_names, decay, decay_names, no_decay, no_decay_names = [], [], [], [], [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if param.dim() == 2 and id(param) not in skip:
+            hidden.append(param)
+            hidden_names.append(name)
+        elif param.dim() >= 2:
+            decay.append(param)
+            decay_names.append(name)
+        else:
+            no_decay.append(param)
+            no_decay_names.append(name)
+    return [
+        {"params": hidden, "use_muon": True, "names": hidden_names, "lr": train.muon_lr,
+         "base_lr": train.muon_lr, "weight_decay": 0.0},
+        {"params": decay, "use_muon": False, "names": decay_names, "lr": train.lr,
+         "base_lr": train.lr, "weight_decay": train.weight_decay},
+        {"params": no_decay, "use_muon": False, "names": no_decay_names, "lr": train.lr,
+         "base_lr": train.lr, "weight_decay": 0.0},
+    ]
+
+
 def build_optimizer(
     model: nn.Module, train: TrainConfig, device_type: str
 ) -> torch.optim.Optimizer:
     """The optimizer `train.optimizer` names, with its groups at their peak learning rate.
 
-    AdamW uses the fused kernel on CUDA and the CPU, the multi-tensor (foreach) one elsewhere.
+    AdamW uses the fused kernel on CUDA and the CPU, the foreach one elsewhere; "muon"
+    is `llmcli.muon.Muon` over `muon_param_groups` (Muon at `train.muon_lr` for hidden
+    matrices, AdamW at `train.lr` for the rest).
 
     Args:
         model: the (unwrapped) model whose parameters are optimised.
@@ -76,6 +117,8 @@ def build_optimizer(
         return torch.optim.AdamW(
             groups, lr=train.lr, betas=(train.beta1, train.beta2), eps=1e-8, **kernel
         )
+    if train.optimizer == "muon":
+        return Muon(muon_param_groups(model, train), betas=(train.beta1, train.beta2), eps=1e-8)
     raise ConfigError(
         f"train.optimizer ({train.optimizer!r}) is not available in this version of llmcli; "
         "use train.optimizer=adamw."

@@ -1,0 +1,206 @@
+"""Muon: momentum orthogonalised by Newton-Schulz, with AdamW for the parameters it must not touch.
+
+Muon (Keller Jordan, 2024; https://kellerjordan.github.io/posts/muon/, the optimizer of the
+KellerJordan/modded-nanogpt and karpathy/nanochat speedruns) runs SGD with Nesterov momentum on
+each 2-D hidden weight matrix, then replaces the update by (approximately) the nearest
+semi-orthogonal matrix: for an update with SVD `U S V^T` it applies `U V^T`, so every direction of
+the update moves by the same amount however ill-conditioned the gradient is. The orthogonalisation
+is a few steps of a quintic Newton-Schulz iteration, `X <- a X + (b A + c A^2) X` with
+`A = X X^T`, whose coefficients `(3.4445, -4.7750, 2.0315)` push small singular values up fast;
+after 5 steps the singular values lie roughly in [0.7, 1.2] instead of exactly at 1, which trains
+as well (modded-nanogpt's note) and costs 15 small matmuls.
+
+Embeddings, the LM head and every vector (norm gains, biases) are not hidden matrices: Muon's
+argument (a linear map between hidden spaces, whose operator norm matters) does not hold for them,
+and they go to AdamW, in the same optimizer object, as `use_muon=False` groups. One optimizer
+keeps the training loop unchanged: one `step()`, one `state_dict()` to save and resume.
+
+Update of a Muon group with learning rate `lr`, momentum `mu`, weight decay `wd`, for a
+`(rows, cols)` matrix `W` with gradient `G` and momentum buffer `M` (zero at first):
+
+    M <- mu * M + (1 - mu) * G
+    U <- (1 - mu) * G + mu * M          (Nesterov; U <- M without it)
+    W <- W * (1 - lr * wd) - lr * sqrt(max(1, rows / cols)) * NS(U)
+
+The `sqrt(max(1, rows/cols))` factor keeps the per-element size of tall updates (a `(4C, C)` MLP
+input, a `(3C, C)` fused QKV) in line with square ones (modded-nanogpt). AdamW groups follow
+`torch.optim.AdamW` exactly (decoupled weight decay, bias-corrected moments).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+# Quintic Newton-Schulz coefficients of KellerJordan/modded-nanogpt: the largest slope at 0
+# that still keeps every singular value within about [0.7, 1.2] after 5 steps.
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+
+
+def newton_schulz(G: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
+    """Approximately orthogonalise `G` (its "zeroth power" `U V^T`) by Newton-Schulz iterations.
+
+    The matrix is first scaled to Frobenius norm 1 (so every singular value is <= 1, where the
+    iteration converges), worked on in its wide orientation (`A = X X^T` is then the smaller
+    Gram matrix), and computed in float32 whatever its dtype.
+
+    Args:
+        G: `(..., m, n)`: one matrix or a stack of matrices, each orthogonalised on its own.
+        steps: Newton-Schulz iterations (5 in modded-nanogpt and nanochat).
+        eps: added to the norm, so a zero matrix stays zero.
+
+    Returns:
+        `(..., m, n)` in `G`'s dtype, with singular values near 1 (about 0.7 to 1.2 after 5 steps)
+        and the singular vectors of `G`.
+    """
+    if G.ndim < 2:
+        raise ValueError(f"newton_schulz needs a matrix or a stack of matrices, got {G.ndim}-D")
+    a, b, c = NS_COEFFS
+    X = G.float()
+    tall = X.size(-2) > X.size(-1)
+    if tall:
+        X = X.mT  # (..., n, m): the wide orientation, m > n
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + eps)  # (..., r, k), r <= k
+    for _ in range(steps):
+        A = X @ X.mT  # (..., r, k) @ (..., k, r) -> (..., r, r)
+        B = b * A + c * (A @ A)  # (..., r, r)
+        X = a * X + B @ X  # (..., r, r) @ (..., r, k) -> (..., r, k)
+    if tall:
+        X = X.mT  # (..., m, n)
+    return X.to(G.dtype)
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for the groups marked `use_muon=True`, AdamW for the others, in one optimizer.
+
+    Each param group is a dict with `params` and `use_muon`, plus its hyperparameters (missing
+    ones take the constructor's defaults):
+    - Muon groups (`use_muon=True`, 2-D parameters only): `lr`, `momentum`, `nesterov`,
+      `ns_steps`, `weight_decay`;
+    - AdamW groups: `lr`, `betas`, `eps`, `weight_decay`.
+    Extra keys (`names`, `base_lr`) are kept, as in any torch optimizer.
+
+    Muon groups update same-shaped matrices together: their updates are stacked and
+    orthogonalised in one batched Newton-Schulz call, which on small models saves most of the
+    per-matrix overhead. AdamW groups use the multi-tensor (`torch._foreach_*`) kernels.
+
+    Args:
+        params: the param groups (dicts as above).
+        lr: default Muon learning rate (`train.muon_lr`).
+        momentum: Muon momentum `mu`.
+        nesterov: Nesterov momentum for Muon.
+        ns_steps: Newton-Schulz iterations.
+        adamw_lr: default AdamW learning rate (`train.lr`).
+        betas: AdamW `(beta1, beta2)`.
+        eps: AdamW epsilon.
+        weight_decay: default decoupled weight decay (both kinds).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[dict[str, Any]],
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        adamw_lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ) -> None:
+        groups = [dict(g) for g in params]
+        for group in groups:
+            if "use_muon" not in group:
+                raise ValueError("every Muon param group needs a 'use_muon' key (True or False)")
+            group["params"] = list(group["params"])
+            if group["use_muon"]:
+                for p in group["params"]:
+                    if p.ndim != 2:
+                        raise ValueError(
+                            f"Muon groups take 2-D matrices only, got a {p.ndim}-D parameter of "
+                            f"shape {tuple(p.shape)}: put it in a use_muon=False (AdamW) group"
+                        )
+                for key, value in (("lr", lr), ("momentum", momentum), ("nesterov", nesterov),
+                                   ("ns_steps", ns_steps), ("weight_decay", weight_decay)):
+                    group.setdefault(key, value)
+            else:
+                for key, value in (("lr", adamw_lr), ("betas", betas), ("eps", eps),
+                                   ("weight_decay", weight_decay)):
+                    group.setdefault(key, value)
+        super().__init__(groups, {})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        """One update of every parameter that has a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["use_muon"]:
+                self._muon_step(group)
+            else:
+                self._adamw_step(group)
+        return loss
+
+    def _muon_step(self, group: dict[str, Any]) -> None:
+        lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
+        by_shape: dict[tuple[int, ...], list[Tensor]] = defaultdict(list)
+        for p in group["params"]:
+            if p.grad is not None:
+                by_shape[tuple(p.shape)].append(p)
+        for (rows, cols), params in by_shape.items():
+            grads = [p.grad for p in params]
+            bufs = []
+            for p in params:
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                bufs.append(state["momentum_buffer"])
+            torch._foreach_lerp_(bufs, grads, 1 - mu)  # M <- mu M + (1 - mu) G
+            if group["nesterov"]:
+                updates = torch._foreach_lerp(grads, bufs, mu)  # (1 - mu) G + mu M
+            else:
+                updates = bufs
+            stacked = torch.stack(updates)  # (n, rows, cols)
+            ortho = newton_schulz(stacked, group["ns_steps"]).to(params[0].dtype)  # (n, rows, cols)
+            if wd:
+                torch._foreach_mul_(params, 1 - lr * wd)
+            scale = math.sqrt(max(1.0, rows / cols))
+            torch._foreach_add_(params, list(ortho.unbind(0)), alpha=-lr * scale)
+
+    def _adamw_step(self, group: dict[str, Any]) -> None:
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        by_step: dict[int, list[Tensor]] = defaultdict(list)
+        for p in params:
+            state = self.state[p]
+            if "step" not in state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+            state["step"] += 1
+            by_step[state["step"]].append(p)  # one bucket, unless some params missed steps
+        if wd:
+            torch._foreach_mul_(params, 1 - lr * wd)
+        for step, ps in by_step.items():
+            grads = [p.grad for p in ps]
+            exp_avgs = [self.state[p]["exp_avg"] for p in ps]
+            exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in ps]
+            torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+            torch._foreach_mul_(exp_avg_sqs, beta2)
+            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+            bias1 = 1 - beta1**step
+            bias2_sqrt = math.sqrt(1 - beta2**step)
+            denom = torch._foreach_sqrt(exp_avg_sqs)
+            torch._foreach_div_(denom, bias2_sqrt)
+            torch._foreach_add_(denom, eps)
+            torch._foreach_addcdiv_(ps, exp_avgs, denom, value=-lr / bias1)
