@@ -171,7 +171,7 @@ def sample_command(
     stop: Annotated[
         Optional[list[str]],
         typer.Option(
-            help="End a sample when this text appears (not printed); repeatable.",
+            help="End a sample when this text appears (not printed; \\n, \\t work); repeatable.",
             metavar="TEXT",
         ),
     ] = None,
@@ -188,7 +188,7 @@ def sample_command(
     """Generate text from a trained run (KV-cached, batched)."""
     import json
 
-    from llmcli.generate import format_samples, read_prompts, sample_run
+    from llmcli.generate import format_samples, read_prompts, sample_run, unescape
 
     def write(text: str) -> None:
         sys.stdout.write(text)
@@ -204,7 +204,7 @@ def sample_command(
         top_p=top_p,
         seed=seed,
         num_samples=num_samples,
-        stop=stop or [],
+        stop=[unescape(text) for text in stop or []],
         device=device,
         write=write if streaming else None,
         notify=lambda line: typer.echo(line, err=True),

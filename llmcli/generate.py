@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -816,6 +817,15 @@ def _json_prompts(text: str, name: str, required: bool) -> list[str] | None:
             '["ROMEO:", "JULIET:"].'
         )
     return data
+
+
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def unescape(text: str) -> str:
+    """Turn the escapes `\\n`, `\\t`, `\\r` and `\\\\` typed on a command line into the characters;
+    any other backslash is kept as is (so `--stop '\\n\\n'` stops at a blank line)."""
+    return re.sub(r"\\(.)", lambda m: _ESCAPES.get(m.group(1), m.group(0)), text)
 
 
 def resolve_device(device: str) -> str:

@@ -27,6 +27,7 @@ from llmcli.generate import (
     read_prompts,
     sample_next,
     sample_texts,
+    unescape,
 )
 from llmcli.model import Transformer
 from llmcli.tokenizer import BPETokenizer, CharTokenizer
@@ -305,6 +306,12 @@ def test_streaming_holds_back_only_what_could_start_a_stop() -> None:
     assert pieces == ["h", "e", "", "l", "", "lo ", ""]  # "l", "lo", "w" wait for more
     assert state.push(CHARS.encode("o")[0]) == "wo"
     assert state.finish() == "" and state.text == "hello wo"
+
+
+def test_unescape_command_line_stops() -> None:
+    assert unescape(r"\n\nROMEO") == "\n\nROMEO"
+    assert unescape(r"a\tb\\n\x") == "a\tb\\n\\x"  # r"\\" is one backslash, r"\x" stays
+    assert unescape("é…") == "é…"
 
 
 def test_multibyte_characters_split_over_byte_tokens_stream_whole() -> None:

@@ -137,6 +137,15 @@ def test_stop_string_ends_the_sample_and_is_not_printed(capsys, run_dir) -> None
     assert out == "ROMEO:" + full[: full.index(stop)] + "\n"
 
 
+def test_stop_understands_escaped_newlines(capsys, run_dir) -> None:
+    full = expected_completion(run_dir, "ROMEO:", 60, seed=4)
+    assert "\n" in full
+    code, out, _ = cli(capsys, "sample", "--checkpoint", str(run_dir), "--prompt", "ROMEO:",
+                       "--stop", "\\n", "--max-new-tokens", "60", "--seed", "4", "--json")
+    assert code == 0
+    assert json.loads(out)["completion"] == full[: full.index("\n")]
+
+
 def test_empty_prompt_and_stdin(capsys, run_dir, monkeypatch) -> None:
     code, out, _ = cli(capsys, "sample", "--checkpoint", str(run_dir), "--prompt", "",
                        "--no-stream")
