@@ -437,15 +437,25 @@ class _TextState:
 
     Text is released only when it can no longer be the start of a stop string, and tokens that
     end inside a multi-byte character (byte-level BPE) wait for the rest of the character.
+    New tokens are decoded after a few tokens of context (the prompt's at first), as some
+    decoders treat the start of a text specially (SentencePiece drops a leading space).
     """
 
     # Up to 4 bytes make one UTF-8 character; a byte-level token holds at least one.
     MAX_PENDING = 4
+    CONTEXT = 4
 
-    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str], stop_ids: set[int]) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        stops: Sequence[str],
+        stop_ids: set[int],
+        context: Sequence[int] = (),
+    ) -> None:
         self.tokenizer = tokenizer
         self.stops = [s for s in stops if s]
         self.stop_ids = stop_ids
+        self.context = list(context)[-self.CONTEXT :]
         self.ids: list[int] = []
         self.decoded = 0  # ids[:decoded] are in `text`
         self.text = ""
@@ -459,12 +469,26 @@ class _TextState:
         if token in self.stop_ids:
             self.done, self.stop_reason = True, "stop"
             return self.finish(include_last=False)
-        pending = self.ids[self.decoded :]
-        piece = self.tokenizer.decode(pending)
-        if piece.endswith("\ufffd") and len(pending) < self.MAX_PENDING:
+        piece = self._decode(len(self.ids))
+        if piece.endswith("\ufffd") and len(self.ids) - self.decoded < self.MAX_PENDING:
             return ""
         self.decoded = len(self.ids)
         return self._add(piece)
+
+    def _decode(self, upto: int) -> str:
+        """The text of `ids[decoded:upto]`, decoded after up to CONTEXT earlier tokens."""
+        new = self.ids[self.decoded : upto]
+        n = self.CONTEXT
+        if self.decoded >= n:
+            ctx = self.ids[self.decoded - n : self.decoded]
+        else:
+            ctx = self.context[max(0, len(self.context) - (n - self.decoded)) :]
+            ctx = ctx + self.ids[: self.decoded]
+        if not ctx:
+            return self.tokenizer.decode(new)
+        base = self.tokenizer.decode(ctx)
+        full = self.tokenizer.decode(ctx + new)
+        return full[len(base) :] if full.startswith(base) else self.tokenizer.decode(new)
 
     def _add(self, piece: str) -> str:
         self.text += piece
@@ -497,7 +521,7 @@ class _TextState:
         """End the sample: decode what is pending and release everything held back."""
         stop = len(self.ids) if include_last else len(self.ids) - 1
         if self.decoded < stop:
-            self.text += self.tokenizer.decode(self.ids[self.decoded : stop])
+            self.text += self._decode(stop)
             self.decoded = stop
         self.done = True
         return self._release(len(self.text))
@@ -680,7 +704,7 @@ def _sample_batch(
     sink: TextSink | None,
 ) -> list[Sample]:
     """Run the samples `chunk` (indices into `jobs`) as one batch."""
-    states = [_TextState(tokenizer, stop, stop_ids) for _ in chunk]
+    states = [_TextState(tokenizer, stop, stop_ids, encoded[jobs[r][0]][0]) for r in chunk]
     seconds = [0.0] * len(chunk)
     vocab = tokenizer.vocab_size if tokenizer.vocab_size < model.vocab_size else None
     start = time.perf_counter()

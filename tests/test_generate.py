@@ -325,6 +325,21 @@ def test_multibyte_characters_split_over_byte_tokens_stream_whole() -> None:
     assert not any("\ufffd" in p for p in pieces)
 
 
+def test_decoding_keeps_spaces_that_sentencepiece_drops_at_a_text_start() -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    hf = Tokenizer(models.WordLevel({"<unk>": 0, "▁hello": 1, "▁world": 2, "▁ROMEO:": 3,
+                                     "!": 4}, unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.Metaspace()
+    hf.decoder = decoders.Metaspace()
+    tok = BPETokenizer(hf)
+    assert tok.decode([1]) == "hello" and tok.decode([3, 1]) == "ROMEO: hello"
+    for prompt, expected in (([3], " hello world! hello"), ([], "hello world! hello")):
+        state = _TextState(tok, [], set(), prompt)
+        assert "".join(state.push(i) for i in [1, 2, 4, 1]) == expected
+        assert tok.decode(prompt + [1, 2, 4, 1]) == tok.decode(prompt) + expected
+
+
 def test_stop_id_ends_the_sample_without_text() -> None:
     state = _TextState(CHARS, [], {CHARS.encode(".")[0]})
     assert "".join(push_all(state, CHARS, "abc.def")) == "abc" == state.text
