@@ -151,6 +151,8 @@ class TrainConfig:
                  "must be >= 0 (0 turns clipping off)")
         _require(0 < self.decay_fraction <= 1, "train", "decay_fraction", self.decay_fraction,
                  "must be in (0, 1]")
+        _require(0 <= self.seed < 2**63, "train", "seed", self.seed,
+                 "must be in 0..2**63-1 (torch's seed range)")
 
 
 @dataclass
