@@ -523,8 +523,32 @@ def _prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
             (run_dir / name).unlink()
 
 
+# What `save` writes into the resume state, by type: checked before any of it is used.
+_STATE_LAYOUT: dict[str, type | tuple[type, ...]] = {
+    "config": dict, "model": dict, "optimizer": dict, "rng": list, "sampler": list,
+    "step": int, "tokens": int, "elapsed_s": (int, float), "metrics_bytes": int,
+}
+
+
 def _check_resumable(state: dict[str, Any], config: Config, run_dir: Path, vocab: int) -> None:
-    saved = state.get("config", {}).get("model", {})
+    bad = [k for k, kind in _STATE_LAYOUT.items() if not isinstance(state.get(k), kind)]
+    if not bad and not (state["rng"] and len(state["rng"]) == len(state["sampler"])
+                        and all(isinstance(x, dict) for x in state["rng"] + state["sampler"])):
+        bad = ["rng", "sampler"]
+    if bad:
+        raise CheckpointError(
+            f"resume state '{run_dir / ckpt.STATE_FILE}' is incomplete or malformed (missing or "
+            f"wrong: {', '.join(bad)}); it was not written by this version of llmcli. Remove "
+            "it to start afresh, or restore it from a backup."
+        )
+    saved_optimizer = state["config"].get("train", {}).get("optimizer", "adamw")
+    if saved_optimizer != config.train.optimizer:
+        raise CheckpointError(
+            f"cannot resume '{run_dir}' with train.optimizer={config.train.optimizer!r}: it was "
+            f"trained with {saved_optimizer!r}, whose saved state does not carry over. Resume "
+            f"with --set train.optimizer={saved_optimizer}, or start a new run with --out DIR."
+        )
+    saved = state["config"].get("model", {})
     now = config.to_dict()["model"]
     diff = [f"model.{k}: saved {saved.get(k)!r}, config {v!r}" for k, v in now.items()
             if saved.get(k) != v]
@@ -750,8 +774,8 @@ def _train(
         metrics = MetricsLog(run_dir / ckpt.METRICS_FILE,
                              int(state["metrics_bytes"]) if state is not None else None)
         logger.info(
-            "%s run '%s': %.2fM parameters, %s on %s%s, %d tokens per step, steps %d..%d",
-            "resuming" if state is not None else "starting", run_dir, n_params / 1e6,
+            "%s run '%s': %s parameters, %s on %s%s, %d tokens per step, steps %d..%d",
+            "resuming" if state is not None else "starting", run_dir, _count(n_params),
             dtype_name, device, f" x{info.world_size}" if info.enabled else "",
             tokens_per_step, step + 1, tc.max_steps,
         )
@@ -909,6 +933,7 @@ def _train(
                             logger.warning("could not draw %s: %s", ckpt.PLOT_FILE,
                                            ckpt.describe_os_error(exc))
                     save(step, best)
+                    last_log_time = time.perf_counter()  # tok/s measures training steps only
                 if stopping:
                     if last_saved != step:
                         save(step, False)

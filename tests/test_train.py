@@ -412,16 +412,14 @@ def test_sigkill_and_sigint_leave_a_run_that_resumes_bitwise_exactly(
     assert stable_metrics(run_dir) == stable_metrics(reference)
 
 
-def test_bad_runs_exit_2_with_a_message(corpus: Path, tmp_path: Path) -> None:
+def test_an_unwritable_run_directory_exits_2_with_a_message(corpus: Path, tmp_path: Path) -> None:
+    # (The other bad inputs raise InputError in process, tested above; the CLI maps every
+    # InputError to exit status 2.)
     config = write_config(make_config(corpus), tmp_path / "t.yaml")
     (tmp_path / "file").write_text("")
-    for args, needle in (
-        (["--out", str(tmp_path / "new"), "--resume"], "nothing to resume"),
-        (["--out", str(tmp_path / "file" / "run")], "cannot write to output directory"),
-    ):
-        out = run_cli("train", str(config), *args)
-        assert out.returncode == 2, out.stderr
-        assert needle in out.stderr and "Traceback" not in out.stderr
+    out = run_cli("train", str(config), "--out", str(tmp_path / "file" / "run"))
+    assert out.returncode == 2, out.stderr
+    assert "cannot write to output directory" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_ddp_two_processes_match_one_process_with_the_union_of_their_batches(
