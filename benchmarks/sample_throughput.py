@@ -212,6 +212,7 @@ def main() -> None:
     import transformers
 
     started = time.perf_counter()
+    date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     load = os.getloadavg()
     parts = {
         "cached_vs_recompute": cached_vs_recompute(args.new_tokens),
@@ -237,7 +238,7 @@ def main() -> None:
                     "llmcli_over_transformers_ctx512": ">= 1.5", "batched_over_sequential": ">= 5"},
         **parts,
         "machine": {
-            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "date": date,
             "platform": platform.platform(),
             "processor": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(),
