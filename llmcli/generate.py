@@ -192,7 +192,8 @@ def make_generators(n: int, seed: int | None) -> list[torch.Generator]:
     """
     if seed is None:
         seed = int(torch.Generator().seed()) % (2**62)
-    return [torch.Generator().manual_seed(seed + i) for i in range(n)]
+    # torch seeds are 64-bit (a negative seed s is 2**64 + s): wrap any Python int the same way.
+    return [torch.Generator().manual_seed((seed + i) % 2**64) for i in range(n)]
 
 
 # ----------------------------------------------------------------------------- the decode loop
