@@ -464,7 +464,7 @@ class LoadedRun:
 
 
 def find_latest_run(root: str | Path = Path("checkpoints")) -> Path:
-    """The run under `root` whose `model.safetensors` was written most recently.
+    """The run under `root` (at any depth) whose `model.safetensors` was written most recently.
 
     Raises:
         CheckpointError: no run under `root`, saying how to train one.
@@ -472,10 +472,9 @@ def find_latest_run(root: str | Path = Path("checkpoints")) -> Path:
     root = Path(root)
     runs = []
     if root.is_dir():
-        for child in root.iterdir():
-            weights = child / MODEL_FILE
-            if child.is_dir() and weights.is_file():
-                runs.append((weights.stat().st_mtime_ns, str(child), child))
+        for weights in root.rglob(MODEL_FILE):  # runs may sit in sub-folders (--out a/b/run)
+            if weights.is_file():
+                runs.append((weights.stat().st_mtime_ns, str(weights.parent), weights.parent))
     if not runs:
         raise CheckpointError(
             f"no trained run found under '{root}/': {TRAIN_HINT}, or pass --checkpoint DIR "

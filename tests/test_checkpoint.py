@@ -113,6 +113,9 @@ def test_find_latest_run_picks_the_newest_weights(tmp_path: Path) -> None:
     assert ckpt.find_latest_run(tmp_path) == tmp_path / "a"
     os.utime(tmp_path / "b" / "model.safetensors", (now + 100, now + 100))
     assert ckpt.find_latest_run(tmp_path) == tmp_path / "b"
+    make_run(tmp_path / "group" / "c")  # runs in sub-folders count too
+    os.utime(tmp_path / "group" / "c" / "model.safetensors", (now + 200, now + 200))
+    assert ckpt.find_latest_run(tmp_path) == tmp_path / "group" / "c"
 
 
 def test_missing_run_and_missing_files_are_named(tmp_path: Path) -> None:
