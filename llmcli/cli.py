@@ -306,6 +306,26 @@ def inspect_attention_command(
         typer.echo("")
 
 
+@app.command("info")
+def info_command(
+    checkpoint: Annotated[
+        Optional[Path],
+        typer.Option(help="Run directory (default: the latest run under checkpoints/)."),
+    ] = None,
+    weights: Annotated[str, typer.Option(help="Which weights: best or last.")] = "best",
+    json_: Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")] = False,
+) -> None:
+    """Show a run: model size, training summary, recorded versions, generation defaults."""
+    import json
+
+    from llmcli.info import format_info, run_info
+
+    info = run_info(checkpoint, weights=weights)
+    for line in info["version_warnings"]:
+        typer.echo(f"warning: {line}", err=True)
+    typer.echo(json.dumps(info, indent=2) if json_ else format_info(info))
+
+
 @app.command("export")
 def export_command(
     out: Annotated[
@@ -376,6 +396,51 @@ def eval_command(
     result = evaluate_run(checkpoint, data, steps=steps, batch_size=batch_size, weights=weights,
                           device=device, progress=sys.stderr.isatty())
     typer.echo(json.dumps(result.to_dict()) if json_ else format_result(result))
+
+
+@app.command("bench")
+def bench_command(
+    config: ConfigArg,
+    set_: SetOption = None,
+    heads: Annotated[
+        str, typer.Option(help="Head counts to try, comma-separated.", metavar="LIST")
+    ] = "1,2,4,8",
+    seq: Annotated[
+        str, typer.Option(help="Sequence lengths (context_length) to try, comma-separated.",
+                          metavar="LIST")
+    ] = "64,128,256,512",
+    device: Annotated[
+        Optional[str],
+        typer.Option(help="auto, cpu, cuda or mps (default: train.device).", metavar="DEVICE"),
+    ] = None,
+    out: Annotated[
+        Optional[Path],
+        typer.Option(help="Folder for bench.json and bench.png (default: "
+                     "checkpoints/bench/<config name>).", metavar="DIR"),
+    ] = None,
+    steps: Annotated[
+        int, typer.Option(help="Timed training steps per combination (after one warm-up).")
+    ] = 3,
+    sample_tokens: Annotated[
+        int, typer.Option(help="New tokens sampled per combination (at most seq - 1).")
+    ] = 64,
+    isolate: Annotated[
+        bool, typer.Option(help="Measure each combination in a fresh process (needed for "
+                           "the CPU's peak memory).")
+    ] = True,
+    progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
+) -> None:
+    """Training and sampling speed, forward latency and peak memory per head count and length."""
+    from llmcli.bench import BenchSettings, bench_and_report, format_table, parse_int_list
+    from llmcli.config import load_config
+
+    settings = BenchSettings(train_steps=steps, sample_tokens=sample_tokens)
+    results, json_path, png_path = bench_and_report(
+        load_config(config, set_ or []), parse_int_list(heads, "heads"),
+        parse_int_list(seq, "seq"), device, out, settings, isolate=isolate, progress=progress,
+    )
+    typer.echo(format_table(results))
+    typer.echo(f"wrote {json_path} and {png_path}")
 
 
 def main(argv: list[str] | None = None) -> None:

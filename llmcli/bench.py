@@ -1,0 +1,543 @@
+"""`llmcli bench`: speed and memory of a config across head counts and sequence lengths.
+
+For every `(n_head, context_length)` combination the config's model is rebuilt with those two
+values (everything else as the config says) and measured on random tokens:
+
+- training tokens/s: the training step of `llmcli.train` (forward and loss under the run's
+  precision, backward, gradient clipping, `llmcli.optim.build_optimizer`'s optimizer, zero_grad)
+  at `train.batch_size` sequences of `context_length` tokens, after one warm-up step;
+- sampling tokens/s: `llmcli.generate.generate` (KV cache, temperature 1, batch 1) from a
+  one-token prompt, `min(sample_tokens, context_length - 1)` new tokens, so that the cache never
+  slides;
+- forward latency: the median time of an eval-mode forward of one full-length sequence (1 x T);
+- peak memory: on CUDA `torch.cuda.max_memory_allocated` over the whole measurement; on the CPU
+  the process's peak resident set size (`ru_maxrss`), together with its growth over the RSS the
+  process had before the model was built (the interpreter and torch themselves take a few
+  hundred MB).
+
+Peak RSS only grows within a process, so by default every combination runs in a fresh
+subprocess (`isolate=True`); in-process runs (`isolate=False`, quicker, for tests) report the
+CUDA figures but no CPU memory. Combinations the model cannot have (`n_embed` not divisible by
+`n_head`, an odd head size with rotary embeddings) are listed as invalid with the reason instead
+of being run. Results come back as `BenchResult`s; `write_report` saves them as `bench.json` and
+a `bench.png` of each measure against the sequence length, one line per head count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from llmcli.config import Config, ModelConfig
+from llmcli.errors import ConfigError, InputError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HEADS = (1, 2, 4, 8)
+DEFAULT_SEQS = (64, 128, 256, 512)
+JSON_FILE = "bench.json"
+PLOT_FILE = "bench.png"
+
+
+@dataclass
+class BenchResult:
+    """The measurements of one `(n_head, context_length)` combination.
+
+    `status` is "ok", "invalid" (the model cannot have this shape; `message` says why) or
+    "error" (the measurement failed, for example out of memory; `message` has the error).
+    Speeds and memory are None unless the status is "ok" (CPU memory also without isolation).
+    """
+
+    n_head: int
+    context_length: int
+    status: str = "ok"
+    message: str = ""
+    head_size: int | None = None
+    n_params: int | None = None
+    train_tokens_per_s: float | None = None
+    sample_tokens_per_s: float | None = None
+    forward_ms: float | None = None
+    peak_memory_mb: float | None = None
+    memory_growth_mb: float | None = None
+    memory_kind: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class BenchSettings:
+    """How much work each combination does (the defaults keep a run to about a minute)."""
+
+    train_steps: int = 3
+    sample_tokens: int = 64
+    forward_reps: int = 3
+    vocab_size: int | None = None  # None: see `vocab_size_for`
+    seed: int = 0
+
+    def validate(self) -> None:
+        for key in ("train_steps", "sample_tokens", "forward_reps"):
+            if getattr(self, key) < 1:
+                raise InputError(f"bench {key.replace('_', '-')} ({getattr(self, key)}) must "
+                                 "be at least 1.")
+        if self.vocab_size is not None and self.vocab_size < 2:
+            raise InputError(f"bench vocab size ({self.vocab_size}) must be at least 2.")
+
+
+def parse_int_list(text: str, name: str) -> list[int]:
+    """`"1,2,4"` -> `[1, 2, 4]` (duplicates dropped, order kept).
+
+    Raises:
+        InputError: an empty list, a value that is not an integer, or one below 1.
+    """
+    values: list[int] = []
+    for piece in text.split(","):
+        piece = piece.strip()
+        try:
+            value = int(piece)
+        except ValueError:
+            raise InputError(
+                f"--{name} takes comma-separated positive integers, e.g. 1,2,4,8; "
+                f"{piece!r} in {text!r} is not an integer."
+            ) from None
+        if value < 1:
+            raise InputError(f"--{name} values must be positive, got {value} in {text!r}.")
+        if value not in values:
+            values.append(value)
+    return values
+
+
+def vocab_size_for(config: Config) -> int:
+    """The vocabulary the benchmark's model gets (speed depends on it only through the LM head).
+
+    A BPE config: `data.vocab_size`; a `tokenizer.json` path: that tokenizer's size; a character
+    tokenizer: the distinct characters of `data.path` when it is one readable file, else 256.
+    """
+    tokenizer = config.data.tokenizer
+    if tokenizer == "bpe":
+        return config.data.vocab_size
+    if tokenizer != "char":
+        from llmcli.tokenizer import load_tokenizer
+
+        return int(load_tokenizer(tokenizer).vocab_size)
+    path = Path(config.data.path) if config.data.path else None
+    if path is not None and path.is_file():
+        try:
+            return max(2, len(set(path.read_text(encoding="utf-8")) | {"\n"}))
+        except (OSError, UnicodeDecodeError):
+            pass
+    return 256
+
+
+def combination_config(config: Config, n_head: int, context_length: int) -> ModelConfig:
+    """The config's model with `n_head` and `context_length` replaced, validated.
+
+    Raises:
+        ConfigError: the combination breaks a model rule (the message names it).
+    """
+    model_cfg = dataclasses.replace(config.model, n_head=n_head, context_length=context_length)
+    model_cfg.validate()
+    return model_cfg
+
+
+# ----------------------------------------------------------------------------- one combination
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _current_rss_mb() -> float | None:
+    """Resident set size now (Linux /proc), or None where it cannot be read."""
+    try:
+        with open("/proc/self/statm") as fh:
+            pages = int(fh.read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _peak_rss_mb() -> float:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes vs KiB
+
+
+def measure(
+    config: Config,
+    n_head: int,
+    context_length: int,
+    device_name: str,
+    settings: BenchSettings,
+    track_cpu_memory: bool,
+) -> BenchResult:
+    """Measure one combination in this process (see the module docstring).
+
+    Args:
+        config: the validated config whose model, batch size, precision and optimizer are used.
+        n_head, context_length: the combination.
+        device_name: "auto", "cpu", "cuda" or "mps".
+        settings: steps, tokens and repetitions.
+        track_cpu_memory: report the process's peak RSS (only meaningful in a fresh process).
+
+    Raises:
+        ConfigError: the combination is invalid.
+    """
+    import contextlib
+
+    import torch
+    from torch import nn
+
+    from llmcli.generate import generate
+    from llmcli.model import Transformer
+    from llmcli.optim import build_optimizer
+    from llmcli.train import resolve_device, resolve_precision
+
+    model_cfg = combination_config(config, n_head, context_length)
+    tc = config.train
+    device = resolve_device(device_name)
+    _, amp_dtype, use_scaler = resolve_precision(device, tc.dtype)
+    vocab = settings.vocab_size or vocab_size_for(config)
+    rss_before = _current_rss_mb()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    gen = torch.Generator().manual_seed(settings.seed)
+    model = Transformer.from_config(model_cfg, vocab, generator=gen).to(device)
+    optimizer = build_optimizer(model, tc, device.type)
+    scaler = torch.amp.GradScaler(device.type) if use_scaler else None
+    params = list(model.parameters())
+    B, T = tc.batch_size, context_length
+    data = torch.randint(0, vocab, (B, T + 1), generator=gen).to(device)
+    x, y = data[:, :-1], data[:, 1:]  # (B, T), (B, T)
+    fwd_model = torch.compile(model) if tc.compile else model
+
+    def autocast() -> contextlib.AbstractContextManager:
+        if amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device.type, dtype=amp_dtype)
+
+    def train_step() -> None:
+        with autocast():
+            _, loss = fwd_model(x, y)
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        if tc.grad_clip > 0:
+            if scaler is not None:
+                scaler.unscale_(optimizer)
+            nn.utils.clip_grad_norm_(params, tc.grad_clip, foreach=True)
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    model.train()
+    train_step()  # warm-up (and compilation, with train.compile)
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(settings.train_steps):
+        train_step()
+    _sync(device)
+    train_s = (time.perf_counter() - start) / settings.train_steps
+
+    model.eval()
+    one = x[:1]  # (1, T)
+    times = []
+    with torch.inference_mode():
+        for _ in range(settings.forward_reps + 1):  # the first one warms up
+            _sync(device)
+            start = time.perf_counter()
+            with autocast():
+                model(one)
+            _sync(device)
+            times.append(time.perf_counter() - start)
+    forward_s = statistics.median(times[1:])
+
+    n_new = min(settings.sample_tokens, context_length - 1)
+    sample_rate = None
+    if n_new > 0:
+        prompt = [[int(x[0, 0])]]
+        _sync(device)
+        start = time.perf_counter()
+        with autocast():
+            for _ in generate(model, prompt, n_new, temperature=1.0, seed=settings.seed):
+                pass
+        _sync(device)
+        sample_rate = n_new / (time.perf_counter() - start)
+
+    result = BenchResult(
+        n_head=n_head,
+        context_length=context_length,
+        head_size=model_cfg.n_embed // n_head,
+        n_params=model.num_parameters(),
+        train_tokens_per_s=B * T / train_s,
+        sample_tokens_per_s=sample_rate,
+        forward_ms=forward_s * 1e3,
+    )
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
+        result.peak_memory_mb, result.memory_growth_mb = peak, peak
+        result.memory_kind = "cuda_max_allocated"
+    elif track_cpu_memory:
+        result.peak_memory_mb = _peak_rss_mb()
+        if rss_before is not None:
+            result.memory_growth_mb = result.peak_memory_mb - rss_before
+        result.memory_kind = "cpu_peak_rss"
+    return result
+
+
+def _measure_or_error(*args: Any) -> BenchResult:
+    """`measure`, with a runtime failure (out of memory, say) turned into an "error" result."""
+    n_head, context_length = args[1], args[2]
+    try:
+        return measure(*args)
+    except (RuntimeError, MemoryError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return BenchResult(n_head, context_length, status="error", message=first_line)
+
+
+# ----------------------------------------------------------------------------- all of them
+
+
+def run_bench(
+    config: Config,
+    heads: Sequence[int] | None = None,
+    seqs: Sequence[int] | None = None,
+    device: str | None = None,
+    settings: BenchSettings | None = None,
+    *,
+    isolate: bool = True,
+    progress: bool = True,
+) -> list[BenchResult]:
+    """Measure every `(n_head, context_length)` combination, sequence length fastest.
+
+    Args:
+        config: a validated config.
+        heads: head counts (default 1, 2, 4, 8).
+        seqs: context lengths (default 64, 128, 256, 512).
+        device: "auto", "cpu", "cuda" or "mps" (default: `train.device`).
+        settings: work per combination (default `BenchSettings()`).
+        isolate: run each valid combination in a fresh subprocess (needed for CPU peak RSS).
+        progress: show a tqdm bar across the combinations.
+
+    Returns:
+        One `BenchResult` per combination, invalid ones included, in loop order.
+
+    Raises:
+        InputError: bad settings, an unusable device, or no valid combination at all.
+    """
+    from tqdm.auto import tqdm
+
+    from llmcli.train import resolve_device
+
+    settings = settings or BenchSettings()
+    settings.validate()
+    heads = list(heads or DEFAULT_HEADS)
+    seqs = list(seqs or DEFAULT_SEQS)
+    device = device or config.train.device
+    resolve_device(device)  # an unusable device fails here, once, with its message
+    if settings.vocab_size is None:
+        settings = dataclasses.replace(settings, vocab_size=vocab_size_for(config))
+
+    combos = [(h, t) for h in heads for t in seqs]
+    results: list[BenchResult] = []
+    invalid: list[str] = []
+    bar = tqdm(combos, desc="bench", unit="combo", disable=not progress, dynamic_ncols=True)
+    for n_head, context_length in bar:
+        bar.set_postfix_str(f"heads={n_head} seq={context_length}", refresh=True)
+        try:
+            combination_config(config, n_head, context_length)
+        except ConfigError as exc:
+            results.append(BenchResult(n_head, context_length, status="invalid",
+                                       message=str(exc)))
+            invalid.append(f"heads={n_head}: {exc}")
+            continue
+        args = (config, n_head, context_length, device, settings, isolate)
+        if isolate:
+            results.append(_in_fresh_process(args))
+        else:
+            results.append(_measure_or_error(*args))
+    bar.close()
+    if not any(r.status != "invalid" for r in results):
+        raise InputError("no combination of --heads and --seq is valid for this model: "
+                         + "; ".join(dict.fromkeys(invalid)))
+    return results
+
+
+def _in_fresh_process(args: tuple) -> BenchResult:
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        return pool.submit(_measure_or_error, *args).result()
+
+
+# ----------------------------------------------------------------------------- reporting
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_table(results: Sequence[BenchResult]) -> str:
+    """The results as an aligned text table (invalid and failed combinations say why)."""
+    header = ("heads", "seq", "head_size", "train tok/s", "sample tok/s", "fwd ms (1xT)",
+              "peak MB", "growth MB")
+    rows = []
+    notes: dict[tuple[int, str, str], list[int]] = {}  # (heads, status, why) -> lengths
+    for r in results:
+        if r.status != "ok":
+            rows.append((str(r.n_head), str(r.context_length), "-", r.status, "-", "-", "-",
+                         "-"))
+            notes.setdefault((r.n_head, r.status, r.message), []).append(r.context_length)
+            continue
+        rows.append((
+            str(r.n_head), str(r.context_length), str(r.head_size),
+            _fmt(r.train_tokens_per_s, ",.0f"), _fmt(r.sample_tokens_per_s, ",.1f"),
+            _fmt(r.forward_ms, ".2f"), _fmt(r.peak_memory_mb, ",.0f"),
+            _fmt(r.memory_growth_mb, ",.0f"),
+        ))
+    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True))
+             for row in (header, *rows)]
+    for (n_head, status, why), lengths in notes.items():
+        lines.append(f"heads={n_head} (seq {', '.join(map(str, lengths))}) {status}: {why}")
+    return "\n".join(lines)
+
+
+def machine_info(device: str) -> dict[str, Any]:
+    """Where the figures were measured (for the JSON report)."""
+    import torch
+
+    info: dict[str, Any] = {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "device": device,
+    }
+    if hasattr(os, "getloadavg"):
+        info["load_average"] = [round(x, 2) for x in os.getloadavg()]
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def write_report(
+    results: Sequence[BenchResult],
+    out_dir: str | Path,
+    meta: dict[str, Any] | None = None,
+) -> tuple[Path, Path]:
+    """Write `bench.json` (meta + results) and `bench.png` into `out_dir` (atomically).
+
+    Returns:
+        `(json_path, png_path)`.
+    """
+    from llmcli.checkpoint import atomic_write_bytes, atomic_write_json, describe_os_error
+
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        json_path, png_path = out / JSON_FILE, out / PLOT_FILE
+        atomic_write_json(json_path, {**(meta or {}), "results": [r.to_dict() for r in results]})
+        atomic_write_bytes(png_path, plot_png(results))
+    except OSError as exc:
+        raise InputError(f"cannot write the bench report into '{out}': "
+                         f"{describe_os_error(exc)}.") from None
+    return json_path, png_path
+
+
+PANELS = (
+    ("train_tokens_per_s", "training tokens/s"),
+    ("sample_tokens_per_s", "sampling tokens/s (KV cache, batch 1)"),
+    ("forward_ms", "forward latency, ms (1 x T)"),
+    ("peak_memory_mb", "peak memory, MB"),
+)
+
+
+def plot_png(results: Sequence[BenchResult]) -> bytes:
+    """A 2 x 2 figure: each measure against the sequence length, one line per head count."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    ok = [r for r in results if r.status == "ok"]
+    fig = Figure(figsize=(10, 7), dpi=100)
+    FigureCanvasAgg(fig)
+    for i, (key, title) in enumerate(PANELS):
+        ax = fig.add_subplot(2, 2, i + 1)
+        for n_head in sorted({r.n_head for r in ok}):
+            points = sorted((r.context_length, getattr(r, key)) for r in ok
+                            if r.n_head == n_head and getattr(r, key) is not None)
+            if points:
+                ax.plot(*zip(*points, strict=True), "o-", ms=4, label=f"{n_head} heads")
+        ax.set_xscale("log", base=2)
+        lengths = sorted({r.context_length for r in ok})
+        ax.set_xticks(lengths, [str(t) for t in lengths])
+        ax.minorticks_off()
+        ax.set_xlabel("sequence length (context_length)")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "not measured", ha="center", va="center",
+                    transform=ax.transAxes, color="gray")
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+def bench_and_report(
+    config: Config,
+    heads: Sequence[int] | None,
+    seqs: Sequence[int] | None,
+    device: str | None,
+    out_dir: str | Path | None,
+    settings: BenchSettings | None = None,
+    *,
+    isolate: bool = True,
+    progress: bool = True,
+) -> tuple[list[BenchResult], Path, Path]:
+    """What `llmcli bench` runs: measure, then write the report.
+
+    The report goes to `out_dir`, default `checkpoints/bench/<config name>` (git-ignored, and
+    never mistaken for a run: it holds no weights).
+
+    Returns:
+        `(results, json_path, png_path)`.
+    """
+    from llmcli.train import resolve_device
+
+    settings = settings or BenchSettings()
+    device = device or config.train.device
+    results = run_bench(config, heads, seqs, device, settings, isolate=isolate,
+                        progress=progress)
+    out = Path(out_dir) if out_dir is not None else Path("checkpoints") / "bench" / config.name
+    meta = {
+        "benchmark": "llmcli bench",
+        "config": config.to_dict(),
+        "settings": dataclasses.asdict(settings),
+        "isolated": isolate,
+        "machine": machine_info(str(resolve_device(device))),
+    }
+    json_path, png_path = write_report(results, out, meta)
+    return results, json_path, png_path

@@ -1,0 +1,174 @@
+"""`llmcli bench` (llmcli/bench.py): combinations, table, JSON and PNG on a tiny config.
+
+Functional checks only: speeds are positive and finite, never compared with a threshold.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+import torch
+
+from llmcli.bench import (
+    BenchResult,
+    BenchSettings,
+    format_table,
+    parse_int_list,
+    run_bench,
+    vocab_size_for,
+    write_report,
+)
+from llmcli.cli import main
+from llmcli.config import config_from_dict
+from llmcli.errors import InputError
+
+SMALL = {"model": {"n_layer": 1, "n_head": 2, "n_embed": 16, "context_length": 16},
+         "train": {"batch_size": 2, "device": "cpu"}}
+QUICK = BenchSettings(train_steps=1, sample_tokens=4, forward_reps=1, vocab_size=11)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread (and the CI machine's 2 cores are shared)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def small_config():
+    return config_from_dict(SMALL, name="small")
+
+
+def positive(value: float | None) -> bool:
+    return value is not None and math.isfinite(value) and value > 0
+
+
+def test_parse_int_list() -> None:
+    assert parse_int_list("1,2, 4,8", "heads") == [1, 2, 4, 8]
+    assert parse_int_list("4,4,2", "heads") == [4, 2]
+    with pytest.raises(InputError, match=r"--seq .*'x' in '64,x' is not an integer"):
+        parse_int_list("64,x", "seq")
+    with pytest.raises(InputError, match="must be positive, got 0"):
+        parse_int_list("0,1", "heads")
+    with pytest.raises(InputError, match="is not an integer"):
+        parse_int_list("", "heads")
+
+
+def test_every_combination_is_measured_or_explained() -> None:
+    results = run_bench(small_config(), [1, 3, 2], [8, 16], "cpu", QUICK, isolate=False,
+                        progress=False)
+    assert [(r.n_head, r.context_length) for r in results] == [
+        (1, 8), (1, 16), (3, 8), (3, 16), (2, 8), (2, 16)]
+    for r in results:
+        if r.n_head == 3:
+            assert r.status == "invalid"
+            assert "n_embed (16) must be divisible by model.n_head (3)" in r.message
+            assert r.train_tokens_per_s is None
+            continue
+        assert r.status == "ok", r.message
+        assert r.head_size == 16 // r.n_head
+        assert positive(r.train_tokens_per_s) and positive(r.sample_tokens_per_s)
+        assert positive(r.forward_ms)
+        # In-process CPU runs cannot tell one combination's peak RSS from another's.
+        assert r.peak_memory_mb is None and r.memory_kind is None
+    # The parameter count depends on neither the head count nor (without a position table
+    # entry per extra position) anything else than the context length.
+    by_combo = {(r.n_head, r.context_length): r.n_params for r in results if r.status == "ok"}
+    assert by_combo[(1, 8)] == by_combo[(2, 8)]
+    assert by_combo[(1, 16)] - by_combo[(1, 8)] == 8 * 16  # 8 more rows of the (T, C) table
+
+
+def test_isolated_run_reports_peak_rss() -> None:
+    (result,) = run_bench(small_config(), [2], [8], "cpu", QUICK, isolate=True, progress=False)
+    assert result.status == "ok", result.message
+    assert result.memory_kind == "cpu_peak_rss"
+    # A fresh interpreter with torch loaded holds tens of MB at least; the model adds little.
+    assert result.peak_memory_mb > 50
+    assert 0 <= result.memory_growth_mb < result.peak_memory_mb
+
+
+def test_no_valid_combination_is_an_input_error() -> None:
+    with pytest.raises(InputError, match="no combination .* is valid.*divisible"):
+        run_bench(small_config(), [3, 5], [8], "cpu", QUICK, isolate=False, progress=False)
+
+
+def test_bad_settings_are_input_errors() -> None:
+    with pytest.raises(InputError, match="train-steps \\(0\\)"):
+        run_bench(small_config(), [2], [8], "cpu", BenchSettings(train_steps=0),
+                  isolate=False, progress=False)
+
+
+def test_table_json_and_png(tmp_path: Path) -> None:
+    results = [
+        BenchResult(2, 64, head_size=8, n_params=100, train_tokens_per_s=1234.5,
+                    sample_tokens_per_s=50.25, forward_ms=1.5, peak_memory_mb=300.0,
+                    memory_growth_mb=20.0, memory_kind="cpu_peak_rss"),
+        BenchResult(2, 128, head_size=8, n_params=164, train_tokens_per_s=1000.0,
+                    sample_tokens_per_s=40.0, forward_ms=2.5, peak_memory_mb=310.0,
+                    memory_growth_mb=30.0, memory_kind="cpu_peak_rss"),
+        BenchResult(3, 64, status="invalid", message="n_embed (16) not divisible by 3"),
+        BenchResult(3, 128, status="invalid", message="n_embed (16) not divisible by 3"),
+    ]
+    table = format_table(results).splitlines()
+    assert table[0].split()[:2] == ["heads", "seq"]
+    assert table[1].split() == ["2", "64", "8", "1,234", "50.2", "1.50", "300", "20"]
+    assert table[3].split()[:4] == ["3", "64", "-", "invalid"]
+    assert table[-1] == "heads=3 (seq 64, 128) invalid: n_embed (16) not divisible by 3"
+
+    json_path, png_path = write_report(results, tmp_path / "out", {"benchmark": "test"})
+    report = json.loads(json_path.read_text())
+    assert report["benchmark"] == "test"
+    assert [(r["n_head"], r["context_length"], r["status"]) for r in report["results"]] == [
+        (2, 64, "ok"), (2, 128, "ok"), (3, 64, "invalid"), (3, 128, "invalid")]
+    assert report["results"][1]["train_tokens_per_s"] == 1000.0
+    image = matplotlib.image.imread(png_path)
+    assert image.shape[0] > 100 and image.shape[1] > 100
+    assert not list((tmp_path / "out").glob(".*"))  # no temp files left behind
+
+
+def test_vocab_size_for(tmp_path: Path) -> None:
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("abcab\n")
+    assert vocab_size_for(config_from_dict({"data": {"path": str(corpus)}})) == 4  # a b c \n
+    assert vocab_size_for(config_from_dict(
+        {"data": {"path": str(corpus), "tokenizer": "bpe", "vocab_size": 300}})) == 300
+    assert vocab_size_for(config_from_dict({"data": {"path": str(tmp_path)}})) == 256
+
+
+def test_cli_bench_writes_report(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    config = tmp_path / "small.yaml"
+    config.write_text(json.dumps(SMALL))
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", str(config), "--heads", "2,3", "--seq", "8", "--steps", "1",
+              "--sample-tokens", "3", "--no-isolate", "--no-progress", "--out",
+              str(tmp_path / "out")])
+    out = capsys.readouterr()
+    assert exit_.value.code == 0, out.err
+    assert "invalid" in out.out and "wrote" in out.out
+    report = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert [r["status"] for r in report["results"]] == ["ok", "invalid"]
+    assert report["config"]["model"]["n_embed"] == 16
+    assert (tmp_path / "out" / "bench.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--heads", "2,x"], "--heads takes comma-separated positive integers"),
+    (["--heads", "3"], "no combination of --heads and --seq is valid"),
+    (["--device", "cuda"] if not torch.cuda.is_available() else ["--seq", "0"],
+     "cuda" if not torch.cuda.is_available() else "must be positive"),
+])
+def test_cli_bad_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture,
+                               args: list[str], message: str) -> None:
+    config = tmp_path / "small.yaml"
+    config.write_text(json.dumps(SMALL))
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", str(config), "--no-isolate", "--no-progress", "--out",
+              str(tmp_path / "out"), *args])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert message in err and "Traceback" not in err
