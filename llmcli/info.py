@@ -1,0 +1,103 @@
+"""What a run is: its model size, training summary, recorded versions and generation defaults.
+
+`llmcli info` prints `run_info()`; the versions recorded at training time are compared with the
+installed ones (see `llmcli.versions`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from llmcli.checkpoint import METRICS_FILE, load_run
+from llmcli.versions import record, warnings_for
+
+
+def _best_val(run_dir: Path) -> tuple[float | None, int | None]:
+    """Lowest val loss in metrics.jsonl and its step (None when the run never evaluated)."""
+    best: tuple[float | None, int | None] = (None, None)
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        return best
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a crash; the rest of the log is still good
+        val = row.get("val_loss") if isinstance(row, dict) else None
+        if isinstance(val, (int, float)) and (best[0] is None or val < best[0]):
+            best = (float(val), row.get("step"))
+    return best
+
+
+def run_info(checkpoint: str | Path | None = None, *, weights: str = "best") -> dict[str, Any]:
+    """Summarise a run directory (None: the latest run under checkpoints/).
+
+    Returns:
+        A JSON-ready dict with `run_dir`, `weights`, `model` (config and parameter counts),
+        `training` (steps, tokens, elapsed, best val loss), `versions` (recorded and installed),
+        `version_warnings`, `generation` (the `sample:` defaults) and `tokenizer`.
+    """
+    run = load_run(checkpoint, weights=weights)
+    meta = run.meta
+    best_val, best_step = _best_val(run.run_dir)
+    if meta.get("best_val_loss") is not None:
+        best_val, best_step = float(meta["best_val_loss"]), meta.get("best_step", best_step)
+    config = run.config.to_dict()
+    return {
+        "run_dir": str(run.run_dir),
+        "weights": str(run.weights_path),
+        "weights_step": run.step,
+        "model": {
+            **config["model"],
+            "vocab_size": run.model.vocab_size,
+            "parameters": run.model.num_parameters(),
+            "non_embedding_parameters": run.model.num_parameters(non_embedding=True),
+        },
+        "training": {
+            "steps": meta.get("step", run.step),
+            "max_steps": meta.get("max_steps", config["train"]["max_steps"]),
+            "tokens": meta.get("tokens"),
+            "elapsed_s": meta.get("elapsed_s"),
+            "best_val_loss": best_val,
+            "best_step": best_step,
+            "device": meta.get("device"),
+            "dtype": meta.get("dtype"),
+        },
+        "tokenizer": {"kind": config["data"]["tokenizer"], "vocab_size": run.model.vocab_size},
+        "generation": config["sample"],
+        "versions": {"recorded": meta.get("versions"), "installed": record()},
+        "version_warnings": warnings_for(meta.get("versions")),
+    }
+
+
+def format_info(info: dict[str, Any]) -> str:
+    """`run_info()` as aligned text for a terminal."""
+    model, training = info["model"], info["training"]
+    recorded = info["versions"]["recorded"] or {}
+    installed = info["versions"]["installed"]
+    best = training["best_val_loss"]
+    rows = [
+        ("run", info["run_dir"]),
+        ("weights", f"{info['weights']} (step {info['weights_step']})"),
+        ("model", f"{model['n_layer']} layers, {model['n_head']} heads, n_embed "
+                  f"{model['n_embed']}, context {model['context_length']}, vocab "
+                  f"{model['vocab_size']}"),
+        ("parameters", f"{model['parameters']:,} ({model['non_embedding_parameters']:,} "
+                       "without embeddings)"),
+        ("options", ", ".join(f"{k}={model[k]}" for k in
+                              ("pos_emb", "norm", "qk_norm", "mlp", "tie_embeddings"))),
+        ("steps", f"{training['steps']} of {training['max_steps']}"),
+        ("tokens", f"{training['tokens']:,}" if training["tokens"] is not None else "unknown"),
+        ("elapsed", f"{training['elapsed_s']:.1f} s" if training["elapsed_s"] is not None
+         else "unknown"),
+        ("best val loss", f"{best:.4f} at step {training['best_step']}" if best is not None
+         else "no evaluation yet"),
+        ("generation", ", ".join(f"{k}={v}" for k, v in info["generation"].items())),
+    ]
+    for name in sorted(set(recorded) | set(installed)):
+        rows.append((f"version {name}", f"{recorded.get(name, '-')} (installed "
+                                        f"{installed.get(name) or '-'})"))
+    width = max(len(label) for label, _ in rows)
+    return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)

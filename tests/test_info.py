@@ -1,0 +1,76 @@
+"""`llmcli info`: model size, training summary, versions, generation defaults (info.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmcli.checkpoint import save_model_run
+from llmcli.cli import main
+from llmcli.config import config_from_dict
+from llmcli.info import format_info, run_info
+from llmcli.model import Transformer
+from llmcli.tokenizer import CharTokenizer
+from llmcli.versions import record
+
+
+@pytest.fixture()
+def run_dir(tmp_path: Path) -> Path:
+    config = config_from_dict(
+        {"model": {"n_layer": 2, "n_head": 2, "n_embed": 16, "context_length": 8},
+         "sample": {"temperature": 0.5, "top_k": 7}}
+    )
+    tokenizer = CharTokenizer.train(["hello world\n"])
+    torch.manual_seed(0)
+    model = Transformer.from_config(config.model, tokenizer.vocab_size)
+    old = dict(record(), torch="1.0.0")
+    save_model_run(tmp_path / "run", config, tokenizer, model,
+                   extra_meta={"step": 40, "tokens": 1280, "elapsed_s": 3.5,
+                               "best_val_loss": 2.25, "best_step": 30, "versions": old})
+    (tmp_path / "run" / "metrics.jsonl").write_text(
+        json.dumps({"step": 30, "val_loss": 2.25}) + "\n" + json.dumps({"step": 40}) + "\n"
+    )
+    return tmp_path / "run"
+
+
+def test_run_info_reports_size_training_and_generation(run_dir: Path) -> None:
+    info = run_info(run_dir)
+    model = Transformer.from_config(config_from_dict({"model": {
+        "n_layer": 2, "n_head": 2, "n_embed": 16, "context_length": 8}}).model,
+        info["model"]["vocab_size"])
+    # Tied embeddings are counted once.
+    unique = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    assert info["model"]["parameters"] == unique
+    assert info["model"]["vocab_size"] == len(set("hello world\n"))
+    assert info["training"]["steps"] == 40
+    assert info["training"]["tokens"] == 1280
+    assert info["training"]["best_val_loss"] == 2.25
+    assert info["training"]["best_step"] == 30
+    assert info["generation"]["temperature"] == 0.5
+    assert info["generation"]["top_k"] == 7
+    assert info["versions"]["recorded"]["torch"] == "1.0.0"
+    assert info["versions"]["installed"] == record()
+    assert len(info["version_warnings"]) == 1 and "torch 1.0.0" in info["version_warnings"][0]
+    text = format_info(info)
+    assert re.search(r"best val loss +2.2500 at step 30", text)
+    assert f"{unique:,}" in text
+
+
+def test_info_command_json_and_version_warning(run_dir: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["info", "--checkpoint", str(run_dir), "--json"])
+    assert exit_info.value.code == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["training"]["steps"] == 40
+    assert err.count("\n") == 1 and "warning: this run was made with torch 1.0.0" in err
+
+
+def test_info_on_a_missing_run_exits_2(tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["info", "--checkpoint", str(tmp_path / "none")])
+    assert exit_info.value.code == 2
+    assert "does not exist" in capsys.readouterr().err
