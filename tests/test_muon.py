@@ -36,7 +36,7 @@ def conditioned(rows: int, cols: int, cond: float, seed: int) -> np.ndarray:
     return (U * s) @ V.T
 
 
-@pytest.mark.parametrize("shape", [(16, 48), (48, 16), (32, 32)])
+@pytest.mark.parametrize("shape", [(16, 48), (48, 16), (32, 32), (16, 24), (24, 16)])
 def test_newton_schulz_matches_the_formula(shape: tuple[int, int]) -> None:
     G = np.random.default_rng(0).standard_normal(shape)
     got = newton_schulz(torch.tensor(G, dtype=torch.float32))
@@ -98,6 +98,28 @@ def test_muon_steps_match_a_hand_computation(nesterov: bool) -> None:
     for p, w, g in zip(params, weights, grads, strict=True):
         expected = reference_muon(w, g, lr=0.05, mu=0.9, wd=0.1, nesterov=nesterov)
         np.testing.assert_allclose(p.detach().numpy(), expected, atol=1e-5)
+
+
+def test_split_orthogonalises_each_block_of_rows_on_its_own() -> None:
+    # A fused QKV weight (3C, C) is three (C, C) maps: each block is updated as its own matrix.
+    rng = np.random.default_rng(2)
+    W = rng.standard_normal((24, 8)) * 0.1
+    grads = [rng.standard_normal((24, 8)) for _ in range(2)]
+    p = torch.nn.Parameter(torch.tensor(W, dtype=torch.float32))
+    opt = Muon([{"params": [p], "use_muon": True, "split": 3}], lr=0.05, momentum=0.9)
+    for g in grads:
+        p.grad = torch.tensor(g, dtype=torch.float32)
+        opt.step()
+    expected = np.concatenate([
+        reference_muon(W[i : i + 8], [g[i : i + 8] for g in grads], lr=0.05, mu=0.9, wd=0.0,
+                       nesterov=True)
+        for i in (0, 8, 16)
+    ])
+    np.testing.assert_allclose(p.detach().numpy(), expected, atol=1e-5)
+    with pytest.raises(ValueError, match="split"):
+        q = torch.nn.Parameter(torch.zeros(10, 4))
+        q.grad = torch.ones(10, 4)
+        Muon([{"params": [q], "use_muon": True, "split": 3}]).step()
 
 
 def test_muon_update_has_unit_singular_values_times_lr() -> None:
