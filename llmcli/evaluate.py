@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -171,6 +172,7 @@ def evaluate_run(
     weights: str = "best",
     device: str = "auto",
     progress: bool = False,
+    notify: Callable[[str], None] | None = None,
 ) -> EvalResult:
     """Mean loss, perplexity and bits per byte of a run's model on a text.
 
@@ -183,6 +185,7 @@ def evaluate_run(
         weights: "best" or "last" weights of the run.
         device: "auto", "cpu", "cuda" or "mps".
         progress: show a tqdm bar.
+        notify: called with one line per warning (installed versions differ from the run's).
 
     Raises:
         InputError: a bad run directory, data file, `steps` or `batch_size`; a text with
@@ -198,6 +201,11 @@ def evaluate_run(
     t0 = time.perf_counter()
     dev = resolve_device(device)
     run = load_run(checkpoint, weights=weights, device=str(dev))
+    if notify is not None:
+        from llmcli.versions import warnings_for
+
+        for line in warnings_for(run.meta.get("versions")):
+            notify(f"warning: {line}")
     ctx = run.config.model.context_length
     if data is not None:
         text = read_text(data)

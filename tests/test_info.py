@@ -74,3 +74,18 @@ def test_info_on_a_missing_run_exits_2(tmp_path: Path, capsys) -> None:
         main(["info", "--checkpoint", str(tmp_path / "none")])
     assert exit_info.value.code == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_eval_warns_once_when_the_run_was_made_with_other_versions(
+    run_dir: Path, tmp_path: Path, capsys
+) -> None:
+    text = tmp_path / "text.txt"
+    text.write_text("hello world\nhello world\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", "--checkpoint", str(run_dir), "--data", str(text), "--json",
+              "--device", "cpu"])
+    assert exit_info.value.code == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["tokens"] == len("hello world\nhello world\n") - 1
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "torch 1.0.0" in warnings[0]
