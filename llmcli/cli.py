@@ -394,7 +394,8 @@ def eval_command(
     from llmcli.evaluate import evaluate_run, format_result
 
     result = evaluate_run(checkpoint, data, steps=steps, batch_size=batch_size, weights=weights,
-                          device=device, progress=sys.stderr.isatty())
+                          device=device, progress=sys.stderr.isatty(),
+                          notify=lambda line: typer.echo(line, err=True))
     typer.echo(json.dumps(result.to_dict()) if json_ else format_result(result))
 
 
