@@ -1,6 +1,7 @@
 """Every bad input gets exit status 2, a message naming the problem, and no traceback (issue 7).
 
-One table of bad inputs across `config`, `train`, `sample`, `inspect-attention` and `export`:
+One table of bad inputs across `config`, `train`, `sample`, `inspect-attention`, `eval` and
+`export`:
 missing, empty, binary and directory-instead-of-file configs and corpora, malformed YAML, wrong
 types, out-of-range values, unknown keys, hostile YAML (alias bombs, deep nesting), prompts
 outside the vocabulary or too long, missing, truncated, pickled or mismatched run files, and
@@ -394,6 +395,23 @@ CASES = [
                  id="inspect-truncated-last-weights"),
     pytest.param(on_run("inspect-attention", None, "--prompt", "RO", "--weights", "middle"),
                  "weights must be 'best' or 'last'", id="inspect-unknown-weights"),
+    # --- eval ---------------------------------------------------------------------------------
+    pytest.param(on_run("eval", None, "--data", "{tmp}/none.txt"), "--data .* does not exist",
+                 id="eval-data-missing"),
+    pytest.param(on_run("eval", None, "--data", "{tmp}"), "--data .* is a directory",
+                 id="eval-data-directory"),
+    pytest.param(lambda e: on_run("eval", None, "--data", str(e.file("b.txt", b"\xff\x00")))(e),
+                 r"--data .* is not UTF-8 text \(bad byte at offset 0\)", id="eval-data-binary"),
+    pytest.param(lambda e: on_run("eval", None, "--data", str(e.file("e.txt", "")))(e),
+                 "--data .* is empty", id="eval-data-empty"),
+    pytest.param(lambda e: on_run("eval", None, "--data", str(e.file("z.txt", "ROMEO~")))(e),
+                 "vocabulary lacks: '~'", id="eval-data-outside-vocab"),
+    pytest.param(on_run("eval", None), "cannot rebuild the validation split .* --data PATH",
+                 id="eval-corpus-gone"),
+    pytest.param(on_run("eval", None, "--steps", "0"), r"--steps \(0\) must be a positive",
+                 id="eval-zero-steps"),
+    pytest.param(on_run("eval", pickle_as("best.safetensors")), "not a safetensors file",
+                 id="eval-pickled-weights"),
     # --- export -------------------------------------------------------------------------------
     pytest.param(on_run("export", None, "--out", "{tmp}/f.txt"), "exists and is a file",
                  id="export-out-is-a-file"),
@@ -414,7 +432,8 @@ def run_main(argv: list[str], capsys) -> tuple[int, str, str]:
 def test_there_are_at_least_40_cases_over_every_command() -> None:
     ids = [p.id for p in CASES]
     assert len(ids) == len(set(ids)) >= 40
-    for prefix in ("config", "value", "set", "train", "resume", "sample", "inspect", "export"):
+    for prefix in ("config", "value", "set", "train", "resume", "sample", "inspect", "eval",
+                   "export"):
         assert sum(i.startswith(prefix + "-") for i in ids) >= 3, prefix
 
 
