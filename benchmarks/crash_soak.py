@@ -1,0 +1,323 @@
+"""Crash soak: SIGKILL a real `llmcli train` at random moments, resume, and compare; prints JSON.
+
+A tiny run (1 layer, width 16, context 16, `--steps` steps, a save every `--eval-interval`) is
+trained once, uninterrupted, in this process, keeping a copy of its weights at every save: the
+reference. Then `--kills` SIGKILLs land on real `llmcli train` processes, in chains of
+`--chain` kills on one run directory: each process resumes what the previous one left
+(`--resume` when a resume state exists, else `--overwrite`) and is killed at a random moment:
+
+- "step": after a random step of the session;
+- "write": part-way (a random fraction of the bytes written) through a random file of a save
+  (model.safetensors, meta.json, state.pt, loss.png) or of the session start (config.yaml,
+  tokenizer.json);
+- "instant": at a random wall-clock instant after the session's first step (the session is held
+  at its last step, so the kill always lands before it ends).
+
+After each kill the run directory must load (`load_run` best and last, `load_state`), and every
+weights file and the resume state must equal, bitwise, the reference's weights at their step.
+After each chain, `llmcli train --resume` (in this process) finishes the run, whose final weights
+and metrics must equal the reference's bitwise. Every process trains on one thread.
+
+Output keys: kills, resumes (sessions started from a saved state, the finishing ones included),
+mismatches (files or final runs that differ from the reference: must be 0), unloadable (kills
+after which the run did not load: must be 0), moments (kills per kind), written_when_killed
+(kills per file of the "write" kind), state_steps (the resume state's step after each kill),
+wall_s.
+
+Usage: python benchmarks/crash_soak.py [--kills 20] [--chain 4] [--seed 0] [--steps 24]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# The child: imports first (seconds), waits for a job, then runs the real CLI with one pause
+# (to be killed there) at a step or in the middle of a file write.
+CHILD = r'''
+import json, os, sys, time
+from pathlib import Path
+
+import matplotlib.backends.backend_agg, matplotlib.figure, torch  # noqa: F401
+import llmcli.checkpoint as ckpt
+import llmcli.cli, llmcli.data, llmcli.model  # noqa: F401
+import llmcli.train as T
+
+job_file = Path(os.environ["SOAK_JOB"])
+T.plot_losses(job_file.with_suffix(".none"), job_file.with_suffix(".png"))  # loads the fonts
+while not job_file.exists():
+    time.sleep(0.01)
+job = json.loads(job_file.read_text())
+marker = Path(job["marker"])
+
+
+def pause(why):
+    marker.write_text(why)
+    time.sleep(600)
+
+
+def on_step(step):
+    started = marker.with_suffix(".started")
+    if not started.exists():
+        started.write_text(str(step))
+    if step == job.get("at_step"):
+        pause(f"step {step}")
+
+
+original_train = T.train
+T.train = lambda *args, **kwargs: original_train(*args, on_step=on_step, **kwargs)
+
+if job.get("in_write"):
+    name, nth, fraction = job["in_write"]
+    real_write, seen = ckpt._write_and_sync, [0]
+
+    def write(path, data):
+        if path.name.startswith(f".{name}.tmp-"):
+            seen[0] += 1
+            if seen[0] == nth:
+                with open(path, "wb") as fh:
+                    fh.write(data[: int(len(data) * fraction)])
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                pause(f"writing {name}")
+        real_write(path, data)
+
+    ckpt._write_and_sync = write
+
+llmcli.cli.main(job["argv"])
+'''
+
+SAVE_FILES = ["model.safetensors", "meta.json", "state.pt", "loss.png"]
+START_FILES = ["config.yaml", "tokenizer.json"]
+VOLATILE = ("elapsed_s", "tok_per_s")
+
+
+class Pool:
+    """`total` child processes, started `ahead` of use so that their imports overlap."""
+
+    def __init__(self, folder: Path, total: int, ahead: int = 2) -> None:
+        self.folder, self.total, self.ahead = folder, total, ahead
+        (folder / "child.py").write_text(CHILD)
+        self.procs: list[subprocess.Popen] = []
+        self.used = 0
+        self._fill()
+
+    def _fill(self) -> None:
+        while len(self.procs) < min(self.total, self.used + self.ahead):
+            i = len(self.procs)
+            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
+                       SOAK_JOB=str(self.folder / f"job-{i}.json"))
+            for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+                env.pop(name, None)
+            with open(self.folder / f"job-{i}.log", "w") as log:
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, str(self.folder / "child.py")], cwd=self.folder, env=env,
+                    stdout=log, stderr=subprocess.STDOUT))
+
+    def take(self, job: dict) -> tuple[subprocess.Popen, Path]:
+        """Hand `job` to the next warm child: (its process, its log)."""
+        i, self.used = self.used, self.used + 1
+        self._fill()
+        tmp = self.folder / f"job-{i}.tmp"
+        tmp.write_text(json.dumps(job))
+        os.replace(tmp, self.folder / f"job-{i}.json")
+        return self.procs[i], self.folder / f"job-{i}.log"
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kills", type=int, default=20)
+    parser.add_argument("--chain", type=int, default=4, help="kills per run directory")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--eval-interval", type=int, default=4)
+    parser.add_argument("--tmp", default=None, help="work folder (default: a new temp folder)")
+    args = parser.parse_args()
+
+    import torch
+    import yaml
+
+    from llmcli import checkpoint as ckpt
+    from llmcli import train as train_module
+    from llmcli.cli import main as cli_main
+    from llmcli.config import config_from_dict
+    from llmcli.errors import CheckpointError
+    from llmcli.train import read_metrics
+
+    torch.set_num_threads(1)  # the children too: bitwise comparisons need the same kernels
+    rng = random.Random(args.seed)
+    t0 = time.perf_counter()
+    work = Path(args.tmp or tempfile.mkdtemp(prefix="llmcli-soak-"))
+    work.mkdir(parents=True, exist_ok=True)
+    corpus = work / "corpus.txt"
+    corpus.write_text((ROOT / "data" / "shakespeare.txt").read_text(encoding="utf-8")[:6000],
+                      encoding="utf-8")
+    raw = {
+        "model": {"n_layer": 1, "n_head": 2, "n_embed": 16, "context_length": 16},
+        "data": {"path": str(corpus), "cache_dir": str(work / "cache")},
+        "train": {"device": "cpu", "batch_size": 4, "max_steps": args.steps,
+                  "warmup_steps": 2, "eval_interval": args.eval_interval, "eval_steps": 1,
+                  "log_interval": 2, "seed": 3},
+    }
+    config_path = work / "soak.yaml"
+    config_path.write_text(yaml.safe_dump(raw), encoding="utf-8")
+    saves = [s for s in range(1, args.steps + 1)
+             if s % args.eval_interval == 0 or s == args.steps]
+    pool = Pool(work, total=args.kills)  # warming up while the reference trains
+
+    # --- the reference, with its weights at every save --------------------------------------
+    snapshots: dict[int, dict[str, torch.Tensor]] = {}
+    real_save, real_plot = ckpt.save_checkpoint, train_module.plot_losses
+
+    def save(run_dir, model, state, meta, *, best):
+        snapshots[meta["step"]] = {k: v.detach().clone() for k, v in state["model"].items()}
+        real_save(run_dir, model, state, meta, best=best)
+
+    ckpt.save_checkpoint, train_module.plot_losses = save, lambda *a: None
+    try:
+        train_module.train(config_from_dict(raw), out_dir=work / "reference", progress=False)
+    finally:
+        ckpt.save_checkpoint, train_module.plot_losses = real_save, real_plot
+    assert sorted(snapshots) == saves, (sorted(snapshots), saves)
+
+    def stable(run_dir: Path) -> list[dict]:
+        return [{k: v for k, v in r.items() if k not in VOLATILE}
+                for r in read_metrics(run_dir / "metrics.jsonl")]
+
+    def check(run_dir: Path) -> tuple[int, int | None, bool]:
+        """(files that differ from the reference, resume state's step, loadable)."""
+        bad, loadable = 0, True
+        state_step = None
+        if (run_dir / "state.pt").exists():
+            try:
+                state = ckpt.load_state(run_dir)
+                for weights in ("best", "last"):
+                    ckpt.load_run(run_dir, weights=weights)
+            except CheckpointError:
+                return 0, None, False
+            state_step = int(state["step"])
+            expected = snapshots[state_step]
+            bad += any(not torch.equal(t, expected[k]) for k, t in state["model"].items())
+        else:
+            try:
+                ckpt.load_run(run_dir)
+            except CheckpointError:
+                pass  # nothing saved yet: refusing with a message is right
+        for name in ("model.safetensors", "best.safetensors"):
+            if (run_dir / name).exists():
+                try:
+                    tensors, metadata = ckpt.read_weights(run_dir / name)
+                except CheckpointError:
+                    loadable = False
+                    continue
+                expected = snapshots[int(metadata["step"])]
+                bad += any(not torch.equal(t, expected[k]) for k, t in tensors.items())
+        return bad, state_step, loadable
+
+    kills = resumes = mismatches = unloadable = 0
+    moments: Counter[str] = Counter()
+    written: Counter[str] = Counter()
+    state_steps: list[int | None] = []
+    chain = 0
+    try:
+        while kills < args.kills:
+            chain += 1
+            run_dir = work / f"run-{chain}"
+            for _ in range(min(args.chain, args.kills - kills)):
+                state_step = (ckpt.load_state(run_dir)["step"] if (run_dir / "state.pt").exists()
+                              else 0)
+                resuming = state_step > 0
+                left = [s for s in saves if s > state_step]
+                kind = rng.choice(["step", "write", "instant"])
+                marker = work / f"kill-{kills:03d}"
+                job: dict = {"marker": str(marker),
+                             "argv": ["train", str(config_path), "--out", str(run_dir),
+                                      "--no-progress", "--resume" if resuming else "--overwrite"]}
+                if kind == "step":
+                    job["at_step"] = rng.randint(state_step + 1, args.steps)
+                elif kind == "write":
+                    name = rng.choice(SAVE_FILES + START_FILES)
+                    nth = 1 if name in START_FILES else rng.randint(1, len(left))
+                    job["in_write"] = [name, nth, round(rng.random(), 3)]
+                    written[name] += 1
+                else:
+                    job["at_step"] = args.steps
+                proc, log = pool.take(job)
+                wait = marker if kind != "instant" else marker.with_suffix(".started")
+                deadline = time.monotonic() + 300
+                while not wait.exists():
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise SystemExit(f"child ended or hung before its kill: {log.read_text()}")
+                    time.sleep(0.01)
+                if kind == "instant":
+                    time.sleep(rng.uniform(0.0, 2.0))
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+                kills += 1
+                resumes += resuming
+                moments[kind] += 1
+                bad, step, loadable = check(run_dir)
+                mismatches += bad
+                unloadable += not loadable
+                state_steps.append(step)
+
+            # Finish the run and compare it with the reference.
+            resuming = (run_dir / "state.pt").exists()
+            resumes += resuming
+            argv = ["train", str(config_path), "--out", str(run_dir), "--no-progress",
+                    "--resume" if resuming else "--overwrite"]
+            quiet = io.StringIO()
+            with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+                try:
+                    cli_main(argv)
+                except SystemExit as exc:
+                    if exc.code != 0:
+                        raise
+            final = ckpt.read_weights(run_dir / "model.safetensors")[0]
+            reference = ckpt.read_weights(work / "reference" / "model.safetensors")[0]
+            same = final.keys() == reference.keys() and all(
+                torch.equal(final[k], reference[k]) for k in final)
+            mismatches += (not same) + (stable(run_dir) != stable(work / "reference"))
+    finally:
+        pool.close()
+
+    print(json.dumps({
+        "kills": kills,
+        "resumes": resumes,
+        "mismatches": mismatches,
+        "unloadable": unloadable,
+        "chains": chain,
+        "moments": dict(moments),
+        "written_when_killed": dict(written),
+        "state_steps": state_steps,
+        "steps": args.steps,
+        "saves": saves,
+        "seed": args.seed,
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+    }))
+
+
+if __name__ == "__main__":
+    main()
