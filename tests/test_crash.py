@@ -128,7 +128,7 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, pool) -> dict:
+def setup(tmp_path_factory) -> dict:
     """The config, and an uninterrupted run with a copy of its weights at every save."""
     root = tmp_path_factory.mktemp("crash")
     corpus = root / "corpus.txt"
@@ -283,8 +283,9 @@ def assert_same_as_reference(setup: dict, run_dir: Path) -> None:
 
 
 def test_sigkill_at_three_random_moments_then_resume_is_bitwise_exact(
-    setup: dict, pool: Pool, tmp_path: Path, capsys
+    pool: Pool, setup: dict, tmp_path: Path, capsys
 ) -> None:
+    # (`pool` first: its processes import while `setup` trains the reference.)
     rng = random.Random(20240607)
     run_dir = tmp_path / "run"
 
