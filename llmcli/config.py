@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import math
 import re
+import reprlib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -249,6 +250,8 @@ def _coerce(tp: Any, value: Any) -> tuple[bool, Any]:
         # PyYAML reads `1e-3` (no dot) as a string under YAML 1.1: accept such numbers.
         if type(value) is str and _FLOAT_RE.fullmatch(value.strip()):
             value = float(value)
+        if type(value) is int and abs(value) > 2**1023:  # beyond any float: not a number here
+            return False, value
         if type(value) in (int, float) and math.isfinite(value):
             return True, float(value)
         return False, value
@@ -288,8 +291,13 @@ def _build_section(section: str, raw: Any) -> Any:
 
 
 def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
+    # reprlib bounds the work: a YAML alias bomb ("billion laughs") has an exponential repr.
+    text = _REPR.repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 3, 60, 60, 60
 
 
 def config_from_dict(raw: Any, name: str = "run") -> Config:
@@ -331,8 +339,13 @@ def parse_override(text: str) -> tuple[str, str, Any]:
         )
     try:
         value = yaml.safe_load(raw_value) if raw_value.strip() else None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--set {text!r}: the value is not a YAML scalar ({exc}).") from None
+    except (yaml.YAMLError, RecursionError) as exc:
+        problem = getattr(exc, "problem", None) or getattr(exc, "reason", None) or (
+            "nested too deeply" if isinstance(exc, RecursionError) else "invalid YAML")
+        raise ConfigError(
+            f"--set {text!r}: the value is not a YAML scalar ({problem}); quote it, for "
+            f"example --set '{dotted.strip()}=\"...\"'."
+        ) from None
     if isinstance(value, (dict, list)):
         raise ConfigError(
             f"--set {text!r}: the value must be a single scalar (number, string, true/false, "
@@ -369,6 +382,11 @@ def read_yaml(path: str | Path) -> Any:
         )
     try:
         raw = yaml.safe_load(text)
+    except RecursionError:
+        raise ConfigError(
+            f"config file {str(p)!r} nests lists or mappings too deeply to read: a config is "
+            "four sections of plain key: value pairs."
+        ) from None
     except yaml.YAMLError as exc:
         where = ""
         mark = getattr(exc, "problem_mark", None)

@@ -26,6 +26,7 @@ that prepends "▁", may encode a piece's first word differently.)
 from __future__ import annotations
 
 import codecs
+import errno
 import glob
 import hashlib
 import json
@@ -418,10 +419,17 @@ def _cached_tokens(tok: Tokenizer, source: Source, source_hash: str, cache_dir: 
         log.info("token cache hit for %s: %s (%d tokens)", source.label, bin_path, meta["n_tokens"])
         return bin_path
     log.info("tokenizing %s into %s", source.label, bin_path)
-    n_tokens = _tokenize_to_file(tok, source, bin_path, dtype)
-    meta = {"format": FORMAT_VERSION, "dtype": dtype.name, "n_tokens": n_tokens,
-            "source_hash": source_hash, "tokenizer_sha256": tok_hash, "source": source.label}
-    _write_text_atomic(meta_path, json.dumps(meta, indent=1))
+    try:
+        n_tokens = _tokenize_to_file(tok, source, bin_path, dtype)
+        meta = {"format": FORMAT_VERSION, "dtype": dtype.name, "n_tokens": n_tokens,
+                "source_hash": source_hash, "tokenizer_sha256": tok_hash, "source": source.label}
+        _write_text_atomic(meta_path, json.dumps(meta, indent=1))
+    except OSError as exc:  # reading the corpus raises InputError: this is the cache's
+        reason = "no space left on device" if exc.errno == errno.ENOSPC else exc.strerror or exc
+        raise InputError(
+            f"cannot write the token cache '{bin_path}' ({reason}): free some space, or set "
+            "data.cache_dir or $LLMCLI_CACHE to a writable folder with room."
+        ) from None
     return bin_path
 
 
@@ -467,8 +475,11 @@ def _trained_tokenizer(data_cfg: DataConfig, sources: list[Source], source_hash:
                 yield from document
 
     tok = train_tokenizer(data_cfg, texts())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _write_text_atomic(path, tok.to_json())
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_text_atomic(path, tok.to_json())
+    except OSError as exc:  # only a cache: the tokenizer is trained and in hand
+        log.warning("could not cache the tokenizer in %s (%s)", path, exc.strerror or exc)
     return tok
 
 

@@ -784,11 +784,17 @@ def write_outputs(
         ) from None
     if not out_dir.is_dir():
         raise InputError(f"--out {str(out_dir)!r} is not a folder: choose another --out DIR.")
-    files = [save_dump(dump, out_dir / f"attention{FORMATS[fmt]}", fmt)]
-    if pictures:
-        files += plot_layers(dump, out_dir)
-    if viewer:
-        files.append(write_viewer(dump, out_dir / "attention.html"))
+    try:
+        files = [save_dump(dump, out_dir / f"attention{FORMATS[fmt]}", fmt)]
+        if pictures:
+            files += plot_layers(dump, out_dir)
+        if viewer:
+            files.append(write_viewer(dump, out_dir / "attention.html"))
+    except OSError as exc:  # every file is written atomically: earlier ones stay whole
+        raise InputError(
+            f"cannot write into {str(out_dir)!r}: {exc.strerror or exc}; free some space or "
+            "choose --out DIR."
+        ) from None
     return files
 
 

@@ -770,9 +770,15 @@ def _train(
     metrics: MetricsLog | None = None
     if info.main:
         ckpt.remove_stale_temp_files(run_dir)
-        ckpt.write_config_and_tokenizer(run_dir, config, tokenizer)
-        metrics = MetricsLog(run_dir / ckpt.METRICS_FILE,
-                             int(state["metrics_bytes"]) if state is not None else None)
+        try:
+            ckpt.write_config_and_tokenizer(run_dir, config, tokenizer)
+            metrics = MetricsLog(run_dir / ckpt.METRICS_FILE,
+                                 int(state["metrics_bytes"]) if state is not None else None)
+        except OSError as exc:
+            raise CheckpointError(
+                f"cannot write the run files in '{run_dir}': {ckpt.describe_os_error(exc)}. "
+                "Any checkpoint saved there is intact; fix the problem and run again."
+            ) from None
         logger.info(
             "%s run '%s': %s parameters, %s on %s%s, %d tokens per step, steps %d..%d",
             "resuming" if state is not None else "starting", run_dir, _count(n_params),
