@@ -16,14 +16,20 @@ RESULTS.md for the check of the real loop). Three models of the same sizes:
 
 Rounds are interleaved in one process (matmul peak, then each model in turn, a few steps each),
 so that a shared, noisy machine slows every contestant alike; the figures are medians over
-rounds and the ratios are of medians. Achieved FLOP/s use nanoGPT's count per token,
+rounds and the ratios are of medians (the ratios of each contestant's fastest round, the least
+disturbed by other jobs, are given too). Achieved FLOP/s use nanoGPT's count per token,
 `6 N + 12 L T C` (N = parameters without the position table), and are compared with the best
 fp32 GFLOP/s of a square matmul measured in the same rounds.
 
-`--compile` adds `torch.compile(llmcli model)`: compile seconds, steady-state tokens/s and the
-number of steps after which compiling has paid for itself.
+Every round also replays the GEMMs of the step's linear layers alone (forward, input and weight
+gradients, same shapes): all three contestants run exactly these, so their time is a floor under
+any step and bounds the ratio any implementation of the same model can reach over another.
 
-Usage: python benchmarks/train_throughput.py [--rounds 7] [--steps 5] [--threads N] [--compile]
+`--compile tiny,...` adds `torch.compile(llmcli model)` for those configs: compile seconds,
+steady-state tokens/s against eager and the number of steps after which compiling has paid off.
+
+Usage: python benchmarks/train_throughput.py [--rounds 7] [--steps 5] [--threads N]
+       [--configs tiny,6L_384_ctx256] [--compile tiny]
 """
 
 from __future__ import annotations
@@ -220,6 +226,27 @@ def matmul_gflops(n: int = 2048, reps: int = 3) -> float:
     return 2 * n**3 / best / 1e9
 
 
+def step_gemms(shape: dict) -> list[tuple[Tensor, Tensor]]:
+    """Operands of every GEMM of a training step's linear layers (attention scores excluded).
+
+    Per linear `i -> o` on `B*T` rows: forward `(BT, i) @ (i, o)`, input gradient
+    `(BT, o) @ (o, i)`, weight gradient `(o, BT) @ (BT, i)`; the same for the LM head.
+    """
+    BT, C = shape["batch_size"] * shape["context_length"], shape["n_embed"]
+    linears = [(C, 3 * C), (C, C), (C, 4 * C), (4 * C, C)] * shape["n_layer"] + [(C, VOCAB)]
+    g = torch.Generator().manual_seed(2)
+    return [(torch.randn(m, k, generator=g), torch.randn(k, n, generator=g))
+            for i, o in linears for m, k, n in ((BT, i, o), (BT, o, i), (o, BT, i))]
+
+
+def gemm_seconds(gemms: list[tuple[Tensor, Tensor]]) -> float:
+    """Seconds to run the GEMMs once, one after another (a floor under any step's time)."""
+    start = time.perf_counter()
+    for a, b in gemms:
+        torch.mm(a, b)
+    return time.perf_counter() - start
+
+
 def batches(shape: dict, n: int = 4) -> list[tuple[Tensor, Tensor]]:
     g = torch.Generator().manual_seed(1)
     B, T = shape["batch_size"], shape["context_length"]
@@ -254,8 +281,11 @@ def compare(name: str, shape: dict, rounds: int, steps: int) -> dict:
         timed(step, data, 2)  # warm-up
     seconds: dict[str, list[float]] = {k: [] for k in contestants}
     peaks: list[float] = []
+    gemms = step_gemms(shape)
+    gemm_s: list[float] = []
     for _ in range(rounds):
         peaks.append(matmul_gflops())
+        gemm_s.append(gemm_seconds(gemms))
         for key, (step, _) in contestants.items():
             seconds[key].append(timed(step, data, steps))
     tok_s = {k: tokens / statistics.median(v) for k, v in seconds.items()}
@@ -272,12 +302,22 @@ def compare(name: str, shape: dict, rounds: int, steps: int) -> dict:
         "step_ms_rounds": {k: [round(1e3 * s, 1) for s in v] for k, v in seconds.items()},
         "llmcli_over_transformers": round(tok_s["llmcli"] / tok_s["transformers"], 3),
         "llmcli_over_per_head": round(tok_s["llmcli"] / tok_s["per_head"], 3),
+        # The fastest round of each: the least disturbed by other jobs on a shared machine.
+        "best_round_over_transformers": round(min(seconds["transformers"])
+                                              / min(seconds["llmcli"]), 3),
+        "best_round_over_per_head": round(min(seconds["per_head"]) / min(seconds["llmcli"]), 3),
         "flops_per_token": fpt,
         "llmcli_gflops_median": round(statistics.median(achieved), 1),
         "matmul_peak_gflops_best": round(max(peaks), 1),
         "matmul_peak_gflops_median": round(statistics.median(peaks), 1),
         "fraction_of_peak": round(statistics.median(achieved) / max(peaks), 3),
         "fraction_of_peak_per_round_median": round(statistics.median(per_round_fraction), 3),
+        # Every contestant runs these same GEMMs; the rest of a step is where they differ.
+        "linear_gemms_ms_median": round(1e3 * statistics.median(gemm_s), 2),
+        "gemm_share_of_step": {k: round(statistics.median(gemm_s) / statistics.median(v), 3)
+                               for k, v in seconds.items()},
+        "max_ratio_over_transformers_if_only_gemms_were_left": round(
+            statistics.median(seconds["transformers"]) / statistics.median(gemm_s), 3),
     }
 
 
@@ -316,8 +356,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's own choice)")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names")
-    parser.add_argument("--compile", action="store_true",
-                        help="also measure torch.compile's compile time and speed-up")
+    parser.add_argument("--compile", default="",
+                        help="configs (comma-separated) for which to also measure torch.compile")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -342,7 +382,7 @@ def main() -> None:
     out: dict = {"ratios": ratios, "targets": TARGETS, **results}
     if args.compile:
         out["compile"] = {name: compile_payback(CONFIGS[name], args.rounds, args.steps)
-                          for name in args.configs.split(",")}
+                          for name in args.compile.split(",")}
     out["machine"] = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "platform": platform.platform(),

@@ -161,6 +161,8 @@ def _sync(device: Any) -> None:
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
 
 
 def _current_rss_mb() -> float | None:
@@ -382,10 +384,15 @@ def run_bench(
 
 def _in_fresh_process(args: tuple) -> BenchResult:
     import multiprocessing
+    from concurrent.futures.process import BrokenProcessPool
 
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-        return pool.submit(_measure_or_error, *args).result()
+    try:
+        with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+            return pool.submit(_measure_or_error, *args).result()
+    except BrokenProcessPool:
+        return BenchResult(args[1], args[2], status="error",
+                           message="the measuring process died (killed for lack of memory?)")
 
 
 # ----------------------------------------------------------------------------- reporting
