@@ -14,7 +14,8 @@ RESULTS.md for the check of the real loop). Three models of the same sizes:
   its own key/query/value `nn.Linear`, masked softmax, `torch.cat` of the heads, `proj`; the
   same blocks otherwise; `torch.optim.AdamW` at its defaults.
 
-Rounds are interleaved in one process (matmul peak, then each model in turn, a few steps each),
+Rounds are interleaved in one process (matmul peak, then each model in turn, a few steps each,
+the order rotating from round to round),
 so that a shared, noisy machine slows every contestant alike; the figures are medians over
 rounds and the ratios are of medians (the ratios of each contestant's fastest round, the least
 disturbed by other jobs, are given too). Achieved FLOP/s use nanoGPT's count per token,
@@ -41,6 +42,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -283,11 +285,14 @@ def compare(name: str, shape: dict, rounds: int, steps: int) -> dict:
     peaks: list[float] = []
     gemms = step_gemms(shape)
     gemm_s: list[float] = []
-    for _ in range(rounds):
+    keys = list(contestants)
+    for r in range(rounds):
         peaks.append(matmul_gflops())
         gemm_s.append(gemm_seconds(gemms))
-        for key, (step, _) in contestants.items():
-            seconds[key].append(timed(step, data, steps))
+        # Rotate the order: whoever runs right after the big matmuls shares the cores with
+        # OpenMP threads still spinning from them, so every contestant takes that seat in turn.
+        for key in keys[r % len(keys):] + keys[: r % len(keys)]:
+            seconds[key].append(timed(contestants[key][0], data, steps))
     tok_s = {k: tokens / statistics.median(v) for k, v in seconds.items()}
     fpt = flops_per_token(contestants["llmcli"][1], shape)
     achieved = [fpt * tokens / s / 1e9 for s in seconds["llmcli"]]
@@ -322,7 +327,12 @@ def compare(name: str, shape: dict, rounds: int, steps: int) -> dict:
 
 
 def compile_payback(shape: dict, rounds: int, steps: int) -> dict:
-    """Compile seconds of `torch.compile(model)` and its steady-state speed against eager."""
+    """Compile seconds of `torch.compile(model)` and its steady-state speed against eager.
+
+    The compile is cold, as in a user's first run: inductor's on-disk cache is pointed at an
+    empty temporary folder first (a warm cache makes later compiles much quicker).
+    """
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-bench-")
     data = batches(shape)
     tokens = shape["batch_size"] * shape["context_length"]
     eager, _ = llmcli_step(shape)
@@ -333,9 +343,10 @@ def compile_payback(shape: dict, rounds: int, steps: int) -> dict:
     timed(eager, data, 2)
     timed(compiled, data, 2)
     e, c = [], []
-    for _ in range(rounds):
-        e.append(timed(eager, data, steps))
-        c.append(timed(compiled, data, steps))
+    for r in range(rounds):
+        pair = ((eager, e), (compiled, c))
+        for step, times in pair if r % 2 == 0 else pair[::-1]:
+            times.append(timed(step, data, steps))
     e_s, c_s = statistics.median(e), statistics.median(c)
     compile_s = first_s - c_s
     saved = e_s - c_s
