@@ -494,7 +494,8 @@ def plot_png(results: Sequence[BenchResult]) -> bytes:
             points = sorted((r.context_length, getattr(r, key)) for r in ok
                             if r.n_head == n_head and getattr(r, key) is not None)
             if points:
-                ax.plot(*zip(*points, strict=True), "o-", ms=4, label=f"{n_head} heads")
+                label = f"{n_head} head" + ("s" if n_head != 1 else "")
+                ax.plot(*zip(*points, strict=True), "o-", ms=4, label=label)
         ax.set_xscale("log", base=2)
         lengths = sorted({r.context_length for r in ok})
         ax.set_xticks(lengths, [str(t) for t in lengths])
