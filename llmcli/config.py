@@ -120,6 +120,7 @@ class TrainConfig:
     out_dir: str | None = None
     optimizer: Literal["adamw", "muon"] = "adamw"
     muon_lr: float = 0.02
+    muon_momentum: float = 0.95
     schedule: Literal["cosine", "wsd"] = "cosine"
     decay_fraction: float = 0.2
     init_from: str | None = None
@@ -130,6 +131,8 @@ class TrainConfig:
             _require(getattr(self, key) > 0, "train", key, getattr(self, key), "must be positive")
         _require(self.lr > 0, "train", "lr", self.lr, "must be > 0")
         _require(self.muon_lr > 0, "train", "muon_lr", self.muon_lr, "must be > 0")
+        _require(0 <= self.muon_momentum < 1, "train", "muon_momentum", self.muon_momentum,
+                 "must be in [0, 1)")
         _require(self.min_lr >= 0, "train", "min_lr", self.min_lr, "must be >= 0")
         if self.min_lr > self.lr:
             raise ConfigError(

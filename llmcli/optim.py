@@ -118,7 +118,8 @@ def build_optimizer(
             groups, lr=train.lr, betas=(train.beta1, train.beta2), eps=1e-8, **kernel
         )
     if train.optimizer == "muon":
-        return Muon(muon_param_groups(model, train), betas=(train.beta1, train.beta2), eps=1e-8)
+        return Muon(muon_param_groups(model, train), momentum=train.muon_momentum,
+                    betas=(train.beta1, train.beta2), eps=1e-8)
     raise ConfigError(
         f"train.optimizer ({train.optimizer!r}) is not available in this version of llmcli; "
         "use train.optimizer=adamw."

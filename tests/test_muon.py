@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from llmcli.config import ModelConfig, TrainConfig
+from llmcli.config import ModelConfig, TrainConfig, config_from_dict
+from llmcli.errors import ConfigError
 from llmcli.model import Transformer
 from llmcli.muon import NS_COEFFS, Muon, newton_schulz
 from llmcli.optim import apply_lr, build_optimizer, muon_param_groups
@@ -188,9 +189,10 @@ def test_build_optimizer_muon_follows_the_schedule_and_trains() -> None:
     model = tiny_model(norm="rmsnorm", qk_norm=True, mlp="relu2", pos_emb="rope",
                        tie_embeddings=False)
     train = TrainConfig(optimizer="muon", lr=1e-2, min_lr=0.0, muon_lr=0.05, warmup_steps=0,
-                        max_steps=40, beta1=0.8, beta2=0.95)
+                        max_steps=40, beta1=0.8, beta2=0.95, muon_momentum=0.85)
     opt = build_optimizer(model, train, "cpu")
     assert isinstance(opt, Muon)
+    assert opt.param_groups[0]["momentum"] == 0.85
     assert opt.param_groups[1]["betas"] == (0.8, 0.95)
     x = torch.randint(0, 11, (4, 8), generator=torch.Generator().manual_seed(0))
     losses = []
@@ -203,6 +205,11 @@ def test_build_optimizer_muon_follows_the_schedule_and_trains() -> None:
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     assert losses[-1] < 0.2 * losses[0]
+
+
+def test_muon_momentum_is_validated() -> None:
+    with pytest.raises(ConfigError, match="train.muon_momentum"):
+        config_from_dict({"train": {"optimizer": "muon", "muon_momentum": 1.0}})
 
 
 def test_state_dict_round_trip_continues_exactly() -> None:
