@@ -98,8 +98,7 @@ class Muon(torch.optim.Optimizer):
     Each param group is a dict with `params` and `use_muon`, plus its hyperparameters (missing
     ones take the constructor's defaults):
     - Muon groups (`use_muon=True`, 2-D parameters only): `lr`, `momentum`, `nesterov`,
-      `ns_steps`, `weight_decay`, and `split` (default 1): each matrix is `split` matrices
-      stacked on the rows (a fused QKV projection is 3), orthogonalised each on its own;
+      `ns_steps`, `weight_decay`;
     - AdamW groups: `lr`, `betas`, `eps`, `weight_decay`.
     Extra keys (`names`, `base_lr`) are kept, as in any torch optimizer.
 
@@ -168,15 +167,11 @@ class Muon(torch.optim.Optimizer):
 
     def _muon_step(self, group: dict[str, Any]) -> None:
         lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
-        split = group.get("split", 1)
         by_shape: dict[tuple[int, ...], list[Tensor]] = defaultdict(list)
         for p in group["params"]:
             if p.grad is not None:
                 by_shape[tuple(p.shape)].append(p)
         for (rows, cols), params in by_shape.items():
-            if rows % split != 0:
-                raise ValueError(f"a Muon group with split={split} holds a ({rows}, {cols}) "
-                                 f"matrix: its {rows} rows do not split in {split} blocks")
             grads = [p.grad for p in params]
             bufs = []
             for p in params:
@@ -189,10 +184,8 @@ class Muon(torch.optim.Optimizer):
                 updates = torch._foreach_lerp(grads, bufs, mu)  # (1 - mu) G + mu M
             else:
                 updates = bufs
-            rows //= split  # each block of rows is one matrix (a fused QKV: Q, K and V)
-            stacked = torch.stack(updates).view(-1, rows, cols)  # (n * split, rows, cols)
-            ortho = newton_schulz(stacked, group["ns_steps"]).to(params[0].dtype)
-            ortho = ortho.view(len(params), rows * split, cols)  # (n, split * rows, cols)
+            stacked = torch.stack(updates)  # (n, rows, cols)
+            ortho = newton_schulz(stacked, group["ns_steps"]).to(params[0].dtype)  # (n, rows, cols)
             if wd:
                 torch._foreach_mul_(params, 1 - lr * wd)
             scale = math.sqrt(max(1.0, rows / cols))

@@ -101,28 +101,6 @@ def test_muon_steps_match_a_hand_computation(nesterov: bool) -> None:
         np.testing.assert_allclose(p.detach().numpy(), expected, atol=1e-5)
 
 
-def test_split_orthogonalises_each_block_of_rows_on_its_own() -> None:
-    # A fused QKV weight (3C, C) is three (C, C) maps: each block is updated as its own matrix.
-    rng = np.random.default_rng(2)
-    W = rng.standard_normal((24, 8)) * 0.1
-    grads = [rng.standard_normal((24, 8)) for _ in range(2)]
-    p = torch.nn.Parameter(torch.tensor(W, dtype=torch.float32))
-    opt = Muon([{"params": [p], "use_muon": True, "split": 3}], lr=0.05, momentum=0.9)
-    for g in grads:
-        p.grad = torch.tensor(g, dtype=torch.float32)
-        opt.step()
-    expected = np.concatenate([
-        reference_muon(W[i : i + 8], [g[i : i + 8] for g in grads], lr=0.05, mu=0.9, wd=0.0,
-                       nesterov=True)
-        for i in (0, 8, 16)
-    ])
-    np.testing.assert_allclose(p.detach().numpy(), expected, atol=1e-5)
-    with pytest.raises(ValueError, match="split"):
-        q = torch.nn.Parameter(torch.zeros(10, 4))
-        q.grad = torch.ones(10, 4)
-        Muon([{"params": [q], "use_muon": True, "split": 3}]).step()
-
-
 def test_muon_update_has_unit_singular_values_times_lr() -> None:
     # One step from zero momentum: W moves by lr * NS(G), whose singular values are near 1.
     G = conditioned(32, 16, 30.0, 7)
