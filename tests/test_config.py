@@ -67,7 +67,8 @@ def test_overrides_are_yaml_scalars_and_validated(tmp_path: Path) -> None:
     assert config.sample.top_k is None
     assert config.model.bias is False
     assert config.data.tokenizer == "bpe"
-    with pytest.raises(ConfigError, match=r"n_embed \(128\) must be divisible by model.n_head \(3\)"):
+    divisible = r"n_embed \(128\) must be divisible by model.n_head \(3\)"
+    with pytest.raises(ConfigError, match=divisible):
         load_config(path, ["model.n_head=3"])
 
 
