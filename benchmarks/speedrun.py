@@ -1,0 +1,223 @@
+"""Time to a validation loss: nanoGPT's CPU recipe vs `configs/speedrun-cpu.yaml`; prints JSON.
+
+Trains, on the same corpus and in the same invocation, each as its own `llmcli train` process
+(so the wall time is what a user waits for: interpreter start, data, training, evaluations,
+checkpoint saves):
+- `baseline`: `configs/tiny.yaml`, nanoGPT's shakespeare-char CPU recipe (4 layers, 4 heads,
+  n_embed 128, context 64, batch 12, AdamW lr 1e-3 cosine to 1e-4, 2000 steps, eval every 250
+  steps on 20 batches);
+- `speedrun`: `configs/speedrun-cpu.yaml` (the <= 60 s recipe);
+- `speedrun_300s`: `configs/speedrun-cpu-300s.yaml` (the recipe for the lowest loss in 300 s);
+and reports for each the wall time at which the validation loss first reached `--target`
+(1.88), the validation loss at `--budget` seconds (300: the last evaluation made by then), the
+final figures and the curve (step, seconds since `train` began, val loss). Then the ablation
+table: the speedrun recipe again with each of its options switched back to the seed's default
+in turn, at the same number of steps (final val loss, wall, steps/s).
+
+Times from the curve are `elapsed_s` of `metrics.jsonl` (since `train()` began, evaluations and
+saves included); `process_wall_s` is the whole `llmcli train` command.
+
+`--quick` checks that everything runs: every recipe's `max_steps` (and eval interval) is scaled
+by `--scale` (default 0.1 with `--quick`), so the targets are not expected to be met.
+
+Usage:
+    python benchmarks/speedrun.py [--data ../shared/data/tinyshakespeare.txt] [--quick]
+        [--scale S] [--recipes baseline,speedrun,speedrun_300s] [--no-ablations]
+        [--threads N] [--workdir DIR] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from llmcli.config import load_config  # noqa: E402  (after the path set-up, for a checkout)
+
+DEFAULT_DATA = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+RECIPES = {
+    "baseline": ROOT / "configs" / "tiny.yaml",
+    "speedrun": ROOT / "configs" / "speedrun-cpu.yaml",
+    "speedrun_300s": ROOT / "configs" / "speedrun-cpu-300s.yaml",
+}
+# Each recipe option of the speedrun config, switched back to the seed's default.
+ABLATIONS = {
+    # AdamW then trains every matrix: at the issue's tuned batch-32 AdamW rate, not at the
+    # recipe's 3e-2 (tuned for the embeddings, head and gains alongside Muon).
+    "optimizer: muon -> adamw (lr 4e-3)": ["train.optimizer=adamw", "train.lr=4e-3"],
+    "pos_emb: rope -> learned": ["model.pos_emb=learned"],
+    "norm: rmsnorm -> layernorm": ["model.norm=layernorm"],
+    "qk_norm: true -> false": ["model.qk_norm=false"],
+    "mlp: relu2 -> gelu": ["model.mlp=gelu"],
+    "tie_embeddings: false -> true": ["model.tie_embeddings=true"],
+    "schedule: wsd -> cosine": ["train.schedule=cosine"],
+}
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpus": os.cpu_count(), "cpu": model, "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__}
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    records = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                continue
+    return records
+
+
+def scaled_overrides(config: Path, scale: float) -> list[str]:
+    """`max_steps`, `warmup_steps` and `eval_interval` times `scale` (at least 1 step)."""
+    if scale == 1.0:
+        return []
+    train = load_config(config).train
+    steps = max(2, round(train.max_steps * scale))
+    return [f"train.max_steps={steps}",
+            f"train.warmup_steps={min(steps, round(train.warmup_steps * scale))}",
+            f"train.eval_interval={max(1, round(train.eval_interval * scale))}"]
+
+
+def run_recipe(name: str, config: Path, overrides: list[str], args: argparse.Namespace,
+               log: Any) -> dict[str, Any]:
+    """Train one recipe in a fresh `llmcli train` process; summarise its metrics."""
+    out = Path(args.workdir) / name.replace(" ", "_").replace(":", "").replace(">", "")
+    sets = [f"data.path={args.data}", "train.device=cpu", *scaled_overrides(config, args.scale),
+            *overrides]
+    cmd = [sys.executable, "-m", "llmcli", "train", str(config), "--out", str(out),
+           "--overwrite", "--no-progress"]
+    for s in sets:
+        cmd += ["--set", s]
+    env = dict(os.environ)
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    load_before = os.getloadavg()
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    load_after = os.getloadavg()
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    records = read_metrics(out / "metrics.jsonl")
+    evals = [r for r in records if r.get("kind") == "eval"]
+    curve = [{"step": r["step"], "elapsed_s": r["elapsed_s"], "val_loss": round(r["val_loss"], 4),
+              "train_loss": round(r["train_loss"], 4)} for r in evals]
+    reached = next((c for c in curve if c["val_loss"] <= args.target), None)
+    by_budget = [c for c in curve if c["elapsed_s"] <= args.budget]
+    final = curve[-1] if curve else None
+    result = {
+        "name": name,
+        "config": str(config.relative_to(ROOT)),
+        "overrides": sets,
+        "steps": final["step"] if final else None,
+        "final_val_loss": final["val_loss"] if final else None,
+        "train_elapsed_s": final["elapsed_s"] if final else None,
+        "process_wall_s": round(wall, 2),
+        "steps_per_s": round(final["step"] / final["elapsed_s"], 2) if final else None,
+        f"time_to_val_{args.target}_s": reached["elapsed_s"] if reached else None,
+        f"val_at_{args.budget:g}s": by_budget[-1]["val_loss"] if by_budget else None,
+        "load_avg_1min": [round(load_before[0], 2), round(load_after[0], 2)],
+        "curve": curve,
+    }
+    print(f"{name}: val {result['final_val_loss']} at step {result['steps']}, "
+          f"{wall:.1f} s wall, load {load_before[0]:.1f}->{load_after[0]:.1f}", file=log,
+          flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--data", default=str(DEFAULT_DATA), help="the corpus (a text file)")
+    parser.add_argument("--quick", action="store_true",
+                        help="short runs (max_steps x --scale) to check that everything runs")
+    parser.add_argument("--scale", type=float, default=None,
+                        help="multiply max_steps/warmup/eval_interval (default 1; 0.1 --quick)")
+    parser.add_argument("--recipes", default=",".join(RECIPES),
+                        help=f"comma-separated, among {', '.join(RECIPES)}")
+    parser.add_argument("--no-ablations", dest="ablations", action="store_false",
+                        help="skip the ablation table")
+    parser.add_argument("--target", type=float, default=1.88, help="the val loss to reach")
+    parser.add_argument("--budget", type=float, default=300.0, help="seconds for 'val at'")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="OMP_NUM_THREADS for the runs (default: torch's, the cores)")
+    parser.add_argument("--workdir", default=None, help="run directories (default: a temp dir)")
+    parser.add_argument("--out", default=None, help="also write the JSON to this file")
+    args = parser.parse_args()
+    args.scale = args.scale if args.scale is not None else (0.1 if args.quick else 1.0)
+    args.data = str(Path(args.data).resolve())
+    if not Path(args.data).is_file():
+        raise SystemExit(f"--data {args.data!r} is not a file")
+    names = [n.strip() for n in args.recipes.split(",") if n.strip()]
+    unknown = [n for n in names if n not in RECIPES]
+    if unknown:
+        raise SystemExit(f"unknown recipe(s) {unknown}: choose among {list(RECIPES)}")
+    temp = None
+    if args.workdir is None:
+        temp = tempfile.mkdtemp(prefix="llmcli-speedrun-")
+        args.workdir = temp
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    load_start = os.getloadavg()
+    try:
+        recipes = {n: run_recipe(n, RECIPES[n], [], args, sys.stderr) for n in names}
+        ablations = []
+        if args.ablations:
+            full = recipes.get("speedrun") or run_recipe("speedrun", RECIPES["speedrun"], [],
+                                                         args, sys.stderr)
+            for label, sets in ABLATIONS.items():
+                r = run_recipe(f"speedrun without {label}", RECIPES["speedrun"], sets, args,
+                               sys.stderr)
+                ablations.append({
+                    "removed": label, "overrides": sets, "final_val_loss": r["final_val_loss"],
+                    "delta_val_loss": round(r["final_val_loss"] - full["final_val_loss"], 4),
+                    "steps": r["steps"], "train_elapsed_s": r["train_elapsed_s"],
+                    "process_wall_s": r["process_wall_s"], "steps_per_s": r["steps_per_s"],
+                    "load_avg_1min": r["load_avg_1min"],
+                })
+    finally:
+        if temp is not None:
+            shutil.rmtree(temp, ignore_errors=True)
+    report = {
+        "benchmark": "speedrun",
+        "started": started,
+        "data": args.data,
+        "target_val_loss": args.target,
+        "budget_s": args.budget,
+        "scale": args.scale,
+        "machine": {**machine(), "threads": args.threads or "default",
+                    "load_avg_start": [round(x, 2) for x in load_start],
+                    "load_avg_end": [round(x, 2) for x in os.getloadavg()]},
+        "recipes": recipes,
+        "ablations": ablations,
+    }
+    text = json.dumps(report, indent=1)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
