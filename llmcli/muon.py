@@ -8,7 +8,8 @@ the update moves by the same amount however ill-conditioned the gradient is. The
 is a few steps of a quintic Newton-Schulz iteration, `X <- a X + (b A + c A^2) X` with
 `A = X X^T`, whose coefficients `(3.4445, -4.7750, 2.0315)` push small singular values up fast;
 after 5 steps the singular values lie roughly in [0.7, 1.2] instead of exactly at 1, which trains
-as well (modded-nanogpt's note) and costs 15 small matmuls.
+as well (modded-nanogpt's note) and costs about 15 small matmuls per matrix (fewer, on Gram
+matrices, for wide ones: see `newton_schulz`).
 
 Embeddings, the LM head and every vector (norm gains, biases) are not hidden matrices: Muon's
 argument (a linear map between hidden spaces, whose operator norm matters) does not hold for them,
