@@ -15,7 +15,9 @@ table: the speedrun recipe again with each of its options switched back to the s
 in turn, at the same number of steps (final val loss, wall, steps/s).
 
 Times from the curve are `elapsed_s` of `metrics.jsonl` (since `train()` began, evaluations and
-saves included); `process_wall_s` is the whole `llmcli train` command.
+saves included); `process_wall_s` is the whole `llmcli train` command. `final_val_loss` is the
+run's own estimate (`eval_steps` random batches); `full_val_loss` scores the whole validation
+split with `llmcli eval` afterwards (untimed), the steadier figure for comparisons.
 
 `--quick` checks that everything runs: every recipe's `max_steps` (and eval interval) is scaled
 by `--scale` (default 0.1 with `--quick`), so the targets are not expected to be met.
@@ -122,6 +124,14 @@ def run_recipe(name: str, config: Path, overrides: list[str], args: argparse.Nam
     load_after = os.getloadavg()
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    # The whole validation split, scored once by `llmcli eval` (last weights; not timed): the
+    # in-training estimate averages `eval_steps` random batches and swings by a few hundredths.
+    full = subprocess.run([sys.executable, "-m", "llmcli", "eval", "--checkpoint", str(out),
+                           "--weights", "last", "--device", "cpu", "--json"],
+                          cwd=ROOT, env=env, capture_output=True, text=True)
+    if full.returncode != 0:
+        raise SystemExit(f"llmcli eval of {name} failed:\n{full.stderr[-3000:]}")
+    full_val = json.loads(full.stdout)
     records = read_metrics(out / "metrics.jsonl")
     evals = [r for r in records if r.get("kind") == "eval"]
     curve = [{"step": r["step"], "elapsed_s": r["elapsed_s"], "val_loss": round(r["val_loss"], 4),
@@ -135,6 +145,8 @@ def run_recipe(name: str, config: Path, overrides: list[str], args: argparse.Nam
         "overrides": sets,
         "steps": final["step"] if final else None,
         "final_val_loss": final["val_loss"] if final else None,
+        "full_val_loss": round(full_val["loss"], 4),
+        "full_val_bits_per_byte": round(full_val["bits_per_byte"], 4),
         "train_elapsed_s": final["elapsed_s"] if final else None,
         "process_wall_s": round(wall, 2),
         "steps_per_s": round(final["step"] / final["elapsed_s"], 2) if final else None,
@@ -143,7 +155,8 @@ def run_recipe(name: str, config: Path, overrides: list[str], args: argparse.Nam
         "load_avg_1min": [round(load_before[0], 2), round(load_after[0], 2)],
         "curve": curve,
     }
-    print(f"{name}: val {result['final_val_loss']} at step {result['steps']}, "
+    print(f"{name}: val {result['final_val_loss']} (whole split {result['full_val_loss']}) at "
+          f"step {result['steps']}, "
           f"{wall:.1f} s wall, load {load_before[0]:.1f}->{load_after[0]:.1f}", file=log,
           flush=True)
     return result
@@ -193,6 +206,8 @@ def main() -> None:
                 ablations.append({
                     "removed": label, "overrides": sets, "final_val_loss": r["final_val_loss"],
                     "delta_val_loss": round(r["final_val_loss"] - full["final_val_loss"], 4),
+                    "full_val_loss": r["full_val_loss"],
+                    "delta_full_val_loss": round(r["full_val_loss"] - full["full_val_loss"], 4),
                     "steps": r["steps"], "train_elapsed_s": r["train_elapsed_s"],
                     "process_wall_s": r["process_wall_s"], "steps_per_s": r["steps_per_s"],
                     "load_avg_1min": r["load_avg_1min"],
