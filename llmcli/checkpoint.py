@@ -517,6 +517,30 @@ def load_tokenizer_file(run_dir: Path) -> Any:
         ) from None
 
 
+def _check_size(model_config: Any, tensors: dict[str, Any], path: Path) -> None:
+    """Compare config.yaml's n_layer, n_embed and learned context length with the weights,
+    before building the model: a hand-edited config (n_layer: 100000) fails here at once instead
+    of allocating a model that cannot fit.
+
+    Raises:
+        CheckpointError: naming the setting, its value and what the weights hold.
+    """
+    layers = {int(name.split(".")[1]) for name in tensors
+              if name.startswith("blocks.") and name.split(".")[1].isdigit()}
+    held = {"n_layer": max(layers) + 1 if layers else None}
+    if "wte.weight" in tensors and tensors["wte.weight"].ndim == 2:
+        held["n_embed"] = int(tensors["wte.weight"].shape[1])
+    if "wpe.weight" in tensors and tensors["wpe.weight"].ndim == 2:
+        held["context_length"] = int(tensors["wpe.weight"].shape[0])
+    for key, value in held.items():
+        if value is not None and getattr(model_config, key) != value:
+            raise CheckpointError(
+                f"config.yaml says model.{key} = {getattr(model_config, key)} but the weights "
+                f"'{path}' hold {value}: config.yaml was edited or comes from another run; set "
+                f"model.{key} back to {value}."
+            )
+
+
 def load_run(
     run_dir: str | Path | None = None,
     *,
@@ -575,6 +599,7 @@ def load_run(
             f"'{weights_path}' were trained with {saved_vocab}: the files come from different "
             "runs."
         )
+    _check_size(config.model, tensors, weights_path)
     try:
         model = Transformer.from_config(config.model, vocab)
     except InputError as exc:

@@ -191,14 +191,38 @@ def test_weights_that_do_not_fit_the_config_are_refused(tmp_path: Path) -> None:
     make_run(tmp_path / "run")
     path = tmp_path / "run" / "config.yaml"
     raw = yaml.safe_load(path.read_text())
-    raw["model"]["n_embed"] = 32
+    for key, value, held in (("n_embed", 32, 16), ("n_layer", 2, 1), ("context_length", 16, 8)):
+        edited = {**raw, "model": {**raw["model"], key: value}}
+        path.write_text(yaml.safe_dump(edited))
+        with pytest.raises(CheckpointError, match=rf"model\.{key} = {value} but .* hold {held}"):
+            ckpt.load_run(tmp_path / "run")
+
+
+def test_a_config_edited_to_a_huge_model_fails_before_building_it(tmp_path: Path) -> None:
+    # 10**6 layers would take minutes and gigabytes to build: the check reads only the header.
+    make_run(tmp_path / "run")
+    path = tmp_path / "run" / "config.yaml"
+    raw = yaml.safe_load(path.read_text())
+    raw["model"]["n_layer"] = 10**6
     path.write_text(yaml.safe_dump(raw))
-    with pytest.raises(CheckpointError, match="shape"):
+    start = time.perf_counter()
+    with pytest.raises(CheckpointError, match=r"model\.n_layer = 1000000 but .* hold 1"):
         ckpt.load_run(tmp_path / "run")
-    raw["model"]["n_embed"] = 16
-    raw["model"]["n_layer"] = 2
+    assert time.perf_counter() - start < 30
+
+
+def test_rope_weights_without_a_position_table_still_check_layers(tmp_path: Path) -> None:
+    config = Config(model=ModelConfig(n_layer=2, n_head=2, n_embed=16, context_length=8,
+                                      pos_emb="rope"))
+    tok = CharTokenizer.train([TEXT])
+    model = Transformer.from_config(config.model, tok.vocab_size)
+    ckpt.save_model_run(tmp_path / "run", config, tok, model, extra_meta={"step": 1})
+    assert ckpt.load_run(tmp_path / "run").model.n_layer == 2
+    path = tmp_path / "run" / "config.yaml"
+    raw = yaml.safe_load(path.read_text())
+    raw["model"]["n_layer"] = 3
     path.write_text(yaml.safe_dump(raw))
-    with pytest.raises(CheckpointError, match="lacks tensors"):
+    with pytest.raises(CheckpointError, match=r"model\.n_layer = 3 but .* hold 2"):
         ckpt.load_run(tmp_path / "run")
 
 
