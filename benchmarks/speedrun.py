@@ -12,7 +12,9 @@ and reports for each the wall time at which the validation loss first reached `-
 (1.88), the validation loss at `--budget` seconds (300: the last evaluation made by then), the
 final figures and the curve (step, seconds since `train` began, val loss). Then the ablation
 table: the speedrun recipe again with each of its options switched back to the seed's default
-in turn, at the same number of steps (final val loss, wall, steps/s).
+in turn, at the same number of steps (final val loss, wall, steps/s), once per seed of
+`--seeds` (default: the recipe's own): a delta means something only where it is larger than the
+spread between seeds.
 
 Times from the curve are `elapsed_s` of `metrics.jsonl` (since `train()` began, evaluations and
 saves included); `process_wall_s` is the whole `llmcli train` command. `final_val_loss` is the
@@ -25,7 +27,7 @@ by `--scale` (default 0.1 with `--quick`), so the targets are not expected to be
 Usage:
     python benchmarks/speedrun.py [--data ../shared/data/tinyshakespeare.txt] [--quick]
         [--scale S] [--recipes baseline,speedrun,speedrun_300s] [--no-ablations]
-        [--threads N] [--workdir DIR] [--out FILE.json]
+        [--seeds 1337,1,2] [--threads N] [--workdir DIR] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -162,6 +165,45 @@ def run_recipe(name: str, config: Path, overrides: list[str], args: argparse.Nam
     return result
 
 
+def run_ablations(full: dict[str, Any] | None, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The speedrun recipe, then each option switched back in turn, once per seed in `--seeds`.
+
+    Deltas are taken seed by seed (same initialisation and data order where the shapes agree);
+    their mean and range over seeds say whether a difference is larger than the noise.
+    """
+    recipe_seed = load_config(RECIPES["speedrun"]).train.seed
+
+    def run(label: str, sets: list[str], seed: int) -> dict[str, Any]:
+        if not sets and seed == recipe_seed and full is not None:
+            return full  # the recipe's own run above
+        name = label if len(args.seeds) == 1 else f"{label} seed {seed}"
+        return run_recipe(name, RECIPES["speedrun"], [*sets, f"train.seed={seed}"], args,
+                          sys.stderr)
+
+    bases = [run("speedrun", [], seed) for seed in args.seeds]
+    rows = [{"removed": None, "overrides": [], **_seed_figures(bases, bases)}]
+    for label, sets in ABLATIONS.items():
+        runs = [run(f"speedrun without {label}", sets, seed) for seed in args.seeds]
+        rows.append({"removed": label, "overrides": sets, **_seed_figures(runs, bases)})
+    return rows
+
+
+def _seed_figures(runs: list[dict[str, Any]], bases: list[dict[str, Any]]) -> dict[str, Any]:
+    full = [r["full_val_loss"] for r in runs]
+    deltas = [r["full_val_loss"] - b["full_val_loss"] for r, b in zip(runs, bases, strict=True)]
+    return {
+        "full_val_loss_per_seed": full,
+        "full_val_loss_mean": round(statistics.mean(full), 4),
+        "delta_full_val_loss_mean": round(statistics.mean(deltas), 4),
+        "delta_full_val_loss_min_max": [round(min(deltas), 4), round(max(deltas), 4)],
+        "final_val_loss_per_seed": [r["final_val_loss"] for r in runs],
+        "steps": runs[0]["steps"],
+        "steps_per_s_median": statistics.median(r["steps_per_s"] for r in runs),
+        "process_wall_s_median": statistics.median(r["process_wall_s"] for r in runs),
+        "load_avg_1min": [r["load_avg_1min"] for r in runs],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data", default=str(DEFAULT_DATA), help="the corpus (a text file)")
@@ -173,6 +215,9 @@ def main() -> None:
                         help=f"comma-separated, among {', '.join(RECIPES)}")
     parser.add_argument("--no-ablations", dest="ablations", action="store_false",
                         help="skip the ablation table")
+    parser.add_argument("--seeds", default=None,
+                        help="comma-separated train.seed values for the ablation table (default: "
+                             "the recipe's own seed only)")
     parser.add_argument("--target", type=float, default=1.88, help="the val loss to reach")
     parser.add_argument("--budget", type=float, default=300.0, help="seconds for 'val at'")
     parser.add_argument("--threads", type=int, default=None,
@@ -184,6 +229,14 @@ def main() -> None:
     args.data = str(Path(args.data).resolve())
     if not Path(args.data).is_file():
         raise SystemExit(f"--data {args.data!r} is not a file")
+    recipe_seed = load_config(RECIPES["speedrun"]).train.seed
+    try:
+        args.seeds = ([int(x) for x in args.seeds.split(",") if x.strip()] if args.seeds
+                      else [recipe_seed])
+    except ValueError:
+        raise SystemExit(f"--seeds {args.seeds!r}: give integers separated by commas") from None
+    if not args.seeds:
+        raise SystemExit("--seeds: give at least one seed")
     names = [n.strip() for n in args.recipes.split(",") if n.strip()]
     unknown = [n for n in names if n not in RECIPES]
     if unknown:
@@ -198,20 +251,7 @@ def main() -> None:
         recipes = {n: run_recipe(n, RECIPES[n], [], args, sys.stderr) for n in names}
         ablations = []
         if args.ablations:
-            full = recipes.get("speedrun") or run_recipe("speedrun", RECIPES["speedrun"], [],
-                                                         args, sys.stderr)
-            for label, sets in ABLATIONS.items():
-                r = run_recipe(f"speedrun without {label}", RECIPES["speedrun"], sets, args,
-                               sys.stderr)
-                ablations.append({
-                    "removed": label, "overrides": sets, "final_val_loss": r["final_val_loss"],
-                    "delta_val_loss": round(r["final_val_loss"] - full["final_val_loss"], 4),
-                    "full_val_loss": r["full_val_loss"],
-                    "delta_full_val_loss": round(r["full_val_loss"] - full["full_val_loss"], 4),
-                    "steps": r["steps"], "train_elapsed_s": r["train_elapsed_s"],
-                    "process_wall_s": r["process_wall_s"], "steps_per_s": r["steps_per_s"],
-                    "load_avg_1min": r["load_avg_1min"],
-                })
+            ablations = run_ablations(recipes.get("speedrun"), args)
     finally:
         if temp is not None:
             shutil.rmtree(temp, ignore_errors=True)
