@@ -27,7 +27,6 @@ files of a save still resumes exactly from the previous save.
 
 from __future__ import annotations
 
-import errno
 import io
 import json
 import logging
@@ -153,15 +152,6 @@ def ensure_run_dir(run_dir: str | Path) -> Path:
             "Choose a writable folder with --out DIR (or train.out_dir)."
         ) from None
     return run_dir
-
-
-def describe_os_error(exc: OSError) -> str:
-    """A short human reason for a failed write (ENOSPC gets a hint)."""
-    if exc.errno == errno.ENOSPC:
-        return "no space left on device (free some disk space)"
-    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return f"{exc.strerror or 'permission denied'} (check the folder's permissions)"
-    return exc.strerror or str(exc)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,7 +26,6 @@ that prepends "▁", may encode a piece's first word differently.)
 from __future__ import annotations
 
 import codecs
-import errno
 import glob
 import hashlib
 import json
@@ -44,7 +43,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from llmcli.errors import InputError
+from llmcli.errors import InputError, describe_os_error
 from llmcli.tokenizer import CharTokenizer, Tokenizer, load_tokenizer, train_tokenizer
 
 if TYPE_CHECKING:
@@ -425,9 +424,8 @@ def _cached_tokens(tok: Tokenizer, source: Source, source_hash: str, cache_dir: 
                 "source_hash": source_hash, "tokenizer_sha256": tok_hash, "source": source.label}
         _write_text_atomic(meta_path, json.dumps(meta, indent=1))
     except OSError as exc:  # reading the corpus raises InputError: this is the cache's
-        reason = "no space left on device" if exc.errno == errno.ENOSPC else exc.strerror or exc
         raise InputError(
-            f"cannot write the token cache '{bin_path}' ({reason}): free some space, or set "
+            f"cannot write the token cache '{bin_path}' ({describe_os_error(exc)}): set "
             "data.cache_dir or $LLMCLI_CACHE to a writable folder with room."
         ) from None
     return bin_path

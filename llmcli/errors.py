@@ -5,6 +5,8 @@ file, a prompt the tokenizer cannot encode. The CLI prints the message and exits
 never a traceback. Anything else is an internal error (exit status 1).
 """
 
+import errno
+
 
 class InputError(ValueError):
     """Bad input, with a message that names what to fix."""
@@ -16,3 +18,12 @@ class ConfigError(InputError):
 
 class CheckpointError(InputError):
     """A run directory that is missing, incomplete, corrupt or unsafe to load."""
+
+
+def describe_os_error(exc: OSError) -> str:
+    """A short human reason for a failed write (ENOSPC and permissions get a hint)."""
+    if exc.errno == errno.ENOSPC:
+        return "no space left on device (free some disk space)"
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"{exc.strerror or 'permission denied'} (check the folder's permissions)"
+    return exc.strerror or str(exc)

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from llmcli.errors import CheckpointError, InputError
+from llmcli.errors import CheckpointError, InputError, describe_os_error
 
 if TYPE_CHECKING:
     import torch
@@ -475,7 +475,7 @@ def export_hf(
             ckpt.atomic_write_bytes(out / name, data)
     except OSError as exc:
         raise InputError(
-            f"cannot write the export to '{out}': {ckpt.describe_os_error(exc)}."
+            f"cannot write the export to '{out}': {describe_os_error(exc)}."
         ) from None
     logger.info("exported '%s' (step %d) to '%s'", run.run_dir, run.step, out)
     return ExportResult(

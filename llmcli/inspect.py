@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from llmcli.errors import InputError
+from llmcli.errors import InputError, describe_os_error
 
 if TYPE_CHECKING:
     import torch
@@ -792,8 +792,7 @@ def write_outputs(
             files.append(write_viewer(dump, out_dir / "attention.html"))
     except OSError as exc:  # every file is written atomically: earlier ones stay whole
         raise InputError(
-            f"cannot write into {str(out_dir)!r}: {exc.strerror or exc}; free some space or "
-            "choose --out DIR."
+            f"cannot write into {str(out_dir)!r}: {describe_os_error(exc)}; or choose --out DIR."
         ) from None
     return files
 

@@ -46,7 +46,7 @@ from torch import nn
 
 from llmcli import checkpoint as ckpt
 from llmcli.config import Config
-from llmcli.errors import CheckpointError, InputError
+from llmcli.errors import CheckpointError, InputError, describe_os_error
 from llmcli.optim import apply_lr, build_optimizer
 
 logger = logging.getLogger(__name__)
@@ -379,7 +379,7 @@ class MetricsLog:
             self._fh.flush()
         except OSError as exc:
             raise CheckpointError(
-                f"cannot write '{self.path}': {ckpt.describe_os_error(exc)}. The last saved "
+                f"cannot write '{self.path}': {describe_os_error(exc)}. The last saved "
                 "checkpoint is intact: fix the problem and continue with --resume."
             ) from None
         self.size += len(line)
@@ -776,7 +776,7 @@ def _train(
                                  int(state["metrics_bytes"]) if state is not None else None)
         except OSError as exc:
             raise CheckpointError(
-                f"cannot write the run files in '{run_dir}': {ckpt.describe_os_error(exc)}. "
+                f"cannot write the run files in '{run_dir}': {describe_os_error(exc)}. "
                 "Any checkpoint saved there is intact; fix the problem and run again."
             ) from None
         logger.info(
@@ -833,7 +833,7 @@ def _train(
                 previous = f"step {last_saved}" if last_saved >= 0 else "none yet"
                 raise CheckpointError(
                     f"could not save the checkpoint of step {at_step} in '{run_dir}': "
-                    f"{ckpt.describe_os_error(exc)}. The previous checkpoint ({previous}) is "
+                    f"{describe_os_error(exc)}. The previous checkpoint ({previous}) is "
                     "intact; fix the problem and continue with --resume."
                 ) from None
         last_saved = at_step
@@ -937,7 +937,7 @@ def _train(
                             plot_losses(run_dir / ckpt.METRICS_FILE, run_dir / ckpt.PLOT_FILE)
                         except OSError as exc:
                             logger.warning("could not draw %s: %s", ckpt.PLOT_FILE,
-                                           ckpt.describe_os_error(exc))
+                                           describe_os_error(exc))
                     save(step, best)
                     last_log_time = time.perf_counter()  # tok/s measures training steps only
                 if stopping:

@@ -13,7 +13,7 @@ import yaml
 
 from llmcli import checkpoint as ckpt
 from llmcli.config import Config, ModelConfig
-from llmcli.errors import CheckpointError
+from llmcli.errors import CheckpointError, describe_os_error
 from llmcli.model import Transformer
 from llmcli.tokenizer import CharTokenizer
 
@@ -65,7 +65,7 @@ def test_a_failed_write_keeps_the_previous_file(tmp_path: Path, monkeypatch) -> 
     assert info.value.errno == errno.ENOSPC
     assert path.read_bytes() == b"previous content"
     assert os.listdir(tmp_path) == ["f.bin"]
-    assert "no space left" in ckpt.describe_os_error(info.value)
+    assert "no space left" in describe_os_error(info.value)
 
 
 def test_ensure_run_dir_refuses_a_path_below_a_file(tmp_path: Path) -> None:
