@@ -31,13 +31,7 @@ SMALL = {"model": {"n_layer": 1, "n_head": 2, "n_embed": 16, "context_length": 1
 QUICK = BenchSettings(train_steps=1, sample_tokens=4, forward_reps=1, vocab_size=11)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread (and the CI machine's 2 cores are shared)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def small_config():

@@ -119,16 +119,11 @@ llmcli.cli.main(job["argv"])
 '''
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory) -> dict:
+def setup(tmp_path_factory, one_thread) -> dict:
     """The config, and an uninterrupted run with a copy of its weights at every save."""
     root = tmp_path_factory.mktemp("crash")
     corpus = root / "corpus.txt"
@@ -150,13 +145,10 @@ def setup(tmp_path_factory) -> dict:
         snapshots[meta["step"]] = {k: v.detach().clone() for k, v in state["model"].items()}
         real_save(run_dir, model, state, meta, best=best)
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
+    with pytest.MonkeyPatch.context() as mp:  # one thread, as the killed processes run
         mp.setattr(ckpt, "save_checkpoint", save)
         mp.setattr(llmcli.train, "plot_losses", lambda *args: None)  # (not compared)
         train(config_from_dict(raw), out_dir=root / "reference", progress=False)
-    torch.set_num_threads(threads)
     assert sorted(snapshots) == SAVES
     return {"root": root, "config": config_path, "reference": root / "reference",
             "snapshots": snapshots}

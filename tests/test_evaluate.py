@@ -24,13 +24,7 @@ TEXT = ("ROMEO: But soft, what light through yonder window breaks?\n"
         "JULIET: Ay me! — Café, où est l'été?\n") * 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread (and the CI machine's 2 cores are shared)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_run(run_dir: Path, tokenizer, data: dict | None = None) -> Path:

@@ -35,13 +35,7 @@ from llmcli.tokenizer import BPETokenizer, CharTokenizer
 CONTEXT = 8
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread (and the CI machine's 2 cores are shared)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_model(pos_emb: str = "learned", seed: int = 0, vocab: int = 40) -> Transformer:
