@@ -25,7 +25,7 @@ split with `llmcli eval` afterwards (untimed), the steadier figure for compariso
 by `--scale` (default 0.1 with `--quick`), so the targets are not expected to be met.
 
 Usage:
-    python benchmarks/speedrun.py [--data ../shared/data/tinyshakespeare.txt] [--quick]
+    python benchmarks/speedrun.py [--data data/tinyshakespeare.txt] [--quick]
         [--scale S] [--recipes baseline,speedrun,speedrun_300s] [--no-ablations]
         [--seeds 1337,1,2] [--threads N] [--workdir DIR] [--out FILE.json]
 """
@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 from llmcli.config import load_config  # noqa: E402  (after the path set-up, for a checkout)
 
-DEFAULT_DATA = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+DEFAULT_DATA = ROOT / "data" / "tinyshakespeare.txt"
 RECIPES = {
     "baseline": ROOT / "configs" / "tiny.yaml",
     "speedrun": ROOT / "configs" / "speedrun-cpu.yaml",
