@@ -141,11 +141,6 @@ class TrainConfig:
             )
         _require(self.warmup_steps >= 0, "train", "warmup_steps", self.warmup_steps,
                  "must be >= 0")
-        if self.warmup_steps > self.max_steps:
-            raise ConfigError(
-                f"train.warmup_steps ({self.warmup_steps}) must be <= train.max_steps "
-                f"({self.max_steps}): lower warmup_steps or raise max_steps."
-            )
         _require(self.weight_decay >= 0, "train", "weight_decay", self.weight_decay,
                  "must be >= 0")
         for key in ("beta1", "beta2"):
@@ -157,6 +152,27 @@ class TrainConfig:
                  "must be in (0, 1]")
         _require(0 <= self.seed < 2**63, "train", "seed", self.seed,
                  "must be in 0..2**63-1 (torch's seed range)")
+
+    @property
+    def warmup(self) -> int:
+        """The warmup the schedule uses: `warmup_steps`, cut to the run's length."""
+        return min(self.warmup_steps, self.max_steps)
+
+    def short_run_notes(self) -> list[str]:
+        """One line per setting a short run (small `max_steps`) changes or skips."""
+        notes = []
+        if self.warmup_steps > self.max_steps:
+            notes.append(
+                f"note: train.warmup_steps ({self.warmup_steps}) is longer than the run "
+                f"({self.max_steps} steps): the rate warms up over all {self.max_steps} steps "
+                "and reaches train.lr only at the last one."
+            )
+        if self.eval_interval > self.max_steps:
+            notes.append(
+                f"note: train.eval_interval ({self.eval_interval}) is longer than the run "
+                f"({self.max_steps} steps): it evaluates and saves once, at the last step."
+            )
+        return notes
 
 
 @dataclass
@@ -430,18 +446,108 @@ def apply_overrides(raw: Any, overrides: list[str]) -> Any:
     return merged
 
 
+# ---------------------------------------------------------------------------------------------
+# Shipped configs and the corpora they train on
+# ---------------------------------------------------------------------------------------------
+
+# In a wheel the shipped configs and corpora are package data (`llmcli/configs/`,
+# `llmcli/corpora/`); in a checkout (or an editable install) they are the repository's top-level
+# `configs/` and `data/`, the single source the wheel is built from.
+_PACKAGE_DIR = Path(__file__).resolve().parent
+_SHIPPED = {"configs": ("configs", "configs"), "corpora": ("corpora", "data")}
+
+
+def shipped_dir(kind: Literal["configs", "corpora"]) -> Path:
+    """The folder of the shipped configs or of the bundled corpora, installed or in a checkout."""
+    inside, checkout = _SHIPPED[kind]
+    installed = _PACKAGE_DIR / inside
+    return installed if installed.is_dir() else _PACKAGE_DIR.parent / checkout
+
+
+def shipped_configs() -> dict[str, Path]:
+    """Name -> file of every shipped config (`tiny` -> `.../configs/tiny.yaml`), sorted."""
+    folder = shipped_dir("configs")
+    return {p.stem: p for p in sorted(folder.glob("*.yaml"))} if folder.is_dir() else {}
+
+
+def describe_shipped() -> list[tuple[str, str]]:
+    """(name, the first line of its leading comment) for every shipped config."""
+    rows = []
+    for name, path in shipped_configs().items():
+        first = next((line for line in path.read_text(encoding="utf-8").splitlines()
+                      if line.startswith("#")), "#")
+        rows.append((name, first.lstrip("#").strip()))
+    return rows
+
+
+def find_config(spec: str | Path) -> tuple[Path, bool]:
+    """The config file `spec` names, and whether it is a shipped one.
+
+    `spec` is a path to a YAML file, or the name of a shipped config (`tiny`, `tiny.yaml`).
+    A file that exists wins over a shipped name.
+
+    Raises:
+        ConfigError: `spec` is neither; the message lists the shipped names.
+    """
+    path = Path(spec)
+    shipped = shipped_configs()
+    if path.exists():
+        folder = shipped_dir("configs").resolve()
+        return path, path.is_file() and path.resolve().parent == folder
+    name = path.name[: -len(".yaml")] if path.name.endswith(".yaml") else path.name
+    if len(path.parts) == 1 and name in shipped:
+        return shipped[name], True
+    names = ", ".join(shipped) or "none (this installation lacks its configs: reinstall llmcli)"
+    raise ConfigError(
+        f"config {str(spec)!r} does not exist, as a file or as a shipped config: check the path, "
+        f"or give one of the shipped names: {names} (`llmcli config --list` describes them)."
+    )
+
+
+def _bundled_paths(raw: Any, source: Path) -> Any:
+    """A shipped config's relative `data/...` paths, pointed at the bundled corpora.
+
+    Shipped configs name their corpus relative to the project (`data/shakespeare.txt`), which
+    exists only in a checkout's root; this makes them work from any folder and in a wheel.
+    """
+    data = raw.get("data") if isinstance(raw, dict) else None
+    if not isinstance(data, dict):
+        return raw
+    data = dict(data)
+    for key in ("path", "val_path"):
+        value = data.get(key)
+        if not isinstance(value, str) or Path(value).is_absolute():
+            continue
+        parts = Path(value).parts
+        if parts and parts[0] == "data":
+            bundled = shipped_dir("corpora").joinpath(*parts[1:])
+            if not bundled.exists():
+                raise ConfigError(
+                    f"the shipped config {str(source)!r} trains on the bundled corpus "
+                    f"{str(bundled)!r}, which is missing: this installation of llmcli is "
+                    "incomplete, reinstall it (or give data.path with --set)."
+                )
+            data[key] = str(bundled)
+    return {**raw, "data": data}
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
-    """Load, override and validate a config file.
+    """Load, override and validate a config file or a shipped config by name.
 
     Args:
-        path: a YAML file with any of the sections model, data, train, sample.
+        path: a YAML file with any of the sections model, data, train, sample, or the name of
+            a shipped config (`tiny`, `speedrun-cpu`, ...; see `shipped_configs`).
         overrides: `section.key=value` strings, applied after the file.
 
     Raises:
         ConfigError: the file is missing, unreadable, not YAML, or a value breaks a rule.
     """
-    raw = apply_overrides(read_yaml(path), list(overrides or []))
-    return config_from_dict(raw, name=Path(path).stem)
+    file, shipped = find_config(path)
+    raw = read_yaml(file)
+    if shipped:
+        raw = _bundled_paths(raw, file)
+    raw = apply_overrides(raw, list(overrides or []))
+    return config_from_dict(raw, name=file.stem)
 
 
 def dump_yaml(config: Config) -> str:

@@ -5,7 +5,8 @@ its peak learning rate under `"base_lr"`; `apply_lr` scales all groups by the sc
 `lr_at(step) / train.lr`, so groups with their own peak (a Muon group at `muon_lr`, say) follow the
 same warmup and decay.
 
-Schedules, for the 0-based optimizer step `s` with `W = warmup_steps`, `N = max_steps`:
+Schedules, for the 0-based optimizer step `s` with `N = max_steps` and
+`W = min(warmup_steps, N)` (a warmup longer than the run is cut to it):
 - warmup (both): `lr * (s + 1) / (W + 1)` for `s < W`, so the rate is never 0 at step 0;
 - `cosine`: `min_lr + (lr - min_lr) * (1 + cos(pi * p)) / 2` with `p = (s - W) / (N - 1 - W)`;
 - `wsd` (warmup, stable, decay): `lr` until the last `decay_fraction * N` steps, then a linear
@@ -165,7 +166,7 @@ def lr_at(step: int, train: TrainConfig) -> float:
         step,
         lr=train.lr,
         min_lr=train.min_lr,
-        warmup_steps=train.warmup_steps,
+        warmup_steps=train.warmup,
         max_steps=train.max_steps,
         schedule=train.schedule,
         decay_fraction=train.decay_fraction,

@@ -7,14 +7,18 @@ from pathlib import Path
 import pytest
 import yaml
 
+from llmcli import config as config_module
 from llmcli.config import (
     Config,
     ModelConfig,
     config_from_dict,
+    describe_shipped,
     dump_yaml,
     load_config,
+    shipped_configs,
 )
 from llmcli.errors import ConfigError
+from llmcli.optim import lr_at
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,10 +34,15 @@ def test_every_shipped_config_loads_and_validates(path: Path) -> None:
     config = load_config(path)
     assert config.name == path.stem
     raw = yaml.safe_load(path.read_text())
-    # Every value written in the file survives loading unchanged.
+    # Every value written in the file survives loading unchanged; the corpus path is the same
+    # file, made absolute so that the config works from any folder.
     for section, values in raw.items():
         for key, value in values.items():
-            assert getattr(getattr(config, section), key) == value, f"{section}.{key}"
+            loaded = getattr(getattr(config, section), key)
+            if (section, key) == ("data", "path"):
+                assert Path(loaded).is_absolute() and Path(loaded).samefile(ROOT / value)
+            else:
+                assert loaded == value, f"{section}.{key}"
 
 
 def test_tiny_and_small_have_the_issue_sizes() -> None:
@@ -58,8 +67,14 @@ def test_overrides_are_yaml_scalars_and_validated(tmp_path: Path) -> None:
     path = write(tmp_path, "train: {lr: 0.001}\n")
     config = load_config(
         path,
-        ["train.max_steps=200", "model.n_head=8", "train.lr=3e-4", "sample.top_k=null",
-         "model.bias=false", "data.tokenizer=bpe"],
+        [
+            "train.max_steps=200",
+            "model.n_head=8",
+            "train.lr=3e-4",
+            "sample.top_k=null",
+            "model.bias=false",
+            "data.tokenizer=bpe",
+        ],
     )
     assert config.train.max_steps == 200
     assert config.model.n_head == 8
@@ -88,8 +103,11 @@ def test_yaml_11_exponent_without_dot_is_a_number(tmp_path: Path) -> None:
         ("model: {bias: 1}\n", [], r"model.bias must be true or false"),
         ("train: {lr: fast}\n", [], r"train.lr must be a number"),
         ("model: {pos_emb: alibi}\n", [], r"model.pos_emb must be 'learned' or 'rope'"),
-        ("model: {n_embed: 100, n_head: 3}\n", [],
-         r"model.n_embed \(100\) must be divisible by model.n_head \(3\)"),
+        (
+            "model: {n_embed: 100, n_head: 3}\n",
+            [],
+            r"model.n_embed \(100\) must be divisible by model.n_head \(3\)",
+        ),
         ("model: {n_layer: 0}\n", [], r"model.n_layer \(0\) must be positive"),
         ("model: {n_embed: -8}\n", [], r"model.n_embed \(-8\) must be positive"),
         ("model: {context_length: 0}\n", [], r"model.context_length \(0\) must be positive"),
@@ -97,10 +115,11 @@ def test_yaml_11_exponent_without_dot_is_a_number(tmp_path: Path) -> None:
         ("model: {dropout: 1.0}\n", [], r"model.dropout \(1.0\) must be in \[0, 1\)"),
         ("model: {dropout: -0.1}\n", [], r"model.dropout \(-0.1\) must be in \[0, 1\)"),
         ("train: {lr: 0}\n", [], r"train.lr \(0.0\) must be > 0"),
-        ("train: {lr: 0.001, min_lr: 0.01}\n", [],
-         r"train.min_lr \(0.01\) must be <= train.lr \(0.001\)"),
-        ("train: {warmup_steps: 300, max_steps: 200}\n", [],
-         r"train.warmup_steps \(300\) must be <= train.max_steps \(200\)"),
+        (
+            "train: {lr: 0.001, min_lr: 0.01}\n",
+            [],
+            r"train.min_lr \(0.01\) must be <= train.lr \(0.001\)",
+        ),
         ("data: {val_fraction: 0}\n", [], r"data.val_fraction \(0.0\) must be between 0 and 1"),
         ("data: {val_fraction: 1}\n", [], r"data.val_fraction \(1.0\) must be between 0 and 1"),
         ("sample: {top_p: 0}\n", [], r"sample.top_p \(0.0\) must be in \(0, 1\]"),
@@ -158,3 +177,64 @@ def test_config_error_is_a_value_error() -> None:
 
 def test_default_config_is_valid() -> None:
     Config().validate()
+
+
+# --- shipped configs by name ---------------------------------------------------------------
+
+
+def test_shipped_names_load_from_any_folder(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)  # an empty folder: no configs/, no data/
+    assert set(shipped_configs()) == {p.stem for p in (ROOT / "configs").glob("*.yaml")}
+    for name in shipped_configs():
+        config = load_config(name, ["train.max_steps=7"])
+        assert config.name == name and config.train.max_steps == 7
+        assert Path(config.data.path).is_file()  # the bundled corpus, found from here
+    assert (
+        load_config("tiny.yaml").to_dict() == load_config(ROOT / "configs" / "tiny.yaml").to_dict()
+    )
+    assert Path(load_config("speedrun-cpu").data.path).samefile(
+        ROOT / "data" / "tinyshakespeare.txt"
+    )
+
+
+def test_relative_paths_of_users_configs_and_overrides_stay_relative(tmp_path: Path) -> None:
+    own = write(tmp_path, "data: {path: data/shakespeare.txt}\n", name="tiny.yaml")
+    assert load_config(own).data.path == "data/shakespeare.txt"  # a user's file, not shipped
+    assert load_config("tiny", ["data.path=data/mine.txt"]).data.path == "data/mine.txt"
+
+
+def test_unknown_name_lists_the_shipped_names(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"'tinny' does not exist.*small, .*tiny"):
+        load_config("tinny")
+
+
+def test_a_missing_bundled_corpus_names_the_file(tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "tiny.yaml").write_text((ROOT / "configs" / "tiny.yaml").read_text())
+    (tmp_path / "data").mkdir()  # a broken install: the corpus is gone
+    monkeypatch.setattr(config_module, "_PACKAGE_DIR", tmp_path / "llmcli")
+    with pytest.raises(ConfigError, match=r"bundled corpus '.*shakespeare.txt', which is missing"):
+        load_config("tiny")
+
+
+def test_list_describes_every_shipped_config_in_one_line() -> None:
+    rows = dict(describe_shipped())
+    assert set(rows) == set(shipped_configs())
+    for name, line in rows.items():
+        first = (ROOT / "configs" / f"{name}.yaml").read_text().splitlines()[0]
+        assert first == f"# {line}" and 20 < len(line) <= 100
+
+
+# --- short runs ------------------------------------------------------------------------------
+
+
+def test_a_warmup_longer_than_the_run_is_cut_to_it_with_a_note() -> None:
+    config = load_config("tiny", ["train.max_steps=20"])  # warmup_steps 100, eval_interval 250
+    train = config.train
+    assert train.warmup == 20 and train.warmup_steps == 100
+    notes = train.short_run_notes()
+    assert len(notes) == 2 and "warmup_steps (100)" in notes[0] and "eval_interval" in notes[1]
+    rates = [lr_at(s, train) for s in range(20)]
+    assert rates == pytest.approx([train.lr * (s + 1) / 21 for s in range(20)])
+    assert load_config("tiny").train.short_run_notes() == []

@@ -1,0 +1,74 @@
+"""The installed product: a wheel built from this checkout works from any folder.
+
+A user who runs `pip install llmcli` has no `configs/` and no `data/` beside them: the wheel
+must carry the shipped configs and the bundled corpora, and shipped names must work from an
+empty folder. This builds the wheel (offline, no build isolation), installs it into a fresh
+virtual environment (which reuses this interpreter's torch and other dependencies), and runs the
+quick-start commands there, with piped output: no carriage-return bar may reach the log.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.slow
+
+
+def run(args: list, cwd: Path, env: dict[str, str], timeout: float = 300):
+    out = subprocess.run([str(a) for a in args], cwd=cwd, env=env, capture_output=True,
+                         text=True, timeout=timeout)
+    assert out.returncode == 0, f"{args}\n{out.stdout}\n{out.stderr}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    """A venv with the wheel installed: (its bin folder, the environment to run it in)."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "WORLD_SIZE")}
+    env.update(OMP_NUM_THREADS="1", LLMCLI_CACHE=str(tmp / "cache"), PIP_NO_INDEX="1",
+               PIP_DISABLE_PIP_VERSION_CHECK="1")
+    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", tmp / "dist", ROOT], tmp, env)
+    (wheel,) = (tmp / "dist").glob("llmcli-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    shipped = {f"llmcli/configs/{p.name}" for p in (ROOT / "configs").glob("*.yaml")}
+    corpora = {f"llmcli/corpora/{p.name}" for p in (ROOT / "data").glob("*.txt")}
+    assert shipped | corpora <= names
+    run([sys.executable, "-m", "venv", "--system-site-packages", tmp / "venv"], tmp, env)
+    bin_dir = tmp / "venv" / "bin"
+    run([bin_dir / "python", "-m", "pip", "install", "--no-deps", "-q", wheel], tmp, env)
+    where = run([bin_dir / "python", "-c", "import llmcli; print(llmcli.__file__)"], tmp, env)
+    assert where.stdout.startswith(str(tmp / "venv")), where.stdout  # not this checkout
+    return bin_dir, env
+
+
+def test_the_quick_start_runs_from_an_empty_folder(installed, tmp_path: Path) -> None:
+    bin_dir, env = installed
+    llmcli = bin_dir / "llmcli"
+    listed = run([llmcli, "config", "--list"], tmp_path, env).stdout
+    assert {line.split()[0] for line in listed.splitlines()} == {
+        p.stem for p in (ROOT / "configs").glob("*.yaml")}
+
+    trained = run([llmcli, "train", "tiny", "--set", "train.max_steps=30",
+                   "--set", "train.eval_interval=30"], tmp_path, env)
+    assert (tmp_path / "checkpoints" / "tiny" / "model.safetensors").is_file()
+    assert "\r" not in trained.stderr and "train 30/30" in trained.stderr  # plain lines
+    assert "warmup_steps (100) is longer than the run" in trained.stderr
+    sampled = run([llmcli, "sample", "--prompt", "ROMEO:", "--max-new-tokens", "40"], tmp_path,
+                  env)
+    assert sampled.stdout.startswith("ROMEO:") and len(sampled.stdout) > len("ROMEO:")
+    run([llmcli, "train", "speedrun-cpu", "--set", "train.max_steps=40"], tmp_path, env)
+    assert (tmp_path / "checkpoints" / "speedrun-cpu" / "best.safetensors").is_file()
+
+    bad = subprocess.run([llmcli, "train", "tinny"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "speedrun-cpu" in bad.stderr and "Traceback" not in bad.stderr
