@@ -344,8 +344,7 @@ def run_bench(
     Raises:
         InputError: bad settings, an unusable device, or no valid combination at all.
     """
-    from tqdm.auto import tqdm
-
+    from llmcli.progress import Progress
     from llmcli.train import resolve_device
 
     settings = settings or BenchSettings()
@@ -360,21 +359,23 @@ def run_bench(
     combos = [(h, t) for h in heads for t in seqs]
     results: list[BenchResult] = []
     invalid: list[str] = []
-    bar = tqdm(combos, desc="bench", unit="combo", disable=not progress, dynamic_ncols=True)
-    for n_head, context_length in bar:
-        bar.set_postfix_str(f"heads={n_head} seq={context_length}", refresh=True)
+    bar = Progress(len(combos), desc="bench", unit="combo", enabled=progress)
+    for n_head, context_length in combos:
+        bar.report({"heads": str(n_head), "seq": str(context_length)})
         try:
             combination_config(config, n_head, context_length)
         except ConfigError as exc:
             results.append(BenchResult(n_head, context_length, status="invalid",
                                        message=str(exc)))
             invalid.append(f"heads={n_head}: {exc}")
+            bar.update()
             continue
         args = (config, n_head, context_length, device, settings, isolate)
         if isolate:
             results.append(_in_fresh_process(args))
         else:
             results.append(_measure_or_error(*args))
+        bar.update()
     bar.close()
     if not any(r.status != "invalid" for r in results):
         raise InputError("no combination of --heads and --seq is valid for this model: "

@@ -36,8 +36,20 @@ SetOption = Annotated[
 
 
 ConfigArg = Annotated[
-    Path, typer.Argument(help="A YAML config file, e.g. configs/tiny.yaml.", metavar="CONFIG")
+    Path,
+    typer.Argument(
+        help="A YAML config file (e.g. my.yaml) or a shipped config's name (e.g. tiny; "
+        "`llmcli config --list` lists them).",
+        metavar="CONFIG",
+    ),
 ]
+
+
+def _log_to_stderr() -> None:
+    """Show the library's INFO messages (run notes, plain progress lines) on stderr."""
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
 
 
 def _version(value: bool) -> None:
@@ -58,12 +70,26 @@ def _root(
 
 @app.command("config")
 def config_command(
-    config: ConfigArg,
+    config: Annotated[
+        Optional[Path],
+        typer.Argument(help="A YAML config file or a shipped config's name.", metavar="CONFIG"),
+    ] = None,
     set_: SetOption = None,
+    list_: Annotated[
+        bool, typer.Option("--list", help="List the shipped configs, one line each.")
+    ] = False,
 ) -> None:
-    """Validate a config and print it fully resolved (every default filled in)."""
-    from llmcli.config import dump_yaml, load_config
+    """Validate a config and print it fully resolved, or list the shipped configs."""
+    from llmcli.config import describe_shipped, dump_yaml, load_config
 
+    if list_:
+        rows = describe_shipped()
+        width = max((len(name) for name, _ in rows), default=0)
+        for name, line in rows:
+            typer.echo(f"{name:<{width}}  {line}")
+        return
+    if config is None:
+        raise InputError("give a CONFIG (a YAML file or a shipped name), or --list.")
     typer.echo(dump_yaml(load_config(config, set_ or [])), nl=False)
 
 
@@ -78,12 +104,10 @@ def prepare_data_command(
     ] = None,
 ) -> None:
     """Train the tokenizer and tokenize the corpus into the cache, ahead of `train`."""
-    import logging
-
     from llmcli.config import load_config
     from llmcli.data import prepare_data
 
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    _log_to_stderr()
     cfg = load_config(config, set_ or [])
     data = prepare_data(cfg.data, cfg.model.context_length, cache_dir=cache_dir)
     typer.echo(f"{len(data.train):,} train + {len(data.val):,} validation tokens "
@@ -111,12 +135,10 @@ def train_command(
     ] = True,
 ) -> None:
     """Train a model (Ctrl-C saves and stops; under torchrun, trains with DDP)."""
-    import logging
-
     from llmcli.config import load_config
     from llmcli.train import train
 
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    _log_to_stderr()
     summary = train(load_config(config, set_ or []), out_dir=out, resume=resume,
                     overwrite=overwrite, progress=progress)
     if summary.rank != 0:
@@ -393,8 +415,10 @@ def eval_command(
 
     from llmcli.evaluate import evaluate_run, format_result
 
+    _log_to_stderr()
+
     result = evaluate_run(checkpoint, data, steps=steps, batch_size=batch_size, weights=weights,
-                          device=device, progress=sys.stderr.isatty(),
+                          device=device, progress=True,
                           notify=lambda line: typer.echo(line, err=True))
     typer.echo(json.dumps(result.to_dict()) if json_ else format_result(result))
 
@@ -435,6 +459,7 @@ def bench_command(
     from llmcli.bench import BenchSettings, bench_and_report, format_table, parse_int_list
     from llmcli.config import load_config
 
+    _log_to_stderr()
     settings = BenchSettings(train_steps=steps, sample_tokens=sample_tokens)
     results, json_path, png_path = bench_and_report(
         load_config(config, set_ or []), parse_int_list(heads, "heads"),

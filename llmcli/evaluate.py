@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmcli.errors import InputError
+from llmcli.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -128,13 +129,11 @@ def score_tokens(
         steps: score only the first `steps` batches (None: the whole stream).
         special_id: a token id that is not text (left out of `text_nats`).
         device: where to run the model.
-        progress: show a tqdm bar.
+        progress: show progress (a bar on a terminal, plain lines elsewhere).
 
     Returns:
         `Totals` (bytes left at 0: the caller counts them from the tokens scored).
     """
-    from tqdm.auto import tqdm
-
     n = len(tokens)
     T = context_length
     starts = list(range(0, n - 1, T))  # window k: inputs [s, s + T), targets [s + 1, s + T + 1)
@@ -146,7 +145,8 @@ def score_tokens(
         batches = batches[:steps]
     totals = Totals()
     model.eval()
-    for batch in tqdm(batches, desc="eval", unit="batch", disable=not progress):
+    bar = Progress(len(batches), desc="eval", unit="batch", enabled=progress, tenths=True)
+    for batch in batches:
         length = min(T, n - 1 - batch[0])  # all windows of a batch have the same length
         index = np.asarray(batch)[:, None] + np.arange(length + 1)  # (B, L+1)
         windows = torch.from_numpy(np.asarray(tokens[index], dtype=np.int64)).to(device)
@@ -160,6 +160,8 @@ def score_tokens(
             nll = nll[y.flatten() != special_id]
         totals.text_nats += nll.sum().item()
         totals.windows += len(batch)
+        bar.update()
+    bar.close()
     return totals
 
 
@@ -184,7 +186,7 @@ def evaluate_run(
         batch_size: windows per batch (None: the run's `train.batch_size`).
         weights: "best" or "last" weights of the run.
         device: "auto", "cpu", "cuda" or "mps".
-        progress: show a tqdm bar.
+        progress: show progress (a bar on a terminal, plain lines elsewhere).
         notify: called with one line per warning (installed versions differ from the run's).
 
     Raises:

@@ -48,6 +48,7 @@ from llmcli import checkpoint as ckpt
 from llmcli.config import Config
 from llmcli.errors import CheckpointError, InputError, describe_os_error
 from llmcli.optim import apply_lr, build_optimizer
+from llmcli.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -644,7 +645,6 @@ def _train(
     on_step: Callable[[int], None] | None,
     t_start: float,
 ) -> TrainSummary:
-    from tqdm.auto import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     from llmcli.data import BatchSampler, prepare_data
@@ -779,6 +779,8 @@ def _train(
                 f"cannot write the run files in '{run_dir}': {describe_os_error(exc)}. "
                 "Any checkpoint saved there is intact; fix the problem and run again."
             ) from None
+        for note in tc.short_run_notes():
+            logger.warning(note)
         logger.info(
             "%s run '%s': %s parameters, %s on %s%s, %d tokens per step, steps %d..%d",
             "resuming" if state is not None else "starting", run_dir, _count(n_params),
@@ -847,12 +849,12 @@ def _train(
             "or raise train.warmup_steps or lower train.grad_clip."
         )
 
-    bar = tqdm(total=tc.max_steps, initial=step, unit="step", dynamic_ncols=True,
-               disable=not (progress and info.main), desc="train")
+    bar = Progress(tc.max_steps, desc="train", unit="step", initial=step,
+                   enabled=progress and info.main)
     with (
         StopRequest(escalate=not info.enabled) as stop,
         logging_redirect_tqdm(),
-        contextlib.closing(bar),
+        bar,
     ):
         try:
             while step < tc.max_steps:
@@ -912,8 +914,8 @@ def _train(
                     metrics.write({"kind": "train", "step": step, "tokens": tokens,
                                    "elapsed_s": round(elapsed(), 3), "lr": lr,
                                    "train_loss": losses[-1], "tok_per_s": round(tok_s, 1)})
-                    bar.set_postfix(loss=f"{losses[-1]:.4f}", lr=f"{lr:.2e}",
-                                    tok_s=f"{tok_s:,.0f}", refresh=False)
+                    bar.report({"loss": f"{losses[-1]:.4f}", "lr": f"{lr:.2e}",
+                                "tok/s": f"{tok_s:,.0f}"})
 
                 if is_eval:
                     last_eval = evaluate(fwd_model, eval_samplers(), tc.eval_steps, autocast,
