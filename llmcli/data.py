@@ -41,10 +41,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from llmcli.errors import InputError, describe_os_error
-from llmcli.tokenizer import CharTokenizer, Tokenizer, load_tokenizer, train_tokenizer
+from llmcli.progress import Progress
+from llmcli.tokenizer import (
+    EOT,
+    CharTokenizer,
+    Tokenizer,
+    load_tokenizer,
+    separator_ids,
+    train_tokenizer,
+)
 
 if TYPE_CHECKING:
     from llmcli.config import DataConfig
@@ -66,7 +73,7 @@ _DATASET_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".pa
 _SAVE_TO_DISK_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 
 
-Progress = Callable[[int], None]
+OnProgress = Callable[[int], None]
 
 
 def default_cache_dir() -> Path:
@@ -118,7 +125,7 @@ class FileSource:
             )
         return h.hexdigest()
 
-    def documents(self, progress: Progress = lambda n: None) -> Iterator[Iterator[str]]:
+    def documents(self, progress: OnProgress = lambda n: None) -> Iterator[Iterator[str]]:
         """Each file as an iterator of decoded text blocks; `progress` gets bytes read."""
         for path in self.files:
             yield _read_utf8_blocks(path, progress)
@@ -174,7 +181,7 @@ class DatasetSource:
             )
         return h.hexdigest()
 
-    def documents(self, progress: Progress = lambda n: None) -> Iterator[Iterator[str]]:
+    def documents(self, progress: OnProgress = lambda n: None) -> Iterator[Iterator[str]]:
         """Each row as a one-block iterator; `progress` gets rows read."""
         for texts in self._texts():
             for text in texts:
@@ -337,14 +344,8 @@ def _pieces(blocks: Iterable[str], size: int | None = None) -> Iterator[str]:
         yield rest
 
 
-def _separator(tok: Tokenizer) -> np.ndarray:
-    """What joins two documents: the end-of-text token, else the tokens of a newline."""
-    ids = [tok.eot_id] if tok.eot_id is not None else tok.encode("\n")
-    return np.asarray(ids, dtype=np.int64)
-
-
 def _encode_many(tok: Tokenizer, texts: list[str]) -> list[np.ndarray]:
-    if isinstance(tok, CharTokenizer):
+    if isinstance(tok, CharTokenizer) and not any(EOT in text for text in texts):
         # One vectorised call; a char tokenizer gives exactly one token per character.
         flat = tok.encode_array("".join(texts))
         return np.split(flat, np.cumsum([len(t) for t in texts[:-1]]))
@@ -359,13 +360,13 @@ def token_dtype(vocab_size: int) -> np.dtype:
 def _tokenize_to_file(tok: Tokenizer, source: Source, path: Path, dtype: np.dtype) -> int:
     """Tokenize `source` into the raw token file `path` (written atomically); returns its
     number of tokens."""
-    sep = _separator(tok)
+    sep = np.asarray(separator_ids(tok), dtype=np.int64)
     size = source.size()
     is_files = isinstance(source, FileSource)
-    bar = tqdm(
-        total=size, unit="B" if is_files else "rows", unit_scale=is_files,
-        desc=f"tokenizing {source.label}",
-        disable=True if size < (PROGRESS_MIN if is_files else 100_000) else None,
+    bar = Progress(
+        size, desc=f"tokenizing {source.label}", unit="B" if is_files else "rows",
+        enabled=size >= (PROGRESS_MIN if is_files else 100_000), tenths=True,
+        unit_scale=is_files,
     )
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     n_tokens = 0
@@ -458,7 +459,8 @@ def _trained_tokenizer(data_cfg: DataConfig, sources: list[Source], source_hash:
     trained before on the same text."""
     if data_cfg.tokenizer not in ("char", "bpe"):
         return train_tokenizer(data_cfg, [])  # a tokenizer.json path, used as is
-    spec = data_cfg.tokenizer + (f"-{data_cfg.vocab_size}" if data_cfg.tokenizer == "bpe" else "")
+    # "char-v2": char tokenizers gained an end-of-text token; a cached older one is not reused.
+    spec = f"bpe-{data_cfg.vocab_size}" if data_cfg.tokenizer == "bpe" else "char-v2"
     key = hashlib.sha256(f"{FORMAT_VERSION}\0{source_hash}\0{spec}".encode()).hexdigest()[:40]
     path = cache_dir / "tokenizers" / f"{key}.json"
     if path.exists():

@@ -24,7 +24,9 @@ embeddings (`model.pos_emb: rope`), RMSNorm (`model.norm: rmsnorm`) and QK-norm
 The folder `export_hf` writes loads offline with `transformers.AutoModelForCausalLM` and
 `AutoTokenizer`; writing it needs no `transformers` (only `tokenizers` and `safetensors`). Our
 char tokenizer becomes a Hugging Face `WordLevel` model over single characters with a
-pre-tokenizer that isolates every character, so both encode and decode alike.
+pre-tokenizer that isolates every character, so both encode and decode alike. The end-of-text
+token (`<|endoftext|>`, the last id of a char vocabulary, or a BPE vocabulary's) is the export's
+BOS, EOS and padding token, which `generate` and lm-evaluation-harness rely on.
 
 `train.init_from: PATH` goes the other way (`resolve_init_from` + `load_gpt2_weights`): the
 model's shape comes from the folder's `config.json`, the tokenizer from its `tokenizer.json`, and
@@ -333,21 +335,24 @@ def hf_tokenizer_json(tokenizer: Tokenizer) -> str:
     from llmcli.tokenizer import CharTokenizer
 
     if isinstance(tokenizer, CharTokenizer):
-        from tokenizers import Regex, decoders, models, pre_tokenizers
+        from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
         from tokenizers import Tokenizer as HFTokenizer
 
-        hf = HFTokenizer(models.WordLevel(vocab=dict(tokenizer.stoi), unk_token=None))
+        vocab = dict(tokenizer.stoi)
+        if tokenizer.eot is not None:
+            vocab[tokenizer.eot] = tokenizer.eot_id
+        hf = HFTokenizer(models.WordLevel(vocab=vocab, unk_token=None))
         hf.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
         hf.decoder = decoders.Fuse()
+        if tokenizer.eot is not None:
+            hf.add_special_tokens([AddedToken(tokenizer.eot, special=True, normalized=False)])
         return hf.to_str()
     return tokenizer.to_json()
 
 
 def _eot_token(tokenizer: Tokenizer) -> str | None:
-    if tokenizer.eot_id is None:
-        return None
-    hf = getattr(tokenizer, "hf", None)
-    return hf.id_to_token(tokenizer.eot_id) if hf is not None else None
+    """The end-of-text token's text (None without one): BOS and EOS of the export."""
+    return None if tokenizer.eot_id is None else tokenizer.decode([tokenizer.eot_id])
 
 
 def hf_tokenizer_files(tokenizer: Tokenizer, context_length: int) -> dict[str, str]:
@@ -455,6 +460,14 @@ def export_hf(
     check_gpt2_compatible(run.config.model)
     model, tokenizer = run.model, run.tokenizer
     eot_id = tokenizer.eot_id
+    if eot_id is None:
+        newline = tokenizer.encode("\n")
+        logger.warning(
+            "the run's tokenizer has no end-of-text token (a char run from before llmcli had "
+            "one), so the export has no BOS/EOS token: lm-evaluation-harness then needs "
+            "--model_args pretrained=%s,prefix_token_id=%s",
+            out, newline[0] if newline else "<id>",
+        )
     eps = getattr(model.ln_f, "eps", LAYER_NORM_EPS)
 
     files: dict[str, bytes] = {

@@ -2,9 +2,13 @@
 
 Three kinds share the `Tokenizer` protocol:
 
-- `CharTokenizer`: one token per character of the training text (the seed's tokenizer), plus
-  `"\\n"`, which joins documents and starts an empty prompt. Its `tokenizer.json` is our own small
-  format, `{"kind": "llmcli-char", "version": 1, "chars": [...]}`.
+- `CharTokenizer`: one token per character of the training text, ids in sorted character order
+  (nanoGPT's `shakespeare_char` vocabulary), plus `"\\n"`, which joins documents and starts an
+  empty prompt, and one last id for `<|endoftext|>`, the end-of-text token that Hugging Face
+  tools (`generate`, lm-evaluation-harness) need: the model learns it is never next in the
+  text. Its `tokenizer.json` is our own small format,
+  `{"kind": "llmcli-char", "version": 2, "chars": [...], "eot": "<|endoftext|>"}`; version 1
+  files (no end-of-text token) still load as they were.
 - `BPETokenizer`: byte-level BPE trained with Hugging Face `tokenizers` (GPT-2's pre-tokenizer
   regex and byte alphabet) with one special token, `<|endoftext|>`, which joins documents. Any
   Unicode string round-trips exactly. Its `tokenizer.json` is the Hugging Face format, so other
@@ -83,19 +87,21 @@ def _list_chars(chars: Iterable[str]) -> str:
 
 
 class CharTokenizer:
-    """One token per character; ids are the characters' ranks in sorted order (as the seed).
+    """One token per character; ids are the characters' ranks in sorted order, then `eot`.
 
     Args:
-        chars: the vocabulary, any order; it is sorted and deduplicated.
+        chars: the characters, any order; they are sorted and deduplicated.
+        eot: the end-of-text token's text, given the id after the last character; None for
+            none (a version 1 tokenizer).
     """
 
-    eot_id: int | None = None
-
-    def __init__(self, chars: Iterable[str]) -> None:
+    def __init__(self, chars: Iterable[str], eot: str | None = EOT) -> None:
         self.chars: list[str] = sorted(set(chars))
         if not self.chars or any(len(c) != 1 for c in self.chars):
             raise InputError("a char tokenizer needs a non-empty list of single characters.")
-        self.vocab_size = len(self.chars)
+        self.eot = eot
+        self.eot_id: int | None = len(self.chars) if eot is not None else None
+        self.vocab_size = len(self.chars) + (eot is not None)
         self.stoi = {c: i for i, c in enumerate(self.chars)}
         # Sorted code points, for a vectorised encode by binary search (see encode_array).
         self._codepoints = np.array([ord(c) for c in self.chars], dtype=np.uint32)
@@ -109,15 +115,22 @@ class CharTokenizer:
         return cls(chars)
 
     def encode_array(self, text: str) -> np.ndarray:
-        """Encode to a `(len(text),)` int64 array; fast (vectorised) for long texts.
+        """Encode to an int64 array, one id per character; fast (vectorised) for long texts.
+
+        The end-of-text token's text, where it occurs, becomes its one id (as a Hugging Face
+        tokenizer splits out its special tokens).
 
         Raises:
             InputError: `text` holds characters outside the vocabulary; the message names them.
         """
+        if self.eot is not None and self.eot in text:
+            pieces = [self.encode_array(piece) for piece in text.split(self.eot)]
+            eot = np.array([self.eot_id], dtype=np.int64)
+            return np.concatenate([x for piece in pieces for x in (eot, piece)][1:])
         # "surrogatepass" keeps lone surrogates (which no vocabulary holds) reportable.
         points = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
         ids = np.searchsorted(self._codepoints, points)
-        np.minimum(ids, self.vocab_size - 1, out=ids)
+        np.minimum(ids, len(self.chars) - 1, out=ids)
         unknown = self._codepoints[ids] != points
         if unknown.any():
             bad = {chr(p) for p in np.unique(points[unknown])}
@@ -141,10 +154,13 @@ class CharTokenizer:
                 f"token ids {bad[:_MAX_LISTED]} are outside the char vocabulary "
                 f"(0..{self.vocab_size - 1})."
             )
-        return "".join([self.chars[i] for i in ids])
+        tokens = self.chars if self.eot is None else [*self.chars, self.eot]
+        return "".join([tokens[i] for i in ids])
 
     def to_json(self) -> str:
-        return json.dumps({"kind": CHAR_KIND, "version": 1, "chars": self.chars})
+        if self.eot is None:
+            return json.dumps({"kind": CHAR_KIND, "version": 1, "chars": self.chars})
+        return json.dumps({"kind": CHAR_KIND, "version": 2, "chars": self.chars, "eot": self.eot})
 
     def save(self, path: str | os.PathLike) -> None:
         _write_atomic(path, self.to_json())
@@ -276,7 +292,10 @@ def tokenizer_from_json(text: str, source: str = "tokenizer.json") -> Tokenizer:
         chars = data.get("chars")
         if not isinstance(chars, list) or not all(isinstance(c, str) for c in chars):
             raise InputError(f"{source}: a char tokenizer needs 'chars', a list of strings.")
-        return CharTokenizer(chars)
+        eot = data.get("eot")
+        if data.get("version", 1) >= 2 and not (isinstance(eot, str) and eot):
+            raise InputError(f"{source}: a version 2 char tokenizer needs 'eot', a string.")
+        return CharTokenizer(chars, eot=eot if data.get("version", 1) >= 2 else None)
     if "model" not in data:
         raise InputError(
             f"{source} is neither an llmcli char tokenizer (kind {CHAR_KIND!r}) nor a Hugging "
@@ -333,11 +352,20 @@ def train_tokenizer(data_cfg: DataConfig, texts: Iterable[str] | str) -> Tokeniz
     return load_tokenizer(kind)
 
 
-def start_ids(tok: Tokenizer) -> list[int]:
-    """The ids an empty prompt starts from: `[eot_id]` when there is one, else `encode("\\n")`."""
-    if tok.eot_id is not None:
+def separator_ids(tok: Tokenizer) -> list[int]:
+    """What joins two documents of a corpus, so also what an empty prompt starts from.
+
+    A char tokenizer's newline (its end-of-text token is for other tools), else the
+    end-of-text token, else the tokens of a newline (possibly none).
+    """
+    if tok.eot_id is not None and not isinstance(tok, CharTokenizer):
         return [tok.eot_id]
-    ids = tok.encode("\n")
+    return tok.encode("\n")
+
+
+def start_ids(tok: Tokenizer) -> list[int]:
+    """The ids an empty prompt starts from: `separator_ids`, which must not be empty."""
+    ids = separator_ids(tok)
     if not ids:
         raise InputError(
             "this tokenizer has no end-of-text token and encodes '\\n' to nothing: "

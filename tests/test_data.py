@@ -145,7 +145,7 @@ def test_uint32_when_the_vocabulary_does_not_fit_uint16(tmp_path: Path) -> None:
     body = "".join(chars) + "\n" + "".join(reversed(chars))
     path = write(tmp_path / "wide.txt", body)
     d = prep(tmp_path, path=str(path))
-    assert d.tokenizer.vocab_size == 70_001 and d.train.dtype == np.uint32
+    assert d.tokenizer.vocab_size == 70_002 and d.train.dtype == np.uint32
     np.testing.assert_array_equal(np.concatenate([d.train, d.val]), char_ids(body))
 
 

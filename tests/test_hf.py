@@ -117,7 +117,7 @@ def test_export_loads_in_transformers_with_equal_logits_and_greedy_text(tmp_path
     assert cfg.vocab_size == tok.vocab_size
     assert cfg.tie_word_embeddings == opts.get("tie_embeddings", True)
     assert cfg.activation_function == opts.get("mlp", "gelu")
-    assert cfg.eos_token_id == tok.eot_id  # <|endoftext|> for BPE, none for char
+    assert cfg.eos_token_id == tok.eot_id is not None  # <|endoftext|>, char and BPE
 
     # Tokenizers agree on ids and text (the prompt and the whole corpus).
     for text in (PROMPT, TEXT):
@@ -138,6 +138,70 @@ def test_export_loads_in_transformers_with_equal_logits_and_greedy_text(tmp_path
     assert generated == expected
     assert hf_tok.decode(generated) == tok.decode(expected)
     assert len(set(expected)) > 1  # not a degenerate single-token loop
+
+
+def harness_rolling_nats(model, ids: list[int], prefix: int, T: int) -> float:
+    """Total negative log-likelihood of `ids` as lm-evaluation-harness's `loglikelihood_rolling`
+    computes it: disjoint windows of at most `T` predicted tokens, the first one predicted after
+    the `prefix` token (the tokenizer's BOS), each later window with the previous tokens as
+    context up to `T` inputs."""
+    windows = [([prefix] + ids[: T - 1], ids[:T])]
+    done = min(T, len(ids))
+    while done < len(ids):
+        end = min(done + T, len(ids))
+        windows.append((ids[end - T - 1 : end - 1], ids[done:end]))
+        done = end
+    total = 0.0
+    with torch.no_grad():
+        for inputs, predicted in windows:
+            logits = model(torch.tensor([inputs])).logits[0, -len(predicted) :]
+            total += torch.nn.functional.cross_entropy(
+                logits, torch.tensor(predicted), reduction="sum").item()
+    return total
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_export_meets_the_evaluation_harness_contract(tmp_path, kind):
+    """What `lm_eval --model hf` relies on: BOS/EOS ids, decodable EOS, and a rolling
+    log-likelihood that matches `llmcli eval` (here within 0.5% in bits per byte)."""
+    import math
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from llmcli.evaluate import evaluate_run
+
+    run, out, text_file = make_run(tmp_path / "run", kind), tmp_path / "hf", tmp_path / "t.txt"
+    text_file.write_text(TEXT * 32)
+    assert cli("export", "--checkpoint", run, "--out", out) == 0
+    hf_tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    theirs = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    eot = ckpt.load_run(run).tokenizer.eot_id
+    assert eot is not None and hf_tok.bos_token_id == hf_tok.eos_token_id == eot
+    assert hf_tok.decode([hf_tok.eos_token_id]) == "<|endoftext|>"
+    assert theirs.generation_config.eos_token_id == eot
+
+    ids = hf_tok.encode(TEXT * 32)
+    nats = harness_rolling_nats(theirs, ids, hf_tok.bos_token_id, theirs.config.n_positions)
+    harness_bpb = nats / math.log(2) / len((TEXT * 32).encode("utf-8"))
+    ours = evaluate_run(run, text_file, device="cpu")
+    print(f"bits per byte: harness-style {harness_bpb:.5f}, llmcli eval {ours.bits_per_byte:.5f}")
+    assert harness_bpb == pytest.approx(ours.bits_per_byte, rel=5e-3)
+
+
+def test_old_char_run_without_end_of_text_exports_with_a_hint(tmp_path, caplog):
+    run = make_run(tmp_path / "run", "char")
+    old = CharTokenizer(CharTokenizer.train([TEXT]).chars, eot=None)  # a version 1 tokenizer
+    old.save(run / "tokenizer.json")
+    weights, _ = ckpt.read_weights(run / "model.safetensors")
+    config = ckpt.load_config_file(run)
+    model = Transformer.from_config(config.model, old.vocab_size)
+    model.load_state_dict({k: v[: old.vocab_size] if v.shape[0] == old.vocab_size + 1 else v
+                           for k, v in weights.items()}, strict=False)
+    ckpt.save_model_run(run, config, old, model)
+    with caplog.at_level(logging.WARNING, logger="llmcli.hf"):
+        assert cli("export", "--checkpoint", run, "--out", tmp_path / "hf") == 0
+    assert f"prefix_token_id={old.encode(chr(10))[0]}" in caplog.text
+    assert json.loads((tmp_path / "hf" / "special_tokens_map.json").read_text()) == {}
 
 
 def test_export_writes_gpt2_conv1d_layout_and_zero_biases(tmp_path):

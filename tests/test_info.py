@@ -45,7 +45,7 @@ def test_run_info_reports_size_training_and_generation(run_dir: Path) -> None:
     # Tied embeddings are counted once.
     unique = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     assert info["model"]["parameters"] == unique
-    assert info["model"]["vocab_size"] == len(set("hello world\n"))
+    assert info["model"]["vocab_size"] == len(set("hello world\n")) + 1  # + the end-of-text token
     assert info["training"]["steps"] == 40
     assert info["training"]["tokens"] == 1280
     assert info["training"]["best_val_loss"] == 2.25

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import default_sigint
 
 from llmcli.checkpoint import load_run, save_model_run
 from llmcli.cli import main
@@ -61,6 +62,9 @@ def expected_completion(run_dir: Path, prompt: str, n: int, seed: int, **kw) -> 
     s = run.config.sample
     settings = dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, **kw)
     new = generate_ids(run.model, [ids], n, seed=seed, **settings)[0]
+    eot = run.tokenizer.eot_id
+    if eot in new:  # a sample ends at its end-of-text token, which is not printed
+        new = new[: new.index(eot)]
     return run.tokenizer.decode(new)
 
 
@@ -132,10 +136,11 @@ def test_stop_string_ends_the_sample_and_is_not_printed(capsys, run_dir) -> None
 
 
 def test_stop_understands_escaped_newlines(capsys, run_dir) -> None:
-    full = expected_completion(run_dir, "ROMEO:", 60, seed=4)
-    assert "\n" in full
+    # A seed whose sample holds a newline (the tiny test model may end one early instead).
+    seed, full = next((s, text) for s in range(4, 40)
+                      if "\n" in (text := expected_completion(run_dir, "ROMEO:", 60, seed=s)))
     code, out, _ = cli(capsys, "sample", "--checkpoint", str(run_dir), "--prompt", "ROMEO:",
-                       "--stop", "\\n", "--max-new-tokens", "60", "--seed", "4", "--json")
+                       "--stop", "\\n", "--max-new-tokens", "60", "--seed", str(seed), "--json")
     assert code == 0
     assert json.loads(out)["completion"] == full[: full.index("\n")]
 
@@ -224,11 +229,12 @@ def test_broken_runs_exit_2(capsys, run_dir, tmp_path) -> None:
         assert message in err and "Traceback" not in out + err
 
 
+@pytest.mark.slow
 def test_ctrl_c_exits_130_without_traceback(run_dir) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "llmcli", "sample", "--checkpoint", str(run_dir),
          "--max-new-tokens", "1000000", "--stream"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=default_sigint,
     )
     try:
         assert proc.stdout.read(1)  # generation has started

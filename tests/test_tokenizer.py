@@ -56,8 +56,8 @@ def test_char_matches_the_seed_formula(text: str) -> None:
     stoi = {c: i for i, c in enumerate(chars)}
     sample = text[1000:3000]
     assert isinstance(tok, CharTokenizer) and isinstance(tok, Tokenizer)
-    assert tok.vocab_size == len(chars)
-    assert tok.eot_id is None
+    assert tok.vocab_size == len(chars) + 1  # the end-of-text token takes the last id
+    assert tok.eot_id == len(chars) and tok.decode([tok.eot_id]) == EOT
     assert tok.encode(sample) == [stoi[c] for c in sample]
     assert tok.decode(tok.encode(sample)) == sample
     assert tok.encode_batch([sample, "", "a"]) == [tok.encode(sample), [], [stoi["a"]]]
@@ -90,10 +90,34 @@ def test_char_save_load_restores_exactly(tmp_path: Path, text: str) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["tokenizer.json"]  # no temp file left
 
 
+def test_char_end_of_text_token_is_one_id_and_round_trips() -> None:
+    tok = CharTokenizer.train(["<ab|>ext\nd"])
+    text = f"ab{EOT}ba\n{EOT}"
+    ids = tok.encode(text)
+    assert ids == tok.encode("ab") + [tok.eot_id] + tok.encode("ba\n") + [tok.eot_id]
+    assert tok.decode(ids) == text
+    assert tok.encode_batch([text, EOT]) == [ids, [tok.eot_id]]
+    assert start_ids(tok) == tok.encode("\n")  # documents are joined by newlines, as before
+
+
+def test_char_version_1_file_loads_without_end_of_text(tmp_path: Path) -> None:
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps({"kind": "llmcli-char", "version": 1, "chars": ["\n", "a", "b"]}))
+    old = load_tokenizer(path)
+    assert isinstance(old, CharTokenizer)
+    assert (old.vocab_size, old.eot_id) == (3, None)
+    assert old.encode("ab\n") == [1, 2, 0] and old.to_json() == path.read_text()
+    with pytest.raises(InputError, match="outside"):
+        old.decode([3])
+    path.write_text(json.dumps({"kind": "llmcli-char", "version": 2, "chars": ["a"]}))
+    with pytest.raises(InputError, match="'eot'"):
+        load_tokenizer(path)
+
+
 def test_char_decode_rejects_unknown_ids() -> None:
-    tok = CharTokenizer.train(["ab"])
-    with pytest.raises(InputError, match=r"\[3, -1\]|\[-1, 3\]"):
-        tok.decode([0, 3, -1])
+    tok = CharTokenizer.train(["ab"])  # "\n", "a", "b", then the end-of-text token (3)
+    with pytest.raises(InputError, match=r"\[-1, 4\]"):
+        tok.decode([0, 3, 4, -1])
 
 
 # --- BPE ----------------------------------------------------------------------------------
