@@ -77,6 +77,7 @@ def test_every_combination_is_measured_or_explained() -> None:
     assert by_combo[(1, 16)] - by_combo[(1, 8)] == 8 * 16  # 8 more rows of the (T, C) table
 
 
+@pytest.mark.slow
 def test_isolated_run_reports_peak_rss() -> None:
     (result,) = run_bench(small_config(), [2], [8], "cpu", QUICK, isolate=True, progress=False)
     assert result.status == "ok", result.message

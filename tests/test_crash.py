@@ -119,7 +119,7 @@ llmcli.cli.main(job["argv"])
 '''
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture(scope="module")
@@ -412,14 +412,6 @@ def test_a_full_disk_for_the_run_files_or_the_token_cache_is_a_clear_error(
 
 
 # --- SIGINT ----------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def ctrl_c_raises():
-    """SIGINT handled as in a terminal (a shell script's background job inherits it ignored)."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, previous)
 
 
 def test_sigint_at_a_random_moment_of_train_saves_exits_130_and_resumes_exactly(

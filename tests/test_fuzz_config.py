@@ -41,6 +41,8 @@ FIELDS: dict[str, dict[str, Any]] = {
 ALL_KEYS = sorted({key for hints in FIELDS.values() for key in hints})
 WORDS = ["char", "bpe", "auto", "cpu", "cuda", "float32", "rope", "learned", "rmsnorm", "adamw",
          "wsd", "1e-3", "data/x.txt", "~", "null", "yes", "0x10", "1_000"]
+pytestmark = pytest.mark.slow
+
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 

@@ -468,6 +468,7 @@ def test_a_failed_input_leaves_a_run_untouched(shared: dict[str, Path], tmp_path
     assert {p.name: p.read_bytes() for p in run.iterdir()} == before
 
 
+@pytest.mark.slow
 def test_a_real_process_exits_2_without_traceback(tmp_path: Path,
                                                  shared: dict[str, Path]) -> None:
     argv, message = next(p.values for p in CASES if p.id == "config-alias-bomb")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import default_sigint
 
 from llmcli import checkpoint as ckpt
 from llmcli.config import Config, config_from_dict, dump_yaml
@@ -251,7 +252,7 @@ def test_gradient_accumulation_scales_the_loss(corpus: Path, tmp_path: Path) -> 
 
 
 def test_ctrl_c_saves_and_resume_is_bitwise_exact(reference: Path, corpus: Path,
-                                                  tmp_path: Path) -> None:
+                                                  tmp_path: Path, ctrl_c_raises) -> None:
     run_dir = tmp_path / "run"
 
     def interrupt(step: int) -> None:
@@ -361,7 +362,7 @@ def start_pausing(config: Path, run_dir: Path, marker: Path, at: int, *extra: st
         [sys.executable, str(script), "train", str(config), "--out", str(run_dir),
          "--no-progress", *extra],
         cwd=ROOT, env=cli_env(PAUSE_AT=str(at), PAUSE_MARKER=str(marker)),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint,
     )
 
 
@@ -374,6 +375,7 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
         time.sleep(0.02)
 
 
+@pytest.mark.slow
 def test_sigkill_and_sigint_leave_a_run_that_resumes_bitwise_exactly(
     reference: Path, corpus: Path, tmp_path: Path
 ) -> None:
@@ -407,6 +409,7 @@ def test_sigkill_and_sigint_leave_a_run_that_resumes_bitwise_exactly(
     assert stable_metrics(run_dir) == stable_metrics(reference)
 
 
+@pytest.mark.slow
 def test_an_unwritable_run_directory_exits_2_with_a_message(corpus: Path, tmp_path: Path) -> None:
     # (The other bad inputs raise InputError in process, tested above; the CLI maps every
     # InputError to exit status 2.)
@@ -417,6 +420,7 @@ def test_an_unwritable_run_directory_exits_2_with_a_message(corpus: Path, tmp_pa
     assert "cannot write to output directory" in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_match_one_process_with_the_union_of_their_batches(
     corpus: Path, tmp_path: Path, monkeypatch
 ) -> None:

@@ -92,7 +92,11 @@ def _find_chromium() -> tuple[str, str] | None:
 
 
 CHROMIUM = _find_chromium()
-needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="Chromium/chromedriver not installed")
+def needs_chromium(test):
+    """A browser test: slow, and skipped where Chromium is not installed."""
+    return pytest.mark.slow(
+        pytest.mark.skipif(CHROMIUM is None, reason="Chromium/chromedriver not installed")(test)
+    )
 
 
 @pytest.fixture(scope="module")
