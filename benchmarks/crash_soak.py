@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 # The child: imports first (seconds), waits for a job, then runs the real CLI with one pause
 # (to be killed there) at a step or in the middle of a file write.
-CHILD = r'''
+CHILD = r"""
 import json, os, sys, time
 from pathlib import Path
 
@@ -99,7 +99,7 @@ if job.get("in_write"):
     ckpt._write_and_sync = write
 
 llmcli.cli.main(job["argv"])
-'''
+"""
 
 SAVE_FILES = ["model.safetensors", "meta.json", "state.pt", "loss.png"]
 START_FILES = ["config.yaml", "tokenizer.json"]
@@ -119,14 +119,24 @@ class Pool:
     def _fill(self) -> None:
         while len(self.procs) < min(self.total, self.used + self.ahead):
             i = len(self.procs)
-            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
-                       SOAK_JOB=str(self.folder / f"job-{i}.json"))
+            env = dict(
+                os.environ,
+                OMP_NUM_THREADS="1",
+                PYTHONPATH=str(ROOT),
+                SOAK_JOB=str(self.folder / f"job-{i}.json"),
+            )
             for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
                 env.pop(name, None)
             with open(self.folder / f"job-{i}.log", "w") as log:
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, str(self.folder / "child.py")], cwd=self.folder, env=env,
-                    stdout=log, stderr=subprocess.STDOUT))
+                self.procs.append(
+                    subprocess.Popen(
+                        [sys.executable, str(self.folder / "child.py")],
+                        cwd=self.folder,
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
 
     def take(self, job: dict) -> tuple[subprocess.Popen, Path]:
         """Hand `job` to the next warm child: (its process, its log)."""
@@ -170,19 +180,26 @@ def main() -> None:
     work = Path(args.tmp or tempfile.mkdtemp(prefix="llmcli-soak-"))
     work.mkdir(parents=True, exist_ok=True)
     corpus = work / "corpus.txt"
-    corpus.write_text((ROOT / "data" / "shakespeare.txt").read_text(encoding="utf-8")[:6000],
-                      encoding="utf-8")
+    corpus.write_text(
+        (ROOT / "data" / "shakespeare.txt").read_text(encoding="utf-8")[:6000], encoding="utf-8"
+    )
     raw = {
         "model": {"n_layer": 1, "n_head": 2, "n_embed": 16, "context_length": 16},
         "data": {"path": str(corpus), "cache_dir": str(work / "cache")},
-        "train": {"device": "cpu", "batch_size": 4, "max_steps": args.steps,
-                  "warmup_steps": 2, "eval_interval": args.eval_interval, "eval_steps": 1,
-                  "log_interval": 2, "seed": 3},
+        "train": {
+            "device": "cpu",
+            "batch_size": 4,
+            "max_steps": args.steps,
+            "warmup_steps": 2,
+            "eval_interval": args.eval_interval,
+            "eval_steps": 1,
+            "log_interval": 2,
+            "seed": 3,
+        },
     }
     config_path = work / "soak.yaml"
     config_path.write_text(yaml.safe_dump(raw), encoding="utf-8")
-    saves = [s for s in range(1, args.steps + 1)
-             if s % args.eval_interval == 0 or s == args.steps]
+    saves = [s for s in range(1, args.steps + 1) if s % args.eval_interval == 0 or s == args.steps]
     pool = Pool(work, total=args.kills)  # warming up while the reference trains
 
     # --- the reference, with its weights at every save --------------------------------------
@@ -201,8 +218,10 @@ def main() -> None:
     assert sorted(snapshots) == saves, (sorted(snapshots), saves)
 
     def stable(run_dir: Path) -> list[dict]:
-        return [{k: v for k, v in r.items() if k not in VOLATILE}
-                for r in read_metrics(run_dir / "metrics.jsonl")]
+        return [
+            {k: v for k, v in r.items() if k not in VOLATILE}
+            for r in read_metrics(run_dir / "metrics.jsonl")
+        ]
 
     def check(run_dir: Path) -> tuple[int, int | None, bool]:
         """(files that differ from the reference, resume state's step, loadable)."""
@@ -244,15 +263,24 @@ def main() -> None:
             chain += 1
             run_dir = work / f"run-{chain}"
             for _ in range(min(args.chain, args.kills - kills)):
-                state_step = (ckpt.load_state(run_dir)["step"] if (run_dir / "state.pt").exists()
-                              else 0)
+                state_step = (
+                    ckpt.load_state(run_dir)["step"] if (run_dir / "state.pt").exists() else 0
+                )
                 resuming = state_step > 0
                 left = [s for s in saves if s > state_step]
                 kind = rng.choice(["step", "write", "instant"])
                 marker = work / f"kill-{kills:03d}"
-                job: dict = {"marker": str(marker),
-                             "argv": ["train", str(config_path), "--out", str(run_dir),
-                                      "--no-progress", "--resume" if resuming else "--overwrite"]}
+                job: dict = {
+                    "marker": str(marker),
+                    "argv": [
+                        "train",
+                        str(config_path),
+                        "--out",
+                        str(run_dir),
+                        "--no-progress",
+                        "--resume" if resuming else "--overwrite",
+                    ],
+                }
                 if kind == "step":
                     job["at_step"] = rng.randint(state_step + 1, args.steps)
                 elif kind == "write":
@@ -284,8 +312,14 @@ def main() -> None:
             # Finish the run and compare it with the reference.
             resuming = (run_dir / "state.pt").exists()
             resumes += resuming
-            argv = ["train", str(config_path), "--out", str(run_dir), "--no-progress",
-                    "--resume" if resuming else "--overwrite"]
+            argv = [
+                "train",
+                str(config_path),
+                "--out",
+                str(run_dir),
+                "--no-progress",
+                "--resume" if resuming else "--overwrite",
+            ]
             quiet = io.StringIO()
             with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
                 try:
@@ -296,27 +330,32 @@ def main() -> None:
             final = ckpt.read_weights(run_dir / "model.safetensors")[0]
             reference = ckpt.read_weights(work / "reference" / "model.safetensors")[0]
             same = final.keys() == reference.keys() and all(
-                torch.equal(final[k], reference[k]) for k in final)
+                torch.equal(final[k], reference[k]) for k in final
+            )
             mismatches += (not same) + (stable(run_dir) != stable(work / "reference"))
     finally:
         pool.close()
 
-    print(json.dumps({
-        "kills": kills,
-        "resumes": resumes,
-        "mismatches": mismatches,
-        "unloadable": unloadable,
-        "chains": chain,
-        "moments": dict(moments),
-        "written_when_killed": dict(written),
-        "state_steps": state_steps,
-        "steps": args.steps,
-        "saves": saves,
-        "seed": args.seed,
-        "wall_s": round(time.perf_counter() - t0, 1),
-        "torch": torch.__version__,
-        "python": sys.version.split()[0],
-    }))
+    print(
+        json.dumps(
+            {
+                "kills": kills,
+                "resumes": resumes,
+                "mismatches": mismatches,
+                "unloadable": unloadable,
+                "chains": chain,
+                "moments": dict(moments),
+                "written_when_killed": dict(written),
+                "state_steps": state_steps,
+                "steps": args.steps,
+                "saves": saves,
+                "seed": args.seed,
+                "wall_s": round(time.perf_counter() - t0, 1),
+                "torch": torch.__version__,
+                "python": sys.version.split()[0],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

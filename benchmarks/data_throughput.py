@@ -100,17 +100,23 @@ def tokenization(mb: float, tmp: Path, cap_s: float) -> dict:
     nbytes = len(text.encode("utf-8"))
     big = tmp / f"corpus_x{repeats}.txt"
     big.write_text(text, encoding="utf-8")
-    out: dict = {"corpus_mb": round(nbytes / 1e6, 1), "vocab_size": tok.vocab_size,
-                 "bpe_train_s_on_bundled_corpus": round(train_s, 2)}
+    out: dict = {
+        "corpus_mb": round(nbytes / 1e6, 1),
+        "vocab_size": tok.vocab_size,
+        "bpe_train_s_on_bundled_corpus": round(train_s, 2),
+    }
 
     # llmcli's path over the whole corpus: read, hash, cut, parallel encode_batch, write.
     cfg = DataConfig(path=str(big), val_fraction=0.01)
     t0 = time.perf_counter()
     data = prepare_data(cfg, 256, tokenizer=tok, cache_dir=tmp / "cache")
     dt = time.perf_counter() - t0
-    out["prepare_data"] = {"s": round(dt, 2), "mb": round(nbytes / 1e6, 1),
-                           "mb_per_s": _rate(nbytes, dt),
-                           "tokens": len(data.train) + len(data.val)}
+    out["prepare_data"] = {
+        "s": round(dt, 2),
+        "mb": round(nbytes / 1e6, 1),
+        "mb_per_s": _rate(nbytes, dt),
+        "tokens": len(data.train) + len(data.val),
+    }
     t0 = time.perf_counter()
     prepare_data(cfg, 256, tokenizer=tok, cache_dir=tmp / "cache")
     out["prepare_data_cache_hit_s"] = round(time.perf_counter() - t0, 2)
@@ -126,8 +132,12 @@ def tokenization(mb: float, tmp: Path, cap_s: float) -> dict:
             if time.perf_counter() - t0 > cap_s:
                 break
         dt = time.perf_counter() - t0
-        return {"s": round(dt, 2), "mb": round(done / 1e6, 1), "mb_per_s": _rate(done, dt),
-                "tokens": tokens}
+        return {
+            "s": round(dt, 2),
+            "mb": round(done / 1e6, 1),
+            "mb_per_s": _rate(done, dt),
+            "tokens": tokens,
+        }
 
     def piece_batches():
         batch: list[str] = []
@@ -168,8 +178,10 @@ def write_tokens(path: Path, nbytes: int) -> None:
 
 
 def memory(big_gb: float, tmp: Path, n_batches: int) -> dict:
-    files = {"10MB": (tmp / "tokens_10mb.bin", 10 * 10**6),
-             f"{big_gb:g}GiB": (tmp / "tokens_big.bin", int(big_gb * 2**30))}
+    files = {
+        "10MB": (tmp / "tokens_10mb.bin", 10 * 10**6),
+        f"{big_gb:g}GiB": (tmp / "tokens_big.bin", int(big_gb * 2**30)),
+    }
     out: dict = {"batch_size": 64, "context_length": 256, "batches": n_batches}
     for name, (path, nbytes) in files.items():
         t0 = time.perf_counter()
@@ -179,8 +191,11 @@ def memory(big_gb: float, tmp: Path, n_batches: int) -> dict:
         out[method] = {}
         for name, (path, _) in files.items():
             res = subprocess.run(
-                [sys.executable, "-c", SAMPLER_CHILD, str(path), method, str(n_batches),
-                 str(ROOT)], capture_output=True, text=True, check=True)
+                [sys.executable, "-c", SAMPLER_CHILD, str(path), method, str(n_batches), str(ROOT)],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             out[method][name] = json.loads(res.stdout.strip().splitlines()[-1])
     return out
 
@@ -190,8 +205,12 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=50, help="tokenization corpus size, MB")
     parser.add_argument("--big-gb", type=float, default=1.0, help="large token file, GiB")
     parser.add_argument("--batches", type=int, default=1000, help="batches per memory run")
-    parser.add_argument("--cap-s", type=float, default=45,
-                        help="time cap of each in-memory encoding measurement, seconds")
+    parser.add_argument(
+        "--cap-s",
+        type=float,
+        default=45,
+        help="time cap of each in-memory encoding measurement, seconds",
+    )
     parser.add_argument("--tmp", default=tempfile.gettempdir(), help="folder for big files")
     parser.add_argument("--skip-tokenization", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")
@@ -203,10 +222,13 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="llmcli-bench-", dir=args.tmp))
     result: dict = {
         "benchmark": "data_throughput",
-        "machine": {"cpus": os.cpu_count(),
-                    "load_avg_start": [round(x, 2) for x in os.getloadavg()],
-                    "python": platform.python_version(), "torch": torch.__version__,
-                    "tokenizers": tokenizers.__version__},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "load_avg_start": [round(x, 2) for x in os.getloadavg()],
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "tokenizers": tokenizers.__version__,
+        },
     }
     t_start = time.perf_counter()
     try:

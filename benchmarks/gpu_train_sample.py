@@ -41,19 +41,33 @@ def main() -> None:
     parser.add_argument("--config", default="configs/small.yaml")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--compile", action="store_true", help="train with torch.compile")
-    parser.add_argument("--peak-tflops", type=float, default=790.0,
-                        help="the device's dense peak for the training precision (H200 bf16)")
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=790.0,
+        help="the device's dense peak for the training precision (H200 bf16)",
+    )
     parser.add_argument("--sample-tokens", type=int, default=500)
     parser.add_argument("--out", default=None, help="run directory (default: a temp folder)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        metavar="KEY=VALUE", help="config override, as for llmcli train")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override, as for llmcli train",
+    )
     args = parser.parse_args()
 
     steps = args.steps
-    overrides = [f"train.max_steps={steps}", f"train.eval_interval={steps}",
-                 f"train.log_interval={max(1, min(25, steps // 4))}",
-                 f"train.warmup_steps={min(100, steps // 3)}",
-                 f"train.compile={'true' if args.compile else 'false'}", *args.overrides]
+    overrides = [
+        f"train.max_steps={steps}",
+        f"train.eval_interval={steps}",
+        f"train.log_interval={max(1, min(25, steps // 4))}",
+        f"train.warmup_steps={min(100, steps // 3)}",
+        f"train.compile={'true' if args.compile else 'false'}",
+        *args.overrides,
+    ]
     config = load_config(args.config, overrides)
     out = Path(args.out or tempfile.mkdtemp(prefix="llmcli-gpu-"))
 
@@ -70,16 +84,24 @@ def main() -> None:
     flops_per_token = 6 * n + 12 * mc.n_layer * mc.context_length * mc.n_embed
     mfu = steady * flops_per_token / (args.peak_tflops * 1e12)
 
-    samples = sample_run(out, [""], max_new_tokens=args.sample_tokens, temperature=0.8,
-                         seed=0, notify=lambda _: None)
+    samples = sample_run(
+        out, [""], max_new_tokens=args.sample_tokens, temperature=0.8, seed=0, notify=lambda _: None
+    )
     device = summary.device
     result = {
         "train": {
-            "config": args.config, "overrides": overrides, "steps": summary.step,
-            "device": device, "dtype": summary.dtype, "compile": args.compile,
-            "tokens_per_s_median": round(steady, 1), "tokens_per_s_intervals": rates,
-            "flops_per_token": flops_per_token, "mfu": float(f"{mfu:.4g}"),
-            "peak_tflops_assumed": args.peak_tflops, "val_loss": summary.val_loss,
+            "config": args.config,
+            "overrides": overrides,
+            "steps": summary.step,
+            "device": device,
+            "dtype": summary.dtype,
+            "compile": args.compile,
+            "tokens_per_s_median": round(steady, 1),
+            "tokens_per_s_intervals": rates,
+            "flops_per_token": flops_per_token,
+            "mfu": float(f"{mfu:.4g}"),
+            "peak_tflops_assumed": args.peak_tflops,
+            "val_loss": summary.val_loss,
             "wall_s": round(train_s, 1),
         },
         "sample": {
@@ -91,7 +113,8 @@ def main() -> None:
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "platform": platform.platform(),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "torch": torch.__version__, "cuda": torch.version.cuda,
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
         },
         "run_dir": str(out),
     }

@@ -133,8 +133,14 @@ def vs_transformers(n: int, rounds: int) -> dict:
     model = make_model(MID)
     hf = to_transformers(model, MID)
     prompt = torch.tensor([[1]])
-    kwargs = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=True,
-                  pad_token_id=0, eos_token_id=None)
+    kwargs = dict(
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        use_cache=True,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
 
     def run_hf() -> tuple[list[int], float]:
         start = time.perf_counter()
@@ -150,8 +156,9 @@ def vs_transformers(n: int, rounds: int) -> dict:
         ours_s.append(s)
         hf_ids, s = run_hf()
         theirs_s.append(s)
-    same_prefix = next((i for i, (a, b) in enumerate(zip(ours_ids, hf_ids, strict=True))
-                        if a != b), n)
+    same_prefix = next(
+        (i for i, (a, b) in enumerate(zip(ours_ids, hf_ids, strict=True)) if a != b), n
+    )
     ours, theirs = statistics.median(ours_s), statistics.median(theirs_s)
     return {
         "shape": MID,
@@ -199,8 +206,9 @@ def spread(lo: int, hi: int, n: int = 16) -> list[int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads (default: torch's own choice)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's own choice)"
+    )
     parser.add_argument("--new-tokens", type=int, default=500)
     parser.add_argument("--latency-tokens", type=int, default=1000)
     parser.add_argument("--batch-tokens", type=int, default=100)
@@ -234,8 +242,11 @@ def main() -> None:
             "batched_over_sequential_tiny": bvs["tiny_ctx64"]["speedup"],
             "latency_last_over_first": parts["latency"]["last_over_first"],
         },
-        "targets": {"cached_over_recompute_ctx512": ">= 10",
-                    "llmcli_over_transformers_ctx512": ">= 1.5", "batched_over_sequential": ">= 5"},
+        "targets": {
+            "cached_over_recompute_ctx512": ">= 10",
+            "llmcli_over_transformers_ctx512": ">= 1.5",
+            "batched_over_sequential": ">= 5",
+        },
         **parts,
         "machine": {
             "date": date,

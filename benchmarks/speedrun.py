@@ -83,8 +83,13 @@ def machine() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    return {"cpus": os.cpu_count(), "cpu": model, "platform": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__}
+    return {
+        "cpus": os.cpu_count(),
+        "cpu": model,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -104,19 +109,35 @@ def scaled_overrides(config: Path, scale: float) -> list[str]:
         return []
     train = load_config(config).train
     steps = max(2, round(train.max_steps * scale))
-    return [f"train.max_steps={steps}",
-            f"train.warmup_steps={min(steps, round(train.warmup_steps * scale))}",
-            f"train.eval_interval={max(1, round(train.eval_interval * scale))}"]
+    return [
+        f"train.max_steps={steps}",
+        f"train.warmup_steps={min(steps, round(train.warmup_steps * scale))}",
+        f"train.eval_interval={max(1, round(train.eval_interval * scale))}",
+    ]
 
 
-def run_recipe(name: str, config: Path, overrides: list[str], args: argparse.Namespace,
-               log: Any) -> dict[str, Any]:
+def run_recipe(
+    name: str, config: Path, overrides: list[str], args: argparse.Namespace, log: Any
+) -> dict[str, Any]:
     """Train one recipe in a fresh `llmcli train` process; summarise its metrics."""
     out = Path(args.workdir) / name.replace(" ", "_").replace(":", "").replace(">", "")
-    sets = [f"data.path={args.data}", "train.device=cpu", *scaled_overrides(config, args.scale),
-            *overrides]
-    cmd = [sys.executable, "-m", "llmcli", "train", str(config), "--out", str(out),
-           "--overwrite", "--no-progress"]
+    sets = [
+        f"data.path={args.data}",
+        "train.device=cpu",
+        *scaled_overrides(config, args.scale),
+        *overrides,
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "llmcli",
+        "train",
+        str(config),
+        "--out",
+        str(out),
+        "--overwrite",
+        "--no-progress",
+    ]
     for s in sets:
         cmd += ["--set", s]
     env = dict(os.environ)
@@ -131,16 +152,39 @@ def run_recipe(name: str, config: Path, overrides: list[str], args: argparse.Nam
         raise SystemExit(f"{name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     # The whole validation split, scored once by `llmcli eval` (last weights; not timed): the
     # in-training estimate averages `eval_steps` random batches and swings by a few hundredths.
-    full = subprocess.run([sys.executable, "-m", "llmcli", "eval", "--checkpoint", str(out),
-                           "--weights", "last", "--device", "cpu", "--json"],
-                          cwd=ROOT, env=env, capture_output=True, text=True)
+    full = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "llmcli",
+            "eval",
+            "--checkpoint",
+            str(out),
+            "--weights",
+            "last",
+            "--device",
+            "cpu",
+            "--json",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if full.returncode != 0:
         raise SystemExit(f"llmcli eval of {name} failed:\n{full.stderr[-3000:]}")
     full_val = json.loads(full.stdout)
     records = read_metrics(out / "metrics.jsonl")
     evals = [r for r in records if r.get("kind") == "eval"]
-    curve = [{"step": r["step"], "elapsed_s": r["elapsed_s"], "val_loss": round(r["val_loss"], 4),
-              "train_loss": round(r["train_loss"], 4)} for r in evals]
+    curve = [
+        {
+            "step": r["step"],
+            "elapsed_s": r["elapsed_s"],
+            "val_loss": round(r["val_loss"], 4),
+            "train_loss": round(r["train_loss"], 4),
+        }
+        for r in evals
+    ]
     reached = next((c for c in curve if c["val_loss"] <= args.target), None)
     by_budget = [c for c in curve if c["elapsed_s"] <= args.budget]
     final = curve[-1] if curve else None
@@ -160,10 +204,13 @@ def run_recipe(name: str, config: Path, overrides: list[str], args: argparse.Nam
         "load_avg_1min": [round(load_before[0], 2), round(load_after[0], 2)],
         "curve": curve,
     }
-    print(f"{name}: val {result['final_val_loss']} (whole split {result['full_val_loss']}) at "
-          f"step {result['steps']}, "
-          f"{wall:.1f} s wall, load {load_before[0]:.1f}->{load_after[0]:.1f}", file=log,
-          flush=True)
+    print(
+        f"{name}: val {result['final_val_loss']} (whole split {result['full_val_loss']}) at "
+        f"step {result['steps']}, "
+        f"{wall:.1f} s wall, load {load_before[0]:.1f}->{load_after[0]:.1f}",
+        file=log,
+        flush=True,
+    )
     return result
 
 
@@ -179,8 +226,9 @@ def run_ablations(full: dict[str, Any] | None, args: argparse.Namespace) -> list
         if not sets and seed == recipe_seed and full is not None:
             return full  # the recipe's own run above
         name = label if len(args.seeds) == 1 else f"{label} seed {seed}"
-        return run_recipe(name, RECIPES["speedrun"], [*sets, f"train.seed={seed}"], args,
-                          sys.stderr)
+        return run_recipe(
+            name, RECIPES["speedrun"], [*sets, f"train.seed={seed}"], args, sys.stderr
+        )
 
     bases = [run("speedrun", [], seed) for seed in args.seeds]
     rows = [{"removed": None, "overrides": [], **_seed_figures(bases, bases)}]
@@ -209,21 +257,37 @@ def _seed_figures(runs: list[dict[str, Any]], bases: list[dict[str, Any]]) -> di
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data", default=str(DEFAULT_DATA), help="the corpus (a text file)")
-    parser.add_argument("--quick", action="store_true",
-                        help="short runs (max_steps x --scale) to check that everything runs")
-    parser.add_argument("--scale", type=float, default=None,
-                        help="multiply max_steps/warmup/eval_interval (default 1; 0.1 --quick)")
-    parser.add_argument("--recipes", default=",".join(RECIPES),
-                        help=f"comma-separated, among {', '.join(RECIPES)}")
-    parser.add_argument("--no-ablations", dest="ablations", action="store_false",
-                        help="skip the ablation table")
-    parser.add_argument("--seeds", default=None,
-                        help="comma-separated train.seed values for the ablation table (default: "
-                             "the recipe's own seed only)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="short runs (max_steps x --scale) to check that everything runs",
+    )
+    parser.add_argument(
+        "--scale",
+        type=float,
+        default=None,
+        help="multiply max_steps/warmup/eval_interval (default 1; 0.1 --quick)",
+    )
+    parser.add_argument(
+        "--recipes", default=",".join(RECIPES), help=f"comma-separated, among {', '.join(RECIPES)}"
+    )
+    parser.add_argument(
+        "--no-ablations", dest="ablations", action="store_false", help="skip the ablation table"
+    )
+    parser.add_argument(
+        "--seeds",
+        default=None,
+        help="comma-separated train.seed values for the ablation table (default: "
+        "the recipe's own seed only)",
+    )
     parser.add_argument("--target", type=float, default=1.88, help="the val loss to reach")
     parser.add_argument("--budget", type=float, default=300.0, help="seconds for 'val at'")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="OMP_NUM_THREADS for the runs (default: torch's, the cores)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="OMP_NUM_THREADS for the runs (default: torch's, the cores)",
+    )
     parser.add_argument("--workdir", default=None, help="run directories (default: a temp dir)")
     parser.add_argument("--out", default=None, help="also write the JSON to this file")
     args = parser.parse_args()
@@ -233,8 +297,9 @@ def main() -> None:
         raise SystemExit(f"--data {args.data!r} is not a file")
     recipe_seed = load_config(RECIPES["speedrun"]).train.seed
     try:
-        args.seeds = ([int(x) for x in args.seeds.split(",") if x.strip()] if args.seeds
-                      else [recipe_seed])
+        args.seeds = (
+            [int(x) for x in args.seeds.split(",") if x.strip()] if args.seeds else [recipe_seed]
+        )
     except ValueError:
         raise SystemExit(f"--seeds {args.seeds!r}: give integers separated by commas") from None
     if not args.seeds:
@@ -264,9 +329,12 @@ def main() -> None:
         "target_val_loss": args.target,
         "budget_s": args.budget,
         "scale": args.scale,
-        "machine": {**machine(), "threads": args.threads or "default",
-                    "load_avg_start": [round(x, 2) for x in load_start],
-                    "load_avg_end": [round(x, 2) for x in os.getloadavg()]},
+        "machine": {
+            **machine(),
+            "threads": args.threads or "default",
+            "load_avg_start": [round(x, 2) for x in load_start],
+            "load_avg_end": [round(x, 2) for x in os.getloadavg()],
+        },
         "recipes": recipes,
         "ablations": ablations,
     }

@@ -63,8 +63,11 @@ CONFIGS = {
     "tiny": dict(n_layer=4, n_head=4, n_embed=128, context_length=64, batch_size=12),
     "6L_384_ctx256": dict(n_layer=6, n_head=6, n_embed=384, context_length=256, batch_size=8),
 }
-TARGETS = {"tiny_over_transformers": 1.7, "tiny_over_per_head": 1.9,
-           "6L_384_ctx256_fraction_of_matmul_peak": 0.85}
+TARGETS = {
+    "tiny_over_transformers": 1.7,
+    "tiny_over_per_head": 1.9,
+    "6L_384_ctx256_fraction_of_matmul_peak": 0.85,
+}
 
 
 # ----------------------------------------------------------------------------- the seed's model
@@ -114,7 +117,9 @@ class SeedBlock(nn.Module):
         self.sa = SeedMultiHeadAttention(n_head, n_embed, context_length, dropout)
         self.ln2 = nn.LayerNorm(n_embed)
         self.ffwd = nn.Sequential(
-            nn.Linear(n_embed, 4 * n_embed), nn.GELU(), nn.Linear(4 * n_embed, n_embed),
+            nn.Linear(n_embed, 4 * n_embed),
+            nn.GELU(),
+            nn.Linear(4 * n_embed, n_embed),
             nn.Dropout(dropout),
         )
 
@@ -124,8 +129,15 @@ class SeedBlock(nn.Module):
 
 
 class SeedGPT(nn.Module):
-    def __init__(self, vocab: int, n_layer: int, n_head: int, n_embed: int, context_length: int,
-                 dropout: float = 0.0) -> None:
+    def __init__(
+        self,
+        vocab: int,
+        n_layer: int,
+        n_head: int,
+        n_embed: int,
+        context_length: int,
+        dropout: float = 0.0,
+    ) -> None:
         super().__init__()
         self.token_embedding = nn.Embedding(vocab, n_embed)
         self.position_embedding = nn.Embedding(context_length, n_embed)
@@ -152,8 +164,9 @@ Step = Callable[[Tensor, Tensor], None]
 def llmcli_step(shape: dict, compile_model: bool = False) -> tuple[Step, nn.Module]:
     """llmcli's model, optimizer and step, as `llmcli.train` runs them (grad_accum 1)."""
     model_shape = {k: v for k, v in shape.items() if k != "batch_size"}
-    model = Transformer.from_config(ModelConfig(**model_shape), VOCAB,
-                                    generator=torch.Generator().manual_seed(0))
+    model = Transformer.from_config(
+        ModelConfig(**model_shape), VOCAB, generator=torch.Generator().manual_seed(0)
+    )
     train_cfg = TrainConfig(device="cpu", max_steps=10**6, warmup_steps=0)
     optimizer = build_optimizer(model, train_cfg, "cpu")
     params = list(model.parameters())
@@ -199,8 +212,9 @@ def hf_step(shape: dict) -> tuple[Step, nn.Module]:
 
 def per_head_step(shape: dict) -> tuple[Step, nn.Module]:
     torch.manual_seed(0)
-    model = SeedGPT(VOCAB, shape["n_layer"], shape["n_head"], shape["n_embed"],
-                    shape["context_length"]).train()
+    model = SeedGPT(
+        VOCAB, shape["n_layer"], shape["n_head"], shape["n_embed"], shape["context_length"]
+    ).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
 
     def step(x: Tensor, y: Tensor) -> None:
@@ -237,8 +251,11 @@ def step_gemms(shape: dict) -> list[tuple[Tensor, Tensor]]:
     BT, C = shape["batch_size"] * shape["context_length"], shape["n_embed"]
     linears = [(C, 3 * C), (C, C), (C, 4 * C), (4 * C, C)] * shape["n_layer"] + [(C, VOCAB)]
     g = torch.Generator().manual_seed(2)
-    return [(torch.randn(m, k, generator=g), torch.randn(k, n, generator=g))
-            for i, o in linears for m, k, n in ((BT, i, o), (BT, o, i), (o, BT, i))]
+    return [
+        (torch.randn(m, k, generator=g), torch.randn(k, n, generator=g))
+        for i, o in linears
+        for m, k, n in ((BT, i, o), (BT, o, i), (o, BT, i))
+    ]
 
 
 def gemm_seconds(gemms: list[tuple[Tensor, Tensor]]) -> float:
@@ -277,8 +294,11 @@ def flops_per_token(model: Transformer, shape: dict) -> float:
 def compare(name: str, shape: dict, rounds: int, steps: int) -> dict:
     data = batches(shape)
     tokens = shape["batch_size"] * shape["context_length"]
-    contestants = {"llmcli": llmcli_step(shape), "transformers": hf_step(shape),
-                   "per_head": per_head_step(shape)}
+    contestants = {
+        "llmcli": llmcli_step(shape),
+        "transformers": hf_step(shape),
+        "per_head": per_head_step(shape),
+    }
     for step, _ in contestants.values():
         timed(step, data, 2)  # warm-up
     seconds: dict[str, list[float]] = {k: [] for k in contestants}
@@ -291,7 +311,7 @@ def compare(name: str, shape: dict, rounds: int, steps: int) -> dict:
         gemm_s.append(gemm_seconds(gemms))
         # Rotate the order: whoever runs right after the big matmuls shares the cores with
         # OpenMP threads still spinning from them, so every contestant takes that seat in turn.
-        for key in keys[r % len(keys):] + keys[: r % len(keys)]:
+        for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
             seconds[key].append(timed(contestants[key][0], data, steps))
     tok_s = {k: tokens / statistics.median(v) for k, v in seconds.items()}
     fpt = flops_per_token(contestants["llmcli"][1], shape)
@@ -308,8 +328,9 @@ def compare(name: str, shape: dict, rounds: int, steps: int) -> dict:
         "llmcli_over_transformers": round(tok_s["llmcli"] / tok_s["transformers"], 3),
         "llmcli_over_per_head": round(tok_s["llmcli"] / tok_s["per_head"], 3),
         # The fastest round of each: the least disturbed by other jobs on a shared machine.
-        "best_round_over_transformers": round(min(seconds["transformers"])
-                                              / min(seconds["llmcli"]), 3),
+        "best_round_over_transformers": round(
+            min(seconds["transformers"]) / min(seconds["llmcli"]), 3
+        ),
         "best_round_over_per_head": round(min(seconds["per_head"]) / min(seconds["llmcli"]), 3),
         "flops_per_token": fpt,
         "llmcli_gflops_median": round(statistics.median(achieved), 1),
@@ -319,10 +340,13 @@ def compare(name: str, shape: dict, rounds: int, steps: int) -> dict:
         "fraction_of_peak_per_round_median": round(statistics.median(per_round_fraction), 3),
         # Every contestant runs these same GEMMs; the rest of a step is where they differ.
         "linear_gemms_ms_median": round(1e3 * statistics.median(gemm_s), 2),
-        "gemm_share_of_step": {k: round(statistics.median(gemm_s) / statistics.median(v), 3)
-                               for k, v in seconds.items()},
+        "gemm_share_of_step": {
+            k: round(statistics.median(gemm_s) / statistics.median(v), 3)
+            for k, v in seconds.items()
+        },
         "max_ratio_over_transformers_if_only_gemms_were_left": round(
-            statistics.median(seconds["transformers"]) / statistics.median(gemm_s), 3),
+            statistics.median(seconds["transformers"]) / statistics.median(gemm_s), 3
+        ),
     }
 
 
@@ -364,11 +388,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds")
     parser.add_argument("--steps", type=int, default=5, help="training steps per round")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads (default: torch's own choice)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's own choice)"
+    )
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names")
-    parser.add_argument("--compile", default="",
-                        help="configs (comma-separated) for which to also measure torch.compile")
+    parser.add_argument(
+        "--compile",
+        default="",
+        help="configs (comma-separated) for which to also measure torch.compile",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -377,8 +405,10 @@ def main() -> None:
 
     started = time.perf_counter()
     load_start = os.getloadavg()
-    results = {name: compare(name, CONFIGS[name], args.rounds, args.steps)
-               for name in args.configs.split(",")}
+    results = {
+        name: compare(name, CONFIGS[name], args.rounds, args.steps)
+        for name in args.configs.split(",")
+    }
     ratios = {}
     if "tiny" in results:
         ratios["tiny_over_transformers"] = results["tiny"]["llmcli_over_transformers"]
@@ -388,12 +418,15 @@ def main() -> None:
         ratios["6L_384_ctx256_over_transformers"] = big["llmcli_over_transformers"]
         ratios["6L_384_ctx256_over_per_head"] = big["llmcli_over_per_head"]
         ratios["6L_384_ctx256_fraction_of_matmul_peak"] = big["fraction_of_peak"]
-        ratios["6L_384_ctx256_fraction_of_matmul_peak_per_round"] = (
-            big["fraction_of_peak_per_round_median"])
+        ratios["6L_384_ctx256_fraction_of_matmul_peak_per_round"] = big[
+            "fraction_of_peak_per_round_median"
+        ]
     out: dict = {"ratios": ratios, "targets": TARGETS, **results}
     if args.compile:
-        out["compile"] = {name: compile_payback(CONFIGS[name], args.rounds, args.steps)
-                          for name in args.compile.split(",")}
+        out["compile"] = {
+            name: compile_payback(CONFIGS[name], args.rounds, args.steps)
+            for name in args.compile.split(",")
+        }
     out["machine"] = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "platform": platform.platform(),

@@ -91,8 +91,9 @@ class BenchSettings:
     def validate(self) -> None:
         for key in ("train_steps", "sample_tokens", "forward_reps"):
             if getattr(self, key) < 1:
-                raise InputError(f"bench {key.replace('_', '-')} ({getattr(self, key)}) must "
-                                 "be at least 1.")
+                raise InputError(
+                    f"bench {key.replace('_', '-')} ({getattr(self, key)}) must be at least 1."
+                )
         if self.vocab_size is not None and self.vocab_size < 2:
             raise InputError(f"bench vocab size ({self.vocab_size}) must be at least 2.")
 
@@ -365,8 +366,7 @@ def run_bench(
         try:
             combination_config(config, n_head, context_length)
         except ConfigError as exc:
-            results.append(BenchResult(n_head, context_length, status="invalid",
-                                       message=str(exc)))
+            results.append(BenchResult(n_head, context_length, status="invalid", message=str(exc)))
             invalid.append(f"heads={n_head}: {exc}")
             bar.update()
             continue
@@ -378,8 +378,10 @@ def run_bench(
         bar.update()
     bar.close()
     if not any(r.status != "invalid" for r in results):
-        raise InputError("no combination of --heads and --seq is valid for this model: "
-                         + "; ".join(dict.fromkeys(invalid)))
+        raise InputError(
+            "no combination of --heads and --seq is valid for this model: "
+            + "; ".join(dict.fromkeys(invalid))
+        )
     return results
 
 
@@ -392,8 +394,12 @@ def _in_fresh_process(args: tuple) -> BenchResult:
         with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
             return pool.submit(_measure_or_error, *args).result()
     except BrokenProcessPool:
-        return BenchResult(args[1], args[2], status="error",
-                           message="the measuring process died (killed for lack of memory?)")
+        return BenchResult(
+            args[1],
+            args[2],
+            status="error",
+            message="the measuring process died (killed for lack of memory?)",
+        )
 
 
 # ----------------------------------------------------------------------------- reporting
@@ -405,25 +411,40 @@ def _fmt(value: float | None, spec: str) -> str:
 
 def format_table(results: Sequence[BenchResult]) -> str:
     """The results as an aligned text table (invalid and failed combinations say why)."""
-    header = ("heads", "seq", "head_size", "train tok/s", "sample tok/s", "fwd ms (1xT)",
-              "peak MB", "growth MB")
+    header = (
+        "heads",
+        "seq",
+        "head_size",
+        "train tok/s",
+        "sample tok/s",
+        "fwd ms (1xT)",
+        "peak MB",
+        "growth MB",
+    )
     rows = []
     notes: dict[tuple[int, str, str], list[int]] = {}  # (heads, status, why) -> lengths
     for r in results:
         if r.status != "ok":
-            rows.append((str(r.n_head), str(r.context_length), "-", r.status, "-", "-", "-",
-                         "-"))
+            rows.append((str(r.n_head), str(r.context_length), "-", r.status, "-", "-", "-", "-"))
             notes.setdefault((r.n_head, r.status, r.message), []).append(r.context_length)
             continue
-        rows.append((
-            str(r.n_head), str(r.context_length), str(r.head_size),
-            _fmt(r.train_tokens_per_s, ",.0f"), _fmt(r.sample_tokens_per_s, ",.1f"),
-            _fmt(r.forward_ms, ".2f"), _fmt(r.peak_memory_mb, ",.0f"),
-            _fmt(r.memory_growth_mb, ",.0f"),
-        ))
+        rows.append(
+            (
+                str(r.n_head),
+                str(r.context_length),
+                str(r.head_size),
+                _fmt(r.train_tokens_per_s, ",.0f"),
+                _fmt(r.sample_tokens_per_s, ",.1f"),
+                _fmt(r.forward_ms, ".2f"),
+                _fmt(r.peak_memory_mb, ",.0f"),
+                _fmt(r.memory_growth_mb, ",.0f"),
+            )
+        )
     widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
-    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True))
-             for row in (header, *rows)]
+    lines = [
+        "  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True))
+        for row in (header, *rows)
+    ]
     for (n_head, status, why), lengths in notes.items():
         lines.append(f"heads={n_head} (seq {', '.join(map(str, lengths))}) {status}: {why}")
     return "\n".join(lines)
@@ -469,8 +490,9 @@ def write_report(
         atomic_write_json(json_path, {**(meta or {}), "results": [r.to_dict() for r in results]})
         atomic_write_bytes(png_path, plot_png(results))
     except OSError as exc:
-        raise InputError(f"cannot write the bench report into '{out}': "
-                         f"{describe_os_error(exc)}.") from None
+        raise InputError(
+            f"cannot write the bench report into '{out}': {describe_os_error(exc)}."
+        ) from None
     return json_path, png_path
 
 
@@ -493,8 +515,11 @@ def plot_png(results: Sequence[BenchResult]) -> bytes:
     for i, (key, title) in enumerate(PANELS):
         ax = fig.add_subplot(2, 2, i + 1)
         for n_head in sorted({r.n_head for r in ok}):
-            points = sorted((r.context_length, getattr(r, key)) for r in ok
-                            if r.n_head == n_head and getattr(r, key) is not None)
+            points = sorted(
+                (r.context_length, getattr(r, key))
+                for r in ok
+                if r.n_head == n_head and getattr(r, key) is not None
+            )
             if points:
                 label = f"{n_head} head" + ("s" if n_head != 1 else "")
                 ax.plot(*zip(*points, strict=True), "o-", ms=4, label=label)
@@ -508,8 +533,15 @@ def plot_png(results: Sequence[BenchResult]) -> bytes:
         if ax.lines:
             ax.legend(fontsize=8)
         else:
-            ax.text(0.5, 0.5, "not measured", ha="center", va="center",
-                    transform=ax.transAxes, color="gray")
+            ax.text(
+                0.5,
+                0.5,
+                "not measured",
+                ha="center",
+                va="center",
+                transform=ax.transAxes,
+                color="gray",
+            )
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
@@ -539,8 +571,7 @@ def bench_and_report(
 
     settings = settings or BenchSettings()
     device = device or config.train.device
-    results = run_bench(config, heads, seqs, device, settings, isolate=isolate,
-                        progress=progress)
+    results = run_bench(config, heads, seqs, device, settings, isolate=isolate, progress=progress)
     out = Path(out_dir) if out_dir is not None else Path("checkpoints") / "bench" / config.name
     meta = {
         "benchmark": "llmcli bench",

@@ -239,12 +239,14 @@ def _safetensors_header(path: Path, data: bytes) -> dict[str, Any]:
         raise CheckpointError(not_st) from None
     if not isinstance(header, dict):
         raise CheckpointError(not_st)
-    ends = [v["data_offsets"][1] for k, v in header.items()
-            if k != "__metadata__" and isinstance(v, dict) and "data_offsets" in v]
+    ends = [
+        v["data_offsets"][1]
+        for k, v in header.items()
+        if k != "__metadata__" and isinstance(v, dict) and "data_offsets" in v
+    ]
     if ends and 8 + n + max(ends) > len(data):
         raise CheckpointError(
-            f"weights file '{path}' is truncated: {len(data)} bytes, "
-            f"{8 + n + max(ends)} expected."
+            f"weights file '{path}' is truncated: {len(data)} bytes, {8 + n + max(ends)} expected."
         )
     return header
 
@@ -276,7 +278,8 @@ def load_weights(model: Any, tensors: dict[str, Any], path: str | Path) -> None:
     for name, tensor in expected.items():
         by_storage.setdefault(tensor.data_ptr(), []).append(name)
     missing = [
-        name for name in expected
+        name
+        for name in expected
         if name not in tensors
         and not any(alias in tensors for alias in by_storage[expected[name].data_ptr()])
     ]
@@ -515,8 +518,11 @@ def _check_size(model_config: Any, tensors: dict[str, Any], path: Path) -> None:
     Raises:
         CheckpointError: naming the setting, its value and what the weights hold.
     """
-    layers = {int(name.split(".")[1]) for name in tensors
-              if name.startswith("blocks.") and name.split(".")[1].isdigit()}
+    layers = {
+        int(name.split(".")[1])
+        for name in tensors
+        if name.startswith("blocks.") and name.split(".")[1].isdigit()
+    }
     held = {"n_layer": max(layers) + 1 if layers else None}
     if "wte.weight" in tensors and tensors["wte.weight"].ndim == 2:
         held["n_embed"] = int(tensors["wte.weight"].shape[1])
@@ -616,4 +622,3 @@ def load_run(
         meta=read_meta(run_dir),
         weights_path=weights_path,
     )
-

@@ -99,8 +99,11 @@ def prepare_data_command(
     set_: SetOption = None,
     cache_dir: Annotated[
         Optional[Path],
-        typer.Option(help="Token cache folder (default: data.cache_dir, else $LLMCLI_CACHE, "
-                     "else ~/.cache/llmcli).", metavar="DIR"),
+        typer.Option(
+            help="Token cache folder (default: data.cache_dir, else $LLMCLI_CACHE, "
+            "else ~/.cache/llmcli).",
+            metavar="DIR",
+        ),
     ] = None,
 ) -> None:
     """Train the tokenizer and tokenize the corpus into the cache, ahead of `train`."""
@@ -110,9 +113,11 @@ def prepare_data_command(
     _log_to_stderr()
     cfg = load_config(config, set_ or [])
     data = prepare_data(cfg.data, cfg.model.context_length, cache_dir=cache_dir)
-    typer.echo(f"{len(data.train):,} train + {len(data.val):,} validation tokens "
-               f"({data.train.dtype}), vocab_size {data.tokenizer.vocab_size}; cache: "
-               + ", ".join(str(f) for f in data.cache_files))
+    typer.echo(
+        f"{len(data.train):,} train + {len(data.val):,} validation tokens "
+        f"({data.train.dtype}), vocab_size {data.tokenizer.vocab_size}; cache: "
+        + ", ".join(str(f) for f in data.cache_files)
+    )
 
 
 @app.command("train")
@@ -121,8 +126,10 @@ def train_command(
     set_: SetOption = None,
     out: Annotated[
         Optional[Path],
-        typer.Option(help="Run directory (default: train.out_dir, else checkpoints/<config "
-                     "name>).", metavar="DIR"),
+        typer.Option(
+            help="Run directory (default: train.out_dir, else checkpoints/<config name>).",
+            metavar="DIR",
+        ),
     ] = None,
     resume: Annotated[
         bool, typer.Option(help="Continue the run saved in the run directory, exactly.")
@@ -130,26 +137,33 @@ def train_command(
     overwrite: Annotated[
         bool, typer.Option(help="Start afresh even if the run directory holds a run.")
     ] = False,
-    progress: Annotated[
-        bool, typer.Option(help="Show the progress bar.")
-    ] = True,
+    progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
 ) -> None:
     """Train a model (Ctrl-C saves and stops; under torchrun, trains with DDP)."""
     from llmcli.config import load_config
     from llmcli.train import train
 
     _log_to_stderr()
-    summary = train(load_config(config, set_ or []), out_dir=out, resume=resume,
-                    overwrite=overwrite, progress=progress)
+    summary = train(
+        load_config(config, set_ or []),
+        out_dir=out,
+        resume=resume,
+        overwrite=overwrite,
+        progress=progress,
+    )
     if summary.rank != 0:
         return
     rate = f", {summary.tokens_per_s:,.0f} tokens/s" if summary.tokens_per_s else ""
-    typer.echo(f"run {summary.run_dir}: step {summary.step}/{summary.max_steps}, "
-               f"{summary.tokens:,} tokens, {summary.elapsed_s:.0f} s{rate}")
+    typer.echo(
+        f"run {summary.run_dir}: step {summary.step}/{summary.max_steps}, "
+        f"{summary.tokens:,} tokens, {summary.elapsed_s:.0f} s{rate}"
+    )
     if summary.val_loss is not None:
-        typer.echo(f"val loss {summary.val_loss:.4f} (perplexity {summary.val_ppl:.2f}), "
-                   f"train loss {summary.train_loss:.4f}, best val loss "
-                   f"{summary.best_val_loss:.4f}")
+        typer.echo(
+            f"val loss {summary.val_loss:.4f} (perplexity {summary.val_ppl:.2f}), "
+            f"train loss {summary.train_loss:.4f}, best val loss "
+            f"{summary.best_val_loss:.4f}"
+        )
 
 
 @app.command("sample")
@@ -260,8 +274,9 @@ def inspect_attention_command(
     ] = None,
     layer: Annotated[
         Optional[list[int]],
-        typer.Option(help="Keep only this layer (0-based); repeatable (default: all).",
-                     metavar="L"),
+        typer.Option(
+            help="Keep only this layer (0-based); repeatable (default: all).", metavar="L"
+        ),
     ] = None,
     head: Annotated[
         Optional[list[int]],
@@ -361,8 +376,9 @@ def export_command(
     ] = None,
     format_: Annotated[
         str,
-        typer.Option("--format", help="Output format: hf (a Hugging Face GPT-2 folder).",
-                     metavar="FMT"),
+        typer.Option(
+            "--format", help="Output format: hf (a Hugging Face GPT-2 folder).", metavar="FMT"
+        ),
     ] = "hf",
     force: Annotated[
         bool, typer.Option(help="Write into a non-empty --out, replacing a previous export.")
@@ -391,18 +407,19 @@ def eval_command(
     ] = None,
     data: Annotated[
         Optional[Path],
-        typer.Option(help="A UTF-8 text file to score (default: the run's validation split).",
-                     metavar="PATH"),
+        typer.Option(
+            help="A UTF-8 text file to score (default: the run's validation split).", metavar="PATH"
+        ),
     ] = None,
     steps: Annotated[
         Optional[int],
-        typer.Option(help="Score only the first N batches (default: the whole text).",
-                     metavar="N"),
+        typer.Option(help="Score only the first N batches (default: the whole text).", metavar="N"),
     ] = None,
     batch_size: Annotated[
         Optional[int],
-        typer.Option(help="Windows of context_length tokens per batch (default: the run's "
-                     "train.batch_size)."),
+        typer.Option(
+            help="Windows of context_length tokens per batch (default: the run's train.batch_size)."
+        ),
     ] = None,
     weights: Annotated[
         str, typer.Option(help="Which weights of the run: best or last.", metavar="WHICH")
@@ -417,9 +434,16 @@ def eval_command(
 
     _log_to_stderr()
 
-    result = evaluate_run(checkpoint, data, steps=steps, batch_size=batch_size, weights=weights,
-                          device=device, progress=True,
-                          notify=lambda line: typer.echo(line, err=True))
+    result = evaluate_run(
+        checkpoint,
+        data,
+        steps=steps,
+        batch_size=batch_size,
+        weights=weights,
+        device=device,
+        progress=True,
+        notify=lambda line: typer.echo(line, err=True),
+    )
     typer.echo(json.dumps(result.to_dict()) if json_ else format_result(result))
 
 
@@ -431,8 +455,10 @@ def bench_command(
         str, typer.Option(help="Head counts to try, comma-separated.", metavar="LIST")
     ] = "1,2,4,8",
     seq: Annotated[
-        str, typer.Option(help="Sequence lengths (context_length) to try, comma-separated.",
-                          metavar="LIST")
+        str,
+        typer.Option(
+            help="Sequence lengths (context_length) to try, comma-separated.", metavar="LIST"
+        ),
     ] = "64,128,256,512",
     device: Annotated[
         Optional[str],
@@ -440,8 +466,10 @@ def bench_command(
     ] = None,
     out: Annotated[
         Optional[Path],
-        typer.Option(help="Folder for bench.json and bench.png (default: "
-                     "checkpoints/bench/<config name>).", metavar="DIR"),
+        typer.Option(
+            help="Folder for bench.json and bench.png (default: checkpoints/bench/<config name>).",
+            metavar="DIR",
+        ),
     ] = None,
     steps: Annotated[
         int, typer.Option(help="Timed training steps per combination (after one warm-up).")
@@ -450,8 +478,10 @@ def bench_command(
         int, typer.Option(help="New tokens sampled per combination (at most seq - 1).")
     ] = 64,
     isolate: Annotated[
-        bool, typer.Option(help="Measure each combination in a fresh process (needed for "
-                           "the CPU's peak memory).")
+        bool,
+        typer.Option(
+            help="Measure each combination in a fresh process (needed for the CPU's peak memory)."
+        ),
     ] = True,
     progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
 ) -> None:
@@ -462,8 +492,14 @@ def bench_command(
     _log_to_stderr()
     settings = BenchSettings(train_steps=steps, sample_tokens=sample_tokens)
     results, json_path, png_path = bench_and_report(
-        load_config(config, set_ or []), parse_int_list(heads, "heads"),
-        parse_int_list(seq, "seq"), device, out, settings, isolate=isolate, progress=progress,
+        load_config(config, set_ or []),
+        parse_int_list(heads, "heads"),
+        parse_int_list(seq, "seq"),
+        device,
+        out,
+        settings,
+        isolate=isolate,
+        progress=progress,
     )
     typer.echo(format_table(results))
     typer.echo(f"wrote {json_path} and {png_path}")

@@ -56,7 +56,10 @@ class ModelConfig:
         if self.pos_emb == "rope":
             head_size = self.n_embed // self.n_head
             _require(
-                head_size % 2 == 0, "model", "pos_emb", self.pos_emb,
+                head_size % 2 == 0,
+                "model",
+                "pos_emb",
+                self.pos_emb,
                 f"needs an even head size (n_embed / n_head = {head_size})",
             )
 
@@ -89,11 +92,19 @@ class DataConfig:
             )
         _require(self.vocab_size > 0, "data", "vocab_size", self.vocab_size, "must be positive")
         _require(
-            0 < self.val_fraction < 1, "data", "val_fraction", self.val_fraction,
+            0 < self.val_fraction < 1,
+            "data",
+            "val_fraction",
+            self.val_fraction,
             "must be between 0 and 1 (exclusive)",
         )
-        _require(self.tokenizer != "", "data", "tokenizer", self.tokenizer,
-                 "must be 'char', 'bpe' or a path to a tokenizer.json")
+        _require(
+            self.tokenizer != "",
+            "data",
+            "tokenizer",
+            self.tokenizer,
+            "must be 'char', 'bpe' or a path to a tokenizer.json",
+        )
 
 
 @dataclass
@@ -126,32 +137,57 @@ class TrainConfig:
     init_from: str | None = None
 
     def validate(self) -> None:
-        for key in ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_steps",
-                    "log_interval"):
+        for key in (
+            "batch_size",
+            "grad_accum",
+            "max_steps",
+            "eval_interval",
+            "eval_steps",
+            "log_interval",
+        ):
             _require(getattr(self, key) > 0, "train", key, getattr(self, key), "must be positive")
         _require(self.lr > 0, "train", "lr", self.lr, "must be > 0")
         _require(self.muon_lr > 0, "train", "muon_lr", self.muon_lr, "must be > 0")
-        _require(0 <= self.muon_momentum < 1, "train", "muon_momentum", self.muon_momentum,
-                 "must be in [0, 1)")
+        _require(
+            0 <= self.muon_momentum < 1,
+            "train",
+            "muon_momentum",
+            self.muon_momentum,
+            "must be in [0, 1)",
+        )
         _require(self.min_lr >= 0, "train", "min_lr", self.min_lr, "must be >= 0")
         if self.min_lr > self.lr:
             raise ConfigError(
                 f"train.min_lr ({self.min_lr}) must be <= train.lr ({self.lr}): the schedule "
                 "decays from lr down to min_lr."
             )
-        _require(self.warmup_steps >= 0, "train", "warmup_steps", self.warmup_steps,
-                 "must be >= 0")
-        _require(self.weight_decay >= 0, "train", "weight_decay", self.weight_decay,
-                 "must be >= 0")
+        _require(self.warmup_steps >= 0, "train", "warmup_steps", self.warmup_steps, "must be >= 0")
+        _require(self.weight_decay >= 0, "train", "weight_decay", self.weight_decay, "must be >= 0")
         for key in ("beta1", "beta2"):
-            _require(0 <= getattr(self, key) < 1, "train", key, getattr(self, key),
-                     "must be in [0, 1)")
-        _require(self.grad_clip >= 0, "train", "grad_clip", self.grad_clip,
-                 "must be >= 0 (0 turns clipping off)")
-        _require(0 < self.decay_fraction <= 1, "train", "decay_fraction", self.decay_fraction,
-                 "must be in (0, 1]")
-        _require(0 <= self.seed < 2**63, "train", "seed", self.seed,
-                 "must be in 0..2**63-1 (torch's seed range)")
+            _require(
+                0 <= getattr(self, key) < 1, "train", key, getattr(self, key), "must be in [0, 1)"
+            )
+        _require(
+            self.grad_clip >= 0,
+            "train",
+            "grad_clip",
+            self.grad_clip,
+            "must be >= 0 (0 turns clipping off)",
+        )
+        _require(
+            0 < self.decay_fraction <= 1,
+            "train",
+            "decay_fraction",
+            self.decay_fraction,
+            "must be in (0, 1]",
+        )
+        _require(
+            0 <= self.seed < 2**63,
+            "train",
+            "seed",
+            self.seed,
+            "must be in 0..2**63-1 (torch's seed range)",
+        )
 
     @property
     def warmup(self) -> int:
@@ -186,13 +222,28 @@ class SampleConfig:
     seed: int = 1337
 
     def validate(self) -> None:
-        _require(self.max_new_tokens > 0, "sample", "max_new_tokens", self.max_new_tokens,
-                 "must be positive")
-        _require(self.temperature >= 0, "sample", "temperature", self.temperature,
-                 "must be >= 0 (0 means greedy)")
+        _require(
+            self.max_new_tokens > 0,
+            "sample",
+            "max_new_tokens",
+            self.max_new_tokens,
+            "must be positive",
+        )
+        _require(
+            self.temperature >= 0,
+            "sample",
+            "temperature",
+            self.temperature,
+            "must be >= 0 (0 means greedy)",
+        )
         if self.top_k is not None:
-            _require(self.top_k >= 1, "sample", "top_k", self.top_k,
-                     "must be >= 1 (or null for no top-k filtering)")
+            _require(
+                self.top_k >= 1,
+                "sample",
+                "top_k",
+                self.top_k,
+                "must be >= 1 (or null for no top-k filtering)",
+            )
         _require(0 < self.top_p <= 1, "sample", "top_p", self.top_p, "must be in (0, 1]")
 
 
@@ -331,8 +382,7 @@ def config_from_dict(raw: Any, name: str = "run") -> Config:
             close = difflib.get_close_matches(str(key), list(SECTIONS), n=1, cutoff=0.5)
             hint = f" Did you mean '{close[0]}'?" if close else ""
             raise ConfigError(
-                f"unknown config section '{key}'.{hint} The sections are "
-                f"{', '.join(SECTIONS)}."
+                f"unknown config section '{key}'.{hint} The sections are {', '.join(SECTIONS)}."
             )
     config = Config(
         **{section: _build_section(section, raw.get(section)) for section in SECTIONS},
@@ -346,8 +396,7 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     """Parse one `--set section.key=value` into (section, key, YAML scalar value)."""
     if "=" not in text:
         raise ConfigError(
-            f"--set {text!r}: expected section.key=value, for example "
-            "--set train.max_steps=200."
+            f"--set {text!r}: expected section.key=value, for example --set train.max_steps=200."
         )
     dotted, _, raw_value = text.partition("=")
     parts = dotted.strip().split(".")
@@ -359,8 +408,11 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     try:
         value = yaml.safe_load(raw_value) if raw_value.strip() else None
     except (yaml.YAMLError, RecursionError) as exc:
-        problem = getattr(exc, "problem", None) or getattr(exc, "reason", None) or (
-            "nested too deeply" if isinstance(exc, RecursionError) else "invalid YAML")
+        problem = (
+            getattr(exc, "problem", None)
+            or getattr(exc, "reason", None)
+            or ("nested too deeply" if isinstance(exc, RecursionError) else "invalid YAML")
+        )
         raise ConfigError(
             f"--set {text!r}: the value is not a YAML scalar ({problem}); quote it, for "
             f"example --set '{dotted.strip()}=\"...\"'."
@@ -474,8 +526,14 @@ def describe_shipped() -> list[tuple[str, str]]:
     """(name, the first line of its leading comment) for every shipped config."""
     rows = []
     for name, path in shipped_configs().items():
-        first = next((line for line in path.read_text(encoding="utf-8").splitlines()
-                      if line.startswith("#")), "#")
+        first = next(
+            (
+                line
+                for line in path.read_text(encoding="utf-8").splitlines()
+                if line.startswith("#")
+            ),
+            "#",
+        )
         rows.append((name, first.lstrip("#").strip()))
     return rows
 

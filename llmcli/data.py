@@ -252,16 +252,21 @@ def _load_dataset(spec: str, split: str, key: str, cache_dir: Path) -> Any:
 
     p = Path(spec).expanduser()
     label = f"{key} ({spec!r})"
-    errors = (FileNotFoundError, ConnectionError, ValueError,
-              datasets.exceptions.DatasetGenerationError)
+    errors = (
+        FileNotFoundError,
+        ConnectionError,
+        ValueError,
+        datasets.exceptions.DatasetGenerationError,
+    )
     builder = _DATASET_FILE_BUILDERS.get(p.suffix.lower())
     try:
         if p.is_dir() and any((p / m).exists() for m in _SAVE_TO_DISK_MARKERS):
             loaded = datasets.load_from_disk(str(p))
         elif builder and (p.is_file() or _GLOB_CHARS.search(spec)):
             files = [str(f) for f in _resolve_files(spec, key)]
-            loaded = datasets.load_dataset(builder, data_files=files,
-                                           cache_dir=str(cache_dir / "datasets"))
+            loaded = datasets.load_dataset(
+                builder, data_files=files, cache_dir=str(cache_dir / "datasets")
+            )
         elif p.exists():
             loaded = datasets.load_dataset(str(p), cache_dir=str(cache_dir / "datasets"))
         else:  # a hub name: downloads go to the datasets library's own cache, shared
@@ -286,18 +291,22 @@ def _sources(data_cfg: DataConfig, cache_dir: Path) -> tuple[Source, Source | No
                 f"data.val_split ({data_cfg.val_split!r}) applies to data.dataset only; with "
                 "data.path give a separate validation file as data.val_path."
             )
-        train = FileSource(_resolve_files(data_cfg.path, "data.path"),
-                           f"data.path ({data_cfg.path!r})")
+        train = FileSource(
+            _resolve_files(data_cfg.path, "data.path"), f"data.path ({data_cfg.path!r})"
+        )
         val = None
         if data_cfg.val_path is not None:
-            val = FileSource(_resolve_files(data_cfg.val_path, "data.val_path"),
-                             f"data.val_path ({data_cfg.val_path!r})")
+            val = FileSource(
+                _resolve_files(data_cfg.val_path, "data.val_path"),
+                f"data.val_path ({data_cfg.val_path!r})",
+            )
         return train, val
     if data_cfg.dataset is None:
         raise InputError("data: give data.path or data.dataset; both are empty.")
     ds = _load_dataset(data_cfg.dataset, data_cfg.split, "data.dataset", cache_dir)
-    train = DatasetSource(ds, data_cfg.text_column,
-                          f"data.dataset ({data_cfg.dataset!r}, split {data_cfg.split!r})")
+    train = DatasetSource(
+        ds, data_cfg.text_column, f"data.dataset ({data_cfg.dataset!r}, split {data_cfg.split!r})"
+    )
     if data_cfg.val_path is None and data_cfg.val_split is None:
         return train, None
     # The validation text is split `val_split` (default: data.split) of `val_path` (default:
@@ -364,8 +373,11 @@ def _tokenize_to_file(tok: Tokenizer, source: Source, path: Path, dtype: np.dtyp
     size = source.size()
     is_files = isinstance(source, FileSource)
     bar = Progress(
-        size, desc=f"tokenizing {source.label}", unit="B" if is_files else "rows",
-        enabled=size >= (PROGRESS_MIN if is_files else 100_000), tenths=True,
+        size,
+        desc=f"tokenizing {source.label}",
+        unit="B" if is_files else "rows",
+        enabled=size >= (PROGRESS_MIN if is_files else 100_000),
+        tenths=True,
         unit_scale=is_files,
     )
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -381,8 +393,10 @@ def _tokenize_to_file(tok: Tokenizer, source: Source, path: Path, dtype: np.dtyp
         if parts:
             ids = np.concatenate(parts)
             if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(dtype).max):
-                raise RuntimeError(f"token id {ids.max()} does not fit {dtype} (vocab_size "
-                                   f"{tok.vocab_size}): the tokenizer reports a wrong size")
+                raise RuntimeError(
+                    f"token id {ids.max()} does not fit {dtype} (vocab_size "
+                    f"{tok.vocab_size}): the tokenizer reports a wrong size"
+                )
             f.write(ids.astype(dtype).tobytes())
             n_tokens += ids.size
         batch.clear()
@@ -421,8 +435,14 @@ def _cached_tokens(tok: Tokenizer, source: Source, source_hash: str, cache_dir: 
     log.info("tokenizing %s into %s", source.label, bin_path)
     try:
         n_tokens = _tokenize_to_file(tok, source, bin_path, dtype)
-        meta = {"format": FORMAT_VERSION, "dtype": dtype.name, "n_tokens": n_tokens,
-                "source_hash": source_hash, "tokenizer_sha256": tok_hash, "source": source.label}
+        meta = {
+            "format": FORMAT_VERSION,
+            "dtype": dtype.name,
+            "n_tokens": n_tokens,
+            "source_hash": source_hash,
+            "tokenizer_sha256": tok_hash,
+            "source": source.label,
+        }
         _write_text_atomic(meta_path, json.dumps(meta, indent=1))
     except OSError as exc:  # reading the corpus raises InputError: this is the cache's
         raise InputError(
@@ -452,8 +472,9 @@ def _write_text_atomic(path: Path, text: str) -> None:
         raise
 
 
-def _trained_tokenizer(data_cfg: DataConfig, sources: list[Source], source_hash: str,
-                       cache_dir: Path) -> Tokenizer:
+def _trained_tokenizer(
+    data_cfg: DataConfig, sources: list[Source], source_hash: str, cache_dir: Path
+) -> Tokenizer:
     """Train the configured tokenizer on every source (validation included, as nanoGPT's char
     preparation does, so that every validation character is encodable), or reuse the one
     trained before on the same text."""
@@ -557,28 +578,43 @@ def prepare_data(
     n = train_file.stat().st_size // dtype.itemsize
     if val_src is None:
         n_train = int(n * (1 - data_cfg.val_fraction))
-        _check_split("train", n_train, context_length,
-                     f"the corpus has {n} tokens in all; add text or lower model.context_length.")
-        _check_split("validation", n - n_train, context_length,
-                     f"it is the last data.val_fraction ({data_cfg.val_fraction}) of {n} tokens; "
-                     "raise data.val_fraction, add text or lower model.context_length.")
+        _check_split(
+            "train",
+            n_train,
+            context_length,
+            f"the corpus has {n} tokens in all; add text or lower model.context_length.",
+        )
+        _check_split(
+            "validation",
+            n - n_train,
+            context_length,
+            f"it is the last data.val_fraction ({data_cfg.val_fraction}) of {n} tokens; "
+            "raise data.val_fraction, add text or lower model.context_length.",
+        )
         train = np.memmap(train_file, dtype=dtype, mode="r", shape=(n_train,))
-        val = np.memmap(train_file, dtype=dtype, mode="r", offset=n_train * dtype.itemsize,
-                        shape=(n - n_train,))
+        val = np.memmap(
+            train_file, dtype=dtype, mode="r", offset=n_train * dtype.itemsize, shape=(n - n_train,)
+        )
         files = [train_file]
     else:
         val_file = _cached_tokens(tok, val_src, val_hash, cache)
         n_val = val_file.stat().st_size // dtype.itemsize
         _check_split("train", n, context_length, "add text or lower model.context_length.")
-        _check_split("validation", n_val, context_length,
-                     f"{val_src.label} is too short; add text or lower model.context_length.")
+        _check_split(
+            "validation",
+            n_val,
+            context_length,
+            f"{val_src.label} is too short; add text or lower model.context_length.",
+        )
         train = np.memmap(train_file, dtype=dtype, mode="r", shape=(n,))
         val = np.memmap(val_file, dtype=dtype, mode="r", shape=(n_val,))
         files = [train_file, val_file]
-    log.info("data: %d train + %d validation tokens, vocab_size %d", len(train), len(val),
-             tok.vocab_size)
-    return TokenData(tokenizer=tok, train=train, val=val, source_hash=source_hash,
-                     cache_files=files)
+    log.info(
+        "data: %d train + %d validation tokens, vocab_size %d", len(train), len(val), tok.vocab_size
+    )
+    return TokenData(
+        tokenizer=tok, train=train, val=val, source_hash=source_hash, cache_files=files
+    )
 
 
 # --- Batches -------------------------------------------------------------------------------
@@ -595,8 +631,14 @@ def _file_region(tokens: np.ndarray) -> tuple[str, int] | None:
     """(file name, byte offset of `tokens[0]`) for a 1-D contiguous `np.memmap` (a view of one
     included), else None."""
     mm = getattr(tokens, "_mmap", None)
-    if (not isinstance(tokens, np.memmap) or mm is None or tokens.filename is None
-            or tokens.mode == "c" or tokens.ndim != 1 or tokens.strides[0] != tokens.itemsize):
+    if (
+        not isinstance(tokens, np.memmap)
+        or mm is None
+        or tokens.filename is None
+        or tokens.mode == "c"
+        or tokens.ndim != 1
+        or tokens.strides[0] != tokens.itemsize
+    ):
         return None  # "c": copy-on-write, its changes are not in the file
     # The map starts at `offset` rounded down to the allocation granularity (numpy.memmap);
     # a view's first element lies `address - map address` bytes further.
@@ -684,8 +726,10 @@ class BatchSampler:
         y = windows[:, 1:].contiguous()  # (B, T)
         self.batches += 1
         if self.device.type == "cuda":
-            return (x.pin_memory().to(self.device, non_blocking=True),
-                    y.pin_memory().to(self.device, non_blocking=True))
+            return (
+                x.pin_memory().to(self.device, non_blocking=True),
+                y.pin_memory().to(self.device, non_blocking=True),
+            )
         return x.to(self.device), y.to(self.device)
 
     __next__ = next

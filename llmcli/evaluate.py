@@ -103,8 +103,10 @@ def _text_bytes(tokenizer: Any, ids: np.ndarray) -> int:
     eot = getattr(tokenizer, "eot_id", None)
     if eot is not None:
         ids = ids[ids != eot]
-    return sum(len(tokenizer.decode(ids[i : i + DECODE_CHUNK].tolist()).encode("utf-8"))
-               for i in range(0, len(ids), DECODE_CHUNK))
+    return sum(
+        len(tokenizer.decode(ids[i : i + DECODE_CHUNK].tolist()).encode("utf-8"))
+        for i in range(0, len(ids), DECODE_CHUNK)
+    )
 
 
 @torch.no_grad()
@@ -152,8 +154,9 @@ def score_tokens(
         windows = torch.from_numpy(np.asarray(tokens[index], dtype=np.int64)).to(device)
         x, y = windows[:, :-1], windows[:, 1:]  # (B, L), (B, L)
         logits, _ = model(x)  # (B, L, V)
-        nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(),
-                              reduction="none")  # (B * L,)
+        nll = F.cross_entropy(
+            logits.float().flatten(0, 1), y.flatten(), reduction="none"
+        )  # (B * L,)
         totals.nats += nll.sum().item()
         totals.tokens += nll.numel()
         if special_id is not None:
@@ -230,8 +233,14 @@ def evaluate_run(
             f"{label} has {len(tokens)} token(s): at least 2 are needed (one to predict from)."
         )
     totals = score_tokens(
-        run.model, tokens, ctx, batch_size or run.config.train.batch_size, steps=steps,
-        special_id=getattr(run.tokenizer, "eot_id", None), device=dev, progress=progress,
+        run.model,
+        tokens,
+        ctx,
+        batch_size or run.config.train.batch_size,
+        steps=steps,
+        special_id=getattr(run.tokenizer, "eot_id", None),
+        device=dev,
+        progress=progress,
     )
     scored = np.asarray(tokens[1 : 1 + totals.tokens], dtype=np.int64)  # the predicted tokens
     n_bytes = _text_bytes(run.tokenizer, scored)

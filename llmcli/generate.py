@@ -663,12 +663,16 @@ def sample_texts(
     encoded = [encode_prompt(tokenizer, p, C) for p in prompts]
     cropped = [i for i, (_, was_cropped) in enumerate(encoded) if was_cropped]
     if len(cropped) == 1 and len(prompts) == 1:
-        notify(f"the prompt is longer than the model's context_length ({C} tokens): the model "
-               f"sees only its last {C} tokens.")
+        notify(
+            f"the prompt is longer than the model's context_length ({C} tokens): the model "
+            f"sees only its last {C} tokens."
+        )
     elif cropped:
         shown = ", ".join(str(i) for i in cropped[:5]) + (", ..." if len(cropped) > 5 else "")
-        notify(f"{len(cropped)} prompts (index {shown}) are longer than the model's "
-               f"context_length ({C} tokens): the model sees only the last {C} tokens of each.")
+        notify(
+            f"{len(cropped)} prompts (index {shown}) are longer than the model's "
+            f"context_length ({C} tokens): the model sees only the last {C} tokens of each."
+        )
     if seed is None:
         seed = int(torch.Generator().seed()) % (2**62)
     jobs = [(i, j) for i in range(len(prompts)) for j in range(num_samples)]
@@ -677,10 +681,21 @@ def sample_texts(
         chunk = list(range(first, min(first + batch_size, len(jobs))))
         samples.extend(
             _sample_batch(
-                model, tokenizer, prompts, encoded, jobs, chunk,
-                max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                top_p=top_p, seed=seed, stop=stop, stop_ids=set(stop_ids),
-                use_cache=use_cache, sink=sink,
+                model,
+                tokenizer,
+                prompts,
+                encoded,
+                jobs,
+                chunk,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                seed=seed,
+                stop=stop,
+                stop_ids=set(stop_ids),
+                use_cache=use_cache,
+                sink=sink,
             )
         )
     return samples
@@ -761,7 +776,6 @@ def _sample_batch(
         )
         for b, (r, state) in enumerate(zip(chunk, states, strict=True))
     ]
-
 
 
 def format_samples(samples: Sequence[Sample], separator: str = "-" * 15) -> str:
@@ -854,7 +868,7 @@ def unescape(text: str) -> str:
 
 
 def resolve_device(device: str) -> str:
-    """"auto" -> "cuda" when available, else "mps" when available, else "cpu"."""
+    """ "auto" -> "cuda" when available, else "mps" when available, else "cpu"."""
     if device != "auto":
         if device not in ("cpu", "cuda", "mps"):
             raise InputError(f"device must be auto, cpu, cuda or mps, not {device!r}.")

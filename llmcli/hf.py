@@ -65,15 +65,20 @@ HF_TOKENIZER_FILE = "tokenizer.json"
 HF_TOKENIZER_CONFIG = "tokenizer_config.json"
 HF_SPECIAL_TOKENS = "special_tokens_map.json"
 # Files of another export or checkpoint that `--force` removes, as they would shadow ours.
-_STALE_FILES = (HF_WEIGHTS_INDEX, HF_TORCH_WEIGHTS, "pytorch_model.bin.index.json",
-                "vocab.json", "merges.txt", "added_tokens.json")
+_STALE_FILES = (
+    HF_WEIGHTS_INDEX,
+    HF_TORCH_WEIGHTS,
+    "pytorch_model.bin.index.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+)
 
 LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which llmcli's model uses
 # GPT-2 activation names -> llmcli's model.mlp. The tanh approximations of GELU load into the
 # exact GELU (as nanoGPT does with OpenAI's weights), with a warning: logits differ slightly.
 _EXACT_ACTIVATIONS = {"gelu": "gelu", "relu2": "relu2"}
-_APPROX_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu_python_tanh",
-                 "gelu_accurate")
+_APPROX_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu_python_tanh", "gelu_accurate")
 # Buffers that old GPT-2 checkpoints saved (the causal mask), not weights.
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 
@@ -91,8 +96,9 @@ def check_gpt2_compatible(model_cfg: ModelConfig) -> None:
     """
     refused = []
     if model_cfg.pos_emb != "learned":
-        refused.append(f"model.pos_emb ({model_cfg.pos_emb!r}; GPT-2 has learned position "
-                       "embeddings only)")
+        refused.append(
+            f"model.pos_emb ({model_cfg.pos_emb!r}; GPT-2 has learned position embeddings only)"
+        )
     if model_cfg.norm != "layernorm":
         refused.append(f"model.norm ({model_cfg.norm!r}; GPT-2 uses LayerNorm)")
     if model_cfg.qk_norm:
@@ -115,8 +121,14 @@ def _hf_name(name: str) -> str:
         return name
     parts = name.split(".")
     if parts[0] == "blocks":
-        module = {"ln1": "ln_1", "ln2": "ln_2", "attn.qkv": "attn.c_attn",
-                  "attn.proj": "attn.c_proj", "mlp.fc": "mlp.c_fc", "mlp.proj": "mlp.c_proj"}
+        module = {
+            "ln1": "ln_1",
+            "ln2": "ln_2",
+            "attn.qkv": "attn.c_attn",
+            "attn.proj": "attn.c_proj",
+            "mlp.fc": "mlp.c_fc",
+            "mlp.proj": "mlp.c_proj",
+        }
         inner = ".".join(parts[2:-1])
         return f"transformer.h.{parts[1]}.{module[inner]}.{parts[-1]}"
     return "transformer." + name
@@ -138,15 +150,19 @@ def to_gpt2_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     import torch
 
     if model.wpe is None:
-        raise InputError("this model uses rotary position embeddings (model.pos_emb 'rope'), "
-                         "which GPT-2 cannot express.")
+        raise InputError(
+            "this model uses rotary position embeddings (model.pos_emb 'rope'), "
+            "which GPT-2 cannot express."
+        )
     out: dict[str, torch.Tensor] = {}
     for mod_name, module in model.named_modules():
         is_linear = isinstance(module, torch.nn.Linear)
         if not (is_linear or isinstance(module, (torch.nn.LayerNorm, torch.nn.Embedding))):
             if any(True for _ in module.parameters(recurse=False)):
-                raise InputError(f"layer '{mod_name}' ({type(module).__name__}) has no GPT-2 "
-                                 "equivalent (RMSNorm? set model.norm: layernorm).")
+                raise InputError(
+                    f"layer '{mod_name}' ({type(module).__name__}) has no GPT-2 "
+                    "equivalent (RMSNorm? set model.norm: layernorm)."
+                )
             continue
         if mod_name == "lm_head" and model.tie_embeddings:
             continue  # GPT-2 ties it to transformer.wte.weight
@@ -158,7 +174,8 @@ def to_gpt2_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
         bias = module.bias
         n_out = weight.shape[0]  # Linear (out, in) and LayerNorm (C,) alike
         out[_hf_name(f"{mod_name}.bias")] = (
-            bias.detach().to("cpu").contiguous() if bias is not None
+            bias.detach().to("cpu").contiguous()
+            if bias is not None
             else torch.zeros(n_out, dtype=weight.dtype)
         )
     return out
@@ -178,9 +195,14 @@ def from_gpt2_state_dict(
     """
     reverse: dict[str, str] = {}
     for i in range(n_layer):
-        for ours, theirs in (("ln1", "ln_1"), ("ln2", "ln_2"), ("attn.qkv", "attn.c_attn"),
-                             ("attn.proj", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"),
-                             ("mlp.proj", "mlp.c_proj")):
+        for ours, theirs in (
+            ("ln1", "ln_1"),
+            ("ln2", "ln_2"),
+            ("attn.qkv", "attn.c_attn"),
+            ("attn.proj", "attn.c_proj"),
+            ("mlp.fc", "mlp.c_fc"),
+            ("mlp.proj", "mlp.c_proj"),
+        ):
             for kind in ("weight", "bias"):
                 reverse[f"h.{i}.{theirs}.{kind}"] = f"blocks.{i}.{ours}.{kind}"
     for name in ("wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias"):
@@ -213,8 +235,12 @@ def from_gpt2_state_dict(
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def gpt2_config(model_cfg: ModelConfig, vocab_size: int, eot_id: int | None,
-                layer_norm_eps: float = LAYER_NORM_EPS) -> dict[str, Any]:
+def gpt2_config(
+    model_cfg: ModelConfig,
+    vocab_size: int,
+    eot_id: int | None,
+    layer_norm_eps: float = LAYER_NORM_EPS,
+) -> dict[str, Any]:
     """The `config.json` of the GPT-2 equivalent of `model_cfg` (a plain dict)."""
     return {
         "architectures": ["GPT2LMHeadModel"],
@@ -243,8 +269,9 @@ def gpt2_config(model_cfg: ModelConfig, vocab_size: int, eot_id: int | None,
     }
 
 
-def model_config_from_gpt2(hf_cfg: dict[str, Any], base: ModelConfig,
-                           source: str = HF_CONFIG_FILE) -> ModelConfig:
+def model_config_from_gpt2(
+    hf_cfg: dict[str, Any], base: ModelConfig, source: str = HF_CONFIG_FILE
+) -> ModelConfig:
     """llmcli's `ModelConfig` for a GPT-2 `config.json`; `base` gives what GPT-2 leaves open
     (dropout).
 
@@ -292,19 +319,26 @@ def model_config_from_gpt2(hf_cfg: dict[str, Any], base: ModelConfig,
         mlp = "gelu"
         logger.warning(
             "%s: activation_function %r (tanh-approximated GELU) is loaded into llmcli's exact "
-            "GELU; logits differ slightly from the original model's", source, activation
+            "GELU; logits differ slightly from the original model's",
+            source,
+            activation,
         )
     else:
         refused.append(f"activation_function ({activation!r}; llmcli has gelu and relu2)")
     if refused:
         raise InputError(
             f"{source} uses GPT-2 options that llmcli's model cannot express: "
-            + ", ".join(refused) + "."
+            + ", ".join(refused)
+            + "."
         )
     eps = hf_cfg.get("layer_norm_epsilon", LAYER_NORM_EPS)
     if not isinstance(eps, (int, float)) or not math.isclose(eps, LAYER_NORM_EPS):
-        logger.warning("%s: layer_norm_epsilon %r is loaded with llmcli's %g; logits differ "
-                       "slightly", source, eps, LAYER_NORM_EPS)
+        logger.warning(
+            "%s: layer_norm_epsilon %r is loaded with llmcli's %g; logits differ slightly",
+            source,
+            eps,
+            LAYER_NORM_EPS,
+        )
     return dataclasses.replace(
         base,
         n_layer=n_layer,
@@ -451,8 +485,9 @@ def export_hf(
     from llmcli import checkpoint as ckpt
 
     if format not in FORMATS:
-        raise InputError(f"--format {format!r} is not supported; the formats are "
-                         f"{', '.join(FORMATS)}.")
+        raise InputError(
+            f"--format {format!r} is not supported; the formats are {', '.join(FORMATS)}."
+        )
     run_dir = Path(checkpoint) if checkpoint is not None else ckpt.find_latest_run()
     out = Path(out)
     _check_out_dir(out, run_dir if run_dir.is_dir() else run_dir.parent, force)
@@ -466,7 +501,8 @@ def export_hf(
             "the run's tokenizer has no end-of-text token (a char run from before llmcli had "
             "one), so the export has no BOS/EOS token: lm-evaluation-harness then needs "
             "--model_args pretrained=%s,prefix_token_id=%s",
-            out, newline[0] if newline else "<id>",
+            out,
+            newline[0] if newline else "<id>",
         )
     eps = getattr(model.ln_f, "eps", LAYER_NORM_EPS)
 
@@ -487,9 +523,7 @@ def export_hf(
         for name, data in files.items():
             ckpt.atomic_write_bytes(out / name, data)
     except OSError as exc:
-        raise InputError(
-            f"cannot write the export to '{out}': {describe_os_error(exc)}."
-        ) from None
+        raise InputError(f"cannot write the export to '{out}': {describe_os_error(exc)}.") from None
     logger.info("exported '%s' (step %d) to '%s'", run.run_dir, run.step, out)
     return ExportResult(
         run_dir=run.run_dir,
@@ -525,8 +559,9 @@ def _weights_files(folder: Path) -> list[Path]:
             ) from None
         missing = [s for s in shards if not (folder / s).is_file()]
         if missing:
-            raise CheckpointError(f"'{index}' names shards that are missing: "
-                                  f"{', '.join(missing[:5])}.")
+            raise CheckpointError(
+                f"'{index}' names shards that are missing: {', '.join(missing[:5])}."
+            )
         return [folder / s for s in shards]
     if (folder / HF_TORCH_WEIGHTS).is_file():
         return [folder / HF_TORCH_WEIGHTS]
@@ -546,24 +581,34 @@ def check_gpt2_folder(path: str | Path) -> tuple[Path, dict[str, Any]]:
     folder = Path(path).expanduser()
     what = f"train.init_from ('{path}')"
     if not folder.exists():
-        raise InputError(f"{what} does not exist: give a local Hugging Face GPT-2 folder "
-                         "(config.json, model.safetensors, tokenizer.json).")
+        raise InputError(
+            f"{what} does not exist: give a local Hugging Face GPT-2 folder "
+            "(config.json, model.safetensors, tokenizer.json)."
+        )
     if not folder.is_dir():
-        raise InputError(f"{what} is a file: give the folder that holds config.json, "
-                         "model.safetensors and tokenizer.json.")
+        raise InputError(
+            f"{what} is a file: give the folder that holds config.json, "
+            "model.safetensors and tokenizer.json."
+        )
     missing = []
     if not (folder / HF_CONFIG_FILE).is_file():
         missing.append(f"{HF_CONFIG_FILE} (the architecture)")
     if not _weights_files(folder):
         missing.append(f"weights ({HF_WEIGHTS_FILE}, {HF_WEIGHTS_INDEX} or {HF_TORCH_WEIGHTS})")
     if not (folder / HF_TOKENIZER_FILE).is_file():
-        hint = (" (only vocab.json/merges.txt: re-save it with a recent transformers, "
-                "AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR))"
-                if (folder / "vocab.json").is_file() else "")
+        hint = (
+            " (only vocab.json/merges.txt: re-save it with a recent transformers, "
+            "AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR))"
+            if (folder / "vocab.json").is_file()
+            else ""
+        )
         missing.append(f"{HF_TOKENIZER_FILE}{hint}")
     if missing:
-        raise InputError(f"{what} is not a Hugging Face GPT-2 checkpoint folder: it lacks "
-                         + "; ".join(missing) + ".")
+        raise InputError(
+            f"{what} is not a Hugging Face GPT-2 checkpoint folder: it lacks "
+            + "; ".join(missing)
+            + "."
+        )
     cfg_path = folder / HF_CONFIG_FILE
     try:
         hf_cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
@@ -621,8 +666,9 @@ def read_gpt2_weights(folder: Path) -> dict[str, torch.Tensor]:
             raise CheckpointError(f"'{path}' is corrupt or not a weights file ({exc}).") from None
     bad = [k for k, v in tensors.items() if not isinstance(v, torch.Tensor)]
     if bad:
-        raise CheckpointError(f"the weights of '{folder}' hold non-tensor entries: "
-                              f"{', '.join(map(str, bad[:5]))}.")
+        raise CheckpointError(
+            f"the weights of '{folder}' hold non-tensor entries: {', '.join(map(str, bad[:5]))}."
+        )
     return tensors
 
 
@@ -636,8 +682,9 @@ def load_gpt2_weights(model: Transformer, path: str | Path) -> None:
 
     folder = Path(path).expanduser()
     source = f"the weights of '{folder}'"
-    ours = from_gpt2_state_dict(read_gpt2_weights(folder), model.n_layer, model.tie_embeddings,
-                                source)
+    ours = from_gpt2_state_dict(
+        read_gpt2_weights(folder), model.n_layer, model.tie_embeddings, source
+    )
     ckpt.load_weights(model, ours, folder)
 
 
@@ -652,8 +699,9 @@ class GPT2Folder:
     hf_config: dict[str, Any]
 
 
-def load_gpt2_folder(path: str | Path, *, base: ModelConfig | None = None,
-                     device: str = "cpu") -> GPT2Folder:
+def load_gpt2_folder(
+    path: str | Path, *, base: ModelConfig | None = None, device: str = "cpu"
+) -> GPT2Folder:
     """Load a Hugging Face GPT-2 folder as an llmcli model (eval mode) and tokenizer.
 
     Args:
@@ -700,7 +748,10 @@ def resolve_init_from(config: Config) -> Config:
         train=dataclasses.replace(config.train, init_from=str(folder)),
     )
     resolved.validate()
-    changed = [f"model.{k}={v!r}" for k, v in dataclasses.asdict(model_cfg).items()
-               if getattr(config.model, k) != v]
+    changed = [
+        f"model.{k}={v!r}"
+        for k, v in dataclasses.asdict(model_cfg).items()
+        if getattr(config.model, k) != v
+    ]
     logger.info("init_from '%s': %s", folder, ", ".join(changed) or "model shape unchanged")
     return resolved

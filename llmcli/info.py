@@ -81,23 +81,42 @@ def format_info(info: dict[str, Any]) -> str:
     rows = [
         ("run", info["run_dir"]),
         ("weights", f"{info['weights']} (step {info['weights_step']})"),
-        ("model", f"{model['n_layer']} layers, {model['n_head']} heads, n_embed "
-                  f"{model['n_embed']}, context {model['context_length']}, vocab "
-                  f"{model['vocab_size']}"),
-        ("parameters", f"{model['parameters']:,} ({model['non_embedding_parameters']:,} "
-                       "without embeddings)"),
-        ("options", ", ".join(f"{k}={model[k]}" for k in
-                              ("pos_emb", "norm", "qk_norm", "mlp", "tie_embeddings"))),
+        (
+            "model",
+            f"{model['n_layer']} layers, {model['n_head']} heads, n_embed "
+            f"{model['n_embed']}, context {model['context_length']}, vocab "
+            f"{model['vocab_size']}",
+        ),
+        (
+            "parameters",
+            f"{model['parameters']:,} ({model['non_embedding_parameters']:,} without embeddings)",
+        ),
+        (
+            "options",
+            ", ".join(
+                f"{k}={model[k]}" for k in ("pos_emb", "norm", "qk_norm", "mlp", "tie_embeddings")
+            ),
+        ),
         ("steps", f"{training['steps']} of {training['max_steps']}"),
         ("tokens", f"{training['tokens']:,}" if training["tokens"] is not None else "unknown"),
-        ("elapsed", f"{training['elapsed_s']:.1f} s" if training["elapsed_s"] is not None
-         else "unknown"),
-        ("best val loss", f"{best:.4f} at step {training['best_step']}" if best is not None
-         else "no evaluation yet"),
+        (
+            "elapsed",
+            f"{training['elapsed_s']:.1f} s" if training["elapsed_s"] is not None else "unknown",
+        ),
+        (
+            "best val loss",
+            f"{best:.4f} at step {training['best_step']}"
+            if best is not None
+            else "no evaluation yet",
+        ),
         ("generation", ", ".join(f"{k}={v}" for k, v in info["generation"].items())),
     ]
     for name in sorted(set(recorded) | set(installed)):
-        rows.append((f"version {name}", f"{recorded.get(name, '-')} (installed "
-                                        f"{installed.get(name) or '-'})"))
+        rows.append(
+            (
+                f"version {name}",
+                f"{recorded.get(name, '-')} (installed {installed.get(name) or '-'})",
+            )
+        )
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)

@@ -157,8 +157,12 @@ def induction_score(attn: np.ndarray, period: int) -> np.ndarray:
 def head_metrics(attn: np.ndarray) -> np.ndarray:
     """All of `METRIC_NAMES` for attention maps `[..., T, T]` -> `[..., len(METRIC_NAMES)]`."""
     attn = _check_maps(attn)
-    scores = [entropy_score(attn), prev_token_score(attn), first_token_score(attn),
-              mean_distance(attn)]
+    scores = [
+        entropy_score(attn),
+        prev_token_score(attn),
+        first_token_score(attn),
+        mean_distance(attn),
+    ]
     return np.stack(scores, axis=-1)
 
 
@@ -345,8 +349,11 @@ def load_dump(path: str | Path) -> AttentionDump:
         a = load_file(str(path))
         with safe_open(str(path), framework="numpy") as f:
             md = f.metadata()
-        tokens, names, meta = (json.loads(md["tokens"]), json.loads(md["metric_names"]),
-                               json.loads(md["meta"]))
+        tokens, names, meta = (
+            json.loads(md["tokens"]),
+            json.loads(md["metric_names"]),
+            json.loads(md["meta"]),
+        )
     elif path.suffix == ".json":
         obj = json.loads(path.read_text(encoding="utf-8"))
         a = {
@@ -436,7 +443,10 @@ def plot_layers(dump: AttentionDump, out_dir: str | Path) -> list[Path]:
     paths = []
     for li, layer in enumerate(dump.layers):
         fig, axes = plt.subplots(
-            nrows, ncols, figsize=(panel * ncols + 1.2, panel * nrows + 0.8), squeeze=False,
+            nrows,
+            ncols,
+            figsize=(panel * ncols + 1.2, panel * nrows + 0.8),
+            squeeze=False,
             gridspec_kw={"wspace": 0.25, "hspace": 0.3},
         )
         maps = [dump.attn[li, hi] for hi in range(len(dump.heads))]
@@ -520,9 +530,7 @@ def read_prompt_file(path: str | Path) -> list[str]:
                 "write a JSON list of strings, or one prompt per line."
             ) from None
         if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
-            raise InputError(
-                f"--prompt-file {str(path)!r}: the JSON must be a list of strings."
-            )
+            raise InputError(f"--prompt-file {str(path)!r}: the JSON must be a list of strings.")
     else:
         prompts = [line for line in text.splitlines() if line.strip()]
     if not prompts:
@@ -709,8 +717,13 @@ def build_dumps(
         if not prompts:
             raise InputError("no prompt given: pass --prompt TEXT or --prompt-file FILE.")
         encoded = [
-            encode_prompt(tokenizer, p, ctx, truncate=truncate,
-                          label=f"prompt #{i + 1}" if len(prompts) > 1 else "")
+            encode_prompt(
+                tokenizer,
+                p,
+                ctx,
+                truncate=truncate,
+                label=f"prompt #{i + 1}" if len(prompts) > 1 else "",
+            )
             for i, p in enumerate(prompts)
         ]
     else:
@@ -874,8 +887,15 @@ def inspect_attention(
     if prompts_ids is not None:
         meta["default_prompt"] = default_note
     dumps = build_dumps(
-        model, run.tokenizer, prompts, layers=layers, heads=heads, induction=induction,
-        truncate=truncate, prompts_ids=prompts_ids, meta=meta,
+        model,
+        run.tokenizer,
+        prompts,
+        layers=layers,
+        heads=heads,
+        induction=induction,
+        truncate=truncate,
+        prompts_ids=prompts_ids,
+        meta=meta,
     )
     root = Path(out_dir) if out_dir is not None else Path(run.run_dir) / "attention"
     out_dirs, files = [], []
@@ -883,5 +903,6 @@ def inspect_attention(
         folder = prompt_dir(root, i, len(dumps))
         out_dirs.append(folder)
         files.append(write_outputs(dump, folder, fmt, pictures=pictures, viewer=viewer))
-    return InspectResult(run_dir=Path(run.run_dir), dumps=dumps, out_dirs=out_dirs,
-                         files=files, notes=notes)
+    return InspectResult(
+        run_dir=Path(run.run_dir), dumps=dumps, out_dirs=out_dirs, files=files, notes=notes
+    )

@@ -127,9 +127,7 @@ class RotaryEmbedding(nn.Module):
         return torch.addcmul(x * cos.to(x.dtype), rotated_half, sin.to(x.dtype))
 
 
-def _allowed_keys(
-    causal: Tensor, key_padding_mask: Tensor | None
-) -> tuple[Tensor, Tensor | None]:
+def _allowed_keys(causal: Tensor, key_padding_mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
     """Combine the causal mask with a key padding mask, in SDPA's convention (True = attend).
 
     Args:
@@ -387,9 +385,7 @@ class MultiHeadAttention(nn.Module):
         self.proj = nn.Linear(n_embed, n_embed, bias=bias)
         mask = torch.tril(torch.ones(context_length, context_length, dtype=torch.bool))
         self.register_buffer("causal", mask, persistent=False)  # (L, L), True = may attend
-        self.rotary = (
-            RotaryEmbedding(self.head_size, context_length, rope_base) if rope else None
-        )
+        self.rotary = RotaryEmbedding(self.head_size, context_length, rope_base) if rope else None
 
     def forward(
         self,
@@ -621,8 +617,14 @@ class Block(nn.Module):
         super().__init__()
         self.ln1 = _make_norm(norm, n_embed, bias)
         self.attn = MultiHeadAttention(
-            n_head, n_embed, context_length, dropout, bias,
-            rope=rope, rope_base=rope_base, qk_norm=qk_norm,
+            n_head,
+            n_embed,
+            context_length,
+            dropout,
+            bias,
+            rope=rope,
+            rope_base=rope_base,
+            qk_norm=qk_norm,
         )
         self.ln2 = _make_norm(norm, n_embed, bias)
         self.mlp = MLP(n_embed, dropout, bias, activation=mlp)
@@ -707,8 +709,16 @@ class Transformer(nn.Module):
         self.wpe = nn.Embedding(context_length, n_embed) if pos_emb == "learned" else None
         self.blocks = nn.ModuleList(
             Block(
-                n_head, n_embed, context_length, dropout, bias,
-                norm=norm, mlp=mlp, rope=pos_emb == "rope", rope_base=rope_base, qk_norm=qk_norm,
+                n_head,
+                n_embed,
+                context_length,
+                dropout,
+                bias,
+                norm=norm,
+                mlp=mlp,
+                rope=pos_emb == "rope",
+                rope_base=rope_base,
+                qk_norm=qk_norm,
             )
             for _ in range(n_layer)
         )
@@ -903,9 +913,7 @@ class Transformer(nn.Module):
         logits = self.lm_head(x)  # (B, T, V)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(
-                logits.view(B * T, -1), targets.reshape(B * T), ignore_index=-1
-            )
+            loss = F.cross_entropy(logits.view(B * T, -1), targets.reshape(B * T), ignore_index=-1)
         return logits, loss, weights
 
     @staticmethod

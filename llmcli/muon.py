@@ -143,12 +143,21 @@ class Muon(torch.optim.Optimizer):
                             f"Muon groups take 2-D matrices only, got a {p.ndim}-D parameter of "
                             f"shape {tuple(p.shape)}: put it in a use_muon=False (AdamW) group"
                         )
-                for key, value in (("lr", lr), ("momentum", momentum), ("nesterov", nesterov),
-                                   ("ns_steps", ns_steps), ("weight_decay", weight_decay)):
+                for key, value in (
+                    ("lr", lr),
+                    ("momentum", momentum),
+                    ("nesterov", nesterov),
+                    ("ns_steps", ns_steps),
+                    ("weight_decay", weight_decay),
+                ):
                     group.setdefault(key, value)
             else:
-                for key, value in (("lr", adamw_lr), ("betas", betas), ("eps", eps),
-                                   ("weight_decay", weight_decay)):
+                for key, value in (
+                    ("lr", adamw_lr),
+                    ("betas", betas),
+                    ("eps", eps),
+                    ("weight_decay", weight_decay),
+                ):
                     group.setdefault(key, value)
         super().__init__(groups, {})
 

@@ -82,12 +82,30 @@ def muon_param_groups(model: nn.Module, train: TrainConfig) -> list[dict[str, An
             no_decay.append(param)
             no_decay_names.append(name)
     return [
-        {"params": hidden, "use_muon": True, "names": hidden_names, "lr": train.muon_lr,
-         "base_lr": train.muon_lr, "weight_decay": 0.0},
-        {"params": decay, "use_muon": False, "names": decay_names, "lr": train.lr,
-         "base_lr": train.lr, "weight_decay": train.weight_decay},
-        {"params": no_decay, "use_muon": False, "names": no_decay_names, "lr": train.lr,
-         "base_lr": train.lr, "weight_decay": 0.0},
+        {
+            "params": hidden,
+            "use_muon": True,
+            "names": hidden_names,
+            "lr": train.muon_lr,
+            "base_lr": train.muon_lr,
+            "weight_decay": 0.0,
+        },
+        {
+            "params": decay,
+            "use_muon": False,
+            "names": decay_names,
+            "lr": train.lr,
+            "base_lr": train.lr,
+            "weight_decay": train.weight_decay,
+        },
+        {
+            "params": no_decay,
+            "use_muon": False,
+            "names": no_decay_names,
+            "lr": train.lr,
+            "base_lr": train.lr,
+            "weight_decay": 0.0,
+        },
     ]
 
 
@@ -119,8 +137,12 @@ def build_optimizer(
             groups, lr=train.lr, betas=(train.beta1, train.beta2), eps=1e-8, **kernel
         )
     if train.optimizer == "muon":
-        return Muon(muon_param_groups(model, train), momentum=train.muon_momentum,
-                    betas=(train.beta1, train.beta2), eps=1e-8)
+        return Muon(
+            muon_param_groups(model, train),
+            momentum=train.muon_momentum,
+            betas=(train.beta1, train.beta2),
+            eps=1e-8,
+        )
     raise ConfigError(
         f"train.optimizer ({train.optimizer!r}) is not available in this version of llmcli; "
         "use train.optimizer=adamw."

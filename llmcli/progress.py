@@ -57,8 +57,15 @@ class Progress:
         self._tenths = tenths and bool(total)
         self._next_tenth = self._tenth_after(initial)
         self._start = time.perf_counter()
-        self.bar = tqdm(total=total, initial=initial, desc=desc, unit=unit,
-                        dynamic_ncols=True, disable=not self.live, **bar_options)
+        self.bar = tqdm(
+            total=total,
+            initial=initial,
+            desc=desc,
+            unit=unit,
+            dynamic_ncols=True,
+            disable=not self.live,
+            **bar_options,
+        )
 
     def _tenth_after(self, n: int) -> int:
         if not self._tenths:

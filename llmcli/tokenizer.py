@@ -216,8 +216,11 @@ class BPETokenizer:
         hf.train_from_iterator(_lines_in_batches(texts), trainer)
         tok = cls(hf)
         if tok.vocab_size < vocab_size:
-            log.warning("BPE stopped at %d tokens (asked %d): the corpus has no more pairs "
-                        "to merge.", tok.vocab_size, vocab_size)
+            log.warning(
+                "BPE stopped at %d tokens (asked %d): the corpus has no more pairs to merge.",
+                tok.vocab_size,
+                vocab_size,
+            )
         return tok
 
     @classmethod
@@ -314,7 +317,8 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     if not p.is_file():
         raise InputError(
             f"tokenizer file {str(p)!r} does not exist"
-            + (" (it is a folder)" if p.is_dir() else "") + ": check the path."
+            + (" (it is a folder)" if p.is_dir() else "")
+            + ": check the path."
         )
     try:
         text = p.read_text(encoding="utf-8")

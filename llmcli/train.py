@@ -180,7 +180,8 @@ def resolve_precision(device: torch.device, dtype: str) -> tuple[str, torch.dtyp
         return dtype, torch.bfloat16, False
     raise InputError(
         f"train.dtype ({dtype!r}) is not supported on {device.type}: use float32 or auto"
-        + (" (or bfloat16)" if device.type == "cpu" else "") + "."
+        + (" (or bfloat16)" if device.type == "cpu" else "")
+        + "."
     )
 
 
@@ -219,8 +220,11 @@ def _count(n: int) -> str:
 
 def _is_out_of_memory(exc: BaseException) -> bool:
     text = str(exc)
-    return (isinstance(exc, (MemoryError, torch.OutOfMemoryError))
-            or "can't allocate memory" in text or "out of memory" in text)
+    return (
+        isinstance(exc, (MemoryError, torch.OutOfMemoryError))
+        or "can't allocate memory" in text
+        or "out of memory" in text
+    )
 
 
 def estimate_training_bytes(config: Config, vocab_size: int) -> tuple[int, int]:
@@ -232,8 +236,12 @@ def estimate_training_bytes(config: Config, vocab_size: int) -> tuple[int, int]:
     """
     m, tc = config.model, config.train
     C, L, T, nh = m.n_embed, m.n_layer, m.context_length, m.n_head
-    n_params = (L * (12 * C * C + 13 * C) + vocab_size * C * (1 if m.tie_embeddings else 2)
-                + (T * C if m.pos_emb == "learned" else 0) + 2 * C)
+    n_params = (
+        L * (12 * C * C + 13 * C)
+        + vocab_size * C * (1 if m.tie_embeddings else 2)
+        + (T * C if m.pos_emb == "learned" else 0)
+        + 2 * C
+    )
     activations = tc.batch_size * T * (L * (18 * C + 3 * nh * T) + 3 * vocab_size)
     return n_params, 16 * n_params + 4 * activations
 
@@ -293,8 +301,13 @@ def rng_state(device: torch.device) -> dict[str, Any]:
     name, keys, pos, has_gauss, cached = np.random.get_state()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
-        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss),
-                  float(cached)),
+        "numpy": (
+            name,
+            torch.from_numpy(keys.astype(np.int64)),
+            int(pos),
+            int(has_gauss),
+            float(cached),
+        ),
         "python": random.getstate(),
     }
     if device.type == "cuda":
@@ -340,8 +353,11 @@ class StopRequest:
                 raise KeyboardInterrupt
             return
         self.requested = True
-        logger.warning("%s: saving a checkpoint after this step%s", signal.Signals(signum).name,
-                       " (press Ctrl-C again to quit at once)" if self.escalate else "")
+        logger.warning(
+            "%s: saving a checkpoint after this step%s",
+            signal.Signals(signum).name,
+            " (press Ctrl-C again to quit at once)" if self.escalate else "",
+        )
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
@@ -420,14 +436,20 @@ def plot_losses(metrics_path: Path, out_path: Path) -> None:
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     if train:
-        ax.plot(*zip(*train, strict=True), color="tab:blue", alpha=0.45, lw=1,
-                label="train (batch)")
+        ax.plot(
+            *zip(*train, strict=True), color="tab:blue", alpha=0.45, lw=1, label="train (batch)"
+        )
     if evals:
         steps = [r["step"] for r in evals]
-        ax.plot(steps, [r["train_loss"] for r in evals], "o-", color="tab:blue", ms=3,
-                label="train (eval)")
-        ax.plot(steps, [r["val_loss"] for r in evals], "o-", color="tab:orange", ms=3,
-                label="val")
+        ax.plot(
+            steps,
+            [r["train_loss"] for r in evals],
+            "o-",
+            color="tab:blue",
+            ms=3,
+            label="train (eval)",
+        )
+        ax.plot(steps, [r["val_loss"] for r in evals], "o-", color="tab:orange", ms=3, label="val")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy loss (nats/token)")
     ax.set_title(metrics_path.parent.name)
@@ -491,8 +513,14 @@ def _ppl(loss: float) -> float:
 # The run directory
 # ---------------------------------------------------------------------------------------------
 
-_RUN_FILES = (ckpt.MODEL_FILE, ckpt.BEST_FILE, ckpt.STATE_FILE, ckpt.META_FILE,
-              ckpt.METRICS_FILE, ckpt.PLOT_FILE)
+_RUN_FILES = (
+    ckpt.MODEL_FILE,
+    ckpt.BEST_FILE,
+    ckpt.STATE_FILE,
+    ckpt.META_FILE,
+    ckpt.METRICS_FILE,
+    ckpt.PLOT_FILE,
+)
 
 
 def default_run_dir(config: Config) -> Path:
@@ -526,15 +554,25 @@ def _prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
 
 # What `save` writes into the resume state, by type: checked before any of it is used.
 _STATE_LAYOUT: dict[str, type | tuple[type, ...]] = {
-    "config": dict, "model": dict, "optimizer": dict, "rng": list, "sampler": list,
-    "step": int, "tokens": int, "elapsed_s": (int, float), "metrics_bytes": int,
+    "config": dict,
+    "model": dict,
+    "optimizer": dict,
+    "rng": list,
+    "sampler": list,
+    "step": int,
+    "tokens": int,
+    "elapsed_s": (int, float),
+    "metrics_bytes": int,
 }
 
 
 def _check_resumable(state: dict[str, Any], config: Config, run_dir: Path, vocab: int) -> None:
     bad = [k for k, kind in _STATE_LAYOUT.items() if not isinstance(state.get(k), kind)]
-    if not bad and not (state["rng"] and len(state["rng"]) == len(state["sampler"])
-                        and all(isinstance(x, dict) for x in state["rng"] + state["sampler"])):
+    if not bad and not (
+        state["rng"]
+        and len(state["rng"]) == len(state["sampler"])
+        and all(isinstance(x, dict) for x in state["rng"] + state["sampler"])
+    ):
         bad = ["rng", "sampler"]
     if bad:
         raise CheckpointError(
@@ -551,8 +589,11 @@ def _check_resumable(state: dict[str, Any], config: Config, run_dir: Path, vocab
         )
     saved = state["config"].get("model", {})
     now = config.to_dict()["model"]
-    diff = [f"model.{k}: saved {saved.get(k)!r}, config {v!r}" for k, v in now.items()
-            if saved.get(k) != v]
+    diff = [
+        f"model.{k}: saved {saved.get(k)!r}, config {v!r}"
+        for k, v in now.items()
+        if saved.get(k) != v
+    ]
     if diff:
         raise CheckpointError(
             f"cannot resume '{run_dir}': the config's model differs from the saved one "
@@ -612,12 +653,25 @@ def train(
             raise InputError("distributed training needs CUDA or the CPU, not MPS.")
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                rank=info.rank, world_size=info.world_size)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", rank=info.rank, world_size=info.world_size
+        )
         started_pg = True
     try:
-        return _train(config, info, device, dtype_name, amp_dtype, use_scaler, run_dir, resume,
-                      overwrite, progress, on_step, t_start)
+        return _train(
+            config,
+            info,
+            device,
+            dtype_name,
+            amp_dtype,
+            use_scaler,
+            run_dir,
+            resume,
+            overwrite,
+            progress,
+            on_step,
+            t_start,
+        )
     except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError
         if not _is_out_of_memory(exc):
             raise
@@ -680,8 +734,10 @@ def _train(
     if state is not None:
         _check_resumable(state, config, run_dir, vocab)
         if state.get("source_hash") not in (None, data.source_hash) and info.main:
-            logger.warning("the corpus changed since this run was saved: the resumed run will "
-                           "not match an uninterrupted one")
+            logger.warning(
+                "the corpus changed since this run was saved: the resumed run will "
+                "not match an uninterrupted one"
+            )
 
     # --- model, optimizer, samplers ------------------------------------------------------------
     check_memory(config, vocab, device)
@@ -697,13 +753,27 @@ def _train(
     scaler = torch.amp.GradScaler(device.type) if use_scaler else None
     _seed_everything(tc.seed + info.rank)
     with _agreed(info, device):
-        sampler = BatchSampler(data.train, tc.batch_size, ctx, seed=tc.seed, rank=info.rank,
-                               world_size=info.world_size, device=device)
+        sampler = BatchSampler(
+            data.train,
+            tc.batch_size,
+            ctx,
+            seed=tc.seed,
+            rank=info.rank,
+            world_size=info.world_size,
+            device=device,
+        )
 
     def eval_samplers() -> dict[str, Any]:
         return {
-            split: BatchSampler(tokens, tc.batch_size, ctx, seed=tc.seed + EVAL_SEED_OFFSET,
-                                rank=info.rank, world_size=info.world_size, device=device)
+            split: BatchSampler(
+                tokens,
+                tc.batch_size,
+                ctx,
+                seed=tc.seed + EVAL_SEED_OFFSET,
+                rank=info.rank,
+                world_size=info.world_size,
+                device=device,
+            )
             for split, tokens in (("train", data.train), ("val", data.val))
         }
 
@@ -724,9 +794,12 @@ def _train(
             scaler.load_state_dict(state["scaler"])
         saved_world = len(state["rng"])
         if saved_world != info.world_size and info.main:
-            logger.warning("resuming a %d-process run with %d processes: batches and random "
-                           "numbers will differ from an uninterrupted run", saved_world,
-                           info.world_size)
+            logger.warning(
+                "resuming a %d-process run with %d processes: batches and random "
+                "numbers will differ from an uninterrupted run",
+                saved_world,
+                info.world_size,
+            )
         own = min(info.rank, saved_world - 1)
         set_rng_state(state["rng"][own], device)
         sampler.load_state_dict(state["sampler"][own])
@@ -757,14 +830,26 @@ def _train(
     n_params = model.num_parameters()
     params = list(model.parameters())
     tokens_per_step = tc.batch_size * ctx * tc.grad_accum * info.world_size
-    summary_args = dict(run_dir=run_dir, max_steps=tc.max_steps, n_params=n_params,
-                        device=str(device), dtype=dtype_name, world_size=info.world_size,
-                        rank=info.rank, resumed_from=resumed_from)
+    summary_args = dict(
+        run_dir=run_dir,
+        max_steps=tc.max_steps,
+        n_params=n_params,
+        device=str(device),
+        dtype=dtype_name,
+        world_size=info.world_size,
+        rank=info.rank,
+        resumed_from=resumed_from,
+    )
 
     if step >= tc.max_steps:
         if info.main:
-            logger.info("'%s' already finished at step %d (train.max_steps = %d): raise "
-                        "train.max_steps to train further", run_dir, step, tc.max_steps)
+            logger.info(
+                "'%s' already finished at step %d (train.max_steps = %d): raise "
+                "train.max_steps to train further",
+                run_dir,
+                step,
+                tc.max_steps,
+            )
         return _summary(summary_args, step, tokens, elapsed_base, last_eval, best_val, None)
 
     metrics: MetricsLog | None = None
@@ -772,8 +857,10 @@ def _train(
         ckpt.remove_stale_temp_files(run_dir)
         try:
             ckpt.write_config_and_tokenizer(run_dir, config, tokenizer)
-            metrics = MetricsLog(run_dir / ckpt.METRICS_FILE,
-                                 int(state["metrics_bytes"]) if state is not None else None)
+            metrics = MetricsLog(
+                run_dir / ckpt.METRICS_FILE,
+                int(state["metrics_bytes"]) if state is not None else None,
+            )
         except OSError as exc:
             raise CheckpointError(
                 f"cannot write the run files in '{run_dir}': {describe_os_error(exc)}. "
@@ -783,9 +870,15 @@ def _train(
             logger.warning(note)
         logger.info(
             "%s run '%s': %s parameters, %s on %s%s, %d tokens per step, steps %d..%d",
-            "resuming" if state is not None else "starting", run_dir, _count(n_params),
-            dtype_name, device, f" x{info.world_size}" if info.enabled else "",
-            tokens_per_step, step + 1, tc.max_steps,
+            "resuming" if state is not None else "starting",
+            run_dir,
+            _count(n_params),
+            dtype_name,
+            device,
+            f" x{info.world_size}" if info.enabled else "",
+            tokens_per_step,
+            step + 1,
+            tc.max_steps,
         )
     state = None  # the saved weights and moments are in the model and optimizer now
 
@@ -814,20 +907,36 @@ def _train(
         if info.main:
             assert metrics is not None
             meta = {
-                "step": at_step, "max_steps": tc.max_steps, "tokens": tokens,
-                "elapsed_s": round(elapsed(), 3), "best_val_loss": _finite(best_val),
-                "best_step": best_step, "last_eval": last_eval, "vocab_size": vocab,
-                "n_params": n_params, "device": str(device), "dtype": dtype_name,
-                "world_size": info.world_size, "versions": ckpt.versions(),
+                "step": at_step,
+                "max_steps": tc.max_steps,
+                "tokens": tokens,
+                "elapsed_s": round(elapsed(), 3),
+                "best_val_loss": _finite(best_val),
+                "best_step": best_step,
+                "last_eval": last_eval,
+                "vocab_size": vocab,
+                "n_params": n_params,
+                "device": str(device),
+                "dtype": dtype_name,
+                "world_size": info.world_size,
+                "versions": ckpt.versions(),
             }
             train_state = {
-                "step": at_step, "tokens": tokens, "elapsed_s": elapsed(),
-                "best_val_loss": best_val, "best_step": best_step, "last_eval": last_eval,
-                "metrics_bytes": metrics.size, "vocab_size": vocab,
-                "source_hash": data.source_hash, "config": config.to_dict(),
-                "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "step": at_step,
+                "tokens": tokens,
+                "elapsed_s": elapsed(),
+                "best_val_loss": best_val,
+                "best_step": best_step,
+                "last_eval": last_eval,
+                "metrics_bytes": metrics.size,
+                "vocab_size": vocab,
+                "source_hash": data.source_hash,
+                "config": config.to_dict(),
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
                 "scaler": scaler.state_dict() if scaler is not None else {},
-                "rng": rngs, "sampler": samplers,
+                "rng": rngs,
+                "sampler": samplers,
             }
             try:
                 ckpt.save_checkpoint(run_dir, model, train_state, meta, best=best)
@@ -841,16 +950,20 @@ def _train(
         last_saved = at_step
 
     def diverged(at_step: int, value: float) -> DivergenceError:
-        kept = (f"the last good checkpoint (step {last_saved}) in '{run_dir}' is intact"
-                if last_saved >= 0 else "no checkpoint was saved before it")
+        kept = (
+            f"the last good checkpoint (step {last_saved}) in '{run_dir}' is intact"
+            if last_saved >= 0
+            else "no checkpoint was saved before it"
+        )
         return DivergenceError(
             f"the loss became {value} at step {at_step}: training diverged, {kept}. Lower "
             f"the learning rate (train.lr = {tc.lr:g}; try --set train.lr={tc.lr / 3:.3g}), "
             "or raise train.warmup_steps or lower train.grad_clip."
         )
 
-    bar = Progress(tc.max_steps, desc="train", unit="step", initial=step,
-                   enabled=progress and info.main)
+    bar = Progress(
+        tc.max_steps, desc="train", unit="step", initial=step, enabled=progress and info.main
+    )
     with (
         StopRequest(escalate=not info.enabled) as stop,
         logging_redirect_tqdm(),
@@ -861,8 +974,11 @@ def _train(
                 lr = apply_lr(optimizer, step, tc)
                 for micro in range(tc.grad_accum):
                     x, y = sampler.next()  # (B, T), (B, T) on device
-                    sync = (train_model.no_sync() if info.enabled and micro < tc.grad_accum - 1
-                            else contextlib.nullcontext())
+                    sync = (
+                        train_model.no_sync()
+                        if info.enabled and micro < tc.grad_accum - 1
+                        else contextlib.nullcontext()
+                    )
                     with sync:
                         with autocast():
                             _, loss = train_model(x, y)
@@ -911,15 +1027,25 @@ def _train(
                 last_log_time, last_log_tokens = now, tokens
                 if info.main and is_log:  # (a stop between log steps writes no record)
                     assert metrics is not None
-                    metrics.write({"kind": "train", "step": step, "tokens": tokens,
-                                   "elapsed_s": round(elapsed(), 3), "lr": lr,
-                                   "train_loss": losses[-1], "tok_per_s": round(tok_s, 1)})
-                    bar.report({"loss": f"{losses[-1]:.4f}", "lr": f"{lr:.2e}",
-                                "tok/s": f"{tok_s:,.0f}"})
+                    metrics.write(
+                        {
+                            "kind": "train",
+                            "step": step,
+                            "tokens": tokens,
+                            "elapsed_s": round(elapsed(), 3),
+                            "lr": lr,
+                            "train_loss": losses[-1],
+                            "tok_per_s": round(tok_s, 1),
+                        }
+                    )
+                    bar.report(
+                        {"loss": f"{losses[-1]:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tok_s:,.0f}"}
+                    )
 
                 if is_eval:
-                    last_eval = evaluate(fwd_model, eval_samplers(), tc.eval_steps, autocast,
-                                         info, device)
+                    last_eval = evaluate(
+                        fwd_model, eval_samplers(), tc.eval_steps, autocast, info, device
+                    )
                     val = last_eval["val"]
                     if not math.isfinite(val):
                         raise diverged(step, val)
@@ -928,27 +1054,44 @@ def _train(
                         best_val, best_step = val, step
                     if info.main:
                         assert metrics is not None
-                        metrics.write({"kind": "eval", "step": step, "tokens": tokens,
-                                       "elapsed_s": round(elapsed(), 3), "lr": lr,
-                                       "train_loss": last_eval["train"], "val_loss": val,
-                                       "val_ppl": _ppl(val)})
-                        logger.info("step %d: train loss %.4f, val loss %.4f (ppl %.2f)%s",
-                                    step, last_eval["train"], val, _ppl(val),
-                                    ", best so far" if best else "")
+                        metrics.write(
+                            {
+                                "kind": "eval",
+                                "step": step,
+                                "tokens": tokens,
+                                "elapsed_s": round(elapsed(), 3),
+                                "lr": lr,
+                                "train_loss": last_eval["train"],
+                                "val_loss": val,
+                                "val_ppl": _ppl(val),
+                            }
+                        )
+                        logger.info(
+                            "step %d: train loss %.4f, val loss %.4f (ppl %.2f)%s",
+                            step,
+                            last_eval["train"],
+                            val,
+                            _ppl(val),
+                            ", best so far" if best else "",
+                        )
                         try:
                             plot_losses(run_dir / ckpt.METRICS_FILE, run_dir / ckpt.PLOT_FILE)
                         except OSError as exc:
-                            logger.warning("could not draw %s: %s", ckpt.PLOT_FILE,
-                                           describe_os_error(exc))
+                            logger.warning(
+                                "could not draw %s: %s", ckpt.PLOT_FILE, describe_os_error(exc)
+                            )
                     save(step, best)
                     last_log_time = time.perf_counter()  # tok/s measures training steps only
                 if stopping:
                     if last_saved != step:
                         save(step, False)
                     if info.main:
-                        logger.warning("stopped at step %d; the checkpoint in '%s' is saved: "
-                                       "continue with the same command and --resume",
-                                       step, run_dir)
+                        logger.warning(
+                            "stopped at step %d; the checkpoint in '%s' is saved: "
+                            "continue with the same command and --resume",
+                            step,
+                            run_dir,
+                        )
                     raise KeyboardInterrupt
         finally:
             if metrics is not None:
@@ -963,11 +1106,24 @@ def _finite(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def _summary(args: dict[str, Any], step: int, tokens: int, elapsed_s: float,
-             last_eval: dict[str, float], best_val: float, tok_rate: float | None) -> TrainSummary:
+def _summary(
+    args: dict[str, Any],
+    step: int,
+    tokens: int,
+    elapsed_s: float,
+    last_eval: dict[str, float],
+    best_val: float,
+    tok_rate: float | None,
+) -> TrainSummary:
     val = last_eval.get("val")
     return TrainSummary(
-        step=step, tokens=tokens, elapsed_s=elapsed_s, train_loss=last_eval.get("train"),
-        val_loss=val, val_ppl=_ppl(val) if val is not None else None,
-        best_val_loss=_finite(best_val), tokens_per_s=tok_rate, **args,
+        step=step,
+        tokens=tokens,
+        elapsed_s=elapsed_s,
+        train_loss=last_eval.get("train"),
+        val_loss=val,
+        val_ppl=_ppl(val) if val is not None else None,
+        best_val_loss=_finite(best_val),
+        tokens_per_s=tok_rate,
+        **args,
     )

@@ -42,8 +42,10 @@ def _major_minor(version: str | None) -> tuple[str, ...] | None:
 def warnings_for(recorded: dict[str, str | None] | None) -> list[str]:
     """One line per component whose major.minor version differs from what the run recorded."""
     if not recorded:
-        return ["this run records no software versions (made by an older llmcli?); results "
-                "may differ from when it was trained."]
+        return [
+            "this run records no software versions (made by an older llmcli?); results "
+            "may differ from when it was trained."
+        ]
     now = record()
     lines = []
     for name in ("llmcli", "python", *TRACKED):

@@ -26,8 +26,10 @@ from llmcli.cli import main
 from llmcli.config import config_from_dict
 from llmcli.errors import InputError
 
-SMALL = {"model": {"n_layer": 1, "n_head": 2, "n_embed": 16, "context_length": 16},
-         "train": {"batch_size": 2, "device": "cpu"}}
+SMALL = {
+    "model": {"n_layer": 1, "n_head": 2, "n_embed": 16, "context_length": 16},
+    "train": {"batch_size": 2, "device": "cpu"},
+}
 QUICK = BenchSettings(train_steps=1, sample_tokens=4, forward_reps=1, vocab_size=11)
 
 
@@ -54,10 +56,17 @@ def test_parse_int_list() -> None:
 
 
 def test_every_combination_is_measured_or_explained() -> None:
-    results = run_bench(small_config(), [1, 3, 2], [8, 16], "cpu", QUICK, isolate=False,
-                        progress=False)
+    results = run_bench(
+        small_config(), [1, 3, 2], [8, 16], "cpu", QUICK, isolate=False, progress=False
+    )
     assert [(r.n_head, r.context_length) for r in results] == [
-        (1, 8), (1, 16), (3, 8), (3, 16), (2, 8), (2, 16)]
+        (1, 8),
+        (1, 16),
+        (3, 8),
+        (3, 16),
+        (2, 8),
+        (2, 16),
+    ]
     for r in results:
         if r.n_head == 3:
             assert r.status == "invalid"
@@ -94,18 +103,43 @@ def test_no_valid_combination_is_an_input_error() -> None:
 
 def test_bad_settings_are_input_errors() -> None:
     with pytest.raises(InputError, match="train-steps \\(0\\)"):
-        run_bench(small_config(), [2], [8], "cpu", BenchSettings(train_steps=0),
-                  isolate=False, progress=False)
+        run_bench(
+            small_config(),
+            [2],
+            [8],
+            "cpu",
+            BenchSettings(train_steps=0),
+            isolate=False,
+            progress=False,
+        )
 
 
 def test_table_json_and_png(tmp_path: Path) -> None:
     results = [
-        BenchResult(2, 64, head_size=8, n_params=100, train_tokens_per_s=1234.5,
-                    sample_tokens_per_s=50.25, forward_ms=1.5, peak_memory_mb=300.0,
-                    memory_growth_mb=20.0, memory_kind="cpu_peak_rss"),
-        BenchResult(2, 128, head_size=8, n_params=164, train_tokens_per_s=1000.0,
-                    sample_tokens_per_s=40.0, forward_ms=2.5, peak_memory_mb=310.0,
-                    memory_growth_mb=30.0, memory_kind="cpu_peak_rss"),
+        BenchResult(
+            2,
+            64,
+            head_size=8,
+            n_params=100,
+            train_tokens_per_s=1234.5,
+            sample_tokens_per_s=50.25,
+            forward_ms=1.5,
+            peak_memory_mb=300.0,
+            memory_growth_mb=20.0,
+            memory_kind="cpu_peak_rss",
+        ),
+        BenchResult(
+            2,
+            128,
+            head_size=8,
+            n_params=164,
+            train_tokens_per_s=1000.0,
+            sample_tokens_per_s=40.0,
+            forward_ms=2.5,
+            peak_memory_mb=310.0,
+            memory_growth_mb=30.0,
+            memory_kind="cpu_peak_rss",
+        ),
         BenchResult(3, 64, status="invalid", message="n_embed (16) not divisible by 3"),
         BenchResult(3, 128, status="invalid", message="n_embed (16) not divisible by 3"),
     ]
@@ -119,7 +153,11 @@ def test_table_json_and_png(tmp_path: Path) -> None:
     report = json.loads(json_path.read_text())
     assert report["benchmark"] == "test"
     assert [(r["n_head"], r["context_length"], r["status"]) for r in report["results"]] == [
-        (2, 64, "ok"), (2, 128, "ok"), (3, 64, "invalid"), (3, 128, "invalid")]
+        (2, 64, "ok"),
+        (2, 128, "ok"),
+        (3, 64, "invalid"),
+        (3, 128, "invalid"),
+    ]
     assert report["results"][1]["train_tokens_per_s"] == 1000.0
     image = matplotlib.image.imread(png_path)
     assert image.shape[0] > 100 and image.shape[1] > 100
@@ -130,8 +168,12 @@ def test_vocab_size_for(tmp_path: Path) -> None:
     corpus = tmp_path / "c.txt"
     corpus.write_text("abcab\n")
     assert vocab_size_for(config_from_dict({"data": {"path": str(corpus)}})) == 4  # a b c \n
-    assert vocab_size_for(config_from_dict(
-        {"data": {"path": str(corpus), "tokenizer": "bpe", "vocab_size": 300}})) == 300
+    assert (
+        vocab_size_for(
+            config_from_dict({"data": {"path": str(corpus), "tokenizer": "bpe", "vocab_size": 300}})
+        )
+        == 300
+    )
     assert vocab_size_for(config_from_dict({"data": {"path": str(tmp_path)}})) == 256
 
 
@@ -139,9 +181,24 @@ def test_cli_bench_writes_report(tmp_path: Path, capsys: pytest.CaptureFixture) 
     config = tmp_path / "small.yaml"
     config.write_text(json.dumps(SMALL))
     with pytest.raises(SystemExit) as exit_:
-        main(["bench", str(config), "--heads", "2,3", "--seq", "8", "--steps", "1",
-              "--sample-tokens", "3", "--no-isolate", "--no-progress", "--out",
-              str(tmp_path / "out")])
+        main(
+            [
+                "bench",
+                str(config),
+                "--heads",
+                "2,3",
+                "--seq",
+                "8",
+                "--steps",
+                "1",
+                "--sample-tokens",
+                "3",
+                "--no-isolate",
+                "--no-progress",
+                "--out",
+                str(tmp_path / "out"),
+            ]
+        )
     out = capsys.readouterr()
     assert exit_.value.code == 0, out.err
     assert "invalid" in out.out and "wrote" in out.out
@@ -151,19 +208,34 @@ def test_cli_bench_writes_report(tmp_path: Path, capsys: pytest.CaptureFixture) 
     assert (tmp_path / "out" / "bench.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--heads", "2,x"], "--heads takes comma-separated positive integers"),
-    (["--heads", "3"], "no combination of --heads and --seq is valid"),
-    (["--device", "cuda"] if not torch.cuda.is_available() else ["--seq", "0"],
-     "cuda" if not torch.cuda.is_available() else "must be positive"),
-])
-def test_cli_bad_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture,
-                               args: list[str], message: str) -> None:
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--heads", "2,x"], "--heads takes comma-separated positive integers"),
+        (["--heads", "3"], "no combination of --heads and --seq is valid"),
+        (
+            ["--device", "cuda"] if not torch.cuda.is_available() else ["--seq", "0"],
+            "cuda" if not torch.cuda.is_available() else "must be positive",
+        ),
+    ],
+)
+def test_cli_bad_input_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture, args: list[str], message: str
+) -> None:
     config = tmp_path / "small.yaml"
     config.write_text(json.dumps(SMALL))
     with pytest.raises(SystemExit) as exit_:
-        main(["bench", str(config), "--no-isolate", "--no-progress", "--out",
-              str(tmp_path / "out"), *args])
+        main(
+            [
+                "bench",
+                str(config),
+                "--no-isolate",
+                "--no-progress",
+                "--out",
+                str(tmp_path / "out"),
+                *args,
+            ]
+        )
     err = capsys.readouterr().err
     assert exit_.value.code == 2
     assert message in err and "Traceback" not in err

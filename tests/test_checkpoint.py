@@ -21,11 +21,13 @@ TEXT = "To be, or not to be, that is the question.\n"
 
 
 def make_run(run_dir: Path, *, tie: bool = True, step: int = 7) -> tuple[Config, Transformer]:
-    config = Config(model=ModelConfig(n_layer=1, n_head=2, n_embed=16, context_length=8,
-                                      tie_embeddings=tie))
+    config = Config(
+        model=ModelConfig(n_layer=1, n_head=2, n_embed=16, context_length=8, tie_embeddings=tie)
+    )
     tok = CharTokenizer.train([TEXT])
-    model = Transformer.from_config(config.model, tok.vocab_size,
-                                    generator=torch.Generator().manual_seed(3))
+    model = Transformer.from_config(
+        config.model, tok.vocab_size, generator=torch.Generator().manual_seed(3)
+    )
     ckpt.save_model_run(run_dir, config, tok, model, extra_meta={"step": step})
     return config, model
 
@@ -83,8 +85,13 @@ def test_ensure_run_dir_refuses_a_path_below_a_file(tmp_path: Path) -> None:
 def test_save_and_load_round_trip(tmp_path: Path, tie: bool) -> None:
     config, model = make_run(tmp_path / "run", tie=tie)
     names = sorted(os.listdir(tmp_path / "run"))
-    assert names == ["best.safetensors", "config.yaml", "meta.json", "model.safetensors",
-                     "tokenizer.json"]
+    assert names == [
+        "best.safetensors",
+        "config.yaml",
+        "meta.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
     run = ckpt.load_run(tmp_path / "run")
     assert run.weights_path == tmp_path / "run" / "best.safetensors"
     assert run.step == 7 and run.meta["step"] == 7 and run.meta["versions"]["torch"]
@@ -92,8 +99,9 @@ def test_save_and_load_round_trip(tmp_path: Path, tie: bool) -> None:
     assert run.tokenizer.decode(run.tokenizer.encode(TEXT)) == TEXT
     assert not run.model.training
     assert (run.model.lm_head.weight is run.model.wte.weight) is tie
-    for (name, a), (_, b) in zip(model.state_dict().items(), run.model.state_dict().items(),
-                                 strict=True):
+    for (name, a), (_, b) in zip(
+        model.state_dict().items(), run.model.state_dict().items(), strict=True
+    ):
         assert torch.equal(a, b), name
     idx = torch.tensor([run.tokenizer.encode("To be")])
     model.eval()
@@ -144,8 +152,7 @@ def test_a_pickle_as_weights_is_refused_unread(tmp_path: Path) -> None:
 
 def test_a_pickle_as_resume_state_is_refused_unread(tmp_path: Path) -> None:
     marker = tmp_path / "code-ran"
-    torch.save({"format": ckpt.WEIGHTS_FORMAT, "x": Marker(str(marker))},
-               tmp_path / "state.pt")
+    torch.save({"format": ckpt.WEIGHTS_FORMAT, "x": Marker(str(marker))}, tmp_path / "state.pt")
     with pytest.raises(CheckpointError, match="refused unread") as info:
         ckpt.load_state(tmp_path)
     assert "state.pt" in str(info.value)
@@ -169,8 +176,7 @@ def test_truncated_weights_are_reported_as_corrupt_naming_the_file(
 def test_truncated_resume_state_is_reported_as_corrupt_naming_the_file(
     tmp_path: Path, fraction: float
 ) -> None:
-    ckpt.save_state(tmp_path, {"format": ckpt.WEIGHTS_FORMAT, "step": 3,
-                               "w": torch.arange(1000.0)})
+    ckpt.save_state(tmp_path, {"format": ckpt.WEIGHTS_FORMAT, "step": 3, "w": torch.arange(1000.0)})
     assert ckpt.load_state(tmp_path)["step"] == 3
     path = tmp_path / "state.pt"
     data = path.read_bytes()
@@ -212,8 +218,9 @@ def test_a_config_edited_to_a_huge_model_fails_before_building_it(tmp_path: Path
 
 
 def test_rope_weights_without_a_position_table_still_check_layers(tmp_path: Path) -> None:
-    config = Config(model=ModelConfig(n_layer=2, n_head=2, n_embed=16, context_length=8,
-                                      pos_emb="rope"))
+    config = Config(
+        model=ModelConfig(n_layer=2, n_head=2, n_embed=16, context_length=8, pos_emb="rope")
+    )
     tok = CharTokenizer.train([TEXT])
     model = Transformer.from_config(config.model, tok.vocab_size)
     ckpt.save_model_run(tmp_path / "run", config, tok, model, extra_meta={"step": 1})

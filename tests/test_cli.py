@@ -16,7 +16,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def run_cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "llmcli", *args],
-        cwd=cwd, capture_output=True, text=True, timeout=120,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -59,8 +62,13 @@ def test_divisibility_error_exits_2_without_traceback() -> None:
 
 
 def test_usage_errors_exit_2(tmp_path: Path) -> None:
-    for args in (("config",), ("config", "--bogus"), ("no-such-command",),
-                 ("config", str(tmp_path)), ("config", str(tmp_path / "none.yaml"))):
+    for args in (
+        ("config",),
+        ("config", "--bogus"),
+        ("no-such-command",),
+        ("config", str(tmp_path)),
+        ("config", str(tmp_path / "none.yaml")),
+    ):
         out = run_cli(*args)
         assert out.returncode == 2, args
         assert "Traceback" not in out.stderr + out.stdout

@@ -50,7 +50,7 @@ VOLATILE = ("elapsed_s", "tok_per_s")
 # Run in place of `python -m llmcli`: it imports what the CLI uses, waits for a job (argv and
 # CRASH_* settings), then runs the real CLI, pausing (to be killed) at a chosen step or in the
 # middle of writing a chosen file. MARKER.started appears at the first step of a process.
-CRASH_CLI = r'''
+CRASH_CLI = r"""
 import json, os, sys, time
 from pathlib import Path
 
@@ -116,7 +116,7 @@ if env.get("CRASH_IN_WRITE"):  # name:n:fraction -> pause with that part of its 
     ckpt._write_and_sync = write
 
 llmcli.cli.main(job["argv"])
-'''
+"""
 
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
@@ -127,14 +127,22 @@ def setup(tmp_path_factory, one_thread) -> dict:
     """The config, and an uninterrupted run with a copy of its weights at every save."""
     root = tmp_path_factory.mktemp("crash")
     corpus = root / "corpus.txt"
-    corpus.write_text((ROOT / "data" / "shakespeare.txt").read_text(encoding="utf-8")[:5000],
-                      encoding="utf-8")
+    corpus.write_text(
+        (ROOT / "data" / "shakespeare.txt").read_text(encoding="utf-8")[:5000], encoding="utf-8"
+    )
     raw = {
         "model": {"n_layer": 1, "n_head": 2, "n_embed": 16, "context_length": 16},
         "data": {"path": str(corpus), "cache_dir": str(root / "cache")},
-        "train": {"device": "cpu", "batch_size": 4, "max_steps": MAX_STEPS, "warmup_steps": 2,
-                  "eval_interval": EVAL_INTERVAL, "eval_steps": 1, "log_interval": 2,
-                  "seed": 11},
+        "train": {
+            "device": "cpu",
+            "batch_size": 4,
+            "max_steps": MAX_STEPS,
+            "warmup_steps": 2,
+            "eval_interval": EVAL_INTERVAL,
+            "eval_steps": 1,
+            "log_interval": 2,
+            "seed": 11,
+        },
     }
     config_path = root / "crash.yaml"
     config_path.write_text(yaml.safe_dump(raw), encoding="utf-8")
@@ -150,8 +158,12 @@ def setup(tmp_path_factory, one_thread) -> dict:
         mp.setattr(llmcli.train, "plot_losses", lambda *args: None)  # (not compared)
         train(config_from_dict(raw), out_dir=root / "reference", progress=False)
     assert sorted(snapshots) == SAVES
-    return {"root": root, "config": config_path, "reference": root / "reference",
-            "snapshots": snapshots}
+    return {
+        "root": root,
+        "config": config_path,
+        "reference": root / "reference",
+        "snapshots": snapshots,
+    }
 
 
 class Pool:
@@ -168,14 +180,24 @@ class Pool:
     def _fill(self) -> None:
         while len(self.procs) < min(self.total, self.used + self.ahead):
             i = len(self.procs)
-            environ = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
-                           CRASH_JOB=str(self.folder / f"job-{i}.json"))
+            environ = dict(
+                os.environ,
+                OMP_NUM_THREADS="1",
+                PYTHONPATH=str(ROOT),
+                CRASH_JOB=str(self.folder / f"job-{i}.json"),
+            )
             for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
                 environ.pop(name, None)
             with open(self.folder / f"job-{i}.log", "w") as log:
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, str(self.folder / "crash_cli.py")], cwd=self.folder,
-                    env=environ, stdout=log, stderr=subprocess.STDOUT))
+                self.procs.append(
+                    subprocess.Popen(
+                        [sys.executable, str(self.folder / "crash_cli.py")],
+                        cwd=self.folder,
+                        env=environ,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
 
     def start(self, argv: list[str], marker: Path, **env: str) -> Child:
         """Run `llmcli ARGV` in the next warm process, with CRASH_* settings `env`."""
@@ -184,8 +206,15 @@ class Pool:
         self._fill()
         job = self.folder / f"job-{i}.json"
         tmp = job.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"argv": argv, "cwd": str(marker.parent),
-                                   "env": {"CRASH_MARKER": str(marker), **env}}))
+        tmp.write_text(
+            json.dumps(
+                {
+                    "argv": argv,
+                    "cwd": str(marker.parent),
+                    "env": {"CRASH_MARKER": str(marker), **env},
+                }
+            )
+        )
         os.replace(tmp, job)
         return Child(self.procs[i], self.folder / f"job-{i}.log", marker)
 
@@ -257,15 +286,18 @@ def resume_in_process(setup: dict, run_dir: Path, capsys) -> None:
 
 
 def assert_same_as_reference(setup: dict, run_dir: Path) -> None:
-    reference, got = (ckpt.read_weights(d / "model.safetensors")[0]
-                      for d in (setup["reference"], run_dir))
+    reference, got = (
+        ckpt.read_weights(d / "model.safetensors")[0] for d in (setup["reference"], run_dir)
+    )
     assert reference.keys() == got.keys()
     for key in reference:
         assert torch.equal(reference[key], got[key]), f"{key} differs bitwise"
 
     def stable(d: Path) -> list[dict]:
-        return [{k: v for k, v in r.items() if k not in VOLATILE}
-                for r in read_metrics(d / "metrics.jsonl")]
+        return [
+            {k: v for k, v in r.items() if k not in VOLATILE}
+            for r in read_metrics(d / "metrics.jsonl")
+        ]
 
     assert stable(run_dir) == stable(setup["reference"])
     assert not [p for p in os.listdir(run_dir) if ".tmp-" in p]
@@ -291,8 +323,11 @@ def test_sigkill_at_three_random_moments_then_resume_is_bitwise_exact(
     # 2. During a save: part-way through writing a random file of the next save.
     name = rng.choice(["model.safetensors", "meta.json", "state.pt", "loss.png"])
     fraction = rng.random()
-    child = pool.start(train_argv(setup, run_dir, "--resume"), tmp_path / "kill2",
-                       CRASH_IN_WRITE=f"{name}:1:{fraction:.3f}")
+    child = pool.start(
+        train_argv(setup, run_dir, "--resume"),
+        tmp_path / "kill2",
+        CRASH_IN_WRITE=f"{name}:1:{fraction:.3f}",
+    )
     child.wait_for(child.marker)
     assert any(".tmp-" in p for p in os.listdir(run_dir)), "not killed in the middle of a write"
     assert child.signal(signal.SIGKILL) == -signal.SIGKILL
@@ -300,8 +335,9 @@ def test_sigkill_at_three_random_moments_then_resume_is_bitwise_exact(
 
     # 3. At a random instant of the next session (held at the last step if it gets there).
     delay = rng.uniform(0.0, 1.0)
-    child = pool.start(train_argv(setup, run_dir, "--resume"), tmp_path / "kill3",
-                       CRASH_AT_STEP=str(MAX_STEPS))
+    child = pool.start(
+        train_argv(setup, run_dir, "--resume"), tmp_path / "kill3", CRASH_AT_STEP=str(MAX_STEPS)
+    )
     child.wait_for(child.marker.with_suffix(".started"))
     time.sleep(delay)
     assert child.signal(signal.SIGKILL) == -signal.SIGKILL, child.output()
@@ -358,9 +394,12 @@ def test_a_full_disk_during_a_save_stops_cleanly_and_resume_is_exact(
     assert seen["failed"]
     assert exit_info.value.code == 2 and "Traceback" not in captured.err
     message = " ".join(captured.err.split())
-    match = re.search(r"error: could not save the checkpoint of step (\d+) in '.*': no space "
-                      r"left on device \(free some disk space\)\. The previous checkpoint "
-                      r"\((step (\d+)|none yet)\) is intact", message)
+    match = re.search(
+        r"error: could not save the checkpoint of step (\d+) in '.*': no space "
+        r"left on device \(free some disk space\)\. The previous checkpoint "
+        r"\((step (\d+)|none yet)\) is intact",
+        message,
+    )
     assert match, message
     assert int(match.group(1)) in SAVES
     assert not [p for p in os.listdir(run_dir) if ".tmp-" in p]
@@ -403,8 +442,15 @@ def test_a_full_disk_for_the_run_files_or_the_token_cache_is_a_clear_error(
 
     monkeypatch.setattr(os, "fdopen", lambda fd, *a, **k: Full(real_fdopen(fd, *a, **k)))
     with pytest.raises(SystemExit) as exit_info:
-        main([*args, "--out", str(tmp_path / "run2"), "--set",
-              f"data.cache_dir={tmp_path / 'cache'}"])
+        main(
+            [
+                *args,
+                "--out",
+                str(tmp_path / "run2"),
+                "--set",
+                f"data.cache_dir={tmp_path / 'cache'}",
+            ]
+        )
     err = " ".join(capsys.readouterr().err.split())
     assert exit_info.value.code == 2 and "Traceback" not in err
     assert "cannot write the token cache" in err and "no space left on device" in err
@@ -435,8 +481,9 @@ def test_sigint_at_a_random_moment_of_train_saves_exits_130_and_resumes_exactly(
         while step == MAX_STEPS and not fired.wait(0.01):
             pass
 
-    monkeypatch.setattr(llmcli.train, "train",
-                        lambda *args, **kwargs: original(*args, on_step=on_step, **kwargs))
+    monkeypatch.setattr(
+        llmcli.train, "train", lambda *args, **kwargs: original(*args, on_step=on_step, **kwargs)
+    )
     run_dir = tmp_path / "run"
     with pytest.raises(SystemExit) as exit_info:
         main(["train", str(setup["config"]), "--out", str(run_dir), "--no-progress"])
@@ -456,16 +503,19 @@ def test_sigint_at_a_random_moment_of_train_saves_exits_130_and_resumes_exactly(
 @pytest.mark.parametrize(
     ("args", "target"),
     [
-        (["sample", "--prompt", "ROMEO:", "--max-new-tokens", "50", "--no-stream"],
-         "llmcli.generate._next_logits"),
-        (["inspect-attention", "--prompt", "ROMEO: But soft", "--out", "{tmp}/attention"],
-         "llmcli.inspect.plot_layers"),
+        (
+            ["sample", "--prompt", "ROMEO:", "--max-new-tokens", "50", "--no-stream"],
+            "llmcli.generate._next_logits",
+        ),
+        (
+            ["inspect-attention", "--prompt", "ROMEO: But soft", "--out", "{tmp}/attention"],
+            "llmcli.inspect.plot_layers",
+        ),
     ],
     ids=["sample", "inspect-attention"],
 )
 def test_sigint_during_sample_and_inspect_exits_130_without_traceback(
-    setup: dict, tmp_path: Path, capsys, monkeypatch, ctrl_c_raises, args: list[str],
-    target: str
+    setup: dict, tmp_path: Path, capsys, monkeypatch, ctrl_c_raises, args: list[str], target: str
 ) -> None:
     # A real SIGINT to this process in the middle of generating / of drawing the pictures.
     module_name, attr = target.rsplit(".", 1)

@@ -132,8 +132,9 @@ def test_bpe_documents_joined_with_eot_and_pieces_encode_like_the_whole(
 
 
 @settings(max_examples=200, deadline=None)
-@given(blocks=st.lists(st.text(alphabet=" \nab.é", max_size=40), max_size=8),
-       size=st.integers(1, 12))
+@given(
+    blocks=st.lists(st.text(alphabet=" \nab.é", max_size=40), max_size=8), size=st.integers(1, 12)
+)
 def test_pieces_put_back_together_give_the_text(blocks: list[str], size: int) -> None:
     pieces = list(D._pieces(iter(blocks), size))
     assert "".join(pieces) == "".join(blocks)
@@ -152,8 +153,11 @@ def test_uint32_when_the_vocabulary_does_not_fit_uint16(tmp_path: Path) -> None:
 def test_separate_validation_file(tmp_path: Path) -> None:
     train_text = "the quick brown fox jumps over the lazy dog. " * 10
     val_text = "QUICK! " * 10  # characters absent from the training file
-    d = prep(tmp_path, path=str(write(tmp_path / "t.txt", train_text)),
-             val_path=str(write(tmp_path / "v.txt", val_text)))
+    d = prep(
+        tmp_path,
+        path=str(write(tmp_path / "t.txt", train_text)),
+        val_path=str(write(tmp_path / "v.txt", val_text)),
+    )
     chars = sorted(set(train_text + val_text + "\n"))
     np.testing.assert_array_equal(d.train, char_ids(train_text, chars))
     np.testing.assert_array_equal(d.val, char_ids(val_text, chars))
@@ -180,8 +184,13 @@ def test_datasets_is_imported_lazily() -> None:
     for module in (D, tokenizer_module):
         tree = ast.parse(Path(module.__file__).read_text(encoding="utf-8"))
         for node in tree.body:
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             assert not any(n.split(".")[0] == "datasets" for n in names), module.__name__
 
 
@@ -197,8 +206,11 @@ def test_missing_path_empty_folder_and_glob(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="matches no files"):
         prep(tmp_path, path=str(tmp_path / "*.none"))
     with pytest.raises(InputError, match=r"data.val_path \('.*v.txt'\) does not exist"):
-        prep(tmp_path, path=str(write(tmp_path / "t.txt", "x" * 50)),
-             val_path=str(tmp_path / "v.txt"))
+        prep(
+            tmp_path,
+            path=str(write(tmp_path / "t.txt", "x" * 50)),
+            val_path=str(tmp_path / "v.txt"),
+        )
 
 
 def test_empty_corpus(tmp_path: Path) -> None:
@@ -210,8 +222,11 @@ def test_too_short_for_context_names_split_size_and_need(tmp_path: Path) -> None
     path = write(tmp_path / "short.txt", "x" * 100)  # 90 train + 10 validation tokens
     with pytest.raises(InputError, match=r"train split has 90 tokens.*\(128\).*at least 129"):
         prep(tmp_path, context_length=128, path=str(path))
-    with pytest.raises(InputError, match=r"validation split has 10 tokens.*\(16\).*at least 17"
-                       r".*val_fraction"):
+    with pytest.raises(
+        InputError,
+        match=r"validation split has 10 tokens.*\(16\).*at least 17"
+        r".*val_fraction",
+    ):
         prep(tmp_path, context_length=16, path=str(path))
     d = prep(tmp_path, context_length=9, path=str(path))  # 10 >= 9 + 1: just enough
     assert (len(d.train), len(d.val)) == (90, 10)
@@ -275,8 +290,9 @@ def test_dataset_files_rows_joined_with_newline(tmp_path: Path, fmt: str) -> Non
 
 def test_dataset_rows_joined_with_eot_for_bpe(tmp_path: Path, bpe: BPETokenizer) -> None:
     path = _write_rows(tmp_path, "jsonl", ROWS)
-    d = prepare_data(DataConfig(path=None, dataset=str(path)), 8, tokenizer=bpe,
-                     cache_dir=tmp_path / "cache")
+    d = prepare_data(
+        DataConfig(path=None, dataset=str(path)), 8, tokenizer=bpe, cache_dir=tmp_path / "cache"
+    )
     ref = []
     for i, row in enumerate(ROWS):
         ref += ([bpe.eot_id] if i else []) + bpe.encode(row)
@@ -287,24 +303,35 @@ def test_dataset_save_to_disk_with_splits(tmp_path: Path) -> None:
     import datasets
 
     val_rows = ["held-out text, never trained on? " * 2] * 5
-    ds = datasets.DatasetDict({
-        "train": datasets.Dataset.from_dict({"content": ROWS}),
-        "validation": datasets.Dataset.from_dict({"content": val_rows}),
-    })
+    ds = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"content": ROWS}),
+            "validation": datasets.Dataset.from_dict({"content": val_rows}),
+        }
+    )
     ds.save_to_disk(str(tmp_path / "saved"))
-    d = prep(tmp_path, path=None, dataset=str(tmp_path / "saved"), text_column="content",
-             val_split="validation")
+    d = prep(
+        tmp_path,
+        path=None,
+        dataset=str(tmp_path / "saved"),
+        text_column="content",
+        val_split="validation",
+    )
     chars = sorted(set("".join(ROWS + val_rows)) | {"\n"})
     np.testing.assert_array_equal(d.train, char_ids("\n".join(ROWS), chars))
     np.testing.assert_array_equal(d.val, char_ids("\n".join(val_rows), chars))
     with pytest.raises(InputError, match="no split 'test'; its splits are: train, validation"):
-        prep(tmp_path, path=None, dataset=str(tmp_path / "saved"), text_column="content",
-             split="test")
+        prep(
+            tmp_path,
+            path=None,
+            dataset=str(tmp_path / "saved"),
+            text_column="content",
+            split="test",
+        )
     # A single saved Dataset (no splits).
     ds["train"].save_to_disk(str(tmp_path / "one"))
     one = prep(tmp_path, path=None, dataset=str(tmp_path / "one"), text_column="content")
-    np.testing.assert_array_equal(np.concatenate([one.train, one.val]),
-                                  char_ids("\n".join(ROWS)))
+    np.testing.assert_array_equal(np.concatenate([one.train, one.val]), char_ids("\n".join(ROWS)))
 
 
 def test_dataset_separate_validation_file(tmp_path: Path) -> None:
@@ -312,8 +339,9 @@ def test_dataset_separate_validation_file(tmp_path: Path) -> None:
     val = _write_rows(tmp_path / "v", "jsonl", ROWS[:5])
     d = prep(tmp_path, path=None, dataset=str(train), val_path=str(val))
     np.testing.assert_array_equal(d.train, char_ids("\n".join(ROWS)))
-    np.testing.assert_array_equal(d.val, char_ids("\n".join(ROWS[:5]), sorted(set(
-        "\n".join(ROWS)) | {"\n"})))
+    np.testing.assert_array_equal(
+        d.val, char_ids("\n".join(ROWS[:5]), sorted(set("\n".join(ROWS)) | {"\n"}))
+    )
 
 
 def test_dataset_missing_or_non_text_column(tmp_path: Path) -> None:
@@ -440,14 +468,30 @@ def test_cli_prepare_data(tmp_path: Path, text: str, capsys) -> None:
     corpus = write(tmp_path / "c.txt", text)
     cfg = write(tmp_path / "cfg.yaml", f"data: {{path: {str(corpus)!r}}}\n")
     with pytest.raises(SystemExit) as exit_:
-        main(["prepare-data", str(cfg), "--cache-dir", str(tmp_path / "cache"),
-              "--set", "model.context_length=16"])
+        main(
+            [
+                "prepare-data",
+                str(cfg),
+                "--cache-dir",
+                str(tmp_path / "cache"),
+                "--set",
+                "model.context_length=16",
+            ]
+        )
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     n_train = int(len(text) * 0.9)
     assert f"{n_train:,} train + {len(text) - n_train:,} validation tokens (uint16)" in out
     with pytest.raises(SystemExit) as exit_:
-        main(["prepare-data", str(cfg), "--cache-dir", str(tmp_path / "cache"),
-              "--set", f"data.path={tmp_path / 'missing.txt'}"])
+        main(
+            [
+                "prepare-data",
+                str(cfg),
+                "--cache-dir",
+                str(tmp_path / "cache"),
+                "--set",
+                f"data.path={tmp_path / 'missing.txt'}",
+            ]
+        )
     assert exit_.value.code == 2
     assert "error: data.path" in capsys.readouterr().err

@@ -18,27 +18,37 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # package -> (floor, the APIs llmcli uses that need it, as importable dotted names)
 FLOORS = {
-    "torch": ("2.5", [
-        "torch.OutOfMemoryError",  # 2.5: the device-independent out-of-memory error
-        "torch.nn.functional.rms_norm",  # 2.4
-        "torch.amp.GradScaler",  # 2.3: GradScaler("cuda") / ("cpu")
-        "torch.nn.functional.scaled_dot_product_attention",
-        "torch.compile",
-    ]),
-    "tokenizers": ("0.20", [
-        "tokenizers.Tokenizer.encode_batch_fast",  # 0.20
-        "tokenizers.pre_tokenizers.Split",
-        "tokenizers.decoders.Fuse",
-    ]),
-    "safetensors": ("0.4.3", ["safetensors.torch.save", "safetensors.torch.load",
-                              "safetensors.safe_open"]),
+    "torch": (
+        "2.5",
+        [
+            "torch.OutOfMemoryError",  # 2.5: the device-independent out-of-memory error
+            "torch.nn.functional.rms_norm",  # 2.4
+            "torch.amp.GradScaler",  # 2.3: GradScaler("cuda") / ("cpu")
+            "torch.nn.functional.scaled_dot_product_attention",
+            "torch.compile",
+        ],
+    ),
+    "tokenizers": (
+        "0.20",
+        [
+            "tokenizers.Tokenizer.encode_batch_fast",  # 0.20
+            "tokenizers.pre_tokenizers.Split",
+            "tokenizers.decoders.Fuse",
+        ],
+    ),
+    "safetensors": (
+        "0.4.3",
+        ["safetensors.torch.save", "safetensors.torch.load", "safetensors.safe_open"],
+    ),
     "typer": ("0.12", ["typer.Typer", "typer.Option", "typer.Argument"]),
     "datasets": ("2.19", ["datasets.load_dataset", "datasets.load_from_disk"]),
     "tqdm": ("4.66", ["tqdm.auto.tqdm", "tqdm.contrib.logging.logging_redirect_tqdm"]),
     "pyyaml": ("6.0", ["yaml.safe_load", "yaml.safe_dump"]),
     "numpy": ("1.26", ["numpy.frombuffer", "numpy.searchsorted", "numpy.memmap"]),
-    "matplotlib": ("3.8", ["matplotlib.figure.Figure",
-                           "matplotlib.backends.backend_agg.FigureCanvasAgg"]),
+    "matplotlib": (
+        "3.8",
+        ["matplotlib.figure.Figure", "matplotlib.backends.backend_agg.FigureCanvasAgg"],
+    ),
 }
 
 

@@ -20,21 +20,26 @@ from llmcli.tokenizer import BPETokenizer, CharTokenizer
 
 CTX, BATCH = 16, 3
 # Multi-byte characters (é: 2 bytes, —: 3 bytes) make bytes differ from characters.
-TEXT = ("ROMEO: But soft, what light through yonder window breaks?\n"
-        "JULIET: Ay me! — Café, où est l'été?\n") * 3
+TEXT = (
+    "ROMEO: But soft, what light through yonder window breaks?\n"
+    "JULIET: Ay me! — Café, où est l'été?\n"
+) * 3
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_run(run_dir: Path, tokenizer, data: dict | None = None) -> Path:
-    config = config_from_dict({
-        "model": {"n_layer": 2, "n_head": 2, "n_embed": 32, "context_length": CTX},
-        "data": data or {},
-        "train": {"batch_size": BATCH},
-    })
-    model = Transformer.from_config(config.model, tokenizer.vocab_size,
-                                    generator=torch.Generator().manual_seed(0))
+    config = config_from_dict(
+        {
+            "model": {"n_layer": 2, "n_head": 2, "n_embed": 32, "context_length": CTX},
+            "data": data or {},
+            "train": {"batch_size": BATCH},
+        }
+    )
+    model = Transformer.from_config(
+        config.model, tokenizer.vocab_size, generator=torch.Generator().manual_seed(0)
+    )
     with torch.no_grad():  # sharper logits than the near-uniform initialisation
         for p in model.parameters():
             if p.ndim == 2:
@@ -99,8 +104,7 @@ def test_steps_scores_only_the_first_batches(char_run: Path, text_file: Path) ->
     assert result.tokens == n and result.windows == 2 * BATCH
     assert result.bytes == len(TEXT[1 : n + 1].encode("utf-8"))
     assert result.loss == pytest.approx(nll.mean(), rel=1e-5)
-    assert result.bits_per_byte == pytest.approx(nll.sum() / math.log(2) / result.bytes,
-                                                 rel=1e-5)
+    assert result.bits_per_byte == pytest.approx(nll.sum() / math.log(2) / result.bytes, rel=1e-5)
     # The batch size changes how windows are grouped, not what they score.
     whole = evaluate_run(char_run, text_file, batch_size=1, device="cpu")
     assert whole.loss == pytest.approx(evaluate_run(char_run, text_file).loss, rel=1e-6)
@@ -110,11 +114,14 @@ def test_default_data_is_the_runs_validation_split(tmp_path: Path) -> None:
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TEXT * 4, encoding="utf-8")
     tok = CharTokenizer.train([TEXT])
-    run = make_run(tmp_path / "run", tok, data={"path": str(corpus), "val_fraction": 0.25,
-                                                "cache_dir": str(tmp_path / "cache")})
+    run = make_run(
+        tmp_path / "run",
+        tok,
+        data={"path": str(corpus), "val_fraction": 0.25, "cache_dir": str(tmp_path / "cache")},
+    )
     result = evaluate_run(run, device="cpu")
     ids = tok.encode(TEXT * 4)
-    val = ids[int(len(ids) * 0.75):]  # the last val_fraction of the token stream
+    val = ids[int(len(ids) * 0.75) :]  # the last val_fraction of the token stream
     nll = reference_nll(run, val)
     assert result.tokens == len(val) - 1
     assert result.loss == pytest.approx(nll.mean(), rel=1e-5)
@@ -137,7 +144,8 @@ def test_bpe_bits_per_byte_counts_bytes_and_leaves_special_tokens_out(tmp_path: 
     assert result.tokens == len(ids) - 1 and result.bytes == text_bytes
     assert result.loss == pytest.approx(nll.mean(), rel=1e-5)
     assert result.bits_per_byte == pytest.approx(
-        nll[is_text].sum() / math.log(2) / text_bytes, rel=1e-5)
+        nll[is_text].sum() / math.log(2) / text_bytes, rel=1e-5
+    )
 
 
 def cli(capsys, *args: str) -> tuple[int, str, str]:
@@ -150,8 +158,17 @@ def cli(capsys, *args: str) -> tuple[int, str, str]:
 def test_cli_json_and_text_output_and_the_latest_run_by_default(
     capsys, tmp_path: Path, char_run: Path, text_file: Path
 ) -> None:
-    code, out, err = cli(capsys, "eval", "--checkpoint", str(char_run), "--data",
-                         str(text_file), "--json", "--device", "cpu")
+    code, out, err = cli(
+        capsys,
+        "eval",
+        "--checkpoint",
+        str(char_run),
+        "--data",
+        str(text_file),
+        "--json",
+        "--device",
+        "cpu",
+    )
     assert code == 0, err
     record = json.loads(out)
     expected = evaluate_run(char_run, text_file, device="cpu").to_dict()
@@ -170,10 +187,10 @@ def test_cli_json_and_text_output_and_the_latest_run_by_default(
     assert "checkpoints/latest" in out and "bits/byte" in out and "perplexity" in out
 
 
-@pytest.mark.parametrize("case", ["missing", "binary", "empty", "unknown_chars", "steps",
-                                  "no_run"])
-def test_bad_input_exits_2_with_a_message(capsys, tmp_path: Path, char_run: Path,
-                                          case: str) -> None:
+@pytest.mark.parametrize("case", ["missing", "binary", "empty", "unknown_chars", "steps", "no_run"])
+def test_bad_input_exits_2_with_a_message(
+    capsys, tmp_path: Path, char_run: Path, case: str
+) -> None:
     data = tmp_path / "data.txt"
     args = ["eval", "--checkpoint", str(char_run), "--data", str(data)]
     if case == "binary":
@@ -190,7 +207,12 @@ def test_bad_input_exits_2_with_a_message(capsys, tmp_path: Path, char_run: Path
         args[2] = str(tmp_path / "nowhere")
     code, out, err = cli(capsys, *args)
     assert code == 2 and out == ""
-    expected = {"missing": "does not exist", "binary": "not UTF-8", "empty": "empty",
-                "unknown_chars": "vocabulary lacks", "steps": "--steps",
-                "no_run": "does not exist"}[case]
+    expected = {
+        "missing": "does not exist",
+        "binary": "not UTF-8",
+        "empty": "empty",
+        "unknown_chars": "vocabulary lacks",
+        "steps": "--steps",
+        "no_run": "does not exist",
+    }[case]
     assert err.startswith("error: ") and expected in err and "Traceback" not in err

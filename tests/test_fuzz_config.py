@@ -39,8 +39,26 @@ FIELDS: dict[str, dict[str, Any]] = {
     name: typing.get_type_hints(cls) for name, cls in SECTIONS.items()
 }
 ALL_KEYS = sorted({key for hints in FIELDS.values() for key in hints})
-WORDS = ["char", "bpe", "auto", "cpu", "cuda", "float32", "rope", "learned", "rmsnorm", "adamw",
-         "wsd", "1e-3", "data/x.txt", "~", "null", "yes", "0x10", "1_000"]
+WORDS = [
+    "char",
+    "bpe",
+    "auto",
+    "cpu",
+    "cuda",
+    "float32",
+    "rope",
+    "learned",
+    "rmsnorm",
+    "adamw",
+    "wsd",
+    "1e-3",
+    "data/x.txt",
+    "~",
+    "null",
+    "yes",
+    "0x10",
+    "1_000",
+]
 pytestmark = pytest.mark.slow
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -83,8 +101,14 @@ scalars = st.one_of(
     st.sampled_from(WORDS),
     st.dates(),
 )
-keys = st.one_of(st.sampled_from(ALL_KEYS), st.sampled_from(list(SECTIONS)),
-                 st.text(max_size=8), st.integers(), st.booleans(), st.none())
+keys = st.one_of(
+    st.sampled_from(ALL_KEYS),
+    st.sampled_from(list(SECTIONS)),
+    st.text(max_size=8),
+    st.integers(),
+    st.booleans(),
+    st.none(),
+)
 values = st.recursive(
     scalars,
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(keys, inner, max_size=3),
@@ -104,8 +128,13 @@ def section_bodies(draw: st.DrawFn, section: Any) -> Any:
 def documents(draw: st.DrawFn) -> Any:
     if draw(st.integers(0, 9)) == 0:
         return draw(values)  # not a mapping of sections at all, sometimes
-    names = draw(st.lists(st.one_of(st.sampled_from(list(SECTIONS)), keys), max_size=5,
-                          unique_by=lambda k: (type(k), k)))
+    names = draw(
+        st.lists(
+            st.one_of(st.sampled_from(list(SECTIONS)), keys),
+            max_size=5,
+            unique_by=lambda k: (type(k), k),
+        )
+    )
     return {name: draw(section_bodies(name)) for name in names}
 
 
@@ -184,8 +213,7 @@ def folder(tmp_path_factory) -> Path:
 @given(doc=documents())
 def test_random_documents_validate_or_exit_2_with_a_message(folder: Path, doc: Any) -> None:
     path = folder / "doc.yaml"
-    path.write_text(yaml.safe_dump(doc, allow_unicode=True, sort_keys=False),
-                    encoding="utf-8")
+    path.write_text(yaml.safe_dump(doc, allow_unicode=True, sort_keys=False), encoding="utf-8")
     code, out, err = run_config(path)
     resolved = check_outcome(code, out, err)
     reasons = must_fail(doc)
@@ -203,11 +231,33 @@ def test_random_documents_validate_or_exit_2_with_a_message(folder: Path, doc: A
 
 
 @FUZZ
-@given(content=st.one_of(st.text(max_size=200), st.binary(max_size=200),
-                         st.lists(st.sampled_from(["model:", "  n_layer: 2", "train:", "- x",
-                                                   "  lr: .inf", "&a [*a]", "{", "]", ": :",
-                                                   "\t", "---", "...", "!!binary x", "? k"]),
-                                  max_size=8).map("\n".join)))
+@given(
+    content=st.one_of(
+        st.text(max_size=200),
+        st.binary(max_size=200),
+        st.lists(
+            st.sampled_from(
+                [
+                    "model:",
+                    "  n_layer: 2",
+                    "train:",
+                    "- x",
+                    "  lr: .inf",
+                    "&a [*a]",
+                    "{",
+                    "]",
+                    ": :",
+                    "\t",
+                    "---",
+                    "...",
+                    "!!binary x",
+                    "? k",
+                ]
+            ),
+            max_size=8,
+        ).map("\n".join),
+    )
+)
 def test_random_files_validate_or_exit_2_with_a_message(folder: Path, content: Any) -> None:
     path = folder / "raw.yaml"
     path.write_bytes(content if isinstance(content, bytes) else content.encode("utf-8"))
@@ -218,27 +268,49 @@ def test_random_files_validate_or_exit_2_with_a_message(folder: Path, content: A
 
 
 VALID = {
-    "model": {"n_layer": st.integers(1, 12), "n_head": st.sampled_from([1, 2, 4, 8]),
-              "dropout": st.floats(0, 0.99), "bias": st.booleans(),
-              "pos_emb": st.sampled_from(["learned", "rope"]),
-              "norm": st.sampled_from(["layernorm", "rmsnorm"]), "qk_norm": st.booleans()},
-    "data": {"tokenizer": st.sampled_from(["char", "bpe", "tok.json"]),
-             "vocab_size": st.integers(1, 2**40), "val_fraction": st.floats(0.001, 0.999),
-             "cache_dir": st.none() | st.text(min_size=1, max_size=10)},
-    "train": {"batch_size": st.integers(1, 2**31), "grad_accum": st.integers(1, 64),
-              "weight_decay": st.floats(0, 10), "grad_clip": st.floats(0, 100),
-              "seed": st.integers(0, 2**63 - 1), "compile": st.booleans(),
-              "device": st.sampled_from(["auto", "cpu", "cuda", "mps"])},
-    "sample": {"max_new_tokens": st.integers(1, 10**9), "temperature": st.floats(0, 100),
-               "top_k": st.none() | st.integers(1, 10**6), "top_p": st.floats(0.01, 1.0),
-               "seed": st.integers(0, 2**63 - 1)},
+    "model": {
+        "n_layer": st.integers(1, 12),
+        "n_head": st.sampled_from([1, 2, 4, 8]),
+        "dropout": st.floats(0, 0.99),
+        "bias": st.booleans(),
+        "pos_emb": st.sampled_from(["learned", "rope"]),
+        "norm": st.sampled_from(["layernorm", "rmsnorm"]),
+        "qk_norm": st.booleans(),
+    },
+    "data": {
+        "tokenizer": st.sampled_from(["char", "bpe", "tok.json"]),
+        "vocab_size": st.integers(1, 2**40),
+        "val_fraction": st.floats(0.001, 0.999),
+        "cache_dir": st.none() | st.text(min_size=1, max_size=10),
+    },
+    "train": {
+        "batch_size": st.integers(1, 2**31),
+        "grad_accum": st.integers(1, 64),
+        "weight_decay": st.floats(0, 10),
+        "grad_clip": st.floats(0, 100),
+        "seed": st.integers(0, 2**63 - 1),
+        "compile": st.booleans(),
+        "device": st.sampled_from(["auto", "cpu", "cuda", "mps"]),
+    },
+    "sample": {
+        "max_new_tokens": st.integers(1, 10**9),
+        "temperature": st.floats(0, 100),
+        "top_k": st.none() | st.integers(1, 10**6),
+        "top_p": st.floats(0.01, 1.0),
+        "seed": st.integers(0, 2**63 - 1),
+    },
 }
 
 
 @FUZZ
-@given(doc=st.fixed_dictionaries(
-    {}, optional={section: st.fixed_dictionaries({}, optional=fields)
-                  for section, fields in VALID.items()}))
+@given(
+    doc=st.fixed_dictionaries(
+        {},
+        optional={
+            section: st.fixed_dictionaries({}, optional=fields) for section, fields in VALID.items()
+        },
+    )
+)
 def test_documents_of_valid_values_validate_and_print_them(folder: Path, doc: dict) -> None:
     path = folder / "valid.yaml"
     path.write_text(yaml.safe_dump(doc), encoding="utf-8")
@@ -260,14 +332,36 @@ def overrides(draw: st.DrawFn) -> str:
         return draw(st.text(max_size=30))
     section = draw(st.one_of(st.sampled_from(list(SECTIONS)), st.text(max_size=6)))
     key = draw(st.one_of(st.sampled_from(ALL_KEYS), st.text(max_size=8)))
-    raw = draw(st.one_of(
-        st.text(max_size=15),
-        st.sampled_from(WORDS + ["", "[1, 2]", "{a: 1}", "!!python/name:os.system", "*x", "&a 1",
-                                 ".nan", "-.inf", "1e400", "9" * 400, "2024-01-01", "'quoted'",
-                                 '"q\\u00e9"', "- 1", "a: b", "%TAG", "|", "[" * 600]),
-        st.integers().map(str),
-        st.floats().map(repr),
-    ))
+    raw = draw(
+        st.one_of(
+            st.text(max_size=15),
+            st.sampled_from(
+                WORDS
+                + [
+                    "",
+                    "[1, 2]",
+                    "{a: 1}",
+                    "!!python/name:os.system",
+                    "*x",
+                    "&a 1",
+                    ".nan",
+                    "-.inf",
+                    "1e400",
+                    "9" * 400,
+                    "2024-01-01",
+                    "'quoted'",
+                    '"q\\u00e9"',
+                    "- 1",
+                    "a: b",
+                    "%TAG",
+                    "|",
+                    "[" * 600,
+                ]
+            ),
+            st.integers().map(str),
+            st.floats().map(repr),
+        )
+    )
     return f"{section}.{key}={raw}"
 
 
@@ -322,14 +416,20 @@ NASTY = [
 
 
 @pytest.mark.parametrize(("content", "sets"), NASTY)
-def test_real_processes_exit_2_with_a_message(tmp_path: Path, content: bytes,
-                                              sets: tuple[str, ...]) -> None:
+def test_real_processes_exit_2_with_a_message(
+    tmp_path: Path, content: bytes, sets: tuple[str, ...]
+) -> None:
     path = tmp_path / "c.yaml"
     path.write_bytes(content)
     args = [sys.executable, "-m", "llmcli", "config", str(path)]
     args += [a for s in sets for a in ("--set", s.encode("utf-8", "surrogateescape"))]
-    out = subprocess.run(args, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                         capture_output=True, timeout=60)
+    out = subprocess.run(
+        args,
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        timeout=60,
+    )
     stderr = out.stderr.decode("utf-8", "replace")
     assert out.returncode == 2, stderr
     assert stderr.startswith("error: ") and b"Traceback" not in out.stdout + out.stderr

@@ -101,8 +101,9 @@ def numpy_filter(logits, temperature, top_k=None, top_p=1.0):
 )
 def test_filter_probs_match_numpy(logits, temperature, top_k, top_p) -> None:
     got = filter_probs(torch.tensor([logits]), temperature, top_k, top_p)[0]
-    np.testing.assert_allclose(got.numpy(), numpy_filter(logits, temperature, top_k, top_p),
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        got.numpy(), numpy_filter(logits, temperature, top_k, top_p), atol=1e-6
+    )
 
 
 @settings(max_examples=60, deadline=None)
@@ -133,13 +134,16 @@ def test_top_k_keeps_exactly_k_tokens_on_ties() -> None:
     assert set(ids.tolist()) == {1}
 
 
-@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, None, 1.0), (0.5, 4, 1.0),
-                                                             (1.3, None, 0.8), (0.9, 5, 0.9)])
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"),
+    [(1.0, None, 1.0), (0.5, 4, 1.0), (1.3, None, 0.8), (0.9, 5, 0.9)],
+)
 def test_sample_frequencies_follow_filtered_distribution(temperature, top_k, top_p) -> None:
     logits = torch.tensor([[0.3, -0.2, 1.5, 0.9, 0.0, 1.1, -1.0, 0.4]])  # (1, 8)
     n = 40_000
-    ids = sample_next(logits.expand(n, 8), torch.Generator().manual_seed(1), temperature,
-                      top_k, top_p)
+    ids = sample_next(
+        logits.expand(n, 8), torch.Generator().manual_seed(1), temperature, top_k, top_p
+    )
     freq = np.bincount(ids.numpy(), minlength=8) / n
     expected = numpy_filter(logits[0].tolist(), temperature, top_k, top_p)
     np.testing.assert_allclose(freq, expected, atol=0.012)  # ~5 standard deviations
@@ -175,8 +179,16 @@ def test_same_seed_same_tokens_different_seed_different_tokens() -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    [dict(temperature=-0.1), dict(temperature=float("nan")), dict(temperature=float("inf")),
-     dict(top_k=0), dict(top_k=-3), dict(top_p=0.0), dict(top_p=1.01), dict(top_p=-0.5)],
+    [
+        dict(temperature=-0.1),
+        dict(temperature=float("nan")),
+        dict(temperature=float("inf")),
+        dict(top_k=0),
+        dict(top_k=-3),
+        dict(top_p=0.0),
+        dict(top_p=1.01),
+        dict(top_p=-0.5),
+    ],
 )
 def test_bad_controls_raise_input_error(bad) -> None:
     args = {"temperature": 1.0, "top_k": None, "top_p": 1.0, **bad}
@@ -247,8 +259,9 @@ def test_generate_streams_one_column_per_step() -> None:
     model = make_model()
     steps = list(generate(model, PROMPTS, 5, temperature=1.0, seed=0))
     assert len(steps) == 5 and all(s.shape == (len(PROMPTS),) for s in steps)
-    assert torch.stack(steps, 1).tolist() == generate_ids(model, PROMPTS, 5, temperature=1.0,
-                                                          seed=0)
+    assert torch.stack(steps, 1).tolist() == generate_ids(
+        model, PROMPTS, 5, temperature=1.0, seed=0
+    )
 
 
 def test_bad_prompts_raise_input_error() -> None:
@@ -322,8 +335,11 @@ def test_multibyte_characters_split_over_byte_tokens_stream_whole() -> None:
 def test_decoding_keeps_spaces_that_sentencepiece_drops_at_a_text_start() -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    hf = Tokenizer(models.WordLevel({"<unk>": 0, "▁hello": 1, "▁world": 2, "▁ROMEO:": 3,
-                                     "!": 4}, unk_token="<unk>"))
+    hf = Tokenizer(
+        models.WordLevel(
+            {"<unk>": 0, "▁hello": 1, "▁world": 2, "▁ROMEO:": 3, "!": 4}, unk_token="<unk>"
+        )
+    )
     hf.pre_tokenizer = pre_tokenizers.Metaspace()
     hf.decoder = decoders.Metaspace()
     tok = BPETokenizer(hf)
@@ -359,17 +375,32 @@ def test_sample_texts_batch_equals_alone_and_streams_the_same_text() -> None:
     prompts = ["ab", "hello there", ""]
     out: list[str] = []
     samples = sample_texts(
-        model, CHARS, prompts, max_new_tokens=15, temperature=1.0, top_k=12, seed=5,
-        num_samples=2, stop=["q"], sink=OrderedWriter(out.append, [p for p in prompts
-                                                                    for _ in range(2)]),
+        model,
+        CHARS,
+        prompts,
+        max_new_tokens=15,
+        temperature=1.0,
+        top_k=12,
+        seed=5,
+        num_samples=2,
+        stop=["q"],
+        sink=OrderedWriter(out.append, [p for p in prompts for _ in range(2)]),
     )
     assert [(s.prompt_index, s.sample_index) for s in samples] == [
         (i, j) for i in range(3) for j in range(2)
     ]
     assert "".join(out) == format_samples(samples)
     for r, s in enumerate(samples):
-        alone = sample_texts(model, CHARS, [s.prompt], max_new_tokens=15, temperature=1.0,
-                             top_k=12, seed=5 + r, stop=["q"])[0]
+        alone = sample_texts(
+            model,
+            CHARS,
+            [s.prompt],
+            max_new_tokens=15,
+            temperature=1.0,
+            top_k=12,
+            seed=5 + r,
+            stop=["q"],
+        )[0]
         assert (alone.completion, alone.tokens, alone.seed) == (s.completion, s.tokens, 5 + r)
         start = CHARS.encode(s.prompt or "\n")
         ids = generate_ids(model, [start], 15, temperature=1.0, top_k=12, seed=5 + r)[0]
@@ -386,8 +417,9 @@ def test_sample_texts_batch_equals_alone_and_streams_the_same_text() -> None:
 def test_long_prompt_is_cropped_with_one_warning(caplog) -> None:
     model = make_model(vocab=CHARS.vocab_size)
     with caplog.at_level(logging.WARNING, logger="llmcli.generate"):
-        s = sample_texts(model, CHARS, ["abcdefghijklmnop", "xyzxyzxyzxyz"], max_new_tokens=4,
-                         temperature=0.0)
+        s = sample_texts(
+            model, CHARS, ["abcdefghijklmnop", "xyzxyzxyzxyz"], max_new_tokens=4, temperature=0.0
+        )
     assert len([r for r in caplog.records if "context_length" in r.getMessage()]) == 1
     ids = generate_ids(model, [CHARS.encode("ijklmnop")], 4, temperature=0.0)[0]
     assert s[0].completion == CHARS.decode(ids)

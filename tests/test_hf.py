@@ -103,8 +103,14 @@ def test_export_loads_in_transformers_with_equal_logits_and_greedy_text(tmp_path
     run = make_run(tmp_path / "run", kind, **opts)
     out = tmp_path / "hf"
     assert cli("export", "--checkpoint", run, "--out", out) == 0
-    for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
-                 "tokenizer_config.json", "special_tokens_map.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+    ):
         assert (out / name).is_file(), name
 
     loaded = ckpt.load_run(run)
@@ -113,7 +119,12 @@ def test_export_loads_in_transformers_with_equal_logits_and_greedy_text(tmp_path
     hf_tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
     cfg = theirs.config
     assert (cfg.model_type, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.n_positions) == (
-        "gpt2", 2, 4, 32, 96)
+        "gpt2",
+        2,
+        4,
+        32,
+        96,
+    )
     assert cfg.vocab_size == tok.vocab_size
     assert cfg.tie_word_embeddings == opts.get("tie_embeddings", True)
     assert cfg.activation_function == opts.get("mlp", "gelu")
@@ -132,8 +143,12 @@ def test_export_loads_in_transformers_with_equal_logits_and_greedy_text(tmp_path
     expected = greedy_llmcli(ours, prompt, 50)
     with torch.no_grad():
         generated = theirs.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=50, do_sample=False, eos_token_id=None, pad_token_id=0,
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=50,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
         )[0, len(prompt) :].tolist()
     assert generated == expected
     assert hf_tok.decode(generated) == tok.decode(expected)
@@ -156,7 +171,8 @@ def harness_rolling_nats(model, ids: list[int], prefix: int, T: int) -> float:
         for inputs, predicted in windows:
             logits = model(torch.tensor([inputs])).logits[0, -len(predicted) :]
             total += torch.nn.functional.cross_entropy(
-                logits, torch.tensor(predicted), reduction="sum").item()
+                logits, torch.tensor(predicted), reduction="sum"
+            ).item()
     return total
 
 
@@ -195,8 +211,13 @@ def test_old_char_run_without_end_of_text_exports_with_a_hint(tmp_path, caplog):
     weights, _ = ckpt.read_weights(run / "model.safetensors")
     config = ckpt.load_config_file(run)
     model = Transformer.from_config(config.model, old.vocab_size)
-    model.load_state_dict({k: v[: old.vocab_size] if v.shape[0] == old.vocab_size + 1 else v
-                           for k, v in weights.items()}, strict=False)
+    model.load_state_dict(
+        {
+            k: v[: old.vocab_size] if v.shape[0] == old.vocab_size + 1 else v
+            for k, v in weights.items()
+        },
+        strict=False,
+    )
     ckpt.save_model_run(run, config, old, model)
     with caplog.at_level(logging.WARNING, logger="llmcli.hf"):
         assert cli("export", "--checkpoint", run, "--out", tmp_path / "hf") == 0
@@ -216,8 +237,12 @@ def test_export_writes_gpt2_conv1d_layout_and_zero_biases(tmp_path):
     assert torch.equal(tensors["transformer.h.0.attn.c_attn.weight"], qkv.t())  # (C, 3C)
     fc = model.blocks[1].mlp.fc.weight  # (4C, C)
     assert torch.equal(tensors["transformer.h.1.mlp.c_fc.weight"], fc.t())  # (C, 4C)
-    for name in ("transformer.h.0.attn.c_attn.bias", "transformer.h.1.mlp.c_proj.bias",
-                 "transformer.h.0.ln_1.bias", "transformer.ln_f.bias"):
+    for name in (
+        "transformer.h.0.attn.c_attn.bias",
+        "transformer.h.1.mlp.c_proj.bias",
+        "transformer.h.0.ln_1.bias",
+        "transformer.ln_f.bias",
+    ):
         assert not tensors[name].any(), name
     assert "lm_head.weight" not in tensors  # tied to transformer.wte.weight
     config = json.loads((out / "config.json").read_text())
@@ -226,8 +251,11 @@ def test_export_writes_gpt2_conv1d_layout_and_zero_biases(tmp_path):
 
 @pytest.mark.parametrize(
     "opts, option",
-    [({"pos_emb": "rope"}, "model.pos_emb"), ({"norm": "rmsnorm"}, "model.norm"),
-     ({"qk_norm": True}, "model.qk_norm")],
+    [
+        ({"pos_emb": "rope"}, "model.pos_emb"),
+        ({"norm": "rmsnorm"}, "model.norm"),
+        ({"qk_norm": True}, "model.qk_norm"),
+    ],
 )
 def test_export_refuses_options_gpt2_cannot_express(tmp_path, capsys, opts, option):
     run = make_run(tmp_path / "run", "char", **opts)
@@ -265,17 +293,25 @@ def test_export_target_must_be_new_or_empty_unless_force(tmp_path, capsys):
 # ---------------------------------------------------------------------------------------------
 
 
-def save_tiny_gpt2(folder: Path, *, activation: str = "gelu", tie: bool = True,
-                   vocab_extra: int = 0, seed: int = 0) -> BPETokenizer:
+def save_tiny_gpt2(
+    folder: Path, *, activation: str = "gelu", tie: bool = True, vocab_extra: int = 0, seed: int = 0
+) -> BPETokenizer:
     """A randomly initialised GPT2LMHeadModel and its tokenizer, saved by transformers."""
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
     tok = BPETokenizer.train([TEXT], 300)
     torch.manual_seed(seed)
     config = GPT2Config(
-        vocab_size=tok.vocab_size + vocab_extra, n_positions=32, n_embd=32, n_layer=2, n_head=4,
-        activation_function=activation, tie_word_embeddings=tie,
-        bos_token_id=tok.eot_id, eos_token_id=tok.eot_id, initializer_range=0.2,
+        vocab_size=tok.vocab_size + vocab_extra,
+        n_positions=32,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        activation_function=activation,
+        tie_word_embeddings=tie,
+        bos_token_id=tok.eot_id,
+        eos_token_id=tok.eot_id,
+        initializer_range=0.2,
     )
     model = GPT2LMHeadModel(config).eval()
     with torch.no_grad():  # GPT-2 init zeroes biases and sets LayerNorm to identity: vary them
@@ -284,7 +320,8 @@ def save_tiny_gpt2(folder: Path, *, activation: str = "gelu", tie: bool = True,
                 p.add_(0.2 * torch.randn(p.shape))
     model.save_pretrained(folder)
     PreTrainedTokenizerFast(tokenizer_object=tok.hf, eos_token="<|endoftext|>").save_pretrained(
-        folder)
+        folder
+    )
     return tok
 
 
@@ -330,11 +367,22 @@ def test_init_from_trains_its_own_run_from_the_gpt2_weights(tmp_path):
     # shows that the run started from them; the shape comes from config.json, not from `model`.
     config = Config(
         model=ModelConfig(n_layer=1, n_head=2, n_embed=16, context_length=8),
-        data=DataConfig(path=str(corpus), tokenizer="char", val_fraction=0.2,
-                        cache_dir=str(tmp_path / "cache")),
-        train=TrainConfig(device="cpu", dtype="float32", batch_size=2, max_steps=3,
-                          warmup_steps=0, lr=1e-9, min_lr=0.0, eval_interval=3, eval_steps=1,
-                          log_interval=1, init_from=str(tmp_path / "gpt2")),
+        data=DataConfig(
+            path=str(corpus), tokenizer="char", val_fraction=0.2, cache_dir=str(tmp_path / "cache")
+        ),
+        train=TrainConfig(
+            device="cpu",
+            dtype="float32",
+            batch_size=2,
+            max_steps=3,
+            warmup_steps=0,
+            lr=1e-9,
+            min_lr=0.0,
+            eval_interval=3,
+            eval_steps=1,
+            log_interval=1,
+            init_from=str(tmp_path / "gpt2"),
+        ),
     )
     run_dir = tmp_path / "run"
     train(config, out_dir=run_dir, progress=False)
@@ -353,8 +401,12 @@ def test_init_from_trains_its_own_run_from_the_gpt2_weights(tmp_path):
     assert (run_dir / ckpt.METRICS_FILE).is_file()
 
     # Resuming with the same config continues the run from its own state (2 more steps).
-    more = Config(model=config.model, data=config.data, sample=config.sample,
-                  train=dataclasses.replace(config.train, max_steps=5))
+    more = Config(
+        model=config.model,
+        data=config.data,
+        sample=config.sample,
+        train=dataclasses.replace(config.train, max_steps=5),
+    )
     train(more, out_dir=run_dir, resume=True, progress=False)
     assert ckpt.load_run(run_dir, weights="last").step == 5
 
@@ -363,8 +415,11 @@ def test_not_a_gpt2_folder_names_what_is_missing(tmp_path):
     folder = tmp_path / "gpt2"
     save_tiny_gpt2(folder)
     config = Config(train=TrainConfig(init_from=str(folder)))
-    for name, what in (("config.json", "config.json"), ("model.safetensors", "weights"),
-                       ("tokenizer.json", "tokenizer.json")):
+    for name, what in (
+        ("config.json", "config.json"),
+        ("model.safetensors", "weights"),
+        ("tokenizer.json", "tokenizer.json"),
+    ):
         moved = folder / name
         moved.rename(tmp_path / name)
         with pytest.raises(InputError, match=f"lacks {what}"):
@@ -413,10 +468,11 @@ def test_llmcli_train_with_a_bad_init_from_exits_2(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     config = tmp_path / "c.yaml"
     config.write_text("train: {device: cpu, max_steps: 2, warmup_steps: 0}\n")
-    for folder, message in ((tmp_path / "empty", "lacks config.json"),
-                            (tmp_path / "gpt2", "larger than its tokenizer")):
-        code = cli("train", config, "--out", tmp_path / "run", "--set",
-                   f"train.init_from={folder}")
+    for folder, message in (
+        (tmp_path / "empty", "lacks config.json"),
+        (tmp_path / "gpt2", "larger than its tokenizer"),
+    ):
+        code = cli("train", config, "--out", tmp_path / "run", "--set", f"train.init_from={folder}")
         assert code == 2
         assert message in capsys.readouterr().err
     assert not (tmp_path / "run" / ckpt.MODEL_FILE).exists()

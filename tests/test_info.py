@@ -21,16 +21,29 @@ from llmcli.versions import record
 @pytest.fixture()
 def run_dir(tmp_path: Path) -> Path:
     config = config_from_dict(
-        {"model": {"n_layer": 2, "n_head": 2, "n_embed": 16, "context_length": 8},
-         "sample": {"temperature": 0.5, "top_k": 7}}
+        {
+            "model": {"n_layer": 2, "n_head": 2, "n_embed": 16, "context_length": 8},
+            "sample": {"temperature": 0.5, "top_k": 7},
+        }
     )
     tokenizer = CharTokenizer.train(["hello world\n"])
     torch.manual_seed(0)
     model = Transformer.from_config(config.model, tokenizer.vocab_size)
     old = dict(record(), torch="1.0.0")
-    save_model_run(tmp_path / "run", config, tokenizer, model,
-                   extra_meta={"step": 40, "tokens": 1280, "elapsed_s": 3.5,
-                               "best_val_loss": 2.25, "best_step": 30, "versions": old})
+    save_model_run(
+        tmp_path / "run",
+        config,
+        tokenizer,
+        model,
+        extra_meta={
+            "step": 40,
+            "tokens": 1280,
+            "elapsed_s": 3.5,
+            "best_val_loss": 2.25,
+            "best_step": 30,
+            "versions": old,
+        },
+    )
     (tmp_path / "run" / "metrics.jsonl").write_text(
         json.dumps({"step": 30, "val_loss": 2.25}) + "\n" + json.dumps({"step": 40}) + "\n"
     )
@@ -39,9 +52,12 @@ def run_dir(tmp_path: Path) -> Path:
 
 def test_run_info_reports_size_training_and_generation(run_dir: Path) -> None:
     info = run_info(run_dir)
-    model = Transformer.from_config(config_from_dict({"model": {
-        "n_layer": 2, "n_head": 2, "n_embed": 16, "context_length": 8}}).model,
-        info["model"]["vocab_size"])
+    model = Transformer.from_config(
+        config_from_dict(
+            {"model": {"n_layer": 2, "n_head": 2, "n_embed": 16, "context_length": 8}}
+        ).model,
+        info["model"]["vocab_size"],
+    )
     # Tied embeddings are counted once.
     unique = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     assert info["model"]["parameters"] == unique
@@ -82,8 +98,9 @@ def test_eval_warns_once_when_the_run_was_made_with_other_versions(
     text = tmp_path / "text.txt"
     text.write_text("hello world\nhello world\n")
     with pytest.raises(SystemExit) as exit_info:
-        main(["eval", "--checkpoint", str(run_dir), "--data", str(text), "--json",
-              "--device", "cpu"])
+        main(
+            ["eval", "--checkpoint", str(run_dir), "--data", str(text), "--json", "--device", "cpu"]
+        )
     assert exit_info.value.code == 0
     out, err = capsys.readouterr()
     assert json.loads(out)["tokens"] == len("hello world\nhello world\n") - 1

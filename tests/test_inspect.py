@@ -93,8 +93,12 @@ def test_random_rows_against_plain_formulas() -> None:
     for i in range(2):
         for j in range(3):
             p = a[i, j]
-            ent = np.mean([-sum(p[q, k] * math.log(p[q, k]) for k in range(q + 1))
-                           / math.log(q + 1) for q in range(1, T)])
+            ent = np.mean(
+                [
+                    -sum(p[q, k] * math.log(p[q, k]) for k in range(q + 1)) / math.log(q + 1)
+                    for q in range(1, T)
+                ]
+            )
             prev = np.mean([p[q, q - 1] for q in range(1, T)])
             first = np.mean([p[q, 0] for q in range(1, T)])
             dist = np.mean([sum(p[q, k] * (q - k) for k in range(q + 1)) for q in range(1, T)])
@@ -152,8 +156,13 @@ def make_dump(T: int = 6, L: int = 2, H: int = 3) -> ins.AttentionDump:
     tokens = ["<", "/script>", " ", "\n", "é", "&"][:T]
     metrics = ins.head_metrics(attn).astype(np.float32)
     return ins.AttentionDump(
-        attn=attn.astype(np.float32), tokens=tokens, token_ids=np.arange(T),
-        metrics=metrics, metric_names=list(ins.METRIC_NAMES), layers=[0, 2], heads=[0, 1, 3][:H],
+        attn=attn.astype(np.float32),
+        tokens=tokens,
+        token_ids=np.arange(T),
+        metrics=metrics,
+        metric_names=list(ins.METRIC_NAMES),
+        layers=[0, 2],
+        heads=[0, 1, 3][:H],
         meta={"prompt": "".join(tokens), "checkpoint": "/x"},
     )
 
@@ -292,8 +301,10 @@ def test_weights_equal_torch_multihead_attention() -> None:
     _, tok, model = build_model()
     idx = torch.tensor([tok.encode("Before we procee"), tok.encode("You are all reso")])
     inputs = []
-    hooks = [block.attn.register_forward_pre_hook(lambda m, args: inputs.append(args[0]))
-             for block in model.blocks]
+    hooks = [
+        block.attn.register_forward_pre_hook(lambda m, args: inputs.append(args[0]))
+        for block in model.blocks
+    ]
     _, attn = ins.capture_attention(model, idx)  # (B, L, H, T, T)
     for h in hooks:
         h.remove()
@@ -308,10 +319,12 @@ def test_weights_equal_torch_multihead_attention() -> None:
             mha.out_proj.bias.copy_(block.attn.proj.bias)
         mha.eval()
         with torch.no_grad():
-            _, per_head = mha(x, x, x, attn_mask=future, need_weights=True,
-                              average_attn_weights=False)  # (B, H, T, T)
-            _, averaged = mha(x, x, x, attn_mask=future, need_weights=True,
-                              average_attn_weights=True)  # (B, T, T)
+            _, per_head = mha(
+                x, x, x, attn_mask=future, need_weights=True, average_attn_weights=False
+            )  # (B, H, T, T)
+            _, averaged = mha(
+                x, x, x, attn_mask=future, need_weights=True, average_attn_weights=True
+            )  # (B, T, T)
         torch.testing.assert_close(attn[:, layer], per_head, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(attn[:, layer].mean(1), averaged, rtol=1e-5, atol=1e-6)
         # The heads really differ: the average hides something.
@@ -334,8 +347,7 @@ def test_dump_from_run(loaded, tmp_path) -> None:
 def test_layer_and_head_selection(loaded) -> None:
     prompt = "Speak, speak."
     (full,) = ins.build_dumps(loaded.model, loaded.tokenizer, [prompt])
-    (part,) = ins.build_dumps(loaded.model, loaded.tokenizer, [prompt], layers=[1],
-                              heads=[3, 0, 3])
+    (part,) = ins.build_dumps(loaded.model, loaded.tokenizer, [prompt], layers=[1], heads=[3, 0, 3])
     assert (part.layers, part.heads) == ([1], [0, 3])
     assert (part.meta["layers"], part.meta["heads"]) == ([1], [0, 3])
     np.testing.assert_array_equal(part.attn, full.attn[[1]][:, [0, 3]])
@@ -364,12 +376,24 @@ def test_induction_column(loaded) -> None:
     info = dump.meta["induction"]
     assert info["period"] == CTX // 2
     g = torch.Generator().manual_seed(info["seed"])
-    idx = ins.repeated_random_tokens(loaded.tokenizer.vocab_size, info["period"],
-                                     info["sequences"], g)
+    idx = ins.repeated_random_tokens(
+        loaded.tokenizer.vocab_size, info["period"], info["sequences"], g
+    )
     _, attn = ins.capture_attention(loaded.model, idx)  # (S, L, H, 2p, 2p)
     p = info["period"]
-    expected = np.mean([[[np.mean([attn[s, li, h, q, q - p + 1].item() for q in range(p, 2 * p)])
-                          for h in range(4)] for li in range(2)] for s in range(len(idx))], axis=0)
+    expected = np.mean(
+        [
+            [
+                [
+                    np.mean([attn[s, li, h, q, q - p + 1].item() for q in range(p, 2 * p)])
+                    for h in range(4)
+                ]
+                for li in range(2)
+            ]
+            for s in range(len(idx))
+        ],
+        axis=0,
+    )
     np.testing.assert_allclose(dump.metrics[..., -1], expected, rtol=1e-5)
 
 
@@ -464,8 +488,20 @@ def test_command_end_to_end(run_dir, tmp_path, capsys, monkeypatch) -> None:
 
 @pytest.mark.parametrize("fmt", ["safetensors", "json"])
 def test_command_formats_hold_the_same_content(run_dir, tmp_path, capsys, fmt) -> None:
-    base = ["inspect-attention", "--checkpoint", str(run_dir), "--prompt", "All:\nSpeak",
-            "--layer", "1", "--head", "2", "--head", "0", "--no-pictures"]
+    base = [
+        "inspect-attention",
+        "--checkpoint",
+        str(run_dir),
+        "--prompt",
+        "All:\nSpeak",
+        "--layer",
+        "1",
+        "--head",
+        "2",
+        "--head",
+        "0",
+        "--no-pictures",
+    ]
     assert cli([*base, "--out", str(tmp_path / "npz")], capsys)[0] == 0
     assert cli([*base, "--out", str(tmp_path / fmt), "--format", fmt], capsys)[0] == 0
     a = ins.load_dump(tmp_path / "npz" / "attention.npz")
@@ -481,9 +517,21 @@ def test_command_formats_hold_the_same_content(run_dir, tmp_path, capsys, fmt) -
 def test_command_several_prompts(run_dir, tmp_path, capsys) -> None:
     pf = tmp_path / "prompts.json"
     pf.write_text(json.dumps(["You", "All:\nSpeak"]))
-    code, out, err = cli(["inspect-attention", "--checkpoint", str(run_dir), "--prompt", "Speak",
-                          "--prompt-file", str(pf), "--out", str(tmp_path / "o"),
-                          "--no-pictures"], capsys)
+    code, out, err = cli(
+        [
+            "inspect-attention",
+            "--checkpoint",
+            str(run_dir),
+            "--prompt",
+            "Speak",
+            "--prompt-file",
+            str(pf),
+            "--out",
+            str(tmp_path / "o"),
+            "--no-pictures",
+        ],
+        capsys,
+    )
     assert code == 0, err
     for i, p in enumerate(["Speak", "You", "All:\nSpeak"]):
         dump = ins.load_dump(tmp_path / "o" / f"prompt-{i:03d}" / "attention.npz")
@@ -496,8 +544,10 @@ def test_command_several_prompts(run_dir, tmp_path, capsys) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--prompt", "Before we proceed any further"],
-         r"29 tokens long but the model's context_length is 16.*--truncate"),
+        (
+            ["--prompt", "Before we proceed any further"],
+            r"29 tokens long but the model's context_length is 16.*--truncate",
+        ),
         (["--prompt", ""], "empty"),
         (["--prompt", "ok", "--layer", "5"], r"--layer 5 is out of range.*2 layers"),
         (["--prompt", "ok", "--head", "-1"], r"--head -1 is out of range.*4 heads"),

@@ -69,8 +69,9 @@ def numpy_rope(x: np.ndarray, positions: np.ndarray, base: float = 10000.0) -> n
     half = hs // 2
     theta = positions[:, None] * base ** (-2.0 * np.arange(half) / hs)  # (T, hs/2)
     a, b = x[..., :half], x[..., half:]
-    return np.concatenate([a * np.cos(theta) - b * np.sin(theta),
-                           a * np.sin(theta) + b * np.cos(theta)], axis=-1)
+    return np.concatenate(
+        [a * np.cos(theta) - b * np.sin(theta), a * np.sin(theta) + b * np.cos(theta)], axis=-1
+    )
 
 
 def numpy_mha(x, mha: MultiHeadAttention, rope=False, qk_norm=False):
@@ -87,9 +88,9 @@ def numpy_mha(x, mha: MultiHeadAttention, rope=False, qk_norm=False):
     mask = np.tril(np.ones((T, T), dtype=bool))
     outs, weights = [], []
     for h in range(nh):
-        q = qkv[..., h * hs:(h + 1) * hs]
-        k = qkv[..., C + h * hs:C + (h + 1) * hs]
-        v = qkv[..., 2 * C + h * hs:2 * C + (h + 1) * hs]
+        q = qkv[..., h * hs : (h + 1) * hs]
+        k = qkv[..., C + h * hs : C + (h + 1) * hs]
+        v = qkv[..., 2 * C + h * hs : 2 * C + (h + 1) * hs]
         if qk_norm:
             q = q / np.sqrt((q**2).mean(-1, keepdims=True) + 1e-5)
             k = k / np.sqrt((k**2).mean(-1, keepdims=True) + 1e-5)
@@ -145,8 +146,9 @@ def test_heads_equal_fused_layer(opts):
     heads = mha.heads()
     assert len(heads) == 4 and all(isinstance(h, Head) for h in heads)
     x = torch.randn(2, 8, 32, generator=gen(1))
-    kpm = torch.tensor([[True, True, False, False, False, False, False, False],
-                        [False] * 6 + [True, True]])
+    kpm = torch.tensor(
+        [[True, True, False, False, False, False, False, False], [False] * 6 + [True, True]]
+    )
     tag = "+".join(opts) or "seed"
     ref = mha.proj(torch.cat([h(x) for h in heads], dim=-1))
     assert_close(mha(x), ref, f"heads() stack vs fused [{tag}]")
@@ -183,8 +185,15 @@ def test_mha_equals_torch_multihead_attention(padding):
     x = torch.randn(2, 8, 32, generator=gen(1))
     kpm = None if PADDINGS[padding] is None else torch.tensor(PADDINGS[padding])
     causal = torch.ones(8, 8, dtype=torch.bool).triu(1)  # torch's convention: True = blocked
-    y_ref, w_ref = ref(x, x, x, key_padding_mask=kpm, attn_mask=causal, need_weights=True,
-                       average_attn_weights=False)
+    y_ref, w_ref = ref(
+        x,
+        x,
+        x,
+        key_padding_mask=kpm,
+        attn_mask=causal,
+        need_weights=True,
+        average_attn_weights=False,
+    )
     # Rows whose keys are all masked are NaN in torch; ours are defined (checked below).
     rows = ~torch.isnan(y_ref).any(-1)  # (B, T)
     y_fused = mha(x, kpm)
@@ -195,8 +204,9 @@ def test_mha_equals_torch_multihead_attention(padding):
     assert_close(w[w_rows], w_ref[w_rows], f"mha weights vs torch MHA [{padding} padding]")
     if padding == "left":
         assert not rows.all()  # the comparison did skip torch's NaN rows
-        assert_close(y_fused[~rows], mha.proj.bias.expand(int((~rows).sum()), -1),
-                     "empty rows == proj.bias")
+        assert_close(
+            y_fused[~rows], mha.proj.bias.expand(int((~rows).sum()), -1), "empty rows == proj.bias"
+        )
 
 
 @pytest.mark.parametrize("padded", [False, True])
@@ -230,9 +240,13 @@ def test_all_masked_rows_are_zero_not_nan():
         y = out[0] if explicit else out
         assert torch.isfinite(y).all()
         empty = torch.tensor([[True] * 3 + [False] * 5, [True] * 8])
-        assert_close(y[empty], mha.proj.bias.expand(int(empty.sum()), -1),
-                     f"empty rows == proj.bias [{'explicit' if explicit else 'fused'}]", atol=0,
-                     rtol=0)
+        assert_close(
+            y[empty],
+            mha.proj.bias.expand(int(empty.sum()), -1),
+            f"empty rows == proj.bias [{'explicit' if explicit else 'fused'}]",
+            atol=0,
+            rtol=0,
+        )
         if explicit:
             assert (out[1][0, :, :3] == 0).all() and (out[1][1] == 0).all()
         x.grad = None
@@ -362,8 +376,9 @@ def test_tied_and_untied_lm_head():
     assert untied.lm_head.weight is not untied.wte.weight
     assert untied.lm_head.weight.data_ptr() != untied.wte.weight.data_ptr()
     assert untied.num_parameters() == tied.num_parameters() + 37 * 32
-    assert_close(untied.lm_head.weight.std(), torch.tensor(0.02), "untied head init std",
-                 atol=3e-3, rtol=0)
+    assert_close(
+        untied.lm_head.weight.std(), torch.tensor(0.02), "untied head init std", atol=3e-3, rtol=0
+    )
     # The head's own weight drives the logits: changing it leaves the embedding alone.
     idx = torch.randint(37, (1, 8), generator=gen(1))
     before = untied.wte.weight.clone()
@@ -381,9 +396,18 @@ def test_matches_hf_gpt2():
     import transformers
 
     cfg = transformers.GPT2Config(
-        vocab_size=37, n_positions=16, n_embd=32, n_layer=2, n_head=4,
-        activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        layer_norm_epsilon=1e-5, bos_token_id=0, eos_token_id=0,
+        vocab_size=37,
+        n_positions=16,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        activation_function="gelu",
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        layer_norm_epsilon=1e-5,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     torch.manual_seed(0)
     hf = transformers.GPT2LMHeadModel(cfg).eval()
@@ -395,9 +419,14 @@ def test_matches_hf_gpt2():
         model.wpe.weight.copy_(hft.wpe.weight)
         for ours, theirs in zip(model.blocks, hft.h, strict=True):
             # Hugging Face's Conv1D stores weights as (in, out): transpose them.
-            pairs = [(ours.ln1, theirs.ln_1), (ours.ln2, theirs.ln_2),
-                     (ours.attn.qkv, theirs.attn.c_attn), (ours.attn.proj, theirs.attn.c_proj),
-                     (ours.mlp.fc, theirs.mlp.c_fc), (ours.mlp.proj, theirs.mlp.c_proj)]
+            pairs = [
+                (ours.ln1, theirs.ln_1),
+                (ours.ln2, theirs.ln_2),
+                (ours.attn.qkv, theirs.attn.c_attn),
+                (ours.attn.proj, theirs.attn.c_proj),
+                (ours.mlp.fc, theirs.mlp.c_fc),
+                (ours.mlp.proj, theirs.mlp.c_proj),
+            ]
             for a, b in pairs:
                 a.weight.copy_(b.weight if isinstance(a, nn.LayerNorm) else b.weight.T)
                 a.bias.copy_(b.bias)
@@ -427,11 +456,12 @@ def test_causality_later_tokens_do_not_change_earlier_logits():
     logits, _ = model(idx)
     for t in (0, 6, 14):
         changed = idx.clone()
-        changed[:, t + 1:] = torch.randint(37, (2, 15 - t), generator=gen(t))
+        changed[:, t + 1 :] = torch.randint(37, (2, 15 - t), generator=gen(t))
         logits2, _ = model(changed)
-        assert_close(logits2[:, : t + 1], logits[:, : t + 1], f"causality t={t}", atol=1e-6,
-                     rtol=1e-6)
-        assert not torch.allclose(logits2[:, t + 1:], logits[:, t + 1:])
+        assert_close(
+            logits2[:, : t + 1], logits[:, : t + 1], f"causality t={t}", atol=1e-6, rtol=1e-6
+        )
+        assert not torch.allclose(logits2[:, t + 1 :], logits[:, t + 1 :])
 
 
 def test_forward_with_attention():
@@ -446,8 +476,16 @@ def test_forward_with_attention():
 
 
 def test_initial_loss_near_uniform():
-    for opts in ({}, {"pos_emb": "rope", "norm": "rmsnorm", "qk_norm": True, "mlp": "relu2",
-                      "tie_embeddings": False}):
+    for opts in (
+        {},
+        {
+            "pos_emb": "rope",
+            "norm": "rmsnorm",
+            "qk_norm": True,
+            "mlp": "relu2",
+            "tie_embeddings": False,
+        },
+    ):
         model = Transformer(65, 4, 4, 128, 64, **opts, generator=gen(0))
         idx = torch.randint(65, (4, 64), generator=gen(1))
         targets = torch.randint(65, (4, 64), generator=gen(2))
@@ -479,10 +517,14 @@ def test_eval_is_deterministic_with_dropout():
 def test_init_is_gpt2_style_and_seeded():
     model = Transformer(65, 4, 4, 128, 64, generator=gen(0))
     block = model.blocks[0]
-    assert_close(block.attn.qkv.weight.std(), torch.tensor(0.02), "qkv init std", atol=1e-3,
-                 rtol=0)
-    assert_close(block.mlp.proj.weight.std(), torch.tensor(0.02 / math.sqrt(8)),
-                 "residual proj init std", atol=5e-4, rtol=0)
+    assert_close(block.attn.qkv.weight.std(), torch.tensor(0.02), "qkv init std", atol=1e-3, rtol=0)
+    assert_close(
+        block.mlp.proj.weight.std(),
+        torch.tensor(0.02 / math.sqrt(8)),
+        "residual proj init std",
+        atol=5e-4,
+        rtol=0,
+    )
     assert (block.attn.qkv.bias == 0).all() and (block.ln1.weight == 1).all()
     again = Transformer(65, 4, 4, 128, 64, generator=gen(0))
     for a, b in zip(model.parameters(), again.parameters(), strict=True):
@@ -492,8 +534,9 @@ def test_init_is_gpt2_style_and_seeded():
 def test_num_parameters():
     V, L, C, T = 37, 2, 32, 16
     model = tiny_model()
-    per_block = 2 * C + (3 * C * C + 3 * C) + (C * C + C) + 2 * C + (4 * C * C + 4 * C) + (
-        4 * C * C + C)
+    per_block = (
+        2 * C + (3 * C * C + 3 * C) + (C * C + C) + 2 * C + (4 * C * C + 4 * C) + (4 * C * C + C)
+    )
     assert model.num_parameters() == V * C + T * C + L * per_block + 2 * C
     assert model.num_parameters(non_embedding=True) == V * C + L * per_block + 2 * C
     untied = tiny_model(tie_embeddings=False, pos_emb="rope", bias=False)
@@ -503,12 +546,28 @@ def test_num_parameters():
 def test_from_config():
     from llmcli.config import ModelConfig
 
-    cfg = ModelConfig(n_layer=2, n_head=2, n_embed=16, context_length=8, dropout=0.1, bias=False,
-                      pos_emb="rope", rope_base=500.0, norm="rmsnorm", qk_norm=True, mlp="relu2",
-                      tie_embeddings=False)
+    cfg = ModelConfig(
+        n_layer=2,
+        n_head=2,
+        n_embed=16,
+        context_length=8,
+        dropout=0.1,
+        bias=False,
+        pos_emb="rope",
+        rope_base=500.0,
+        norm="rmsnorm",
+        qk_norm=True,
+        mlp="relu2",
+        tie_embeddings=False,
+    )
     model = Transformer.from_config(cfg, vocab_size=11)
-    assert (model.vocab_size, model.n_layer, model.n_head, model.n_embed, model.context_length) \
-        == (11, 2, 2, 16, 8)
+    assert (model.vocab_size, model.n_layer, model.n_head, model.n_embed, model.context_length) == (
+        11,
+        2,
+        2,
+        16,
+        8,
+    )
     attn = model.blocks[0].attn
     assert attn.rotary is not None and attn.qk_norm and attn.qkv.bias is None
     assert model.blocks[0].mlp.activation == "relu2" and isinstance(model.ln_f, RMSNorm)
@@ -524,8 +583,13 @@ def test_from_config():
 
 MODEL_OPTIONS = {
     "seed": {},
-    "all-options": {"pos_emb": "rope", "norm": "rmsnorm", "qk_norm": True, "mlp": "relu2",
-                    "tie_embeddings": False},
+    "all-options": {
+        "pos_emb": "rope",
+        "norm": "rmsnorm",
+        "qk_norm": True,
+        "mlp": "relu2",
+        "tie_embeddings": False,
+    },
 }
 
 
@@ -539,12 +603,17 @@ def test_kv_cache_decode_and_chunked_prefill_equal_full_forward(opts):
         cache = model.new_kv_cache(2)
         outs, start = [], 0
         for n in chunks:
-            logits, _ = model(idx[:, start:start + n], kv_cache=cache)
+            logits, _ = model(idx[:, start : start + n], kv_cache=cache)
             outs.append(logits)
             start += n
         assert cache.length == 16
-        assert_close(torch.cat(outs, dim=1), full, f"kv cache chunks {chunks[:4]} [{tag}]",
-                     atol=1e-5, rtol=1e-5)
+        assert_close(
+            torch.cat(outs, dim=1),
+            full,
+            f"kv cache chunks {chunks[:4]} [{tag}]",
+            atol=1e-5,
+            rtol=1e-5,
+        )
     # crop and recompute the tail
     cache.crop(10)
     logits, _ = model(idx[:, 10:], kv_cache=cache)
@@ -563,8 +632,8 @@ def test_kv_cache_left_padded_batch_equals_each_prompt_alone(opts):
     idx = torch.zeros(3, width, dtype=torch.long)
     kpm = torch.ones(3, width, dtype=torch.bool)
     for i, p in enumerate(prompts):
-        idx[i, width - len(p):] = p
-        kpm[i, width - len(p):] = False
+        idx[i, width - len(p) :] = p
+        kpm[i, width - len(p) :] = False
     tag = ",".join(opts) or "seed"
     for explicit_positions in (False, True):
         cache = model.new_kv_cache(3)
@@ -578,16 +647,18 @@ def test_kv_cache_left_padded_batch_equals_each_prompt_alone(opts):
             pos = None
             if explicit_positions:
                 pos = torch.tensor([[len(p) + t] for p in prompts])
-            logits, _ = model(continuation[:, t:t + 1], position_ids=pos, kv_cache=cache)
+            logits, _ = model(continuation[:, t : t + 1], position_ids=pos, kv_cache=cache)
             steps.append(logits)
         steps = torch.cat(steps, dim=1)  # (3, 6, V)
         for i, p in enumerate(prompts):
             alone, _ = model(torch.cat([p, continuation[i]])[None])
             name = f"left-padded cached vs alone, prompt {i} [{tag}, pos={explicit_positions}]"
-            assert_close(torch.cat([prefill[i, width - len(p):], steps[i]]), alone[0], name)
+            assert_close(torch.cat([prefill[i, width - len(p) :], steps[i]]), alone[0], name)
     # And equals the full padded forward without cache.
-    full, _ = model(torch.cat([idx, continuation], 1),
-                    key_padding_mask=torch.cat([kpm, torch.zeros(3, 6, dtype=torch.bool)], 1))
+    full, _ = model(
+        torch.cat([idx, continuation], 1),
+        key_padding_mask=torch.cat([kpm, torch.zeros(3, 6, dtype=torch.bool)], 1),
+    )
     real = torch.cat([~kpm, torch.ones(3, 6, dtype=torch.bool)], 1)
     cached = torch.cat([prefill, steps], dim=1)
     assert_close(cached[real], full[real], f"cached vs full padded forward [{tag}]")
@@ -599,22 +670,22 @@ def test_padded_batch_gradients_equal_separate_sequences():
     idx = torch.zeros(2, 9, dtype=torch.long)
     kpm = torch.ones(2, 9, dtype=torch.bool)
     for i, s in enumerate(seqs):
-        idx[i, 9 - len(s):] = s
-        kpm[i, 9 - len(s):] = False
+        idx[i, 9 - len(s) :] = s
+        kpm[i, 9 - len(s) :] = False
     targets = torch.where(kpm, -1, torch.roll(idx, -1, dims=1))
     targets[:, -1] = -1
     model.zero_grad()
     logits, _ = model(idx, key_padding_mask=kpm)
-    F.cross_entropy(logits.reshape(-1, 37), targets.reshape(-1), ignore_index=-1,
-                    reduction="sum").backward()
+    F.cross_entropy(
+        logits.reshape(-1, 37), targets.reshape(-1), ignore_index=-1, reduction="sum"
+    ).backward()
     padded_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     for s in seqs:
         logits, _ = model(s[None])
         F.cross_entropy(logits[0, :-1], s[1:], reduction="sum").backward()
     for i, (a, p) in enumerate(zip(padded_grads, model.parameters(), strict=True)):
-        assert_close(a, p.grad, f"padded batch grad vs separate, param {i}", atol=1e-5,
-                     rtol=1e-4)
+        assert_close(a, p.grad, f"padded batch grad vs separate, param {i}", atol=1e-5, rtol=1e-4)
 
 
 def test_kv_cache_errors():
@@ -635,8 +706,11 @@ def test_mha_standalone_kv_cache():
     mha = randomize_(MultiHeadAttention(4, 32, 8, rope=True)).eval()
     x = torch.randn(2, 8, 32, generator=gen(1))
     cache = KVCache(1, 2, 4, 8, 8)
-    parts = [mha(x[:, :3], kv_cache=cache), mha(x[:, 3:4], kv_cache=cache),
-             mha(x[:, 4:], kv_cache=cache)]
+    parts = [
+        mha(x[:, :3], kv_cache=cache),
+        mha(x[:, 3:4], kv_cache=cache),
+        mha(x[:, 4:], kv_cache=cache),
+    ]
     assert_close(torch.cat(parts, 1), mha(x), "standalone mha kv cache")
     cache.reset()
     y, w = mha(x[:, :5], return_weights=True, kv_cache=cache)

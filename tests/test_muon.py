@@ -70,8 +70,9 @@ def test_newton_schulz_keeps_zero_and_dtype() -> None:
     assert out.dtype == torch.bfloat16 and torch.count_nonzero(out) == 0
 
 
-def reference_muon(W: np.ndarray, grads: list[np.ndarray], lr: float, mu: float, wd: float,
-                   nesterov: bool) -> np.ndarray:
+def reference_muon(
+    W: np.ndarray, grads: list[np.ndarray], lr: float, mu: float, wd: float, nesterov: bool
+) -> np.ndarray:
     """Muon's update rule by hand (the llmcli.muon docstring), float64."""
     W = W.astype(np.float64).copy()
     M = np.zeros_like(W)
@@ -90,8 +91,13 @@ def test_muon_steps_match_a_hand_computation(nesterov: bool) -> None:
     weights = [rng.standard_normal(s) * 0.1 for s in shapes]
     grads = [[rng.standard_normal(s) for _ in range(3)] for s in shapes]
     params = [torch.nn.Parameter(torch.tensor(w, dtype=torch.float32)) for w in weights]
-    opt = Muon([{"params": params, "use_muon": True}], lr=0.05, momentum=0.9,
-               nesterov=nesterov, weight_decay=0.1)
+    opt = Muon(
+        [{"params": params, "use_muon": True}],
+        lr=0.05,
+        momentum=0.9,
+        nesterov=nesterov,
+        weight_decay=0.1,
+    )
     for k in range(3):
         for p, g in zip(params, grads, strict=True):
             p.grad = torch.tensor(g[k], dtype=torch.float32)
@@ -116,12 +122,25 @@ def test_adamw_groups_match_torch_adamw() -> None:
     shapes = [(5, 3), (7,), (4, 4)]
     a = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
     b = [torch.nn.Parameter(p.detach().clone()) for p in a]
-    ours = Muon([{"params": a[:2], "use_muon": False, "weight_decay": 0.1},
-                 {"params": a[2:], "use_muon": False, "weight_decay": 0.0, "lr": 3e-3}],
-                adamw_lr=1e-2, betas=(0.8, 0.95), eps=1e-8)
-    ref = torch.optim.AdamW([{"params": b[:2], "weight_decay": 0.1},
-                             {"params": b[2:], "weight_decay": 0.0, "lr": 3e-3}],
-                            lr=1e-2, betas=(0.8, 0.95), eps=1e-8, foreach=False)
+    ours = Muon(
+        [
+            {"params": a[:2], "use_muon": False, "weight_decay": 0.1},
+            {"params": a[2:], "use_muon": False, "weight_decay": 0.0, "lr": 3e-3},
+        ],
+        adamw_lr=1e-2,
+        betas=(0.8, 0.95),
+        eps=1e-8,
+    )
+    ref = torch.optim.AdamW(
+        [
+            {"params": b[:2], "weight_decay": 0.1},
+            {"params": b[2:], "weight_decay": 0.0, "lr": 3e-3},
+        ],
+        lr=1e-2,
+        betas=(0.8, 0.95),
+        eps=1e-8,
+        foreach=False,
+    )
     for _ in range(5):
         grads = [torch.randn(s) for s in shapes]
         for p, q, g in zip(a, b, grads, strict=True):
@@ -149,11 +168,15 @@ def test_routing_muon_for_hidden_matrices_adamw_for_the_rest(tie: bool) -> None:
     model = tiny_model(tie_embeddings=tie, pos_emb="learned")
     train = TrainConfig(optimizer="muon", lr=2e-3, muon_lr=0.03, weight_decay=0.1)
     muon, decay, no_decay = muon_param_groups(model, train)
-    expected_hidden = {f"blocks.{i}.{m}.weight" for i in range(2)
-                       for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")}
+    expected_hidden = {
+        f"blocks.{i}.{m}.weight"
+        for i in range(2)
+        for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")
+    }
     assert set(muon["names"]) == expected_hidden and muon["use_muon"]
-    assert set(decay["names"]) == {"wte.weight", "wpe.weight"} | (set() if tie
-                                                                  else {"lm_head.weight"})
+    assert set(decay["names"]) == {"wte.weight", "wpe.weight"} | (
+        set() if tie else {"lm_head.weight"}
+    )
     named = dict(model.named_parameters())
     assert all(named[n].dim() == 1 for n in no_decay["names"])  # norm gains and biases
     assert "ln_f.weight" in no_decay["names"] and "blocks.0.attn.qkv.bias" in no_decay["names"]
@@ -164,10 +187,20 @@ def test_routing_muon_for_hidden_matrices_adamw_for_the_rest(tie: bool) -> None:
 
 
 def test_build_optimizer_muon_follows_the_schedule_and_trains() -> None:
-    model = tiny_model(norm="rmsnorm", qk_norm=True, mlp="relu2", pos_emb="rope",
-                       tie_embeddings=False)
-    train = TrainConfig(optimizer="muon", lr=1e-2, min_lr=0.0, muon_lr=0.05, warmup_steps=0,
-                        max_steps=40, beta1=0.8, beta2=0.95, muon_momentum=0.85)
+    model = tiny_model(
+        norm="rmsnorm", qk_norm=True, mlp="relu2", pos_emb="rope", tie_embeddings=False
+    )
+    train = TrainConfig(
+        optimizer="muon",
+        lr=1e-2,
+        min_lr=0.0,
+        muon_lr=0.05,
+        warmup_steps=0,
+        max_steps=40,
+        beta1=0.8,
+        beta2=0.95,
+        muon_momentum=0.85,
+    )
     opt = build_optimizer(model, train, "cpu")
     assert isinstance(opt, Muon)
     assert opt.param_groups[0]["momentum"] == 0.85

@@ -72,8 +72,9 @@ def reference_cosine(s: np.ndarray, lr: float, min_lr: float, w: int, n: int) ->
 def test_cosine_matches_the_formula_starts_above_zero_and_ends_at_min_lr(w: int) -> None:
     n, lr, min_lr = 100, 1e-3, 1e-4
     steps = np.arange(n)
-    got = np.array([learning_rate(int(s), lr=lr, min_lr=min_lr, warmup_steps=w, max_steps=n)
-                    for s in steps])
+    got = np.array(
+        [learning_rate(int(s), lr=lr, min_lr=min_lr, warmup_steps=w, max_steps=n) for s in steps]
+    )
     np.testing.assert_allclose(got, reference_cosine(steps, lr, min_lr, w, n), rtol=1e-12)
     assert got[0] > 0
     assert got[w] == pytest.approx(lr)
@@ -84,8 +85,20 @@ def test_cosine_matches_the_formula_starts_above_zero_and_ends_at_min_lr(w: int)
 
 def test_wsd_warms_up_holds_then_decays_linearly_to_min_lr() -> None:
     n, w, lr, min_lr, frac = 100, 10, 1e-3, 0.0, 0.2
-    got = np.array([learning_rate(s, lr=lr, min_lr=min_lr, warmup_steps=w, max_steps=n,
-                                  schedule="wsd", decay_fraction=frac) for s in range(n)])
+    got = np.array(
+        [
+            learning_rate(
+                s,
+                lr=lr,
+                min_lr=min_lr,
+                warmup_steps=w,
+                max_steps=n,
+                schedule="wsd",
+                decay_fraction=frac,
+            )
+            for s in range(n)
+        ]
+    )
     np.testing.assert_allclose(got[:w], lr * np.arange(1, w + 1) / (w + 1))
     np.testing.assert_allclose(got[w:80], lr)  # stable until the last 20% of the steps
     np.testing.assert_allclose(got[80:], lr + (min_lr - lr) * np.arange(20) / 19, atol=1e-15)

@@ -5,8 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SKIP_DIRS = {".git", "build", "dist", "checkpoints", "__pycache__", ".pytest_cache",
-             ".ruff_cache", ".hypothesis", ".venv"}
+SKIP_DIRS = {
+    ".git",
+    "build",
+    "dist",
+    "checkpoints",
+    "__pycache__",
+    ".pytest_cache",
+    ".ruff_cache",
+    ".hypothesis",
+    ".venv",
+}
 TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".toml", ".txt", ".html", ".cfg", ".json", ""}
 
 
@@ -14,8 +23,12 @@ def project_files() -> list[Path]:
     files = []
     for path in ROOT.rglob("*"):
         parts = set(path.relative_to(ROOT).parts)
-        if path.is_file() and not parts & SKIP_DIRS and not any(
-                p.endswith(".egg-info") for p in parts) and path.suffix in TEXT_SUFFIXES:
+        if (
+            path.is_file()
+            and not parts & SKIP_DIRS
+            and not any(p.endswith(".egg-info") for p in parts)
+            and path.suffix in TEXT_SUFFIXES
+        ):
             files.append(path)
     return files
 
@@ -24,8 +37,11 @@ def test_nothing_refers_to_a_folder_outside_the_project() -> None:
     outside = "../" + "shared"  # spelled in two pieces so that this file does not match itself
     files = project_files()
     assert any(p.name == "speedrun-cpu.yaml" for p in files)  # the walk sees the configs
-    offenders = [str(p.relative_to(ROOT)) for p in files
-                 if outside in p.read_text(encoding="utf-8", errors="replace")]
+    offenders = [
+        str(p.relative_to(ROOT))
+        for p in files
+        if outside in p.read_text(encoding="utf-8", errors="replace")
+    ]
     assert offenders == []
 
 

@@ -29,13 +29,21 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_run(run_dir: Path, tokenizer, sample: dict | None = None, seed: int = 0) -> Path:
-    config = config_from_dict({
-        "model": {"n_layer": 2, "n_head": 2, "n_embed": 32, "context_length": 16},
-        "sample": {"max_new_tokens": 20, "temperature": 1.0, "top_k": 10, "seed": 3,
-                   **(sample or {})},
-    })
-    model = Transformer.from_config(config.model, tokenizer.vocab_size,
-                                    generator=torch.Generator().manual_seed(seed))
+    config = config_from_dict(
+        {
+            "model": {"n_layer": 2, "n_head": 2, "n_embed": 32, "context_length": 16},
+            "sample": {
+                "max_new_tokens": 20,
+                "temperature": 1.0,
+                "top_k": 10,
+                "seed": 3,
+                **(sample or {}),
+            },
+        }
+    )
+    model = Transformer.from_config(
+        config.model, tokenizer.vocab_size, generator=torch.Generator().manual_seed(seed)
+    )
     with torch.no_grad():  # sharper logits than the initialisation's near-uniform ones
         for p in model.parameters():
             if p.ndim == 2:
@@ -69,33 +77,71 @@ def expected_completion(run_dir: Path, prompt: str, n: int, seed: int, **kw) -> 
 
 
 def test_prompt_and_continuation_with_run_defaults(capsys, run_dir) -> None:
-    code, out, err = cli(capsys, "sample", "--checkpoint", str(run_dir), "--prompt", "ROMEO:",
-                         "--no-stream")
+    code, out, err = cli(
+        capsys, "sample", "--checkpoint", str(run_dir), "--prompt", "ROMEO:", "--no-stream"
+    )
     assert code == 0, err
     assert out == "ROMEO:" + expected_completion(run_dir, "ROMEO:", 20, seed=3) + "\n"
-    code, streamed, _ = cli(capsys, "sample", "--checkpoint", str(run_dir), "--prompt",
-                            "ROMEO:", "--stream")
+    code, streamed, _ = cli(
+        capsys, "sample", "--checkpoint", str(run_dir), "--prompt", "ROMEO:", "--stream"
+    )
     assert code == 0 and streamed == out
 
 
 def test_options_override_the_config(capsys, run_dir) -> None:
-    code, out, _ = cli(capsys, "sample", "--checkpoint", str(run_dir), "--prompt", "JULIET",
-                       "--max-new-tokens", "7", "--temperature", "0", "--no-stream")
+    code, out, _ = cli(
+        capsys,
+        "sample",
+        "--checkpoint",
+        str(run_dir),
+        "--prompt",
+        "JULIET",
+        "--max-new-tokens",
+        "7",
+        "--temperature",
+        "0",
+        "--no-stream",
+    )
     assert code == 0
     run = load_run(run_dir)
     ids = generate_ids(run.model, [run.tokenizer.encode("JULIET")], 7, temperature=0.0)[0]
     assert out == "JULIET" + run.tokenizer.decode(ids) + "\n"
-    code, out, _ = cli(capsys, "sample", "--checkpoint", str(run_dir), "--prompt", "JULIET",
-                       "--top-k", "3", "--top-p", "0.6", "--seed", "5", "--no-stream")
+    code, out, _ = cli(
+        capsys,
+        "sample",
+        "--checkpoint",
+        str(run_dir),
+        "--prompt",
+        "JULIET",
+        "--top-k",
+        "3",
+        "--top-p",
+        "0.6",
+        "--seed",
+        "5",
+        "--no-stream",
+    )
     assert code == 0
-    ids = generate_ids(run.model, [run.tokenizer.encode("JULIET")], 20, temperature=1.0,
-                       top_k=3, top_p=0.6, seed=5)[0]
+    ids = generate_ids(
+        run.model, [run.tokenizer.encode("JULIET")], 20, temperature=1.0, top_k=3, top_p=0.6, seed=5
+    )[0]
     assert out == "JULIET" + run.tokenizer.decode(ids) + "\n"
 
 
 def test_num_samples_is_one_batch_with_seeds_seed_plus_i(capsys, run_dir) -> None:
-    code, out, _ = cli(capsys, "sample", "--checkpoint", str(run_dir), "--prompt", "ROMEO:",
-                       "--num-samples", "3", "--seed", "40", "--json")
+    code, out, _ = cli(
+        capsys,
+        "sample",
+        "--checkpoint",
+        str(run_dir),
+        "--prompt",
+        "ROMEO:",
+        "--num-samples",
+        "3",
+        "--seed",
+        "40",
+        "--json",
+    )
     assert code == 0
     rows = [json.loads(line) for line in out.splitlines()]
     assert [r["seed"] for r in rows] == [40, 41, 42]
@@ -103,8 +149,19 @@ def test_num_samples_is_one_batch_with_seeds_seed_plus_i(capsys, run_dir) -> Non
         assert r["prompt"] == "ROMEO:" and r["tokens"] == 20 and r["tokens_per_s"] > 0
         assert r["completion"] == expected_completion(run_dir, "ROMEO:", 20, seed=40 + i)
     assert len({r["completion"] for r in rows}) == 3
-    code, text, _ = cli(capsys, "sample", "--checkpoint", str(run_dir), "--prompt", "ROMEO:",
-                        "--num-samples", "3", "--seed", "40", "--no-stream")
+    code, text, _ = cli(
+        capsys,
+        "sample",
+        "--checkpoint",
+        str(run_dir),
+        "--prompt",
+        "ROMEO:",
+        "--num-samples",
+        "3",
+        "--seed",
+        "40",
+        "--no-stream",
+    )
     blocks = text.split("---------------\n")
     assert [b.rstrip("\n") for b in blocks] == ["ROMEO:" + r["completion"] for r in rows]
 
@@ -113,15 +170,37 @@ def test_prompt_file_batch_keeps_order_and_equals_alone(capsys, run_dir, tmp_pat
     prompts = ["ROMEO: But soft, what light", "J", "", "JULIET: Ay me!\nROMEO: what light through"]
     path = tmp_path / "prompts.json"
     path.write_text(json.dumps(prompts))
-    code, out, err = cli(capsys, "sample", "--checkpoint", str(run_dir), "--prompt-file",
-                         str(path), "--seed", "9", "--json", "--max-new-tokens", "24")
+    code, out, err = cli(
+        capsys,
+        "sample",
+        "--checkpoint",
+        str(run_dir),
+        "--prompt-file",
+        str(path),
+        "--seed",
+        "9",
+        "--json",
+        "--max-new-tokens",
+        "24",
+    )
     assert code == 0, err
     rows = [json.loads(line) for line in out.splitlines()]
     assert [r["prompt"] for r in rows] == prompts
     assert "context_length" in err  # the last prompt (35 chars) is longer than 16
     for i, (p, r) in enumerate(zip(prompts, rows, strict=True)):
-        code, alone, _ = cli(capsys, "sample", "--checkpoint", str(run_dir), "--prompt", p,
-                             "--seed", str(9 + i), "--json", "--max-new-tokens", "24")
+        code, alone, _ = cli(
+            capsys,
+            "sample",
+            "--checkpoint",
+            str(run_dir),
+            "--prompt",
+            p,
+            "--seed",
+            str(9 + i),
+            "--json",
+            "--max-new-tokens",
+            "24",
+        )
         assert json.loads(alone)["completion"] == r["completion"], p
         assert r["completion"] == expected_completion(run_dir, p[-16:], 24, seed=9 + i)
 
@@ -129,39 +208,79 @@ def test_prompt_file_batch_keeps_order_and_equals_alone(capsys, run_dir, tmp_pat
 def test_stop_string_ends_the_sample_and_is_not_printed(capsys, run_dir) -> None:
     full = expected_completion(run_dir, "ROMEO:", 20, seed=3)
     stop = full[8:10]  # text that does appear, at position 8 at the latest
-    code, out, _ = cli(capsys, "sample", "--checkpoint", str(run_dir), "--prompt", "ROMEO:",
-                       "--stop", stop, "--stop", "@@", "--stream")
+    code, out, _ = cli(
+        capsys,
+        "sample",
+        "--checkpoint",
+        str(run_dir),
+        "--prompt",
+        "ROMEO:",
+        "--stop",
+        stop,
+        "--stop",
+        "@@",
+        "--stream",
+    )
     assert code == 0
     assert out == "ROMEO:" + full[: full.index(stop)] + "\n"
 
 
 def test_stop_understands_escaped_newlines(capsys, run_dir) -> None:
     # A seed whose sample holds a newline (the tiny test model may end one early instead).
-    seed, full = next((s, text) for s in range(4, 40)
-                      if "\n" in (text := expected_completion(run_dir, "ROMEO:", 60, seed=s)))
-    code, out, _ = cli(capsys, "sample", "--checkpoint", str(run_dir), "--prompt", "ROMEO:",
-                       "--stop", "\\n", "--max-new-tokens", "60", "--seed", str(seed), "--json")
+    seed, full = next(
+        (s, text)
+        for s in range(4, 40)
+        if "\n" in (text := expected_completion(run_dir, "ROMEO:", 60, seed=s))
+    )
+    code, out, _ = cli(
+        capsys,
+        "sample",
+        "--checkpoint",
+        str(run_dir),
+        "--prompt",
+        "ROMEO:",
+        "--stop",
+        "\\n",
+        "--max-new-tokens",
+        "60",
+        "--seed",
+        str(seed),
+        "--json",
+    )
     assert code == 0
     assert json.loads(out)["completion"] == full[: full.index("\n")]
 
 
 def test_empty_prompt_and_stdin(capsys, run_dir, monkeypatch) -> None:
-    code, out, _ = cli(capsys, "sample", "--checkpoint", str(run_dir), "--prompt", "",
-                       "--no-stream")
-    assert code == 0 and out.rstrip("\n") == expected_completion(run_dir, "", 20,
-                                                                  seed=3).rstrip("\n")
+    code, out, _ = cli(
+        capsys, "sample", "--checkpoint", str(run_dir), "--prompt", "", "--no-stream"
+    )
+    assert code == 0 and out.rstrip("\n") == expected_completion(run_dir, "", 20, seed=3).rstrip(
+        "\n"
+    )
     monkeypatch.setattr(sys, "stdin", io.StringIO("ROMEO:"))
-    code, out2, _ = cli(capsys, "sample", "--checkpoint", str(run_dir), "--prompt", "-",
-                        "--no-stream")
-    assert code == 0 and out2 == "ROMEO:" + expected_completion(run_dir, "ROMEO:", 20,
-                                                                 seed=3) + "\n"
+    code, out2, _ = cli(
+        capsys, "sample", "--checkpoint", str(run_dir), "--prompt", "-", "--no-stream"
+    )
+    assert (
+        code == 0 and out2 == "ROMEO:" + expected_completion(run_dir, "ROMEO:", 20, seed=3) + "\n"
+    )
 
 
 def test_bpe_run_starts_empty_prompt_at_end_of_text(capsys, tmp_path) -> None:
     tok = BPETokenizer.train([TEXT * 5], vocab_size=280)
     run_dir = make_run(tmp_path / "bpe", tok)
-    code, out, _ = cli(capsys, "sample", "--checkpoint", str(run_dir), "--json",
-                       "--temperature", "0", "--max-new-tokens", "12")
+    code, out, _ = cli(
+        capsys,
+        "sample",
+        "--checkpoint",
+        str(run_dir),
+        "--json",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "12",
+    )
     assert code == 0
     row = json.loads(out)
     run = load_run(run_dir)
@@ -222,8 +341,12 @@ def test_broken_runs_exit_2(capsys, run_dir, tmp_path) -> None:
         (truncated / weights).write_bytes(data[: len(data) // 2])
     mismatch = broken("mismatch")
     CharTokenizer.train([TEXT + "XYZ"]).save(mismatch / "tokenizer.json")
-    for d, message in [(no_tok, "no tokenizer.json"), (truncated, "truncated"),
-                       (mismatch, "tokens but the weights"), (tmp_path / "absent", "does not")]:
+    for d, message in [
+        (no_tok, "no tokenizer.json"),
+        (truncated, "truncated"),
+        (mismatch, "tokens but the weights"),
+        (tmp_path / "absent", "does not"),
+    ]:
         code, out, err = cli(capsys, "sample", "--checkpoint", str(d), "--prompt", "R")
         assert code == 2, err
         assert message in err and "Traceback" not in out + err
@@ -232,9 +355,21 @@ def test_broken_runs_exit_2(capsys, run_dir, tmp_path) -> None:
 @pytest.mark.slow
 def test_ctrl_c_exits_130_without_traceback(run_dir) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "llmcli", "sample", "--checkpoint", str(run_dir),
-         "--max-new-tokens", "1000000", "--stream"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=default_sigint,
+        [
+            sys.executable,
+            "-m",
+            "llmcli",
+            "sample",
+            "--checkpoint",
+            str(run_dir),
+            "--max-new-tokens",
+            "1000000",
+            "--stream",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=default_sigint,
     )
     try:
         assert proc.stdout.read(1)  # generation has started

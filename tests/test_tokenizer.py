@@ -125,8 +125,10 @@ def test_char_decode_rejects_unknown_ids() -> None:
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map (OpenAI encoder.py)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1)
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
     )
     cs = bs[:]
     n = 0
@@ -158,8 +160,10 @@ def reference_bpe_encode(tokenizer_json: str, text: str) -> list[int]:
         for word in GPT2_PATTERN.findall(part):
             symbols = [byte_map[b] for b in word.encode("utf-8")]
             while len(symbols) > 1:
-                rank, i = min((ranks.get(p, float("inf")), i)
-                              for i, p in enumerate(zip(symbols, symbols[1:], strict=False)))
+                rank, i = min(
+                    (ranks.get(p, float("inf")), i)
+                    for i, p in enumerate(zip(symbols, symbols[1:], strict=False))
+                )
                 if rank == float("inf"):
                     break
                 first, second = symbols[i], symbols[i + 1]

@@ -81,10 +81,22 @@ def corpus(tmp_path_factory) -> Path:
 def make_config(corpus: Path, **train: object) -> Config:
     raw = {
         "model": {"n_layer": 1, "n_head": 2, "n_embed": 16, "context_length": 8},
-        "data": {"path": str(corpus), "tokenizer": "char",
-                 "cache_dir": str(corpus.parent / "cache")},
-        "train": {"device": "cpu", "batch_size": 4, "max_steps": 30, "warmup_steps": 3,
-                  "eval_interval": 10, "eval_steps": 2, "log_interval": 5, "seed": 7, **train},
+        "data": {
+            "path": str(corpus),
+            "tokenizer": "char",
+            "cache_dir": str(corpus.parent / "cache"),
+        },
+        "train": {
+            "device": "cpu",
+            "batch_size": 4,
+            "max_steps": 30,
+            "warmup_steps": 3,
+            "eval_interval": 10,
+            "eval_steps": 2,
+            "log_interval": 5,
+            "seed": 7,
+            **train,
+        },
     }
     return config_from_dict(raw, name="t")
 
@@ -113,8 +125,10 @@ def assert_close_weights(a: Path, b: Path, atol: float) -> None:
 
 
 def stable_metrics(run_dir: Path) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in VOLATILE}
-            for r in read_metrics(run_dir / "metrics.jsonl")]
+    return [
+        {k: v for k, v in r.items() if k not in VOLATILE}
+        for r in read_metrics(run_dir / "metrics.jsonl")
+    ]
 
 
 def cli_env(**extra: str) -> dict[str, str]:
@@ -124,8 +138,14 @@ def cli_env(**extra: str) -> dict[str, str]:
 
 
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "llmcli", *args], cwd=ROOT, env=cli_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "llmcli", *args],
+        cwd=ROOT,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -156,14 +176,20 @@ def test_device_and_precision_choices() -> None:
         with pytest.raises(InputError, match="no CUDA device"):
             resolve_device("cuda")
     assert resolve_precision(torch.device("cpu"), "auto") == ("float32", None, False)
-    assert resolve_precision(torch.device("cpu"), "bfloat16") == ("bfloat16", torch.bfloat16,
-                                                                  False)
+    assert resolve_precision(torch.device("cpu"), "bfloat16") == ("bfloat16", torch.bfloat16, False)
     with pytest.raises(InputError, match="float16"):
         resolve_precision(torch.device("cpu"), "float16")
 
 
-@pytest.mark.parametrize("model", [{}, {"tie_embeddings": False}, {"pos_emb": "rope"},
-                                   {"n_layer": 3, "n_embed": 48, "n_head": 4}])
+@pytest.mark.parametrize(
+    "model",
+    [
+        {},
+        {"tie_embeddings": False},
+        {"pos_emb": "rope"},
+        {"n_layer": 3, "n_embed": 48, "n_head": 4},
+    ],
+)
 def test_memory_estimate_counts_the_parameters_and_refuses_what_cannot_fit(
     corpus: Path, model: dict
 ) -> None:
@@ -188,8 +214,16 @@ def test_a_run_writes_its_directory_metrics_and_evaluations(reference: Path, cor
     from llmcli.data import BatchSampler, prepare_data
 
     names = set(os.listdir(reference))
-    assert names == {"config.yaml", "tokenizer.json", "model.safetensors", "best.safetensors",
-                     "meta.json", "state.pt", "metrics.jsonl", "loss.png"}
+    assert names == {
+        "config.yaml",
+        "tokenizer.json",
+        "model.safetensors",
+        "best.safetensors",
+        "meta.json",
+        "state.pt",
+        "metrics.jsonl",
+        "loss.png",
+    }
     assert (reference / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     config = make_config(corpus)
     records = read_metrics(reference / "metrics.jsonl")
@@ -223,12 +257,14 @@ def test_a_run_writes_its_directory_metrics_and_evaluations(reference: Path, cor
     assert meta["best_val_loss"] == min(r["val_loss"] for r in evals)
     assert ckpt.load_state(reference)["best_step"] == meta["best_step"]
     if meta["best_step"] == 30:
-        assert (reference / "best.safetensors").read_bytes() == \
-            (reference / "model.safetensors").read_bytes()
+        assert (reference / "best.safetensors").read_bytes() == (
+            reference / "model.safetensors"
+        ).read_bytes()
 
 
-def test_evaluation_does_not_move_the_training_stream(reference: Path, corpus: Path,
-                                                      tmp_path: Path) -> None:
+def test_evaluation_does_not_move_the_training_stream(
+    reference: Path, corpus: Path, tmp_path: Path
+) -> None:
     train(make_config(corpus, eval_interval=30), out_dir=tmp_path / "run", progress=False)
     assert_same_weights(reference, tmp_path / "run")
 
@@ -237,13 +273,25 @@ def test_gradient_accumulation_scales_the_loss(corpus: Path, tmp_path: Path) -> 
     # Two micro-batches of 4 draw the same windows as one batch of 8 (one generator), so the
     # runs differ only by float rounding if the loss is divided by grad_accum.
     # (Evaluation batches have batch_size rows, so the val losses differ; train losses do not.)
-    one = train(make_config(corpus, batch_size=8, max_steps=10, eval_interval=10),
-                out_dir=tmp_path / "one", progress=False)
-    two = train(make_config(corpus, batch_size=4, grad_accum=2, max_steps=10, eval_interval=10),
-                out_dir=tmp_path / "two", progress=False)
+    one = train(
+        make_config(corpus, batch_size=8, max_steps=10, eval_interval=10),
+        out_dir=tmp_path / "one",
+        progress=False,
+    )
+    two = train(
+        make_config(corpus, batch_size=4, grad_accum=2, max_steps=10, eval_interval=10),
+        out_dir=tmp_path / "two",
+        progress=False,
+    )
     assert two.tokens == one.tokens == 10 * 8 * 8
-    logged = [[r["train_loss"] for r in read_metrics(tmp_path / name / "metrics.jsonl")
-               if r["kind"] == "train"] for name in ("one", "two")]
+    logged = [
+        [
+            r["train_loss"]
+            for r in read_metrics(tmp_path / name / "metrics.jsonl")
+            if r["kind"] == "train"
+        ]
+        for name in ("one", "two")
+    ]
     assert logged[1] == pytest.approx(logged[0], abs=1e-5)
     assert_close_weights(tmp_path / "one", tmp_path / "two", atol=1e-6)
 
@@ -251,8 +299,9 @@ def test_gradient_accumulation_scales_the_loss(corpus: Path, tmp_path: Path) -> 
 # --- exact resume ----------------------------------------------------------------------------
 
 
-def test_ctrl_c_saves_and_resume_is_bitwise_exact(reference: Path, corpus: Path,
-                                                  tmp_path: Path, ctrl_c_raises) -> None:
+def test_ctrl_c_saves_and_resume_is_bitwise_exact(
+    reference: Path, corpus: Path, tmp_path: Path, ctrl_c_raises
+) -> None:
     run_dir = tmp_path / "run"
 
     def interrupt(step: int) -> None:
@@ -359,10 +408,22 @@ def start_pausing(config: Path, run_dir: Path, marker: Path, at: int, *extra: st
     script = marker.parent / "pausing_cli.py"
     script.write_text(PAUSING_CLI)
     return subprocess.Popen(
-        [sys.executable, str(script), "train", str(config), "--out", str(run_dir),
-         "--no-progress", *extra],
-        cwd=ROOT, env=cli_env(PAUSE_AT=str(at), PAUSE_MARKER=str(marker)),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint,
+        [
+            sys.executable,
+            str(script),
+            "train",
+            str(config),
+            "--out",
+            str(run_dir),
+            "--no-progress",
+            *extra,
+        ],
+        cwd=ROOT,
+        env=cli_env(PAUSE_AT=str(at), PAUSE_MARKER=str(marker)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=default_sigint,
     )
 
 
@@ -430,9 +491,25 @@ def test_ddp_two_processes_match_one_process_with_the_union_of_their_batches(
     config = write_config(make_config(corpus, batch_size=4, **steps), tmp_path / "ddp.yaml")
     ddp_dir = tmp_path / "ddp"
     out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "-m", "llmcli", "train", str(config), "--out", str(ddp_dir), "--no-progress"],
-        cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "llmcli",
+            "train",
+            str(config),
+            "--out",
+            str(ddp_dir),
+            "--no-progress",
+        ],
+        cwd=ROOT,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
 
@@ -440,10 +517,21 @@ def test_ddp_two_processes_match_one_process_with_the_union_of_their_batches(
     Sampler = llmcli.data.BatchSampler
 
     class Union:
-        def __init__(self, tokens, batch_size, context_length, seed, rank=0, world_size=1,
-                     device="cpu"):
-            self.parts = [Sampler(tokens, batch_size // 2, context_length, seed, rank=r,
-                                  world_size=2, device=device) for r in range(2)]
+        def __init__(
+            self, tokens, batch_size, context_length, seed, rank=0, world_size=1, device="cpu"
+        ):
+            self.parts = [
+                Sampler(
+                    tokens,
+                    batch_size // 2,
+                    context_length,
+                    seed,
+                    rank=r,
+                    world_size=2,
+                    device=device,
+                )
+                for r in range(2)
+            ]
 
         def next(self):
             xs, ys = zip(*(p.next() for p in self.parts), strict=True)
@@ -455,10 +543,13 @@ def test_ddp_two_processes_match_one_process_with_the_union_of_their_batches(
     monkeypatch.setattr(llmcli.data, "BatchSampler", Union)
     train(make_config(corpus, batch_size=8, **steps), out_dir=tmp_path / "one", progress=False)
 
-    ddp, one = read_metrics(ddp_dir / "metrics.jsonl"), read_metrics(tmp_path / "one" /
-                                                                     "metrics.jsonl")
-    assert [(r["kind"], r["step"], r["tokens"]) for r in ddp] == \
-        [(r["kind"], r["step"], r["tokens"]) for r in one]
+    ddp, one = (
+        read_metrics(ddp_dir / "metrics.jsonl"),
+        read_metrics(tmp_path / "one" / "metrics.jsonl"),
+    )
+    assert [(r["kind"], r["step"], r["tokens"]) for r in ddp] == [
+        (r["kind"], r["step"], r["tokens"]) for r in one
+    ]
     assert ddp[-1]["step"] == 20 and ddp[-1]["tokens"] == 20 * 2 * 2 * 4 * 8
     for a, b in zip(ddp, one, strict=True):
         assert a["train_loss"] == pytest.approx(b["train_loss"], abs=1e-4)

@@ -32,8 +32,9 @@ def test_minor_version_change_warns_with_both_versions() -> None:
     changed["torch"] = "1.0.0"
     lines = warnings_for(changed)
     assert len(lines) == 2
-    assert any("tokenizers 0.1.0" in line and metadata.version("tokenizers") in line
-               for line in lines)
+    assert any(
+        "tokenizers 0.1.0" in line and metadata.version("tokenizers") in line for line in lines
+    )
     assert any("torch 1.0.0" in line for line in lines)
 
 

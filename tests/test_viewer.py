@@ -43,13 +43,20 @@ def uniform(T: int) -> np.ndarray:
 
 def make_dump() -> AttentionDump:
     """Layer 0: heads previous-token, sink, uniform; layer 2: sink, uniform, previous-token."""
-    attn = np.stack([
-        np.stack([previous(T), sink(T), uniform(T)]),
-        np.stack([sink(T), uniform(T), previous(T)]),
-    ]).astype(np.float32)  # (2, 3, T, T)
+    attn = np.stack(
+        [
+            np.stack([previous(T), sink(T), uniform(T)]),
+            np.stack([sink(T), uniform(T), previous(T)]),
+        ]
+    ).astype(np.float32)  # (2, 3, T, T)
     return AttentionDump(
-        attn=attn, tokens=TOKENS, token_ids=np.arange(T), metrics=head_metrics(attn),
-        metric_names=list(METRIC_NAMES), layers=[0, 2], heads=[0, 1, 3],
+        attn=attn,
+        tokens=TOKENS,
+        token_ids=np.arange(T),
+        metrics=head_metrics(attn),
+        metric_names=list(METRIC_NAMES),
+        layers=[0, 2],
+        heads=[0, 1, 3],
         meta={"checkpoint": "/runs/x", "prompt": "".join(TOKENS)},
     )
 
@@ -70,8 +77,9 @@ def test_page_is_self_contained() -> None:
 def test_inlined_data_round_trips() -> None:
     dump = make_dump()
     html = render_viewer(dump)
-    raw = re.search(r'<script type="application/json" id="attention-data">(.*?)</script>',
-                    html, re.S).group(1)
+    raw = re.search(
+        r'<script type="application/json" id="attention-data">(.*?)</script>', html, re.S
+    ).group(1)
     data = json.loads(raw)
     assert data["tokens"] == TOKENS
     assert data["layers"] == [0, 2] and data["heads"] == [0, 1, 3]
@@ -85,13 +93,21 @@ def test_inlined_data_round_trips() -> None:
 
 
 def _find_chromium() -> tuple[str, str] | None:
-    browser = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")
-                    if shutil.which(n)), None)
+    browser = next(
+        (
+            shutil.which(n)
+            for n in ("chromium", "chromium-browser", "google-chrome")
+            if shutil.which(n)
+        ),
+        None,
+    )
     driver = shutil.which("chromedriver")
     return (browser, driver) if browser and driver else None
 
 
 CHROMIUM = _find_chromium()
+
+
 def needs_chromium(test):
     """A browser test: slow, and skipped where Chromium is not installed."""
     return pytest.mark.slow(
@@ -108,11 +124,19 @@ def browser():
     profile = tempfile.mkdtemp(prefix="llmcli-chromium-")
     opts = webdriver.ChromeOptions()
     opts.binary_location = binary
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-                 "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync",
-                 "--disable-dev-shm-usage", "--window-size=1400,1000",
-                 f"--user-data-dir={profile}"):
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        "--window-size=1400,1000",
+        f"--user-data-dir={profile}",
+    ):
         opts.add_argument(flag)
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(options=opts, service=Service(driver_path))
@@ -134,14 +158,19 @@ def _severe(browser) -> list[dict]:
 
 def _pixel(browser, q: int, k: int) -> tuple[int, int, int]:
     """The colour at the centre of heatmap cell (query q, key k)."""
-    return tuple(browser.execute_script(
-        "const c = document.getElementById('heatmap'), T = arguments[2];"
-        "const cell = c.width / T;"
-        "const d = c.getContext('2d').getImageData("
-        "  Math.floor((arguments[1] + 0.5) * cell), Math.floor((arguments[0] + 0.5) * cell), 1, 1"
-        ").data; return [d[0], d[1], d[2]];",
-        q, k, T,
-    ))
+    return tuple(
+        browser.execute_script(
+            "const c = document.getElementById('heatmap'), T = arguments[2];"
+            "const cell = c.width / T;"
+            "const d = c.getContext('2d').getImageData("
+            "  Math.floor((arguments[1] + 0.5) * cell),"
+            "  Math.floor((arguments[0] + 0.5) * cell), 1, 1"
+            ").data; return [d[0], d[1], d[2]];",
+            q,
+            k,
+            T,
+        )
+    )
 
 
 def _canvas_url(browser) -> str:
@@ -230,7 +259,9 @@ def test_clicking_a_token_highlights_its_row(browser, tmp_path) -> None:
     red = browser.execute_script(
         "const c = document.getElementById('heatmap'), cell = c.width / arguments[0];"
         "const d = c.getContext('2d').getImageData(Math.floor(c.width / 2),"
-        "  Math.floor(5 * cell + 1), 1, 1).data; return [d[0], d[1], d[2]];", T)
+        "  Math.floor(5 * cell + 1), 1, 1).data; return [d[0], d[1], d[2]];",
+        T,
+    )
     assert red == [255, 42, 42]
     # Each key token shows the weight the clicked query gives it.
     weights = [s.get_attribute("data-weight") for s in spans]
@@ -241,8 +272,9 @@ def test_clicking_a_token_highlights_its_row(browser, tmp_path) -> None:
     _select(browser, "head", "mean")
     spans = browser.find_elements(By.CSS_SELECTOR, "#tokens .tok")
     mean_row = dump.attn[0].mean(0)[5, :6]
-    np.testing.assert_allclose([float(s.get_attribute("data-weight")) for s in spans[:6]],
-                               mean_row, atol=1e-6)
+    np.testing.assert_allclose(
+        [float(s.get_attribute("data-weight")) for s in spans[:6]], mean_row, atol=1e-6
+    )
     # A second click unpins.
     spans[5].click()
     _move_away(browser)

@@ -23,8 +23,9 @@ pytestmark = pytest.mark.slow
 
 
 def run(args: list, cwd: Path, env: dict[str, str], timeout: float = 300):
-    out = subprocess.run([str(a) for a in args], cwd=cwd, env=env, capture_output=True,
-                         text=True, timeout=timeout)
+    out = subprocess.run(
+        [str(a) for a in args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
     assert out.returncode == 0, f"{args}\n{out.stdout}\n{out.stderr}"
     return out
 
@@ -34,10 +35,28 @@ def installed(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     """A venv with the wheel installed: (its bin folder, the environment to run it in)."""
     tmp = tmp_path_factory.mktemp("wheel")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "WORLD_SIZE")}
-    env.update(OMP_NUM_THREADS="1", LLMCLI_CACHE=str(tmp / "cache"), PIP_NO_INDEX="1",
-               PIP_DISABLE_PIP_VERSION_CHECK="1")
-    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "-w", tmp / "dist", ROOT], tmp, env)
+    env.update(
+        OMP_NUM_THREADS="1",
+        LLMCLI_CACHE=str(tmp / "cache"),
+        PIP_NO_INDEX="1",
+        PIP_DISABLE_PIP_VERSION_CHECK="1",
+    )
+    run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            tmp / "dist",
+            ROOT,
+        ],
+        tmp,
+        env,
+    )
     (wheel,) = (tmp / "dist").glob("llmcli-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     shipped = {f"llmcli/configs/{p.name}" for p in (ROOT / "configs").glob("*.yaml")}
@@ -56,19 +75,28 @@ def test_the_quick_start_runs_from_an_empty_folder(installed, tmp_path: Path) ->
     llmcli = bin_dir / "llmcli"
     listed = run([llmcli, "config", "--list"], tmp_path, env).stdout
     assert {line.split()[0] for line in listed.splitlines()} == {
-        p.stem for p in (ROOT / "configs").glob("*.yaml")}
+        p.stem for p in (ROOT / "configs").glob("*.yaml")
+    }
 
-    trained = run([llmcli, "train", "tiny", "--set", "train.max_steps=30",
-                   "--set", "train.eval_interval=30"], tmp_path, env)
+    trained = run(
+        [llmcli, "train", "tiny", "--set", "train.max_steps=30", "--set", "train.eval_interval=30"],
+        tmp_path,
+        env,
+    )
     assert (tmp_path / "checkpoints" / "tiny" / "model.safetensors").is_file()
     assert "\r" not in trained.stderr and "train 30/30" in trained.stderr  # plain lines
     assert "warmup_steps (100) is longer than the run" in trained.stderr
-    sampled = run([llmcli, "sample", "--prompt", "ROMEO:", "--max-new-tokens", "40"], tmp_path,
-                  env)
+    sampled = run([llmcli, "sample", "--prompt", "ROMEO:", "--max-new-tokens", "40"], tmp_path, env)
     assert sampled.stdout.startswith("ROMEO:") and len(sampled.stdout) > len("ROMEO:")
     run([llmcli, "train", "speedrun-cpu", "--set", "train.max_steps=40"], tmp_path, env)
     assert (tmp_path / "checkpoints" / "speedrun-cpu" / "best.safetensors").is_file()
 
-    bad = subprocess.run([llmcli, "train", "tinny"], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=120)
+    bad = subprocess.run(
+        [llmcli, "train", "tinny"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "speedrun-cpu" in bad.stderr and "Traceback" not in bad.stderr
