@@ -54,6 +54,7 @@ from pathlib import Path
 
 import matplotlib.backends.backend_agg, matplotlib.figure, torch  # noqa: F401
 import llmcli.checkpoint as ckpt
+import llmcli.fileio as fileio
 import llmcli.cli, llmcli.data, llmcli.model  # noqa: F401
 import llmcli.train as T
 
@@ -83,7 +84,7 @@ T.train = lambda *args, **kwargs: original_train(*args, on_step=on_step, **kwarg
 
 if job.get("in_write"):
     name, nth, fraction = job["in_write"]
-    real_write, seen = ckpt._write_and_sync, [0]
+    real_write, seen = fileio._write_and_sync, [0]
 
     def write(path, data):
         if path.name.startswith(f".{name}.tmp-"):
@@ -96,7 +97,7 @@ if job.get("in_write"):
                 pause(f"writing {name}")
         real_write(path, data)
 
-    ckpt._write_and_sync = write
+    fileio._write_and_sync = write
 
 llmcli.cli.main(job["argv"])
 """

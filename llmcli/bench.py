@@ -480,8 +480,8 @@ def write_report(
     Returns:
         `(json_path, png_path)`.
     """
-    from llmcli.checkpoint import atomic_write_bytes, atomic_write_json
     from llmcli.errors import describe_os_error
+    from llmcli.fileio import atomic_write_bytes, atomic_write_json
 
     out = Path(out_dir)
     try:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +37,7 @@ from typing import Any
 
 from llmcli.config import Config, config_from_dict, dump_yaml, read_yaml
 from llmcli.errors import CheckpointError, InputError
+from llmcli.fileio import atomic_write_bytes, atomic_write_json, atomic_write_text
 
 logger = logging.getLogger(__name__)
 
@@ -52,64 +52,6 @@ PLOT_FILE = "loss.png"
 
 WEIGHTS_FORMAT = "llmcli-1"
 TRAIN_HINT = "train one first with `llmcli train configs/tiny.yaml`"
-_TMP_MARK = ".tmp-"
-
-
-# ---------------------------------------------------------------------------------------------
-# Atomic writes
-# ---------------------------------------------------------------------------------------------
-
-
-def _write_and_sync(path: Path, data: bytes) -> None:
-    """Write `data` to a new file at `path` and flush it to disk (the one place bytes hit disk)."""
-    with open(path, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
-def _fsync_dir(folder: Path) -> None:
-    # Makes the rename itself durable; not every platform can open a directory.
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write `data` to `path` atomically: temp name in the same folder, fsync, `os.replace`.
-
-    On any failure (for example `OSError(ENOSPC)`) the temp file is removed, the previous file
-    at `path` is left untouched, and the error is raised.
-    """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}")
-    try:
-        _write_and_sync(tmp, data)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise
-    _fsync_dir(path.parent)
-
-
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """`atomic_write_bytes` for UTF-8 text."""
-    atomic_write_bytes(path, text.encode("utf-8"))
-
-
-def atomic_write_json(path: str | Path, obj: Any) -> None:
-    """`atomic_write_bytes` for a JSON document (indented, trailing newline)."""
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 def atomic_torch_save(path: str | Path, obj: Any) -> None:
@@ -119,15 +61,6 @@ def atomic_torch_save(path: str | Path, obj: Any) -> None:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     atomic_write_bytes(path, buffer.getvalue())
-
-
-def remove_stale_temp_files(run_dir: Path) -> None:
-    """Delete temp files a killed process left behind in `run_dir` (readers never look at them)."""
-    for tmp in run_dir.glob(f".*{_TMP_MARK}*"):
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
 
 
 def ensure_run_dir(run_dir: str | Path) -> Path:

@@ -21,7 +21,8 @@ from typing import Any, Literal
 
 import yaml
 
-from llmcli.errors import ConfigError
+from llmcli.errors import ConfigError, InputError
+from llmcli.fileio import read_user_text
 
 
 @dataclass
@@ -428,24 +429,10 @@ def parse_override(text: str) -> tuple[str, str, Any]:
 def read_yaml(path: str | Path) -> Any:
     """Read a YAML config file, turning every way it can be unreadable into a `ConfigError`."""
     p = Path(path)
-    if not p.exists():
-        raise ConfigError(f"config file {str(p)!r} does not exist: check the path.")
-    if p.is_dir():
-        raise ConfigError(
-            f"config path {str(p)!r} is a directory, not a YAML file: give the file itself, "
-            "for example configs/tiny.yaml."
-        )
     try:
-        data = p.read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {str(p)!r}: {exc.strerror}.") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(
-            f"config file {str(p)!r} is not UTF-8 text (bad byte at offset {exc.start}): "
-            "is it a binary file?"
-        ) from None
+        text = read_user_text(p, "config file", kind="YAML")
+    except InputError as exc:
+        raise ConfigError(str(exc)) from None
     if not text.strip():
         raise ConfigError(
             f"config file {str(p)!r} is empty: write at least one section, for example "

@@ -33,7 +33,6 @@ import logging
 import mmap
 import os
 import re
-import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +42,7 @@ import numpy as np
 import torch
 
 from llmcli.errors import InputError, describe_os_error
+from llmcli.fileio import atomic_path, atomic_write_text
 from llmcli.progress import Progress
 from llmcli.tokenizer import (
     EOT,
@@ -380,7 +380,6 @@ def _tokenize_to_file(tok: Tokenizer, source: Source, path: Path, dtype: np.dtyp
         tenths=True,
         unit_scale=is_files,
     )
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     n_tokens = 0
     batch: list[str | None] = []  # pieces of text, None where a separator goes
     chars = 0
@@ -402,21 +401,16 @@ def _tokenize_to_file(tok: Tokenizer, source: Source, path: Path, dtype: np.dtyp
         batch.clear()
         chars = 0
 
-    try:
-        with os.fdopen(fd, "wb") as f, bar:
-            for i, document in enumerate(source.documents(bar.update)):
-                if i:
-                    batch.append(None)
-                for piece in _pieces(document):
-                    batch.append(piece)
-                    chars += len(piece)
-                    if chars >= BATCH_CHARS:
-                        flush()
-            flush()
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as tmp, open(tmp, "wb") as f, bar:
+        for i, document in enumerate(source.documents(bar.update)):
+            if i:
+                batch.append(None)
+            for piece in _pieces(document):
+                batch.append(piece)
+                chars += len(piece)
+                if chars >= BATCH_CHARS:
+                    flush()
+        flush()
     return n_tokens
 
 
@@ -443,7 +437,7 @@ def _cached_tokens(tok: Tokenizer, source: Source, source_hash: str, cache_dir: 
             "tokenizer_sha256": tok_hash,
             "source": source.label,
         }
-        _write_text_atomic(meta_path, json.dumps(meta, indent=1))
+        atomic_write_text(meta_path, json.dumps(meta, indent=1))
     except OSError as exc:  # reading the corpus raises InputError: this is the cache's
         raise InputError(
             f"cannot write the token cache '{bin_path}' ({describe_os_error(exc)}): set "
@@ -459,17 +453,6 @@ def _read_meta(path: Path) -> dict | None:
         return None
     ok = isinstance(meta, dict) and meta.get("format") == FORMAT_VERSION
     return meta if ok and isinstance(meta.get("n_tokens"), int) else None
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _trained_tokenizer(
@@ -498,7 +481,7 @@ def _trained_tokenizer(
     tok = train_tokenizer(data_cfg, texts())
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        _write_text_atomic(path, tok.to_json())
+        atomic_write_text(path, tok.to_json())
     except OSError as exc:  # only a cache: the tokenizer is trained and in hand
         log.warning("could not cache the tokenizer in %s (%s)", path, exc.strerror or exc)
     return tok

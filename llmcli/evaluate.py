@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmcli.errors import InputError
+from llmcli.fileio import read_user_text
 from llmcli.progress import Progress
 
 logger = logging.getLogger(__name__)
@@ -78,21 +79,7 @@ def read_text(path: str | Path) -> str:
         InputError: missing, a directory, unreadable, not UTF-8 (names the byte offset), empty.
     """
     p = Path(path)
-    if not p.exists():
-        raise InputError(f"--data {str(p)!r} does not exist: give a UTF-8 text file.")
-    if p.is_dir():
-        raise InputError(f"--data {str(p)!r} is a directory: give a UTF-8 text file.")
-    try:
-        data = p.read_bytes()
-    except OSError as exc:
-        raise InputError(f"cannot read --data {str(p)!r}: {exc.strerror}.") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise InputError(
-            f"--data {str(p)!r} is not UTF-8 text (bad byte at offset {exc.start}): convert it, "
-            "e.g. `iconv -f latin1 -t utf-8`."
-        ) from None
+    text = read_user_text(p, "--data", hint="give a UTF-8 text file")
     if not text:
         raise InputError(f"--data {str(p)!r} is empty: give a file with text in it.")
     return text

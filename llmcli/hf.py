@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmcli.errors import CheckpointError, InputError, describe_os_error
+from llmcli.fileio import atomic_write_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -521,7 +522,7 @@ def export_hf(
                 logger.info("removing %s from '%s' (it would shadow the export)", stale, out)
                 (out / stale).unlink()
         for name, data in files.items():
-            ckpt.atomic_write_bytes(out / name, data)
+            atomic_write_bytes(out / name, data)
     except OSError as exc:
         raise InputError(f"cannot write the export to '{out}': {describe_os_error(exc)}.") from None
     logger.info("exported '%s' (step %d) to '%s'", run.run_dir, run.step, out)

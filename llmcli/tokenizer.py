@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import numpy as np
 
 from llmcli.errors import InputError
+from llmcli.fileio import atomic_write_text
 
 if TYPE_CHECKING:
     from llmcli.config import DataConfig
@@ -63,20 +63,6 @@ class Tokenizer(Protocol):
     def save(self, path: str | os.PathLike) -> None: ...
 
     def to_json(self) -> str: ...
-
-
-def _write_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write `text` to a temporary file beside `path`, then rename it into place."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _list_chars(chars: Iterable[str]) -> str:
@@ -163,7 +149,7 @@ class CharTokenizer:
         return json.dumps({"kind": CHAR_KIND, "version": 2, "chars": self.chars, "eot": self.eot})
 
     def save(self, path: str | os.PathLike) -> None:
-        _write_atomic(path, self.to_json())
+        atomic_write_text(path, self.to_json())
 
     def __repr__(self) -> str:
         return f"CharTokenizer(vocab_size={self.vocab_size})"
@@ -258,7 +244,7 @@ class BPETokenizer:
         return self.hf.to_str()
 
     def save(self, path: str | os.PathLike) -> None:
-        _write_atomic(path, self.to_json())
+        atomic_write_text(path, self.to_json())
 
     def __repr__(self) -> str:
         return f"BPETokenizer(vocab_size={self.vocab_size}, eot_id={self.eot_id})"

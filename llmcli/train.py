@@ -47,6 +47,7 @@ from torch import nn
 from llmcli import checkpoint as ckpt
 from llmcli.config import Config
 from llmcli.errors import CheckpointError, InputError, describe_os_error
+from llmcli.fileio import atomic_write_bytes, remove_stale_temp_files
 from llmcli.optim import apply_lr, build_optimizer
 from llmcli.progress import Progress
 
@@ -383,7 +384,7 @@ class MetricsLog:
         self.path = path
         if keep_bytes is not None and path.exists() and path.stat().st_size > keep_bytes:
             # Records written after the save we resume from are written again by this run.
-            ckpt.atomic_write_bytes(path, path.read_bytes()[:keep_bytes])
+            atomic_write_bytes(path, path.read_bytes()[:keep_bytes])
         elif keep_bytes is None and path.exists():
             path.unlink()
         self._fh = open(path, "ab")  # noqa: SIM115 - closed by close()
@@ -459,7 +460,7 @@ def plot_losses(metrics_path: Path, out_path: Path) -> None:
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
-    ckpt.atomic_write_bytes(out_path, buffer.getvalue())
+    atomic_write_bytes(out_path, buffer.getvalue())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -854,7 +855,7 @@ def _train(
 
     metrics: MetricsLog | None = None
     if info.main:
-        ckpt.remove_stale_temp_files(run_dir)
+        remove_stale_temp_files(run_dir)
         try:
             ckpt.write_config_and_tokenizer(run_dir, config, tokenizer)
             metrics = MetricsLog(

@@ -12,6 +12,7 @@ import torch
 import yaml
 
 from llmcli import checkpoint as ckpt
+from llmcli import fileio
 from llmcli.config import Config, ModelConfig
 from llmcli.errors import CheckpointError, describe_os_error
 from llmcli.model import Transformer
@@ -47,23 +48,23 @@ class Marker:
 
 def test_atomic_write_replaces_the_file_and_leaves_no_temp(tmp_path: Path) -> None:
     path = tmp_path / "f.bin"
-    ckpt.atomic_write_bytes(path, b"old")
-    ckpt.atomic_write_bytes(path, b"new")
+    fileio.atomic_write_bytes(path, b"old")
+    fileio.atomic_write_bytes(path, b"new")
     assert path.read_bytes() == b"new"
     assert os.listdir(tmp_path) == ["f.bin"]
 
 
 def test_a_failed_write_keeps_the_previous_file(tmp_path: Path, monkeypatch) -> None:
     path = tmp_path / "f.bin"
-    ckpt.atomic_write_bytes(path, b"previous content")
+    fileio.atomic_write_bytes(path, b"previous content")
 
     def disk_full(tmp: Path, data: bytes) -> None:
         tmp.write_bytes(data[: len(data) // 2])  # half written, then the disk is full
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(ckpt, "_write_and_sync", disk_full)
+    monkeypatch.setattr(fileio, "_write_and_sync", disk_full)
     with pytest.raises(OSError) as info:
-        ckpt.atomic_write_bytes(path, b"new content that does not fit")
+        fileio.atomic_write_bytes(path, b"new content that does not fit")
     assert info.value.errno == errno.ENOSPC
     assert path.read_bytes() == b"previous content"
     assert os.listdir(tmp_path) == ["f.bin"]

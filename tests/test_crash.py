@@ -36,8 +36,10 @@ import pytest
 import torch
 import yaml
 
+import llmcli.data
 import llmcli.train
 from llmcli import checkpoint as ckpt
+from llmcli import fileio
 from llmcli.cli import main
 from llmcli.config import config_from_dict
 from llmcli.train import read_metrics, train
@@ -57,6 +59,7 @@ from pathlib import Path
 # Warm up (the imports take seconds), then wait for a job: {"argv", "env", "cwd"}.
 import matplotlib.backends.backend_agg, matplotlib.figure, torch  # noqa: F401
 import llmcli.checkpoint as ckpt
+import llmcli.fileio as fileio
 import llmcli.cli, llmcli.data, llmcli.generate, llmcli.inspect, llmcli.model  # noqa: F401
 import llmcli.train as T
 
@@ -100,7 +103,7 @@ T.train = train
 
 if env.get("CRASH_IN_WRITE"):  # name:n:fraction -> pause with that part of its n-th write done
     name, nth, fraction = env["CRASH_IN_WRITE"].split(":")
-    real_write, seen = ckpt._write_and_sync, [0]
+    real_write, seen = fileio._write_and_sync, [0]
 
     def write(path, data):
         if path.name.startswith(f".{name}.tmp-"):
@@ -113,7 +116,7 @@ if env.get("CRASH_IN_WRITE"):  # name:n:fraction -> pause with that part of its 
                 pause(f"writing {name}")
         real_write(path, data)
 
-    ckpt._write_and_sync = write
+    fileio._write_and_sync = write
 
 llmcli.cli.main(job["argv"])
 """
@@ -352,7 +355,7 @@ def test_sigkill_at_three_random_moments_then_resume_is_bitwise_exact(
 
 def disk_full_on(monkeypatch, name: str, nth: int) -> dict:
     """Make the `nth` write of `name` fail with ENOSPC after writing part of its bytes."""
-    real = ckpt._write_and_sync
+    real = fileio._write_and_sync
     seen = {"n": 0, "failed": False}
 
     def write(path: Path, data: bytes) -> None:
@@ -364,7 +367,7 @@ def disk_full_on(monkeypatch, name: str, nth: int) -> dict:
                 raise OSError(errno.ENOSPC, "No space left on device")
         real(path, data)
 
-    monkeypatch.setattr(ckpt, "_write_and_sync", write)
+    monkeypatch.setattr(fileio, "_write_and_sync", write)
     return seen
 
 
@@ -425,7 +428,7 @@ def test_a_full_disk_for_the_run_files_or_the_token_cache_is_a_clear_error(
     assert "cannot write the run files in" in err and "no space left on device" in err
     monkeypatch.undo()
 
-    real_fdopen = os.fdopen
+    real_open = open
 
     class Full:
         def __init__(self, fh) -> None:
@@ -440,7 +443,12 @@ def test_a_full_disk_for_the_run_files_or_the_token_cache_is_a_clear_error(
         def __exit__(self, *exc) -> None:
             self.fh.close()
 
-    monkeypatch.setattr(os, "fdopen", lambda fd, *a, **k: Full(real_fdopen(fd, *a, **k)))
+    # The token cache is written through llmcli.data's own `open` of the temporary file.
+    def open_full(file, mode="r", *args, **kwargs):
+        fh = real_open(file, mode, *args, **kwargs)
+        return Full(fh) if "w" in mode else fh
+
+    monkeypatch.setattr(llmcli.data, "open", open_full, raising=False)
     with pytest.raises(SystemExit) as exit_info:
         main(
             [

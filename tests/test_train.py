@@ -22,6 +22,7 @@ import torch
 from conftest import default_sigint
 
 from llmcli import checkpoint as ckpt
+from llmcli import fileio
 from llmcli.config import Config, config_from_dict, dump_yaml
 from llmcli.errors import CheckpointError, InputError
 from llmcli.optim import lr_at
@@ -373,7 +374,7 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(
     corpus: Path, tmp_path: Path, monkeypatch
 ) -> None:
     run_dir = tmp_path / "run"
-    real = ckpt._write_and_sync
+    real = fileio._write_and_sync
     saves = {"n": 0}
 
     def write(path: Path, data: bytes) -> None:
@@ -384,7 +385,7 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(
             raise OSError(errno.ENOSPC, "No space left on device")
         real(path, data)
 
-    monkeypatch.setattr(ckpt, "_write_and_sync", write)
+    monkeypatch.setattr(fileio, "_write_and_sync", write)
     with pytest.raises(CheckpointError) as info:
         train(make_config(corpus), out_dir=run_dir, progress=False)
     message = str(info.value)

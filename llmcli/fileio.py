@@ -1,0 +1,125 @@
+"""Files: atomic writes that survive a crash, and reading a user's text file with a clear error.
+
+Every file llmcli writes (run files, the token cache, tokenizers, attention dumps, pictures,
+exports) goes through `atomic_path`: the data is written to a temporary name in the same folder,
+flushed to disk (fsync) and renamed into place (`os.replace`), so a crash or a full disk at any
+instant leaves either the old file or the new one, never a half-written one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from llmcli.errors import InputError
+
+TMP_MARK = ".tmp-"  # in the name of every temporary file (see `remove_stale_temp_files`)
+
+
+def _fsync_dir(folder: Path) -> None:
+    # Makes the rename itself durable; not every platform can open a directory.
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_and_sync(path: Path, data: bytes) -> None:
+    """Write `data` to a new file at `path` and flush it to disk."""
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _sync_file(path: Path) -> None:
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """A temporary path beside `path` to write the new content to, in any way.
+
+    When the block succeeds the temporary file is flushed to disk and renamed to `path`. On any
+    failure inside the block or after it (for example `OSError(ENOSPC)`, or Ctrl-C) the
+    temporary file is removed, the previous file at `path` is left untouched, and the error
+    propagates.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
+    try:
+        yield tmp
+        _sync_file(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    _fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write `data` to `path` atomically (see `atomic_path`)."""
+    with atomic_path(path) as tmp:
+        _write_and_sync(tmp, data)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """`atomic_write_bytes` for UTF-8 text."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | Path, obj: Any) -> None:
+    """`atomic_write_bytes` for a JSON document (indented, sorted keys, trailing newline)."""
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def remove_stale_temp_files(folder: Path) -> None:
+    """Delete the temporary files a killed process left in `folder` (nothing reads them)."""
+    for tmp in folder.glob(f".*{TMP_MARK}*"):
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+
+def read_user_text(
+    path: str | Path, what: str, *, kind: str = "text", hint: str = "check the path"
+) -> str:
+    """The UTF-8 text of a file the user named, or an `InputError` that says what is wrong.
+
+    Args:
+        path: the file.
+        what: how the message names it, e.g. "config file" or "--data".
+        kind: what the file should be, for the message about a folder ("YAML", "text").
+        hint: what to do when the file does not exist.
+
+    Raises:
+        InputError: the file does not exist, is a folder, cannot be read, or is not UTF-8.
+    """
+    p = Path(path)
+    name = f"{what} {str(p)!r}"
+    if not p.exists():
+        raise InputError(f"{name} does not exist: {hint}.")
+    if p.is_dir():
+        raise InputError(f"{name} is a directory, not a {kind} file: give the file itself.")
+    try:
+        data = p.read_bytes()
+    except OSError as exc:
+        raise InputError(f"cannot read {name}: {exc.strerror or exc}.") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(
+            f"{name} is not UTF-8 text (bad byte at offset {exc.start}): is it a binary file? "
+            "Text in another encoding converts with e.g. `iconv -f latin1 -t utf-8`."
+        ) from None
