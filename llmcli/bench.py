@@ -201,20 +201,17 @@ def measure(
     Raises:
         ConfigError: the combination is invalid.
     """
-    import contextlib
-
     import torch
-    from torch import nn
 
+    from llmcli.device import Precision, resolve_device
     from llmcli.generate import generate
     from llmcli.model import Transformer
     from llmcli.optim import build_optimizer
-    from llmcli.train import resolve_device, resolve_precision
 
     model_cfg = combination_config(config, n_head, context_length)
     tc = config.train
     device = resolve_device(device_name)
-    _, amp_dtype, use_scaler = resolve_precision(device, tc.dtype)
+    precision = Precision.resolve(device, tc.dtype)
     vocab = settings.vocab_size or vocab_size_for(config)
     rss_before = _current_rss_mb()
     if device.type == "cuda":
@@ -223,32 +220,17 @@ def measure(
     gen = torch.Generator().manual_seed(settings.seed)
     model = Transformer.from_config(model_cfg, vocab, generator=gen).to(device)
     optimizer = build_optimizer(model, tc, device.type)
-    scaler = torch.amp.GradScaler(device.type) if use_scaler else None
     params = list(model.parameters())
     B, T = tc.batch_size, context_length
     data = torch.randint(0, vocab, (B, T + 1), generator=gen).to(device)
     x, y = data[:, :-1], data[:, 1:]  # (B, T), (B, T)
     fwd_model = torch.compile(model) if tc.compile else model
 
-    def autocast() -> contextlib.AbstractContextManager:
-        if amp_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=device.type, dtype=amp_dtype)
-
     def train_step() -> None:
-        with autocast():
+        with precision.autocast():
             _, loss = fwd_model(x, y)
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-        if tc.grad_clip > 0:
-            if scaler is not None:
-                scaler.unscale_(optimizer)
-            nn.utils.clip_grad_norm_(params, tc.grad_clip, foreach=True)
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        precision.backward(loss)
+        precision.step(optimizer, params, tc.grad_clip)
 
     model.train()
     train_step()  # warm-up (and compilation, with train.compile)
@@ -266,7 +248,7 @@ def measure(
         for _ in range(settings.forward_reps + 1):  # the first one warms up
             _sync(device)
             start = time.perf_counter()
-            with autocast():
+            with precision.autocast():
                 model(one)
             _sync(device)
             times.append(time.perf_counter() - start)
@@ -278,7 +260,7 @@ def measure(
         prompt = [[int(x[0, 0])]]
         _sync(device)
         start = time.perf_counter()
-        with autocast():
+        with precision.autocast():
             for _ in generate(model, prompt, n_new, temperature=1.0, seed=settings.seed):
                 pass
         _sync(device)
@@ -345,8 +327,8 @@ def run_bench(
     Raises:
         InputError: bad settings, an unusable device, or no valid combination at all.
     """
+    from llmcli.device import resolve_device
     from llmcli.progress import Progress
-    from llmcli.train import resolve_device
 
     settings = settings or BenchSettings()
     settings.validate()
@@ -567,7 +549,7 @@ def bench_and_report(
     Returns:
         `(results, json_path, png_path)`.
     """
-    from llmcli.train import resolve_device
+    from llmcli.device import resolve_device
 
     settings = settings or BenchSettings()
     device = device or config.train.device

@@ -184,14 +184,14 @@ def evaluate_run(
             characters the run's tokenizer cannot encode, or fewer than 2 tokens.
     """
     from llmcli.checkpoint import load_run
-    from llmcli.train import resolve_device
+    from llmcli.device import resolve_device
 
     if steps is not None and steps < 1:
         raise InputError(f"--steps ({steps}) must be a positive number of batches.")
     if batch_size is not None and batch_size < 1:
         raise InputError(f"--batch-size ({batch_size}) must be positive.")
     t0 = time.perf_counter()
-    dev = resolve_device(device)
+    dev = resolve_device(device, what="--device")
     run = load_run(checkpoint, weights=weights, device=str(dev))
     if notify is not None:
         from llmcli.versions import warnings_for

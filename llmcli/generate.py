@@ -34,6 +34,7 @@ from typing import IO, Any, Literal, Protocol
 import torch
 from torch import Tensor
 
+from llmcli.device import resolve_device
 from llmcli.errors import InputError
 
 logger = logging.getLogger(__name__)
@@ -867,23 +868,6 @@ def unescape(text: str) -> str:
     return re.sub(r"\\(.)", lambda m: _ESCAPES.get(m.group(1), m.group(0)), text)
 
 
-def resolve_device(device: str) -> str:
-    """ "auto" -> "cuda" when available, else "mps" when available, else "cpu"."""
-    if device != "auto":
-        if device not in ("cpu", "cuda", "mps"):
-            raise InputError(f"device must be auto, cpu, cuda or mps, not {device!r}.")
-        if device == "cuda" and not torch.cuda.is_available():
-            raise InputError("device 'cuda' was asked for but torch sees no CUDA GPU.")
-        if device == "mps" and not torch.backends.mps.is_available():
-            raise InputError("device 'mps' was asked for but torch sees no Apple GPU.")
-        return device
-    if torch.cuda.is_available():
-        return "cuda"
-    if torch.backends.mps.is_available():
-        return "mps"
-    return "cpu"
-
-
 def sample_run(
     checkpoint: str | Path | None,
     prompts: Sequence[str],
@@ -931,7 +915,7 @@ def sample_run(
     if checkpoint is None:
         checkpoint = find_latest_run()
         notify(f"using the latest run: {checkpoint}")
-    run = load_run(checkpoint, device=resolve_device(device))
+    run = load_run(checkpoint, device=resolve_device(device, what="--device"))
     from llmcli.versions import warnings_for
 
     for line in warnings_for(run.meta.get("versions")):

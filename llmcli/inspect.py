@@ -854,14 +854,14 @@ def inspect_attention(
     """
     from llmcli import __version__
     from llmcli.checkpoint import load_run
-    from llmcli.generate import resolve_device
+    from llmcli.device import resolve_device
 
     if fmt not in FORMATS:
         raise InputError(f"--format {fmt!r} is not known: choose one of {', '.join(FORMATS)}.")
     prompts = list(prompts)
     if prompt_file is not None:
         prompts += read_prompt_file(prompt_file)
-    run = load_run(checkpoint, weights=weights, device=resolve_device(device))
+    run = load_run(checkpoint, weights=weights, device=resolve_device(device, what="--device"))
     model = run.model
     # Check the selection before any work, with the model's own sizes in the message.
     select_indices(layers, model.n_layer, "layer")

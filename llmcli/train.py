@@ -46,6 +46,13 @@ from torch import nn
 
 from llmcli import checkpoint as ckpt
 from llmcli.config import Config
+from llmcli.device import (
+    check_memory,
+    format_count,
+    is_out_of_memory,
+    resolve_device,
+    resolve_precision,
+)
 from llmcli.errors import CheckpointError, InputError, describe_os_error
 from llmcli.fileio import atomic_write_bytes, remove_stale_temp_files
 from llmcli.optim import apply_lr, build_optimizer
@@ -123,69 +130,6 @@ def dist_from_env(env: dict[str, str] | None = None) -> DistInfo:
     return DistInfo(rank=rank, local_rank=local, world_size=world)
 
 
-def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    """`train.device` as a torch device: "auto" picks CUDA, then MPS, then the CPU.
-
-    Raises:
-        InputError: CUDA or MPS asked for where there is none.
-    """
-    mps = getattr(torch.backends, "mps", None)
-    mps_ok = bool(mps is not None and mps.is_available())
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "mps" if mps_ok else "cpu"
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            cuda = torch.version.cuda
-            build = "a CPU-only build" if cuda is None else f"CUDA {cuda}"
-            raise InputError(
-                f"train.device is 'cuda' but no CUDA device is available (torch "
-                f"{torch.__version__}, {build}): use --set train.device=auto or cpu."
-            )
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    if name == "mps":
-        if not mps_ok:
-            raise InputError(
-                "train.device is 'mps' but Apple's MPS backend is not available here: use "
-                "--set train.device=auto or cpu."
-            )
-        return torch.device("mps")
-    if name == "cpu":
-        return torch.device("cpu")
-    raise InputError(f"train.device ({name!r}) must be auto, cpu, cuda or mps.")
-
-
-def resolve_precision(device: torch.device, dtype: str) -> tuple[str, torch.dtype | None, bool]:
-    """The precision to train in: (name, autocast dtype or None for fp32, use a GradScaler).
-
-    "auto" is fp32 on CPU and MPS; on CUDA, bf16 autocast where the GPU supports it, else fp16
-    autocast with a GradScaler. The weights and the optimizer stay fp32 in every case.
-
-    Raises:
-        InputError: a precision the device cannot train in.
-    """
-    if dtype == "auto":
-        if device.type == "cuda":
-            dtype = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-        else:
-            dtype = "float32"
-    if dtype == "float32":
-        return dtype, None, False
-    if device.type == "cuda":
-        if dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
-            raise InputError(
-                "train.dtype is 'bfloat16' but this GPU does not support it: use "
-                "--set train.dtype=float16 (or auto)."
-            )
-        return dtype, getattr(torch, dtype), dtype == "float16"
-    if device.type == "cpu" and dtype == "bfloat16":
-        return dtype, torch.bfloat16, False
-    raise InputError(
-        f"train.dtype ({dtype!r}) is not supported on {device.type}: use float32 or auto"
-        + (" (or bfloat16)" if device.type == "cpu" else "")
-        + "."
-    )
-
-
 def _all_ok(ok: bool, info: DistInfo, device: torch.device) -> bool:
     """True when every rank is ok (a collective: every rank must call it)."""
     if not info.enabled:
@@ -209,81 +153,6 @@ def _agreed(info: DistInfo, device: torch.device) -> Iterator[None]:
         error = exc
     if not _all_ok(error is None, info, device):
         raise error or InputError("another rank failed during set-up; see its error message.")
-
-
-def _count(n: int) -> str:
-    """1234 -> "1.2K", 3.4e6 -> "3.4M" (parameter counts in messages)."""
-    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= scale:
-            return f"{n / scale:,.1f}{unit}"
-    return str(n)
-
-
-def _is_out_of_memory(exc: BaseException) -> bool:
-    text = str(exc)
-    return (
-        isinstance(exc, (MemoryError, torch.OutOfMemoryError))
-        or "can't allocate memory" in text
-        or "out of memory" in text
-    )
-
-
-def estimate_training_bytes(config: Config, vocab_size: int) -> tuple[int, int]:
-    """An estimate of the memory one training step needs: (parameters, bytes).
-
-    Weights, gradients and two AdamW moments (16 bytes per fp32 parameter), plus fp32
-    activations kept for the backward pass, about `B T (L (18 C + 3 nh T) + 3 V)` floats
-    (after Korthikanti et al., 2022). Used only to refuse what cannot fit before allocating it.
-    """
-    m, tc = config.model, config.train
-    C, L, T, nh = m.n_embed, m.n_layer, m.context_length, m.n_head
-    n_params = (
-        L * (12 * C * C + 13 * C)
-        + vocab_size * C * (1 if m.tie_embeddings else 2)
-        + (T * C if m.pos_emb == "learned" else 0)
-        + 2 * C
-    )
-    activations = tc.batch_size * T * (L * (18 * C + 3 * nh * T) + 3 * vocab_size)
-    return n_params, 16 * n_params + 4 * activations
-
-
-def device_memory_bytes(device: torch.device) -> int | None:
-    """Total memory of the device (for the CPU: RAM, within a cgroup limit); None if unknown."""
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
-    if device.type != "cpu":
-        return None
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            text = Path(limit_file).read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit():
-            total = min(total, int(text))
-    return total
-
-
-def check_memory(config: Config, vocab_size: int, device: torch.device) -> None:
-    """Refuse a model and batch that cannot fit in the device's memory, before allocating.
-
-    Raises:
-        InputError: the estimate exceeds the device's total memory.
-    """
-    n_params, need = estimate_training_bytes(config, vocab_size)
-    have = device_memory_bytes(device)
-    if have is None or need <= have:
-        return
-    gib = 2**30
-    raise InputError(
-        f"training this model needs about {need / gib:,.1f} GiB ({_count(n_params)} "
-        f"parameters, batches of {config.train.batch_size} x {config.model.context_length} "
-        f"tokens) but the {device.type} has {have / gib:,.1f} GiB: lower model.n_embed, "
-        "model.n_layer or train.batch_size (raise train.grad_accum to keep the tokens per step)."
-    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -674,7 +543,7 @@ def train(
             t_start,
         )
     except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError
-        if not _is_out_of_memory(exc):
+        if not is_out_of_memory(exc):
             raise
         raise InputError(
             f"out of memory on {device} ({str(exc).strip().splitlines()[0][:200]}): lower "
@@ -873,7 +742,7 @@ def _train(
             "%s run '%s': %s parameters, %s on %s%s, %d tokens per step, steps %d..%d",
             "resuming" if state is not None else "starting",
             run_dir,
-            _count(n_params),
+            format_count(n_params),
             dtype_name,
             device,
             f" x{info.world_size}" if info.enabled else "",

@@ -29,11 +29,7 @@ from llmcli.optim import lr_at
 from llmcli.train import (
     EVAL_SEED_OFFSET,
     DivergenceError,
-    check_memory,
-    estimate_training_bytes,
     read_metrics,
-    resolve_device,
-    resolve_precision,
     train,
 )
 
@@ -160,52 +156,6 @@ def reference(corpus: Path, tmp_path_factory) -> Path:
     finally:
         torch.set_num_threads(threads)
     return run_dir
-
-
-# --- devices and precision -------------------------------------------------------------------
-
-
-def test_device_and_precision_choices() -> None:
-    assert resolve_device("cpu") == torch.device("cpu")
-    if torch.cuda.is_available():
-        assert resolve_device("cuda").type == "cuda"
-        name, amp, scaler = resolve_precision(torch.device("cuda"), "auto")
-        assert amp == (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16)
-        assert scaler is (amp == torch.float16)
-    else:
-        assert resolve_device("auto").type in ("cpu", "mps")
-        with pytest.raises(InputError, match="no CUDA device"):
-            resolve_device("cuda")
-    assert resolve_precision(torch.device("cpu"), "auto") == ("float32", None, False)
-    assert resolve_precision(torch.device("cpu"), "bfloat16") == ("bfloat16", torch.bfloat16, False)
-    with pytest.raises(InputError, match="float16"):
-        resolve_precision(torch.device("cpu"), "float16")
-
-
-@pytest.mark.parametrize(
-    "model",
-    [
-        {},
-        {"tie_embeddings": False},
-        {"pos_emb": "rope"},
-        {"n_layer": 3, "n_embed": 48, "n_head": 4},
-    ],
-)
-def test_memory_estimate_counts_the_parameters_and_refuses_what_cannot_fit(
-    corpus: Path, model: dict
-) -> None:
-    from llmcli.model import Transformer
-
-    config = make_config(corpus)
-    for key, value in model.items():
-        setattr(config.model, key, value)
-    n_params, need = estimate_training_bytes(config, 50)
-    assert n_params == Transformer.from_config(config.model, 50).num_parameters()
-    assert need > 16 * n_params
-    check_memory(config, 50, torch.device("cpu"))  # fits
-    config.model.n_embed, config.model.n_head = 4_000_000_000, 1
-    with pytest.raises(InputError, match=r"needs about [\d,.]+ GiB .* lower model.n_embed"):
-        check_memory(config, 50, torch.device("cpu"))
 
 
 # --- a run: files, metrics, evaluation -------------------------------------------------------
