@@ -224,7 +224,7 @@ def sample_command(
     """Generate text from a trained run (KV-cached, batched)."""
     import json
 
-    from llmcli.generate import format_samples, read_prompts, sample_run, unescape
+    from llmcli.sample import format_samples, read_prompts, sample_run, unescape
 
     def write(text: str) -> None:
         sys.stdout.write(text)

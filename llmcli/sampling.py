@@ -1,0 +1,173 @@
+"""Sampling maths: from one step's logits to the next token of every row.
+
+`sample_next(logits, generator, temperature, top_k, top_p)` is a pure function from logits
+`(B, V)` to ids `(B,)`: temperature, top-k (exactly k tokens, lowest ids winning ties), top-p
+(nucleus), and one seeded draw per row by inverse-CDF sampling, so that a row draws the same
+numbers from its own `torch.Generator` whatever batch it is in. `filter_probs` is the
+distribution it draws from, `make_generators` the per-row generators, `check_sampling` the
+validation of the three controls.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from llmcli.errors import InputError
+
+GeneratorArg = torch.Generator | Sequence[torch.Generator] | None
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float) -> None:
+    """Raise `InputError` for sampling controls outside their ranges.
+
+    Args:
+        temperature: >= 0 (0 = greedy).
+        top_k: None (off) or >= 1.
+        top_p: in (0, 1] (1 = off).
+    """
+    is_number = isinstance(temperature, (int, float)) and math.isfinite(temperature)
+    if not is_number or temperature < 0:
+        raise InputError(
+            f"temperature ({temperature}) must be a number >= 0: 0 is greedy decoding, 1 samples "
+            "from the model's distribution, higher is more random."
+        )
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise InputError(
+            f"top_k ({top_k}) must be an integer >= 1 (the number of most likely tokens kept); "
+            "leave it out, or use a value >= the vocabulary size, to keep every token."
+        )
+    if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise InputError(
+            f"top_p ({top_p}) must be in (0, 1]: the probability mass of the most likely tokens "
+            "kept (nucleus sampling); 1 keeps every token."
+        )
+
+
+def sample_next(
+    logits: Tensor,
+    generator: GeneratorArg = None,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+) -> Tensor:
+    """Pick the next token of every row from its logits.
+
+    Temperature 0 is greedy (argmax, first index on ties) and ignores the generator, `top_k` and
+    `top_p`. Otherwise the logits are divided by the temperature, filtered, and one token is drawn
+    per row by inverse-CDF sampling from one uniform number of that row's generator:
+
+    - `top_k` keeps exactly `k` tokens, the lowest ids winning ties (nanoGPT's
+      `logits < v[:, [-1]]` would keep every token tied with the k-th);
+    - `top_p` keeps the smallest set of most likely tokens whose probability reaches `top_p`
+      (after `top_k`), always at least one.
+
+    Args:
+        logits: `(B, V)` scores of the next token.
+        generator: one `torch.Generator` for the whole batch, one per row (a row then draws the
+            same numbers whatever the batch it is in), or None for torch's global generator.
+        temperature: >= 0.
+        top_k: None or >= 1.
+        top_p: in (0, 1].
+
+    Returns:
+        `(B,)` long token ids, on `logits.device`.
+    """
+    if logits.ndim != 2:
+        raise InputError(f"logits must have shape (B, V), got {tuple(logits.shape)}")
+    if temperature == 0:
+        return logits.argmax(dim=-1)  # (B,)
+    probs, ids = _filtered(logits, temperature, top_k, top_p)  # (B, V') each
+    choice = _inverse_cdf(probs, _uniform(logits.shape[0], generator, logits.device))  # (B,)
+    if ids is None:
+        return choice
+    return ids.gather(-1, choice[:, None]).squeeze(-1)  # (B, V') -> (B,)
+
+
+def filter_probs(
+    logits: Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float = 1.0
+) -> Tensor:
+    """The distribution `sample_next` draws from: `(B, V)` logits -> `(B, V)` probabilities.
+
+    Temperature 0 gives a one-hot of the argmax; filtered-out tokens get probability 0.
+    """
+    if temperature == 0:
+        one_hot = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+        return one_hot.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)  # (B, V)
+    probs, ids = _filtered(logits, temperature, top_k, top_p)  # (B, V') each
+    probs = probs / probs.sum(dim=-1, keepdim=True)  # (B, V')
+    if ids is None:
+        return probs
+    full = torch.zeros(logits.shape, dtype=probs.dtype, device=logits.device)  # (B, V)
+    return full.scatter_(-1, ids, probs)
+
+
+def _filtered(
+    logits: Tensor, temperature: float, top_k: int | None, top_p: float
+) -> tuple[Tensor, Tensor | None]:
+    """Probabilities after temperature, top-k and top-p, in the sorted space when filtering.
+
+    Returns:
+        `(probs (B, V'), ids (B, V') or None)`: `probs[b, j]` belongs to token `ids[b, j]`
+        (to token `j` when `ids` is None). Dropped tokens have probability 0 (top-p) or are
+        left out (top-k: `V' = k`); the kept ones are not renormalised.
+    """
+    V = logits.shape[-1]
+    scores = logits.float() / temperature  # (B, V)
+    ids = None
+    use_k = top_k is not None and top_k < V
+    if use_k or top_p < 1.0:
+        # A stable descending sort ranks tied tokens by id, so top-k keeps exactly k of them.
+        scores, ids = torch.sort(scores, dim=-1, descending=True, stable=True)  # (B, V) each
+        if use_k:
+            scores, ids = scores[:, :top_k], ids[:, :top_k]  # (B, k) each
+    probs = torch.softmax(scores, dim=-1)  # (B, V')
+    if top_p < 1.0:
+        # A token is needed while the more likely ones have not yet reached top_p.
+        mass_before = probs.cumsum(dim=-1) - probs  # (B, V'), exactly 0 for the first token
+        probs = probs.masked_fill(mass_before >= top_p, 0.0)  # (B, V')
+    return probs, ids
+
+
+def _uniform(B: int, generator: GeneratorArg, device: torch.device) -> Tensor:
+    """`(B,)` float64 uniform numbers in [0, 1): one per row, from the row's own generator."""
+    if generator is None or isinstance(generator, torch.Generator):
+        gen_device = generator.device if generator is not None else device
+        u = torch.rand(B, generator=generator, dtype=torch.float64, device=gen_device)  # (B,)
+    else:
+        if len(generator) != B:
+            raise InputError(f"got {len(generator)} generators for a batch of {B} rows")
+        u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generator])
+    return u.to(device, non_blocking=True)
+
+
+def _inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
+    """Index of the first token whose cumulative probability exceeds `u * total`.
+
+    A token with probability 0 never is: its cumulative equals its predecessor's.
+
+    Args:
+        probs: `(B, V)` non-negative, need not sum to 1.
+        u: `(B,)` float64 in [0, 1).
+
+    Returns:
+        `(B,)` long indices into the last dimension.
+    """
+    cdf = probs.double().cumsum(dim=-1)  # (B, V); float64 so that u * total < total
+    target = (u * cdf[:, -1])[:, None]  # (B, 1)
+    choice = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # (B,)
+    return choice.clamp_(max=probs.shape[-1] - 1)
+
+
+def make_generators(n: int, seed: int | None) -> list[torch.Generator]:
+    """One CPU `torch.Generator` per row, seeded `seed, seed + 1, ...` (a fresh seed if None).
+
+    CPU generators give the same random numbers whatever device the model runs on.
+    """
+    if seed is None:
+        seed = int(torch.Generator().seed()) % (2**62)
+    # torch seeds are 64-bit (a negative seed s is 2**64 + s): wrap any Python int the same way.
+    return [torch.Generator().manual_seed((seed + i) % 2**64) for i in range(n)]
