@@ -60,7 +60,7 @@ from pathlib import Path
 import matplotlib.backends.backend_agg, matplotlib.figure, torch  # noqa: F401
 import llmcli.checkpoint as ckpt
 import llmcli.fileio as fileio
-import llmcli.cli, llmcli.data, llmcli.generate, llmcli.inspect, llmcli.model  # noqa: F401
+import llmcli.cli, llmcli.data, llmcli.generate, llmcli.attention.report, llmcli.model  # noqa: F401
 import llmcli.train as T
 
 job_file = Path(os.environ["CRASH_JOB"])
@@ -517,7 +517,7 @@ def test_sigint_at_a_random_moment_of_train_saves_exits_130_and_resumes_exactly(
         ),
         (
             ["inspect-attention", "--prompt", "ROMEO: But soft", "--out", "{tmp}/attention"],
-            "llmcli.inspect.plot_layers",
+            "llmcli.attention.report.plot_layers",
         ),
     ],
     ids=["sample", "inspect-attention"],

@@ -5,7 +5,7 @@ everything here keeps the heads apart: `capture_attention` records the softmax w
 layer and head through the model's explicit attention path, `head_metrics` says what each head
 does (entropy, previous-token, first-token/sink, distance, induction), `save_dump` writes
 `attention.npz` (or `.safetensors` / `.json`) and `plot_layers` one PNG per layer. The offline
-HTML viewer lives in `llmcli.viewer`.
+HTML viewer lives in `llmcli.attention.viewer`.
 
 Shapes: `L` layers, `H` heads, `T` tokens; an attention map is `[T, T]`, query x key, each row a
 probability distribution over the keys at or before the query (causal).
@@ -786,7 +786,7 @@ def write_outputs(
     viewer: bool = True,
 ) -> list[Path]:
     """Write `attention.<fmt>`, `layer-<L>.png` per layer and `attention.html` into `out_dir`."""
-    from llmcli.viewer import write_viewer
+    from llmcli.attention.viewer import write_viewer
 
     out_dir = Path(out_dir)
     try:

@@ -1,4 +1,4 @@
-"""Tests for llmcli.inspect: head metrics on hand-built patterns, dumps, capture, the command."""
+"""Tests for llmcli.attention.report: head metrics on hand-built patterns, dumps, capture, the command."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from llmcli import inspect as ins
+from llmcli.attention import report as ins
 from llmcli.errors import InputError
 
 T = 8
