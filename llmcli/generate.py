@@ -161,6 +161,38 @@ def generate(
     check_sampling(temperature, top_k, top_p)
     if max_new_tokens < 0:
         raise InputError(f"max_new_tokens ({max_new_tokens}) must be >= 0")
+    yield from _generate(
+        model,
+        prompts_ids,
+        max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        generators=generators,
+        use_cache=use_cache,
+        vocab_size=vocab_size,
+    )
+
+
+def _generate(
+    model: Any,
+    prompts_ids: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    temperature: float,
+    top_k: int | None,
+    top_p: float,
+    seed: int | None,
+    generators: Sequence[torch.Generator] | None,
+    use_cache: bool,
+    vocab_size: int | None,
+) -> Iterator[Tensor]:
+    """The loop of `generate`, trusting its sampling controls and `max_new_tokens`.
+
+    For callers that have already checked them once (`llmcli.sample`); the prompts are still
+    checked against the model's vocabulary here, as they are turned into rows.
+    """
     rows = _check_prompts(prompts_ids, model.vocab_size)
     B, C = len(rows), model.context_length
     rows = [row[-C:] for row in rows]

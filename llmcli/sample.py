@@ -24,10 +24,12 @@ import torch
 
 from llmcli.device import resolve_device
 from llmcli.errors import InputError
-from llmcli.generate import generate
+from llmcli.generate import _generate
 from llmcli.sampling import check_sampling, make_generators
 
 logger = logging.getLogger(__name__)
+
+BATCH_SIZE = 64  # most samples generated at once by default
 
 
 class Tokenizer(Protocol):
@@ -276,7 +278,7 @@ def sample_texts(
     stop_ids: Sequence[int] = (),
     use_cache: bool = True,
     sink: TextSink | None = None,
-    batch_size: int = 64,
+    batch_size: int = BATCH_SIZE,
     notify: Callable[[str], Any] = logger.warning,
 ) -> list[Sample]:
     """Generate `num_samples` continuations of every prompt, batched.
@@ -304,6 +306,44 @@ def sample_texts(
         The samples in order `r`.
     """
     check_sampling(temperature, top_k, top_p)
+    return _sample_texts(
+        model,
+        tokenizer,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        num_samples=num_samples,
+        stop=stop,
+        stop_ids=stop_ids,
+        use_cache=use_cache,
+        sink=sink,
+        batch_size=batch_size,
+        notify=notify,
+    )
+
+
+def _sample_texts(
+    model: Any,
+    tokenizer: Tokenizer,
+    prompts: Sequence[str],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    top_p: float,
+    seed: int | None,
+    num_samples: int,
+    stop: Sequence[str],
+    stop_ids: Sequence[int],
+    use_cache: bool,
+    sink: TextSink | None,
+    batch_size: int,
+    notify: Callable[[str], Any],
+) -> list[Sample]:
+    """`sample_texts` trusting its sampling controls, which the caller has checked once."""
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InputError(f"max_new_tokens ({max_new_tokens}) must be an integer >= 1")
     if not isinstance(num_samples, int) or num_samples < 1:
@@ -380,13 +420,14 @@ def _sample_batch(
     seconds = [0.0] * len(chunk)
     vocab = tokenizer.vocab_size if tokenizer.vocab_size < model.vocab_size else None
     start = time.perf_counter()
-    steps = generate(
+    steps = _generate(
         model,
         [encoded[jobs[r][0]][0] for r in chunk],
         max_new_tokens,
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
+        seed=None,
         generators=make_generators(len(chunk), seed + chunk[0]),
         use_cache=use_cache,
         vocab_size=vocab,
@@ -560,6 +601,8 @@ def sample_run(
     """
     from llmcli.checkpoint import find_latest_run, load_run
 
+    # The options are checked before the run loads, so that a mistyped one fails at once; a
+    # setting left to the run's default is checked with a value that passes.
     check_sampling(
         0.0 if temperature is None else temperature, top_k, 1.0 if top_p is None else top_p
     )
@@ -578,7 +621,8 @@ def sample_run(
     defaults = run.config.sample
     eot = run.tokenizer.eot_id
     headers = [p for p in prompts for _ in range(num_samples)]
-    return sample_texts(
+    # The run's defaults were checked when its config loaded, the options above: trust both.
+    return _sample_texts(
         run.model,
         run.tokenizer,
         prompts,
@@ -590,6 +634,8 @@ def sample_run(
         num_samples=num_samples,
         stop=stop,
         stop_ids=() if eot is None else (eot,),
+        use_cache=True,
         sink=None if write is None else OrderedWriter(write, headers),
+        batch_size=BATCH_SIZE,
         notify=notify,
     )

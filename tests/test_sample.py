@@ -215,3 +215,34 @@ def test_bad_prompt_files(tmp_path, content, name, message) -> None:
         read_prompts(None, path)
     with pytest.raises(InputError, match="not both"):
         read_prompts("x", path)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def count_check_sampling(monkeypatch) -> list[tuple]:
+    """Record every call of `check_sampling`, wherever generation calls it from."""
+    import llmcli.generate
+    import llmcli.sample
+    from llmcli.sampling import check_sampling
+
+    calls: list[tuple] = []
+
+    def spy(*args):
+        calls.append(args)
+        return check_sampling(*args)
+
+    monkeypatch.setattr(llmcli.sample, "check_sampling", spy)
+    monkeypatch.setattr(llmcli.generate, "check_sampling", spy)
+    return calls
+
+
+def test_sample_texts_checks_the_controls_once(monkeypatch) -> None:
+    calls = count_check_sampling(monkeypatch)
+    model = make_model(vocab=CHARS.vocab_size)
+    sample_texts(
+        model, CHARS, ["ab", "cd"], max_new_tokens=3, temperature=0.5, top_k=4, batch_size=1
+    )
+    assert calls == [(0.5, 4, 1.0)]
+    with pytest.raises(InputError, match="top_p"):
+        sample_texts(model, CHARS, ["ab"], max_new_tokens=3, top_p=0.0)

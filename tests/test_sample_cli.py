@@ -13,12 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import default_sigint
+from test_sample import count_check_sampling
 
 from llmcli.checkpoint import load_run, save_model_run
 from llmcli.cli import main
 from llmcli.config import config_from_dict
 from llmcli.generate import generate_ids
 from llmcli.model import Transformer
+from llmcli.sample import sample_run
 from llmcli.tokenizer import BPETokenizer, CharTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -302,6 +304,12 @@ def test_latest_run_is_used_and_named(capsys, tmp_path, monkeypatch) -> None:
     assert code == 0
     assert str(Path("checkpoints") / "new") in err
     assert out == "ROMEO:" + expected_completion(newest, "ROMEO:", 20, seed=3) + "\n"
+
+
+def test_sample_run_checks_the_controls_once(run_dir, monkeypatch) -> None:
+    calls = count_check_sampling(monkeypatch)
+    samples = sample_run(run_dir, ["ROMEO:", "J"], max_new_tokens=4, top_p=0.9, num_samples=2)
+    assert len(samples) == 4 and len(calls) == 1
 
 
 @pytest.mark.parametrize(
