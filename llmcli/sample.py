@@ -26,20 +26,11 @@ from llmcli.device import resolve_device
 from llmcli.errors import InputError
 from llmcli.generate import _generate
 from llmcli.sampling import check_sampling, make_generators
+from llmcli.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 BATCH_SIZE = 64  # most samples generated at once by default
-
-
-class Tokenizer(Protocol):
-    """What sampling needs from `llmcli.tokenizer`'s tokenizers."""
-
-    vocab_size: int
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: Sequence[int]) -> str: ...
 
 
 class TextSink(Protocol):
