@@ -310,7 +310,8 @@ def inspect_attention_command(
     ] = True,
 ) -> None:
     """Dump every head's attention for a prompt, score each head, draw it, write a viewer."""
-    from llmcli.attention.report import format_metrics_table, inspect_attention
+    from llmcli.attention.dump import format_metrics_table
+    from llmcli.attention.report import inspect_attention
 
     if checkpoint is None:
         from llmcli.checkpoint import find_latest_run

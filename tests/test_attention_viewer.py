@@ -1,4 +1,4 @@
-"""Tests for llmcli.attention.viewer: the self-contained page, and its behaviour in headless Chromium.
+"""Tests for llmcli.attention.viewer: the self-contained page, its behaviour in headless Chromium.
 
 The browser tests drive Debian's `chromium` through `chromedriver` with Selenium; they are skipped
 only where no Chromium (or no chromedriver) is installed.
@@ -15,7 +15,8 @@ import tempfile
 import numpy as np
 import pytest
 
-from llmcli.attention.report import METRIC_NAMES, AttentionDump, head_metrics
+from llmcli.attention.dump import AttentionDump
+from llmcli.attention.metrics import METRIC_NAMES, head_metrics
 from llmcli.attention.viewer import render_viewer, viewer_data, write_viewer
 
 T = 10

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from llmcli.attention.report import AttentionDump, _atomic_write
+from llmcli.attention.dump import AttentionDump, _atomic_write
 
 _PLACEHOLDER = "__ATTENTION_DATA__"
 
@@ -54,7 +54,9 @@ def viewer_data(dump: AttentionDump) -> dict[str, Any]:
 
 def render_viewer(dump: AttentionDump) -> str:
     """The viewer page for `dump` as one HTML string with the data inlined."""
-    template = resources.files("llmcli.attention").joinpath("viewer.html").read_text(encoding="utf-8")
+    template = (
+        resources.files("llmcli.attention").joinpath("viewer.html").read_text(encoding="utf-8")
+    )
     payload = json.dumps(viewer_data(dump), ensure_ascii=False, allow_nan=False)
     # Inside <script> the sequence "</script>" (in a token, say) would end the element early:
     # escape the characters HTML cares about; JSON.parse reads the escapes back unchanged.

@@ -1,0 +1,135 @@
+"""Capture attention: run a model and record the softmax weights of every layer and head.
+
+`capture_attention` goes through the model's explicit attention path, `capture_prompts` runs
+prompts of different lengths through it in batches, and `induction_scores` measures every head
+on repeated random token sequences.
+
+Several prompts are captured in one right-padded batch with a key padding mask. With right
+padding every real query sits before every pad key, so the causal mask alone already hides the
+padding from real tokens; each result is then sliced to its own prompt's length, so padding
+never appears in a dump (a test checks each dump equals the prompt run alone).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from llmcli.attention.metrics import induction_score
+
+if TYPE_CHECKING:
+    import torch
+
+
+#: How many prompts run through the model in one padded batch.
+BATCH_PROMPTS = 16
+#: Repeated random sequences averaged by the induction score.
+INDUCTION_SEQUENCES = 8
+
+
+def repeated_random_tokens(
+    vocab_size: int, period: int, batch: int, generator: torch.Generator
+) -> torch.Tensor:
+    """Random sequences of `period` tokens, each followed by itself: `(batch, 2 * period)` ids.
+
+    Tokens within one copy are distinct when the vocabulary allows it, so every token of the
+    second copy has exactly one earlier occurrence and the induction target is unambiguous.
+    """
+    import torch
+
+    rows = []
+    for _ in range(batch):
+        if vocab_size >= period:
+            row = torch.randperm(vocab_size, generator=generator)[:period]
+        else:
+            row = torch.randint(vocab_size, (period,), generator=generator)
+        rows.append(torch.cat([row, row]))
+    return torch.stack(rows)  # (batch, 2 * period)
+
+
+def capture_attention(
+    model: torch.nn.Module,
+    idx: torch.Tensor,
+    key_padding_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the model in eval mode (dropout off) and record every layer's per-head weights.
+
+    Goes through `Transformer.forward_with_attention`, the explicit softmax path; the logits are
+    those of the normal forward (a test checks it). The model's train/eval mode is restored.
+
+    Args:
+        model: a `llmcli.model.Transformer`.
+        idx: token ids `(B, T)`, T <= context_length.
+        key_padding_mask: optional `(B, T)` bool, True where a key is padding.
+
+    Returns:
+        logits `(B, T, vocab)` and attention `(B, L, H, T, T)` (query x key), both float32 CPU.
+    """
+    import torch
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits, weights = model.forward_with_attention(idx, key_padding_mask=key_padding_mask)
+    finally:
+        model.train(was_training)
+    attn = torch.stack(list(weights), dim=1)  # L x (B, H, T, T) -> (B, L, H, T, T)
+    return logits.float().cpu(), attn.float().cpu()
+
+
+def capture_prompts(
+    model: torch.nn.Module, prompts_ids: Sequence[Sequence[int]], batch_size: int = BATCH_PROMPTS
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Capture prompts of different lengths in right-padded batches; return each unpadded.
+
+    Right padding puts every pad after every real token, so under the causal mask no real query
+    can see a pad key; the key padding mask is passed anyway (it also keeps the positions of a
+    prompt those it has alone). Each result is sliced back to its own length.
+
+    Returns:
+        For each prompt, `(logits (T, V), attn (L, H, T, T))` with T its own length.
+    """
+    import torch
+
+    device = next(model.parameters()).device
+    out: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for start in range(0, len(prompts_ids), batch_size):
+        chunk = prompts_ids[start : start + batch_size]
+        T = max(len(ids) for ids in chunk)
+        idx = torch.zeros(len(chunk), T, dtype=torch.long)  # (B, T), pads are token 0
+        pad = torch.ones(len(chunk), T, dtype=torch.bool)  # (B, T), True = padding
+        for b, ids in enumerate(chunk):
+            idx[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            pad[b, : len(ids)] = False
+        mask = pad.to(device) if bool(pad.any()) else None
+        logits, attn = capture_attention(model, idx.to(device), key_padding_mask=mask)
+        for b, ids in enumerate(chunk):
+            n = len(ids)
+            out.append((logits[b, :n], attn[b, :, :, :n, :n]))  # (n, V), (L, H, n, n)
+    return out
+
+
+def induction_scores(
+    model: torch.nn.Module,
+    vocab_size: int,
+    *,
+    sequences: int = INDUCTION_SEQUENCES,
+    seed: int = 0,
+) -> tuple[np.ndarray, dict[str, Any]]:
+    """Per-head induction scores `[L, H]` on repeated random sequences of context_length // 2.
+
+    Returns:
+        The scores and a description for the dump's meta (period, sequences, seed).
+    """
+    import torch
+
+    period = max(1, model.context_length // 2)
+    gen = torch.Generator().manual_seed(seed)
+    idx = repeated_random_tokens(vocab_size, period, sequences, gen)  # (S, 2 * period)
+    device = next(model.parameters()).device
+    _, attn = capture_attention(model, idx.to(device))  # (S, L, H, 2p, 2p)
+    scores = induction_score(attn.numpy(), period).mean(0)  # (S, L, H) -> (L, H)
+    return scores, {"period": period, "sequences": sequences, "seed": seed}

@@ -1,0 +1,93 @@
+"""Pictures of a dump: one PNG per layer, a heatmap per head plus the mean over the heads."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from llmcli.attention.dump import AttentionDump, _atomic_write
+
+
+def token_label(text: str) -> str:
+    """A token's text made visible on one line: spaces as '␣', newlines as '↵', tabs as '⇥'."""
+    if text == "":
+        return "∅"
+    return text.replace(" ", "␣").replace("\n", "↵").replace("\r", "␍").replace("\t", "⇥")
+
+
+def _short_label(text: str, limit: int = 10) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def label_step(T: int, max_labels: int = 32) -> int:
+    """Label every `step`-th token so that at most `max_labels` labels sit on an axis."""
+    return max(1, math.ceil(T / max_labels))
+
+
+def plot_layers(dump: AttentionDump, out_dir: str | Path) -> list[Path]:
+    """One PNG per layer: a heatmap per head plus the mean over the dump's heads.
+
+    Each panel is labelled with the tokens (every `label_step`-th one for long prompts) and
+    grows with the prompt, so maps up to the context length stay readable.
+
+    Returns:
+        The written paths, `layer-<L>.png` for each layer in the dump.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    T = len(dump.tokens)
+    labels = [_short_label(token_label(t)) for t in dump.tokens]
+    step = label_step(T)
+    ticks = list(range(0, T, step))
+    panel = min(7.0, max(3.0, 1.5 + 0.06 * T))  # inches per heatmap: 5.3 for 64 tokens
+    font = 7 if T <= 64 else 6
+    n_panels = len(dump.heads) + 1
+    ncols = math.ceil(math.sqrt(n_panels))
+    nrows = math.ceil(n_panels / ncols)
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="white")
+    future = np.triu(np.ones((T, T), dtype=bool), k=1)  # (T, T): keys after the query
+    paths = []
+    for li, layer in enumerate(dump.layers):
+        fig, axes = plt.subplots(
+            nrows,
+            ncols,
+            figsize=(panel * ncols + 1.2, panel * nrows + 0.8),
+            squeeze=False,
+            gridspec_kw={"wspace": 0.25, "hspace": 0.3},
+        )
+        maps = [dump.attn[li, hi] for hi in range(len(dump.heads))]
+        maps.append(dump.attn[li].mean(axis=0))  # (H', T, T) -> (T, T)
+        heads_txt = ",".join(str(h) for h in dump.heads)
+        titles = [f"head {h}" for h in dump.heads] + [f"mean of heads {heads_txt}"]
+        for k, ax in enumerate(axes.flat):
+            if k >= n_panels:
+                ax.axis("off")
+                continue
+            # Keys after the query are masked (blank), not drawn as weight 0.
+            shown = np.ma.masked_array(maps[k], mask=future)
+            im = ax.imshow(shown, cmap=cmap, vmin=0.0, vmax=1.0, interpolation="nearest")
+            ax.set_title(titles[k], fontsize=9)
+            ax.set_xticks(ticks, [labels[i] for i in ticks], rotation=90, fontsize=font)
+            ax.set_yticks(ticks, [labels[i] for i in ticks], fontsize=font)
+            if k % ncols == 0:
+                ax.set_ylabel("query", fontsize=8)
+            if k >= n_panels - ncols:
+                ax.set_xlabel("key", fontsize=8)
+        fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.6, label="attention weight")
+        fig.suptitle(f"layer {layer} ({T} tokens)", fontsize=11)
+        path = out_dir / f"layer-{layer}.png"
+
+        def write(tmp: Path, fig: Any = fig) -> None:
+            fig.savefig(tmp, dpi=100, format="png", bbox_inches="tight")
+
+        _atomic_write(path, write)
+        plt.close(fig)
+        paths.append(path)
+    return paths
