@@ -5,18 +5,8 @@ Shapes follow the seed: `B` batch, `T` time (<= `context_length`), `C` channels 
 written out literally; `MultiHeadAttention` computes `nh` such heads at once (one fused QKV
 projection, `F.scaled_dot_product_attention`) and equals a stack of `Head`s with the same weights.
 
-Masks. A `key_padding_mask` is `(B, T_k)` bool with `True` = "this key is padding, ignore it", the
-convention of `torch.nn.MultiheadAttention`. (SDPA's bool `attn_mask` means the opposite, `True` =
-"may attend"; the conversion happens in one place, `_allowed_keys`.) A query whose keys are all
-masked (a left-padding position under the causal mask) gets all-zero attention weights and a zero
-attention output: it never produces NaN and passes no gradient.
-
 Recipe options (all off by default, so the default model is the seed's GPT-2-like architecture):
 rotary position embeddings (`rope`), RMSNorm, QK-norm, a ReLU² MLP and an untied LM head.
-
-Generation: `Transformer.new_kv_cache` makes a `KVCache`; `Transformer.forward(..., kv_cache=...)`
-appends the new tokens' keys/values and attends over everything cached, so feeding one token per
-step gives the same logits as recomputing the whole sequence.
 """
 
 from __future__ import annotations
@@ -29,231 +19,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from llmcli.errors import InputError
+from llmcli.kv_cache import KVCache, _padding_with_cache
+from llmcli.layers import RotaryEmbedding, _make_norm, qk_rms_norm
+from llmcli.masks import _allowed_keys, _check_length, _check_padding_mask
 
 if TYPE_CHECKING:
     from llmcli.config import ModelConfig
 
-NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "relu2")
 POS_EMBS = ("learned", "rope")
-
-
-# ----------------------------------------------------------------------------- small helpers
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm (Zhang & Sennrich, 2019): `x / sqrt(mean(x**2) + eps) * weight`.
-
-    Unlike LayerNorm it neither subtracts the mean nor adds a bias.
-
-    Args:
-        n_embed: size of the last dimension `C`.
-        eps: added to the mean square for stability.
-
-    Shape:
-        (..., C) -> (..., C)
-    """
-
-    def __init__(self, n_embed: int, eps: float = 1e-5) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(n_embed))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-
-
-def qk_rms_norm(x: Tensor) -> Tensor:
-    """QK-norm: parameter-free RMSNorm over the head dimension (as in nanochat, modded-nanogpt).
-
-    Applied to queries and keys before the dot product, it bounds the attention logits, which
-    lets training use larger learning rates without logit blow-up.
-
-    Shape:
-        (..., hs) -> (..., hs), each vector with root-mean-square 1.
-    """
-    return F.rms_norm(x, (x.shape[-1],), eps=1e-5)
-
-
-class RotaryEmbedding(nn.Module):
-    """Rotary position embedding (RoPE, Su et al. 2021), "rotate half" layout as in GPT-NeoX/Llama.
-
-    Channel `i` and channel `i + hs/2` form a pair rotated by the angle `pos * base**(-2i/hs)`:
-    `(a, b) -> (a cos - b sin, a sin + b cos)`. A rotation keeps norms, and
-    `rot(q, m) . rot(k, n)` depends only on `m - n`, so attention sees relative positions.
-
-    Args:
-        head_size: `hs`, must be even.
-        context_length: number of positions precomputed (positions must be < this).
-        base: the frequency base (10000 in the paper).
-    """
-
-    def __init__(self, head_size: int, context_length: int, base: float = 10000.0) -> None:
-        super().__init__()
-        if head_size % 2 != 0:
-            raise InputError(f"rotary embeddings need an even head size, got {head_size}")
-        exponent = torch.arange(0, head_size, 2, dtype=torch.float64) / head_size  # (hs/2,)
-        inv_freq = base**-exponent  # (hs/2,)
-        positions = torch.arange(context_length, dtype=torch.float64)  # (L,)
-        angles = torch.outer(positions, inv_freq)  # (L, hs/2)
-        cos, sin = angles.cos(), angles.sin()
-        # Both halves of a pair share an angle; the minus sign of `rotate_half` is folded into sin.
-        cos = torch.cat([cos, cos], dim=-1).float()  # (L, hs)
-        sin = torch.cat([-sin, sin], dim=-1).float()  # (L, hs)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
-
-    def forward(self, x: Tensor, position_ids: Tensor | None = None, offset: int = 0) -> Tensor:
-        """Rotate `x` by its positions.
-
-        Args:
-            x: `(B, T, hs)` or `(B, T, nh, hs)`: time on dim 1, channels last.
-            position_ids: `(B, T)` long, or None for positions `offset .. offset + T - 1`.
-            offset: first position when `position_ids` is None.
-
-        Returns:
-            Tensor of the same shape as `x`.
-        """
-        T, hs = x.shape[1], x.shape[-1]
-        if position_ids is None:
-            cos = self.cos[offset : offset + T]  # (T, hs)
-            sin = self.sin[offset : offset + T]  # (T, hs)
-        else:
-            cos = self.cos[position_ids]  # (B, T, hs)
-            sin = self.sin[position_ids]  # (B, T, hs)
-        if x.ndim == 4:  # heads sit between time and channels
-            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (T, 1, hs) or (B, T, 1, hs)
-        rotated_half = x.roll(hs // 2, dims=-1)  # (B, T, ..., hs): [b, a] for x = [a, b]
-        return torch.addcmul(x * cos.to(x.dtype), rotated_half, sin.to(x.dtype))
-
-
-def _allowed_keys(causal: Tensor, key_padding_mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
-    """Combine the causal mask with a key padding mask, in SDPA's convention (True = attend).
-
-    Args:
-        causal: `(T_q, T_k)` bool, True where query i may attend key j.
-        key_padding_mask: `(B, T_k)` bool, True = padding (ignored), or None.
-
-    Returns:
-        `(allowed, empty_rows)`. Without padding: `(causal, None)`. With padding: `allowed` is
-        `(B, 1, T_q, T_k)`, and `empty_rows` `(B, 1, T_q, 1)` marks queries that have no key left.
-        Those rows are opened to every key in `allowed` so that the softmax stays finite; the
-        caller zeroes their weights or outputs with `empty_rows`.
-    """
-    if key_padding_mask is None:
-        return causal, None
-    allowed = causal & ~key_padding_mask[:, None, None, :]  # (B, 1, T_q, T_k)
-    empty_rows = ~allowed.any(dim=-1, keepdim=True)  # (B, 1, T_q, 1)
-    return allowed | empty_rows, empty_rows
-
-
-def _check_padding_mask(key_padding_mask: Tensor, B: int, T_k: int) -> None:
-    if key_padding_mask.dtype != torch.bool:
-        raise InputError(
-            f"key_padding_mask must be a bool tensor (True = padding, ignored), "
-            f"got dtype {key_padding_mask.dtype}; for a Hugging Face style attention_mask "
-            f"(1 = keep) pass `attention_mask == 0`"
-        )
-    if tuple(key_padding_mask.shape) != (B, T_k):
-        raise InputError(
-            f"key_padding_mask has shape {tuple(key_padding_mask.shape)}, expected (B, T_keys) = "
-            f"({B}, {T_k})"
-        )
-
-
-def _check_length(T: int, context_length: int, past: int = 0) -> None:
-    if past + T > context_length:
-        cached = f" after {past} cached positions" if past else ""
-        raise InputError(
-            f"input has T = {T} positions{cached} but the model's context_length is "
-            f"{context_length}: crop the input to its last {context_length - past} tokens"
-        )
-
-
-class KVCache:
-    """Keys and values of every attention layer, preallocated for `max_len` positions.
-
-    `MultiHeadAttention` writes the new tokens' keys/values for its layer at the layer's current
-    length and attends over everything cached up to there. After a full `Transformer.forward`
-    every layer holds the same number of positions, `length`.
-
-    The cache also remembers the key padding mask it was given (see `Transformer.forward`), so a
-    left-padded batch is prefilled once with its mask and then decoded without passing it again.
-
-    Cached states depend on absolute positions (and, past the first layer, on every earlier
-    token), so generation beyond `max_len` cannot just drop the oldest entry: `reset()` and
-    prefill the last window again (or `crop(n)` to go back to a shared prefix).
-
-    Attributes:
-        k, v: `(n_layer, B, nh, max_len, hs)`.
-        padding: `(B, max_len)` bool, True = padding; meaningful where `has_padding`.
-        max_len: positions the cache can hold.
-    """
-
-    def __init__(
-        self,
-        n_layer: int,
-        batch_size: int,
-        n_head: int,
-        head_size: int,
-        max_len: int,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        shape = (n_layer, batch_size, n_head, max_len, head_size)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.padding = torch.zeros(batch_size, max_len, device=device, dtype=torch.bool)
-        self.has_padding = False
-        self.n_layer = n_layer
-        self.batch_size = batch_size
-        self.max_len = max_len
-        self._lengths = [0] * n_layer  # Python ints: no host-device sync to read them
-
-    @property
-    def length(self) -> int:
-        """Number of positions cached (by the first layer; all layers agree after a forward)."""
-        return self._lengths[0]
-
-    def layer_length(self, layer_idx: int) -> int:
-        """Number of positions cached for one layer."""
-        return self._lengths[layer_idx]
-
-    def update(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Append one layer's new keys/values and return all of that layer's cached ones.
-
-        Args:
-            layer_idx: which layer.
-            k, v: `(B, nh, T, hs)` for the T new positions.
-
-        Returns:
-            `(k_all, v_all)`, each `(B, nh, past + T, hs)` (views into the cache).
-        """
-        past, T = self._lengths[layer_idx], k.shape[-2]
-        if past + T > self.max_len:
-            raise InputError(
-                f"the KV cache holds max_len = {self.max_len} positions; {past} are cached and "
-                f"{T} more do not fit: reset() or crop() the cache, or make a larger one"
-            )
-        self.k[layer_idx, :, :, past : past + T] = k
-        self.v[layer_idx, :, :, past : past + T] = v
-        self._lengths[layer_idx] = past + T
-        return (
-            self.k[layer_idx, :, :, : past + T],  # (B, nh, past + T, hs)
-            self.v[layer_idx, :, :, : past + T],  # (B, nh, past + T, hs)
-        )
-
-    def reset(self) -> None:
-        """Forget everything cached (the memory is kept for reuse)."""
-        self._lengths = [0] * self.n_layer
-        self.has_padding = False
-
-    def crop(self, n: int) -> None:
-        """Keep only the first `n` positions (no-op where fewer are cached)."""
-        if n < 0:
-            raise InputError(f"crop length must be >= 0, got {n}")
-        self._lengths = [min(length, n) for length in self._lengths]
 
 
 # ----------------------------------------------------------------------------- the model
@@ -579,14 +353,6 @@ class MLP(nn.Module):
         return y
 
 
-def _make_norm(norm: str, n_embed: int, bias: bool) -> nn.Module:
-    if norm == "layernorm":
-        return nn.LayerNorm(n_embed, bias=bias)
-    if norm == "rmsnorm":
-        return RMSNorm(n_embed)
-    raise InputError(f"norm must be one of {NORMS}, got {norm!r}")
-
-
 class Block(nn.Module):
     """A pre-norm Transformer block: `x = x + attn(ln1(x)); x = x + mlp(ln2(x))`.
 
@@ -875,7 +641,7 @@ class Transformer(nn.Module):
                     f"cached and {T} more do not fit: reset() or crop() the cache"
                 )
         _check_length(T, self.context_length, past)
-        key_padding_mask = self._padding_with_cache(key_padding_mask, kv_cache, B, past, T)
+        key_padding_mask = _padding_with_cache(key_padding_mask, kv_cache, B, past, T)
         if position_ids is None and key_padding_mask is not None:
             # Count real tokens: padding does not use up positions (pads themselves get 0).
             real_before = (~key_padding_mask).cumsum(dim=1) - 1  # (B, past + T)
@@ -915,26 +681,3 @@ class Transformer(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.view(B * T, -1), targets.reshape(B * T), ignore_index=-1)
         return logits, loss, weights
-
-    @staticmethod
-    def _padding_with_cache(
-        key_padding_mask: Tensor | None, kv_cache: KVCache | None, B: int, past: int, T: int
-    ) -> Tensor | None:
-        """The mask over every key of this forward, `(B, past + T)`, remembered by the cache."""
-        if kv_cache is None:
-            if key_padding_mask is not None:
-                _check_padding_mask(key_padding_mask, B, T)
-            return key_padding_mask
-        if key_padding_mask is None:
-            if not kv_cache.has_padding:
-                return None
-            kv_cache.padding[:, past : past + T] = False  # new tokens are real
-        else:
-            if key_padding_mask.dtype == torch.bool and key_padding_mask.shape[-1] == T:
-                _check_padding_mask(key_padding_mask, B, T)
-                kv_cache.padding[:, past : past + T] = key_padding_mask
-            else:
-                _check_padding_mask(key_padding_mask, B, past + T)
-                kv_cache.padding[:, : past + T] = key_padding_mask
-            kv_cache.has_padding = True
-        return kv_cache.padding[:, : past + T]  # (B, past + T)

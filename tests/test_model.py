@@ -16,16 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmcli.errors import InputError
-from llmcli.model import (
-    MLP,
-    Block,
-    Head,
-    KVCache,
-    MultiHeadAttention,
-    RMSNorm,
-    RotaryEmbedding,
-    Transformer,
-)
+from llmcli.kv_cache import KVCache
+from llmcli.layers import RMSNorm, RotaryEmbedding
+from llmcli.model import MLP, Block, Head, MultiHeadAttention, Transformer
 
 OPTIONS = {
     "seed": {},

@@ -1,0 +1,123 @@
+"""The generation cache and its padding bookkeeping.
+
+Generation: `Transformer.new_kv_cache` makes a `KVCache`; `Transformer.forward(..., kv_cache=...)`
+appends the new tokens' keys/values and attends over everything cached, so feeding one token per
+step gives the same logits as recomputing the whole sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from llmcli.errors import InputError
+from llmcli.masks import _check_padding_mask
+
+
+class KVCache:
+    """Keys and values of every attention layer, preallocated for `max_len` positions.
+
+    `MultiHeadAttention` writes the new tokens' keys/values for its layer at the layer's current
+    length and attends over everything cached up to there. After a full `Transformer.forward`
+    every layer holds the same number of positions, `length`.
+
+    The cache also remembers the key padding mask it was given (see `Transformer.forward`), so a
+    left-padded batch is prefilled once with its mask and then decoded without passing it again.
+
+    Cached states depend on absolute positions (and, past the first layer, on every earlier
+    token), so generation beyond `max_len` cannot just drop the oldest entry: `reset()` and
+    prefill the last window again (or `crop(n)` to go back to a shared prefix).
+
+    Attributes:
+        k, v: `(n_layer, B, nh, max_len, hs)`.
+        padding: `(B, max_len)` bool, True = padding; meaningful where `has_padding`.
+        max_len: positions the cache can hold.
+    """
+
+    def __init__(
+        self,
+        n_layer: int,
+        batch_size: int,
+        n_head: int,
+        head_size: int,
+        max_len: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        shape = (n_layer, batch_size, n_head, max_len, head_size)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.padding = torch.zeros(batch_size, max_len, device=device, dtype=torch.bool)
+        self.has_padding = False
+        self.n_layer = n_layer
+        self.batch_size = batch_size
+        self.max_len = max_len
+        self._lengths = [0] * n_layer  # Python ints: no host-device sync to read them
+
+    @property
+    def length(self) -> int:
+        """Number of positions cached (by the first layer; all layers agree after a forward)."""
+        return self._lengths[0]
+
+    def layer_length(self, layer_idx: int) -> int:
+        """Number of positions cached for one layer."""
+        return self._lengths[layer_idx]
+
+    def update(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Append one layer's new keys/values and return all of that layer's cached ones.
+
+        Args:
+            layer_idx: which layer.
+            k, v: `(B, nh, T, hs)` for the T new positions.
+
+        Returns:
+            `(k_all, v_all)`, each `(B, nh, past + T, hs)` (views into the cache).
+        """
+        past, T = self._lengths[layer_idx], k.shape[-2]
+        if past + T > self.max_len:
+            raise InputError(
+                f"the KV cache holds max_len = {self.max_len} positions; {past} are cached and "
+                f"{T} more do not fit: reset() or crop() the cache, or make a larger one"
+            )
+        self.k[layer_idx, :, :, past : past + T] = k
+        self.v[layer_idx, :, :, past : past + T] = v
+        self._lengths[layer_idx] = past + T
+        return (
+            self.k[layer_idx, :, :, : past + T],  # (B, nh, past + T, hs)
+            self.v[layer_idx, :, :, : past + T],  # (B, nh, past + T, hs)
+        )
+
+    def reset(self) -> None:
+        """Forget everything cached (the memory is kept for reuse)."""
+        self._lengths = [0] * self.n_layer
+        self.has_padding = False
+
+    def crop(self, n: int) -> None:
+        """Keep only the first `n` positions (no-op where fewer are cached)."""
+        if n < 0:
+            raise InputError(f"crop length must be >= 0, got {n}")
+        self._lengths = [min(length, n) for length in self._lengths]
+
+
+def _padding_with_cache(
+    key_padding_mask: Tensor | None, kv_cache: KVCache | None, B: int, past: int, T: int
+) -> Tensor | None:
+    """The mask over every key of this forward, `(B, past + T)`, remembered by the cache."""
+    if kv_cache is None:
+        if key_padding_mask is not None:
+            _check_padding_mask(key_padding_mask, B, T)
+        return key_padding_mask
+    if key_padding_mask is None:
+        if not kv_cache.has_padding:
+            return None
+        kv_cache.padding[:, past : past + T] = False  # new tokens are real
+    else:
+        if key_padding_mask.dtype == torch.bool and key_padding_mask.shape[-1] == T:
+            _check_padding_mask(key_padding_mask, B, T)
+            kv_cache.padding[:, past : past + T] = key_padding_mask
+        else:
+            _check_padding_mask(key_padding_mask, B, past + T)
+            kv_cache.padding[:, : past + T] = key_padding_mask
+        kv_cache.has_padding = True
+    return kv_cache.padding[:, : past + T]  # (B, past + T)

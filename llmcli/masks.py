@@ -1,0 +1,58 @@
+"""Attention masks and the checks of attention inputs (sequence length, key padding mask).
+
+Masks. A `key_padding_mask` is `(B, T_k)` bool with `True` = "this key is padding, ignore it", the
+convention of `torch.nn.MultiheadAttention`. (SDPA's bool `attn_mask` means the opposite, `True` =
+"may attend"; the conversion happens in one place, `_allowed_keys`.) A query whose keys are all
+masked (a left-padding position under the causal mask) gets all-zero attention weights and a zero
+attention output: it never produces NaN and passes no gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from llmcli.errors import InputError
+
+
+def _allowed_keys(causal: Tensor, key_padding_mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """Combine the causal mask with a key padding mask, in SDPA's convention (True = attend).
+
+    Args:
+        causal: `(T_q, T_k)` bool, True where query i may attend key j.
+        key_padding_mask: `(B, T_k)` bool, True = padding (ignored), or None.
+
+    Returns:
+        `(allowed, empty_rows)`. Without padding: `(causal, None)`. With padding: `allowed` is
+        `(B, 1, T_q, T_k)`, and `empty_rows` `(B, 1, T_q, 1)` marks queries that have no key left.
+        Those rows are opened to every key in `allowed` so that the softmax stays finite; the
+        caller zeroes their weights or outputs with `empty_rows`.
+    """
+    if key_padding_mask is None:
+        return causal, None
+    allowed = causal & ~key_padding_mask[:, None, None, :]  # (B, 1, T_q, T_k)
+    empty_rows = ~allowed.any(dim=-1, keepdim=True)  # (B, 1, T_q, 1)
+    return allowed | empty_rows, empty_rows
+
+
+def _check_padding_mask(key_padding_mask: Tensor, B: int, T_k: int) -> None:
+    if key_padding_mask.dtype != torch.bool:
+        raise InputError(
+            f"key_padding_mask must be a bool tensor (True = padding, ignored), "
+            f"got dtype {key_padding_mask.dtype}; for a Hugging Face style attention_mask "
+            f"(1 = keep) pass `attention_mask == 0`"
+        )
+    if tuple(key_padding_mask.shape) != (B, T_k):
+        raise InputError(
+            f"key_padding_mask has shape {tuple(key_padding_mask.shape)}, expected (B, T_keys) = "
+            f"({B}, {T_k})"
+        )
+
+
+def _check_length(T: int, context_length: int, past: int = 0) -> None:
+    if past + T > context_length:
+        cached = f" after {past} cached positions" if past else ""
+        raise InputError(
+            f"input has T = {T} positions{cached} but the model's context_length is "
+            f"{context_length}: crop the input to its last {context_length - past} tokens"
+        )
