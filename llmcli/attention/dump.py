@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from llmcli.errors import InputError
+from llmcli.fileio import atomic_path, atomic_write_text
 
 #: Dump formats and their file suffixes.
 FORMATS: dict[str, str] = {"npz": ".npz", "safetensors": ".safetensors", "json": ".json"}
@@ -60,21 +60,6 @@ class AttentionDump:
         }
 
 
-def _atomic_write(path: Path, write: Any) -> None:
-    """Call write(tmp_path) on a temporary file next to `path`, then rename it into place.
-
-    The temporary file is created by `write` itself, so it gets the usual permissions (umask).
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def _json_floats(a: np.ndarray) -> Any:
     """Nested lists of Python floats, NaN as None (JSON has no NaN)."""
     return [_json_floats(x) for x in a] if a.ndim else (None if np.isnan(a) else float(a))
@@ -92,12 +77,10 @@ def save_dump(dump: AttentionDump, path: str | Path, fmt: str = "npz") -> Path:
     if fmt not in FORMATS:
         raise InputError(f"unknown dump format {fmt!r}: choose one of {', '.join(FORMATS)}.")
     arrays = dump.arrays()
+    path.parent.mkdir(parents=True, exist_ok=True)  # callers may name a new folder
     if fmt == "npz":
-
-        def write(tmp: Path) -> None:
-            with open(tmp, "wb") as f:
-                np.savez(f, **arrays)
-
+        with atomic_path(path) as tmp, open(tmp, "wb") as f:
+            np.savez(f, **arrays)
     elif fmt == "safetensors":
         from safetensors.numpy import save_file
 
@@ -107,10 +90,8 @@ def save_dump(dump: AttentionDump, path: str | Path, fmt: str = "npz") -> Path:
             "metric_names": json.dumps(dump.metric_names),
             "meta": json.dumps(dump.meta, sort_keys=True),
         }
-
-        def write(tmp: Path) -> None:
+        with atomic_path(path) as tmp:
             save_file(tensors, str(tmp), metadata=metadata)
-
     else:
         obj = {
             "attn": _json_floats(arrays["attn"]),
@@ -122,11 +103,7 @@ def save_dump(dump: AttentionDump, path: str | Path, fmt: str = "npz") -> Path:
             "heads": [int(i) for i in dump.heads],
             "meta": dump.meta,
         }
-
-        def write(tmp: Path) -> None:
-            tmp.write_text(json.dumps(obj, allow_nan=False), encoding="utf-8")
-
-    _atomic_write(path, write)
+        atomic_write_text(path, json.dumps(obj, allow_nan=False))
     return path
 
 

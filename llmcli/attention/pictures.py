@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from llmcli.attention.dump import AttentionDump, _atomic_write
+from llmcli.attention.dump import AttentionDump
+from llmcli.fileio import atomic_path
 
 
 def token_label(text: str) -> str:
@@ -42,6 +42,7 @@ def plot_layers(dump: AttentionDump, out_dir: str | Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)  # callers may name a new folder
     T = len(dump.tokens)
     labels = [_short_label(token_label(t)) for t in dump.tokens]
     step = label_step(T)
@@ -83,11 +84,8 @@ def plot_layers(dump: AttentionDump, out_dir: str | Path) -> list[Path]:
         fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.6, label="attention weight")
         fig.suptitle(f"layer {layer} ({T} tokens)", fontsize=11)
         path = out_dir / f"layer-{layer}.png"
-
-        def write(tmp: Path, fig: Any = fig) -> None:
+        with atomic_path(path) as tmp:
             fig.savefig(tmp, dpi=100, format="png", bbox_inches="tight")
-
-        _atomic_write(path, write)
         plt.close(fig)
         paths.append(path)
     return paths

@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from llmcli.attention.dump import AttentionDump, _atomic_write
+from llmcli.attention.dump import AttentionDump
+from llmcli.fileio import atomic_write_text
 
 _PLACEHOLDER = "__ATTENTION_DATA__"
 
@@ -68,5 +69,6 @@ def write_viewer(dump: AttentionDump, path: str | Path) -> Path:
     """Write the viewer page for `dump` to `path` (atomically); returns the path."""
     path = Path(path)
     html = render_viewer(dump)
-    _atomic_write(path, lambda tmp: tmp.write_text(html, encoding="utf-8"))
+    path.parent.mkdir(parents=True, exist_ok=True)  # callers may name a new folder
+    atomic_write_text(path, html)
     return path
