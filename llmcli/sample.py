@@ -10,7 +10,6 @@ the command line's options into prompts and stop strings.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import sys
@@ -25,6 +24,7 @@ import torch
 from llmcli.device import resolve_device
 from llmcli.errors import InputError
 from llmcli.generate import _generate
+from llmcli.prompts import encode_prompt, parse_prompts, read_prompt_file
 from llmcli.sampling import check_sampling, make_generators
 from llmcli.tokenizer import Tokenizer
 
@@ -233,25 +233,6 @@ class OrderedWriter:
         self.ended.add(index)
         if index == self.current:
             self._advance()
-
-
-def encode_prompt(tokenizer: Any, prompt: str, context_length: int) -> tuple[list[int], bool]:
-    """Token ids of a prompt (the start ids when empty), cropped to its last `context_length`.
-
-    Returns:
-        `(ids, cropped)`.
-    """
-    if prompt == "":
-        from llmcli.tokenizer import start_ids
-
-        ids = list(start_ids(tokenizer))
-    else:
-        ids = list(tokenizer.encode(prompt))
-    if not ids:  # text that encodes to nothing (e.g. only characters a BPE drops)
-        from llmcli.tokenizer import start_ids
-
-        ids = list(start_ids(tokenizer))
-    return ids[-context_length:], len(ids) > context_length
 
 
 def sample_texts(
@@ -485,8 +466,9 @@ def read_prompts(
     """The prompts of `llmcli sample`: `--prompt TEXT`, `--prompt -` (stdin), `--prompt-file`.
 
     A prompt file holds one prompt per line (empty lines are skipped), or a JSON list of strings
-    (a `.json` file must be one; another file is read as JSON when it parses as such a list).
-    With neither option there is one empty prompt.
+    (a `.json` file must be one; another file is read as JSON when it parses as such a list);
+    see `llmcli.prompts.parse_prompts`. `--prompt-file -` reads it from stdin. With neither
+    option there is one empty prompt.
 
     Raises:
         InputError: both options, an unreadable or empty file, a JSON file of the wrong shape.
@@ -500,50 +482,9 @@ def read_prompts(
         return [prompt]
     if prompt_file is None:
         return [""]
-    name = str(prompt_file)
-    if name == "-":
-        text = stdin.read()
-    else:
-        path = Path(prompt_file)
-        if not path.is_file():
-            what = "is a directory" if path.is_dir() else "does not exist"
-            raise InputError(f"prompt file '{path}' {what}: give a text or JSON file.")
-        try:
-            text = path.read_bytes().decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise InputError(
-                f"prompt file '{path}' is not UTF-8 text (bad byte at offset {exc.start})."
-            ) from None
-        except OSError as exc:
-            raise InputError(f"cannot read prompt file '{path}': {exc.strerror}.") from None
-    prompts = _json_prompts(text, name, required=name.endswith(".json"))
-    if prompts is None:
-        prompts = [line for line in text.splitlines() if line.strip("\r") != ""]
-    if not prompts:
-        raise InputError(
-            f"prompt file '{name}' holds no prompts: write one prompt per line, or a JSON list "
-            'of strings such as ["ROMEO:", "JULIET:"].'
-        )
-    return prompts
-
-
-def _json_prompts(text: str, name: str, required: bool) -> list[str] | None:
-    if not required and not text.lstrip().startswith("["):
-        return None
-    try:
-        data = json.loads(text)
-    except ValueError as exc:
-        if not required:
-            return None
-        raise InputError(f"prompt file '{name}' is not valid JSON ({exc}).") from None
-    if not isinstance(data, list) or not all(isinstance(p, str) for p in data):
-        if not required:
-            return None
-        raise InputError(
-            f"prompt file '{name}' must hold a JSON list of strings, such as "
-            '["ROMEO:", "JULIET:"].'
-        )
-    return data
+    if str(prompt_file) == "-":
+        return parse_prompts(stdin.read(), "-")
+    return read_prompt_file(prompt_file)
 
 
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}

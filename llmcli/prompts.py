@@ -1,0 +1,152 @@
+"""Prompts: reading a file of prompts, and turning one prompt into token ids that fit a model.
+
+A prompt file holds one prompt per line, or a JSON list of strings (the form for prompts that
+contain newlines). `encode_prompt` either repairs a prompt that does not fit (an empty one starts
+from the tokenizer's start ids, a long one keeps its last `context_length` tokens), which is
+what sampling wants, or refuses it, for commands whose output must cover exactly the text given.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from llmcli.errors import InputError
+from llmcli.fileio import read_user_text
+from llmcli.tokenizer import Tokenizer, start_ids
+
+_EXAMPLE = '["ROMEO:", "JULIET:"]'
+
+
+def read_prompt_file(
+    path: str | Path,
+    *,
+    what: str = "prompt file",
+    hint: str = "give a text or JSON file",
+    strict_json: bool = False,
+    skip_blank: bool = False,
+) -> list[str]:
+    """The prompts of a UTF-8 file (see `parse_prompts`).
+
+    Args:
+        path: the file.
+        what: how messages name it, e.g. "prompt file" or "--prompt-file".
+        hint: what to do when the file does not exist.
+        strict_json, skip_blank: see `parse_prompts`.
+
+    Raises:
+        InputError: the file does not exist, is a folder, cannot be read or is not UTF-8, or it
+            holds no prompts or malformed JSON (see `parse_prompts`).
+    """
+    text = read_user_text(path, what, hint=hint)
+    return parse_prompts(
+        text, str(Path(path)), what=what, strict_json=strict_json, skip_blank=skip_blank
+    )
+
+
+def parse_prompts(
+    text: str,
+    name: str,
+    *,
+    what: str = "prompt file",
+    strict_json: bool = False,
+    skip_blank: bool = False,
+) -> list[str]:
+    """The prompts in the text of a prompt file: a JSON list of strings, or one per line.
+
+    A file whose name ends in `.json` must be a JSON list of strings. Another file is read as
+    JSON when its text starts with `[`: with `strict_json` it must then be a list of strings;
+    without, a text that is not one is read as lines (a first line may start with `[`).
+    In the line form the newline ending a line is not part of its prompt and empty lines are
+    skipped; `skip_blank` also skips lines of only whitespace.
+
+    Args:
+        text: the file's content.
+        name: the file's name, for messages and its `.json` ending ("-" for stdin).
+        what: how messages name the file.
+
+    Raises:
+        InputError: no prompts at all, or malformed JSON where JSON is required.
+    """
+    is_json = name.endswith(".json")
+    prompts: list[str] | None = None
+    if is_json or text.lstrip().startswith("["):
+        prompts = _json_prompts(text, name, what, required=is_json or strict_json)
+    if prompts is None:
+        lines = text.splitlines()  # drops every line ending, "\r" included
+        if skip_blank:
+            prompts = [line for line in lines if line.strip()]
+        else:
+            prompts = [line for line in lines if line]
+    if not prompts:
+        raise InputError(
+            f"{what} {name!r} holds no prompts: write one prompt per line, or a JSON list of "
+            f"strings such as {_EXAMPLE}."
+        )
+    return prompts
+
+
+def _json_prompts(text: str, name: str, what: str, required: bool) -> list[str] | None:
+    """The list of strings `text` holds as JSON; None if it holds none and is not `required`."""
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        if not required:
+            return None
+        raise InputError(
+            f"{what} {name!r} is not valid JSON ({exc}): write a JSON list of strings, or one "
+            "prompt per line."
+        ) from None
+    if not isinstance(data, list) or not all(isinstance(p, str) for p in data):
+        if not required:
+            return None
+        raise InputError(f"{what} {name!r} must hold a JSON list of strings, such as {_EXAMPLE}.")
+    return data
+
+
+def encode_prompt(
+    tokenizer: Tokenizer,
+    prompt: str,
+    context_length: int,
+    *,
+    empty: Literal["start", "error"] = "start",
+    too_long: Literal["crop", "error"] = "crop",
+    label: str = "the prompt",
+) -> tuple[list[int], bool]:
+    """Token ids of `prompt`, at most `context_length` of them.
+
+    Args:
+        tokenizer: the run's tokenizer.
+        prompt: the text.
+        context_length: the model's context length.
+        empty: for an empty prompt, or text that encodes to no tokens (e.g. only characters a
+            BPE drops): "start" from the tokenizer's start ids (`llmcli.tokenizer.start_ids`),
+            or "error".
+        too_long: for a prompt of more than `context_length` tokens: "crop" it to its last
+            `context_length` tokens, or "error" (the message suggests `--truncate`).
+        label: how messages name the prompt, e.g. "prompt #2" ("" = "the prompt").
+
+    Returns:
+        `(ids, cropped)`: `cropped` says the prompt was longer than `context_length`.
+
+    Raises:
+        InputError: as `empty` and `too_long` say, or for text outside the vocabulary.
+    """
+    if empty not in ("start", "error") or too_long not in ("crop", "error"):
+        raise ValueError(f"empty={empty!r}, too_long={too_long!r}: unknown choice")
+    what = label or "the prompt"
+    if prompt == "" and empty == "error":
+        raise InputError(f"{what} is empty: give at least one character of text.")
+    ids = list(start_ids(tokenizer)) if prompt == "" else list(tokenizer.encode(prompt))
+    if not ids:
+        if empty == "error":
+            raise InputError(f"{what} encodes to no tokens: give some text.")
+        ids = list(start_ids(tokenizer))
+    if len(ids) > context_length and too_long == "error":
+        raise InputError(
+            f"{what} is {len(ids)} tokens long but the model's context_length is "
+            f"{context_length}: shorten it, or pass --truncate to keep its last "
+            f"{context_length} tokens."
+        )
+    return ids[-context_length:], len(ids) > context_length

@@ -1,0 +1,142 @@
+"""Prompt files and prompt encoding (llmcli/prompts.py), in both modes: sampling's (an empty
+prompt starts from the start ids, a long one is cropped, a file starting with `[` may be lines)
+and strict (empty or long prompts refused, such a file must be JSON, blank lines skipped)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llmcli.errors import InputError
+from llmcli.prompts import encode_prompt, parse_prompts, read_prompt_file
+from llmcli.tokenizer import BPETokenizer, CharTokenizer
+
+CHARS = CharTokenizer("abcdefghijklmnopqrstuvwxyz \n:.")
+STRICT = dict(strict_json=True, skip_blank=True)
+
+
+# ----------------------------------------------------------------------------- prompt files
+
+
+def test_lines_skip_empty_lines_and_blank_ones_when_asked(tmp_path) -> None:
+    path = tmp_path / "p.txt"
+    path.write_text("first\n\n  \nsecond line\r\nthird\r\n")
+    assert read_prompt_file(path) == ["first", "  ", "second line", "third"]
+    assert read_prompt_file(path, skip_blank=True) == ["first", "second line", "third"]
+
+
+def test_json_list_of_strings(tmp_path) -> None:
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(["a\nb", "", "c"]))
+    assert read_prompt_file(path) == ["a\nb", "", "c"]
+    assert read_prompt_file(path, **STRICT) == ["a\nb", "", "c"]
+    listy = tmp_path / "list.txt"
+    listy.write_text('  ["x", "y"]')
+    assert read_prompt_file(listy) == ["x", "y"] == read_prompt_file(listy, **STRICT)
+
+
+def test_a_bracket_line_is_a_prompt_unless_json_is_strict(tmp_path) -> None:
+    path = tmp_path / "p.txt"
+    path.write_text("[Enter ROMEO]\nROMEO: hi\n")
+    assert read_prompt_file(path) == ["[Enter ROMEO]", "ROMEO: hi"]
+    with pytest.raises(InputError, match=r"p\.txt' is not valid JSON.*one prompt per line"):
+        read_prompt_file(path, **STRICT)
+    path.write_text('["x", 1]')
+    assert read_prompt_file(path) == ['["x", 1]']
+    with pytest.raises(InputError, match="must hold a JSON list of strings"):
+        read_prompt_file(path, **STRICT)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize(
+    ("content", "name", "message"),
+    [
+        (None, "missing.txt", "does not exist"),
+        ("folder", "dir.txt", "is a directory"),
+        (b"\xff\xfe\x00bad", "bin.txt", "not UTF-8"),
+        (b"\n\n", "empty.txt", "holds no prompts"),
+        (b"[]", "empty.json", "holds no prompts"),
+        (b'{"a": 1}', "p.json", "JSON list of strings"),
+        (b"[1, 2", "p.json", "not valid JSON"),
+    ],
+)
+def test_bad_prompt_files(tmp_path, strict, content, name, message) -> None:
+    path = tmp_path / name
+    if content == "folder":
+        path.mkdir()
+    elif content is not None:
+        path.write_bytes(content)
+    with pytest.raises(InputError, match=message):
+        read_prompt_file(path, strict_json=strict, skip_blank=strict)
+
+
+def test_messages_name_the_file_as_told(tmp_path) -> None:
+    missing = tmp_path / "missing.txt"
+    with pytest.raises(InputError, match=r"^prompt file '.*missing\.txt' does not exist: give a"):
+        read_prompt_file(missing)
+    with pytest.raises(InputError, match=r"^--prompt-file '.*' does not exist: check the path\."):
+        read_prompt_file(missing, what="--prompt-file", hint="check the path")
+    (tmp_path / "e.txt").write_text(" \n")
+    with pytest.raises(InputError, match=r"^--prompt-file '.*e\.txt' holds no prompts"):
+        read_prompt_file(tmp_path / "e.txt", what="--prompt-file", skip_blank=True)
+
+
+def test_parse_prompts_of_text_from_stdin() -> None:
+    assert parse_prompts("a\nb\n", "-") == ["a", "b"]
+    assert parse_prompts('["a\\nb"]', "-") == ["a\nb"]
+    with pytest.raises(InputError, match="prompt file '-' holds no prompts"):
+        parse_prompts("", "-")
+
+
+# ----------------------------------------------------------------------------- encoding
+
+
+class Silent(CharTokenizer):
+    """Encodes "~" to no token at all (as a BPE may drop characters)."""
+
+    def encode(self, text: str) -> list[int]:
+        return super().encode(text.replace("~", ""))
+
+
+SILENT = Silent(CHARS.chars)
+
+
+def test_sampling_mode_starts_empty_prompts_and_crops_long_ones() -> None:
+    newline = CHARS.encode("\n")
+    assert encode_prompt(CHARS, "", 8) == (newline, False)
+    assert encode_prompt(SILENT, "~~", 8) == (newline, False)
+    assert encode_prompt(CHARS, "abc", 8) == (CHARS.encode("abc"), False)
+    assert encode_prompt(CHARS, "abcdefgh", 8) == (CHARS.encode("abcdefgh"), False)
+    assert encode_prompt(CHARS, "abcdefghij", 8) == (CHARS.encode("cdefghij"), True)
+    bpe = BPETokenizer.train(["plain ascii text"], vocab_size=257)
+    assert encode_prompt(bpe, "", 8) == ([bpe.eot_id], False)
+
+
+def test_strict_mode_refuses_empty_and_long_prompts() -> None:
+    strict = dict(empty="error", too_long="error")
+    assert encode_prompt(CHARS, "abcdefgh", 8, **strict) == (CHARS.encode("abcdefgh"), False)
+    with pytest.raises(InputError, match="^the prompt is empty: give at least one character"):
+        encode_prompt(CHARS, "", 8, **strict)
+    with pytest.raises(InputError, match="^prompt #2 is empty"):
+        encode_prompt(CHARS, "", 8, **strict, label="prompt #2")
+    with pytest.raises(InputError, match="^the prompt encodes to no tokens"):
+        encode_prompt(SILENT, "~", 8, **strict, label="")
+    with pytest.raises(
+        InputError,
+        match=r"^the prompt is 10 tokens long but the model's context_length is 8: "
+        r"shorten it, or pass --truncate to keep its last 8 tokens\.$",
+    ):
+        encode_prompt(CHARS, "abcdefghij", 8, **strict)
+    # --truncate: refuse an empty prompt, crop a long one.
+    truncate = dict(empty="error", too_long="crop")
+    assert encode_prompt(CHARS, "abcdefghij", 8, **truncate) == (CHARS.encode("cdefghij"), True)
+    with pytest.raises(InputError, match="empty"):
+        encode_prompt(CHARS, "", 8, **truncate)
+
+
+def test_text_outside_the_vocabulary_and_unknown_choices_raise() -> None:
+    with pytest.raises(InputError, match="vocabulary lacks"):
+        encode_prompt(CHARS, "Zebra", 8)
+    with pytest.raises(ValueError, match="unknown choice"):
+        encode_prompt(CHARS, "a", 8, too_long="cut")  # type: ignore[arg-type]
