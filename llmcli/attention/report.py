@@ -22,6 +22,7 @@ from llmcli.attention.dump import FORMATS, AttentionDump, save_dump
 from llmcli.attention.metrics import INDUCTION, METRIC_NAMES, head_metrics
 from llmcli.attention.pictures import plot_layers
 from llmcli.errors import InputError, describe_os_error
+from llmcli.fileio import read_user_text
 
 if TYPE_CHECKING:
     import torch
@@ -62,14 +63,7 @@ def read_prompt_file(path: str | Path) -> list[str]:
     the prompt; a prompt that must contain newlines needs the JSON form.
     """
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise InputError(f"--prompt-file {str(path)!r} does not exist: check the path.") from None
-    except UnicodeDecodeError:
-        raise InputError(f"--prompt-file {str(path)!r} is not UTF-8 text.") from None
-    except OSError as exc:
-        raise InputError(f"cannot read --prompt-file {str(path)!r}: {exc.strerror}.") from None
+    text = read_user_text(path, "--prompt-file")
     if path.suffix == ".json" or text.lstrip().startswith("["):
         try:
             prompts = json.loads(text)
