@@ -21,12 +21,14 @@ from typing import IO, Any, Literal, Protocol
 
 import torch
 
+from llmcli.checkpoint import find_latest_run, load_run
 from llmcli.device import resolve_device
 from llmcli.errors import InputError
 from llmcli.generate import _generate
 from llmcli.prompts import encode_prompt, parse_prompts, read_prompt_file
 from llmcli.sampling import check_sampling, make_generators
 from llmcli.tokenizer import Tokenizer
+from llmcli.versions import warnings_for
 
 logger = logging.getLogger(__name__)
 
@@ -531,8 +533,6 @@ def sample_run(
     Returns:
         The samples, prompt by prompt.
     """
-    from llmcli.checkpoint import find_latest_run, load_run
-
     # The options are checked before the run loads, so that a mistyped one fails at once; a
     # setting left to the run's default is checked with a value that passes.
     check_sampling(
@@ -546,8 +546,6 @@ def sample_run(
         checkpoint = find_latest_run()
         notify(f"using the latest run: {checkpoint}")
     run = load_run(checkpoint, device=resolve_device(device, what="--device"))
-    from llmcli.versions import warnings_for
-
     for line in warnings_for(run.meta.get("versions")):
         notify(line)
     defaults = run.config.sample
