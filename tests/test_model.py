@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from model_helpers import assert_close, gen, numpy_rope, randomize_, tiny_model
 from torch import nn
 
 from llmcli.errors import InputError
-from llmcli.kv_cache import KVCache
-from llmcli.layers import RMSNorm, RotaryEmbedding
+from llmcli.layers import RMSNorm
 from llmcli.model import MLP, Block, Head, MultiHeadAttention, Transformer
 
 OPTIONS = {
@@ -26,45 +26,7 @@ OPTIONS = {
 }
 
 
-def assert_close(actual, expected, name: str, atol: float = 1e-5, rtol: float = 1e-5) -> None:
-    """`torch.testing.assert_close`, printing the max abs difference first."""
-    expected = torch.as_tensor(expected, dtype=actual.dtype)
-    diff = (actual.detach() - expected).abs().max().item() if actual.numel() else 0.0
-    print(f"max_abs_diff {name}: {diff:.3e}")
-    torch.testing.assert_close(actual.detach(), expected, atol=atol, rtol=rtol)
-
-
-def gen(seed: int = 0) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def randomize_(module: nn.Module, seed: int = 0) -> nn.Module:
-    """Give every parameter (biases and norm gains included) random non-trivial values."""
-    g = gen(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return module
-
-
-def tiny_model(seed: int = 0, **kwargs) -> Transformer:
-    args = {"vocab_size": 37, "n_layer": 2, "n_head": 4, "n_embed": 32, "context_length": 16}
-    args.update(kwargs)
-    return Transformer(**args, generator=gen(seed)).eval()
-
-
 # ----------------------------------------------------------------------------- NumPy reference
-
-
-def numpy_rope(x: np.ndarray, positions: np.ndarray, base: float = 10000.0) -> np.ndarray:
-    """Rotate channel pairs (i, i + hs/2) of x (..., T, hs) by positions (T,) * base**(-2i/hs)."""
-    hs = x.shape[-1]
-    half = hs // 2
-    theta = positions[:, None] * base ** (-2.0 * np.arange(half) / hs)  # (T, hs/2)
-    a, b = x[..., :half], x[..., half:]
-    return np.concatenate(
-        [a * np.cos(theta) - b * np.sin(theta), a * np.sin(theta) + b * np.cos(theta)], axis=-1
-    )
 
 
 def numpy_mha(x, mha: MultiHeadAttention, rope=False, qk_norm=False):
@@ -282,31 +244,6 @@ def test_bad_masks_raise_input_error():
 # ----------------------------------------------------------------------------- recipe options
 
 
-def test_rope_rotation_matches_formula_keeps_norms_and_is_relative():
-    rot = RotaryEmbedding(16, 32, base=10000.0)
-    x = torch.randn(3, 32, 16, generator=gen(1))  # (B, T, hs)
-    y = rot(x)
-    assert_close(y, numpy_rope(x.double().numpy(), np.arange(32.0)), "rope vs numpy formula")
-    assert_close(y.norm(dim=-1), x.norm(dim=-1), "rope keeps norms")
-    assert_close(y[:, 0], x[:, 0], "rope at position 0 is identity", atol=0, rtol=0)
-    # q . k depends only on the offset m - n: shift both positions by s.
-    q, k = torch.randn(1, 1, 16, generator=gen(2)), torch.randn(1, 1, 16, generator=gen(3))
-    dots = []
-    for s in (0, 5, 17):
-        qm = rot(q, torch.tensor([[7 + s]]))
-        kn = rot(k, torch.tensor([[3 + s]]))
-        dots.append((qm * kn).sum())
-    assert_close(torch.stack(dots), dots[0].expand(3), "rope q.k shift invariance")
-    assert not torch.allclose(
-        (rot(q, torch.tensor([[7]])) * rot(k, torch.tensor([[3]]))).sum(),
-        (rot(q, torch.tensor([[7]])) * rot(k, torch.tensor([[4]]))).sum(),
-    )
-    # position_ids and offset give the same rotation as the default positions.
-    assert_close(rot(x[:, 4:9], offset=4), y[:, 4:9], "rope offset", atol=0, rtol=0)
-    pos = torch.arange(4, 9).expand(3, -1)
-    assert_close(rot(x[:, 4:9], pos), y[:, 4:9], "rope position_ids", atol=0, rtol=0)
-
-
 def test_rope_model_has_no_position_embedding_and_is_shift_invariant():
     model = tiny_model(pos_emb="rope")
     assert model.wpe is None
@@ -316,17 +253,6 @@ def test_rope_model_has_no_position_embedding_and_is_shift_invariant():
     # Only relative positions matter: starting at position 5 gives the same logits.
     shifted, _ = model(idx, position_ids=torch.arange(5, 13).expand(2, -1))
     assert_close(shifted, logits, "rope model shifted positions", atol=1e-4, rtol=1e-4)
-
-
-def test_rmsnorm_matches_formula():
-    norm = randomize_(RMSNorm(32))
-    x = torch.randn(2, 5, 32, generator=gen(1)) * 3 + 1
-    ref = x / torch.sqrt((x**2).mean(-1, keepdim=True) + 1e-5) * norm.weight
-    assert_close(norm(x), ref, "rmsnorm vs formula")
-    model = tiny_model(norm="rmsnorm")
-    norms = [model.ln_f] + [m for b in model.blocks for m in (b.ln1, b.ln2)]
-    assert all(isinstance(m, RMSNorm) for m in norms)
-    assert not any(isinstance(m, nn.LayerNorm) for m in model.modules())
 
 
 def test_qk_norm_normalises_queries_and_keys():
@@ -572,91 +498,6 @@ def test_from_config():
     assert default.wpe is not None and default.lm_head.weight is default.wte.weight
 
 
-# ----------------------------------------------------------------------------- KV cache
-
-MODEL_OPTIONS = {
-    "seed": {},
-    "all-options": {
-        "pos_emb": "rope",
-        "norm": "rmsnorm",
-        "qk_norm": True,
-        "mlp": "relu2",
-        "tie_embeddings": False,
-    },
-}
-
-
-@pytest.mark.parametrize("opts", MODEL_OPTIONS.values(), ids=MODEL_OPTIONS.keys())
-def test_kv_cache_decode_and_chunked_prefill_equal_full_forward(opts):
-    model = tiny_model(**opts)
-    idx = torch.randint(37, (2, 16), generator=gen(1))
-    full, _ = model(idx)
-    tag = ",".join(opts) or "seed"
-    for chunks in ([1] * 16, [5, 4, 1, 6]):
-        cache = model.new_kv_cache(2)
-        outs, start = [], 0
-        for n in chunks:
-            logits, _ = model(idx[:, start : start + n], kv_cache=cache)
-            outs.append(logits)
-            start += n
-        assert cache.length == 16
-        assert_close(
-            torch.cat(outs, dim=1),
-            full,
-            f"kv cache chunks {chunks[:4]} [{tag}]",
-            atol=1e-5,
-            rtol=1e-5,
-        )
-    # crop and recompute the tail
-    cache.crop(10)
-    logits, _ = model(idx[:, 10:], kv_cache=cache)
-    assert_close(logits, full[:, 10:], f"kv cache after crop [{tag}]")
-    cache.reset()
-    logits, _ = model(idx[:, :3], kv_cache=cache)
-    assert_close(logits, full[:, :3], f"kv cache after reset [{tag}]")
-
-
-@pytest.mark.parametrize("opts", MODEL_OPTIONS.values(), ids=MODEL_OPTIONS.keys())
-def test_kv_cache_left_padded_batch_equals_each_prompt_alone(opts):
-    model = tiny_model(**opts)
-    prompts = [torch.randint(37, (n,), generator=gen(n)) for n in (3, 7, 5)]
-    continuation = torch.randint(37, (3, 6), generator=gen(9))
-    width = max(len(p) for p in prompts)
-    idx = torch.zeros(3, width, dtype=torch.long)
-    kpm = torch.ones(3, width, dtype=torch.bool)
-    for i, p in enumerate(prompts):
-        idx[i, width - len(p) :] = p
-        kpm[i, width - len(p) :] = False
-    tag = ",".join(opts) or "seed"
-    for explicit_positions in (False, True):
-        cache = model.new_kv_cache(3)
-        if explicit_positions:
-            pos = ((~kpm).cumsum(1) - 1).clamp(min=0)
-            prefill, _ = model(idx, key_padding_mask=kpm, position_ids=pos, kv_cache=cache)
-        else:
-            prefill, _ = model(idx, key_padding_mask=kpm, kv_cache=cache)
-        steps = []
-        for t in range(continuation.shape[1]):
-            pos = None
-            if explicit_positions:
-                pos = torch.tensor([[len(p) + t] for p in prompts])
-            logits, _ = model(continuation[:, t : t + 1], position_ids=pos, kv_cache=cache)
-            steps.append(logits)
-        steps = torch.cat(steps, dim=1)  # (3, 6, V)
-        for i, p in enumerate(prompts):
-            alone, _ = model(torch.cat([p, continuation[i]])[None])
-            name = f"left-padded cached vs alone, prompt {i} [{tag}, pos={explicit_positions}]"
-            assert_close(torch.cat([prefill[i, width - len(p) :], steps[i]]), alone[0], name)
-    # And equals the full padded forward without cache.
-    full, _ = model(
-        torch.cat([idx, continuation], 1),
-        key_padding_mask=torch.cat([kpm, torch.zeros(3, 6, dtype=torch.bool)], 1),
-    )
-    real = torch.cat([~kpm, torch.ones(3, 6, dtype=torch.bool)], 1)
-    cached = torch.cat([prefill, steps], dim=1)
-    assert_close(cached[real], full[real], f"cached vs full padded forward [{tag}]")
-
-
 def test_padded_batch_gradients_equal_separate_sequences():
     model = tiny_model(dropout=0.0).train()
     seqs = [torch.randint(37, (n,), generator=gen(n)) for n in (5, 9)]
@@ -679,34 +520,3 @@ def test_padded_batch_gradients_equal_separate_sequences():
         F.cross_entropy(logits[0, :-1], s[1:], reduction="sum").backward()
     for i, (a, p) in enumerate(zip(padded_grads, model.parameters(), strict=True)):
         assert_close(a, p.grad, f"padded batch grad vs separate, param {i}", atol=1e-5, rtol=1e-4)
-
-
-def test_kv_cache_errors():
-    model = tiny_model()
-    with pytest.raises(InputError, match="max_len"):
-        model.new_kv_cache(1, max_len=17)
-    cache = model.new_kv_cache(1, max_len=8)
-    model(torch.zeros(1, 6, dtype=torch.long), kv_cache=cache)
-    with pytest.raises(InputError, match="max_len = 8"):
-        model(torch.zeros(1, 3, dtype=torch.long), kv_cache=cache)
-    with pytest.raises(InputError, match="batch size"):
-        model(torch.zeros(2, 1, dtype=torch.long), kv_cache=cache)
-    assert cache.length == 6  # failed calls left the cache as it was
-    assert isinstance(cache, KVCache) and cache.k.shape == (2, 1, 4, 8, 8)
-
-
-def test_mha_standalone_kv_cache():
-    mha = randomize_(MultiHeadAttention(4, 32, 8, rope=True)).eval()
-    x = torch.randn(2, 8, 32, generator=gen(1))
-    cache = KVCache(1, 2, 4, 8, 8)
-    parts = [
-        mha(x[:, :3], kv_cache=cache),
-        mha(x[:, 3:4], kv_cache=cache),
-        mha(x[:, 4:], kv_cache=cache),
-    ]
-    assert_close(torch.cat(parts, 1), mha(x), "standalone mha kv cache")
-    cache.reset()
-    y, w = mha(x[:, :5], return_weights=True, kv_cache=cache)
-    y2, w2 = mha(x[:, 5:], return_weights=True, kv_cache=cache)
-    assert w2.shape == (2, 4, 3, 8)
-    assert_close(w2, mha(x, return_weights=True)[1][:, :, 5:], "cached explicit weights")
