@@ -146,7 +146,7 @@ def generate(
             `new_kv_cache` and `context_length`).
         prompts_ids: B non-empty lists of token ids.
         max_new_tokens: steps to run (the caller may stop earlier by leaving the loop).
-        temperature, top_k, top_p: see `sample_next`.
+        temperature, top_k, top_p: see `llmcli.sampling.sample_next`.
         seed: seeds the per-row generators `seed + b` (ignored with `generators`; a fresh random
             seed when both are None). Unused at temperature 0.
         generators: B generators, one per row, advanced in place.
@@ -157,6 +157,11 @@ def generate(
 
     Yields:
         `(B,)` long tensors on the model's device: the new token of every row, step by step.
+
+    Raises:
+        InputError: (at the first step) sampling controls out of range, a negative
+            `max_new_tokens`, empty prompts or ids outside the vocabulary, a wrong number of
+            generators.
     """
     check_sampling(temperature, top_k, top_p)
     if max_new_tokens < 0:

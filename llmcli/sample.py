@@ -266,12 +266,12 @@ def sample_texts(
         tokenizer: the run's tokenizer.
         prompts: texts; an empty one starts from the tokenizer's start ids.
         max_new_tokens: tokens to generate per sample at most (>= 1).
-        temperature, top_k, top_p: see `sample_next`.
+        temperature, top_k, top_p: see `llmcli.sampling.sample_next`.
         seed: base seed (a fresh random one when None).
         num_samples: samples per prompt (>= 1).
         stop: a sample ends when its text contains one of these; that text is not part of it.
         stop_ids: a sample ends when it generates one of these ids (not part of its text).
-        use_cache: use the KV cache (see `generate`).
+        use_cache: use the KV cache (see `llmcli.generate.generate`).
         sink: receives each sample's text as it becomes final (streaming), then `end(r)`.
         batch_size: most samples generated at once.
         notify: receives a one-line notice when prompts are cropped to the context.
