@@ -173,7 +173,7 @@ def main() -> None:
     from llmcli.cli import main as cli_main
     from llmcli.config import config_from_dict
     from llmcli.errors import CheckpointError
-    from llmcli.train import read_metrics
+    from llmcli.runlog import read_metrics
 
     torch.set_num_threads(1)  # the children too: bitwise comparisons need the same kernels
     rng = random.Random(args.seed)
@@ -207,9 +207,9 @@ def main() -> None:
     snapshots: dict[int, dict[str, torch.Tensor]] = {}
     real_save, real_plot = ckpt.save_checkpoint, train_module.plot_losses
 
-    def save(run_dir, model, state, meta, *, best):
+    def save(run_dir, model, state, meta, **kwargs):
         snapshots[meta["step"]] = {k: v.detach().clone() for k, v in state["model"].items()}
-        real_save(run_dir, model, state, meta, best=best)
+        real_save(run_dir, model, state, meta, **kwargs)
 
     ckpt.save_checkpoint, train_module.plot_losses = save, lambda *a: None
     try:

@@ -33,7 +33,8 @@ from llmcli.checkpoint import METRICS_FILE  # noqa: E402
 from llmcli.config import load_config  # noqa: E402
 from llmcli.generate import sample_run  # noqa: E402
 from llmcli.model import Transformer  # noqa: E402
-from llmcli.train import read_metrics, train  # noqa: E402
+from llmcli.runlog import read_metrics  # noqa: E402
+from llmcli.train import train  # noqa: E402
 
 
 def main() -> None:

@@ -27,17 +27,26 @@ files of a save still resumes exactly from the previous save.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
+import pickle
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+from safetensors.torch import load, save
+
+from llmcli import versions
 from llmcli.config import Config, config_from_dict, dump_yaml, read_yaml
-from llmcli.errors import CheckpointError, InputError
+from llmcli.errors import CheckpointError, InputError, describe_os_error
 from llmcli.fileio import atomic_write_bytes, atomic_write_json, atomic_write_text
+from llmcli.model import Transformer
+from llmcli.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +65,6 @@ TRAIN_HINT = "train one first with `llmcli train configs/tiny.yaml`"
 
 def atomic_torch_save(path: str | Path, obj: Any) -> None:
     """`torch.save` through `atomic_write_bytes` (plain tensors and containers only)."""
-    import torch
-
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     atomic_write_bytes(path, buffer.getvalue())
@@ -111,15 +118,8 @@ def unique_state_dict(model: Any) -> dict[str, Any]:
 
 def weights_bytes(model: Any, metadata: dict[str, Any]) -> bytes:
     """Serialize `model`'s weights to safetensors bytes with string `metadata`."""
-    from safetensors.torch import save
-
     meta = {"format": WEIGHTS_FORMAT, **{k: str(v) for k, v in metadata.items()}}
     return save(unique_state_dict(model), metadata=meta)
-
-
-def save_weights(path: str | Path, model: Any, metadata: dict[str, Any]) -> None:
-    """Atomically write `model`'s weights as safetensors (metadata values become strings)."""
-    atomic_write_bytes(path, weights_bytes(model, metadata))
 
 
 def read_weights(path: str | Path) -> tuple[dict[str, Any], dict[str, str]]:
@@ -128,8 +128,6 @@ def read_weights(path: str | Path) -> tuple[dict[str, Any], dict[str, str]]:
     Raises:
         CheckpointError: missing, not safetensors (a pickle, say), truncated or corrupt.
     """
-    from safetensors.torch import load
-
     path = Path(path)
     try:
         data = path.read_bytes()
@@ -190,8 +188,6 @@ def load_weights(model: Any, tensors: dict[str, Any], path: str | Path) -> None:
     Raises:
         CheckpointError: a tensor is missing, unexpected or of the wrong shape (names it).
     """
-    import torch
-
     path = Path(path)
     expected = model.state_dict()
     unexpected = sorted(set(tensors) - set(expected))
@@ -241,10 +237,6 @@ def load_state(run_dir: str | Path) -> dict[str, Any]:
     Raises:
         CheckpointError: missing, unsafe (arbitrary pickled objects), truncated or corrupt.
     """
-    import pickle
-
-    import torch
-
     path = Path(run_dir) / STATE_FILE
     if not path.is_file():
         raise CheckpointError(
@@ -281,13 +273,6 @@ def load_state(run_dir: str | Path) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 
 
-def versions() -> dict[str, str | None]:
-    """Versions of the software a run depends on (recorded in `meta.json` as "versions")."""
-    from llmcli.versions import record
-
-    return record()
-
-
 def read_meta(run_dir: str | Path) -> dict[str, Any]:
     """`meta.json` of a run as a dict ({} when absent or unreadable: it is informative only)."""
     path = Path(run_dir) / META_FILE
@@ -298,7 +283,7 @@ def read_meta(run_dir: str | Path) -> dict[str, Any]:
     return meta if isinstance(meta, dict) else {}
 
 
-def write_config_and_tokenizer(run_dir: Path, config: Config, tokenizer: Any) -> None:
+def write_config_and_tokenizer(run_dir: Path, config: Config, tokenizer: Tokenizer) -> None:
     """Write `config.yaml` and `tokenizer.json` atomically."""
     atomic_write_text(run_dir / CONFIG_FILE, dump_yaml(config))
     atomic_write_text(run_dir / TOKENIZER_FILE, tokenizer.to_json())
@@ -307,8 +292,8 @@ def write_config_and_tokenizer(run_dir: Path, config: Config, tokenizer: Any) ->
 def save_model_run(
     run_dir: str | Path,
     config: Config,
-    tokenizer: Any,
-    model: Any,
+    tokenizer: Tokenizer,
+    model: Transformer,
     *,
     extra_meta: dict[str, Any] | None = None,
 ) -> None:
@@ -325,7 +310,7 @@ def save_model_run(
         extra_meta: merged into `meta.json` (for example `{"step": 100}`).
     """
     run_dir = ensure_run_dir(run_dir)
-    meta = {"step": 0, "vocab_size": _vocab_size(tokenizer), "versions": versions()}
+    meta = {"step": 0, "vocab_size": int(tokenizer.vocab_size), "versions": versions.record()}
     meta.update(extra_meta or {})
     write_config_and_tokenizer(run_dir, config, tokenizer)
     data = weights_bytes(model, {"step": meta["step"], "vocab_size": meta["vocab_size"]})
@@ -341,6 +326,7 @@ def save_checkpoint(
     meta: dict[str, Any],
     *,
     best: bool,
+    previous_step: int = -1,
 ) -> None:
     """One save of a training run: weights, best weights (if `best`), meta, then resume state.
 
@@ -353,22 +339,136 @@ def save_checkpoint(
         state: the resume state (must include "model", the weights as a state dict).
         meta: the `meta.json` content (must include "step" and "vocab_size").
         best: also write the weights to `best.safetensors`.
+        previous_step: the step of the previous save (-1: none), named if this one fails.
 
     Raises:
-        OSError: a write failed (the file being written keeps its previous content).
+        CheckpointError: a write failed (the file being written keeps its previous content);
+            the message names the reason and the previous checkpoint, which is intact.
     """
     run_dir = Path(run_dir)
-    data = weights_bytes(model, {"step": meta["step"], "vocab_size": meta["vocab_size"]})
-    atomic_write_bytes(run_dir / MODEL_FILE, data)
-    if best:
-        atomic_write_bytes(run_dir / BEST_FILE, data)
-    atomic_write_json(run_dir / META_FILE, meta)
-    save_state(run_dir, {"format": WEIGHTS_FORMAT, **state})
+    try:
+        data = weights_bytes(model, {"step": meta["step"], "vocab_size": meta["vocab_size"]})
+        atomic_write_bytes(run_dir / MODEL_FILE, data)
+        if best:
+            atomic_write_bytes(run_dir / BEST_FILE, data)
+        atomic_write_json(run_dir / META_FILE, meta)
+        save_state(run_dir, {"format": WEIGHTS_FORMAT, **state})
+    except OSError as exc:
+        previous = f"step {previous_step}" if previous_step >= 0 else "none yet"
+        raise CheckpointError(
+            f"could not save the checkpoint of step {meta['step']} in '{run_dir}': "
+            f"{describe_os_error(exc)}. The previous checkpoint ({previous}) is "
+            "intact; fix the problem and continue with --resume."
+        ) from None
 
 
-def _vocab_size(tokenizer: Any) -> int:
-    size = tokenizer.vocab_size
-    return int(size() if callable(size) else size)
+# ---------------------------------------------------------------------------------------------
+# A training run's directory
+# ---------------------------------------------------------------------------------------------
+
+_RUN_FILES = (
+    MODEL_FILE,
+    BEST_FILE,
+    STATE_FILE,
+    META_FILE,
+    METRICS_FILE,
+    PLOT_FILE,
+)
+
+
+def default_run_dir(config: Config) -> Path:
+    """`train.out_dir`, else `checkpoints/<config file stem>`."""
+    return Path(config.train.out_dir) if config.train.out_dir else Path("checkpoints") / config.name
+
+
+def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
+    """Check the run directory can be written and holds what `resume` / `overwrite` expect.
+
+    A fresh start (`overwrite`, or a folder without a run) removes the files of an earlier run.
+
+    Raises:
+        CheckpointError: nothing to resume, a run already there, or an unwritable folder.
+    """
+    state = run_dir / STATE_FILE
+    if resume:
+        if not state.is_file():
+            raise CheckpointError(
+                f"--resume: nothing to resume in '{run_dir}' (no {STATE_FILE}; a run saves "
+                "one at its first evaluation). Start it without --resume."
+            )
+        ensure_run_dir(run_dir)
+        return
+    ensure_run_dir(run_dir)
+    if not overwrite and (state.exists() or (run_dir / MODEL_FILE).exists()):
+        meta = read_meta(run_dir)
+        at = f" (step {meta['step']})" if "step" in meta else ""
+        raise CheckpointError(
+            f"'{run_dir}' already holds a run{at}: continue it with --resume, start it afresh "
+            "with --overwrite, or write elsewhere with --out DIR."
+        )
+    for name in _RUN_FILES:
+        with contextlib.suppress(FileNotFoundError):
+            (run_dir / name).unlink()
+
+
+# What `save` writes into the resume state, by type: checked before any of it is used.
+_STATE_LAYOUT: dict[str, type | tuple[type, ...]] = {
+    "config": dict,
+    "model": dict,
+    "optimizer": dict,
+    "rng": list,
+    "sampler": list,
+    "step": int,
+    "tokens": int,
+    "elapsed_s": (int, float),
+    "metrics_bytes": int,
+}
+
+
+def check_resumable(state: dict[str, Any], config: Config, run_dir: Path, vocab: int) -> None:
+    """Refuse a resume state that is malformed or does not fit `config` and the tokenizer.
+
+    Raises:
+        CheckpointError: naming what is missing or what differs, and what to do.
+    """
+    bad = [k for k, kind in _STATE_LAYOUT.items() if not isinstance(state.get(k), kind)]
+    if not bad and not (
+        state["rng"]
+        and len(state["rng"]) == len(state["sampler"])
+        and all(isinstance(x, dict) for x in state["rng"] + state["sampler"])
+    ):
+        bad = ["rng", "sampler"]
+    if bad:
+        raise CheckpointError(
+            f"resume state '{run_dir / STATE_FILE}' is incomplete or malformed (missing or "
+            f"wrong: {', '.join(bad)}); it was not written by this version of llmcli. Remove "
+            "it to start afresh, or restore it from a backup."
+        )
+    saved_optimizer = state["config"].get("train", {}).get("optimizer", "adamw")
+    if saved_optimizer != config.train.optimizer:
+        raise CheckpointError(
+            f"cannot resume '{run_dir}' with train.optimizer={config.train.optimizer!r}: it was "
+            f"trained with {saved_optimizer!r}, whose saved state does not carry over. Resume "
+            f"with --set train.optimizer={saved_optimizer}, or start a new run with --out DIR."
+        )
+    saved = state["config"].get("model", {})
+    now = config.to_dict()["model"]
+    diff = [
+        f"model.{k}: saved {saved.get(k)!r}, config {v!r}"
+        for k, v in now.items()
+        if saved.get(k) != v
+    ]
+    if diff:
+        raise CheckpointError(
+            f"cannot resume '{run_dir}': the config's model differs from the saved one "
+            f"({'; '.join(diff)}). Resume with the run's own config ({run_dir / CONFIG_FILE}) "
+            "or start a new run with --out DIR."
+        )
+    if state.get("vocab_size") != vocab:
+        raise CheckpointError(
+            f"cannot resume '{run_dir}': its tokenizer has {vocab} tokens but the saved model "
+            f"has {state.get('vocab_size')}; the run's files come from different runs."
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -382,8 +482,8 @@ class LoadedRun:
 
     run_dir: Path
     config: Config
-    tokenizer: Any
-    model: Any
+    tokenizer: Tokenizer
+    model: Transformer
     step: int
     meta: dict[str, Any] = field(default_factory=dict)
     weights_path: Path | None = None
@@ -423,10 +523,8 @@ def load_config_file(run_dir: Path) -> Config:
         raise CheckpointError(f"run file '{path}' is not a valid config: {exc}") from None
 
 
-def load_tokenizer_file(run_dir: Path) -> Any:
+def load_tokenizer_file(run_dir: Path) -> Tokenizer:
     """The run's `tokenizer.json` as an llmcli tokenizer."""
-    from llmcli.tokenizer import load_tokenizer
-
     path = run_dir / TOKENIZER_FILE
     if not path.is_file():
         raise CheckpointError(
@@ -474,9 +572,10 @@ def load_run(
     run_dir: str | Path | None = None,
     *,
     weights: str = "best",
-    device: str = "cpu",
+    device: str | torch.device = "cpu",
+    notify: Callable[[str], None] | None = None,
 ) -> LoadedRun:
-    """Load a run for reading (sampling, inspection): config, tokenizer, model in eval mode.
+    """Load a run for reading (sampling, inspection, eval): config, tokenizer, model in eval mode.
 
     Args:
         run_dir: a run directory; None picks `find_latest_run()`. A path to a `.safetensors`
@@ -484,15 +583,40 @@ def load_run(
         weights: "best" (`best.safetensors`, falling back to `model.safetensors` if a run has
             no best yet) or "last" (`model.safetensors`).
         device: where to put the model ("cpu", "cuda", "mps").
+        notify: called with a line for the user (stderr): which run was picked when `run_dir`
+            is None, and a warning for each library whose installed version differs from the
+            run's in a way that can change results.
 
     Raises:
         CheckpointError: a missing, incomplete, corrupt or mismatched run (names the file).
     """
-    from llmcli.model import Transformer
-
     if run_dir is None:
         run_dir = find_latest_run()
-    run_dir = Path(run_dir)
+        if notify is not None:
+            notify(f"using the latest run: {run_dir}")
+    run = _load_run_files(Path(run_dir), weights, device)
+    if notify is not None:
+        for line in versions.warnings_for(run.meta.get("versions")):
+            notify(f"warning: {line}")
+    return run
+
+
+def _weights_path(run_dir: Path, weights: str) -> Path:
+    """The weights file `weights` ("best" or "last") names in a run directory."""
+    if weights not in ("best", "last"):
+        raise CheckpointError(f"weights must be 'best' or 'last', not {weights!r}.")
+    path = run_dir / (BEST_FILE if weights == "best" else MODEL_FILE)
+    if weights == "best" and not path.is_file():
+        path = run_dir / MODEL_FILE
+    if not path.is_file():
+        raise CheckpointError(
+            f"run directory '{run_dir}' has no {path.name}: the run has not saved "
+            f"weights yet ({TRAIN_HINT})."
+        )
+    return path
+
+
+def _load_run_files(run_dir: Path, weights: str, device: str | torch.device) -> LoadedRun:
     weights_path: Path | None = None
     if run_dir.is_file() and run_dir.suffix == ".safetensors":
         weights_path, run_dir = run_dir, run_dir.parent
@@ -506,21 +630,12 @@ def load_run(
             f"{CONFIG_FILE}, {TOKENIZER_FILE} and {MODEL_FILE}."
         )
     if weights_path is None:
-        if weights not in ("best", "last"):
-            raise CheckpointError(f"weights must be 'best' or 'last', not {weights!r}.")
-        weights_path = run_dir / (BEST_FILE if weights == "best" else MODEL_FILE)
-        if weights == "best" and not weights_path.is_file():
-            weights_path = run_dir / MODEL_FILE
-        if not weights_path.is_file():
-            raise CheckpointError(
-                f"run directory '{run_dir}' has no {weights_path.name}: the run has not saved "
-                f"weights yet ({TRAIN_HINT})."
-            )
+        weights_path = _weights_path(run_dir, weights)
 
     config = load_config_file(run_dir)
     tokenizer = load_tokenizer_file(run_dir)
     tensors, metadata = read_weights(weights_path)
-    vocab = _vocab_size(tokenizer)
+    vocab = int(tokenizer.vocab_size)
     saved_vocab = metadata.get("vocab_size")
     if saved_vocab is not None and saved_vocab.isdigit() and int(saved_vocab) != vocab:
         raise CheckpointError(

@@ -31,6 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmcli.checkpoint import load_run
+from llmcli.data import prepare_data
+from llmcli.device import Precision, resolve_device
+from llmcli.distributed import DistInfo, mean_over_ranks
 from llmcli.errors import InputError
 from llmcli.fileio import read_user_text
 from llmcli.progress import Progress
@@ -94,6 +98,49 @@ def _text_bytes(tokenizer: Any, ids: np.ndarray) -> int:
         len(tokenizer.decode(ids[i : i + DECODE_CHUNK].tolist()).encode("utf-8"))
         for i in range(0, len(ids), DECODE_CHUNK)
     )
+
+
+def perplexity(loss: float) -> float:
+    """`exp(loss)`, infinite where that overflows."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
+
+
+@torch.no_grad()
+def evaluate_loss(
+    model: nn.Module,
+    samplers: dict[str, Any],
+    eval_steps: int,
+    precision: Precision,
+    info: DistInfo,
+) -> dict[str, float]:
+    """The training loop's estimate: mean loss over `eval_steps` batches of each sampler.
+
+    Args:
+        model: the model to evaluate (put in eval mode here, back to train mode after).
+        samplers: split name -> a fresh sampler whose `next()` gives `(x, y)`, each `(B, T)`.
+        eval_steps: batches per split.
+        precision: the autocast the training steps use.
+        info: under DDP the means are averaged over the ranks.
+
+    Returns:
+        split name -> mean loss.
+    """
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(len(samplers), device=precision.device)
+    for i, sampler in enumerate(samplers.values()):
+        for _ in range(eval_steps):
+            x, y = sampler.next()  # (B, T), (B, T)
+            with precision.autocast():
+                _, loss = model(x, y)
+            totals[i] += loss.float()
+    totals /= eval_steps
+    mean_over_ranks(totals, info)
+    model.train(was_training)
+    return dict(zip(samplers, totals.tolist(), strict=True))
 
 
 @torch.no_grad()
@@ -183,29 +230,19 @@ def evaluate_run(
         InputError: a bad run directory, data file, `steps` or `batch_size`; a text with
             characters the run's tokenizer cannot encode, or fewer than 2 tokens.
     """
-    from llmcli.checkpoint import load_run
-    from llmcli.device import resolve_device
-
     if steps is not None and steps < 1:
         raise InputError(f"--steps ({steps}) must be a positive number of batches.")
     if batch_size is not None and batch_size < 1:
         raise InputError(f"--batch-size ({batch_size}) must be positive.")
     t0 = time.perf_counter()
     dev = resolve_device(device, what="--device")
-    run = load_run(checkpoint, weights=weights, device=str(dev))
-    if notify is not None:
-        from llmcli.versions import warnings_for
-
-        for line in warnings_for(run.meta.get("versions")):
-            notify(f"warning: {line}")
+    run = load_run(checkpoint, weights=weights, device=dev, notify=notify)
     ctx = run.config.model.context_length
     if data is not None:
         text = read_text(data)
         tokens = np.asarray(run.tokenizer.encode(text), dtype=np.int64)
         label = str(data)
     else:
-        from llmcli.data import prepare_data
-
         try:
             tokens = prepare_data(run.config.data, ctx, tokenizer=run.tokenizer).val
         except InputError as exc:
@@ -241,7 +278,7 @@ def evaluate_run(
         bytes=n_bytes,
         windows=totals.windows,
         loss=loss,
-        perplexity=math.exp(loss) if loss < 700 else math.inf,
+        perplexity=perplexity(loss),
         bits_per_token=loss / math.log(2),
         bits_per_byte=totals.text_nats / math.log(2) / n_bytes if n_bytes else math.nan,
         elapsed_s=time.perf_counter() - t0,

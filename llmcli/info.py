@@ -6,29 +6,12 @@ installed ones (see `llmcli.versions`).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from llmcli.checkpoint import METRICS_FILE, load_run
+from llmcli.runlog import best_eval, read_metrics
 from llmcli.versions import record, warnings_for
-
-
-def _best_val(run_dir: Path) -> tuple[float | None, int | None]:
-    """Lowest val loss in metrics.jsonl and its step (None when the run never evaluated)."""
-    best: tuple[float | None, int | None] = (None, None)
-    path = run_dir / METRICS_FILE
-    if not path.is_file():
-        return best
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by a crash; the rest of the log is still good
-        val = row.get("val_loss") if isinstance(row, dict) else None
-        if isinstance(val, (int, float)) and (best[0] is None or val < best[0]):
-            best = (float(val), row.get("step"))
-    return best
 
 
 def run_info(checkpoint: str | Path | None = None, *, weights: str = "best") -> dict[str, Any]:
@@ -41,7 +24,7 @@ def run_info(checkpoint: str | Path | None = None, *, weights: str = "best") -> 
     """
     run = load_run(checkpoint, weights=weights)
     meta = run.meta
-    best_val, best_step = _best_val(run.run_dir)
+    best_val, best_step = best_eval(read_metrics(run.run_dir / METRICS_FILE))
     if meta.get("best_val_loss") is not None:
         best_val, best_step = float(meta["best_val_loss"]), meta.get("best_step", best_step)
     config = run.config.to_dict()

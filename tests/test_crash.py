@@ -42,7 +42,8 @@ from llmcli import checkpoint as ckpt
 from llmcli import fileio
 from llmcli.cli import main
 from llmcli.config import config_from_dict
-from llmcli.train import read_metrics, train
+from llmcli.runlog import read_metrics
+from llmcli.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_STEPS, EVAL_INTERVAL = 12, 4
@@ -152,9 +153,9 @@ def setup(tmp_path_factory, one_thread) -> dict:
     snapshots: dict[int, dict[str, torch.Tensor]] = {}
     real_save = ckpt.save_checkpoint
 
-    def save(run_dir, model, state, meta, *, best):
+    def save(run_dir, model, state, meta, **kwargs):
         snapshots[meta["step"]] = {k: v.detach().clone() for k, v in state["model"].items()}
-        real_save(run_dir, model, state, meta, best=best)
+        real_save(run_dir, model, state, meta, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:  # one thread, as the killed processes run
         mp.setattr(ckpt, "save_checkpoint", save)

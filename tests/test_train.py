@@ -26,12 +26,8 @@ from llmcli import fileio
 from llmcli.config import Config, config_from_dict, dump_yaml
 from llmcli.errors import CheckpointError, InputError
 from llmcli.optim import lr_at
-from llmcli.train import (
-    EVAL_SEED_OFFSET,
-    DivergenceError,
-    read_metrics,
-    train,
-)
+from llmcli.runlog import read_metrics
+from llmcli.train import EVAL_SEED_OFFSET, DivergenceError, train
 
 ROOT = Path(__file__).resolve().parents[1]
 VOLATILE = ("elapsed_s", "tok_per_s")  # the only metrics allowed to differ between runs
@@ -437,6 +433,7 @@ def test_ddp_two_processes_match_one_process_with_the_union_of_their_batches(
     corpus: Path, tmp_path: Path, monkeypatch
 ) -> None:
     import llmcli.data
+    import llmcli.train
 
     steps = dict(max_steps=20, warmup_steps=2, eval_interval=20, log_interval=10, grad_accum=2)
     config = write_config(make_config(corpus, batch_size=4, **steps), tmp_path / "ddp.yaml")
@@ -491,7 +488,7 @@ def test_ddp_two_processes_match_one_process_with_the_union_of_their_batches(
         def state_dict(self):
             return {"parts": [p.state_dict() for p in self.parts]}
 
-    monkeypatch.setattr(llmcli.data, "BatchSampler", Union)
+    monkeypatch.setattr(llmcli.train, "BatchSampler", Union)
     train(make_config(corpus, batch_size=8, **steps), out_dir=tmp_path / "one", progress=False)
 
     ddp, one = (

@@ -1,0 +1,55 @@
+"""Ctrl-C and SIGTERM during training: a request to save a checkpoint and stop, not a crash.
+
+A training run must never lose more than the current step to an interrupt: `StopRequest` turns
+the first SIGINT or SIGTERM (Ctrl-C, `kill`, a scheduler's preemption) into a flag that the loop
+checks after each step; it then saves and exits with status 130.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class StopRequest:
+    """Turns SIGINT (Ctrl-C) and SIGTERM into a request to save and stop after the current step.
+
+    Alone, a second signal raises KeyboardInterrupt at once (every file is written atomically,
+    so even that leaves a loadable run). Under torchrun (`escalate=False`) a second signal is
+    expected, since torchrun forwards the terminal's Ctrl-C to workers that got it already, and
+    only repeats the request. Installed only in the main thread, where signals arrive.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, escalate: bool = True) -> None:
+        self.requested = False
+        self.escalate = escalate
+        self._previous: dict[int, Any] = {}
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            if self.escalate:
+                raise KeyboardInterrupt
+            return
+        self.requested = True
+        logger.warning(
+            "%s: saving a checkpoint after this step%s",
+            signal.Signals(signum).name,
+            " (press Ctrl-C again to quit at once)" if self.escalate else "",
+        )
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handler)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous.clear()

@@ -1,0 +1,116 @@
+"""The training log: `metrics.jsonl`, reading it back, and the loss-curve picture.
+
+Rank 0 appends one JSON object per logged step (`"kind": "train"`) and per evaluation
+(`"kind": "eval"`). A resumed run first cuts the file back to its size at the save it resumes
+from, so the records after that save are written again rather than twice. `loss.png` is redrawn
+from the file at every evaluation.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from llmcli.errors import CheckpointError, describe_os_error
+from llmcli.fileio import atomic_write_bytes
+
+
+class MetricsLog:
+    """Appends JSON records to `metrics.jsonl` (rank 0), knowing its size at each save."""
+
+    def __init__(self, path: Path, keep_bytes: int | None) -> None:
+        self.path = path
+        if keep_bytes is not None and path.exists() and path.stat().st_size > keep_bytes:
+            # Records written after the save we resume from are written again by this run.
+            atomic_write_bytes(path, path.read_bytes()[:keep_bytes])
+        elif keep_bytes is None and path.exists():
+            path.unlink()
+        self._fh = open(path, "ab")  # noqa: SIM115 - closed by close()
+        self.size = self._fh.tell()
+
+    def write(self, record: dict[str, Any]) -> None:
+        line = (json.dumps(record, allow_nan=True) + "\n").encode("utf-8")
+        try:
+            self._fh.write(line)
+            self._fh.flush()
+        except OSError as exc:
+            raise CheckpointError(
+                f"cannot write '{self.path}': {describe_os_error(exc)}. The last saved "
+                "checkpoint is intact: fix the problem and continue with --resume."
+            ) from None
+        self.size += len(line)
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a `metrics.jsonl` (a torn last line, from a crash, is skipped)."""
+    records = []
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return records
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def plot_losses(metrics_path: Path, out_path: Path) -> None:
+    """Draw train and val loss against steps from `metrics.jsonl` into a PNG (atomically)."""
+    records = read_metrics(metrics_path)
+    train = [(r["step"], r["train_loss"]) for r in records if r.get("kind") == "train"]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    fig = Figure(figsize=(7, 4.2), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    if train:
+        ax.plot(
+            *zip(*train, strict=True), color="tab:blue", alpha=0.45, lw=1, label="train (batch)"
+        )
+    if evals:
+        steps = [r["step"] for r in evals]
+        ax.plot(
+            steps,
+            [r["train_loss"] for r in evals],
+            "o-",
+            color="tab:blue",
+            ms=3,
+            label="train (eval)",
+        )
+        ax.plot(steps, [r["val_loss"] for r in evals], "o-", color="tab:orange", ms=3, label="val")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy loss (nats/token)")
+    ax.set_title(metrics_path.parent.name)
+    ax.grid(alpha=0.3)
+    if train or evals:
+        ax.legend()
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    atomic_write_bytes(out_path, buffer.getvalue())
+
+
+def best_eval(records: list[dict[str, Any]]) -> tuple[float | None, int | None]:
+    """The lowest `val_loss` among the records and its step (None when the run never evaluated)."""
+    best: tuple[float | None, int | None] = (None, None)
+    for record in records:
+        val = record.get("val_loss")
+        if (
+            isinstance(val, (int, float))
+            and math.isfinite(val)
+            and (best[0] is None or val < best[0])
+        ):
+            best = (float(val), record.get("step"))
+    return best
