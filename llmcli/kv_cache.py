@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from llmcli.errors import InputError
-from llmcli.masks import _check_padding_mask
+from llmcli.masks import check_padding_mask
 
 
 class KVCache:
@@ -100,13 +100,26 @@ class KVCache:
         self._lengths = [min(length, n) for length in self._lengths]
 
 
-def _padding_with_cache(
+def padding_with_cache(
     key_padding_mask: Tensor | None, kv_cache: KVCache | None, B: int, past: int, T: int
 ) -> Tensor | None:
-    """The mask over every key of this forward, `(B, past + T)`, remembered by the cache."""
+    """The key padding mask over every key of this forward, remembered by the cache.
+
+    With a cache, the mask given to a forward may cover every key (`(B, past + T)`) or only the new
+    tokens (`(B, T)`); either way it is written into `kv_cache.padding`, so that later calls
+    (one-token decode steps) may pass none: their new tokens count as real.
+
+    Args:
+        key_padding_mask: bool, True = padding, or None.
+        kv_cache: the cache of this forward, or None (then the mask is only checked).
+        B, past, T: batch size, positions already cached, new positions.
+
+    Returns:
+        `(B, past + T)` bool (a view into the cache), or None while nothing is padding.
+    """
     if kv_cache is None:
         if key_padding_mask is not None:
-            _check_padding_mask(key_padding_mask, B, T)
+            check_padding_mask(key_padding_mask, B, T)
         return key_padding_mask
     if key_padding_mask is None:
         if not kv_cache.has_padding:
@@ -114,10 +127,10 @@ def _padding_with_cache(
         kv_cache.padding[:, past : past + T] = False  # new tokens are real
     else:
         if key_padding_mask.dtype == torch.bool and key_padding_mask.shape[-1] == T:
-            _check_padding_mask(key_padding_mask, B, T)
+            check_padding_mask(key_padding_mask, B, T)
             kv_cache.padding[:, past : past + T] = key_padding_mask
         else:
-            _check_padding_mask(key_padding_mask, B, past + T)
+            check_padding_mask(key_padding_mask, B, past + T)
             kv_cache.padding[:, : past + T] = key_padding_mask
         kv_cache.has_padding = True
     return kv_cache.padding[:, : past + T]  # (B, past + T)

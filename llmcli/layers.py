@@ -101,7 +101,7 @@ class RotaryEmbedding(nn.Module):
         return torch.addcmul(x * cos.to(x.dtype), rotated_half, sin.to(x.dtype))
 
 
-def _make_norm(norm: str, n_embed: int, bias: bool) -> nn.Module:
+def make_norm(norm: str, n_embed: int, bias: bool) -> nn.Module:
     if norm == "layernorm":
         return nn.LayerNorm(n_embed, bias=bias)
     if norm == "rmsnorm":

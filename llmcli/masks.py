@@ -1,8 +1,8 @@
 """Attention masks and the checks of attention inputs (sequence length, key padding mask).
 
-Masks. A `key_padding_mask` is `(B, T_k)` bool with `True` = "this key is padding, ignore it", the
+A `key_padding_mask` is `(B, T_k)` bool with `True` = "this key is padding, ignore it", the
 convention of `torch.nn.MultiheadAttention`. (SDPA's bool `attn_mask` means the opposite, `True` =
-"may attend"; the conversion happens in one place, `_allowed_keys`.) A query whose keys are all
+"may attend"; the conversion happens in one place, `allowed_keys`.) A query whose keys are all
 masked (a left-padding position under the causal mask) gets all-zero attention weights and a zero
 attention output: it never produces NaN and passes no gradient.
 """
@@ -15,7 +15,7 @@ from torch import Tensor
 from llmcli.errors import InputError
 
 
-def _allowed_keys(causal: Tensor, key_padding_mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
+def allowed_keys(causal: Tensor, key_padding_mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
     """Combine the causal mask with a key padding mask, in SDPA's convention (True = attend).
 
     Args:
@@ -35,7 +35,12 @@ def _allowed_keys(causal: Tensor, key_padding_mask: Tensor | None) -> tuple[Tens
     return allowed | empty_rows, empty_rows
 
 
-def _check_padding_mask(key_padding_mask: Tensor, B: int, T_k: int) -> None:
+def check_padding_mask(key_padding_mask: Tensor, B: int, T_k: int) -> None:
+    """Raise `InputError` unless `key_padding_mask` is a `(B, T_k)` bool tensor.
+
+    A 0/1 integer mask is refused rather than converted: Hugging Face's `attention_mask` uses
+    1 = keep, the opposite of this convention, and guessing would silently invert it.
+    """
     if key_padding_mask.dtype != torch.bool:
         raise InputError(
             f"key_padding_mask must be a bool tensor (True = padding, ignored), "
@@ -49,7 +54,8 @@ def _check_padding_mask(key_padding_mask: Tensor, B: int, T_k: int) -> None:
         )
 
 
-def _check_length(T: int, context_length: int, past: int = 0) -> None:
+def check_length(T: int, context_length: int, past: int = 0) -> None:
+    """Raise `InputError` when `past` cached plus `T` new positions exceed `context_length`."""
     if past + T > context_length:
         cached = f" after {past} cached positions" if past else ""
         raise InputError(

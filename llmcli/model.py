@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from llmcli.errors import InputError
-from llmcli.kv_cache import KVCache, _padding_with_cache
-from llmcli.layers import RotaryEmbedding, _make_norm, qk_rms_norm
-from llmcli.masks import _allowed_keys, _check_length, _check_padding_mask
+from llmcli.kv_cache import KVCache, padding_with_cache
+from llmcli.layers import RotaryEmbedding, make_norm, qk_rms_norm
+from llmcli.masks import allowed_keys, check_length, check_padding_mask
 
 if TYPE_CHECKING:
     from llmcli.config import ModelConfig
@@ -85,9 +85,9 @@ class Head(nn.Module):
         position_ids: Tensor | None = None,
     ) -> Tensor:
         B, T, C = x.shape
-        _check_length(T, self.tril.shape[0])
+        check_length(T, self.tril.shape[0])
         if key_padding_mask is not None:
-            _check_padding_mask(key_padding_mask, B, T)
+            check_padding_mask(key_padding_mask, B, T)
         k = self.key(x)  # (B, T, hs)
         q = self.query(x)  # (B, T, hs)
         if self.qk_norm:
@@ -96,7 +96,7 @@ class Head(nn.Module):
             q, k = self.rotary(q, position_ids), self.rotary(k, position_ids)
         hs = k.shape[-1]
         wei = q @ k.transpose(-2, -1) * hs**-0.5  # (B, T, hs) @ (B, hs, T) -> (B, T, T)
-        allowed, empty_rows = _allowed_keys(self.tril[:T, :T], key_padding_mask)
+        allowed, empty_rows = allowed_keys(self.tril[:T, :T], key_padding_mask)
         if empty_rows is not None:
             allowed, empty_rows = allowed[:, 0], empty_rows[:, 0]  # (B, T, T), (B, T, 1)
         wei = wei.masked_fill(~allowed, float("-inf"))  # (B, T, T)
@@ -190,9 +190,9 @@ class MultiHeadAttention(nn.Module):
         B, T, C = x.shape
         nh, hs = self.n_head, self.head_size
         past = 0 if kv_cache is None else kv_cache.layer_length(layer_idx)
-        _check_length(T, self.context_length, past)
+        check_length(T, self.context_length, past)
         if key_padding_mask is not None:
-            _check_padding_mask(key_padding_mask, B, past + T)
+            check_padding_mask(key_padding_mask, B, past + T)
 
         # split + view + transpose (not a 5-D permute): SDPA's backward hands back gradients whose
         # memory is (B, T, nh, hs), so the backward of this is one concatenation, no extra copy.
@@ -217,7 +217,7 @@ class MultiHeadAttention(nn.Module):
         causal = self.causal[past:T_k, :T_k]  # (T, T_k)
         dropout_p = self.dropout if self.training else 0.0
         if return_weights:
-            allowed, empty_rows = _allowed_keys(causal, key_padding_mask)
+            allowed, empty_rows = allowed_keys(causal, key_padding_mask)
             wei = q @ k.transpose(-2, -1) * hs**-0.5  # (B,nh,T,hs) @ (B,nh,hs,T_k) -> (B,nh,T,T_k)
             wei = wei.masked_fill(~allowed, float("-inf"))  # (B, nh, T, T_k)
             wei = F.softmax(wei, dim=-1)  # (B, nh, T, T_k)
@@ -236,7 +236,7 @@ class MultiHeadAttention(nn.Module):
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=causal, dropout_p=dropout_p)
             # y: (B, nh, T, hs)
         else:
-            allowed, empty_rows = _allowed_keys(causal, key_padding_mask)
+            allowed, empty_rows = allowed_keys(causal, key_padding_mask)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p)
             y = y.masked_fill(empty_rows, 0.0)  # (B, nh, T, hs)
 
@@ -381,7 +381,7 @@ class Block(nn.Module):
         qk_norm: bool = False,
     ) -> None:
         super().__init__()
-        self.ln1 = _make_norm(norm, n_embed, bias)
+        self.ln1 = make_norm(norm, n_embed, bias)
         self.attn = MultiHeadAttention(
             n_head,
             n_embed,
@@ -392,7 +392,7 @@ class Block(nn.Module):
             rope_base=rope_base,
             qk_norm=qk_norm,
         )
-        self.ln2 = _make_norm(norm, n_embed, bias)
+        self.ln2 = make_norm(norm, n_embed, bias)
         self.mlp = MLP(n_embed, dropout, bias, activation=mlp)
 
     def forward(
@@ -488,7 +488,7 @@ class Transformer(nn.Module):
             )
             for _ in range(n_layer)
         )
-        self.ln_f = _make_norm(norm, n_embed, bias)
+        self.ln_f = make_norm(norm, n_embed, bias)
         self.lm_head = nn.Linear(n_embed, vocab_size, bias=False)
         if tie_embeddings:
             self.lm_head.weight = self.wte.weight  # one tensor, used twice
@@ -640,8 +640,8 @@ class Transformer(nn.Module):
                     f"the KV cache holds max_len = {kv_cache.max_len} positions; {past} are "
                     f"cached and {T} more do not fit: reset() or crop() the cache"
                 )
-        _check_length(T, self.context_length, past)
-        key_padding_mask = _padding_with_cache(key_padding_mask, kv_cache, B, past, T)
+        check_length(T, self.context_length, past)
+        key_padding_mask = padding_with_cache(key_padding_mask, kv_cache, B, past, T)
         if position_ids is None and key_padding_mask is not None:
             # Count real tokens: padding does not use up positions (pads themselves get 0).
             real_before = (~key_padding_mask).cumsum(dim=1) - 1  # (B, past + T)
