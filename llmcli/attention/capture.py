@@ -13,15 +13,12 @@ never appears in a dump (a test checks each dump equals the prompt run alone).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
+import torch
 
 from llmcli.attention.metrics import induction_score
-
-if TYPE_CHECKING:
-    import torch
-
 
 #: How many prompts run through the model in one padded batch.
 BATCH_PROMPTS = 16
@@ -37,8 +34,6 @@ def repeated_random_tokens(
     Tokens within one copy are distinct when the vocabulary allows it, so every token of the
     second copy has exactly one earlier occurrence and the induction target is unambiguous.
     """
-    import torch
-
     rows = []
     for _ in range(batch):
         if vocab_size >= period:
@@ -67,8 +62,6 @@ def capture_attention(
     Returns:
         logits `(B, T, vocab)` and attention `(B, L, H, T, T)` (query x key), both float32 CPU.
     """
-    import torch
-
     was_training = model.training
     model.eval()
     try:
@@ -92,8 +85,6 @@ def capture_prompts(
     Returns:
         For each prompt, `(logits (T, V), attn (L, H, T, T))` with T its own length.
     """
-    import torch
-
     device = next(model.parameters()).device
     out: list[tuple[torch.Tensor, torch.Tensor]] = []
     for start in range(0, len(prompts_ids), batch_size):
@@ -124,8 +115,6 @@ def induction_scores(
     Returns:
         The scores and a description for the dump's meta (period, sequences, seed).
     """
-    import torch
-
     period = max(1, model.context_length // 2)
     gen = torch.Generator().manual_seed(seed)
     idx = repeated_random_tokens(vocab_size, period, sequences, gen)  # (S, 2 * period)

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
 
 from llmcli.errors import InputError
 from llmcli.fileio import atomic_path, atomic_write_text
@@ -82,8 +84,6 @@ def save_dump(dump: AttentionDump, path: str | Path, fmt: str = "npz") -> Path:
         with atomic_path(path) as tmp, open(tmp, "wb") as f:
             np.savez(f, **arrays)
     elif fmt == "safetensors":
-        from safetensors.numpy import save_file
-
         tensors = {k: arrays[k] for k in ("attn", "token_ids", "metrics", "layers", "heads")}
         metadata = {
             "tokens": json.dumps(dump.tokens),
@@ -115,9 +115,6 @@ def load_dump(path: str | Path) -> AttentionDump:
             a = {k: z[k] for k in z.files}
         tokens, names, meta = list(a["tokens"]), list(a["metric_names"]), json.loads(str(a["meta"]))
     elif path.suffix == ".safetensors":
-        from safetensors import safe_open
-        from safetensors.numpy import load_file
-
         a = load_file(str(path))
         with safe_open(str(path), framework="numpy") as f:
             md = f.metadata()

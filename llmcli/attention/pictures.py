@@ -5,7 +5,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import matplotlib
 import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
 
 from llmcli.attention.dump import AttentionDump
 from llmcli.fileio import atomic_path
@@ -36,11 +39,6 @@ def plot_layers(dump: AttentionDump, out_dir: str | Path) -> list[Path]:
     Returns:
         The written paths, `layer-<L>.png` for each layer in the dump.
     """
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)  # callers may name a new folder
     T = len(dump.tokens)
@@ -56,12 +54,11 @@ def plot_layers(dump: AttentionDump, out_dir: str | Path) -> list[Path]:
     future = np.triu(np.ones((T, T), dtype=bool), k=1)  # (T, T): keys after the query
     paths = []
     for li, layer in enumerate(dump.layers):
-        fig, axes = plt.subplots(
-            nrows,
-            ncols,
-            figsize=(panel * ncols + 1.2, panel * nrows + 0.8),
-            squeeze=False,
-            gridspec_kw={"wspace": 0.25, "hspace": 0.3},
+        # A bare Figure on the Agg canvas: no pyplot, so no GUI backend and no global figure list.
+        fig = Figure(figsize=(panel * ncols + 1.2, panel * nrows + 0.8))
+        FigureCanvasAgg(fig)
+        axes = fig.subplots(
+            nrows, ncols, squeeze=False, gridspec_kw={"wspace": 0.25, "hspace": 0.3}
         )
         maps = [dump.attn[li, hi] for hi in range(len(dump.heads))]
         maps.append(dump.attn[li].mean(axis=0))  # (H', T, T) -> (T, T)
@@ -86,6 +83,5 @@ def plot_layers(dump: AttentionDump, out_dir: str | Path) -> list[Path]:
         path = out_dir / f"layer-{layer}.png"
         with atomic_path(path) as tmp:
             fig.savefig(tmp, dpi=100, format="png", bbox_inches="tight")
-        plt.close(fig)
         paths.append(path)
     return paths

@@ -13,19 +13,23 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
+import torch
 
+from llmcli import __version__
 from llmcli.attention.capture import capture_prompts, induction_scores
 from llmcli.attention.dump import FORMATS, AttentionDump, save_dump
 from llmcli.attention.metrics import INDUCTION, METRIC_NAMES, head_metrics
 from llmcli.attention.pictures import plot_layers
+from llmcli.attention.viewer import write_viewer
+from llmcli.checkpoint import load_run
+from llmcli.data import prepare_data
+from llmcli.device import resolve_device
 from llmcli.errors import InputError, describe_os_error
 from llmcli.fileio import read_user_text
-
-if TYPE_CHECKING:
-    import torch
+from llmcli.versions import warnings_for
 
 log = logging.getLogger(__name__)
 
@@ -123,8 +127,6 @@ def default_prompt_ids(run: Any, cache_dir: str | Path | None = None) -> tuple[l
     Returns:
         `(token ids, a one-line note saying where the prompt came from)`.
     """
-    from llmcli.data import prepare_data
-
     ctx = run.model.context_length
     data_cfg = run.config.data
     where = data_cfg.path if data_cfg.path is not None else f"dataset {data_cfg.dataset}"
@@ -218,7 +220,7 @@ def build_dumps(
     extra: dict[str, Any] = {}
     ind = None
     if induction:
-        ind, extra["induction"] = induction_scores(model, _vocab_size(tokenizer))
+        ind, extra["induction"] = induction_scores(model, tokenizer.vocab_size)
         names.append(INDUCTION)
     captured = capture_prompts(model, [ids for ids, _ in encoded])
     li, hi = np.array(layer_sel), np.array(head_sel)
@@ -255,11 +257,6 @@ def build_dumps(
     return dumps
 
 
-def _vocab_size(tokenizer: Any) -> int:
-    size = tokenizer.vocab_size
-    return int(size() if callable(size) else size)
-
-
 def write_outputs(
     dump: AttentionDump,
     out_dir: str | Path,
@@ -269,8 +266,6 @@ def write_outputs(
     viewer: bool = True,
 ) -> list[Path]:
     """Write `attention.<fmt>`, `layer-<L>.png` per layer and `attention.html` into `out_dir`."""
-    from llmcli.attention.viewer import write_viewer
-
     out_dir = Path(out_dir)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -335,10 +330,6 @@ def inspect_attention(
     Raises:
         InputError: no run, bad prompt, layer or head out of range, unknown format.
     """
-    from llmcli import __version__
-    from llmcli.checkpoint import load_run
-    from llmcli.device import resolve_device
-
     if fmt not in FORMATS:
         raise InputError(f"--format {fmt!r} is not known: choose one of {', '.join(FORMATS)}.")
     prompts = list(prompts)
@@ -349,8 +340,6 @@ def inspect_attention(
     # Check the selection before any work, with the model's own sizes in the message.
     select_indices(layers, model.n_layer, "layer")
     select_indices(heads, model.n_head, "head")
-    from llmcli.versions import warnings_for
-
     notes: list[str] = warnings_for(run.meta.get("versions"))
     prompts_ids = None
     if not prompts:
