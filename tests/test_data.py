@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from llmcli import corpus
 from llmcli import data as D
 from llmcli import tokenizer as tokenizer_module
 from llmcli.config import DataConfig
@@ -119,7 +120,7 @@ def test_bpe_documents_joined_with_eot_and_pieces_encode_like_the_whole(
     # characters; the tokens must still be those of encoding each document whole.
     monkeypatch.setattr(D, "PIECE_CHARS", 50)
     monkeypatch.setattr(D, "BATCH_CHARS", 300)
-    monkeypatch.setattr(D, "READ_BLOCK_BYTES", 37)
+    monkeypatch.setattr(corpus, "READ_BLOCK_BYTES", 37)
     doc1 = text[:6000] + "\n  indented\n\n\n   \nline with trailing spaces   \nx y\n"
     doc2 = "Unicode: héllo wörld 🎉 日本語\n" * 20 + "no-spaces-" * 60
     write(tmp_path / "d" / "1.txt", doc1)
@@ -233,7 +234,7 @@ def test_too_short_for_context_names_split_size_and_need(tmp_path: Path) -> None
 
 
 def test_non_utf8_names_file_and_offset(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(D, "READ_BLOCK_BYTES", 7)  # the offset must survive block boundaries
+    monkeypatch.setattr(corpus, "READ_BLOCK_BYTES", 7)  # the offset must survive block boundaries
     good = "é" * 50  # 100 bytes of two-byte characters
     path = write(tmp_path / "latin1.txt", good.encode() + b"caf\xe9 au lait")
     with pytest.raises(InputError, match=r"latin1.txt.*not UTF-8.*offset 103 \(e9 20 61 75"):
