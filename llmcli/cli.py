@@ -310,8 +310,7 @@ def inspect_attention_command(
     ] = True,
 ) -> None:
     """Dump every head's attention for a prompt, score each head, draw it, write a viewer."""
-    from llmcli.attention.dump import format_metrics_table
-    from llmcli.attention.report import inspect_attention
+    from llmcli.attention.report import format_report, inspect_attention
 
     if checkpoint is None:
         from llmcli.checkpoint import find_latest_run
@@ -334,14 +333,7 @@ def inspect_attention_command(
     )
     for note in result.notes:
         typer.echo(note, err=True)
-    for i, (dump, folder) in enumerate(zip(result.dumps, result.out_dirs, strict=True)):
-        text = dump.meta["prompt"]
-        shown = repr(text if len(text) <= 60 else text[:57] + "...")
-        cut = ", truncated to the last tokens" if dump.meta["truncated"] else ""
-        typer.echo(f"prompt {i} ({len(dump.tokens)} tokens{cut}): {shown}")
-        typer.echo(format_metrics_table(dump))
-        typer.echo(f"wrote {folder}/: " + ", ".join(p.name for p in result.files[i]))
-        typer.echo("")
+    typer.echo(format_report(result), nl=False)
 
 
 @app.command("info")

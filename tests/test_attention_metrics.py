@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -138,3 +140,9 @@ def test_induction_score_patterns() -> None:
     half = induction_pattern(4)
     half[4:6] = np.eye(8)[4:6]
     assert induction_score(half, 4) == pytest.approx(0.5)
+
+
+def test_metrics_import_without_torch() -> None:
+    # The scores are plain NumPy: reading a dump's metrics must not need torch installed.
+    code = "import sys, llmcli.attention.metrics; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0

@@ -7,16 +7,18 @@ import json
 import numpy as np
 import pytest
 import torch
-from attention_helpers import CORPUS, CTX, build_model
+from attention_helpers import CORPUS, CTX, build_model, make_dump
 
 from llmcli.attention import report
 from llmcli.attention.capture import capture_attention, repeated_random_tokens
-from llmcli.attention.dump import load_dump
+from llmcli.attention.dump import format_metrics_table, load_dump
 from llmcli.attention.metrics import INDUCTION, METRIC_NAMES, head_metrics
 from llmcli.attention.report import (
     FALLBACK_PROMPT,
+    InspectResult,
     build_dumps,
     default_prompt_ids,
+    format_report,
     inspect_attention,
     read_prompt_file,
     select_indices,
@@ -301,3 +303,24 @@ def test_command_ctrl_c_exits_130(run_dir, capsys, monkeypatch) -> None:
     monkeypatch.setattr(report, "inspect_attention", interrupted)
     code, _, _ = cli(["inspect-attention", "--checkpoint", str(run_dir)], capsys)
     assert code == 130
+
+
+def test_format_report_one_block_per_prompt(tmp_path) -> None:
+    long, short = make_dump(), make_dump(T=2)
+    long.meta.update(prompt="x" * 70, truncated=True)
+    short.meta.update(prompt="ab", truncated=False)
+    result = InspectResult(
+        run_dir=tmp_path,
+        dumps=[long, short],
+        out_dirs=[tmp_path / "prompt-000", tmp_path / "prompt-001"],
+        files=[[tmp_path / "prompt-000" / "attention.npz"], [tmp_path / "prompt-001" / "a.json"]],
+    )
+    text = format_report(result)
+    blocks = text.split("\n\n")
+    assert blocks[-1] == "" and len(blocks) == 3  # each block ends in a blank line
+    assert blocks[0].splitlines()[0] == (
+        f"prompt 0 (6 tokens, truncated to the last tokens): {'x' * 57 + '...'!r}"
+    )
+    assert blocks[1].splitlines()[0] == "prompt 1 (2 tokens): 'ab'"
+    assert format_metrics_table(short) in blocks[1]
+    assert blocks[1].splitlines()[-1] == f"wrote {tmp_path / 'prompt-001'}/: a.json"

@@ -20,7 +20,7 @@ import torch
 
 from llmcli import __version__
 from llmcli.attention.capture import capture_prompts, induction_scores
-from llmcli.attention.dump import FORMATS, AttentionDump, save_dump
+from llmcli.attention.dump import FORMATS, AttentionDump, format_metrics_table, save_dump
 from llmcli.attention.metrics import INDUCTION, METRIC_NAMES, head_metrics
 from llmcli.attention.pictures import plot_layers
 from llmcli.attention.viewer import write_viewer
@@ -378,3 +378,19 @@ def inspect_attention(
     return InspectResult(
         run_dir=Path(run.run_dir), dumps=dumps, out_dirs=out_dirs, files=files, notes=notes
     )
+
+
+def format_report(result: InspectResult) -> str:
+    """What `llmcli inspect-attention` prints: for each prompt, its length and (shortened) text,
+    the head metrics table and the files written, then a blank line; every line ends in a newline.
+    """
+    lines: list[str] = []
+    for i, (dump, folder) in enumerate(zip(result.dumps, result.out_dirs, strict=True)):
+        text = dump.meta["prompt"]
+        shown = repr(text if len(text) <= 60 else text[:57] + "...")
+        cut = ", truncated to the last tokens" if dump.meta["truncated"] else ""
+        lines.append(f"prompt {i} ({len(dump.tokens)} tokens{cut}): {shown}")
+        lines.append(format_metrics_table(dump))
+        lines.append(f"wrote {folder}/: " + ", ".join(p.name for p in result.files[i]))
+        lines.append("")
+    return "".join(f"{line}\n" for line in lines)
