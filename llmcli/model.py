@@ -108,6 +108,62 @@ class Head(nn.Module):
         return wei @ v  # (B, T, T) @ (B, T, hs) -> (B, T, hs)
 
 
+# ------------------------------------------------------------------ attention, three ways
+# `MultiHeadAttention.forward` picks one. Each takes q `(B, nh, T, hs)`, k and v
+# `(B, nh, T_k, hs)`, the causal mask `(T, T_k)` (True = may attend) and the dropout probability,
+# and returns y `(B, nh, T, hs)`. A query whose keys are all padding gets a zero output.
+
+
+def _explicit_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: Tensor,
+    key_padding_mask: Tensor | None,
+    dropout_p: float,
+) -> tuple[Tensor, Tensor]:
+    """The per-head formula written out, `softmax(Q K^T / sqrt(hs)) @ V`; also returns the weights.
+
+    Shape:
+        y `(B, nh, T, hs)`, weights `(B, nh, T, T_k)` (all zero on a query with no key).
+    """
+    allowed, empty_rows = allowed_keys(causal, key_padding_mask)
+    hs = q.shape[-1]
+    wei = q @ k.transpose(-2, -1) * hs**-0.5  # (B,nh,T,hs) @ (B,nh,hs,T_k) -> (B,nh,T,T_k)
+    wei = wei.masked_fill(~allowed, float("-inf"))  # (B, nh, T, T_k)
+    wei = F.softmax(wei, dim=-1)  # (B, nh, T, T_k)
+    if empty_rows is not None:
+        wei = wei.masked_fill(empty_rows, 0.0)
+    if dropout_p > 0.0:
+        wei = F.dropout(wei, dropout_p)
+    y = wei @ v  # (B, nh, T, T_k) @ (B, nh, T_k, hs) -> (B, nh, T, hs)
+    return y, wei
+
+
+def _causal_attention(q: Tensor, k: Tensor, v: Tensor, causal: Tensor, dropout_p: float) -> Tensor:
+    """Fused SDPA without padding, with no mask tensor in the common cases.
+
+    `T == T_k` (training, or a prefill into an empty cache) uses SDPA's own causal mask; one new
+    token (`T == 1`, a decode step) sees every cached key; only several new tokens after cached
+    ones need the sliced `causal` mask.
+    """
+    T, T_k = causal.shape
+    if T == T_k:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    if T == 1:  # one new token sees every cached key
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal, dropout_p=dropout_p)
+
+
+def _padded_attention(
+    q: Tensor, k: Tensor, v: Tensor, causal: Tensor, key_padding_mask: Tensor, dropout_p: float
+) -> Tensor:
+    """Fused SDPA with the causal and padding masks combined; queries with no key output zeros."""
+    allowed, empty_rows = allowed_keys(causal, key_padding_mask)
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p)
+    return y.masked_fill(empty_rows, 0.0)  # (B, nh, T, hs)
+
+
 class MultiHeadAttention(nn.Module):
     """`n_head` causal attention heads in parallel, concatenated, then projected by `proj`.
 
@@ -217,29 +273,11 @@ class MultiHeadAttention(nn.Module):
         causal = self.causal[past:T_k, :T_k]  # (T, T_k)
         dropout_p = self.dropout if self.training else 0.0
         if return_weights:
-            allowed, empty_rows = allowed_keys(causal, key_padding_mask)
-            wei = q @ k.transpose(-2, -1) * hs**-0.5  # (B,nh,T,hs) @ (B,nh,hs,T_k) -> (B,nh,T,T_k)
-            wei = wei.masked_fill(~allowed, float("-inf"))  # (B, nh, T, T_k)
-            wei = F.softmax(wei, dim=-1)  # (B, nh, T, T_k)
-            if empty_rows is not None:
-                wei = wei.masked_fill(empty_rows, 0.0)
-            if dropout_p > 0.0:
-                wei = F.dropout(wei, dropout_p)
-            y = wei @ v  # (B, nh, T, T_k) @ (B, nh, T_k, hs) -> (B, nh, T, hs)
+            y, wei = _explicit_attention(q, k, v, causal, key_padding_mask, dropout_p)
         elif key_padding_mask is None:
-            # No padding: pure causal attention, no mask tensor needed in the common cases.
-            if T == T_k:
-                y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-            elif T == 1:  # one new token sees every cached key
-                y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
-            else:
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=causal, dropout_p=dropout_p)
-            # y: (B, nh, T, hs)
+            y = _causal_attention(q, k, v, causal, dropout_p)
         else:
-            allowed, empty_rows = allowed_keys(causal, key_padding_mask)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p)
-            y = y.masked_fill(empty_rows, 0.0)  # (B, nh, T, hs)
-
+            y = _padded_attention(q, k, v, causal, key_padding_mask, dropout_p)
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, nh, T, hs) -> (B, T, nh, hs) -> (B, T, C)
         y = self.proj(y)  # (B, T, C)
         if dropout_p > 0.0:
