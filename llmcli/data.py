@@ -1,13 +1,13 @@
 """From text sources to batches of token windows, through a memory-mapped token cache.
 
-`prepare_data` reads the configured text (`data.path`: a file, a folder of `.txt` files or a
-glob; or `data.dataset`: a Hugging Face `datasets` source; see `llmcli.corpus`), trains the tokenizer unless one is
-given, and tokenizes the text once into a binary token file (uint16 when the vocabulary fits,
-else uint32) under a cache folder. The file is keyed by a hash of the source content and of the
-tokenizer, so an unchanged corpus is not tokenized again and a changed one is. `TokenData` holds
-the splits as `np.memmap`s of that file, and `BatchSampler` draws `(x, y)` windows from them with
-its own `torch.Generator`, reading each window from the file (`os.pread`), so memory does not
-grow with the corpus.
+`prepare_data` reads the configured text (`data.path`: a file, a folder of `.txt` files or a glob;
+or `data.dataset`: a Hugging Face `datasets` source; see `llmcli.corpus`), trains the tokenizer
+unless one is given, and tokenizes the text once into a binary token file (uint16 when the
+vocabulary fits, else uint32) under a cache folder. The file is keyed by a hash of the source
+content and of the tokenizer, so an unchanged corpus is not tokenized again and a changed one is.
+`TokenData` holds the splits as `np.memmap`s of that file, and `BatchSampler` draws `(x, y)`
+windows from them with its own `torch.Generator`, reading each window from the file (`os.pread`),
+so memory does not grow with the corpus.
 
 Cache folder: the `cache_dir` argument, else `data.cache_dir`, else `$LLMCLI_CACHE`, else
 `$XDG_CACHE_HOME/llmcli`, else `~/.cache/llmcli`. It holds `tokens/<key>.bin` (+ `.json`
