@@ -367,12 +367,6 @@ def export_command(
             help="Run directory (default: the latest run under checkpoints/).", metavar="DIR"
         ),
     ] = None,
-    format_: Annotated[
-        str,
-        typer.Option(
-            "--format", help="Output format: hf (a Hugging Face GPT-2 folder).", metavar="FMT"
-        ),
-    ] = "hf",
     force: Annotated[
         bool, typer.Option(help="Write into a non-empty --out, replacing a previous export.")
     ] = False,
@@ -381,9 +375,15 @@ def export_command(
     ] = "best",
 ) -> None:
     """Export a run as a Hugging Face GPT-2 folder (transformers' AutoModelForCausalLM)."""
-    from llmcli.hf import export_hf
+    from llmcli.hf_export import export_hf
 
-    result = export_hf(checkpoint, out, format=format_, force=force, weights=weights)
+    result = export_hf(
+        checkpoint,
+        out,
+        force=force,
+        weights=weights,
+        notify=lambda line: typer.echo(line, err=True),
+    )
     typer.echo(
         f"exported {result.run_dir} (step {result.step}, {result.n_params:,} parameters, "
         f"vocab {result.vocab_size}) to {result.out_dir}/: {', '.join(result.files)}"

@@ -1,0 +1,224 @@
+"""`llmcli export`: a run as a Hugging Face GPT-2 folder that `transformers` loads offline.
+
+The folder loads with `transformers.AutoModelForCausalLM` and `AutoTokenizer`; writing it needs
+no `transformers` (only `tokenizers` and `safetensors`). The char tokenizer becomes a Hugging
+Face `WordLevel` model over single characters with a pre-tokenizer that isolates every character,
+so both encode and decode alike. The end-of-text token (`<|endoftext|>`, the last id of a char
+vocabulary, or a BPE vocabulary's) is the export's BOS, EOS and padding token, which `generate`
+and lm-evaluation-harness rely on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import save
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from llmcli import checkpoint as ckpt
+from llmcli.config import Config
+from llmcli.errors import InputError, describe_os_error
+from llmcli.fileio import atomic_write_bytes
+from llmcli.hf import (
+    HF_CONFIG_FILE,
+    HF_GENERATION_FILE,
+    HF_SPECIAL_TOKENS,
+    HF_TOKENIZER_CONFIG,
+    HF_TOKENIZER_FILE,
+    HF_TORCH_WEIGHTS,
+    HF_WEIGHTS_FILE,
+    HF_WEIGHTS_INDEX,
+    LAYER_NORM_EPS,
+    check_gpt2_compatible,
+    gpt2_config,
+    to_gpt2_state_dict,
+)
+from llmcli.tokenizer import CharTokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+# Files of another export or checkpoint that `--force` removes, as they would shadow ours.
+_STALE_FILES = (
+    HF_WEIGHTS_INDEX,
+    HF_TORCH_WEIGHTS,
+    "pytorch_model.bin.index.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+)
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer files
+# ---------------------------------------------------------------------------------------------
+
+
+def hf_tokenizer_json(tokenizer: Tokenizer) -> str:
+    """The tokenizer as a Hugging Face `tokenizer.json` that encodes and decodes as ours.
+
+    A char tokenizer becomes a `WordLevel` model over its characters, with a pre-tokenizer that
+    isolates every character (`[\\s\\S]` matches any one, newlines included) and a `Fuse`
+    decoder that joins tokens with nothing between them. A BPE tokenizer already is one.
+    """
+    if isinstance(tokenizer, CharTokenizer):
+        vocab = dict(tokenizer.stoi)
+        if tokenizer.eot is not None:
+            vocab[tokenizer.eot] = tokenizer.eot_id
+        hf = HFTokenizer(models.WordLevel(vocab=vocab, unk_token=None))
+        hf.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+        hf.decoder = decoders.Fuse()
+        if tokenizer.eot is not None:
+            hf.add_special_tokens([AddedToken(tokenizer.eot, special=True, normalized=False)])
+        return hf.to_str()
+    return tokenizer.to_json()
+
+
+def _eot_token(tokenizer: Tokenizer) -> str | None:
+    """The end-of-text token's text (None without one): BOS and EOS of the export."""
+    return None if tokenizer.eot_id is None else tokenizer.decode([tokenizer.eot_id])
+
+
+def hf_tokenizer_files(tokenizer: Tokenizer, context_length: int) -> dict[str, str]:
+    """`tokenizer.json`, `tokenizer_config.json` and `special_tokens_map.json` for `AutoTokenizer`
+    (a `PreTrainedTokenizerFast` that adds no special tokens when encoding, as llmcli)."""
+    eot = _eot_token(tokenizer)
+    special = {"bos_token": eot, "eos_token": eot} if eot is not None else {}
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": context_length,
+        "clean_up_tokenization_spaces": False,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        **special,
+    }
+    return {
+        HF_TOKENIZER_FILE: hf_tokenizer_json(tokenizer),
+        HF_TOKENIZER_CONFIG: json.dumps(tokenizer_config, indent=2) + "\n",
+        HF_SPECIAL_TOKENS: json.dumps(special, indent=2) + "\n",
+    }
+
+
+def _generation_config(config: Config, eot_id: int | None) -> dict[str, Any]:
+    """The run's sampling defaults as a `generation_config.json`."""
+    sample = config.sample
+    gen: dict[str, Any] = {"max_new_tokens": sample.max_new_tokens}
+    if sample.temperature > 0:
+        gen.update(do_sample=True, temperature=sample.temperature, top_p=sample.top_p)
+        if sample.top_k is not None:
+            gen["top_k"] = sample.top_k
+    else:
+        gen["do_sample"] = False
+    if eot_id is not None:
+        gen.update(bos_token_id=eot_id, eos_token_id=eot_id, pad_token_id=eot_id)
+    return gen
+
+
+# ---------------------------------------------------------------------------------------------
+# Export
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ExportResult:
+    """What `export_hf` wrote."""
+
+    run_dir: Path
+    out_dir: Path
+    files: list[str]
+    n_params: int
+    vocab_size: int
+    step: int
+
+
+def _check_out_dir(out: Path, run_dir: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise InputError(f"export target '{out}' exists and is a file: choose another --out.")
+    if out.resolve() == run_dir.resolve():
+        raise InputError(
+            f"export target '{out}' is the run directory itself; the export would overwrite its "
+            "weights. Choose another --out."
+        )
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise InputError(
+            f"export target '{out}' exists and is not empty: choose a new folder, or pass "
+            "--force to write into it (the files of a previous export are replaced)."
+        )
+
+
+def export_hf(
+    checkpoint: str | Path | None,
+    out: str | Path,
+    *,
+    force: bool = False,
+    weights: str = "best",
+    notify: Callable[[str], None] | None = None,
+) -> ExportResult:
+    """Write a run as a Hugging Face GPT-2 folder that `transformers` loads offline.
+
+    The folder holds `config.json`, `generation_config.json` (the run's sampling defaults),
+    `model.safetensors` (float32, GPT-2 names) and `tokenizer.json`, `tokenizer_config.json`,
+    `special_tokens_map.json`. Each file is written to a temporary name and renamed into place.
+
+    Args:
+        checkpoint: a run directory; None picks the latest run under `checkpoints/`.
+        out: the folder to write; it must not exist or be empty unless `force`.
+        force: write into a non-empty `out`, replacing the files of a previous export.
+        weights: "best" or "last", as `llmcli sample`.
+        notify: called with lines for the user (the run picked, version warnings).
+
+    Raises:
+        InputError: a bad run, an option GPT-2 cannot express, or an `out` that is not usable.
+    """
+    run = ckpt.load_run(checkpoint, weights=weights, device="cpu", notify=notify)
+    out = Path(out)
+    _check_out_dir(out, run.run_dir, force)
+    check_gpt2_compatible(run.config.model)
+    model, tokenizer = run.model, run.tokenizer
+    eot_id = tokenizer.eot_id
+    if eot_id is None:
+        newline = tokenizer.encode("\n")
+        logger.warning(
+            "the run's tokenizer has no end-of-text token (a char run from before llmcli had "
+            "one), so the export has no BOS/EOS token: lm-evaluation-harness then needs "
+            "--model_args pretrained=%s,prefix_token_id=%s",
+            out,
+            newline[0] if newline else "<id>",
+        )
+    eps = getattr(model.ln_f, "eps", LAYER_NORM_EPS)
+
+    files: dict[str, bytes] = {
+        HF_CONFIG_FILE: _json_bytes(gpt2_config(run.config.model, model.vocab_size, eot_id, eps)),
+        HF_GENERATION_FILE: _json_bytes(_generation_config(run.config, eot_id)),
+        HF_WEIGHTS_FILE: save(to_gpt2_state_dict(model), metadata={"format": "pt"}),
+    }
+    for name, text in hf_tokenizer_files(tokenizer, run.config.model.context_length).items():
+        files[name] = text.encode("utf-8")
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for stale in _STALE_FILES:
+            if (out / stale).is_file():
+                logger.info("removing %s from '%s' (it would shadow the export)", stale, out)
+                (out / stale).unlink()
+        for name, data in files.items():
+            atomic_write_bytes(out / name, data)
+    except OSError as exc:
+        raise InputError(f"cannot write the export to '{out}': {describe_os_error(exc)}.") from None
+    logger.info("exported '%s' (step %d) to '%s'", run.run_dir, run.step, out)
+    return ExportResult(
+        run_dir=run.run_dir,
+        out_dir=out,
+        files=list(files),
+        n_params=model.num_parameters(),
+        vocab_size=model.vocab_size,
+        step=run.step,
+    )
+
+
+def _json_bytes(obj: Any) -> bytes:
+    return (json.dumps(obj, indent=2) + "\n").encode("utf-8")

@@ -1,0 +1,241 @@
+"""`train.init_from`: start a run from a Hugging Face GPT-2 folder (or an `llmcli export`).
+
+The model's shape comes from the folder's `config.json`, the tokenizer from its `tokenizer.json`,
+and the weights from its `model.safetensors` (or sharded safetensors, or `pytorch_model.bin` read
+with `weights_only=True`: loading never runs code from the folder).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from llmcli import checkpoint as ckpt
+from llmcli.config import Config, ModelConfig
+from llmcli.errors import CheckpointError, InputError
+from llmcli.hf import (
+    HF_CONFIG_FILE,
+    HF_TOKENIZER_FILE,
+    HF_TORCH_WEIGHTS,
+    HF_WEIGHTS_FILE,
+    HF_WEIGHTS_INDEX,
+    from_gpt2_state_dict,
+    model_config_from_gpt2,
+)
+from llmcli.model import Transformer
+from llmcli.tokenizer import Tokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+# ---------------------------------------------------------------------------------------------
+# Import (train.init_from)
+# ---------------------------------------------------------------------------------------------
+
+
+def _weights_files(folder: Path) -> list[Path]:
+    """The weight files of an HF folder, in the order `transformers` prefers them ([] if none)."""
+    if (folder / HF_WEIGHTS_FILE).is_file():
+        return [folder / HF_WEIGHTS_FILE]
+    index = folder / HF_WEIGHTS_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            shards = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise CheckpointError(
+                f"'{index}' is not a safetensors index (no weight_map)."
+            ) from None
+        missing = [s for s in shards if not (folder / s).is_file()]
+        if missing:
+            raise CheckpointError(
+                f"'{index}' names shards that are missing: {', '.join(missing[:5])}."
+            )
+        return [folder / s for s in shards]
+    if (folder / HF_TORCH_WEIGHTS).is_file():
+        return [folder / HF_TORCH_WEIGHTS]
+    return []
+
+
+def check_gpt2_folder(path: str | Path) -> tuple[Path, dict[str, Any]]:
+    """Check that `path` is a Hugging Face GPT-2 folder and read its `config.json`.
+
+    Returns:
+        `(folder, config.json as a dict)`.
+
+    Raises:
+        InputError: the folder is missing, or lacks config.json, weights or tokenizer.json (all
+            that is missing is named), or config.json is not JSON.
+    """
+    folder = Path(path).expanduser()
+    what = f"train.init_from ('{path}')"
+    if not folder.exists():
+        raise InputError(
+            f"{what} does not exist: give a local Hugging Face GPT-2 folder "
+            "(config.json, model.safetensors, tokenizer.json)."
+        )
+    if not folder.is_dir():
+        raise InputError(
+            f"{what} is a file: give the folder that holds config.json, "
+            "model.safetensors and tokenizer.json."
+        )
+    missing = []
+    if not (folder / HF_CONFIG_FILE).is_file():
+        missing.append(f"{HF_CONFIG_FILE} (the architecture)")
+    if not _weights_files(folder):
+        missing.append(f"weights ({HF_WEIGHTS_FILE}, {HF_WEIGHTS_INDEX} or {HF_TORCH_WEIGHTS})")
+    if not (folder / HF_TOKENIZER_FILE).is_file():
+        hint = (
+            " (only vocab.json/merges.txt: re-save it with a recent transformers, "
+            "AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR))"
+            if (folder / "vocab.json").is_file()
+            else ""
+        )
+        missing.append(f"{HF_TOKENIZER_FILE}{hint}")
+    if missing:
+        raise InputError(
+            f"{what} is not a Hugging Face GPT-2 checkpoint folder: it lacks "
+            + "; ".join(missing)
+            + "."
+        )
+    cfg_path = folder / HF_CONFIG_FILE
+    try:
+        hf_cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (ValueError, OSError) as exc:
+        raise InputError(f"'{cfg_path}' is not readable JSON ({exc}).") from None
+    if not isinstance(hf_cfg, dict):
+        raise InputError(f"'{cfg_path}' is not a model config (a JSON {type(hf_cfg).__name__}).")
+    return folder, hf_cfg
+
+
+def _load_folder_tokenizer(folder: Path, hf_cfg: dict[str, Any]) -> Tokenizer:
+    tokenizer = load_tokenizer(folder / HF_TOKENIZER_FILE)
+    vocab, model_vocab = tokenizer.vocab_size, hf_cfg.get("vocab_size")
+    if model_vocab != vocab:
+        relation = "larger" if isinstance(model_vocab, int) and model_vocab > vocab else "smaller"
+        raise InputError(
+            f"'{folder / HF_CONFIG_FILE}' has vocab_size {model_vocab!r}, {relation} than its "
+            f"tokenizer's {vocab} tokens ('{folder / HF_TOKENIZER_FILE}'); llmcli needs them "
+            "equal. Use the tokenizer the model was trained with."
+        )
+    return tokenizer
+
+
+def read_gpt2_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's weight file(s), on the CPU, under their HF names.
+
+    Raises:
+        CheckpointError: no weights, or a file that is corrupt or unsafe to load.
+    """
+    files = _weights_files(folder)
+    if not files:
+        raise CheckpointError(f"'{folder}' has no weights ({HF_WEIGHTS_FILE}).")
+    tensors: dict[str, torch.Tensor] = {}
+    for path in files:
+        try:
+            if path.suffix == ".safetensors":
+                tensors.update(load_file(path, device="cpu"))
+            else:
+                tensors.update(torch.load(path, map_location="cpu", weights_only=True))
+        except pickle.UnpicklingError as exc:
+            if "Unsupported global" in str(exc):  # a pickled class or function
+                raise CheckpointError(
+                    f"'{path}' holds Python objects other than tensors; it was refused unread "
+                    "(loading it could run code). Convert it to model.safetensors."
+                ) from None
+            raise CheckpointError(f"'{path}' is corrupt or not a weights file.") from None
+        except Exception as exc:  # safetensors and torch raise many error types on bad files
+            raise CheckpointError(f"'{path}' is corrupt or not a weights file ({exc}).") from None
+    bad = [k for k, v in tensors.items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        raise CheckpointError(
+            f"the weights of '{folder}' hold non-tensor entries: {', '.join(map(str, bad[:5]))}."
+        )
+    return tensors
+
+
+def load_gpt2_weights(model: Transformer, path: str | Path) -> None:
+    """Copy a Hugging Face GPT-2 folder's weights into `model` (built with its shape).
+
+    Raises:
+        CheckpointError: a missing, unexpected or mis-shaped tensor (named).
+    """
+    folder = Path(path).expanduser()
+    source = f"the weights of '{folder}'"
+    ours = from_gpt2_state_dict(
+        read_gpt2_weights(folder), model.n_layer, model.tie_embeddings, source
+    )
+    ckpt.load_weights(model, ours, folder)
+
+
+@dataclass
+class GPT2Folder:
+    """A Hugging Face GPT-2 folder loaded as llmcli objects."""
+
+    path: Path
+    model_config: ModelConfig
+    tokenizer: Tokenizer
+    model: Transformer
+    hf_config: dict[str, Any]
+
+
+def load_gpt2_folder(
+    path: str | Path, *, base: ModelConfig | None = None, device: str = "cpu"
+) -> GPT2Folder:
+    """Load a Hugging Face GPT-2 folder as an llmcli model (eval mode) and tokenizer.
+
+    Args:
+        path: the folder (config.json, weights, tokenizer.json).
+        base: model options GPT-2 leaves open (dropout); default `ModelConfig()`.
+        device: where to put the model.
+
+    Raises:
+        InputError: not a GPT-2 folder, an inexpressible option, a vocabulary mismatch,
+            bad weights (each message names the file and what to fix).
+    """
+    folder, hf_cfg = check_gpt2_folder(path)
+    model_cfg = model_config_from_gpt2(hf_cfg, base or ModelConfig(), str(folder / HF_CONFIG_FILE))
+    tokenizer = _load_folder_tokenizer(folder, hf_cfg)
+    model = Transformer.from_config(model_cfg, tokenizer.vocab_size)
+    load_gpt2_weights(model, folder)
+    model.to(device)
+    model.eval()
+    return GPT2Folder(folder, model_cfg, tokenizer, model, hf_cfg)
+
+
+def resolve_init_from(config: Config) -> Config:
+    """The config of a run that starts from `train.init_from` (a Hugging Face GPT-2 folder).
+
+    `model` takes the folder's architecture (keeping `dropout`), `data.tokenizer` becomes the
+    folder's `tokenizer.json` (used as is) and `train.init_from` its absolute path, so the
+    resolved config written into the run describes the model exactly (sample and resume need
+    nothing else). The weights are copied by `load_gpt2_weights` once the model is built.
+
+    Raises:
+        InputError: not a GPT-2 folder, an inexpressible option or a vocabulary mismatch.
+    """
+    folder, hf_cfg = check_gpt2_folder(config.train.init_from)
+    model_cfg = model_config_from_gpt2(hf_cfg, config.model, str(folder / HF_CONFIG_FILE))
+    _load_folder_tokenizer(folder, hf_cfg)
+    folder = folder.resolve()
+    resolved = dataclasses.replace(
+        config,
+        model=model_cfg,
+        data=dataclasses.replace(config.data, tokenizer=str(folder / HF_TOKENIZER_FILE)),
+        train=dataclasses.replace(config.train, init_from=str(folder)),
+    )
+    resolved.validate()
+    changed = [
+        f"model.{k}={v!r}"
+        for k, v in dataclasses.asdict(model_cfg).items()
+        if getattr(config.model, k) != v
+    ]
+    logger.info("init_from '%s': %s", folder, ", ".join(changed) or "model shape unchanged")
+    return resolved
