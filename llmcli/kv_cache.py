@@ -8,7 +8,7 @@ step gives the same logits as recomputing the whole sequence.
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from llmcli.errors import InputError
 from llmcli.masks import check_padding_mask
@@ -55,6 +55,35 @@ class KVCache:
         self.max_len = max_len
         self._lengths = [0] * n_layer  # Python ints: no host-device sync to read them
 
+    @classmethod
+    def for_model(
+        cls,
+        model: nn.Module,
+        batch_size: int,
+        max_len: int | None = None,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> KVCache:
+        """An empty cache for a `Transformer` (default: `context_length` positions, the model's
+        device and dtype)."""
+        max_len = model.context_length if max_len is None else max_len
+        if not 0 < max_len <= model.context_length:
+            raise InputError(
+                f"KV cache max_len must be in 1..context_length ({model.context_length}), "
+                f"got {max_len}"
+            )
+        weight = model.wte.weight
+        return cls(
+            model.n_layer,
+            batch_size,
+            model.n_head,
+            model.n_embed // model.n_head,
+            max_len,
+            device=weight.device if device is None else device,
+            dtype=weight.dtype if dtype is None else dtype,
+        )
+
     @property
     def length(self) -> int:
         """Number of positions cached (by the first layer; all layers agree after a forward)."""
@@ -63,6 +92,16 @@ class KVCache:
     def layer_length(self, layer_idx: int) -> int:
         """Number of positions cached for one layer."""
         return self._lengths[layer_idx]
+
+    def check_fits(self, batch_size: int, T: int) -> None:
+        """Raise `InputError` unless `T` new positions of a batch of `batch_size` fit."""
+        if self.batch_size != batch_size:
+            raise InputError(f"KV cache is for batch size {self.batch_size}, got {batch_size}")
+        if self.length + T > self.max_len:
+            raise InputError(
+                f"the KV cache holds max_len = {self.max_len} positions; {self.length} are "
+                f"cached and {T} more do not fit: reset() or crop() the cache"
+            )
 
     def update(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Append one layer's new keys/values and return all of that layer's cached ones.

@@ -1,4 +1,4 @@
-"""Attention masks and the checks of attention inputs (sequence length, key padding mask).
+"""Attention masks, the checks of attention inputs, and the positions that skip padding.
 
 A `key_padding_mask` is `(B, T_k)` bool with `True` = "this key is padding, ignore it", the
 convention of `torch.nn.MultiheadAttention`. (SDPA's bool `attn_mask` means the opposite, `True` =
@@ -62,3 +62,29 @@ def check_length(T: int, context_length: int, past: int = 0) -> None:
             f"input has T = {T} positions{cached} but the model's context_length is "
             f"{context_length}: crop the input to its last {context_length - past} tokens"
         )
+
+
+def default_position_ids(
+    position_ids: Tensor | None, key_padding_mask: Tensor | None, B: int, past: int, T: int
+) -> Tensor | None:
+    """Check given positions, or count them past the padding when there is some.
+
+    Padding does not use up positions: each token's position is the number of real tokens before
+    it, so a left-padded prompt starts at 0 at its first real token, as if it were alone (pads
+    themselves get 0).
+
+    Args:
+        position_ids: `(B, T)` long, or None.
+        key_padding_mask: `(B, past + T)` bool, True = padding, or None.
+        B, past, T: batch size, positions already cached, new positions.
+
+    Returns:
+        `position_ids` if given; `(B, T)` positions counted from the padding; or None without
+        padding (the model then uses `past .. past + T - 1`).
+    """
+    if position_ids is None and key_padding_mask is not None:
+        real_before = (~key_padding_mask).cumsum(dim=1) - 1  # (B, past + T)
+        return real_before[:, past:].clamp(min=0)  # (B, T)
+    if position_ids is not None and tuple(position_ids.shape) != (B, T):
+        raise InputError(f"position_ids must have shape {(B, T)}, got {tuple(position_ids.shape)}")
+    return position_ids

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from llmcli.errors import InputError
 from llmcli.kv_cache import KVCache, padding_with_cache
 from llmcli.layers import RotaryEmbedding, make_norm, qk_rms_norm
-from llmcli.masks import allowed_keys, check_length, check_padding_mask
+from llmcli.masks import allowed_keys, check_length, check_padding_mask, default_position_ids
 
 if TYPE_CHECKING:
     from llmcli.config import ModelConfig
@@ -108,10 +108,9 @@ class Head(nn.Module):
         return wei @ v  # (B, T, T) @ (B, T, hs) -> (B, T, hs)
 
 
-# ------------------------------------------------------------------ attention, three ways
-# `MultiHeadAttention.forward` picks one. Each takes q `(B, nh, T, hs)`, k and v
-# `(B, nh, T_k, hs)`, the causal mask `(T, T_k)` (True = may attend) and the dropout probability,
-# and returns y `(B, nh, T, hs)`. A query whose keys are all padding gets a zero output.
+# Attention three ways, picked by `MultiHeadAttention.forward`: q `(B, nh, T, hs)`, k and v
+# `(B, nh, T_k, hs)`, the causal mask `(T, T_k)` (True = may attend), dropout probability ->
+# y `(B, nh, T, hs)`. A query whose keys are all padding gets a zero output.
 
 
 def _explicit_attention(
@@ -592,24 +591,8 @@ class Transformer(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> KVCache:
-        """An empty `KVCache` for this model (default: `context_length` positions, the model's
-        device and dtype)."""
-        max_len = self.context_length if max_len is None else max_len
-        if not 0 < max_len <= self.context_length:
-            raise InputError(
-                f"KV cache max_len must be in 1..context_length ({self.context_length}), "
-                f"got {max_len}"
-            )
-        weight = self.wte.weight
-        return KVCache(
-            self.n_layer,
-            batch_size,
-            self.n_head,
-            self.n_embed // self.n_head,
-            max_len,
-            device=weight.device if device is None else device,
-            dtype=weight.dtype if dtype is None else dtype,
-        )
+        """An empty `KVCache` for this model; see `KVCache.for_model`."""
+        return KVCache.for_model(self, batch_size, max_len, device=device, dtype=dtype)
 
     def forward(
         self,
@@ -665,41 +648,18 @@ class Transformer(nn.Module):
         kv_cache: KVCache | None,
         return_weights: bool,
     ) -> tuple[Tensor, Tensor | None, list[Tensor]]:
+        """Checks, then embeddings -> blocks -> final norm -> LM head (-> loss); see `forward`."""
         if idx.ndim != 2:
             raise InputError(f"idx must have shape (B, T), got {tuple(idx.shape)}")
         B, T = idx.shape
         past = 0
         if kv_cache is not None:
             past = kv_cache.length
-            if kv_cache.batch_size != B:
-                raise InputError(f"KV cache is for batch size {kv_cache.batch_size}, got {B}")
-            if past + T > kv_cache.max_len:
-                raise InputError(
-                    f"the KV cache holds max_len = {kv_cache.max_len} positions; {past} are "
-                    f"cached and {T} more do not fit: reset() or crop() the cache"
-                )
+            kv_cache.check_fits(B, T)  # before any layer writes: a failed call changes nothing
         check_length(T, self.context_length, past)
         key_padding_mask = padding_with_cache(key_padding_mask, kv_cache, B, past, T)
-        if position_ids is None and key_padding_mask is not None:
-            # Count real tokens: padding does not use up positions (pads themselves get 0).
-            real_before = (~key_padding_mask).cumsum(dim=1) - 1  # (B, past + T)
-            position_ids = real_before[:, past:].clamp(min=0)  # (B, T)
-        elif position_ids is not None and tuple(position_ids.shape) != (B, T):
-            raise InputError(
-                f"position_ids must have shape {(B, T)}, got {tuple(position_ids.shape)}"
-            )
-
-        x = self.wte(idx)  # (B, T, C)
-        if self.wpe is not None:
-            if position_ids is None:
-                # A slice costs a copy in backward; the whole table (the usual training case) not.
-                wpe = self.wpe.weight
-                pos = wpe if past == 0 and T == wpe.shape[0] else wpe[past : past + T]  # (T, C)
-                x = x + pos  # (B, T, C) + (T, C)
-            else:
-                x = x + self.wpe(position_ids)  # (B, T, C)
-        if self.training and self.dropout > 0.0:
-            x = F.dropout(x, self.dropout)
+        position_ids = default_position_ids(position_ids, key_padding_mask, B, past, T)
+        x = self._embed(idx, position_ids, past)  # (B, T, C)
         weights = []
         for i, block in enumerate(self.blocks):
             x = block(
@@ -719,3 +679,22 @@ class Transformer(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.view(B * T, -1), targets.reshape(B * T), ignore_index=-1)
         return logits, loss, weights
+
+    def _embed(self, idx: Tensor, position_ids: Tensor | None, past: int) -> Tensor:
+        """Token embeddings, plus learned position embeddings (none with rope), then dropout.
+
+        Shape:
+            idx `(B, T)` long, position_ids `(B, T)` or None (`past .. past + T - 1`) -> `(B, T, C)`
+        """
+        x = self.wte(idx)  # (B, T, C)
+        if self.wpe is not None:
+            if position_ids is None:
+                # A slice costs a copy in backward; the whole table (the usual training case) not.
+                wpe, T = self.wpe.weight, idx.shape[1]
+                pos = wpe if past == 0 and T == wpe.shape[0] else wpe[past : past + T]  # (T, C)
+                x = x + pos  # (B, T, C) + (T, C)
+            else:
+                x = x + self.wpe(position_ids)  # (B, T, C)
+        if self.training and self.dropout > 0.0:
+            x = F.dropout(x, self.dropout)
+        return x
