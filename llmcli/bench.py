@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
+import multiprocessing
 import os
 import platform
 import resource
@@ -36,13 +37,25 @@ import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import torch
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
 from llmcli.config import Config, ModelConfig
-from llmcli.errors import ConfigError, InputError
+from llmcli.device import Precision, resolve_device
+from llmcli.errors import ConfigError, InputError, describe_os_error
+from llmcli.fileio import atomic_write_bytes, atomic_write_json
+from llmcli.generate import generate
+from llmcli.model import Transformer
+from llmcli.optim import build_optimizer
+from llmcli.progress import Progress
+from llmcli.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -131,8 +144,6 @@ def vocab_size_for(config: Config) -> int:
     if tokenizer == "bpe":
         return config.data.vocab_size
     if tokenizer != "char":
-        from llmcli.tokenizer import load_tokenizer
-
         return int(load_tokenizer(tokenizer).vocab_size)
     path = Path(config.data.path) if config.data.path else None
     if path is not None and path.is_file():
@@ -158,8 +169,6 @@ def combination_config(config: Config, n_head: int, context_length: int) -> Mode
 
 
 def _sync(device: Any) -> None:
-    import torch
-
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elif device.type == "mps":
@@ -201,17 +210,9 @@ def measure(
     Raises:
         ConfigError: the combination is invalid.
     """
-    import torch
-
-    from llmcli.device import Precision, resolve_device
-    from llmcli.generate import generate
-    from llmcli.model import Transformer
-    from llmcli.optim import build_optimizer
-
     model_cfg = combination_config(config, n_head, context_length)
-    tc = config.train
     device = resolve_device(device_name)
-    precision = Precision.resolve(device, tc.dtype)
+    precision = Precision.resolve(device, config.train.dtype)
     vocab = settings.vocab_size or vocab_size_for(config)
     rss_before = _current_rss_mb()
     if device.type == "cuda":
@@ -219,52 +220,15 @@ def measure(
 
     gen = torch.Generator().manual_seed(settings.seed)
     model = Transformer.from_config(model_cfg, vocab, generator=gen).to(device)
-    optimizer = build_optimizer(model, tc, device.type)
-    params = list(model.parameters())
-    B, T = tc.batch_size, context_length
+    B, T = config.train.batch_size, context_length
     data = torch.randint(0, vocab, (B, T + 1), generator=gen).to(device)
     x, y = data[:, :-1], data[:, 1:]  # (B, T), (B, T)
-    fwd_model = torch.compile(model) if tc.compile else model
-
-    def train_step() -> None:
-        with precision.autocast():
-            _, loss = fwd_model(x, y)
-        precision.backward(loss)
-        precision.step(optimizer, params, tc.grad_clip)
-
-    model.train()
-    train_step()  # warm-up (and compilation, with train.compile)
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(settings.train_steps):
-        train_step()
-    _sync(device)
-    train_s = (time.perf_counter() - start) / settings.train_steps
-
-    model.eval()
-    one = x[:1]  # (1, T)
-    times = []
-    with torch.inference_mode():
-        for _ in range(settings.forward_reps + 1):  # the first one warms up
-            _sync(device)
-            start = time.perf_counter()
-            with precision.autocast():
-                model(one)
-            _sync(device)
-            times.append(time.perf_counter() - start)
-    forward_s = statistics.median(times[1:])
-
+    train_s = _time_training(model, x, y, config, precision, settings.train_steps)
+    forward_s = _time_forward(model, x[:1], precision, settings.forward_reps)
     n_new = min(settings.sample_tokens, context_length - 1)
     sample_rate = None
     if n_new > 0:
-        prompt = [[int(x[0, 0])]]
-        _sync(device)
-        start = time.perf_counter()
-        with precision.autocast():
-            for _ in generate(model, prompt, n_new, temperature=1.0, seed=settings.seed):
-                pass
-        _sync(device)
-        sample_rate = n_new / (time.perf_counter() - start)
+        sample_rate = _sampling_rate(model, int(x[0, 0]), n_new, precision, settings.seed)
 
     result = BenchResult(
         n_head=n_head,
@@ -285,6 +249,60 @@ def measure(
             result.memory_growth_mb = result.peak_memory_mb - rss_before
         result.memory_kind = "cpu_peak_rss"
     return result
+
+
+def _time_training(
+    model: Transformer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    config: Config,
+    precision: Precision,
+    steps: int,
+) -> float:
+    """Seconds per training step (forward, backward, clip, optimizer), after one warm-up."""
+    tc = config.train
+    optimizer = build_optimizer(model, tc, precision.device.type)
+    params = list(model.parameters())
+    forward = torch.compile(model) if tc.compile else model
+    model.train()
+    for i in range(steps + 1):  # step 0 warms up (and compiles, with train.compile)
+        if i == 1:
+            _sync(precision.device)
+            start = time.perf_counter()
+        with precision.autocast():
+            _, loss = forward(x, y)
+        precision.backward(loss)
+        precision.step(optimizer, params, tc.grad_clip)
+    _sync(precision.device)
+    return (time.perf_counter() - start) / steps
+
+
+def _time_forward(model: Transformer, x: torch.Tensor, precision: Precision, reps: int) -> float:
+    """Median seconds of one inference forward pass over `x` `(1, T)`, after one warm-up."""
+    model.eval()
+    times = []
+    with torch.inference_mode():
+        for _ in range(reps + 1):  # the first one warms up
+            _sync(precision.device)
+            start = time.perf_counter()
+            with precision.autocast():
+                model(x)
+            _sync(precision.device)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def _sampling_rate(
+    model: Transformer, first: int, n_new: int, precision: Precision, seed: int
+) -> float:
+    """New tokens per second when sampling `n_new` tokens after the one token `first`."""
+    _sync(precision.device)
+    start = time.perf_counter()
+    with precision.autocast():
+        for _ in generate(model, [[first]], n_new, temperature=1.0, seed=seed):
+            pass
+    _sync(precision.device)
+    return n_new / (time.perf_counter() - start)
 
 
 def _measure_or_error(*args: Any) -> BenchResult:
@@ -327,9 +345,6 @@ def run_bench(
     Raises:
         InputError: bad settings, an unusable device, or no valid combination at all.
     """
-    from llmcli.device import resolve_device
-    from llmcli.progress import Progress
-
     settings = settings or BenchSettings()
     settings.validate()
     heads = list(heads or DEFAULT_HEADS)
@@ -368,9 +383,6 @@ def run_bench(
 
 
 def _in_fresh_process(args: tuple) -> BenchResult:
-    import multiprocessing
-    from concurrent.futures.process import BrokenProcessPool
-
     context = multiprocessing.get_context("spawn")
     try:
         with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
@@ -434,8 +446,6 @@ def format_table(results: Sequence[BenchResult]) -> str:
 
 def machine_info(device: str) -> dict[str, Any]:
     """Where the figures were measured (for the JSON report)."""
-    import torch
-
     info: dict[str, Any] = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "platform": platform.platform(),
@@ -462,9 +472,6 @@ def write_report(
     Returns:
         `(json_path, png_path)`.
     """
-    from llmcli.errors import describe_os_error
-    from llmcli.fileio import atomic_write_bytes, atomic_write_json
-
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -488,9 +495,6 @@ PANELS = (
 
 def plot_png(results: Sequence[BenchResult]) -> bytes:
     """A 2 x 2 figure: each measure against the sequence length, one line per head count."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     ok = [r for r in results if r.status == "ok"]
     fig = Figure(figsize=(10, 7), dpi=100)
     FigureCanvasAgg(fig)
@@ -549,8 +553,6 @@ def bench_and_report(
     Returns:
         `(results, json_path, png_path)`.
     """
-    from llmcli.device import resolve_device
-
     settings = settings or BenchSettings()
     device = device or config.train.device
     results = run_bench(config, heads, seqs, device, settings, isolate=isolate, progress=progress)
