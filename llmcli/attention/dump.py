@@ -33,7 +33,7 @@ class AttentionDump:
         tokens: the decoded text of each token, `T` strings.
         token_ids: int64 `[T]`.
         metrics: float32 `[L', H', M]`.
-        metric_names: `M` names, see `METRIC_NAMES` (+ `INDUCTION`).
+        metric_names: `M` names, see `metrics.METRIC_NAMES` (+ `metrics.INDUCTION`).
         layers: the model layer index of each row of `attn` (`L'` ints).
         heads: the model head index of each column of `attn` (`H'` ints).
         meta: checkpoint path and weights sha256, prompt, config, versions, selection.
