@@ -1,8 +1,9 @@
 """The generation cache and its padding bookkeeping.
 
-Generation: `Transformer.new_kv_cache` makes a `KVCache`; `Transformer.forward(..., kv_cache=...)`
-appends the new tokens' keys/values and attends over everything cached, so feeding one token per
-step gives the same logits as recomputing the whole sequence.
+`Transformer.new_kv_cache` makes a `KVCache`; `Transformer.forward(..., kv_cache=...)` appends
+the new tokens' keys/values and attends over everything cached, so feeding one token per step
+gives the same logits as recomputing the whole sequence. `padding_with_cache` keeps the key
+padding mask of a left-padded batch in the cache, so decode steps need not pass it again.
 """
 
 from __future__ import annotations

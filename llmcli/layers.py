@@ -102,6 +102,10 @@ class RotaryEmbedding(nn.Module):
 
 
 def make_norm(norm: str, n_embed: int, bias: bool) -> nn.Module:
+    """The normalisation layer `norm` names ("layernorm" or "rmsnorm") over `n_embed` channels.
+
+    `bias` applies to LayerNorm only; RMSNorm has none.
+    """
     if norm == "layernorm":
         return nn.LayerNorm(n_embed, bias=bias)
     if norm == "rmsnorm":

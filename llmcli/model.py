@@ -1,12 +1,13 @@
 """The GPT-style causal language model: Head -> MultiHeadAttention -> MLP -> Block -> Transformer.
 
-Shapes follow the seed: `B` batch, `T` time (<= `context_length`), `C` channels (`n_embed`),
-`nh` heads, `hs` head size (`C // nh`), `V` vocabulary. `Head` is the seed's single attention head,
-written out literally; `MultiHeadAttention` computes `nh` such heads at once (one fused QKV
-projection, `F.scaled_dot_product_attention`) and equals a stack of `Head`s with the same weights.
+Shapes: `B` batch, `T` time (<= `context_length`), `C` channels (`n_embed`), `nh` heads, `hs`
+head size (`C // nh`), `V` vocabulary. `Head` is a single attention head written out literally;
+`MultiHeadAttention` computes `nh` such heads at once (one fused QKV projection,
+`F.scaled_dot_product_attention`) and equals a stack of `Head`s with the same weights.
 
-Recipe options (all off by default, so the default model is the seed's GPT-2-like architecture):
-rotary position embeddings (`rope`), RMSNorm, QK-norm, a ReLU² MLP and an untied LM head.
+Recipe options (all off by default, so the default model is a GPT-2-like architecture): rotary
+position embeddings (`rope`), RMSNorm, QK-norm (their layers are in `llmcli.layers`), a ReLU² MLP
+and an untied LM head. Masks follow `llmcli.masks`; generation uses `llmcli.kv_cache.KVCache`.
 """
 
 from __future__ import annotations
@@ -30,11 +31,8 @@ MLPS = ("gelu", "relu2")
 POS_EMBS = ("learned", "rope")
 
 
-# ----------------------------------------------------------------------------- the model
-
-
 class Head(nn.Module):
-    """One head of causal self-attention, exactly the seed's formula.
+    """One head of causal self-attention: the per-head formula, written out literally.
 
     `softmax(Q K^T / sqrt(hs))` with the causal mask, dropout on the weights, then `@ V`, where
     `Q, K, V` are linear projections `C -> hs`. With `rope` / `qk_norm` the queries and keys are
@@ -45,7 +43,7 @@ class Head(nn.Module):
         head_size: `hs`.
         context_length: longest sequence (size of the causal mask).
         dropout: dropout probability on the attention weights.
-        bias: whether the key/query/value projections have a bias (the seed's have none).
+        bias: whether the key/query/value projections have a bias (none by default).
         rope: rotate queries and keys by their positions (rotary embeddings).
         rope_base: rotary frequency base.
         qk_norm: RMS-normalise queries and keys (parameter-free).
@@ -166,9 +164,10 @@ def _padded_attention(
 class MultiHeadAttention(nn.Module):
     """`n_head` causal attention heads in parallel, concatenated, then projected by `proj`.
 
-    Mathematically `proj(cat([head(x) for head in heads], dim=-1))` with the seed's `Head`; computed
-    fused: one QKV projection `qkv` (`C -> 3C`, queries then keys then values, head-major inside
-    each, the layout of `torch.nn.MultiheadAttention.in_proj_weight` and GPT-2's `c_attn`) and
+    Mathematically `proj(cat([head(x) for head in heads], dim=-1))` for `Head`s with the same
+    weights (`heads()`, `from_heads`); computed fused: one QKV projection `qkv` (`C -> 3C`, queries
+    then keys then values, head-major inside each, the layout of
+    `torch.nn.MultiheadAttention.in_proj_weight` and GPT-2's `c_attn`) and
     `F.scaled_dot_product_attention`. `return_weights=True` takes an explicit softmax path that
     also returns the per-head attention weights.
 
@@ -285,7 +284,7 @@ class MultiHeadAttention(nn.Module):
 
     @classmethod
     def from_heads(cls, heads: list[Head], proj: nn.Linear) -> MultiHeadAttention:
-        """Build the fused layer from the seed's `Head`s and output projection (weights copied).
+        """Build the fused layer from a list of `Head`s and an output projection (weights copied).
 
         A missing bias on the heads or on `proj` becomes a zero bias, which computes the same.
         """
@@ -328,7 +327,7 @@ class MultiHeadAttention(nn.Module):
         return mha
 
     def heads(self) -> list[Head]:
-        """The `n_head` seed-style `Head` modules, holding copies of this layer's weights.
+        """This layer as `n_head` separate `Head` modules, holding copies of its weights.
 
         `self.proj(torch.cat([h(x) for h in self.heads()], dim=-1))` equals `self(x)`.
         """
@@ -443,7 +442,6 @@ class Block(nn.Module):
         return_weights: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """See `MultiHeadAttention.forward`; returns `x` `(B, T, C)` or `(x, weights)`."""
-        B, T, C = x.shape
         a = self.attn(
             self.ln1(x),
             key_padding_mask,

@@ -11,7 +11,7 @@ from llmcli.kv_cache import KVCache
 from llmcli.model import MultiHeadAttention
 
 MODEL_OPTIONS = {
-    "seed": {},
+    "default": {},
     "all-options": {
         "pos_emb": "rope",
         "norm": "rmsnorm",
@@ -27,7 +27,7 @@ def test_kv_cache_decode_and_chunked_prefill_equal_full_forward(opts):
     model = tiny_model(**opts)
     idx = torch.randint(37, (2, 16), generator=gen(1))
     full, _ = model(idx)
-    tag = ",".join(opts) or "seed"
+    tag = ",".join(opts) or "default"
     for chunks in ([1] * 16, [5, 4, 1, 6]):
         cache = model.new_kv_cache(2)
         outs, start = [], 0
@@ -63,7 +63,7 @@ def test_kv_cache_left_padded_batch_equals_each_prompt_alone(opts):
     for i, p in enumerate(prompts):
         idx[i, width - len(p) :] = p
         kpm[i, width - len(p) :] = False
-    tag = ",".join(opts) or "seed"
+    tag = ",".join(opts) or "default"
     for explicit_positions in (False, True):
         cache = model.new_kv_cache(3)
         if explicit_positions:

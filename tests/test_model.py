@@ -1,6 +1,6 @@
 """Tests that pin the model's maths against references.
 
-References: a NumPy float64 implementation of the seed's formula, a stack of seed-style `Head`s,
+References: a NumPy float64 implementation of the per-head formula, a stack of `Head`s,
 `torch.nn.MultiheadAttention`, and Hugging Face `GPT2LMHeadModel`. Everything runs in fp32 at tiny
 sizes. Each comparison prints its max abs difference (`pytest -s` shows them).
 """
@@ -21,7 +21,7 @@ from llmcli.layers import RMSNorm
 from llmcli.model import MLP, Block, Head, MultiHeadAttention, Transformer
 
 OPTIONS = {
-    "seed": {},
+    "default": {},
     "rope+qknorm": {"rope": True, "qk_norm": True},
 }
 
@@ -30,7 +30,7 @@ OPTIONS = {
 
 
 def numpy_mha(x, mha: MultiHeadAttention, rope=False, qk_norm=False):
-    """The seed's formula per head in float64: softmax(QK^T/sqrt(hs)) causal, @V, cat, proj."""
+    """The per-head formula in float64: softmax(QK^T/sqrt(hs)) causal, @V, cat, proj."""
     x = x.detach().double().numpy()
     W = mha.qkv.weight.detach().double().numpy()
     b = mha.qkv.bias.detach().double().numpy()
@@ -64,7 +64,7 @@ def numpy_mha(x, mha: MultiHeadAttention, rope=False, qk_norm=False):
 # ----------------------------------------------------------------------------- attention
 
 
-def test_seed_examples_run_as_written():
+def test_usage_examples_run_as_written():
     assert MultiHeadAttention(n_head=4, n_embed=32, context_length=8)(
         torch.randn(2, 8, 32)
     ).shape == (2, 8, 32)
@@ -72,11 +72,11 @@ def test_seed_examples_run_as_written():
 
 
 @pytest.mark.parametrize("opts", OPTIONS.values(), ids=OPTIONS.keys())
-def test_mha_equals_numpy_seed_formula(opts):
+def test_mha_equals_numpy_per_head_formula(opts):
     mha = randomize_(MultiHeadAttention(4, 32, 8, **opts)).eval()
     x = torch.randn(2, 8, 32, generator=gen(1))
     y_ref, w_ref = numpy_mha(x, mha, **opts)
-    tag = "+".join(opts) or "seed"
+    tag = "+".join(opts) or "default"
     assert_close(mha(x), y_ref, f"mha fused vs numpy [{tag}]")
     y, w = mha(x, return_weights=True)
     assert_close(y, y_ref, f"mha explicit vs numpy [{tag}]")
@@ -86,12 +86,12 @@ def test_mha_equals_numpy_seed_formula(opts):
 @pytest.mark.parametrize("opts", OPTIONS.values(), ids=OPTIONS.keys())
 def test_from_heads_equals_stack_of_heads(opts):
     torch.manual_seed(0)
-    heads = [Head(32, 8, 8, **opts) for _ in range(4)]  # the seed's heads: no bias
+    heads = [Head(32, 8, 8, **opts) for _ in range(4)]  # Head's default: no bias
     proj = nn.Linear(32, 32)
     x = torch.randn(2, 8, 32, generator=gen(1))
     ref = proj(torch.cat([h(x) for h in heads], dim=-1))
     mha = MultiHeadAttention.from_heads(heads, proj)
-    tag = "+".join(opts) or "seed"
+    tag = "+".join(opts) or "default"
     assert_close(mha(x), ref, f"from_heads vs stack of Heads [{tag}]")
 
 
@@ -104,7 +104,7 @@ def test_heads_equal_fused_layer(opts):
     kpm = torch.tensor(
         [[True, True, False, False, False, False, False, False], [False] * 6 + [True, True]]
     )
-    tag = "+".join(opts) or "seed"
+    tag = "+".join(opts) or "default"
     ref = mha.proj(torch.cat([h(x) for h in heads], dim=-1))
     assert_close(mha(x), ref, f"heads() stack vs fused [{tag}]")
     ref = mha.proj(torch.cat([h(x, kpm) for h in heads], dim=-1))
@@ -179,7 +179,7 @@ def test_fused_equals_explicit_outputs_and_gradients(opts, padded):
         (y * g).sum().backward()
         grads = [p.grad.clone() for p in mha.parameters()] + [xi.grad.clone()]
         results.append((y.detach(), grads))
-    tag = "+".join(opts) or "seed"
+    tag = "+".join(opts) or "default"
     tag += ", padded" if padded else ""
     assert_close(results[0][0], results[1][0], f"fused vs explicit output [{tag}]")
     for i, (g0, g1) in enumerate(zip(results[0][1], results[1][1], strict=True)):
@@ -256,7 +256,7 @@ def test_rope_model_has_no_position_embedding_and_is_shift_invariant():
 
 
 def test_qk_norm_normalises_queries_and_keys():
-    # The NumPy reference with normalised q, k is in test_mha_equals_numpy_seed_formula; here:
+    # The NumPy reference with normalised q, k is in test_mha_equals_numpy_per_head_formula; here:
     # scaling the query and key projections leaves the output unchanged, only with qk_norm.
     x = torch.randn(2, 8, 32, generator=gen(1))
     for qk_norm in (True, False):
