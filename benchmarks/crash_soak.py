@@ -46,61 +46,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# The child: imports first (seconds), waits for a job, then runs the real CLI with one pause
-# (to be killed there) at a step or in the middle of a file write.
-CHILD = r"""
-import json, os, sys, time
-from pathlib import Path
-
-import matplotlib.backends.backend_agg, matplotlib.figure, torch  # noqa: F401
-import llmcli.checkpoint as ckpt
-import llmcli.fileio as fileio
-import llmcli.cli, llmcli.data, llmcli.model  # noqa: F401
-import llmcli.train as T
-
-job_file = Path(os.environ["SOAK_JOB"])
-T.plot_losses(job_file.with_suffix(".none"), job_file.with_suffix(".png"))  # loads the fonts
-while not job_file.exists():
-    time.sleep(0.01)
-job = json.loads(job_file.read_text())
-marker = Path(job["marker"])
-
-
-def pause(why):
-    marker.write_text(why)
-    time.sleep(600)
-
-
-def on_step(step):
-    started = marker.with_suffix(".started")
-    if not started.exists():
-        started.write_text(str(step))
-    if step == job.get("at_step"):
-        pause(f"step {step}")
-
-
-original_train = T.train
-T.train = lambda *args, **kwargs: original_train(*args, on_step=on_step, **kwargs)
-
-if job.get("in_write"):
-    name, nth, fraction = job["in_write"]
-    real_write, seen = fileio._write_and_sync, [0]
-
-    def write(path, data):
-        if path.name.startswith(f".{name}.tmp-"):
-            seen[0] += 1
-            if seen[0] == nth:
-                with open(path, "wb") as fh:
-                    fh.write(data[: int(len(data) * fraction)])
-                    fh.flush()
-                    os.fsync(fh.fileno())
-                pause(f"writing {name}")
-        real_write(path, data)
-
-    fileio._write_and_sync = write
-
-llmcli.cli.main(job["argv"])
-"""
+# The child is the crash tests' own: the real CLI, pausing (to be killed there) at a step or in
+# the middle of a file write, as its job says.
+CHILD = ROOT / "tests" / "crash_child.py"
 
 SAVE_FILES = ["model.safetensors", "meta.json", "state.pt", "loss.png"]
 START_FILES = ["config.yaml", "tokenizer.json"]
@@ -112,7 +60,6 @@ class Pool:
 
     def __init__(self, folder: Path, total: int, ahead: int = 2) -> None:
         self.folder, self.total, self.ahead = folder, total, ahead
-        (folder / "child.py").write_text(CHILD)
         self.procs: list[subprocess.Popen] = []
         self.used = 0
         self._fill()
@@ -124,14 +71,14 @@ class Pool:
                 os.environ,
                 OMP_NUM_THREADS="1",
                 PYTHONPATH=str(ROOT),
-                SOAK_JOB=str(self.folder / f"job-{i}.json"),
+                CRASH_JOB=str(self.folder / f"job-{i}.json"),
             )
             for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
                 env.pop(name, None)
             with open(self.folder / f"job-{i}.log", "w") as log:
                 self.procs.append(
                     subprocess.Popen(
-                        [sys.executable, str(self.folder / "child.py")],
+                        [sys.executable, str(CHILD)],
                         cwd=self.folder,
                         env=env,
                         stdout=log,
@@ -143,8 +90,14 @@ class Pool:
         """Hand `job` to the next warm child: (its process, its log)."""
         i, self.used = self.used, self.used + 1
         self._fill()
+        env = {"CRASH_MARKER": job["marker"]}
+        if job.get("at_step") is not None:
+            env["CRASH_AT_STEP"] = str(job["at_step"])
+        if job.get("in_write"):
+            env["CRASH_IN_WRITE"] = ":".join(str(x) for x in job["in_write"])
         tmp = self.folder / f"job-{i}.tmp"
-        tmp.write_text(json.dumps(job))
+        cwd = str(Path(job["marker"]).parent)
+        tmp.write_text(json.dumps({"argv": job["argv"], "env": env, "cwd": cwd}))
         os.replace(tmp, self.folder / f"job-{i}.json")
         return self.procs[i], self.folder / f"job-{i}.log"
 

@@ -46,81 +46,10 @@ from llmcli.runlog import read_metrics
 from llmcli.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
+CHILD = Path(__file__).with_name("crash_child.py")  # the killable `llmcli` process
 MAX_STEPS, EVAL_INTERVAL = 12, 4
 SAVES = list(range(EVAL_INTERVAL, MAX_STEPS + 1, EVAL_INTERVAL))  # 4, 8, 12
 VOLATILE = ("elapsed_s", "tok_per_s")
-
-# Run in place of `python -m llmcli`: it imports what the CLI uses, waits for a job (argv and
-# CRASH_* settings), then runs the real CLI, pausing (to be killed) at a chosen step or in the
-# middle of writing a chosen file. MARKER.started appears at the first step of a process.
-CRASH_CLI = r"""
-import json, os, sys, time
-from pathlib import Path
-
-# Warm up (the imports take seconds), then wait for a job: {"argv", "env", "cwd"}.
-import matplotlib.backends.backend_agg, matplotlib.figure, torch  # noqa: F401
-import llmcli.checkpoint as ckpt
-import llmcli.fileio as fileio
-import llmcli.cli, llmcli.data, llmcli.generate, llmcli.attention.report, llmcli.model  # noqa: F401
-import llmcli.train as T
-
-job_file = Path(os.environ["CRASH_JOB"])
-T.plot_losses(job_file.with_suffix(".none"), job_file.with_suffix(".png"))  # loads the fonts
-for _ in range(60000):
-    if job_file.exists():
-        break
-    time.sleep(0.01)
-else:
-    sys.exit(3)
-job = json.loads(job_file.read_text())
-os.environ.update(job["env"])
-os.chdir(job["cwd"])
-env = os.environ
-marker = Path(env["CRASH_MARKER"])
-
-
-def pause(why):  # until killed (or 2 minutes)
-    marker.write_text(why)
-    time.sleep(120)
-
-
-at_step = int(env.get("CRASH_AT_STEP", "0"))
-original_train = T.train
-
-
-def on_step(step):
-    started = marker.with_suffix(".started")
-    if not started.exists():
-        started.write_text(str(step))
-    if step == at_step:
-        pause(f"step {step}")
-
-
-def train(*args, **kwargs):
-    return original_train(*args, on_step=on_step, **kwargs)
-
-
-T.train = train
-
-if env.get("CRASH_IN_WRITE"):  # name:n:fraction -> pause with that part of its n-th write done
-    name, nth, fraction = env["CRASH_IN_WRITE"].split(":")
-    real_write, seen = fileio._write_and_sync, [0]
-
-    def write(path, data):
-        if path.name.startswith(f".{name}.tmp-"):
-            seen[0] += 1
-            if seen[0] == int(nth):
-                with open(path, "wb") as fh:
-                    fh.write(data[: int(len(data) * float(fraction))])
-                    fh.flush()
-                    os.fsync(fh.fileno())
-                pause(f"writing {name}")
-        real_write(path, data)
-
-    fileio._write_and_sync = write
-
-llmcli.cli.main(job["argv"])
-"""
 
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
@@ -171,12 +100,11 @@ def setup(tmp_path_factory, one_thread) -> dict:
 
 
 class Pool:
-    """Python processes running CRASH_CLI, warmed up (imports done) ahead of use: a test hands
-    one a job and it starts at once. `total` are started in all, at most `ahead` unused."""
+    """Processes running tests/crash_child.py, warmed up (imports done) ahead of use: a test
+    hands one a job and it starts at once. `total` are started in all, at most `ahead` unused."""
 
     def __init__(self, folder: Path, total: int, ahead: int = 2) -> None:
         self.folder, self.total, self.ahead = folder, total, ahead
-        (folder / "crash_cli.py").write_text(CRASH_CLI)
         self.procs: list[subprocess.Popen] = []
         self.used = 0
         self._fill()
@@ -195,7 +123,7 @@ class Pool:
             with open(self.folder / f"job-{i}.log", "w") as log:
                 self.procs.append(
                     subprocess.Popen(
-                        [sys.executable, str(self.folder / "crash_cli.py")],
+                        [sys.executable, str(CHILD)],
                         cwd=self.folder,
                         env=environ,
                         stdout=log,

@@ -30,34 +30,8 @@ from llmcli.runlog import read_metrics
 from llmcli.train import EVAL_SEED_OFFSET, DivergenceError, train
 
 ROOT = Path(__file__).resolve().parents[1]
+PAUSING_CHILD = Path(__file__).with_name("pausing_child.py")  # `llmcli`, pausing at a step
 VOLATILE = ("elapsed_s", "tok_per_s")  # the only metrics allowed to differ between runs
-
-# Run by subprocess tests in place of `python -m llmcli`: the same CLI, with a pause at step
-# $PAUSE_AT (after the step, before anything else) until $PAUSE_MARKER.go exists, so that a
-# test can send a signal at a known moment between two saves.
-PAUSING_CLI = """
-import os, sys, time
-from pathlib import Path
-import llmcli.train as T
-
-pause_at, marker = int(os.environ["PAUSE_AT"]), Path(os.environ["PAUSE_MARKER"])
-original = T.train
-
-def on_step(step):
-    if step == pause_at:
-        marker.write_text(str(step))
-        for _ in range(12000):
-            if marker.with_suffix(".go").exists():
-                break
-            time.sleep(0.01)
-
-def train(*args, **kwargs):
-    return original(*args, on_step=on_step, **kwargs)
-
-T.train = train
-from llmcli.cli import main
-main(sys.argv[1:])
-"""
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -352,12 +326,10 @@ def test_a_corpus_too_small_for_the_context_is_bad_input(tmp_path: Path) -> None
 
 
 def start_pausing(config: Path, run_dir: Path, marker: Path, at: int, *extra: str):
-    script = marker.parent / "pausing_cli.py"
-    script.write_text(PAUSING_CLI)
     return subprocess.Popen(
         [
             sys.executable,
-            str(script),
+            str(PAUSING_CHILD),
             "train",
             str(config),
             "--out",
