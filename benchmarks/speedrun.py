@@ -11,7 +11,7 @@ checkpoint saves):
 and reports for each the wall time at which the validation loss first reached `--target`
 (1.88), the validation loss at `--budget` seconds (300: the last evaluation made by then), the
 final figures and the curve (step, seconds since `train` began, val loss). Then the ablation
-table: the speedrun recipe again with each of its options switched back to the seed's default
+table: the speedrun recipe again with each of its options switched back to the default
 in turn, at the same number of steps (final val loss, wall, steps/s), once per seed of
 `--seeds` (default: the recipe's own): a delta means something only where it is larger than the
 spread between seeds.
@@ -56,7 +56,7 @@ RECIPES = {
     "speedrun": ROOT / "configs" / "speedrun-cpu.yaml",
     "speedrun_300s": ROOT / "configs" / "speedrun-cpu-300s.yaml",
 }
-# Each recipe option of the speedrun config switched back to the seed's default (and QK-norm and
+# Each recipe option of the speedrun config switched back to the default (and QK-norm and
 # the untied head, which the recipe leaves off, switched on).
 ABLATIONS = {
     # AdamW then trains every matrix: at the tuned batch-32 AdamW rate, not at the

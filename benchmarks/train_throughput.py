@@ -10,7 +10,7 @@ RESULTS.md for the check of the real loop). Three models of the same sizes:
 - `transformers`: `GPT2LMHeadModel` of the equivalent config (`llmcli.hf.gpt2_config`: exact
   GELU, SDPA attention, tied head) with `torch.optim.AdamW` at its defaults and
   `clip_grad_norm_`, as a `transformers` user's loop does.
-- `per_head`: the seed's layer written literally (below): a `ModuleList` of `Head`s, each with
+- `per_head`: the per-head layer written literally (below): a `ModuleList` of `Head`s, each with
   its own key/query/value `nn.Linear`, masked softmax, `torch.cat` of the heads, `proj`; the
   same blocks otherwise; `torch.optim.AdamW` at its defaults.
 
@@ -70,11 +70,11 @@ TARGETS = {
 }
 
 
-# ----------------------------------------------------------------------------- the seed's model
+# ----------------------------------------------------------------------------- the per-head model
 
 
 class SeedHead(nn.Module):
-    """One causal attention head with its own key/query/value projections (the seed's Head)."""
+    """One causal attention head with its own key/query/value projections (the per-head formula)."""
 
     def __init__(self, n_embed: int, head_size: int, context_length: int, dropout: float) -> None:
         super().__init__()

@@ -27,7 +27,7 @@ from llmcli.fileio import read_user_text
 
 @dataclass
 class ModelConfig:
-    """The network's shape and architecture options (the seed's GPT by default)."""
+    """The network's shape and architecture options (a GPT-2-style model by default)."""
 
     n_layer: int = 4
     n_head: int = 4
@@ -35,7 +35,7 @@ class ModelConfig:
     context_length: int = 64
     dropout: float = 0.0
     bias: bool = True
-    # Recipe options (all off by default, so the default model is the seed's architecture).
+    # Recipe options (all off by default, so the default model is GPT-2's architecture).
     pos_emb: Literal["learned", "rope"] = "learned"
     rope_base: float = 10000.0
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"

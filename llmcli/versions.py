@@ -1,8 +1,8 @@
 """The software versions a run was made with, and warnings when they differ from today's.
 
-The seed's checklist asks to "pin model, tokenizer, framework, and generation-configuration
-versions". A run directory records `record()`; readers call `warnings_for(recorded)` and print
-each line on stderr.
+Results depend on the versions of the model code, the tokenizer library and the framework, so a
+run pins them: its `meta.json` holds `record()`, and readers (`load_run`) print a warning for
+each component whose `warnings_for(recorded)` line says it differs.
 """
 
 from __future__ import annotations

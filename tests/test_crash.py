@@ -1,4 +1,4 @@
-"""Crash safety (issue 7): no kill, full disk or Ctrl-C loses a run or prints a traceback.
+"""Crash safety: no kill, full disk or Ctrl-C loses a run or prints a traceback.
 
 - SIGKILL a real `llmcli train` process at three random moments (between saves, in the middle
   of writing a file of a save, and at a random wall-clock instant); after each, the run

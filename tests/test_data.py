@@ -34,7 +34,7 @@ def bpe(text: str) -> BPETokenizer:
 
 
 def char_ids(text: str, chars: list[str] | None = None) -> list[int]:
-    """The seed's char encoding: ids are ranks in sorted(set(text)) (plus the newline)."""
+    """The char encoding: ids are ranks in sorted(set(text)) (plus the newline)."""
     chars = chars or sorted(set(text) | {"\n"})
     stoi = {c: i for i, c in enumerate(chars)}
     return [stoi[c] for c in text]

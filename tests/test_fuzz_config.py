@@ -1,4 +1,4 @@
-"""Config fuzzing (issue 7): random YAML documents and random `--set` strings either validate or
+"""Config fuzzing: random YAML documents and random `--set` strings either validate or
 fail with exit status 2 and a message, never a traceback.
 
 Hypothesis draws documents of random nesting whose keys come from the schema and from anywhere

@@ -1,4 +1,4 @@
-"""Every bad input gets exit status 2, a message naming the problem, and no traceback (issue 7).
+"""Every bad input gets exit status 2, a message naming the problem, and no traceback.
 
 One table of bad inputs across `config`, `train`, `sample`, `inspect-attention`, `eval` and
 `export`:

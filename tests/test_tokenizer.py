@@ -1,4 +1,4 @@
-"""Tokenizers: char (against the seed's formula) and byte-level BPE (against a pure-Python
+"""Tokenizers: char (against the ranks-in-sorted-characters formula) and byte-level BPE (against a pure-Python
 GPT-2 BPE encoder written from OpenAI's `encoder.py` algorithm), save/load, errors."""
 
 import json
