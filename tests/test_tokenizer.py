@@ -1,5 +1,5 @@
-"""Tokenizers: char (against the ranks-in-sorted-characters formula) and byte-level BPE (against a pure-Python
-GPT-2 BPE encoder written from OpenAI's `encoder.py` algorithm), save/load, errors."""
+"""Tokenizers: char (ids are ranks in the sorted characters) and byte-level BPE (against a
+pure-Python GPT-2 BPE encoder written from OpenAI's `encoder.py` algorithm), save/load, errors."""
 
 import json
 from pathlib import Path
