@@ -2,7 +2,7 @@
 
 Meant for a machine with a CUDA GPU (run once, as one prepared script): `llmcli.train.train` on
 `configs/small.yaml` (bf16 autocast, fused AdamW, SDPA, with `--compile` torch.compile), then
-`llmcli.generate.sample_run` on the run it wrote. Reported: training tokens/s (median over the
+`llmcli.sample.sample_run` on the run it wrote. Reported: training tokens/s (median over the
 log intervals after the first, which holds the warm-up and any compilation), model FLOPs
 utilisation against `--peak-tflops` (nanoGPT's `6 N + 12 L T C` FLOPs per token), the validation
 loss reached, and sampling tokens/s (KV cache, batch 1).
@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmcli.checkpoint import METRICS_FILE  # noqa: E402
 from llmcli.config import load_config  # noqa: E402
-from llmcli.generate import sample_run  # noqa: E402
 from llmcli.model import Transformer  # noqa: E402
 from llmcli.runlog import read_metrics  # noqa: E402
+from llmcli.sample import sample_run  # noqa: E402
 from llmcli.train import train  # noqa: E402
 
 
