@@ -10,6 +10,7 @@ quick-start commands there, with piped output: no carriage-return bar may reach 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -20,6 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.slow
+NOT_SOURCES = (".git", "build", "dist", "*.egg-info", "checkpoints", ".*cache*", "__pycache__")
 
 
 def run(args: list, cwd: Path, env: dict[str, str], timeout: float = 300):
@@ -41,19 +43,13 @@ def installed(tmp_path_factory) -> tuple[Path, dict[str, str]]:
         PIP_NO_INDEX="1",
         PIP_DISABLE_PIP_VERSION_CHECK="1",
     )
+    # Build from a copy of the sources, so that no build/ or egg-info folder of this checkout
+    # (where setuptools leaves old files behind) can leak into the wheel, and none is written.
+    source = tmp / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(*NOT_SOURCES))
     run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "-q",
-            "-w",
-            tmp / "dist",
-            ROOT,
-        ],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+        + ["-w", tmp / "dist", source],
         tmp,
         env,
     )
