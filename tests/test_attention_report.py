@@ -9,18 +9,19 @@ import pytest
 import torch
 from attention_helpers import CORPUS, CTX, build_model, make_dump
 
+from llmcli import prompts
 from llmcli.attention import report
 from llmcli.attention.capture import capture_attention, repeated_random_tokens
 from llmcli.attention.dump import format_metrics_table, load_dump
 from llmcli.attention.metrics import INDUCTION, METRIC_NAMES, head_metrics
 from llmcli.attention.report import (
     FALLBACK_PROMPT,
+    PROMPT_FILE,
     InspectResult,
     build_dumps,
     default_prompt_ids,
     format_report,
     inspect_attention,
-    read_prompt_file,
     select_indices,
     sha256_file,
 )
@@ -137,6 +138,9 @@ def test_prompt_errors(loaded) -> None:
 
 
 def test_read_prompt_file(tmp_path) -> None:
+    def read_prompt_file(path):
+        return prompts.read_prompt_file(path, **PROMPT_FILE)
+
     lines = tmp_path / "p.txt"
     lines.write_text("first\n\nsecond line\n")
     assert read_prompt_file(lines) == ["first", "second line"]

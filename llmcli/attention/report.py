@@ -8,7 +8,6 @@ per layer and the offline HTML viewer (`write_outputs`).
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ from llmcli.checkpoint import load_run
 from llmcli.data import prepare_data
 from llmcli.device import resolve_device
 from llmcli.errors import InputError, describe_os_error
-from llmcli.fileio import read_user_text
+from llmcli.prompts import encode_prompt, read_prompt_file
 from llmcli.versions import warnings_for
 
 log = logging.getLogger(__name__)
@@ -60,55 +59,14 @@ def select_indices(chosen: Sequence[int] | None, n: int, what: str) -> list[int]
 # --------------------------------------------------------------------------------------------
 
 
-def read_prompt_file(path: str | Path) -> list[str]:
-    """Prompts from a file: a JSON list of strings, or else one prompt per line.
-
-    In the line format blank lines are skipped and the newline ending each line is not part of
-    the prompt; a prompt that must contain newlines needs the JSON form.
-    """
-    path = Path(path)
-    text = read_user_text(path, "--prompt-file")
-    if path.suffix == ".json" or text.lstrip().startswith("["):
-        try:
-            prompts = json.loads(text)
-        except ValueError as exc:
-            raise InputError(
-                f"--prompt-file {str(path)!r} is not a valid JSON list ({exc}); "
-                "write a JSON list of strings, or one prompt per line."
-            ) from None
-        if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
-            raise InputError(f"--prompt-file {str(path)!r}: the JSON must be a list of strings.")
-    else:
-        prompts = [line for line in text.splitlines() if line.strip()]
-    if not prompts:
-        raise InputError(f"--prompt-file {str(path)!r} holds no prompt.")
-    return prompts
-
-
-def encode_prompt(
-    tokenizer: Any, prompt: str, context_length: int, *, truncate: bool = False, label: str = ""
-) -> tuple[list[int], bool]:
-    """Token ids of `prompt`, checked against the context length.
-
-    Returns:
-        `(ids, truncated)`. With `truncate`, a prompt longer than `context_length` keeps its
-        last `context_length` tokens; without, it is an `InputError`.
-    """
-    what = label or "the prompt"
-    if prompt == "":
-        raise InputError(f"{what} is empty: give at least one character of text.")
-    ids = list(tokenizer.encode(prompt))
-    if not ids:
-        raise InputError(f"{what} encodes to no tokens: give some text.")
-    if len(ids) <= context_length:
-        return ids, False
-    if not truncate:
-        raise InputError(
-            f"{what} is {len(ids)} tokens long but the model's context_length is "
-            f"{context_length}: shorten it, or pass --truncate to keep its last "
-            f"{context_length} tokens."
-        )
-    return ids[-context_length:], True
+#: How `--prompt-file` is read: a `.json` file or a text starting with "[" must be a JSON list
+#: of strings; in the line form, blank lines are skipped.
+PROMPT_FILE = {
+    "what": "--prompt-file",
+    "hint": "check the path",
+    "strict_json": True,
+    "skip_blank": True,
+}
 
 
 #: The prompt used when the run's validation text cannot be read (Shakespeare, as the corpus).
@@ -206,8 +164,9 @@ def build_dumps(
                 tokenizer,
                 p,
                 ctx,
-                truncate=truncate,
-                label=f"prompt #{i + 1}" if len(prompts) > 1 else "",
+                empty="error",
+                too_long="crop" if truncate else "error",
+                label=f"prompt #{i + 1}" if len(prompts) > 1 else "the prompt",
             )
             for i, p in enumerate(prompts)
         ]
@@ -316,7 +275,7 @@ def inspect_attention(
         checkpoint: a run directory; None takes the latest run under `checkpoints/`.
         prompts: prompt texts; with none (and no `prompt_file`) the first context_length tokens
             of the run's validation text are used.
-        prompt_file: more prompts, see `read_prompt_file`; they follow `prompts`.
+        prompt_file: more prompts (see `PROMPT_FILE`); they follow `prompts`.
         layers, heads: model indices to keep in the dumps (None: all).
         out_dir: default `<run>/attention/`. One prompt writes there; several write
             `prompt-000/`, `prompt-001/`, ... (see `prompt_dir`).
@@ -334,7 +293,7 @@ def inspect_attention(
         raise InputError(f"--format {fmt!r} is not known: choose one of {', '.join(FORMATS)}.")
     prompts = list(prompts)
     if prompt_file is not None:
-        prompts += read_prompt_file(prompt_file)
+        prompts += read_prompt_file(prompt_file, **PROMPT_FILE)
     run = load_run(checkpoint, weights=weights, device=resolve_device(device, what="--device"))
     model = run.model
     # Check the selection before any work, with the model's own sizes in the message.
