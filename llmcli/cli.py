@@ -45,6 +45,31 @@ ConfigArg = Annotated[
 ]
 
 
+# Options several commands share: declared once, so that their names, help and defaults agree.
+CheckpointOption = Annotated[
+    Optional[Path],
+    typer.Option(
+        help="Run directory, or a weights file in one (default: the latest run under "
+        "checkpoints/).",
+        metavar="DIR",
+    ),
+]
+WeightsOption = Annotated[
+    str, typer.Option(help="Which weights of the run: best or last.", metavar="WHICH")
+]
+DeviceOption = Annotated[str, typer.Option(help="auto, cpu, cuda or mps.", metavar="DEVICE")]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
+ProgressOption = Annotated[
+    bool,
+    typer.Option(help="Show progress: a bar on a terminal, plain lines in a log or pipe."),
+]
+
+
+def _notify(line: str) -> None:
+    """Lines for the user that are not the command's result (which run, warnings) go to stderr."""
+    typer.echo(line, err=True)
+
+
 def _log_to_stderr() -> None:
     """Show the library's INFO messages (run notes, plain progress lines) on stderr."""
     import logging
@@ -137,7 +162,7 @@ def train_command(
     overwrite: Annotated[
         bool, typer.Option(help="Start afresh even if the run directory holds a run.")
     ] = False,
-    progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
+    progress: ProgressOption = True,
 ) -> None:
     """Train a model (Ctrl-C saves and stops; under torchrun, trains with DDP)."""
     from llmcli.config import load_config
@@ -168,12 +193,7 @@ def train_command(
 
 @app.command("sample")
 def sample_command(
-    checkpoint: Annotated[
-        Optional[Path],
-        typer.Option(
-            help="Run directory (default: the latest run under checkpoints/).", metavar="DIR"
-        ),
-    ] = None,
+    checkpoint: CheckpointOption = None,
     prompt: Annotated[
         Optional[str],
         typer.Option(
@@ -219,7 +239,8 @@ def sample_command(
         bool,
         typer.Option("--json", help="One JSON object per sample (prompt, completion, tokens...)."),
     ] = False,
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda or mps.")] = "auto",
+    weights: WeightsOption = "best",
+    device: DeviceOption = "auto",
 ) -> None:
     """Generate text from a trained run (KV-cached, batched)."""
     import json
@@ -241,9 +262,10 @@ def sample_command(
         seed=seed,
         num_samples=num_samples,
         stop=[unescape(text) for text in stop or []],
+        weights=weights,
         device=device,
         write=write if streaming else None,
-        notify=lambda line: typer.echo(line, err=True),
+        notify=_notify,
     )
     if json_:
         for sample in samples:
@@ -254,12 +276,7 @@ def sample_command(
 
 @app.command("inspect-attention")
 def inspect_attention_command(
-    checkpoint: Annotated[
-        Optional[Path],
-        typer.Option(
-            help="Run directory (default: the latest run under checkpoints/).", metavar="DIR"
-        ),
-    ] = None,
+    checkpoint: CheckpointOption = None,
     prompt: Annotated[
         Optional[list[str]],
         typer.Option(
@@ -301,10 +318,8 @@ def inspect_attention_command(
         bool,
         typer.Option(help="Keep the last context_length tokens of a longer prompt."),
     ] = False,
-    weights: Annotated[
-        str, typer.Option(help="Which weights of the run: best or last.", metavar="WHICH")
-    ] = "best",
-    device: Annotated[str, typer.Option(help="cpu, cuda, mps or auto.", metavar="DEV")] = "cpu",
+    weights: WeightsOption = "best",
+    device: DeviceOption = "auto",
     pictures: Annotated[
         bool, typer.Option("--pictures/--no-pictures", help="Write one PNG per layer.")
     ] = True,
@@ -312,11 +327,6 @@ def inspect_attention_command(
     """Dump every head's attention for a prompt, score each head, draw it, write a viewer."""
     from llmcli.attention.report import format_report, inspect_attention
 
-    if checkpoint is None:
-        from llmcli.checkpoint import find_latest_run
-
-        checkpoint = find_latest_run()
-    typer.echo(f"checkpoint: {checkpoint}", err=True)
     result = inspect_attention(
         checkpoint,
         prompt or [],
@@ -330,29 +340,23 @@ def inspect_attention_command(
         weights=weights,
         device=device,
         pictures=pictures,
+        notify=_notify,
     )
-    for note in result.notes:
-        typer.echo(note, err=True)
     typer.echo(format_report(result), nl=False)
 
 
 @app.command("info")
 def info_command(
-    checkpoint: Annotated[
-        Optional[Path],
-        typer.Option(help="Run directory (default: the latest run under checkpoints/)."),
-    ] = None,
-    weights: Annotated[str, typer.Option(help="Which weights: best or last.")] = "best",
-    json_: Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")] = False,
+    checkpoint: CheckpointOption = None,
+    weights: WeightsOption = "best",
+    json_: JsonOption = False,
 ) -> None:
     """Show a run: model size, training summary, recorded versions, generation defaults."""
     import json
 
     from llmcli.info import format_info, run_info
 
-    info = run_info(checkpoint, weights=weights)
-    for line in info["version_warnings"]:
-        typer.echo(f"warning: {line}", err=True)
+    info = run_info(checkpoint, weights=weights, notify=_notify)
     typer.echo(json.dumps(info, indent=2) if json_ else format_info(info))
 
 
@@ -361,18 +365,11 @@ def export_command(
     out: Annotated[
         Path, typer.Option(help="Folder to write (must be new or empty).", metavar="DIR")
     ],
-    checkpoint: Annotated[
-        Optional[Path],
-        typer.Option(
-            help="Run directory (default: the latest run under checkpoints/).", metavar="DIR"
-        ),
-    ] = None,
+    checkpoint: CheckpointOption = None,
     force: Annotated[
         bool, typer.Option(help="Write into a non-empty --out, replacing a previous export.")
     ] = False,
-    weights: Annotated[
-        str, typer.Option(help="Which weights of the run: best or last.", metavar="WHICH")
-    ] = "best",
+    weights: WeightsOption = "best",
 ) -> None:
     """Export a run as a Hugging Face GPT-2 folder (transformers' AutoModelForCausalLM)."""
     from llmcli.hf_export import export_hf
@@ -382,7 +379,7 @@ def export_command(
         out,
         force=force,
         weights=weights,
-        notify=lambda line: typer.echo(line, err=True),
+        notify=_notify,
     )
     typer.echo(
         f"exported {result.run_dir} (step {result.step}, {result.n_params:,} parameters, "
@@ -392,12 +389,7 @@ def export_command(
 
 @app.command("eval")
 def eval_command(
-    checkpoint: Annotated[
-        Optional[Path],
-        typer.Option(
-            help="Run directory (default: the latest run under checkpoints/).", metavar="DIR"
-        ),
-    ] = None,
+    checkpoint: CheckpointOption = None,
     data: Annotated[
         Optional[Path],
         typer.Option(
@@ -414,11 +406,9 @@ def eval_command(
             help="Windows of context_length tokens per batch (default: the run's train.batch_size)."
         ),
     ] = None,
-    weights: Annotated[
-        str, typer.Option(help="Which weights of the run: best or last.", metavar="WHICH")
-    ] = "best",
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda or mps.")] = "auto",
-    json_: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    weights: WeightsOption = "best",
+    device: DeviceOption = "auto",
+    json_: JsonOption = False,
 ) -> None:
     """Mean loss, perplexity and bits per byte of a run on its validation split or a text."""
     import json
@@ -435,7 +425,7 @@ def eval_command(
         weights=weights,
         device=device,
         progress=True,
-        notify=lambda line: typer.echo(line, err=True),
+        notify=_notify,
     )
     typer.echo(json.dumps(result.to_dict()) if json_ else format_result(result))
 
@@ -476,7 +466,7 @@ def bench_command(
             help="Measure each combination in a fresh process (needed for the CPU's peak memory)."
         ),
     ] = True,
-    progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
+    progress: ProgressOption = True,
 ) -> None:
     """Training and sampling speed, forward latency and peak memory per head count and length."""
     from llmcli.bench import BenchSettings, bench_and_report, format_table, parse_int_list

@@ -6,6 +6,7 @@ installed ones (see `llmcli.versions`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,15 +15,22 @@ from llmcli.runlog import best_eval, read_metrics
 from llmcli.versions import record, warnings_for
 
 
-def run_info(checkpoint: str | Path | None = None, *, weights: str = "best") -> dict[str, Any]:
+def run_info(
+    checkpoint: str | Path | None = None,
+    *,
+    weights: str = "best",
+    notify: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """Summarise a run directory (None: the latest run under checkpoints/).
+
+    `notify` receives the lines `load_run` has for the user (the run picked, version warnings).
 
     Returns:
         A JSON-ready dict with `run_dir`, `weights`, `model` (config and parameter counts),
         `training` (steps, tokens, elapsed, best val loss), `versions` (recorded and installed),
         `version_warnings`, `generation` (the `sample:` defaults) and `tokenizer`.
     """
-    run = load_run(checkpoint, weights=weights)
+    run = load_run(checkpoint, weights=weights, notify=notify)
     meta = run.meta
     best_val, best_step = best_eval(read_metrics(run.run_dir / METRICS_FILE))
     if meta.get("best_val_loss") is not None:

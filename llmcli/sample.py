@@ -21,14 +21,13 @@ from typing import IO, Any, Literal, Protocol
 
 import torch
 
-from llmcli.checkpoint import find_latest_run, load_run
+from llmcli.checkpoint import load_run
 from llmcli.device import resolve_device
 from llmcli.errors import InputError
 from llmcli.generate import _generate
 from llmcli.prompts import encode_prompt, parse_prompts, read_prompt_file
 from llmcli.sampling import check_sampling, make_generators
 from llmcli.tokenizer import Tokenizer
-from llmcli.versions import warnings_for
 
 logger = logging.getLogger(__name__)
 
@@ -509,6 +508,7 @@ def sample_run(
     seed: int | None = None,
     num_samples: int = 1,
     stop: Sequence[str] = (),
+    weights: str = "best",
     device: str = "auto",
     write: Callable[[str], Any] | None = None,
     notify: Callable[[str], Any] = logger.warning,
@@ -525,6 +525,7 @@ def sample_run(
         max_new_tokens, temperature, top_k, top_p, seed: override the run's defaults.
         num_samples: samples per prompt.
         stop: stop strings (see `sample_texts`).
+        weights: "best" or "last" weights of the run (see `checkpoint.load_run`).
         device: "auto", "cpu", "cuda" or "mps".
         write: stream the formatted output through this as it is generated (see
             `OrderedWriter`); None to only return the samples.
@@ -542,12 +543,8 @@ def sample_run(
         raise InputError(f"--max-new-tokens ({max_new_tokens}) must be >= 1.")
     if num_samples < 1:
         raise InputError(f"--num-samples ({num_samples}) must be >= 1.")
-    if checkpoint is None:
-        checkpoint = find_latest_run()
-        notify(f"using the latest run: {checkpoint}")
-    run = load_run(checkpoint, device=resolve_device(device, what="--device"))
-    for line in warnings_for(run.meta.get("versions")):
-        notify(line)
+    device_ = resolve_device(device, what="--device")
+    run = load_run(checkpoint, weights=weights, device=device_, notify=notify)
     defaults = run.config.sample
     eot = run.tokenizer.eot_id
     headers = [p for p in prompts for _ in range(num_samples)]

@@ -158,12 +158,15 @@ def test_read_prompt_file(tmp_path) -> None:
 
 
 def test_default_prompt_is_the_start_of_validation_text(run_dir, tmp_path) -> None:
-    result = inspect_attention(run_dir, out_dir=tmp_path, pictures=False, viewer=False)
+    notes: list[str] = []
+    result = inspect_attention(
+        run_dir, out_dir=tmp_path, pictures=False, viewer=False, notify=notes.append
+    )
     (dump,) = result.dumps
     n_train = int(len(CORPUS) * (1 - 0.25))  # char tokenizer: one token per character
     assert "".join(dump.tokens) == CORPUS[n_train : n_train + CTX]
-    assert "validation split" in result.notes[-1]
-    assert dump.meta["default_prompt"] == result.notes[-1]
+    assert "validation split" in notes[-1]
+    assert dump.meta["default_prompt"] == notes[-1]
 
 
 def test_default_prompt_falls_back_clearly(run_dir, tmp_path) -> None:

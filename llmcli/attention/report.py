@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,6 @@ from llmcli.data import prepare_data
 from llmcli.device import resolve_device
 from llmcli.errors import InputError, describe_os_error
 from llmcli.prompts import encode_prompt, read_prompt_file
-from llmcli.versions import warnings_for
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +124,6 @@ class InspectResult:
     dumps: list[AttentionDump]
     out_dirs: list[Path]
     files: list[list[Path]]
-    notes: list[str] = field(default_factory=list)
 
 
 def build_dumps(
@@ -268,6 +266,7 @@ def inspect_attention(
     device: str = "cpu",
     pictures: bool = True,
     viewer: bool = True,
+    notify: Callable[[str], Any] = log.warning,
 ) -> InspectResult:
     """`llmcli inspect-attention`: load a run, capture each prompt, write dumps, PNGs, viewer.
 
@@ -285,6 +284,8 @@ def inspect_attention(
         weights: "best" or "last" (see `checkpoint.load_run`).
         device: where the model runs: "cpu", "cuda", "mps" or "auto".
         pictures, viewer: write the PNGs and the HTML viewer.
+        notify: receives one-line notices as they come (the run used, version differences,
+            the default prompt).
 
     Raises:
         InputError: no run, bad prompt, layer or head out of range, unknown format.
@@ -294,18 +295,18 @@ def inspect_attention(
     prompts = list(prompts)
     if prompt_file is not None:
         prompts += read_prompt_file(prompt_file, **PROMPT_FILE)
-    run = load_run(checkpoint, weights=weights, device=resolve_device(device, what="--device"))
+    device_ = resolve_device(device, what="--device")
+    run = load_run(checkpoint, weights=weights, device=device_, notify=notify)
+    notify(f"checkpoint: {run.run_dir}")
     model = run.model
     # Check the selection before any work, with the model's own sizes in the message.
     select_indices(layers, model.n_layer, "layer")
     select_indices(heads, model.n_head, "head")
-    notes: list[str] = warnings_for(run.meta.get("versions"))
     prompts_ids = None
     if not prompts:
-        ids, note = default_prompt_ids(run)
+        ids, default_note = default_prompt_ids(run)
         prompts_ids = [ids]
-        notes.append(note)
-        default_note = note
+        notify(default_note)
     weights_path = Path(run.weights_path) if run.weights_path else None
     meta = {
         "checkpoint": str(Path(run.run_dir).resolve()),
@@ -334,9 +335,7 @@ def inspect_attention(
         folder = prompt_dir(root, i, len(dumps))
         out_dirs.append(folder)
         files.append(write_outputs(dump, folder, fmt, pictures=pictures, viewer=viewer))
-    return InspectResult(
-        run_dir=Path(run.run_dir), dumps=dumps, out_dirs=out_dirs, files=files, notes=notes
-    )
+    return InspectResult(run_dir=Path(run.run_dir), dumps=dumps, out_dirs=out_dirs, files=files)
 
 
 def format_report(result: InspectResult) -> str:
