@@ -13,6 +13,8 @@ import sys
 import time
 from typing import Any
 
+from tqdm.auto import tqdm
+
 logger = logging.getLogger(__name__)
 
 
@@ -49,8 +51,6 @@ class Progress:
         tenths: bool = False,
         **bar_options: Any,
     ) -> None:
-        from tqdm.auto import tqdm
-
         self.total, self.desc, self.n = total, desc, initial
         self.live = enabled and stderr_is_terminal()
         self.plain = enabled and not self.live

@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from llmcli.errors import InputError
 from llmcli.fileio import atomic_write_text
@@ -187,9 +189,6 @@ class BPETokenizer:
                 f"least {MIN_BPE_VOCAB} (256 byte tokens + {EOT}); use e.g. 1024, or "
                 "data.tokenizer=char."
             )
-        from tokenizers import Tokenizer as HFTokenizer
-        from tokenizers import decoders, models, pre_tokenizers, trainers
-
         hf = HFTokenizer(models.BPE())
         hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         hf.decoder = decoders.ByteLevel()
@@ -211,8 +210,6 @@ class BPETokenizer:
 
     @classmethod
     def from_json(cls, text: str, source: str = "tokenizer.json") -> BPETokenizer:
-        from tokenizers import Tokenizer as HFTokenizer
-
         try:
             return cls(HFTokenizer.from_str(text))
         except Exception as exc:  # tokenizers raises plain Exception for a malformed file
@@ -248,10 +245,6 @@ class BPETokenizer:
 
     def __repr__(self) -> str:
         return f"BPETokenizer(vocab_size={self.vocab_size}, eot_id={self.eot_id})"
-
-
-# Any Hugging Face tokenizer.json is wrapped by the same class as our own BPE.
-HFTokenizer = BPETokenizer
 
 
 def _lines_in_batches(texts: Iterable[str], lines_per_batch: int = 1000) -> Iterator[list[str]]:
