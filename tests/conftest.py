@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import signal
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+
+from llmcli.checkpoint import save_model_run
+from llmcli.config import config_from_dict
+from llmcli.model import Transformer
+from llmcli.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -39,3 +46,36 @@ def default_sigint() -> None:
     action restored, the child's Python turns SIGINT into KeyboardInterrupt as in a terminal.
     """
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def save_tiny_run(
+    run_dir: Path,
+    tokenizer: Tokenizer,
+    raw_config: dict[str, Any],
+    *,
+    seed: int = 0,
+    sharpen: float | None = None,
+    extra_meta: dict[str, Any] | None = None,
+) -> Path:
+    """Write a readable run directory (no resume state) holding a tiny untrained model.
+
+    Args:
+        run_dir: the folder to write.
+        tokenizer: the run's tokenizer (its size sets the vocabulary).
+        raw_config: config sections, as in a YAML file (defaults fill the rest).
+        seed: seeds the model's initial weights.
+        sharpen: multiply every weight matrix by this, for sharper logits than the
+            near-uniform initialisation gives (so samples and losses differ visibly).
+        extra_meta: merged into `meta.json`.
+    """
+    config = config_from_dict(raw_config)
+    model = Transformer.from_config(
+        config.model, tokenizer.vocab_size, generator=torch.Generator().manual_seed(seed)
+    )
+    if sharpen is not None:
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.ndim == 2:
+                    param.mul_(sharpen)
+    save_model_run(run_dir, config, tokenizer, model, extra_meta=extra_meta)
+    return run_dir

@@ -10,12 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import save_tiny_run
 
-from llmcli.checkpoint import save_model_run
 from llmcli.cli import main
-from llmcli.config import config_from_dict
 from llmcli.evaluate import evaluate_run
-from llmcli.model import Transformer
 from llmcli.tokenizer import BPETokenizer, CharTokenizer
 
 CTX, BATCH = 16, 3
@@ -30,22 +28,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_run(run_dir: Path, tokenizer, data: dict | None = None) -> Path:
-    config = config_from_dict(
-        {
-            "model": {"n_layer": 2, "n_head": 2, "n_embed": 32, "context_length": CTX},
-            "data": data or {},
-            "train": {"batch_size": BATCH},
-        }
-    )
-    model = Transformer.from_config(
-        config.model, tokenizer.vocab_size, generator=torch.Generator().manual_seed(0)
-    )
-    with torch.no_grad():  # sharper logits than the near-uniform initialisation
-        for p in model.parameters():
-            if p.ndim == 2:
-                p.mul_(6.0)
-    save_model_run(run_dir, config, tokenizer, model, extra_meta={"step": 7})
-    return run_dir
+    model = {"n_layer": 2, "n_head": 2, "n_embed": 32, "context_length": CTX}
+    raw = {"model": model, "data": data or {}, "train": {"batch_size": BATCH}}
+    return save_tiny_run(run_dir, tokenizer, raw, sharpen=6.0, extra_meta={"step": 7})
 
 
 def reference_nll(run_dir: Path, ids: list[int]) -> np.ndarray:

@@ -7,9 +7,8 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
+from conftest import save_tiny_run
 
-from llmcli.checkpoint import save_model_run
 from llmcli.cli import main
 from llmcli.config import config_from_dict
 from llmcli.info import format_info, run_info
@@ -20,30 +19,14 @@ from llmcli.versions import record
 
 @pytest.fixture()
 def run_dir(tmp_path: Path) -> Path:
-    config = config_from_dict(
-        {
-            "model": {"n_layer": 2, "n_head": 2, "n_embed": 16, "context_length": 8},
-            "sample": {"temperature": 0.5, "top_k": 7},
-        }
-    )
-    tokenizer = CharTokenizer.train(["hello world\n"])
-    torch.manual_seed(0)
-    model = Transformer.from_config(config.model, tokenizer.vocab_size)
+    raw = {
+        "model": {"n_layer": 2, "n_head": 2, "n_embed": 16, "context_length": 8},
+        "sample": {"temperature": 0.5, "top_k": 7},
+    }
     old = dict(record(), torch="1.0.0")
-    save_model_run(
-        tmp_path / "run",
-        config,
-        tokenizer,
-        model,
-        extra_meta={
-            "step": 40,
-            "tokens": 1280,
-            "elapsed_s": 3.5,
-            "best_val_loss": 2.25,
-            "best_step": 30,
-            "versions": old,
-        },
-    )
+    meta = {"step": 40, "tokens": 1280, "elapsed_s": 3.5, "best_val_loss": 2.25, "best_step": 30}
+    tokenizer = CharTokenizer.train(["hello world\n"])
+    save_tiny_run(tmp_path / "run", tokenizer, raw, extra_meta={**meta, "versions": old})
     (tmp_path / "run" / "metrics.jsonl").write_text(
         json.dumps({"step": 30, "val_loss": 2.25}) + "\n" + json.dumps({"step": 40}) + "\n"
     )

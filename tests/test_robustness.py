@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import save_tiny_run
 
 from llmcli import checkpoint as ckpt
 from llmcli.cli import main
 from llmcli.config import config_from_dict
-from llmcli.model import Transformer
 from llmcli.tokenizer import CharTokenizer
 from llmcli.train import train
 
@@ -67,12 +67,7 @@ def shared(tmp_path_factory) -> dict[str, Path]:
     corpus.write_text(
         (ROOT / "data" / "shakespeare.txt").read_text(encoding="utf-8")[:4000], encoding="utf-8"
     )
-    config = config_from_dict({"model": MODEL})
-    tokenizer = CharTokenizer.train([TEXT])
-    model = Transformer.from_config(
-        config.model, tokenizer.vocab_size, generator=torch.Generator().manual_seed(0)
-    )
-    ckpt.save_model_run(root / "run", config, tokenizer, model)
+    save_tiny_run(root / "run", CharTokenizer.train([TEXT]), {"model": MODEL})
     trained = root / "trained"
     train(config_from_dict(train_dict(corpus, root / "cache")), out_dir=trained, progress=False)
     return {

@@ -11,15 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import default_sigint
+from conftest import default_sigint, save_tiny_run
 from test_sample import count_check_sampling
 
-from llmcli.checkpoint import load_run, save_model_run
+from llmcli.checkpoint import load_run
 from llmcli.cli import main
-from llmcli.config import config_from_dict
 from llmcli.generate import generate_ids
-from llmcli.model import Transformer
 from llmcli.sample import sample_run
 from llmcli.tokenizer import BPETokenizer, CharTokenizer
 
@@ -31,27 +28,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_run(run_dir: Path, tokenizer, sample: dict | None = None, seed: int = 0) -> Path:
-    config = config_from_dict(
-        {
-            "model": {"n_layer": 2, "n_head": 2, "n_embed": 32, "context_length": 16},
-            "sample": {
-                "max_new_tokens": 20,
-                "temperature": 1.0,
-                "top_k": 10,
-                "seed": 3,
-                **(sample or {}),
-            },
-        }
-    )
-    model = Transformer.from_config(
-        config.model, tokenizer.vocab_size, generator=torch.Generator().manual_seed(seed)
-    )
-    with torch.no_grad():  # sharper logits than the initialisation's near-uniform ones
-        for p in model.parameters():
-            if p.ndim == 2:
-                p.mul_(8.0)
-    save_model_run(run_dir, config, tokenizer, model)
-    return run_dir
+    defaults = {"max_new_tokens": 20, "temperature": 1.0, "top_k": 10, "seed": 3}
+    raw = {
+        "model": {"n_layer": 2, "n_head": 2, "n_embed": 32, "context_length": 16},
+        "sample": {**defaults, **(sample or {})},
+    }
+    return save_tiny_run(run_dir, tokenizer, raw, seed=seed, sharpen=8.0)
 
 
 @pytest.fixture(scope="module")
