@@ -60,7 +60,7 @@ METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
 
 WEIGHTS_FORMAT = "llmcli-1"
-TRAIN_HINT = "train one first with `llmcli train configs/tiny.yaml`"
+TRAIN_HINT = "train one first with `llmcli train configs/tiny.yaml` (or `llmcli train tiny`)"
 
 
 def atomic_torch_save(path: str | Path, obj: Any) -> None:
@@ -509,14 +509,20 @@ def find_latest_run(root: str | Path = Path("checkpoints")) -> Path:
     return max(runs)[2]
 
 
-def load_config_file(run_dir: Path) -> Config:
-    """The run's `config.yaml` as a validated `Config` (named after the run folder)."""
-    path = run_dir / CONFIG_FILE
+def _run_file(run_dir: Path, name: str) -> Path:
+    """A file every complete run holds, or a `CheckpointError` that says it is missing."""
+    path = run_dir / name
     if not path.is_file():
         raise CheckpointError(
-            f"run directory '{run_dir}' has no {CONFIG_FILE}: it is not a complete llmcli run "
+            f"run directory '{run_dir}' has no {name}: it is not a complete llmcli run "
             f"({TRAIN_HINT})."
         )
+    return path
+
+
+def load_config_file(run_dir: Path) -> Config:
+    """The run's `config.yaml` as a validated `Config` (named after the run folder)."""
+    path = _run_file(run_dir, CONFIG_FILE)
     try:
         return config_from_dict(read_yaml(path), name=run_dir.resolve().name)
     except InputError as exc:
@@ -525,12 +531,7 @@ def load_config_file(run_dir: Path) -> Config:
 
 def load_tokenizer_file(run_dir: Path) -> Tokenizer:
     """The run's `tokenizer.json` as an llmcli tokenizer."""
-    path = run_dir / TOKENIZER_FILE
-    if not path.is_file():
-        raise CheckpointError(
-            f"run directory '{run_dir}' has no {TOKENIZER_FILE}: it is not a complete llmcli "
-            f"run ({TRAIN_HINT})."
-        )
+    path = _run_file(run_dir, TOKENIZER_FILE)
     try:
         return load_tokenizer(path)
     except InputError as exc:

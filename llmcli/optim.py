@@ -26,6 +26,22 @@ from llmcli.config import TrainConfig
 from llmcli.errors import ConfigError
 from llmcli.muon import Muon
 
+Named = list[tuple[str, nn.Parameter]]
+
+
+def _trainable(model: nn.Module) -> Named:
+    """(name, parameter) of every trainable parameter; a tied one appears once."""
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
+def _group(named: Named, **options: Any) -> dict[str, Any]:
+    return {"params": [p for _, p in named], "names": [name for name, _ in named], **options}
+
+
+def _decay_split(named: Named) -> tuple[Named, Named]:
+    """(matrices and embeddings, dim >= 2: decayed; biases and norm gains: not decayed)."""
+    return [(n, p) for n, p in named if p.dim() >= 2], [(n, p) for n, p in named if p.dim() < 2]
+
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """AdamW groups: weight decay on matrices and embeddings (dim >= 2), none on the rest.
@@ -37,20 +53,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
         `[{"params": decay, "weight_decay": weight_decay}, {"params": no_decay,
         "weight_decay": 0.0}]`, each with `"names"` listing the parameter names.
     """
-    decay, no_decay, decay_names, no_decay_names = [], [], [], []
-    for name, param in model.named_parameters():  # tied parameters are listed once
-        if not param.requires_grad:
-            continue
-        if param.dim() >= 2:
-            decay.append(param)
-            decay_names.append(name)
-        else:
-            no_decay.append(param)
-            no_decay_names.append(name)
-    return [
-        {"params": decay, "weight_decay": weight_decay, "names": decay_names},
-        {"params": no_decay, "weight_decay": 0.0, "names": no_decay_names},
-    ]
+    decay, no_decay = _decay_split(_trainable(model))
+    return [_group(decay, weight_decay=weight_decay), _group(no_decay, weight_decay=0.0)]
 
 
 def muon_param_groups(model: nn.Module, train: TrainConfig) -> list[dict[str, Any]]:
@@ -68,44 +72,17 @@ def muon_param_groups(model: nn.Module, train: TrainConfig) -> list[dict[str, An
     head = getattr(model, "lm_head", None)
     if isinstance(head, nn.Linear):
         skip.add(id(head.weight))
-    hidden, hidden_names, decay, decay_names, no_decay, no_decay_names = [], [], [], [], [], []
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        if param.dim() == 2 and id(param) not in skip:
-            hidden.append(param)
-            hidden_names.append(name)
-        elif param.dim() >= 2:
-            decay.append(param)
-            decay_names.append(name)
-        else:
-            no_decay.append(param)
-            no_decay_names.append(name)
+    named = _trainable(model)
+    is_hidden = [p.dim() == 2 and id(p) not in skip for _, p in named]
+    hidden = [item for item, h in zip(named, is_hidden, strict=True) if h]
+    decay, no_decay = _decay_split(
+        [item for item, h in zip(named, is_hidden, strict=True) if not h]
+    )
+    adamw = {"use_muon": False, "lr": train.lr, "base_lr": train.lr}
     return [
-        {
-            "params": hidden,
-            "use_muon": True,
-            "names": hidden_names,
-            "lr": train.muon_lr,
-            "base_lr": train.muon_lr,
-            "weight_decay": 0.0,
-        },
-        {
-            "params": decay,
-            "use_muon": False,
-            "names": decay_names,
-            "lr": train.lr,
-            "base_lr": train.lr,
-            "weight_decay": train.weight_decay,
-        },
-        {
-            "params": no_decay,
-            "use_muon": False,
-            "names": no_decay_names,
-            "lr": train.lr,
-            "base_lr": train.lr,
-            "weight_decay": 0.0,
-        },
+        _group(hidden, use_muon=True, lr=train.muon_lr, base_lr=train.muon_lr, weight_decay=0.0),
+        _group(decay, **adamw, weight_decay=train.weight_decay),
+        _group(no_decay, **adamw, weight_decay=0.0),
     ]
 
 

@@ -67,6 +67,17 @@ class Tokenizer(Protocol):
     def to_json(self) -> str: ...
 
 
+def _checked_ids(ids: Iterable[int], vocab_size: int, what: str) -> list[int]:
+    """`ids` as ints, or an `InputError` naming the ones outside `0..vocab_size - 1`."""
+    ids = [int(i) for i in ids]
+    bad = sorted({i for i in ids if not 0 <= i < vocab_size})
+    if bad:
+        raise InputError(
+            f"token ids {bad[:_MAX_LISTED]} are outside the {what} (0..{vocab_size - 1})."
+        )
+    return ids
+
+
 def _list_chars(chars: Iterable[str]) -> str:
     chars = sorted(set(chars))
     shown = ", ".join(repr(c) for c in chars[:_MAX_LISTED])
@@ -135,13 +146,7 @@ class CharTokenizer:
         return [self.encode(t) for t in texts]
 
     def decode(self, ids: Iterable[int]) -> str:
-        ids = [int(i) for i in ids]
-        bad = sorted({i for i in ids if not 0 <= i < self.vocab_size})
-        if bad:
-            raise InputError(
-                f"token ids {bad[:_MAX_LISTED]} are outside the char vocabulary "
-                f"(0..{self.vocab_size - 1})."
-            )
+        ids = _checked_ids(ids, self.vocab_size, "char vocabulary")
         tokens = self.chars if self.eot is None else [*self.chars, self.eot]
         return "".join([tokens[i] for i in ids])
 
@@ -228,13 +233,7 @@ class BPETokenizer:
         return [e.ids for e in self.hf.encode_batch_fast(texts, add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:
-        ids = [int(i) for i in ids]
-        bad = sorted({i for i in ids if not 0 <= i < self.vocab_size})
-        if bad:
-            raise InputError(
-                f"token ids {bad[:_MAX_LISTED]} are outside the vocabulary "
-                f"(0..{self.vocab_size - 1})."
-            )
+        ids = _checked_ids(ids, self.vocab_size, "vocabulary")
         return self.hf.decode(ids, skip_special_tokens=False)
 
     def to_json(self) -> str:
