@@ -1,4 +1,4 @@
-"""Training-step speed: llmcli against `transformers` GPT-2 and a per-head seed-style model; JSON.
+"""Training-step speed: llmcli against `transformers` GPT-2 and a per-head model; JSON.
 
 One training step = forward, loss, backward, gradient clipping (norm 1.0), optimizer step,
 zero_grad, on random token batches held in memory (data loading is not timed here; see

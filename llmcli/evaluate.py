@@ -1,12 +1,14 @@
-"""Evaluate a trained run: mean loss, perplexity and bits per byte on a text.
+"""Evaluating a model: the training loop's loss estimate, and `llmcli eval` on a whole text.
 
-`evaluate_run` scores a run's model on its own validation split (the same split training
-reports, rebuilt from the run's config and tokenizer) or on any UTF-8 text file. Unlike the
-training loop's estimate, which averages `eval_steps` random batches, this is a deterministic
-pass: the token stream `t_0 .. t_{n-1}` is cut into consecutive windows of `context_length`
-inputs, window `k` predicting `t_{kT+1} .. t_{kT+T}` from `t_{kT} .. t_{kT+T-1}`, so that every
-token after the first is predicted exactly once (the last window may be shorter). With
-`steps=N` only the first `N` batches of `batch_size` windows are scored.
+`evaluate_loss` is the estimate training logs at each evaluation: the mean loss over `eval_steps`
+random batches of each split (averaged over ranks under DDP). `evaluate_run` scores a run's model
+on its own validation split (the same split training reports, rebuilt from the run's config and
+tokenizer) or on any UTF-8 text file. Unlike the training loop's estimate, which averages
+`eval_steps` random batches, this is a deterministic pass: the token stream `t_0 .. t_{n-1}` is cut
+into consecutive windows of `context_length` inputs, window `k` predicting `t_{kT+1} .. t_{kT+T}`
+from `t_{kT} .. t_{kT+T-1}`, so that every token after the first is predicted exactly once (the
+last window may be shorter). With `steps=N` only the first `N` batches of `batch_size` windows are
+scored.
 
 Figures, over the predicted tokens:
 - `loss`: mean cross-entropy in nats per token; `perplexity = exp(loss)`;
