@@ -1,0 +1,83 @@
+"""Progress display (llmcli/progress.py): a bar on a terminal, plain lines in a log or a pipe."""
+
+from __future__ import annotations
+
+import io
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmcli import progress
+from llmcli.progress import Progress
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_off_a_terminal_report_and_tenths_are_plain_lines(monkeypatch, caplog) -> None:
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    with caplog.at_level(logging.INFO, logger="llmcli.progress"):
+        with Progress(50, desc="tokenizing x", unit="B", tenths=True) as bar:
+            for _ in range(50):
+                bar.update(1)
+            bar.report({"loss": "1.2345"})
+    assert err.getvalue() == ""  # no bar drawn at all
+    lines = [r.getMessage() for r in caplog.records]
+    assert [line.split(",")[0] for line in lines[:10]] == [
+        f"tokenizing x {n}/50" for n in range(5, 51, 5)
+    ]
+    assert lines[-1].startswith("tokenizing x 50/50, loss 1.2345, ")
+
+
+def test_on_a_terminal_the_bar_redraws_and_nothing_is_logged(monkeypatch, caplog) -> None:
+    term = FakeTerminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    with caplog.at_level(logging.INFO, logger="llmcli.progress"):
+        with Progress(20, desc="train", unit="step", tenths=True, mininterval=0) as bar:
+            for _ in range(20):
+                bar.update(1)
+                bar.report({"loss": "2.0"})
+    assert "\r" in term.getvalue() and "train" in term.getvalue()
+    assert caplog.records == []
+
+
+def test_disabled_shows_nothing(monkeypatch, caplog) -> None:
+    for stream in (io.StringIO(), FakeTerminal()):
+        monkeypatch.setattr(sys, "stderr", stream)
+        with caplog.at_level(logging.INFO, logger="llmcli.progress"):
+            with Progress(5, desc="x", enabled=False, tenths=True) as bar:
+                bar.update(5)
+                bar.report({"a": "b"})
+        assert stream.getvalue() == "" and caplog.records == []
+
+
+def test_a_closed_stderr_counts_as_no_terminal(monkeypatch) -> None:
+    closed = io.StringIO()
+    closed.close()
+    monkeypatch.setattr(sys, "stderr", closed)
+    assert progress.stderr_is_terminal() is False
+
+
+@pytest.mark.slow
+def test_piped_train_log_has_no_carriage_returns(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text((ROOT / "data" / "shakespeare.txt").read_text()[:20_000])
+    sets = [f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}", "train.device=cpu"]
+    sets += ["model.n_layer=1", "model.n_embed=32", "train.max_steps=40", "train.log_interval=10"]
+    args = [sys.executable, "-m", "llmcli", "train", "tiny", "--out", str(tmp_path / "run")]
+    for s in sets:
+        args += ["--set", s]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("\r") == 0
+    plain = [line for line in out.stderr.splitlines() if line.startswith("train ")]
+    assert [line.split(",")[0] for line in plain] == [f"train {n}/40" for n in (10, 20, 30, 40)]
+    assert all(" loss " in line and " lr " in line and " tok/s " in line for line in plain)
