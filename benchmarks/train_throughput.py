@@ -190,7 +190,7 @@ def llmcli_step(shape: dict, compile_model: bool = False) -> tuple[Step, nn.Modu
 def hf_step(shape: dict) -> tuple[Step, nn.Module]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from llmcli.hf import gpt2_config
+    from llmcli.hf.gpt2 import gpt2_config
 
     model_shape = {k: v for k, v in shape.items() if k != "batch_size"}
     cfg = gpt2_config(ModelConfig(**model_shape), VOCAB, None)

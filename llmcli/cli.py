@@ -372,7 +372,7 @@ def export_command(
     weights: WeightsOption = "best",
 ) -> None:
     """Export a run as a Hugging Face GPT-2 folder (transformers' AutoModelForCausalLM)."""
-    from llmcli.hf_export import export_hf
+    from llmcli.hf.export import export_hf
 
     result = export_hf(
         checkpoint,

@@ -53,7 +53,7 @@ from llmcli.distributed import (
 from llmcli.errors import CheckpointError, InputError, describe_os_error
 from llmcli.evaluate import evaluate_loss, perplexity
 from llmcli.fileio import remove_stale_temp_files
-from llmcli.hf_import import load_gpt2_weights, resolve_init_from
+from llmcli.hf.load import load_gpt2_weights, resolve_init_from
 from llmcli.interrupt import StopRequest
 from llmcli.model import Transformer
 from llmcli.optim import apply_lr, build_optimizer

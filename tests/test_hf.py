@@ -18,10 +18,11 @@ import pytest
 import torch
 
 from llmcli import checkpoint as ckpt
-from llmcli import hf_export, hf_import
 from llmcli.cli import main
 from llmcli.config import Config, DataConfig, ModelConfig, TrainConfig
 from llmcli.errors import InputError
+from llmcli.hf import export as hf_export
+from llmcli.hf import load as hf_import
 from llmcli.model import Transformer
 from llmcli.tokenizer import BPETokenizer, CharTokenizer, load_tokenizer
 

@@ -21,7 +21,7 @@ embeddings (`model.pos_emb: rope`), RMSNorm (`model.norm: rmsnorm`) and QK-norm
 (`model.qk_norm: true`). The ReLU² MLP (`model.mlp: relu2`) is GPT-2's
 `activation_function="relu2"`, and an untied LM head is `tie_word_embeddings=false`.
 
-Writing a folder is `llmcli.hf_export`; reading one (`train.init_from`) is `llmcli.hf_import`.
+Writing a folder is `llmcli.hf.export`; reading one (`train.init_from`) is `llmcli.hf.load`.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from llmcli import checkpoint as ckpt
 from llmcli.config import Config
 from llmcli.errors import InputError, describe_os_error
 from llmcli.fileio import atomic_write_bytes
-from llmcli.hf import (
+from llmcli.hf.gpt2 import (
     HF_CONFIG_FILE,
     HF_GENERATION_FILE,
     HF_SPECIAL_TOKENS,

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from llmcli import checkpoint as ckpt
 from llmcli.config import Config, ModelConfig
 from llmcli.errors import CheckpointError, InputError
-from llmcli.hf import (
+from llmcli.hf.gpt2 import (
     HF_CONFIG_FILE,
     HF_TOKENIZER_FILE,
     HF_TORCH_WEIGHTS,
