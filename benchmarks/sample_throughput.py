@@ -118,7 +118,8 @@ def latency(n: int = 1000, window: int = 100) -> dict:
 def to_transformers(model: Transformer, shape: dict):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from llmcli.hf.gpt2 import gpt2_config, to_gpt2_state_dict
+    from llmcli.hf.gpt2 import hf_config as gpt2_config
+    from llmcli.hf.gpt2 import to_hf as to_gpt2_state_dict
 
     cfg = gpt2_config(ModelConfig(**shape), VOCAB, None)
     cfg = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "torch_dtype")}

@@ -7,7 +7,7 @@ RESULTS.md for the check of the real loop). Three models of the same sizes:
 - `llmcli`: `llmcli.model.Transformer` with llmcli's own optimizer setup (`build_optimizer`:
   fused AdamW, decay groups) and the step `llmcli.train` runs (loss kept on the device, clipping
   with `foreach`), fp32.
-- `transformers`: `GPT2LMHeadModel` of the equivalent config (`llmcli.hf.gpt2_config`: exact
+- `transformers`: `GPT2LMHeadModel` of the equivalent config (`llmcli.hf.gpt2.hf_config`: exact
   GELU, SDPA attention, tied head) with `torch.optim.AdamW` at its defaults and
   `clip_grad_norm_`, as a `transformers` user's loop does.
 - `per_head`: the per-head layer written literally (below): a `ModuleList` of `Head`s, each with
@@ -190,7 +190,7 @@ def llmcli_step(shape: dict, compile_model: bool = False) -> tuple[Step, nn.Modu
 def hf_step(shape: dict) -> tuple[Step, nn.Module]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from llmcli.hf.gpt2 import gpt2_config
+    from llmcli.hf.gpt2 import hf_config as gpt2_config
 
     model_shape = {k: v for k, v in shape.items() if k != "batch_size"}
     cfg = gpt2_config(ModelConfig(**model_shape), VOCAB, None)

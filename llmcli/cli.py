@@ -366,23 +366,34 @@ def export_command(
         Path, typer.Option(help="Folder to write (must be new or empty).", metavar="DIR")
     ],
     checkpoint: CheckpointOption = None,
+    format_: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            help="The transformers architecture: auto (the one that computes the run's model "
+            "exactly), gpt2, gpt-neox or arcee.",
+            metavar="ARCH",
+        ),
+    ] = "auto",
     force: Annotated[
         bool, typer.Option(help="Write into a non-empty --out, replacing a previous export.")
     ] = False,
     weights: WeightsOption = "best",
 ) -> None:
-    """Export a run as a Hugging Face GPT-2 folder (transformers' AutoModelForCausalLM)."""
+    """Export a run as a Hugging Face folder for transformers (no custom code needed)."""
     from llmcli.hf.export import export_hf
 
     result = export_hf(
         checkpoint,
         out,
+        fmt=format_,
         force=force,
         weights=weights,
         notify=_notify,
     )
     typer.echo(
-        f"exported {result.run_dir} (step {result.step}, {result.n_params:,} parameters, "
+        f"exported {result.run_dir} as {result.architecture} (step {result.step}, "
+        f"{result.n_params:,} parameters, "
         f"vocab {result.vocab_size}) to {result.out_dir}/: {', '.join(result.files)}"
     )
 

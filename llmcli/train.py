@@ -53,7 +53,7 @@ from llmcli.distributed import (
 from llmcli.errors import CheckpointError, InputError, describe_os_error
 from llmcli.evaluate import evaluate_loss, perplexity
 from llmcli.fileio import remove_stale_temp_files
-from llmcli.hf.load import load_gpt2_weights, resolve_init_from
+from llmcli.hf.load import load_hf_weights, resolve_init_from
 from llmcli.interrupt import StopRequest
 from llmcli.model import Transformer
 from llmcli.optim import apply_lr, build_optimizer
@@ -442,7 +442,7 @@ def _build(
     input on one rank stops them all with its message.
     """
     tc, device = config.train, precision.device
-    if tc.init_from:  # a Hugging Face GPT-2 folder sets the model's shape and the tokenizer
+    if tc.init_from:  # a Hugging Face folder sets the model's shape and the tokenizer
         config = resolve_init_from(config)
     saved, data = _prepare(config, info, device, run_dir, resume, overwrite)
     vocab = int(data.tokenizer.vocab_size)
@@ -451,7 +451,7 @@ def _build(
         config.model, vocab, generator=torch.Generator().manual_seed(tc.seed)
     )
     if tc.init_from and saved is None:  # a resumed run's weights come from its state
-        load_gpt2_weights(model, tc.init_from)
+        load_hf_weights(model, tc.init_from)
     model.to(device)
     optimizer = build_optimizer(model, tc, device.type)
     seed_everything(tc.seed + info.rank)

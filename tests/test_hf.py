@@ -1,4 +1,4 @@
-"""Hugging Face GPT-2 interoperability (llmcli/hf.py): export, `train.init_from`, bad input.
+"""Hugging Face GPT-2 interoperability (llmcli/hf/): export, `train.init_from`, bad input.
 
 The reference is `transformers` itself: an exported folder is loaded with
 `AutoModelForCausalLM` / `AutoTokenizer` (offline, from the local folder) and must give the same
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_helpers import PROMPT, TEXT, assert_close, cli, greedy_llmcli, make_run
 
 from llmcli import checkpoint as ckpt
-from llmcli.cli import main
 from llmcli.config import Config, DataConfig, ModelConfig, TrainConfig
 from llmcli.errors import InputError
 from llmcli.hf import export as hf_export
@@ -26,62 +26,11 @@ from llmcli.hf import load as hf_import
 from llmcli.model import Transformer
 from llmcli.tokenizer import BPETokenizer, CharTokenizer, load_tokenizer
 
-TEXT = (
-    "First Citizen:\nBefore we proceed any further, hear me speak.\n\n"
-    "All:\nSpeak, speak.\n\nFirst Citizen:\nYou are all resolved rather to die than to famish?\n"
-    "\nAll:\nResolved. resolved.\n\nFirst Citizen:\nFirst, you know Caius Marcius is chief enemy "
-    "to the people.\n\nAll:\nWe know't, we know't.\n\nFirst Citizen:\nLet us kill him, and we'll "
-    "have corn at our own price.\nIs't a verdict?\n"
-)
-PROMPT = "First Citizen:\nSpeak"
-
 
 @pytest.fixture(autouse=True)
 def _offline(monkeypatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
-
-
-def assert_close(actual, expected, name: str, atol: float = 1e-5) -> None:
-    diff = (actual.detach() - expected.detach()).abs().max().item()
-    print(f"max_abs_diff {name}: {diff:.3e}")
-    torch.testing.assert_close(actual.detach(), expected.detach(), atol=atol, rtol=1e-5)
-
-
-def cli(*args: str) -> int:
-    """Run the CLI in-process; returns its exit status."""
-    with pytest.raises(SystemExit) as exc:
-        main([str(a) for a in args])
-    return exc.value.code
-
-
-def make_tokenizer(kind: str):
-    return CharTokenizer.train([TEXT]) if kind == "char" else BPETokenizer.train([TEXT], 300)
-
-
-def make_run(run_dir: Path, kind: str = "char", seed: int = 0, **model_opts) -> Path:
-    """A run directory holding a tiny model with random, non-trivial weights (no training)."""
-    tok = make_tokenizer(kind)
-    model_cfg = ModelConfig(n_layer=2, n_head=4, n_embed=32, context_length=96, **model_opts)
-    config = Config(model=model_cfg, data=DataConfig(tokenizer=kind))
-    g = torch.Generator().manual_seed(seed)
-    model = Transformer.from_config(model_cfg, tok.vocab_size, generator=g)
-    with torch.no_grad():  # well-separated logits, so greedy decoding has no near ties
-        for name, p in model.named_parameters():
-            gain = name.endswith("weight") and p.ndim == 1
-            p.copy_((1.0 if gain else 0.0) + 0.3 * torch.randn(p.shape, generator=g))
-    ckpt.save_model_run(run_dir, config, tok, model)
-    return run_dir
-
-
-def greedy_llmcli(model: Transformer, ids: list[int], n: int) -> list[int]:
-    """Plain argmax loop over `model.forward` (no cache): the reference greedy decoder."""
-    idx = torch.tensor([ids])
-    with torch.no_grad():
-        for _ in range(n):
-            logits, _ = model(idx[:, -model.context_length :])
-            idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return idx[0, len(ids) :].tolist()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,7 +209,8 @@ def test_export_writes_gpt2_conv1d_layout_and_zero_biases(tmp_path):
 )
 def test_export_refuses_options_gpt2_cannot_express(tmp_path, capsys, opts, option):
     run = make_run(tmp_path / "run", "char", **opts)
-    assert cli("export", "--checkpoint", run, "--out", tmp_path / "hf") == 2
+    args = ("export", "--checkpoint", run, "--out", tmp_path / "hf", "--format", "gpt2")
+    assert cli(*args) == 2
     err = capsys.readouterr().err
     assert option in err and "GPT-2" in err
     assert not (tmp_path / "hf").exists()
@@ -286,7 +236,7 @@ def test_export_target_must_be_new_or_empty_unless_force(tmp_path, capsys):
     assert cli("export", "--checkpoint", tmp_path / "nope", "--out", tmp_path / "hf2") == 2
     assert "does not exist" in capsys.readouterr().err
     assert cli("export", "--checkpoint", run, "--out", tmp_path / "hf3", "--format", "gguf") == 2
-    assert "No such option: --format" in capsys.readouterr().err  # one format: no option
+    assert "--format 'gguf'" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------
@@ -337,7 +287,7 @@ def hf_logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
 def test_load_gpt2_folder_equals_transformers(tmp_path, tie):
     tok = save_tiny_gpt2(tmp_path / "gpt2", tie=tie)
-    loaded = hf_import.load_gpt2_folder(tmp_path / "gpt2")
+    loaded = hf_import.load_hf_folder(tmp_path / "gpt2")
     assert loaded.model_config.tie_embeddings == tie
     assert loaded.tokenizer.encode(TEXT) == tok.encode(TEXT)
     ids = torch.tensor([tok.encode(TEXT)[:32]])
@@ -349,7 +299,7 @@ def test_load_gpt2_folder_equals_transformers(tmp_path, tie):
 def test_tanh_gelu_checkpoint_loads_with_a_warning(tmp_path, caplog):
     tok = save_tiny_gpt2(tmp_path / "gpt2", activation="gelu_new")
     with caplog.at_level(logging.WARNING, logger="llmcli.hf"):
-        loaded = hf_import.load_gpt2_folder(tmp_path / "gpt2")
+        loaded = hf_import.load_hf_folder(tmp_path / "gpt2")
     assert "gelu_new" in caplog.text
     ids = torch.tensor([tok.encode(TEXT)[:32]])
     with torch.no_grad():
@@ -457,7 +407,7 @@ def test_vocabulary_larger_than_the_tokenizer_is_refused(tmp_path):
 def test_exported_run_round_trips_through_init_from(tmp_path):
     run = make_run(tmp_path / "run", "bpe", seed=3)
     hf_export.export_hf(run, tmp_path / "hf")
-    loaded = hf_import.load_gpt2_folder(tmp_path / "hf")
+    loaded = hf_import.load_hf_folder(tmp_path / "hf")
     original = ckpt.load_run(run)
     ids = torch.tensor([original.tokenizer.encode(TEXT)[:64]])
     with torch.no_grad():
@@ -492,8 +442,8 @@ def test_gpt2model_names_and_pytorch_model_bin_load_too(tmp_path):
     (folder / "model.safetensors").unlink()
     torch.save(legacy, folder / "pytorch_model.bin")
     with torch.no_grad():
-        ours = hf_import.load_gpt2_folder(folder).model(ids)[0]
+        ours = hf_import.load_hf_folder(folder).model(ids)[0]
     assert_close(ours, expected, "import from pytorch_model.bin without prefix")
     (folder / "pytorch_model.bin").write_bytes(b"not a checkpoint")
     with pytest.raises(InputError, match="pytorch_model.bin' is corrupt"):
-        hf_import.load_gpt2_folder(folder)
+        hf_import.load_hf_folder(folder)

@@ -656,7 +656,7 @@ CASES = [
     ),
     pytest.param(
         on_run("export", None, "--out", "{tmp}/hf", "--format", "onnx"),
-        "No such option: --format",
+        "--format 'onnx' is not supported",
         id="export-unknown-format",
     ),
     pytest.param(

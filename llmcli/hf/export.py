@@ -1,11 +1,12 @@
-"""`llmcli export`: a run as a Hugging Face GPT-2 folder that `transformers` loads offline.
+"""`llmcli export`: a run as a Hugging Face folder that `transformers` loads offline.
 
-The folder loads with `transformers.AutoModelForCausalLM` and `AutoTokenizer`; writing it needs
-no `transformers` (only `tokenizers` and `safetensors`). The char tokenizer becomes a Hugging
-Face `WordLevel` model over single characters with a pre-tokenizer that isolates every character,
-so both encode and decode alike. The end-of-text token (`<|endoftext|>`, the last id of a char
-vocabulary, or a BPE vocabulary's) is the export's BOS, EOS and padding token, which `generate`
-and lm-evaluation-harness rely on.
+The architecture is the one that computes the run's model exactly (see `llmcli.hf.architectures`:
+GPT-2, GPT-NeoX or Arcee). The folder loads with `transformers.AutoModelForCausalLM` and
+`AutoTokenizer`; writing it needs no `transformers` (only `tokenizers` and `safetensors`). The char
+tokenizer becomes a Hugging Face `WordLevel` model over single characters with a pre-tokenizer that
+isolates every character, so both encode and decode alike. The end-of-text token (`<|endoftext|>`,
+the last id of a char vocabulary, or a BPE vocabulary's) is the export's BOS, EOS and padding
+token, which `generate` and lm-evaluation-harness rely on.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from llmcli import checkpoint as ckpt
 from llmcli.config import Config
 from llmcli.errors import InputError, describe_os_error
 from llmcli.fileio import atomic_write_bytes
-from llmcli.hf.gpt2 import (
+from llmcli.hf.architectures import choose
+from llmcli.hf.common import (
     HF_CONFIG_FILE,
     HF_GENERATION_FILE,
     HF_SPECIAL_TOKENS,
@@ -34,10 +36,7 @@ from llmcli.hf.gpt2 import (
     HF_TORCH_WEIGHTS,
     HF_WEIGHTS_FILE,
     HF_WEIGHTS_INDEX,
-    LAYER_NORM_EPS,
-    check_gpt2_compatible,
-    gpt2_config,
-    to_gpt2_state_dict,
+    NORM_EPS,
 )
 from llmcli.tokenizer import CharTokenizer, Tokenizer
 
@@ -127,6 +126,7 @@ def _generation_config(config: Config, eot_id: int | None) -> dict[str, Any]:
 class ExportResult:
     """What `export_hf` wrote."""
 
+    architecture: str
     run_dir: Path
     out_dir: Path
     files: list[str]
@@ -154,30 +154,35 @@ def export_hf(
     checkpoint: str | Path | None,
     out: str | Path,
     *,
+    fmt: str = "auto",
     force: bool = False,
     weights: str = "best",
     notify: Callable[[str], None] | None = None,
 ) -> ExportResult:
-    """Write a run as a Hugging Face GPT-2 folder that `transformers` loads offline.
+    """Write a run as a Hugging Face folder that `transformers` loads offline.
 
     The folder holds `config.json`, `generation_config.json` (the run's sampling defaults),
-    `model.safetensors` (float32, GPT-2 names) and `tokenizer.json`, `tokenizer_config.json`,
-    `special_tokens_map.json`. Each file is written to a temporary name and renamed into place.
+    `model.safetensors` (float32, the architecture's names) and `tokenizer.json`,
+    `tokenizer_config.json`, `special_tokens_map.json`. Each file is written to a temporary name
+    and renamed into place.
 
     Args:
         checkpoint: a run directory; None picks the latest run under `checkpoints/`.
         out: the folder to write; it must not exist or be empty unless `force`.
+        fmt: "auto" (the architecture that computes the model exactly) or one of
+            `llmcli.hf.architectures.FORMATS`.
         force: write into a non-empty `out`, replacing the files of a previous export.
         weights: "best" or "last", as `llmcli sample`.
         notify: called with lines for the user (the run picked, version warnings).
 
     Raises:
-        InputError: a bad run, an option GPT-2 cannot express, or an `out` that is not usable.
+        InputError: a bad run, options no (or not the asked) architecture computes exactly,
+            or an `out` that is not usable.
     """
     run = ckpt.load_run(checkpoint, weights=weights, device="cpu", notify=notify)
     out = Path(out)
     _check_out_dir(out, run.run_dir, force)
-    check_gpt2_compatible(run.config.model)
+    arch = choose(run.config.model, fmt)
     model, tokenizer = run.model, run.tokenizer
     eot_id = tokenizer.eot_id
     if eot_id is None:
@@ -189,12 +194,12 @@ def export_hf(
             out,
             newline[0] if newline else "<id>",
         )
-    eps = getattr(model.ln_f, "eps", LAYER_NORM_EPS)
-
+    eps = getattr(model.ln_f, "eps", NORM_EPS)
+    hf_config = arch.hf_config(run.config.model, model.vocab_size, eot_id, eps)
     files: dict[str, bytes] = {
-        HF_CONFIG_FILE: _json_bytes(gpt2_config(run.config.model, model.vocab_size, eot_id, eps)),
+        HF_CONFIG_FILE: _json_bytes(hf_config),
         HF_GENERATION_FILE: _json_bytes(_generation_config(run.config, eot_id)),
-        HF_WEIGHTS_FILE: save(to_gpt2_state_dict(model), metadata={"format": "pt"}),
+        HF_WEIGHTS_FILE: save(arch.to_hf(model), metadata={"format": "pt"}),
     }
     for name, text in hf_tokenizer_files(tokenizer, run.config.model.context_length).items():
         files[name] = text.encode("utf-8")
@@ -209,8 +214,9 @@ def export_hf(
             atomic_write_bytes(out / name, data)
     except OSError as exc:
         raise InputError(f"cannot write the export to '{out}': {describe_os_error(exc)}.") from None
-    logger.info("exported '%s' (step %d) to '%s'", run.run_dir, run.step, out)
+    logger.info("exported '%s' (step %d) as %s to '%s'", run.run_dir, run.step, arch.NAME, out)
     return ExportResult(
+        architecture=arch.NAME,
         run_dir=run.run_dir,
         out_dir=out,
         files=list(files),

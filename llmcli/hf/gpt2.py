@@ -21,37 +21,26 @@ embeddings (`model.pos_emb: rope`), RMSNorm (`model.norm: rmsnorm`) and QK-norm
 (`model.qk_norm: true`). The ReLU² MLP (`model.mlp: relu2`) is GPT-2's
 `activation_function="relu2"`, and an untied LM head is `tie_word_embeddings=false`.
 
-Writing a folder is `llmcli.hf.export`; reading one (`train.init_from`) is `llmcli.hf.load`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from typing import Any
 
 import torch
 
 from llmcli.config import ModelConfig
 from llmcli.errors import CheckpointError, InputError
+from llmcli.hf.common import NORM_EPS, Problem, activation, positive_int, refuse, warn_eps
 from llmcli.model import Transformer
 
 logger = logging.getLogger(__name__)
 
-HF_CONFIG_FILE = "config.json"
-HF_GENERATION_FILE = "generation_config.json"
-HF_WEIGHTS_FILE = "model.safetensors"
-HF_WEIGHTS_INDEX = "model.safetensors.index.json"
-HF_TORCH_WEIGHTS = "pytorch_model.bin"
-HF_TOKENIZER_FILE = "tokenizer.json"
-HF_TOKENIZER_CONFIG = "tokenizer_config.json"
-HF_SPECIAL_TOKENS = "special_tokens_map.json"
-LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which llmcli's model uses
-# GPT-2 activation names -> llmcli's model.mlp. The tanh approximations of GELU load into the
-# exact GELU (as nanoGPT does with OpenAI's weights), with a warning: logits differ slightly.
-_EXACT_ACTIVATIONS = {"gelu": "gelu", "relu2": "relu2"}
-_APPROX_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu_python_tanh", "gelu_accurate")
+NAME = "gpt2"
+MODEL_TYPE = "gpt2"
+HF_CLASS = "GPT2LMHeadModel"
 # Buffers that old GPT-2 checkpoints saved (the causal mask), not weights.
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 
@@ -61,30 +50,27 @@ _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 # ---------------------------------------------------------------------------------------------
 
 
-def check_gpt2_compatible(model_cfg: ModelConfig) -> None:
-    """Refuse model options that GPT-2's architecture cannot express.
-
-    Raises:
-        InputError: names the first such option and its value.
-    """
-    refused = []
+def problems(model_cfg: ModelConfig) -> list[Problem]:
+    """The options GPT-2 cannot compute exactly (none: it can export the run)."""
+    found = []
     if model_cfg.pos_emb != "learned":
-        refused.append(
-            f"model.pos_emb ({model_cfg.pos_emb!r}; GPT-2 has learned position embeddings only)"
+        found.append(
+            Problem(
+                f"model.pos_emb ({model_cfg.pos_emb!r}; GPT-2 has learned positions)",
+                "model.pos_emb: learned",
+            )
         )
     if model_cfg.norm != "layernorm":
-        refused.append(f"model.norm ({model_cfg.norm!r}; GPT-2 uses LayerNorm)")
-    if model_cfg.qk_norm:
-        refused.append("model.qk_norm (true; GPT-2 has no query/key normalisation)")
-    if model_cfg.mlp not in _EXACT_ACTIVATIONS.values():
-        refused.append(f"model.mlp ({model_cfg.mlp!r})")
-    if refused:
-        raise InputError(
-            "this run cannot be exported as GPT-2: its recipe uses "
-            + ", ".join(refused)
-            + ". Only runs with the GPT-2 architecture (pos_emb learned, norm layernorm, "
-            "qk_norm false) can be exported."
+        found.append(
+            Problem(
+                f"model.norm ({model_cfg.norm!r}; GPT-2 uses LayerNorm)", "model.norm: layernorm"
+            )
         )
+    if model_cfg.qk_norm:
+        found.append(
+            Problem("model.qk_norm (true; GPT-2 has no query/key norm)", "model.qk_norm: false")
+        )
+    return found
 
 
 def _hf_name(name: str) -> str:
@@ -111,20 +97,17 @@ def _is_conv1d(hf_name: str) -> bool:
     return hf_name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight"))
 
 
-def to_gpt2_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
+def to_hf(model: Transformer) -> dict[str, torch.Tensor]:
     """The model's weights under Hugging Face GPT-2 names and layouts (CPU, contiguous).
 
     Linear weights `(out, in)` become `Conv1D` weights `(in, out)`; missing biases (a model with
     `bias=False`) become zeros. The LM head is included only when untied.
 
     Raises:
-        InputError: the model uses an option GPT-2 cannot express.
+        InputError: the model uses an option GPT-2 cannot express (see `problems`).
     """
     if model.wpe is None:
-        raise InputError(
-            "this model uses rotary position embeddings (model.pos_emb 'rope'), "
-            "which GPT-2 cannot express."
-        )
+        raise InputError("GPT-2 has learned positions: this model is rotary (model.pos_emb).")
     out: dict[str, torch.Tensor] = {}
     for mod_name, module in model.named_modules():
         is_linear = isinstance(module, torch.nn.Linear)
@@ -152,8 +135,8 @@ def to_gpt2_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     return out
 
 
-def from_gpt2_state_dict(
-    tensors: dict[str, torch.Tensor], n_layer: int, tie_embeddings: bool, source: str = "weights"
+def from_hf(
+    tensors: dict[str, torch.Tensor], model_cfg: ModelConfig, source: str = "weights"
 ) -> dict[str, torch.Tensor]:
     """Hugging Face GPT-2 weights -> llmcli names and layouts.
 
@@ -164,6 +147,7 @@ def from_gpt2_state_dict(
         CheckpointError: a tensor name that is not GPT-2's (names it), or an untied model
             without `lm_head.weight`.
     """
+    n_layer, tie_embeddings = model_cfg.n_layer, model_cfg.tie_embeddings
     reverse: dict[str, str] = {}
     for i in range(n_layer):
         for ours, theirs in (
@@ -206,16 +190,13 @@ def from_gpt2_state_dict(
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def gpt2_config(
-    model_cfg: ModelConfig,
-    vocab_size: int,
-    eot_id: int | None,
-    layer_norm_eps: float = LAYER_NORM_EPS,
+def hf_config(
+    model_cfg: ModelConfig, vocab_size: int, eot_id: int | None, eps: float = NORM_EPS
 ) -> dict[str, Any]:
     """The `config.json` of the GPT-2 equivalent of `model_cfg` (a plain dict)."""
     return {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
+        "architectures": [HF_CLASS],
+        "model_type": MODEL_TYPE,
         "vocab_size": vocab_size,
         "n_positions": model_cfg.context_length,
         "n_embd": model_cfg.n_embed,
@@ -226,7 +207,7 @@ def gpt2_config(
         "resid_pdrop": model_cfg.dropout,
         "embd_pdrop": model_cfg.dropout,
         "attn_pdrop": model_cfg.dropout,
-        "layer_norm_epsilon": layer_norm_eps,
+        "layer_norm_epsilon": eps,
         "initializer_range": 0.02,
         "scale_attn_weights": True,
         "scale_attn_by_inverse_layer_idx": False,
@@ -240,39 +221,18 @@ def gpt2_config(
     }
 
 
-def model_config_from_gpt2(
-    hf_cfg: dict[str, Any], base: ModelConfig, source: str = HF_CONFIG_FILE
-) -> ModelConfig:
-    """llmcli's `ModelConfig` for a GPT-2 `config.json`; `base` gives what GPT-2 leaves open
-    (dropout).
+def model_config(hf_cfg: dict[str, Any], base: ModelConfig, source: str) -> ModelConfig:
+    """llmcli's `ModelConfig` for a GPT-2 `config.json` (`base` gives dropout).
 
     Raises:
-        InputError: the config is not GPT-2's, lacks a key, or uses an option llmcli's model
-            cannot express (names it).
+        InputError: a missing key, or features llmcli's model cannot hold (all named).
     """
-    model_type = hf_cfg.get("model_type")
-    if model_type != "gpt2":
-        raise InputError(
-            f"{source}: model_type is {model_type!r}, but train.init_from supports GPT-2 "
-            "checkpoints only (model_type 'gpt2')."
-        )
-
-    def integer(*keys: str) -> int:
-        for key in keys:
-            value = hf_cfg.get(key)
-            if value is not None:
-                if type(value) is not int or value <= 0:
-                    raise InputError(f"{source}: {key} ({value!r}) must be a positive integer.")
-                return value
-        raise InputError(f"{source} lacks {keys[0]}: it is not a complete GPT-2 config.")
-
-    n_embed = integer("n_embd", "hidden_size")
-    n_head = integer("n_head", "num_attention_heads")
-    n_layer = integer("n_layer", "num_hidden_layers")
-    context_length = integer("n_positions", "n_ctx", "max_position_embeddings")
+    n_embed = positive_int(hf_cfg, source, "n_embd", "hidden_size")
+    n_head = positive_int(hf_cfg, source, "n_head", "num_attention_heads")
+    n_layer = positive_int(hf_cfg, source, "n_layer", "num_hidden_layers")
+    context_length = positive_int(hf_cfg, source, "n_positions", "n_ctx", "max_position_embeddings")
     if n_embed % n_head:
         raise InputError(f"{source}: n_embd ({n_embed}) is not divisible by n_head ({n_head}).")
-
     refused = []
     n_inner = hf_cfg.get("n_inner")
     if n_inner is not None and n_inner != 4 * n_embed:
@@ -283,33 +243,14 @@ def model_config_from_gpt2(
         refused.append("scale_attn_by_inverse_layer_idx (true)")
     if hf_cfg.get("add_cross_attention", False):
         refused.append("add_cross_attention (true)")
-    activation = hf_cfg.get("activation_function", "gelu_new")
-    if activation in _EXACT_ACTIVATIONS:
-        mlp = _EXACT_ACTIVATIONS[activation]
-    elif activation in _APPROX_GELUS:
-        mlp = "gelu"
-        logger.warning(
-            "%s: activation_function %r (tanh-approximated GELU) is loaded into llmcli's exact "
-            "GELU; logits differ slightly from the original model's",
-            source,
-            activation,
+    mlp = activation(hf_cfg, "activation_function", "gelu_new", source)
+    if mlp is None:
+        refused.append(
+            f"activation_function ({hf_cfg.get('activation_function')!r}; llmcli has gelu and "
+            "relu2)"
         )
-    else:
-        refused.append(f"activation_function ({activation!r}; llmcli has gelu and relu2)")
-    if refused:
-        raise InputError(
-            f"{source} uses GPT-2 options that llmcli's model cannot express: "
-            + ", ".join(refused)
-            + "."
-        )
-    eps = hf_cfg.get("layer_norm_epsilon", LAYER_NORM_EPS)
-    if not isinstance(eps, (int, float)) or not math.isclose(eps, LAYER_NORM_EPS):
-        logger.warning(
-            "%s: layer_norm_epsilon %r is loaded with llmcli's %g; logits differ slightly",
-            source,
-            eps,
-            LAYER_NORM_EPS,
-        )
+    refuse(source, refused, "GPT-2")
+    warn_eps(hf_cfg, "layer_norm_epsilon", source)
     return dataclasses.replace(
         base,
         n_layer=n_layer,

@@ -1,8 +1,9 @@
-"""`train.init_from`: start a run from a Hugging Face GPT-2 folder (or an `llmcli export`).
+"""`train.init_from`: start a run from a Hugging Face folder (or an `llmcli export`).
 
-The model's shape comes from the folder's `config.json`, the tokenizer from its `tokenizer.json`,
-and the weights from its `model.safetensors` (or sharded safetensors, or `pytorch_model.bin` read
-with `weights_only=True`: loading never runs code from the folder).
+The folder's `config.json` names its architecture (GPT-2, GPT-NeoX or Arcee, see
+`llmcli.hf.architectures`); the model's shape comes from the folder's `config.json`, the tokenizer
+from its `tokenizer.json`, and the weights from its `model.safetensors` (or sharded safetensors, or
+`pytorch_model.bin` read with `weights_only=True`: loading never runs code from the folder).
 """
 
 from __future__ import annotations
@@ -21,14 +22,13 @@ from safetensors.torch import load_file
 from llmcli import checkpoint as ckpt
 from llmcli.config import Config, ModelConfig
 from llmcli.errors import CheckpointError, InputError
-from llmcli.hf.gpt2 import (
+from llmcli.hf.architectures import for_model_type
+from llmcli.hf.common import (
     HF_CONFIG_FILE,
     HF_TOKENIZER_FILE,
     HF_TORCH_WEIGHTS,
     HF_WEIGHTS_FILE,
     HF_WEIGHTS_INDEX,
-    from_gpt2_state_dict,
-    model_config_from_gpt2,
 )
 from llmcli.model import Transformer
 from llmcli.tokenizer import Tokenizer, load_tokenizer
@@ -64,8 +64,8 @@ def _weights_files(folder: Path) -> list[Path]:
     return []
 
 
-def check_gpt2_folder(path: str | Path) -> tuple[Path, dict[str, Any]]:
-    """Check that `path` is a Hugging Face GPT-2 folder and read its `config.json`.
+def check_hf_folder(path: str | Path) -> tuple[Path, dict[str, Any]]:
+    """Check that `path` is a Hugging Face model folder and read its `config.json`.
 
     Returns:
         `(folder, config.json as a dict)`.
@@ -78,7 +78,7 @@ def check_gpt2_folder(path: str | Path) -> tuple[Path, dict[str, Any]]:
     what = f"train.init_from ('{path}')"
     if not folder.exists():
         raise InputError(
-            f"{what} does not exist: give a local Hugging Face GPT-2 folder "
+            f"{what} does not exist: give a local Hugging Face model folder "
             "(config.json, model.safetensors, tokenizer.json)."
         )
     if not folder.is_dir():
@@ -101,9 +101,7 @@ def check_gpt2_folder(path: str | Path) -> tuple[Path, dict[str, Any]]:
         missing.append(f"{HF_TOKENIZER_FILE}{hint}")
     if missing:
         raise InputError(
-            f"{what} is not a Hugging Face GPT-2 checkpoint folder: it lacks "
-            + "; ".join(missing)
-            + "."
+            f"{what} is not a Hugging Face model folder: it lacks " + "; ".join(missing) + "."
         )
     cfg_path = folder / HF_CONFIG_FILE
     try:
@@ -128,7 +126,7 @@ def _load_folder_tokenizer(folder: Path, hf_cfg: dict[str, Any]) -> Tokenizer:
     return tokenizer
 
 
-def read_gpt2_weights(folder: Path) -> dict[str, torch.Tensor]:
+def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the folder's weight file(s), on the CPU, under their HF names.
 
     Raises:
@@ -161,23 +159,35 @@ def read_gpt2_weights(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_gpt2_weights(model: Transformer, path: str | Path) -> None:
-    """Copy a Hugging Face GPT-2 folder's weights into `model` (built with its shape).
+def load_hf_weights(model: Transformer, path: str | Path) -> None:
+    """Copy a Hugging Face folder's weights into `model` (built with its shape).
 
     Raises:
+        InputError: the folder's architecture cannot be held.
         CheckpointError: a missing, unexpected or mis-shaped tensor (named).
     """
-    folder = Path(path).expanduser()
+    folder, hf_cfg = check_hf_folder(path)
     source = f"the weights of '{folder}'"
-    ours = from_gpt2_state_dict(
-        read_gpt2_weights(folder), model.n_layer, model.tie_embeddings, source
-    )
+    arch = for_model_type(hf_cfg.get("model_type"), str(folder / HF_CONFIG_FILE))
+    model_cfg = model_config(hf_cfg, ModelConfig(), folder)
+    ours = arch.from_hf(read_hf_weights(folder), model_cfg, source)
     ckpt.load_weights(model, ours, folder)
 
 
+def model_config(hf_cfg: dict[str, Any], base: ModelConfig, folder: Path) -> ModelConfig:
+    """llmcli's `ModelConfig` for a folder's `config.json` (`base` gives what it leaves open).
+
+    Raises:
+        InputError: an architecture or features llmcli's model cannot hold (named).
+    """
+    source = str(folder / HF_CONFIG_FILE)
+    arch = for_model_type(hf_cfg.get("model_type"), source)
+    return arch.model_config(hf_cfg, base, source)
+
+
 @dataclass
-class GPT2Folder:
-    """A Hugging Face GPT-2 folder loaded as llmcli objects."""
+class HFFolder:
+    """A Hugging Face model folder loaded as llmcli objects."""
 
     path: Path
     model_config: ModelConfig
@@ -186,43 +196,43 @@ class GPT2Folder:
     hf_config: dict[str, Any]
 
 
-def load_gpt2_folder(
+def load_hf_folder(
     path: str | Path, *, base: ModelConfig | None = None, device: str = "cpu"
-) -> GPT2Folder:
-    """Load a Hugging Face GPT-2 folder as an llmcli model (eval mode) and tokenizer.
+) -> HFFolder:
+    """Load a Hugging Face model folder as an llmcli model (eval mode) and tokenizer.
 
     Args:
         path: the folder (config.json, weights, tokenizer.json).
-        base: model options GPT-2 leaves open (dropout); default `ModelConfig()`.
+        base: model options the folder leaves open (dropout); default `ModelConfig()`.
         device: where to put the model.
 
     Raises:
-        InputError: not a GPT-2 folder, an inexpressible option, a vocabulary mismatch,
-            bad weights (each message names the file and what to fix).
+        InputError: not a model folder, an architecture or option llmcli cannot hold, a
+            vocabulary mismatch, bad weights (each message names the file and what to fix).
     """
-    folder, hf_cfg = check_gpt2_folder(path)
-    model_cfg = model_config_from_gpt2(hf_cfg, base or ModelConfig(), str(folder / HF_CONFIG_FILE))
+    folder, hf_cfg = check_hf_folder(path)
+    model_cfg = model_config(hf_cfg, base or ModelConfig(), folder)
     tokenizer = _load_folder_tokenizer(folder, hf_cfg)
     model = Transformer.from_config(model_cfg, tokenizer.vocab_size)
-    load_gpt2_weights(model, folder)
+    load_hf_weights(model, folder)
     model.to(device)
     model.eval()
-    return GPT2Folder(folder, model_cfg, tokenizer, model, hf_cfg)
+    return HFFolder(folder, model_cfg, tokenizer, model, hf_cfg)
 
 
 def resolve_init_from(config: Config) -> Config:
-    """The config of a run that starts from `train.init_from` (a Hugging Face GPT-2 folder).
+    """The config of a run that starts from `train.init_from` (a Hugging Face model folder).
 
     `model` takes the folder's architecture (keeping `dropout`), `data.tokenizer` becomes the
     folder's `tokenizer.json` (used as is) and `train.init_from` its absolute path, so the
     resolved config written into the run describes the model exactly (sample and resume need
-    nothing else). The weights are copied by `load_gpt2_weights` once the model is built.
+    nothing else). The weights are copied by `load_hf_weights` once the model is built.
 
     Raises:
-        InputError: not a GPT-2 folder, an inexpressible option or a vocabulary mismatch.
+        InputError: not a model folder, an inexpressible option or a vocabulary mismatch.
     """
-    folder, hf_cfg = check_gpt2_folder(config.train.init_from)
-    model_cfg = model_config_from_gpt2(hf_cfg, config.model, str(folder / HF_CONFIG_FILE))
+    folder, hf_cfg = check_hf_folder(config.train.init_from)
+    model_cfg = model_config(hf_cfg, config.model, folder)
     _load_folder_tokenizer(folder, hf_cfg)
     folder = folder.resolve()
     resolved = dataclasses.replace(

@@ -1,0 +1,140 @@
+"""What every architecture mapping shares: file names, activations, small readers and writers.
+
+An architecture module (`gpt2`, `neox`, `arcee`) maps llmcli's `Transformer` onto one
+`transformers` model class and back. Each offers the same functions:
+
+- `problems(model_cfg) -> list[Problem]`: the model options it cannot compute exactly;
+- `hf_config(model_cfg, vocab_size, eot_id, eps) -> dict`: its `config.json`;
+- `to_hf(model) -> dict[str, Tensor]`: llmcli's weights under its names and layouts;
+- `model_config(hf_cfg, base, source) -> ModelConfig`: llmcli's model for its `config.json`;
+- `from_hf(tensors, model_cfg, source) -> dict[str, Tensor]`: its weights under llmcli's names.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from llmcli.errors import CheckpointError, InputError
+
+logger = logging.getLogger(__name__)
+
+HF_CONFIG_FILE = "config.json"
+HF_GENERATION_FILE = "generation_config.json"
+HF_WEIGHTS_FILE = "model.safetensors"
+HF_WEIGHTS_INDEX = "model.safetensors.index.json"
+HF_TORCH_WEIGHTS = "pytorch_model.bin"
+HF_TOKENIZER_FILE = "tokenizer.json"
+HF_TOKENIZER_CONFIG = "tokenizer_config.json"
+HF_SPECIAL_TOKENS = "special_tokens_map.json"
+NORM_EPS = 1e-5  # llmcli's LayerNorm and RMSNorm epsilon (torch.nn.LayerNorm's default)
+# `transformers` activation names that are exactly llmcli's model.mlp ("gelu" is the erf GELU).
+EXACT_ACTIVATIONS = {"gelu": "gelu", "relu2": "relu2"}
+# The tanh approximations of GELU load into the exact GELU (as nanoGPT does with OpenAI's
+# weights), with a warning: logits differ slightly.
+APPROX_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu_python_tanh", "gelu_accurate")
+
+
+class Problem(NamedTuple):
+    """A model option an architecture cannot compute, and the setting that it can."""
+
+    option: str  # e.g. "model.qk_norm (true; GPT-NeoX has no query/key normalisation)"
+    fix: str  # e.g. "model.qk_norm: false"
+
+
+def positive_int(hf_cfg: dict[str, Any], source: str, *keys: str) -> int:
+    """The first of `keys` present in `hf_cfg`, which must be a positive integer.
+
+    Raises:
+        InputError: none of the keys is there, or the value is not a positive integer.
+    """
+    for key in keys:
+        value = hf_cfg.get(key)
+        if value is not None:
+            if type(value) is not int or value <= 0:
+                raise InputError(f"{source}: {key} ({value!r}) must be a positive integer.")
+            return value
+    raise InputError(f"{source} lacks {keys[0]}: it is not a complete model config.")
+
+
+def activation(hf_cfg: dict[str, Any], key: str, default: str, source: str) -> str | None:
+    """llmcli's `model.mlp` for the config's activation, or None when llmcli has none like it."""
+    name = hf_cfg.get(key, default)
+    if name in EXACT_ACTIVATIONS:
+        return EXACT_ACTIVATIONS[name]
+    if name in APPROX_GELUS:
+        logger.warning(
+            "%s: %s %r (tanh-approximated GELU) is loaded into llmcli's exact GELU; logits "
+            "differ slightly from the original model's",
+            source,
+            key,
+            name,
+        )
+        return "gelu"
+    return None
+
+
+def warn_eps(hf_cfg: dict[str, Any], key: str, source: str) -> None:
+    """Warn when a config's norm epsilon differs from llmcli's (loaded with llmcli's)."""
+    eps = hf_cfg.get(key, NORM_EPS)
+    if not isinstance(eps, (int, float)) or not math.isclose(eps, NORM_EPS):
+        logger.warning(
+            "%s: %s %r is loaded with llmcli's %g; logits differ slightly",
+            source,
+            key,
+            eps,
+            NORM_EPS,
+        )
+
+
+def rope_parameters(hf_cfg: dict[str, Any], partial_default: float = 1.0) -> dict[str, Any]:
+    """The rotary settings of a config written by transformers 4.x or 5.x, as 5.x names them
+    (`rope_type`, `rope_theta`, `partial_rotary_factor`)."""
+    params = dict(hf_cfg.get("rope_parameters") or hf_cfg.get("rope_scaling") or {})
+    params.setdefault("rope_type", params.pop("type", "default"))
+    params.setdefault("rope_theta", hf_cfg.get("rope_theta", hf_cfg.get("rotary_emb_base", 1e4)))
+    params.setdefault("partial_rotary_factor", hf_cfg.get("rotary_pct", partial_default))
+    return params
+
+
+def refuse(source: str, refused: list[str], what: str) -> None:
+    """Raise `InputError` listing the `refused` features of an architecture `what`, if any."""
+    if refused:
+        raise InputError(
+            f"{source} uses {what} features that llmcli's model cannot hold: "
+            + "; ".join(refused)
+            + "."
+        )
+
+
+def cpu(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu").contiguous()
+
+
+def bias_or_zeros(module: nn.Linear | nn.LayerNorm, size: int) -> torch.Tensor:
+    """A layer's bias, or zeros where it has none: a zero bias computes the same function."""
+    if module.bias is not None:
+        return cpu(module.bias)
+    return torch.zeros(size, dtype=module.weight.dtype)
+
+
+def take(tensors: dict[str, torch.Tensor], name: str, source: str) -> torch.Tensor:
+    """`tensors[name]`, or a `CheckpointError` naming the missing tensor."""
+    if name not in tensors:
+        raise CheckpointError(f"{source} has no tensor {name!r}: is config.json from it?")
+    return tensors[name]
+
+
+def leftovers(tensors: dict[str, torch.Tensor], used: set[str], source: str, what: str) -> None:
+    """Refuse tensors a mapping did not use (a config that does not match its weights)."""
+    unknown = sorted(set(tensors) - used)
+    if unknown:
+        raise CheckpointError(
+            f"{source} holds tensors that this {what} model does not have: "
+            f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}. Is config.json "
+            "from the same checkpoint?"
+        )

@@ -1,0 +1,235 @@
+"""llmcli's model as GPT-NeoX (`GPTNeoXForCausalLM`): rotary positions with LayerNorm.
+
+| llmcli | Hugging Face `GPTNeoXForCausalLM` |
+| --- | --- |
+| `wte` | `gpt_neox.embed_in` |
+| `blocks.{i}.ln1`, `.ln2` | `gpt_neox.layers.{i}.input_layernorm`, `.post_attention_layernorm` |
+| `blocks.{i}.attn.qkv`, `.attn.proj` | `gpt_neox.layers.{i}.attention.query_key_value`, `.dense` |
+| `blocks.{i}.mlp.fc`, `.mlp.proj` | `gpt_neox.layers.{i}.mlp.dense_h_to_4h`, `.dense_4h_to_h` |
+| `ln_f`, `lm_head` | `gpt_neox.final_layer_norm`, `embed_out` |
+
+GPT-NeoX with `use_parallel_residual=False` and `rotary_pct=1.0` is llmcli's block: pre-norm
+`x + attn(ln1(x))`, then `x + mlp(ln2(x))`, rotary embeddings on the whole head in the
+"rotate half" layout (channel i pairs with i + hs/2, frequencies `base**(-2i/hs)`), attention
+scaled by `1/sqrt(hs)`. Two layouts differ: GPT-NeoX's fused QKV projection groups its rows by
+head (`q_h, k_h, v_h` for each head h) where llmcli's groups them by kind (every head's queries,
+then keys, then values), so the rows are reordered; and its LayerNorms and MLP always have
+biases, so a run without biases is exported with zero biases, which computes the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from llmcli.config import ModelConfig
+from llmcli.hf.common import (
+    Problem,
+    activation,
+    bias_or_zeros,
+    cpu,
+    leftovers,
+    positive_int,
+    refuse,
+    rope_parameters,
+    take,
+    warn_eps,
+)
+from llmcli.model import Transformer
+
+# Buffers that some GPT-NeoX checkpoints saved (causal mask, rotary table): not weights.
+_BUFFERS = (".attention.bias", ".attention.masked_bias", "rotary_emb.inv_freq")
+NAME = "gpt-neox"
+MODEL_TYPE = "gpt_neox"
+HF_CLASS = "GPTNeoXForCausalLM"
+
+
+def problems(model_cfg: ModelConfig) -> list[Problem]:
+    """The options GPT-NeoX cannot compute exactly (none: it can export the run)."""
+    found = []
+    if model_cfg.pos_emb != "rope":
+        found.append(
+            Problem(
+                f"model.pos_emb ({model_cfg.pos_emb!r}; GPT-NeoX is rotary)", "model.pos_emb: rope"
+            )
+        )
+    if model_cfg.norm != "layernorm":
+        found.append(
+            Problem(
+                f"model.norm ({model_cfg.norm!r}; GPT-NeoX uses LayerNorm)", "model.norm: layernorm"
+            )
+        )
+    if model_cfg.qk_norm:
+        found.append(
+            Problem("model.qk_norm (true; GPT-NeoX has no query/key norm)", "model.qk_norm: false")
+        )
+    return found
+
+
+def hf_config(
+    model_cfg: ModelConfig, vocab_size: int, eot_id: int | None, eps: float
+) -> dict[str, Any]:
+    """The `config.json` of the GPT-NeoX equivalent of `model_cfg`."""
+    return {
+        "architectures": [HF_CLASS],
+        "model_type": MODEL_TYPE,
+        "vocab_size": vocab_size,
+        "hidden_size": model_cfg.n_embed,
+        "num_hidden_layers": model_cfg.n_layer,
+        "num_attention_heads": model_cfg.n_head,
+        "intermediate_size": 4 * model_cfg.n_embed,
+        "hidden_act": model_cfg.mlp,
+        "max_position_embeddings": model_cfg.context_length,
+        "layer_norm_eps": eps,
+        "use_parallel_residual": False,
+        "attention_bias": model_cfg.bias,
+        # transformers 5.x reads rope_parameters, 4.x rotary_pct and rotary_emb_base.
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": model_cfg.rope_base,
+            "partial_rotary_factor": 1.0,
+        },
+        "rotary_pct": 1.0,
+        "rotary_emb_base": model_cfg.rope_base,
+        "attention_dropout": model_cfg.dropout,
+        "hidden_dropout": model_cfg.dropout,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "bos_token_id": eot_id,
+        "eos_token_id": eot_id,
+        "tie_word_embeddings": model_cfg.tie_embeddings,
+        "torch_dtype": "float32",
+    }
+
+
+def _by_head(kind_major: torch.Tensor, n_head: int) -> torch.Tensor:
+    """QKV rows grouped by kind (`[Q; K; V]`, heads inside) -> grouped by head (`[q_h k_h v_h]`)."""
+    rest = kind_major.shape[1:]
+    return kind_major.reshape(3, n_head, -1, *rest).transpose(0, 1).reshape(kind_major.shape)
+
+
+def _by_kind(head_major: torch.Tensor, n_head: int) -> torch.Tensor:
+    """The inverse of `_by_head`."""
+    rest = head_major.shape[1:]
+    return head_major.reshape(n_head, 3, -1, *rest).transpose(0, 1).reshape(head_major.shape)
+
+
+def to_hf(model: Transformer) -> dict[str, torch.Tensor]:
+    """The model's weights under GPT-NeoX names and layouts (CPU, contiguous)."""
+    C, nh = model.n_embed, model.n_head
+    out = {"gpt_neox.embed_in.weight": cpu(model.wte.weight)}
+    for i, block in enumerate(model.blocks):
+        prefix = f"gpt_neox.layers.{i}"
+        for ours, theirs in (
+            (block.ln1, "input_layernorm"),
+            (block.ln2, "post_attention_layernorm"),
+        ):
+            out[f"{prefix}.{theirs}.weight"] = cpu(ours.weight)
+            out[f"{prefix}.{theirs}.bias"] = bias_or_zeros(ours, C)
+        attn, mlp = block.attn, block.mlp
+        out[f"{prefix}.attention.query_key_value.weight"] = _by_head(cpu(attn.qkv.weight), nh)
+        out[f"{prefix}.attention.dense.weight"] = cpu(attn.proj.weight)
+        if attn.qkv.bias is not None:
+            out[f"{prefix}.attention.query_key_value.bias"] = _by_head(cpu(attn.qkv.bias), nh)
+            out[f"{prefix}.attention.dense.bias"] = cpu(attn.proj.bias)
+        out[f"{prefix}.mlp.dense_h_to_4h.weight"] = cpu(mlp.fc.weight)
+        out[f"{prefix}.mlp.dense_h_to_4h.bias"] = bias_or_zeros(mlp.fc, 4 * C)
+        out[f"{prefix}.mlp.dense_4h_to_h.weight"] = cpu(mlp.proj.weight)
+        out[f"{prefix}.mlp.dense_4h_to_h.bias"] = bias_or_zeros(mlp.proj, C)
+    out["gpt_neox.final_layer_norm.weight"] = cpu(model.ln_f.weight)
+    out["gpt_neox.final_layer_norm.bias"] = bias_or_zeros(model.ln_f, C)
+    if not model.tie_embeddings:
+        out["embed_out.weight"] = cpu(model.lm_head.weight)
+    return out
+
+
+def model_config(hf_cfg: dict[str, Any], base: ModelConfig, source: str) -> ModelConfig:
+    """llmcli's `ModelConfig` for a GPT-NeoX `config.json` (`base` gives dropout).
+
+    Raises:
+        InputError: a missing key, or features llmcli's model cannot hold (all named).
+    """
+    n_embed = positive_int(hf_cfg, source, "hidden_size")
+    n_head = positive_int(hf_cfg, source, "num_attention_heads")
+    n_layer = positive_int(hf_cfg, source, "num_hidden_layers")
+    context_length = positive_int(hf_cfg, source, "max_position_embeddings")
+    refused = []
+    if n_embed % n_head:
+        refused.append(f"hidden_size {n_embed} not divisible by num_attention_heads {n_head}")
+    if hf_cfg.get("intermediate_size", 4 * n_embed) != 4 * n_embed:
+        refused.append(f"intermediate_size {hf_cfg.get('intermediate_size')} (llmcli: 4 * hidden)")
+    if hf_cfg.get("use_parallel_residual", True):
+        refused.append("use_parallel_residual (llmcli's block is sequential)")
+    rope = rope_parameters(hf_cfg, partial_default=0.25)
+    if rope["partial_rotary_factor"] != 1.0:
+        refused.append(f"rotary_pct {rope['partial_rotary_factor']} (llmcli rotates whole heads)")
+    if rope["rope_type"] != "default":
+        refused.append(f"rope type {rope['rope_type']!r} (llmcli: plain rotary)")
+    mlp = activation(hf_cfg, "hidden_act", "gelu", source)
+    if mlp is None:
+        refused.append(f"hidden_act {hf_cfg.get('hidden_act')!r} (llmcli: gelu or relu2)")
+    refuse(source, refused, "GPT-NeoX")
+    warn_eps(hf_cfg, "layer_norm_eps", source)
+    return dataclasses.replace(
+        base,
+        n_layer=n_layer,
+        n_head=n_head,
+        n_embed=n_embed,
+        context_length=context_length,
+        bias=True,  # its LayerNorms and MLP always have biases
+        pos_emb="rope",
+        rope_base=float(rope["rope_theta"]),
+        norm="layernorm",
+        qk_norm=False,
+        mlp=mlp,
+        tie_embeddings=bool(hf_cfg.get("tie_word_embeddings", False)),
+    )
+
+
+def from_hf(
+    tensors: dict[str, torch.Tensor], model_cfg: ModelConfig, source: str
+) -> dict[str, torch.Tensor]:
+    """GPT-NeoX weights -> llmcli names and layouts (a missing attention bias becomes zeros).
+
+    Raises:
+        CheckpointError: a missing tensor, or tensors the config does not account for.
+    """
+    C, nh = model_cfg.n_embed, model_cfg.n_head
+    names = {"gpt_neox.embed_in.weight": "wte.weight"}
+    names.update(
+        {
+            "gpt_neox.final_layer_norm.weight": "ln_f.weight",
+            "gpt_neox.final_layer_norm.bias": "ln_f.bias",
+        }
+    )
+    for i in range(model_cfg.n_layer):
+        p, b = f"gpt_neox.layers.{i}", f"blocks.{i}"
+        for theirs, ours in (
+            ("input_layernorm", "ln1"),
+            ("post_attention_layernorm", "ln2"),
+            ("attention.dense", "attn.proj"),
+            ("mlp.dense_h_to_4h", "mlp.fc"),
+            ("mlp.dense_4h_to_h", "mlp.proj"),
+        ):
+            names[f"{p}.{theirs}.weight"] = f"{b}.{ours}.weight"
+            names[f"{p}.{theirs}.bias"] = f"{b}.{ours}.bias"
+    out: dict[str, torch.Tensor] = {}
+    for theirs, ours in names.items():
+        if theirs.endswith("attention.dense.bias") and theirs not in tensors:
+            out[ours] = torch.zeros(C)  # attention_bias false
+        else:
+            out[ours] = take(tensors, theirs, source)
+    used = set(names)
+    for i in range(model_cfg.n_layer):
+        qkv = f"gpt_neox.layers.{i}.attention.query_key_value"
+        out[f"blocks.{i}.attn.qkv.weight"] = _by_kind(take(tensors, f"{qkv}.weight", source), nh)
+        bias = tensors.get(f"{qkv}.bias", torch.zeros(3 * C))
+        out[f"blocks.{i}.attn.qkv.bias"] = _by_kind(bias, nh)
+        used |= {f"{qkv}.weight", f"{qkv}.bias"}
+    if not model_cfg.tie_embeddings:
+        out["lm_head.weight"] = take(tensors, "embed_out.weight", source)
+    used |= {"embed_out.weight"} | {k for k in tensors if k.endswith(_BUFFERS)}
+    leftovers(tensors, used, source, "GPT-NeoX")
+    return {k: v.contiguous() for k, v in out.items()}
