@@ -1,0 +1,233 @@
+"""Hugging Face Hub names (`llmcli.hub.resolve_pretrained`), offline.
+
+Every test builds a Hub cache in a temporary folder in huggingface_hub's own layout
+(`models--org--name/{blobs,snapshots/<commit>,refs/<revision>}`) and points `HF_HUB_CACHE` at
+it. The network is never used: offline mode is on, or `HF_ENDPOINT` is a closed local port (the
+connection fails at once), or a local HTTP server answers as the Hub does for a missing, gated
+or unknown-revision repository.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import huggingface_hub
+import pytest
+from huggingface_hub import constants
+
+from llmcli.errors import InputError
+from llmcli.hub import resolve_pretrained, split_hub_name
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+OTHER_COMMIT = "fedcba9876543210fedcba9876543210fedcba98"
+CLOSED_PORT = "http://127.0.0.1:9"  # the discard port: nothing listens, a connection fails at once
+TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+
+
+@pytest.fixture
+def hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty Hub cache, offline mode on, and a Hub endpoint that nothing answers."""
+    cache = tmp_path / "hf" / "hub"
+    cache.mkdir(parents=True)
+    for var in ("HF_HOME", "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_ENDPOINT", CLOSED_PORT)
+    # huggingface_hub read the environment when it was imported: keep its copies in step.
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "ENDPOINT", CLOSED_PORT)
+    return cache
+
+
+def go_online(monkeypatch: pytest.MonkeyPatch, endpoint: str = CLOSED_PORT) -> None:
+    """Offline mode off; the Hub at `endpoint` (by default a port where nothing answers)."""
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+
+
+def cache_repo(
+    cache: Path, repo_id: str, files: dict[str, str], commit: str = COMMIT, ref: str | None = "main"
+) -> Path:
+    """Put `files` in the Hub cache as huggingface_hub stores a download: the content in
+    `blobs/<hash>`, a symlink to it in `snapshots/<commit>/`, and `refs/<ref>` holding the
+    commit (no newline). Returns the snapshot folder."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for name, content in files.items():
+        blob = repo / "blobs" / hashlib.sha256(content.encode()).hexdigest()
+        blob.write_text(content, encoding="utf-8")
+        (snapshot / name).symlink_to(Path("..", "..", "blobs", blob.name))
+    if ref is not None:
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / ref).write_text(commit, encoding="utf-8")
+    return snapshot
+
+
+def resolve(name: str) -> Path:
+    return resolve_pretrained(name, what="test.model", patterns=TOKENIZER_FILES)
+
+
+# --- names ---------------------------------------------------------------------------------
+
+
+def test_hub_names_and_paths_are_told_apart() -> None:
+    assert split_hub_name("gpt2") == ("gpt2", None)
+    assert split_hub_name("openai-community/gpt2") == ("openai-community/gpt2", None)
+    assert split_hub_name("org/name@v1.0") == ("org/name", "v1.0")
+    assert split_hub_name(f"org/name@{COMMIT}") == ("org/name", COMMIT)
+    for path in ("../x y", "./model", "/abs/model", "a/b/c", "org/name@", "x--y", "name.git"):
+        assert split_hub_name(path) is None, path
+
+
+def test_existing_folder_and_file_are_used_as_they_are(
+    hub_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "org" / "name").mkdir(parents=True)
+    file = tmp_path / "tok.json"
+    file.write_text("{}", encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    assert resolve("org/name") == Path("org/name")  # a folder wins over the Hub name it spells
+    assert resolve(file) == file
+
+
+def test_bad_name_is_neither_path_nor_hub_name(hub_cache: Path) -> None:
+    with pytest.raises(InputError, match=r"test\.model '\.\./x y' is neither an existing file"):
+        resolve("../x y")
+
+
+# --- the cache, offline ----------------------------------------------------------------------
+
+
+def test_cached_name_resolves_to_its_snapshot_offline(hub_cache: Path) -> None:
+    files = {"tokenizer.json": "{}", "config.json": '{"a": 1}'}
+    snapshot = cache_repo(hub_cache, "org/name", files)
+    got = resolve("org/name")
+    assert got == snapshot
+    assert (got / "tokenizer.json").read_text(encoding="utf-8") == "{}"
+    assert cache_repo(hub_cache, "gpt2", {"tokenizer.json": "{}"}) == resolve("gpt2")
+
+
+def test_revisions_by_branch_or_commit(hub_cache: Path) -> None:
+    main_snapshot = cache_repo(hub_cache, "org/name", {"tokenizer.json": "{}"})
+    v1 = cache_repo(hub_cache, "org/name", {"tokenizer.json": "[]"}, OTHER_COMMIT, ref="v1")
+    assert resolve("org/name") == main_snapshot
+    assert resolve("org/name@v1") == v1
+    assert resolve(f"org/name@{OTHER_COMMIT}") == v1
+    assert resolve(f"org/name@{COMMIT}") == main_snapshot
+
+
+def test_name_missing_from_the_cache_offline(hub_cache: Path) -> None:
+    with pytest.raises(InputError) as err:
+        resolve("org/missing")
+    msg = str(err.value)
+    assert "test.model 'org/missing' is a Hugging Face Hub name that is not in the cache" in msg
+    assert f"not in the cache at {hub_cache}," in msg
+    assert "offline mode is on (HF_HUB_OFFLINE=1)" in msg
+    assert "run once with the network" in msg and "hf download org/missing" in msg
+    cache_repo(hub_cache, "org/name", {"tokenizer.json": "{}"})
+    with pytest.raises(InputError, match=r"not in the cache.*hf download org/name --revision v2"):
+        resolve("org/name@v2")
+
+
+def test_offline_mode_is_read_from_the_environment_at_call_time(
+    hub_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # as if imported while online
+    with pytest.raises(InputError, match="offline mode is on"):
+        resolve("org/missing")
+    other = hub_cache.parent / "other"
+    monkeypatch.setenv("HF_HUB_CACHE", str(other))  # the cache too, not huggingface_hub's copy
+    with pytest.raises(InputError, match=f"not in the cache at {other}"):
+        resolve("org/missing")
+
+
+# --- no network, or a Hub that says no -------------------------------------------------------
+
+
+def test_unreachable_hub_fails_at_once_and_a_warm_cache_still_works(
+    hub_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    go_online(monkeypatch)
+    start = time.monotonic()
+    with pytest.raises(InputError) as err:
+        resolve("org/missing")
+    assert time.monotonic() - start < 30
+    msg = str(err.value)
+    assert f"not in the cache at {hub_cache}" in msg
+    assert f"the Hub ({CLOSED_PORT}) could not be reached (no network?)" in msg
+    snapshot = cache_repo(hub_cache, "org/name", {"tokenizer.json": "{}"})
+    assert resolve("org/name") == snapshot
+
+
+class _HubSaysNo(http.server.BaseHTTPRequestHandler):
+    """Answers every request as the Hub answers for the error code in the server's `code`."""
+
+    def do_GET(self) -> None:  # noqa: N802 (the name http.server calls)
+        status = {"RepoNotFound": 404, "GatedRepo": 403, "RevisionNotFound": 404}
+        self.send_response(status[self.server.code])  # type: ignore[attr-defined]
+        self.send_header("X-Error-Code", self.server.code)  # type: ignore[attr-defined]
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def local_hub() -> Iterator[http.server.HTTPServer]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _HubSaysNo)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [
+        ("RepoNotFound", r"there is no Hugging Face Hub repository 'org/name' \(or it is private"),
+        ("GatedRepo", r"repository 'org/name' is gated: accept its terms"),
+        ("RevisionNotFound", r"repository 'org/name' has no revision 'v9'"),
+    ],
+)
+def test_hub_errors_say_which(
+    hub_cache: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    local_hub: http.server.HTTPServer,
+    code: str,
+    expected: str,
+) -> None:
+    go_online(monkeypatch, f"http://127.0.0.1:{local_hub.server_address[1]}")
+    local_hub.code = code  # type: ignore[attr-defined]
+    with pytest.raises(InputError, match=r"test\.model 'org/name(@v9)?': .*" + expected):
+        resolve("org/name@v9" if code == "RevisionNotFound" else "org/name")
+
+
+def test_importing_llmcli_does_not_load_the_hub_download_machinery() -> None:
+    """Resolving a Hub name loads `snapshot_download` (~0.4 s); other commands never do."""
+    code = (
+        "import sys, llmcli.hub; "
+        "print('huggingface_hub.hf_api' in sys.modules, "
+        "'huggingface_hub._snapshot_download' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
+    assert callable(huggingface_hub.snapshot_download)
