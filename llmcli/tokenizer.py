@@ -12,8 +12,10 @@ Three kinds share the `Tokenizer` protocol:
 - `BPETokenizer`: byte-level BPE trained with Hugging Face `tokenizers` (GPT-2's pre-tokenizer
   regex and byte alphabet) with one special token, `<|endoftext|>`, which joins documents. Any
   Unicode string round-trips exactly. Its `tokenizer.json` is the Hugging Face format, so other
-  tools read it, and the same class wraps any existing Hugging Face `tokenizer.json`
-  (`data.tokenizer: path/to/tokenizer.json`), used as is.
+  tools read it, and the same class wraps any other Hugging Face `tokenizer.json`, used as is:
+  `data.tokenizer` may be the path of one, a folder holding one, or a Hugging Face Hub name
+  (`gpt2`, `org/name@revision`), fetched through the Hugging Face cache by
+  `llmcli.hub.resolve_pretrained` (offline with `HF_HUB_OFFLINE=1` once cached).
 
 `load_tokenizer(path)` tells the kinds apart by the file's content, so a run directory's
 `tokenizer.json` is enough to encode and decode.
@@ -34,6 +36,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from llmcli.errors import InputError
 from llmcli.fileio import atomic_write_text
+from llmcli.hub import resolve_pretrained, split_hub_name
 
 if TYPE_CHECKING:
     from llmcli.config import DataConfig
@@ -42,6 +45,9 @@ log = logging.getLogger(__name__)
 
 EOT = "<|endoftext|>"
 CHAR_KIND = "llmcli-char"
+TOKENIZER_FILE = "tokenizer.json"
+# What a Hub name given as data.tokenizer fetches (only tokenizer.json is read).
+HUB_TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json")
 # 256 byte tokens + <|endoftext|>: the smallest byte-level BPE vocabulary (no merges at all).
 MIN_BPE_VOCAB = 257
 # End-of-text spellings of common Hugging Face tokenizers, tried in order for a foreign file.
@@ -311,13 +317,14 @@ def train_tokenizer(data_cfg: DataConfig, texts: Iterable[str] | str) -> Tokeniz
     """Build the tokenizer that `data_cfg.tokenizer` names.
 
     Args:
-        data_cfg: uses `tokenizer` ("char", "bpe" or a path to a tokenizer.json) and
-            `vocab_size` (bpe).
+        data_cfg: uses `tokenizer` ("char", "bpe", the path of a tokenizer.json or of a folder
+            holding one, or a Hugging Face Hub name, see `named_tokenizer`) and `vocab_size`
+            (bpe).
         texts: the training text, one string or an iterable of documents (consumed once;
-            ignored for a tokenizer.json path, which is loaded as is).
+            ignored for a tokenizer given by path or name, which is loaded as is).
 
     Raises:
-        InputError: `vocab_size` too small for BPE, or a tokenizer path that is not one.
+        InputError: `vocab_size` too small for BPE, or a tokenizer path or name that is not one.
     """
     if isinstance(texts, str):
         texts = [texts]
@@ -326,12 +333,38 @@ def train_tokenizer(data_cfg: DataConfig, texts: Iterable[str] | str) -> Tokeniz
         return CharTokenizer.train(texts)
     if kind == "bpe":
         return BPETokenizer.train(texts, data_cfg.vocab_size)
-    if not Path(kind).is_file():
+    return named_tokenizer(kind, what="data.tokenizer")
+
+
+def named_tokenizer(name: str, *, what: str) -> Tokenizer:
+    """Load a tokenizer given as a `tokenizer.json` path, a folder holding one, or a Hugging
+    Face Hub name (`gpt2`, `org/name@revision`: its `tokenizer.json` through the Hub cache,
+    offline with `HF_HUB_OFFLINE=1`; see `llmcli.hub.resolve_pretrained`).
+
+    Raises:
+        InputError: no such file or folder and not a Hub name (or one ending in `.json`); a
+            folder or Hub repo without a `tokenizer.json`; a Hub name that cannot be fetched;
+            a file that is not a tokenizer. `what` (`data.tokenizer`) names the setting.
+    """
+    if not Path(name).expanduser().exists() and (
+        name.endswith(".json") or split_hub_name(name) is None
+    ):
         raise InputError(
-            f"data.tokenizer ({kind!r}) must be 'char', 'bpe' or the path of an existing "
-            "tokenizer.json; no such file."
+            f"{what} ({name!r}) must be 'char', 'bpe' or the path of an existing tokenizer.json "
+            "(or of a folder holding one) or a Hugging Face Hub name; no such file."
         )
-    return load_tokenizer(kind)
+    where = resolve_pretrained(name, what=what, patterns=HUB_TOKENIZER_FILES)
+    if where.is_dir():
+        if not (where / TOKENIZER_FILE).is_file():
+            local = Path(name).expanduser().exists()
+            holder = "the folder" if local else "the Hub repository (fetched into"
+            raise InputError(
+                f"{what} ({name!r}): {holder} {str(where)!r}{'' if local else ')'} has no "
+                f"{TOKENIZER_FILE}, the Hugging Face tokenizers file (a repository with only a "
+                "slow tokenizer, such as vocab.txt or a SentencePiece model, has none)."
+            )
+        where = where / TOKENIZER_FILE
+    return load_tokenizer(where)
 
 
 def separator_ids(tok: Tokenizer) -> list[int]:

@@ -1,4 +1,4 @@
-"""Hugging Face Hub names (`llmcli.hub.resolve_pretrained`), offline.
+"""Hugging Face Hub names (`llmcli.hub.resolve_pretrained`, `data.tokenizer: org/name`), offline.
 
 Every test builds a Hub cache in a temporary folder in huggingface_hub's own layout
 (`models--org--name/{blobs,snapshots/<commit>,refs/<revision>}`) and points `HF_HUB_CACHE` at
@@ -22,12 +22,16 @@ import huggingface_hub
 import pytest
 from huggingface_hub import constants
 
+from llmcli.cli import main
+from llmcli.config import DataConfig
 from llmcli.errors import InputError
 from llmcli.hub import resolve_pretrained, split_hub_name
+from llmcli.tokenizer import BPETokenizer, train_tokenizer
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 OTHER_COMMIT = "fedcba9876543210fedcba9876543210fedcba98"
 CLOSED_PORT = "http://127.0.0.1:9"  # the discard port: nothing listens, a connection fails at once
+TEXT = "The quick brown fox jumps over the lazy dog.\nPack my box with five dozen liquor jugs.\n"
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
 
 
@@ -221,10 +225,59 @@ def test_hub_errors_say_which(
         resolve("org/name@v9" if code == "RevisionNotFound" else "org/name")
 
 
+# --- data.tokenizer ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bpe() -> BPETokenizer:
+    return BPETokenizer.train([TEXT * 20], vocab_size=300)
+
+
+def test_data_tokenizer_from_a_cached_hub_name(hub_cache: Path, bpe: BPETokenizer) -> None:
+    cache_repo(hub_cache, "org/tok", {"tokenizer.json": bpe.to_json(), "config.json": "{}"})
+    tok = train_tokenizer(DataConfig(tokenizer="org/tok"), "ignored")
+    assert isinstance(tok, BPETokenizer) and tok.to_json() == bpe.to_json()
+    assert tok.encode(TEXT) == bpe.encode(TEXT) and tok.eot_id == bpe.eot_id
+    assert tok.decode(tok.encode(TEXT)) == TEXT
+
+
+def test_data_tokenizer_from_a_folder(tmp_path: Path, bpe: BPETokenizer) -> None:
+    folder = tmp_path / "my-tokenizer"
+    folder.mkdir()
+    with pytest.raises(InputError, match=r"the folder '.*my-tokenizer' has no tokenizer\.json"):
+        train_tokenizer(DataConfig(tokenizer=str(folder)), "x")
+    bpe.save(folder / "tokenizer.json")
+    assert train_tokenizer(DataConfig(tokenizer=str(folder)), "x").to_json() == bpe.to_json()
+
+
+def test_data_tokenizer_hub_repo_without_tokenizer_json(hub_cache: Path) -> None:
+    cache_repo(hub_cache, "org/slow", {"vocab.txt": "a\nb\n"})
+    with pytest.raises(
+        InputError, match=r"the Hub repository \(fetched into .*\) has no tokenizer"
+    ):
+        train_tokenizer(DataConfig(tokenizer="org/slow"), "x")
+
+
+def test_data_tokenizer_missing_hub_name_exits_2_through_the_cli(
+    hub_cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(TEXT * 20, encoding="utf-8")
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(f"data: {{path: {str(corpus)!r}}}\nmodel: {{context_length: 16}}\n")
+    argv = ["prepare-data", str(cfg), "--cache-dir", str(tmp_path / "cache")]
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--set", "data.tokenizer=org/missing-tokenizer"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: data.tokenizer 'org/missing-tokenizer' is a Hugging Face Hub name" in err
+    assert f"not in the cache at {hub_cache}" in err and "Traceback" not in err
+
+
 def test_importing_llmcli_does_not_load_the_hub_download_machinery() -> None:
     """Resolving a Hub name loads `snapshot_download` (~0.4 s); other commands never do."""
     code = (
-        "import sys, llmcli.hub; "
+        "import sys, llmcli.tokenizer, llmcli.hub; "
         "print('huggingface_hub.hf_api' in sys.modules, "
         "'huggingface_hub._snapshot_download' in sys.modules)"
     )
