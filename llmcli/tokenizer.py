@@ -1,21 +1,32 @@
 """Tokenizers: characters or byte-level BPE, behind one interface, each saved as one JSON file.
 
-Three kinds share the `Tokenizer` protocol:
+Every `tokenizer.json` llmcli writes is a Hugging Face `tokenizers` file:
+`tokenizers.Tokenizer.from_file(path)` loads it and encodes and decodes exactly as llmcli does
+(with `add_special_tokens=False` and `skip_special_tokens=False`). Two kinds share the
+`Tokenizer` protocol:
 
 - `CharTokenizer`: one token per character of the training text, ids in sorted character order
   (nanoGPT's `shakespeare_char` vocabulary), plus `"\\n"`, which joins documents and starts an
   empty prompt, and one last id for `<|endoftext|>`, the end-of-text token that Hugging Face
   tools (`generate`, lm-evaluation-harness) need: the model learns it is never next in the
-  text. Its `tokenizer.json` is our own small format,
-  `{"kind": "llmcli-char", "version": 2, "chars": [...], "eot": "<|endoftext|>"}`; version 1
-  files (no end-of-text token) still load as they were.
+  text. Its `tokenizer.json` is a `WordLevel` model over the characters with `<|endoftext|>` as a
+  special added token at the last id, a `Split` pre-tokenizer on `[\\s\\S]` (every character
+  its own token, newlines included) and a `Fuse` decoder; `load_tokenizer` recognises that
+  structure and gives a `CharTokenizer` back, with its vectorised `encode_array`. Runs from
+  before wrote llmcli's own format, `{"kind": "llmcli-char", "version": 2, "chars": [...],
+  "eot": "<|endoftext|>"}`, or version 1 (no end-of-text token): both still load as they were,
+  and are written in the Hugging Face format when saved again. The trained-tokenizer cache
+  (`llmcli.data`) keeps its "char-v2" key: a cached file in the old format loads to a tokenizer
+  equal to a newly trained one (same characters, same end-of-text token, same `to_json()`), so
+  it is still right to reuse; only what identifies the tokenizer matters there, not the file's
+  layout. (The token cache is keyed by `to_json()` itself, so a char corpus is tokenized once
+  more after the change, to the same ids.)
 - `BPETokenizer`: byte-level BPE trained with Hugging Face `tokenizers` (GPT-2's pre-tokenizer
   regex and byte alphabet) with one special token, `<|endoftext|>`, which joins documents. Any
-  Unicode string round-trips exactly. Its `tokenizer.json` is the Hugging Face format, so other
-  tools read it, and the same class wraps any other Hugging Face `tokenizer.json`, used as is:
-  `data.tokenizer` may be the path of one, a folder holding one, or a Hugging Face Hub name
-  (`gpt2`, `org/name@revision`), fetched through the Hugging Face cache by
-  `llmcli.hub.resolve_pretrained` (offline with `HF_HUB_OFFLINE=1` once cached).
+  Unicode string round-trips exactly. The same class wraps any other Hugging Face
+  `tokenizer.json`, used as is: `data.tokenizer` may be the path of one, a folder holding one,
+  or a Hugging Face Hub name (`gpt2`, `org/name@revision`), fetched through the Hugging Face
+  cache by `llmcli.hub.resolve_pretrained` (offline with `HF_HUB_OFFLINE=1` once cached).
 
 `load_tokenizer(path)` tells the kinds apart by the file's content, so a run directory's
 `tokenizer.json` is enough to encode and decode.
@@ -31,8 +42,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from llmcli.errors import InputError
 from llmcli.fileio import atomic_write_text
@@ -44,7 +55,18 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 EOT = "<|endoftext|>"
-CHAR_KIND = "llmcli-char"
+CHAR_KIND = "llmcli-char"  # the "kind" of llmcli's own char tokenizer files (versions 1 and 2)
+# A char tokenizer in the Hugging Face format: a pre-tokenizer that isolates every character
+# (`[\s\S]` matches any one, newlines included) and a decoder that joins tokens as they are.
+CHAR_SPLIT_REGEX = r"[\s\S]"
+_CHAR_PRE_TOKENIZER = {
+    "type": "Split",
+    "pattern": {"Regex": CHAR_SPLIT_REGEX},
+    "behavior": "Isolated",
+    "invert": False,
+}
+_CHAR_DECODER = {"type": "Fuse"}
+_CHAR_ABSENT = ("normalizer", "post_processor", "truncation", "padding")
 TOKENIZER_FILE = "tokenizer.json"
 # What a Hub name given as data.tokenizer fetches (only tokenizer.json is read).
 HUB_TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json")
@@ -156,10 +178,27 @@ class CharTokenizer:
         tokens = self.chars if self.eot is None else [*self.chars, self.eot]
         return "".join([tokens[i] for i in ids])
 
+    def to_hf(self) -> HFTokenizer:
+        """The same tokenizer as a Hugging Face `tokenizers.Tokenizer` (same ids, same text).
+
+        A `WordLevel` model over the characters (ids in sorted order), the end-of-text token at
+        the last id as a special added token (split out of a text before anything else), a
+        `Split` pre-tokenizer that isolates every character and a `Fuse` decoder.
+        """
+        vocab = dict(self.stoi)
+        if self.eot is not None:
+            vocab[self.eot] = len(self.chars)
+        hf = HFTokenizer(models.WordLevel(vocab=vocab, unk_token=None))
+        hf.pre_tokenizer = pre_tokenizers.Split(Regex(CHAR_SPLIT_REGEX), behavior="isolated")
+        hf.decoder = decoders.Fuse()
+        if self.eot is not None:
+            hf.add_special_tokens([AddedToken(self.eot, special=True, normalized=False)])
+        return hf
+
     def to_json(self) -> str:
-        if self.eot is None:
-            return json.dumps({"kind": CHAR_KIND, "version": 1, "chars": self.chars})
-        return json.dumps({"kind": CHAR_KIND, "version": 2, "chars": self.chars, "eot": self.eot})
+        """A Hugging Face `tokenizer.json` (see `to_hf`); `tokenizer_from_json` reads it back
+        as a `CharTokenizer`."""
+        return self.to_hf().to_str()
 
     def save(self, path: str | os.PathLike) -> None:
         atomic_write_text(path, self.to_json())
@@ -265,8 +304,58 @@ def _lines_in_batches(texts: Iterable[str], lines_per_batch: int = 1000) -> Iter
         yield batch
 
 
+def _char_tokenizer_from_hf(data: dict[str, Any]) -> CharTokenizer | None:
+    """The `CharTokenizer` that a Hugging Face tokenizer.json is (as `CharTokenizer.to_json`
+    writes it), or None when it is any other tokenizer.
+
+    It is one when it tokenizes exactly as a `CharTokenizer`: a `WordLevel` model over single
+    characters with ids in sorted order and an unknown token outside the vocabulary, at most one
+    added token (special, matched as written: the end-of-text token) at the next id, the
+    character-isolating `Split` pre-tokenizer, a `Fuse` decoder and nothing else (no normalizer,
+    post-processor, truncation or padding).
+    """
+    model, added = data.get("model"), data.get("added_tokens") or []
+    if not (
+        isinstance(model, dict)
+        and model.get("type") == "WordLevel"
+        and isinstance(model.get("vocab"), dict)
+        and all(isinstance(i, int) for i in model["vocab"].values())
+        and data.get("pre_tokenizer") == _CHAR_PRE_TOKENIZER
+        and data.get("decoder") == _CHAR_DECODER
+        and all(data.get(k) is None for k in _CHAR_ABSENT)
+        and isinstance(added, list)
+        and len(added) <= 1
+        and all(_is_plain_special(token) for token in added)
+    ):
+        return None
+    vocab: dict[str, int] = model["vocab"]
+    eot = added[0]["content"] if added else None
+    chars = [t for t, _ in sorted(vocab.items(), key=lambda item: item[1]) if t != eot]
+    n = len(chars)
+    if not chars or any(len(c) != 1 for c in chars) or chars != sorted(chars):
+        return None
+    if [vocab[c] for c in chars] != list(range(n)) or model.get("unk_token") in vocab:
+        return None
+    if eot is not None and not (added[0].get("id") == vocab.get(eot, n) == n):
+        return None
+    return CharTokenizer(chars, eot=eot)
+
+
+def _is_plain_special(token: Any) -> bool:
+    """An added token that is special and matched exactly as written (no stripping)."""
+    return (
+        isinstance(token, dict)
+        and token.get("special") is True
+        and isinstance(token.get("content"), str)
+        and len(token["content"]) > 1
+        and not any(token.get(k) for k in ("single_word", "lstrip", "rstrip", "normalized"))
+    )
+
+
 def tokenizer_from_json(text: str, source: str = "tokenizer.json") -> Tokenizer:
-    """Rebuild a tokenizer from the text of a `tokenizer.json` (ours or Hugging Face's)."""
+    """Rebuild a tokenizer from the text of a `tokenizer.json`: a `CharTokenizer` from one that
+    `CharTokenizer.to_json` wrote or from llmcli's own char format (versions 1 and 2), else a
+    `BPETokenizer` around the Hugging Face tokenizer it is."""
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -288,7 +377,7 @@ def tokenizer_from_json(text: str, source: str = "tokenizer.json") -> Tokenizer:
             f"{source} is neither an llmcli char tokenizer (kind {CHAR_KIND!r}) nor a Hugging "
             "Face tokenizer.json (no 'model' key)."
         )
-    return BPETokenizer.from_json(text, source)
+    return _char_tokenizer_from_hf(data) or BPETokenizer.from_json(text, source)
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:

@@ -1,15 +1,19 @@
-"""Tokenizers: char (ids are ranks in the sorted characters) and byte-level BPE (against a
-pure-Python GPT-2 BPE encoder written from OpenAI's `encoder.py` algorithm), save/load, errors."""
+"""Tokenizers: char (ids are ranks in the sorted characters; saved as a Hugging Face
+tokenizer.json that `tokenizers` encodes alike; llmcli's older char files still load) and
+byte-level BPE (against a pure-Python GPT-2 BPE encoder written from OpenAI's `encoder.py`
+algorithm), save/load, errors."""
 
 import json
 from pathlib import Path
 
 import pytest
 import regex
+import tokenizers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmcli.config import DataConfig
+from llmcli.data import prepare_data
 from llmcli.errors import InputError
 from llmcli.tokenizer import (
     EOT,
@@ -18,6 +22,7 @@ from llmcli.tokenizer import (
     Tokenizer,
     load_tokenizer,
     start_ids,
+    tokenizer_from_json,
     train_tokenizer,
 )
 
@@ -82,12 +87,67 @@ def test_char_save_load_restores_exactly(tmp_path: Path, text: str) -> None:
     tok = CharTokenizer.train([text + "é\u2028"])
     tok.save(tmp_path / "tokenizer.json")
     data = json.loads((tmp_path / "tokenizer.json").read_text(encoding="utf-8"))
-    assert data["kind"] == "llmcli-char"
+    assert data["model"]["type"] == "WordLevel"  # a Hugging Face tokenizer.json
+    assert data["added_tokens"][0]["content"] == EOT and data["added_tokens"][0]["special"]
+    assert data["model"]["vocab"][EOT] == tok.eot_id == len(tok.chars)
     back = load_tokenizer(tmp_path / "tokenizer.json")
     assert isinstance(back, CharTokenizer)
     assert back.to_json() == tok.to_json() and back.chars == tok.chars
+    assert (back.eot, back.eot_id, back.vocab_size, back.stoi) == (
+        tok.eot,
+        tok.eot_id,
+        tok.vocab_size,
+        tok.stoi,
+    )
     assert back.encode(text[:500] + "é\u2028") == tok.encode(text[:500] + "é\u2028")
     assert [p.name for p in tmp_path.iterdir()] == ["tokenizer.json"]  # no temp file left
+
+
+def test_char_tokenizer_json_is_read_by_hugging_face_tokenizers(tmp_path: Path) -> None:
+    tok = CharTokenizer.train(TRICKY)
+    tok.save(tmp_path / "tokenizer.json")
+    hf = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert hf.get_vocab_size(with_added_tokens=True) == tok.vocab_size
+    assert hf.token_to_id(EOT) == tok.eot_id
+    for s in [*TRICKY, "\n".join(TRICKY), EOT, f"\n{EOT}\n<|endoftext{EOT}|>"]:
+        ids = tok.encode(s)
+        assert hf.encode(s).ids == ids, repr(s)  # default add_special_tokens adds nothing
+        assert hf.encode(s, add_special_tokens=False).ids == ids
+        assert hf.decode(ids, skip_special_tokens=False) == tok.decode(ids) == s
+    assert "☃" not in tok.stoi
+    with pytest.raises(Exception, match="UNK"):  # an unknown character is an error, as for ours
+        hf.encode("a☃")
+
+
+@settings(max_examples=200, deadline=None)
+@given(s=st.text(alphabet="ab \n\t\r\u2028é🎉<|>endoftxt", max_size=60))
+def test_char_hugging_face_encoding_equals_ours(s: str) -> None:
+    tok = CharTokenizer.train(["ab \n\t\r\u2028é🎉<|>endoftxt"])
+    hf = tokenizers.Tokenizer.from_str(tok.to_json())
+    ids = tok.encode(s)
+    assert hf.encode(s).ids == ids
+    assert hf.decode(ids, skip_special_tokens=False) == tok.decode(ids) == s
+
+
+def test_other_word_level_tokenizers_stay_bpe_tokenizers(tmp_path: Path) -> None:
+    """Only what tokenizes exactly as a CharTokenizer is read back as one."""
+    tok = CharTokenizer.train(["abc"])
+    base = json.loads(tok.to_json())
+    changes = {
+        "multi-character word": lambda d: d["model"]["vocab"].update({"ab": 5}),
+        "ids not in sorted order": lambda d: d["model"]["vocab"].update({"a": 2, "b": 1}),
+        "a normalizer": lambda d: d.update(normalizer={"type": "Lowercase"}),
+        "another pre-tokenizer": lambda d: d.update(pre_tokenizer={"type": "Whitespace"}),
+        "an unknown token in the vocabulary": lambda d: d["model"].update(unk_token="a"),
+        "a non-special added token": lambda d: d["added_tokens"][0].update(special=False),
+    }
+    for what, change in changes.items():
+        data = json.loads(json.dumps(base))
+        change(data)
+        back = tokenizer_from_json(json.dumps(data))
+        assert isinstance(back, BPETokenizer), what
+    same = tokenizer_from_json(json.dumps(base, indent=2))  # layout does not matter
+    assert isinstance(same, CharTokenizer) and same.to_json() == tok.to_json()
 
 
 def test_char_end_of_text_token_is_one_id_and_round_trips() -> None:
@@ -105,13 +165,52 @@ def test_char_version_1_file_loads_without_end_of_text(tmp_path: Path) -> None:
     path.write_text(json.dumps({"kind": "llmcli-char", "version": 1, "chars": ["\n", "a", "b"]}))
     old = load_tokenizer(path)
     assert isinstance(old, CharTokenizer)
-    assert (old.vocab_size, old.eot_id) == (3, None)
-    assert old.encode("ab\n") == [1, 2, 0] and old.to_json() == path.read_text()
+    assert (old.chars, old.vocab_size, old.eot, old.eot_id) == (["\n", "a", "b"], 3, None, None)
+    assert old.encode("ab\n") == [1, 2, 0]
     with pytest.raises(InputError, match="outside"):
         old.decode([3])
+    # Saved again, it is a Hugging Face file, still without an end-of-text token.
+    old.save(path)
+    again = load_tokenizer(path)
+    assert isinstance(again, CharTokenizer) and (again.vocab_size, again.eot) == (3, None)
+    hf = tokenizers.Tokenizer.from_file(str(path))
+    assert hf.encode("ab\n").ids == [1, 2, 0] and hf.get_vocab_size() == 3
     path.write_text(json.dumps({"kind": "llmcli-char", "version": 2, "chars": ["a"]}))
     with pytest.raises(InputError, match="'eot'"):
         load_tokenizer(path)
+
+
+def test_char_version_2_file_loads_as_before(tmp_path: Path) -> None:
+    path = tmp_path / "tokenizer.json"
+    chars = ["\n", " ", "a", "b"]
+    path.write_text(json.dumps({"kind": "llmcli-char", "version": 2, "chars": chars, "eot": EOT}))
+    old = load_tokenizer(path)
+    assert isinstance(old, CharTokenizer)
+    assert (old.chars, old.eot, old.eot_id, old.vocab_size) == (chars, EOT, 4, 5)
+    assert old.encode(f"ab {EOT}\n") == [2, 3, 1, 4, 0]
+    assert old.to_json() == CharTokenizer(chars).to_json()  # as a tokenizer trained now
+
+
+def test_char_tokenizer_cached_in_the_old_format_is_reused(
+    tmp_path: Path, text: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The data cache keeps its "char-v2" key: an old-format cached tokenizer loads equal to a
+    newly trained one, so it is reused, and so is the token file keyed by its `to_json()`."""
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(text[:20_000], encoding="utf-8")
+    cfg = DataConfig(path=str(corpus), tokenizer="char")
+    first = prepare_data(cfg, 8, cache_dir=tmp_path / "cache")
+    [cached] = (tmp_path / "cache" / "tokenizers").iterdir()
+    chars = first.tokenizer.chars
+    cached.write_text(json.dumps({"kind": "llmcli-char", "version": 2, "chars": chars, "eot": EOT}))
+
+    def no_training(*args: object) -> None:
+        raise AssertionError("the cached tokenizer was not reused")
+
+    monkeypatch.setattr(CharTokenizer, "train", no_training)
+    second = prepare_data(cfg, 8, cache_dir=tmp_path / "cache")
+    assert second.tokenizer.to_json() == first.tokenizer.to_json()
+    assert second.cache_files == first.cache_files
 
 
 def test_char_decode_rejects_unknown_ids() -> None:
