@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import signal
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from huggingface_hub import constants
 
 from llmcli.checkpoint import save_model_run
 from llmcli.config import config_from_dict
@@ -79,3 +81,57 @@ def save_tiny_run(
                     param.mul_(sharpen)
     save_model_run(run_dir, config, tokenizer, model, extra_meta=extra_meta)
     return run_dir
+
+
+# --- a Hugging Face Hub cache, offline ---------------------------------------------------------
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+OTHER_COMMIT = "fedcba9876543210fedcba9876543210fedcba98"
+CLOSED_PORT = "http://127.0.0.1:9"  # the discard port: nothing listens, a connection fails at once
+
+
+@pytest.fixture
+def hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty Hub cache, offline mode on, and a Hub endpoint that nothing answers."""
+    cache = tmp_path / "hf" / "hub"
+    cache.mkdir(parents=True)
+    for var in ("HF_HOME", "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_ENDPOINT", CLOSED_PORT)
+    # huggingface_hub read the environment when it was imported: keep its copies in step.
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "ENDPOINT", CLOSED_PORT)
+    return cache
+
+
+def go_online(monkeypatch: pytest.MonkeyPatch, endpoint: str = CLOSED_PORT) -> None:
+    """Offline mode off; the Hub at `endpoint` (by default a port where nothing answers)."""
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+
+
+def cache_repo(
+    cache: Path, repo_id: str, files: dict[str, str], commit: str = COMMIT, ref: str | None = "main"
+) -> Path:
+    """Put `files` in the Hub cache as huggingface_hub stores a download: the content in
+    `blobs/<hash>`, a symlink to it in `snapshots/<commit>/`, and `refs/<ref>` holding the
+    commit (no newline). Returns the snapshot folder."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for name, content in files.items():
+        blob = repo / "blobs" / hashlib.sha256(content.encode()).hexdigest()
+        blob.write_text(content, encoding="utf-8")
+        (snapshot / name).symlink_to(Path("..", "..", "blobs", blob.name))
+    if ref is not None:
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / ref).write_text(commit, encoding="utf-8")
+    return snapshot

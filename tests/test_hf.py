@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import cache_repo
 from hf_helpers import PROMPT, TEXT, assert_close, cli, greedy_llmcli, make_run
 
 from llmcli import checkpoint as ckpt
@@ -412,6 +413,40 @@ def test_exported_run_round_trips_through_init_from(tmp_path):
     ids = torch.tensor([original.tokenizer.encode(TEXT)[:64]])
     with torch.no_grad():
         assert_close(loaded.model(ids)[0], original.model(ids)[0], "export -> init_from logits", 0)
+
+
+def test_init_from_a_hub_name_trains_on_from_the_cache(tmp_path, hub_cache, capsys):
+    """`train.init_from: org/name` resolves through the Hugging Face cache (offline here), in
+    any exported architecture; the run records the snapshot folder, so it needs no Hub later."""
+    run = make_run(tmp_path / "run", "char", seed=5, pos_emb="rope", norm="rmsnorm")
+    hf_export.export_hf(run, tmp_path / "export")
+    snapshot = cache_repo(hub_cache, "org/tiny-arcee", {})
+    for path in (tmp_path / "export").iterdir():  # weights too (bytes): copied as they are
+        (snapshot / path.name).write_bytes(path.read_bytes())
+    config = Config(train=TrainConfig(init_from="org/tiny-arcee"))
+    resolved = hf_import.resolve_init_from(config)
+    assert Path(resolved.train.init_from) == snapshot.resolve()
+    assert (resolved.model.pos_emb, resolved.model.norm) == ("rope", "rmsnorm")
+    loaded = hf_import.load_hf_folder("org/tiny-arcee")
+    original = ckpt.load_run(run)
+    ids = torch.tensor([original.tokenizer.encode(TEXT)[:64]])
+    with torch.no_grad():
+        assert_close(loaded.model(ids)[0], original.model(ids)[0], "hub init_from logits", 0)
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT * 20)
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text(
+        f"data: {{path: {corpus}}}\n"
+        "train: {device: cpu, max_steps: 2, warmup_steps: 0, eval_interval: 2, eval_steps: 1,"
+        " batch_size: 2, init_from: org/tiny-arcee}\n"
+    )
+    assert cli("train", yaml_file, "--out", tmp_path / "trained") == 0
+    gone = ("--set", "train.init_from=org/gone")
+    assert cli("train", yaml_file, "--out", tmp_path / "x", *gone) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "train.init_from 'org/gone' is a Hugging Face Hub name that is not in the cache" in err
+    assert "Traceback" not in err
 
 
 def test_llmcli_train_with_a_bad_init_from_exits_2(tmp_path, capsys):

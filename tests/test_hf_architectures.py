@@ -151,3 +151,25 @@ def test_an_explicit_format_must_compute_the_model() -> None:
         choose(rope_rms, "gpt-neox")
     with pytest.raises(Exception, match="--format 'onnx' is not supported"):
         choose(rope_rms, "onnx")
+
+
+@pytest.mark.parametrize(
+    "change, feature",
+    [
+        ({"model_type": "llama"}, "gated MLP"),
+        ({"num_key_value_heads": 2}, "grouped-query attention (2 key/value heads for 4)"),
+        ({"intermediate_size": 100}, "intermediate_size 100"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope scaling 'yarn'"),
+    ],
+)
+def test_init_from_names_the_feature_llmcli_cannot_hold(tmp_path, capsys, change, feature) -> None:
+    run, out = make_run(tmp_path / "run", "char", **ROPE_RMS), tmp_path / "hf"
+    assert cli("export", "--checkpoint", run, "--out", out) == 0
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, **change}))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT * 20)
+    sets = ["--set", f"train.init_from={out}", "--set", f"data.path={corpus}"]
+    assert cli("train", "tiny", "--out", tmp_path / "new", *sets) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert feature in err and "Traceback" not in err

@@ -9,7 +9,6 @@ or unknown-revision repository.
 
 from __future__ import annotations
 
-import hashlib
 import http.server
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import huggingface_hub
 import pytest
+from conftest import CLOSED_PORT, COMMIT, OTHER_COMMIT, cache_repo, go_online
 from huggingface_hub import constants
 
 from llmcli.cli import main
@@ -28,58 +28,8 @@ from llmcli.errors import InputError
 from llmcli.hub import resolve_pretrained, split_hub_name
 from llmcli.tokenizer import BPETokenizer, train_tokenizer
 
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
-OTHER_COMMIT = "fedcba9876543210fedcba9876543210fedcba98"
-CLOSED_PORT = "http://127.0.0.1:9"  # the discard port: nothing listens, a connection fails at once
 TEXT = "The quick brown fox jumps over the lazy dog.\nPack my box with five dozen liquor jugs.\n"
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
-
-
-@pytest.fixture
-def hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """An empty Hub cache, offline mode on, and a Hub endpoint that nothing answers."""
-    cache = tmp_path / "hf" / "hub"
-    cache.mkdir(parents=True)
-    for var in ("HF_HOME", "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_OFFLINE"):
-        monkeypatch.delenv(var, raising=False)
-    for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_ENDPOINT", CLOSED_PORT)
-    # huggingface_hub read the environment when it was imported: keep its copies in step.
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(constants, "ENDPOINT", CLOSED_PORT)
-    return cache
-
-
-def go_online(monkeypatch: pytest.MonkeyPatch, endpoint: str = CLOSED_PORT) -> None:
-    """Offline mode off; the Hub at `endpoint` (by default a port where nothing answers)."""
-    monkeypatch.delenv("HF_HUB_OFFLINE")
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setenv("HF_ENDPOINT", endpoint)
-    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
-
-
-def cache_repo(
-    cache: Path, repo_id: str, files: dict[str, str], commit: str = COMMIT, ref: str | None = "main"
-) -> Path:
-    """Put `files` in the Hub cache as huggingface_hub stores a download: the content in
-    `blobs/<hash>`, a symlink to it in `snapshots/<commit>/`, and `refs/<ref>` holding the
-    commit (no newline). Returns the snapshot folder."""
-    repo = cache / ("models--" + repo_id.replace("/", "--"))
-    snapshot = repo / "snapshots" / commit
-    (repo / "blobs").mkdir(parents=True, exist_ok=True)
-    snapshot.mkdir(parents=True, exist_ok=True)
-    for name, content in files.items():
-        blob = repo / "blobs" / hashlib.sha256(content.encode()).hexdigest()
-        blob.write_text(content, encoding="utf-8")
-        (snapshot / name).symlink_to(Path("..", "..", "blobs", blob.name))
-    if ref is not None:
-        (repo / "refs").mkdir(exist_ok=True)
-        (repo / "refs" / ref).write_text(commit, encoding="utf-8")
-    return snapshot
 
 
 def resolve(name: str) -> Path:

@@ -19,8 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from safetensors.torch import save
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
-from tokenizers import Tokenizer as HFTokenizer
 
 from llmcli import checkpoint as ckpt
 from llmcli.config import Config
@@ -38,7 +36,7 @@ from llmcli.hf.common import (
     HF_WEIGHTS_INDEX,
     NORM_EPS,
 )
-from llmcli.tokenizer import CharTokenizer, Tokenizer
+from llmcli.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -55,26 +53,6 @@ _STALE_FILES = (
 # ---------------------------------------------------------------------------------------------
 # Tokenizer files
 # ---------------------------------------------------------------------------------------------
-
-
-def hf_tokenizer_json(tokenizer: Tokenizer) -> str:
-    """The tokenizer as a Hugging Face `tokenizer.json` that encodes and decodes as ours.
-
-    A char tokenizer becomes a `WordLevel` model over its characters, with a pre-tokenizer that
-    isolates every character (`[\\s\\S]` matches any one, newlines included) and a `Fuse`
-    decoder that joins tokens with nothing between them. A BPE tokenizer already is one.
-    """
-    if isinstance(tokenizer, CharTokenizer):
-        vocab = dict(tokenizer.stoi)
-        if tokenizer.eot is not None:
-            vocab[tokenizer.eot] = tokenizer.eot_id
-        hf = HFTokenizer(models.WordLevel(vocab=vocab, unk_token=None))
-        hf.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-        hf.decoder = decoders.Fuse()
-        if tokenizer.eot is not None:
-            hf.add_special_tokens([AddedToken(tokenizer.eot, special=True, normalized=False)])
-        return hf.to_str()
-    return tokenizer.to_json()
 
 
 def _eot_token(tokenizer: Tokenizer) -> str | None:
@@ -96,7 +74,7 @@ def hf_tokenizer_files(tokenizer: Tokenizer, context_length: int) -> dict[str, s
         **special,
     }
     return {
-        HF_TOKENIZER_FILE: hf_tokenizer_json(tokenizer),
+        HF_TOKENIZER_FILE: tokenizer.to_json(),  # every llmcli tokenizer.json is Hugging Face's
         HF_TOKENIZER_CONFIG: json.dumps(tokenizer_config, indent=2) + "\n",
         HF_SPECIAL_TOKENS: json.dumps(special, indent=2) + "\n",
     }

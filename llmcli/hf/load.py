@@ -30,10 +30,24 @@ from llmcli.hf.common import (
     HF_WEIGHTS_FILE,
     HF_WEIGHTS_INDEX,
 )
+from llmcli.hub import resolve_pretrained, split_hub_name
 from llmcli.model import Transformer
 from llmcli.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
+
+# What a model repo on the Hub needs to hold for init_from: the rest (other formats) is skipped.
+HUB_FILES = [
+    HF_CONFIG_FILE,
+    HF_WEIGHTS_FILE,
+    HF_WEIGHTS_INDEX,
+    "model-*.safetensors",
+    HF_TORCH_WEIGHTS,
+    HF_TOKENIZER_FILE,
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+]
 
 # ---------------------------------------------------------------------------------------------
 # Import (train.init_from)
@@ -67,6 +81,9 @@ def _weights_files(folder: Path) -> list[Path]:
 def check_hf_folder(path: str | Path) -> tuple[Path, dict[str, Any]]:
     """Check that `path` is a Hugging Face model folder and read its `config.json`.
 
+    `path` may also be a Hub name (`gpt2`, `org/name@revision`), found in the Hugging Face
+    cache or downloaded into it (see `llmcli.hub.resolve_pretrained`).
+
     Returns:
         `(folder, config.json as a dict)`.
 
@@ -76,6 +93,8 @@ def check_hf_folder(path: str | Path) -> tuple[Path, dict[str, Any]]:
     """
     folder = Path(path).expanduser()
     what = f"train.init_from ('{path}')"
+    if not folder.exists() and split_hub_name(str(path)) is not None:
+        folder = resolve_pretrained(path, what="train.init_from", patterns=HUB_FILES)
     if not folder.exists():
         raise InputError(
             f"{what} does not exist: give a local Hugging Face model folder "
