@@ -104,7 +104,7 @@ class DataConfig:
             "data",
             "tokenizer",
             self.tokenizer,
-            "must be 'char', 'bpe' or a path to a tokenizer.json",
+            "must be 'char', 'bpe', a tokenizer.json (or a folder holding one) or a Hub name",
         )
 
 
