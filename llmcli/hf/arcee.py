@@ -33,7 +33,8 @@ from llmcli.hf.common import (
     activation,
     cpu,
     leftovers,
-    positive_int,
+    mismatches,
+    model_shape,
     refuse,
     rope_parameters,
     take,
@@ -46,29 +47,11 @@ MODEL_TYPE = "arcee"
 HF_CLASS = "ArceeForCausalLM"
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 
-_RMSNORM = "model.norm: rmsnorm"
-
 
 def problems(model_cfg: ModelConfig) -> list[Problem]:
     """The options Arcee cannot compute exactly (none: it can export the run)."""
-    found = []
-    if model_cfg.pos_emb != "rope":
-        found.append(
-            Problem(
-                f"model.pos_emb ({model_cfg.pos_emb!r}; Arcee is rotary)", "model.pos_emb: rope"
-            )
-        )
-    if model_cfg.norm != "rmsnorm":
-        found.append(Problem(f"model.norm ({model_cfg.norm!r}; Arcee uses RMSNorm)", _RMSNORM))
-    if model_cfg.qk_norm:
-        found.append(
-            Problem(
-                "model.qk_norm (true; Arcee has no query/key norm, and the Llama-family models "
-                "that have one use a gated MLP)",
-                "model.qk_norm: false",
-            )
-        )
-    return found
+    why_not = ", and the Llama-family models that have one use a gated MLP"
+    return mismatches(model_cfg, "Arcee", pos_emb="rope", norm="rmsnorm", qk_note=why_not)
 
 
 def hf_config(
@@ -135,15 +118,13 @@ def model_config(hf_cfg: dict[str, Any], base: ModelConfig, source: str) -> Mode
     Raises:
         InputError: a missing key, or features llmcli's model cannot hold (all named).
     """
-    n_embed = positive_int(hf_cfg, source, "hidden_size")
-    n_head = positive_int(hf_cfg, source, "num_attention_heads")
-    n_layer = positive_int(hf_cfg, source, "num_hidden_layers")
-    context_length = positive_int(hf_cfg, source, "max_position_embeddings")
+    shape = model_shape(hf_cfg, source)
+    n_embed, n_head = shape["n_embed"], shape["n_head"]
     refused = []
     kv_heads = hf_cfg.get("num_key_value_heads") or n_head
     if kv_heads != n_head:
         refused.append(f"grouped-query attention ({kv_heads} key/value heads for {n_head})")
-    if n_embed % n_head or hf_cfg.get("head_dim", n_embed // n_head) != n_embed // n_head:
+    if hf_cfg.get("head_dim", n_embed // n_head) != n_embed // n_head:
         refused.append(f"head_dim {hf_cfg.get('head_dim')} (llmcli: hidden_size / heads)")
     if hf_cfg.get("intermediate_size", 4 * n_embed) != 4 * n_embed:
         refused.append(f"intermediate_size {hf_cfg.get('intermediate_size')} (llmcli: 4 * hidden)")
@@ -160,10 +141,7 @@ def model_config(hf_cfg: dict[str, Any], base: ModelConfig, source: str) -> Mode
     warn_eps(hf_cfg, "rms_norm_eps", source)
     return dataclasses.replace(
         base,
-        n_layer=n_layer,
-        n_head=n_head,
-        n_embed=n_embed,
-        context_length=context_length,
+        **shape,
         bias=bias,
         pos_emb="rope",
         rope_base=float(rope["rope_theta"]),

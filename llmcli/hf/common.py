@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from llmcli.config import ModelConfig
 from llmcli.errors import CheckpointError, InputError
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,57 @@ class Problem(NamedTuple):
 
     option: str  # e.g. "model.qk_norm (true; GPT-NeoX has no query/key normalisation)"
     fix: str  # e.g. "model.qk_norm: false"
+
+
+_POSITIONS = {"learned": "learned positions", "rope": "rotary positions"}
+_NORMS = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
+
+
+def mismatches(
+    model_cfg: ModelConfig, arch: str, *, pos_emb: str, norm: str, qk_note: str = ""
+) -> list[Problem]:
+    """What keeps `model_cfg` from architecture `arch`, which has `pos_emb` and `norm` and no
+    query/key norm (`qk_note` adds why none of its relatives has one either)."""
+    found = []
+    if model_cfg.pos_emb != pos_emb:
+        option = f"model.pos_emb ({model_cfg.pos_emb!r}; {arch} has {_POSITIONS[pos_emb]})"
+        found.append(Problem(option, f"model.pos_emb: {pos_emb}"))
+    if model_cfg.norm != norm:
+        option = f"model.norm ({model_cfg.norm!r}; {arch} uses {_NORMS[norm]})"
+        found.append(Problem(option, f"model.norm: {norm}"))
+    if model_cfg.qk_norm:
+        option = f"model.qk_norm (true; {arch} has no query/key norm{qk_note})"
+        found.append(Problem(option, "model.qk_norm: false"))
+    return found
+
+
+def model_shape(
+    hf_cfg: dict[str, Any],
+    source: str,
+    *,
+    n_embed: tuple[str, ...] = ("hidden_size",),
+    n_head: tuple[str, ...] = ("num_attention_heads",),
+    n_layer: tuple[str, ...] = ("num_hidden_layers",),
+    context_length: tuple[str, ...] = ("max_position_embeddings",),
+) -> dict[str, int]:
+    """llmcli's `n_embed`, `n_head`, `n_layer` and `context_length` from a config's keys (the
+    first of each tuple that is present).
+
+    Raises:
+        InputError: a key missing or not a positive integer, or heads that do not divide the width.
+    """
+    shape = {
+        "n_embed": positive_int(hf_cfg, source, *n_embed),
+        "n_head": positive_int(hf_cfg, source, *n_head),
+        "n_layer": positive_int(hf_cfg, source, *n_layer),
+        "context_length": positive_int(hf_cfg, source, *context_length),
+    }
+    if shape["n_embed"] % shape["n_head"]:
+        raise InputError(
+            f"{source}: {n_embed[0]} ({shape['n_embed']}) is not divisible by {n_head[0]} "
+            f"({shape['n_head']})."
+        )
+    return shape
 
 
 def positive_int(hf_cfg: dict[str, Any], source: str, *keys: str) -> int:

@@ -33,7 +33,15 @@ import torch
 
 from llmcli.config import ModelConfig
 from llmcli.errors import CheckpointError, InputError
-from llmcli.hf.common import NORM_EPS, Problem, activation, positive_int, refuse, warn_eps
+from llmcli.hf.common import (
+    NORM_EPS,
+    Problem,
+    activation,
+    mismatches,
+    model_shape,
+    refuse,
+    warn_eps,
+)
 from llmcli.model import Transformer
 
 logger = logging.getLogger(__name__)
@@ -52,25 +60,7 @@ _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 
 def problems(model_cfg: ModelConfig) -> list[Problem]:
     """The options GPT-2 cannot compute exactly (none: it can export the run)."""
-    found = []
-    if model_cfg.pos_emb != "learned":
-        found.append(
-            Problem(
-                f"model.pos_emb ({model_cfg.pos_emb!r}; GPT-2 has learned positions)",
-                "model.pos_emb: learned",
-            )
-        )
-    if model_cfg.norm != "layernorm":
-        found.append(
-            Problem(
-                f"model.norm ({model_cfg.norm!r}; GPT-2 uses LayerNorm)", "model.norm: layernorm"
-            )
-        )
-    if model_cfg.qk_norm:
-        found.append(
-            Problem("model.qk_norm (true; GPT-2 has no query/key norm)", "model.qk_norm: false")
-        )
-    return found
+    return mismatches(model_cfg, "GPT-2", pos_emb="learned", norm="layernorm")
 
 
 def _hf_name(name: str) -> str:
@@ -227,12 +217,15 @@ def model_config(hf_cfg: dict[str, Any], base: ModelConfig, source: str) -> Mode
     Raises:
         InputError: a missing key, or features llmcli's model cannot hold (all named).
     """
-    n_embed = positive_int(hf_cfg, source, "n_embd", "hidden_size")
-    n_head = positive_int(hf_cfg, source, "n_head", "num_attention_heads")
-    n_layer = positive_int(hf_cfg, source, "n_layer", "num_hidden_layers")
-    context_length = positive_int(hf_cfg, source, "n_positions", "n_ctx", "max_position_embeddings")
-    if n_embed % n_head:
-        raise InputError(f"{source}: n_embd ({n_embed}) is not divisible by n_head ({n_head}).")
+    shape = model_shape(
+        hf_cfg,
+        source,
+        n_embed=("n_embd", "hidden_size"),
+        n_head=("n_head", "num_attention_heads"),
+        n_layer=("n_layer", "num_hidden_layers"),
+        context_length=("n_positions", "n_ctx", "max_position_embeddings"),
+    )
+    n_embed = shape["n_embed"]
     refused = []
     n_inner = hf_cfg.get("n_inner")
     if n_inner is not None and n_inner != 4 * n_embed:
@@ -253,10 +246,7 @@ def model_config(hf_cfg: dict[str, Any], base: ModelConfig, source: str) -> Mode
     warn_eps(hf_cfg, "layer_norm_epsilon", source)
     return dataclasses.replace(
         base,
-        n_layer=n_layer,
-        n_head=n_head,
-        n_embed=n_embed,
-        context_length=context_length,
+        **shape,
         bias=True,
         pos_emb="learned",
         norm="layernorm",

@@ -31,7 +31,8 @@ from llmcli.hf.common import (
     bias_or_zeros,
     cpu,
     leftovers,
-    positive_int,
+    mismatches,
+    model_shape,
     refuse,
     rope_parameters,
     take,
@@ -48,24 +49,7 @@ HF_CLASS = "GPTNeoXForCausalLM"
 
 def problems(model_cfg: ModelConfig) -> list[Problem]:
     """The options GPT-NeoX cannot compute exactly (none: it can export the run)."""
-    found = []
-    if model_cfg.pos_emb != "rope":
-        found.append(
-            Problem(
-                f"model.pos_emb ({model_cfg.pos_emb!r}; GPT-NeoX is rotary)", "model.pos_emb: rope"
-            )
-        )
-    if model_cfg.norm != "layernorm":
-        found.append(
-            Problem(
-                f"model.norm ({model_cfg.norm!r}; GPT-NeoX uses LayerNorm)", "model.norm: layernorm"
-            )
-        )
-    if model_cfg.qk_norm:
-        found.append(
-            Problem("model.qk_norm (true; GPT-NeoX has no query/key norm)", "model.qk_norm: false")
-        )
-    return found
+    return mismatches(model_cfg, "GPT-NeoX", pos_emb="rope", norm="layernorm")
 
 
 def hf_config(
@@ -151,13 +135,9 @@ def model_config(hf_cfg: dict[str, Any], base: ModelConfig, source: str) -> Mode
     Raises:
         InputError: a missing key, or features llmcli's model cannot hold (all named).
     """
-    n_embed = positive_int(hf_cfg, source, "hidden_size")
-    n_head = positive_int(hf_cfg, source, "num_attention_heads")
-    n_layer = positive_int(hf_cfg, source, "num_hidden_layers")
-    context_length = positive_int(hf_cfg, source, "max_position_embeddings")
+    shape = model_shape(hf_cfg, source)
+    n_embed = shape["n_embed"]
     refused = []
-    if n_embed % n_head:
-        refused.append(f"hidden_size {n_embed} not divisible by num_attention_heads {n_head}")
     if hf_cfg.get("intermediate_size", 4 * n_embed) != 4 * n_embed:
         refused.append(f"intermediate_size {hf_cfg.get('intermediate_size')} (llmcli: 4 * hidden)")
     if hf_cfg.get("use_parallel_residual", True):
@@ -174,10 +154,7 @@ def model_config(hf_cfg: dict[str, Any], base: ModelConfig, source: str) -> Mode
     warn_eps(hf_cfg, "layer_norm_eps", source)
     return dataclasses.replace(
         base,
-        n_layer=n_layer,
-        n_head=n_head,
-        n_embed=n_embed,
-        context_length=context_length,
+        **shape,
         bias=True,  # its LayerNorms and MLP always have biases
         pos_emb="rope",
         rope_base=float(rope["rope_theta"]),
