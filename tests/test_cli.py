@@ -6,11 +6,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from llmcli import __version__
 
 ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.slow  # every test here starts `python -m llmcli` in a new process
 
 
 def run_cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
