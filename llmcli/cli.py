@@ -239,6 +239,23 @@ def sample_command(
         bool,
         typer.Option("--json", help="One JSON object per sample (prompt, completion, tokens...)."),
     ] = False,
+    context_policy: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Past the context: exact (the last context_length tokens, recomputed each "
+            "step) or shift (keep the last tokens, go on with the KV cache) (default: run "
+            "config).",
+            metavar="POLICY",
+        ),
+    ] = None,
+    context_keep: Annotated[
+        Optional[int],
+        typer.Option(
+            help="Tokens shift keeps when the context is full, 1..context_length-1 (default: "
+            "run config, else context_length // 2).",
+            metavar="N",
+        ),
+    ] = None,
     weights: WeightsOption = "best",
     device: DeviceOption = "auto",
 ) -> None:
@@ -262,6 +279,8 @@ def sample_command(
         seed=seed,
         num_samples=num_samples,
         stop=[unescape(text) for text in stop or []],
+        context_policy=context_policy,
+        context_keep=context_keep,
         weights=weights,
         device=device,
         write=write if streaming else None,

@@ -212,6 +212,22 @@ class TrainConfig:
         return notes
 
 
+CONTEXT_POLICIES = ("exact", "shift")
+
+
+def keep_range(context_length: int) -> tuple[int, int]:
+    """The tokens `shift` may keep when the context is full: 1 to `context_length - 1`.
+
+    A one-token context keeps its one token (then `shift` computes what `exact` does).
+    """
+    return 1, max(1, context_length - 1)
+
+
+def default_keep(context_length: int) -> int:
+    """The tokens `shift` keeps when `sample.context_keep` is null: half the context."""
+    return max(1, context_length // 2)
+
+
 @dataclass
 class SampleConfig:
     """Generation defaults for `llmcli sample`."""
@@ -221,6 +237,11 @@ class SampleConfig:
     top_k: int | None = 200
     top_p: float = 1.0
     seed: int = 1337
+    # Past model.context_length: "exact" recomputes the last context_length tokens every step;
+    # "shift" keeps the last context_keep tokens (null: context_length // 2) and goes on with
+    # the KV cache (see llmcli.context_window).
+    context_policy: Literal["exact", "shift"] = "exact"
+    context_keep: int | None = None
 
     def validate(self) -> None:
         _require(
@@ -262,6 +283,13 @@ class Config:
     def validate(self) -> None:
         for section in SECTIONS:
             getattr(self, section).validate()
+        keep = self.sample.context_keep
+        low, high = keep_range(self.model.context_length)
+        if keep is not None and not low <= keep <= high:
+            raise ConfigError(
+                f"sample.context_keep ({keep}) must be in {low}..{high} (1 to "
+                f"model.context_length - 1), or null for context_length // 2."
+            )
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """The fully resolved config as plain data (what `config.yaml` in a run holds)."""

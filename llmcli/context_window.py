@@ -1,9 +1,24 @@
-"""What the model sees at each generation step: the token window of a left-padded batch.
+"""What the model sees at each generation step: the token window of a left-padded batch and
+the two context policies past `context_length`.
 
 `ContextWindow` holds the prompts and new tokens of a batch, left-padded so that all rows end
 at one column, and gives the model its inputs (token ids, key padding mask, positions that skip
-the padding) for a step. `next_logits` runs one step: prefill or one cached token inside the
-context, the last `context_length` tokens recomputed past it.
+the padding) for a step. Inside the context both policies prefill the KV cache once and then
+feed one token per step. Past it:
+
+- `exact` (`next_logits`): the model sees the last `context_length` tokens, recomputed every
+  step (nanoGPT's semantics). Positions are absolute (learned, or rotary from 0 at the window's
+  start), so once the window slides every cached key is stale.
+- `shift` (`shift_logits`): when the cache is full, the last `keep` tokens are prefilled again in
+  one forward pass at positions `0 .. keep - 1` and decoding goes on one token per step with the
+  cache (llama.cpp's context shift for models whose positions cannot be moved in place). The
+  model then sees between `keep` and `context_length` tokens, and each step is a decode step
+  except one re-prefill every `context_length - keep + 1` steps.
+
+Rotary keys could instead be rotated in place to their new positions, which equals the
+re-prefill in the first layer only (deeper layers' keys also hold what the dropped tokens
+contributed); the re-prefill keeps `shift` exactly "the model run on the kept tokens", which
+the tests check against a plain loop.
 """
 
 from __future__ import annotations
@@ -12,6 +27,48 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from llmcli.config import CONTEXT_POLICIES, default_keep, keep_range
+from llmcli.errors import InputError
+from llmcli.kv_cache import KVCache
+
+
+def check_context_policy(
+    policy: str,
+    keep: int | None,
+    context_length: int,
+    *,
+    names: tuple[str, str] = ("context_policy", "context_keep"),
+) -> int:
+    """Raise `InputError` for an unknown policy or a `keep` outside `1 .. context_length - 1`;
+    return the number of tokens `shift` keeps (`keep`, or half the context when None).
+
+    Args:
+        policy: "exact" or "shift".
+        keep: tokens kept by `shift`, or None for `context_length // 2`.
+        context_length: the model's.
+        names: how messages name the two settings (e.g. the command line's options).
+    """
+    check_policy_name(policy, names[0])
+    low, high = keep_range(context_length)
+    if keep is None:
+        return default_keep(context_length)
+    if isinstance(keep, bool) or not isinstance(keep, int) or not low <= keep <= high:
+        raise InputError(
+            f"{names[1]} ({keep}) must be in {low}..{high} (1 to the model's context_length "
+            f"{context_length} - 1): the tokens `shift` keeps when the context is full."
+        )
+    return keep
+
+
+def check_policy_name(policy: str, name: str = "context_policy") -> None:
+    """Raise `InputError` unless `policy` is one of `CONTEXT_POLICIES`, listing them."""
+    if policy not in CONTEXT_POLICIES:
+        raise InputError(
+            f"{name} must be one of {', '.join(CONTEXT_POLICIES)}, not {policy!r}: exact "
+            "recomputes the last context_length tokens every step past the context, shift "
+            "keeps the last tokens and goes on with the KV cache."
+        )
 
 
 class ContextWindow:
@@ -59,6 +116,24 @@ class ContextWindow:
             return None
         return (self.end - 1 - self.pads_t).clamp(min=0)[:, None]  # (B, 1)
 
+    def keep_last(self, keep: int) -> None:
+        """Start the window again from each row's last tokens, as `shift` does when it is full.
+
+        A row with more real tokens than `context_length` (it would shift alone now) keeps its
+        last `keep`; a shorter row keeps all of its own, as it would alone. The kept tokens are
+        right-aligned at the new `end`; columns before a row's kept tokens count as padding from
+        then on, so the kept ones take positions `0 ..` again.
+        """
+        C = self.context_length
+        kept = [keep if self.end - p > C else self.end - p for p in self.pads]
+        W = max(kept)
+        self.tokens[:, :W] = self.tokens[:, self.end - W : self.end].clone()
+        self.pads = [W - k for k in kept]
+        self.max_pad = max(self.pads)
+        self.pads_t = torch.tensor(self.pads, device=self.tokens.device)
+        self.end = W
+        self.cached = 0
+
     def append(self, next_ids: Tensor) -> None:
         if self.end == self.tokens.shape[1]:
             # Full: keep the last context_length columns (here end > context_length, so the
@@ -73,19 +148,46 @@ class ContextWindow:
         self.end += 1
 
 
-def next_logits(model: Any, window: ContextWindow, cache: Any) -> Tensor:
-    """Logits `(B, V)` of the token after column `end - 1`."""
+def _cached_logits(model: Any, window: ContextWindow, cache: KVCache) -> Tensor:
+    """Logits `(B, V)`: the whole window into an empty cache, else its last column."""
+    end = window.end
+    if window.cached == 0:  # prefill the prompts (with their padding mask)
+        idx, mask, pos = window.inputs(0)
+        logits, _ = model(idx, key_padding_mask=mask, position_ids=pos, kv_cache=cache)
+        logits = logits[:, -1, :]  # (B, T, V) -> (B, V)
+    else:  # decode one column; the cache remembers the padding
+        idx, pos = window.tokens[:, end - 1 : end], window.last_position()
+        logits, _ = model(idx, position_ids=pos, kv_cache=cache)
+        logits = logits[:, -1, :]  # (B, 1, V) -> (B, V)
+    window.cached = end
+    return logits
+
+
+def next_logits(model: Any, window: ContextWindow, cache: KVCache | None) -> Tensor:
+    """`exact`: logits `(B, V)` of the token after column `end - 1`."""
     C = model.context_length
     end = window.end
     if cache is not None and end <= C:
-        if window.cached == 0:  # prefill the prompts (with their padding mask)
-            idx, mask, pos = window.inputs(0)
-        else:  # decode one column; the cache remembers the padding
-            idx, mask, pos = window.tokens[:, end - 1 : end], None, window.last_position()
-        logits, _ = model(idx, key_padding_mask=mask, position_ids=pos, kv_cache=cache)
-        window.cached = end
-    else:
-        # No cache, or past the context: the model sees the last C columns, recomputed.
-        idx, mask, pos = window.inputs(max(0, end - C))
-        logits, _ = model(idx, key_padding_mask=mask, position_ids=pos)
+        return _cached_logits(model, window, cache)
+    # No cache, or past the context: the model sees the last C columns, recomputed.
+    idx, mask, pos = window.inputs(max(0, end - C))
+    logits, _ = model(idx, key_padding_mask=mask, position_ids=pos)
+    return logits[:, -1, :]  # (B, T, V) -> (B, V)
+
+
+def shift_logits(model: Any, window: ContextWindow, cache: KVCache | None, keep: int) -> Tensor:
+    """`shift`: logits `(B, V)` of the token after column `end - 1`.
+
+    When the newest column does not fit in the context, the window starts again from the rows'
+    last tokens (`ContextWindow.keep_last`) and the cache is emptied, so this step prefills the
+    kept tokens. Without a cache the same window is recomputed every step (same tokens, slower).
+    """
+    if window.end > model.context_length:
+        window.keep_last(keep)
+        if cache is not None:
+            cache.reset()
+    if cache is not None:
+        return _cached_logits(model, window, cache)
+    idx, mask, pos = window.inputs(0)
+    logits, _ = model(idx, key_padding_mask=mask, position_ids=pos)
     return logits[:, -1, :]  # (B, T, V) -> (B, V)

@@ -6,10 +6,10 @@ hides the padding, positions count real tokens only) and each row draws from its
 `torch.Generator` (see `llmcli.sampling`), so every prompt gets exactly what it would get alone
 with the same seed. The KV cache is prefilled with the prompts, then fed one token per step.
 
-Past `context_length` the model sees the last `context_length` tokens (a sliding window, as in
-nanoGPT and litgpt). Positions are absolute (learned or rotary from 0 at the window's start), so
-once the window slides every cached key is stale; the window is then recomputed each step, which
-keeps cached and uncached generation exactly the same computation.
+Past `context_length` a context policy says what the model sees (`llmcli.context_window`):
+`exact` recomputes the last `context_length` tokens every step (a sliding window, as in nanoGPT
+and litgpt); `shift` keeps the last `keep` tokens, prefills them again and goes on with the
+cache. With or without the cache, a policy is the same computation.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from llmcli.context_window import ContextWindow, next_logits
+from llmcli.context_window import ContextWindow, check_context_policy, next_logits, shift_logits
 from llmcli.errors import InputError
 from llmcli.sampling import GeneratorArg, check_sampling, make_generators, sample_next
 
@@ -58,12 +58,15 @@ def generate(
     generators: Sequence[torch.Generator] | None = None,
     use_cache: bool = True,
     vocab_size: int | None = None,
+    context_policy: str = "exact",
+    context_keep: int | None = None,
 ) -> Iterator[Tensor]:
     """Generate for a batch of prompts, one step at a time.
 
     Prompts of different lengths are left-padded into one batch; row `b` gets exactly the tokens
-    it would get alone with the generator `generators[b]` (by default seeded `seed + b`). Prompts
-    longer than `context_length` are cropped to their last `context_length` tokens.
+    it would get alone with the generator `generators[b]` (by default seeded `seed + b`) and the
+    same context policy. Prompts longer than `context_length` are cropped to their last
+    `context_length` tokens.
 
     Args:
         model: a `llmcli.model.Transformer` in eval mode (or anything with its `forward`,
@@ -78,18 +81,24 @@ def generate(
             window each step, the nanoGPT way; same tokens, slower).
         vocab_size: sample only among ids `< vocab_size` (a model's vocabulary may be padded
             beyond its tokenizer's).
+        context_policy: past `context_length`, "exact" (the last `context_length` tokens,
+            recomputed every step) or "shift" (keep the last `context_keep` tokens, prefill them
+            again, go on with the cache); see `llmcli.context_window`.
+        context_keep: tokens `shift` keeps, in `1 .. context_length - 1` (None: half the
+            context).
 
     Yields:
         `(B,)` long tensors on the model's device: the new token of every row, step by step.
 
     Raises:
         InputError: (at the first step) sampling controls out of range, a negative
-            `max_new_tokens`, empty prompts or ids outside the vocabulary, a wrong number of
-            generators.
+            `max_new_tokens`, an unknown context policy or a `context_keep` out of range, empty
+            prompts or ids outside the vocabulary, a wrong number of generators.
     """
     check_sampling(temperature, top_k, top_p)
     if max_new_tokens < 0:
         raise InputError(f"max_new_tokens ({max_new_tokens}) must be >= 0")
+    context_keep = check_context_policy(context_policy, context_keep, model.context_length)
     yield from _generate(
         model,
         prompts_ids,
@@ -101,6 +110,8 @@ def generate(
         generators=generators,
         use_cache=use_cache,
         vocab_size=vocab_size,
+        context_policy=context_policy,
+        context_keep=context_keep,
     )
 
 
@@ -116,8 +127,11 @@ def _generate(
     generators: Sequence[torch.Generator] | None,
     use_cache: bool,
     vocab_size: int | None,
+    context_policy: str,
+    context_keep: int,
 ) -> Iterator[Tensor]:
-    """The loop of `generate`, trusting its sampling controls and `max_new_tokens`.
+    """The loop of `generate`, trusting its sampling controls, `max_new_tokens` and context
+    policy (`context_keep` resolved: a number of tokens).
 
     For callers that have already checked them once (`llmcli.sample`); the prompts are still
     checked against the model's vocabulary here, as they are turned into rows.
@@ -135,11 +149,16 @@ def _generate(
     device = next(model.parameters()).device
     with torch.inference_mode():
         window = ContextWindow(rows, max_new_tokens, C, device)
-        fits = window.end < C  # else the first step already slides the window
+        shift = context_policy == "shift"
+        # exact: a prompt that fills the context slides the window at the first step already.
+        fits = shift or window.end < C
         cache = model.new_kv_cache(B) if use_cache and fits and max_new_tokens > 0 else None
     for _ in range(max_new_tokens):
         with torch.inference_mode():
-            logits = next_logits(model, window, cache)  # (B, V)
+            if shift:
+                logits = shift_logits(model, window, cache, context_keep)  # (B, V)
+            else:
+                logits = next_logits(model, window, cache)  # (B, V)
             if vocab_size is not None:
                 logits = logits[:, :vocab_size]  # (B, vocab_size)
             next_ids = sample_next(logits, gens, temperature, top_k, top_p)  # (B,)

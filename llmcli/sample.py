@@ -22,6 +22,7 @@ from typing import IO, Any, Literal, Protocol
 import torch
 
 from llmcli.checkpoint import load_run
+from llmcli.context_window import check_context_policy, check_policy_name
 from llmcli.device import resolve_device
 from llmcli.errors import InputError
 from llmcli.generate import _generate
@@ -250,6 +251,8 @@ def sample_texts(
     stop: Sequence[str] = (),
     stop_ids: Sequence[int] = (),
     use_cache: bool = True,
+    context_policy: str = "exact",
+    context_keep: int | None = None,
     sink: TextSink | None = None,
     batch_size: int = BATCH_SIZE,
     notify: Callable[[str], Any] = logger.warning,
@@ -271,6 +274,8 @@ def sample_texts(
         stop: a sample ends when its text contains one of these; that text is not part of it.
         stop_ids: a sample ends when it generates one of these ids (not part of its text).
         use_cache: use the KV cache (see `llmcli.generate.generate`).
+        context_policy, context_keep: what the model sees past its context, "exact" or
+            "shift" and the tokens `shift` keeps (see `llmcli.generate.generate`).
         sink: receives each sample's text as it becomes final (streaming), then `end(r)`.
         batch_size: most samples generated at once.
         notify: receives a one-line notice when prompts are cropped to the context.
@@ -279,6 +284,7 @@ def sample_texts(
         The samples in order `r`.
     """
     check_sampling(temperature, top_k, top_p)
+    keep = check_context_policy(context_policy, context_keep, model.context_length)
     return _sample_texts(
         model,
         tokenizer,
@@ -292,6 +298,8 @@ def sample_texts(
         stop=stop,
         stop_ids=stop_ids,
         use_cache=use_cache,
+        context_policy=context_policy,
+        context_keep=keep,
         sink=sink,
         batch_size=batch_size,
         notify=notify,
@@ -312,11 +320,14 @@ def _sample_texts(
     stop: Sequence[str],
     stop_ids: Sequence[int],
     use_cache: bool,
+    context_policy: str,
+    context_keep: int,
     sink: TextSink | None,
     batch_size: int,
     notify: Callable[[str], Any],
 ) -> list[Sample]:
-    """`sample_texts` trusting its sampling controls, which the caller has checked once."""
+    """`sample_texts` trusting its sampling controls and context policy (`context_keep`
+    resolved), which the caller has checked once."""
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InputError(f"max_new_tokens ({max_new_tokens}) must be an integer >= 1")
     if not isinstance(num_samples, int) or num_samples < 1:
@@ -364,6 +375,8 @@ def _sample_texts(
                 stop=stop,
                 stop_ids=set(stop_ids),
                 use_cache=use_cache,
+                context_policy=context_policy,
+                context_keep=context_keep,
                 sink=sink,
             )
         )
@@ -386,6 +399,8 @@ def _sample_batch(
     stop: Sequence[str],
     stop_ids: set[int],
     use_cache: bool,
+    context_policy: str,
+    context_keep: int,
     sink: TextSink | None,
 ) -> list[Sample]:
     """Run the samples `chunk` (indices into `jobs`) as one batch."""
@@ -404,6 +419,8 @@ def _sample_batch(
         generators=make_generators(len(chunk), seed + chunk[0]),
         use_cache=use_cache,
         vocab_size=vocab,
+        context_policy=context_policy,
+        context_keep=context_keep,
     )
     live = len(chunk)
     for step in steps:
@@ -508,6 +525,8 @@ def sample_run(
     seed: int | None = None,
     num_samples: int = 1,
     stop: Sequence[str] = (),
+    context_policy: str | None = None,
+    context_keep: int | None = None,
     weights: str = "best",
     device: str = "auto",
     write: Callable[[str], Any] | None = None,
@@ -525,6 +544,8 @@ def sample_run(
         max_new_tokens, temperature, top_k, top_p, seed: override the run's defaults.
         num_samples: samples per prompt.
         stop: stop strings (see `sample_texts`).
+        context_policy, context_keep: override the run's `sample.context_policy` and
+            `sample.context_keep` (see `llmcli.generate.generate`).
         weights: "best" or "last" weights of the run (see `checkpoint.load_run`).
         device: "auto", "cpu", "cuda" or "mps".
         write: stream the formatted output through this as it is generated (see
@@ -543,9 +564,18 @@ def sample_run(
         raise InputError(f"--max-new-tokens ({max_new_tokens}) must be >= 1.")
     if num_samples < 1:
         raise InputError(f"--num-samples ({num_samples}) must be >= 1.")
+    if context_policy is not None:
+        check_policy_name(context_policy, "--context-policy")
     device_ = resolve_device(device, what="--device")
     run = load_run(checkpoint, weights=weights, device=device_, notify=notify)
     defaults = run.config.sample
+    policy = defaults.context_policy if context_policy is None else context_policy
+    keep = check_context_policy(
+        policy,
+        defaults.context_keep if context_keep is None else context_keep,
+        run.model.context_length,
+        names=("--context-policy", "--context-keep"),
+    )
     eot = run.tokenizer.eot_id
     headers = [p for p in prompts for _ in range(num_samples)]
     # The run's defaults were checked when its config loaded, the options above: trust both.
@@ -562,6 +592,8 @@ def sample_run(
         stop=stop,
         stop_ids=() if eot is None else (eot,),
         use_cache=True,
+        context_policy=policy,
+        context_keep=keep,
         sink=None if write is None else OrderedWriter(write, headers),
         batch_size=BATCH_SIZE,
         notify=notify,

@@ -126,6 +126,18 @@ def test_yaml_11_exponent_without_dot_is_a_number(tmp_path: Path) -> None:
         ("sample: {top_p: 1.5}\n", [], r"sample.top_p \(1.5\) must be in \(0, 1\]"),
         ("sample: {temperature: -1}\n", [], r"sample.temperature \(-1.0\) must be >= 0"),
         ("sample: {top_k: 0}\n", [], r"sample.top_k \(0\) must be >= 1"),
+        (
+            "sample: {context_policy: slide}\n",
+            [],
+            r"sample.context_policy must be 'exact' or 'shift', got 'slide'",
+        ),
+        ("sample: {context_keep: 0}\n", [], r"sample.context_keep \(0\) must be in 1..63 "),
+        ("sample: {context_keep: 64}\n", [], r"sample.context_keep \(64\) must be in 1..63 "),
+        (
+            "model: {context_length: 16}\n",
+            ["sample.context_keep=16"],
+            r"sample.context_keep \(16\) must be in 1..15 \(1 to model.context_length - 1\)",
+        ),
         ("train: {lr: .nan}\n", [], r"train.lr must be a number"),
         ("model: [1, 2]\n", [], r"section 'model' must be a mapping"),
         ("- 1\n- 2\n", [], r"a config must be a mapping"),
@@ -167,6 +179,15 @@ def test_binary_file_is_a_config_error(tmp_path: Path) -> None:
     path.write_bytes(b"\x80\x02\x93\xff\x00binary")
     with pytest.raises(ConfigError, match=r"not UTF-8 text \(bad byte at offset 0\)"):
         load_config(path)
+
+
+def test_context_policy_defaults_fill_configs_written_before_it() -> None:
+    # A run's config.yaml written before sample.context_policy and sample.context_keep existed.
+    old = config_from_dict({"sample": {"max_new_tokens": 100, "temperature": 0.8, "seed": 1}})
+    assert (old.sample.context_policy, old.sample.context_keep) == ("exact", None)
+    assert config_from_dict({"sample": {"context_keep": 1}}).sample.context_keep == 1
+    one_token = {"model": {"context_length": 1}, "sample": {"context_keep": 1}}
+    assert config_from_dict(one_token).sample.context_keep == 1  # keeps its one token
 
 
 def test_config_error_is_a_value_error() -> None:

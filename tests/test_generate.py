@@ -1,5 +1,5 @@
-"""Generation (llmcli/generate.py): seeds, validation, KV cache against full recomputation
-(also past context_length), padded batches against prompts alone."""
+"""Generation (llmcli/generate.py): seeds, validation, the KV cache's steps, padded batches
+against prompts alone. The context policies past context_length: test_context_window.py."""
 
 from __future__ import annotations
 
@@ -94,18 +94,6 @@ SETTINGS = [
     dict(temperature=1.0, seed=3),
     dict(temperature=0.8, top_k=10, top_p=0.9, seed=11),
 ]
-
-
-@pytest.mark.parametrize("pos_emb", ["learned", "rope"])
-@pytest.mark.parametrize("settings", SETTINGS, ids=["greedy", "sampled", "top-k-p"])
-def test_cached_equals_full_recompute_also_past_the_context(pos_emb, settings) -> None:
-    model = make_model(pos_emb)
-    # prompt 3 + 20 new tokens crosses context_length (8); 11 tokens start beyond it.
-    for prompt in ([4, 9, 1], list(range(1, 12))):
-        cached = generate_ids(model, [prompt], 20, use_cache=True, **settings)[0]
-        uncached = generate_ids(model, [prompt], 20, use_cache=False, **settings)[0]
-        reference = reference_generate(model, prompt, 20, **settings)
-        assert cached == uncached == reference
 
 
 def test_cache_feeds_one_token_per_step_until_the_window_slides() -> None:

@@ -52,7 +52,14 @@ def expected_completion(run_dir: Path, prompt: str, n: int, seed: int, **kw) -> 
     run = load_run(run_dir)
     ids = run.tokenizer.encode(prompt) if prompt else [run.tokenizer.encode("\n")[0]]
     s = run.config.sample
-    settings = dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, **kw)
+    settings = dict(
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        context_policy=s.context_policy,
+        context_keep=s.context_keep,
+    )
+    settings.update(kw)
     new = generate_ids(run.model, [ids], n, seed=seed, **settings)[0]
     eot = run.tokenizer.eot_id
     if eot in new:  # a sample ends at its end-of-text token, which is not printed
@@ -110,6 +117,35 @@ def test_options_override_the_config(capsys, run_dir) -> None:
         run.model, [run.tokenizer.encode("JULIET")], 20, temperature=1.0, top_k=3, top_p=0.6, seed=5
     )[0]
     assert out == "JULIET" + run.tokenizer.decode(ids) + "\n"
+
+
+def test_context_policy_and_keep_options_and_config(capsys, run_dir, tmp_path) -> None:
+    # The prompt (6 tokens) and 20 new ones cross the context (16): the policies differ.
+    texts = {}
+    for policy, keep in (("exact", None), ("shift", None), ("shift", 3)):
+        args = ["--context-policy", policy] + (
+            [] if keep is None else ["--context-keep", str(keep)]
+        )
+        code, out, err = cli(
+            capsys, "sample", "--checkpoint", str(run_dir), "--prompt", "ROMEO:", "--json", *args
+        )
+        assert code == 0, err
+        texts[policy, keep] = json.loads(out)["completion"]
+        expected = expected_completion(
+            run_dir, "ROMEO:", 20, seed=3, context_policy=policy, context_keep=keep
+        )
+        assert texts[policy, keep] == expected
+    assert len(set(texts.values())) == 3
+    # The run's own sample.context_policy / context_keep are the defaults.
+    shifted = make_run(
+        tmp_path / "shifted",
+        CharTokenizer.train([TEXT]),
+        {"context_policy": "shift", "context_keep": 3},
+    )
+    code, out, _ = cli(
+        capsys, "sample", "--checkpoint", str(shifted), "--prompt", "ROMEO:", "--json"
+    )
+    assert code == 0 and json.loads(out)["completion"] == texts["shift", 3]
 
 
 def test_num_samples_is_one_batch_with_seeds_seed_plus_i(capsys, run_dir) -> None:
@@ -303,6 +339,12 @@ def test_sample_run_checks_the_controls_once(run_dir, monkeypatch) -> None:
         (["--top-k", "0"], "top_k (0) must be an integer >= 1"),
         (["--max-new-tokens", "0"], "max-new-tokens (0) must be >= 1"),
         (["--num-samples", "0"], "num-samples (0) must be >= 1"),
+        (
+            ["--context-policy", "slide"],
+            "--context-policy must be one of exact, shift, not 'slide'",
+        ),
+        (["--context-keep", "0"], "--context-keep (0) must be in 1..15"),
+        (["--context-keep", "16"], "--context-keep (16) must be in 1..15"),
         (["--prompt", "ROMEO€ and ЖЖ"], "'Ж', '€'"),
         (["--prompt", "x", "--prompt-file", "p.txt"], "not both"),
         (["--prompt-file", "nope.txt"], "does not exist"),

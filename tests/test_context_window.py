@@ -1,0 +1,185 @@
+"""The context policies past context_length (llmcli/context_window.py): `exact` against a plain
+crop-and-recompute loop and against tokens of the code before `shift` existed, `shift` against a
+plain keep-and-recompute loop, padded batches against each prompt alone, and the checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_generate import CONTEXT, make_model
+
+from llmcli.context_window import ContextWindow, check_context_policy
+from llmcli.errors import InputError
+from llmcli.generate import generate_ids
+from llmcli.sampling import sample_next
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SETTINGS = [
+    dict(temperature=0.0),
+    dict(temperature=1.0, seed=3),
+    dict(temperature=0.8, top_k=10, top_p=0.9, seed=11),
+]
+SETTING_IDS = ["greedy", "sampled", "top-k-p"]
+
+
+def reference(model, prompt, n, *, policy, keep=None, temperature, top_k=None, top_p=1.0, seed=0):
+    """A plain loop: the whole visible window through `forward` at every step, no cache.
+
+    `exact` sees the last context_length tokens; `shift` sees everything from a start that
+    jumps to the last `keep` tokens whenever the window would grow past context_length.
+    """
+    C = model.context_length
+    g = torch.Generator().manual_seed(seed)
+    seq, start, out = list(prompt[-C:]), 0, []
+    with torch.no_grad():
+        for _ in range(n):
+            if policy == "exact":
+                start = max(0, len(seq) - C)
+            elif len(seq) - start > C:
+                start = len(seq) - keep
+            logits, _ = model(torch.tensor([seq[start:]]))  # (1, T, V)
+            token = int(sample_next(logits[:, -1], g, temperature, top_k, top_p))
+            seq.append(token)
+            out.append(token)
+    return out
+
+
+# ----------------------------------------------------------------------------- exact
+
+
+@pytest.mark.parametrize("pos_emb", ["learned", "rope"])
+@pytest.mark.parametrize("settings", SETTINGS, ids=SETTING_IDS)
+def test_exact_is_the_crop_and_recompute_loop(pos_emb, settings) -> None:
+    model = make_model(pos_emb)
+    for prompt in ([4, 9, 1], list(range(1, 12))):  # 11 tokens start beyond context_length 8
+        expected = reference(model, prompt, 20, policy="exact", **settings)
+        for use_cache in (True, False):
+            got = generate_ids(
+                model, [prompt], 20, context_policy="exact", use_cache=use_cache, **settings
+            )
+            assert got[0] == expected
+
+
+def test_exact_gives_the_tokens_it_gave_before_shift_existed() -> None:
+    # Computed with the generation code as it was before the context policies (one thread).
+    learned, rope = make_model(), make_model("rope", seed=1)
+    assert generate_ids(learned, [[4, 9, 1], [2]], 24, temperature=0.9, seed=5) == [
+        [26, 10, 12, 11, 8, 35, 22, 24, 33, 17, 12, 12, 31, 8, 4, 9, 14, 14, 26, 19, 23, 19, 1, 12],
+        [25, 36, 36, 18, 17, 25, 3, 25, 36, 37, 9, 3, 36, 22, 25, 38, 2, 4, 22, 2, 21, 26, 31, 6],
+    ]
+    prompts = [list(range(1, 12)), [7, 7]]
+    kw = dict(temperature=0.8, top_k=10, top_p=0.9, seed=11)
+    assert generate_ids(rope, prompts, 24, context_policy="exact", **kw) == [
+        [26, 39, 8, 8, 35, 9, 9, 9, 35, 0, 5, 39, 37, 37, 37, 37, 19, 26, 11, 0, 34, 38, 38, 38],
+        [16, 33, 26, 26, 11, 18, 26, 9, 0, 9, 9, 9, 18, 18, 18, 39, 18, 9, 9, 9, 20, 26, 39, 39],
+    ]
+
+
+# ----------------------------------------------------------------------------- shift
+
+
+@pytest.mark.parametrize("pos_emb", ["learned", "rope"])
+@pytest.mark.parametrize("settings", SETTINGS, ids=SETTING_IDS)
+@pytest.mark.parametrize("keep", [1, 3, 4, 7])
+def test_shift_is_the_keep_and_recompute_loop(pos_emb, settings, keep) -> None:
+    model = make_model(pos_emb)
+    for prompt in ([4, 9, 1], list(range(1, 12)), [5] * CONTEXT):
+        expected = reference(model, prompt, 25, policy="shift", keep=keep, **settings)
+        for use_cache in (True, False):
+            got = generate_ids(
+                model,
+                [prompt],
+                25,
+                context_policy="shift",
+                context_keep=keep,
+                use_cache=use_cache,
+                **settings,
+            )
+            assert got[0] == expected, f"prompt {prompt}, use_cache={use_cache}"
+
+
+def test_shift_differs_from_exact_past_the_context_only() -> None:
+    model = make_model()
+    kw = dict(temperature=1.0, seed=2)
+    exact = generate_ids(model, [[1, 2, 3]], 30, context_policy="exact", **kw)[0]
+    shift = generate_ids(model, [[1, 2, 3]], 30, context_policy="shift", **kw)[0]
+    # The sequence reaches the context (8) after 5 new tokens; the 6th is the first one that
+    # sees a different window.
+    assert exact[:6] == shift[:6] and exact != shift
+
+
+def test_shift_prefills_the_kept_tokens_once_then_decodes() -> None:
+    model = make_model()
+    calls: list[int] = []
+    forward = model.forward
+
+    def spy(idx, *args, **kwargs):
+        calls.append(idx.shape[1])
+        return forward(idx, *args, **kwargs)
+
+    model.forward = spy
+    generate_ids(model, [[1, 2, 3]], 16, temperature=0.0, context_policy="shift", context_keep=3)
+    # The prompt (3), then five one-token steps fill the context; then every 6 steps the last
+    # 3 tokens are prefilled again.
+    assert [n for n in calls if n > 1] == [3, 3, 3]
+
+
+PROMPTS = [[3], [1, 2, 3, 4, 5], list(range(1, 13)), [7, 7, 2], list(range(9, 16))]
+
+
+@pytest.mark.parametrize("pos_emb", ["learned", "rope"])
+@pytest.mark.parametrize("settings", SETTINGS, ids=SETTING_IDS)
+@pytest.mark.parametrize("keep", [1, 4, 7])
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_shift_padded_batch_equals_each_prompt_alone(pos_emb, settings, keep, use_cache) -> None:
+    """Rows of 1, 3, 5, 7 and 8 tokens reach the context at different steps: each row shifts
+    when its own length fills the context and the others keep all their tokens meanwhile."""
+    model = make_model(pos_emb)
+    seed = settings.get("seed", 0)
+    kw = dict(context_policy="shift", context_keep=keep)
+    batch = generate_ids(model, PROMPTS, 30, use_cache=use_cache, **kw, **settings)
+    for i, prompt in enumerate(PROMPTS):
+        alone = reference(
+            model, prompt, 30, policy="shift", keep=keep, **{**settings, "seed": seed + i}
+        )
+        assert batch[i] == alone, f"prompt {i}"
+
+
+def test_keep_last_keeps_full_rows_last_tokens_and_shorter_rows_whole() -> None:
+    C = 4
+    window = ContextWindow([[1, 2, 3, 4], [5, 6], [7, 8, 9]], 10, C, torch.device("cpu"))
+    window.append(torch.tensor([10, 11, 12]))  # real lengths 5 (> C), 3, 4
+    window.keep_last(2)
+    assert window.end == 4 and window.pads == [2, 1, 0]
+    idx, mask, pos = window.inputs(0)
+    real = [row[~m].tolist() for row, m in zip(idx, mask, strict=True)]
+    assert real == [[4, 10], [5, 6, 11], [7, 8, 9, 12]]
+    assert [p[~m].tolist() for p, m in zip(pos, mask, strict=True)] == [
+        [0, 1],
+        [0, 1, 2],
+        [0, 1, 2, 3],
+    ]
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def test_policy_and_keep_are_checked() -> None:
+    assert check_context_policy("shift", None, 64) == 32
+    assert check_context_policy("exact", 5, 64) == 5
+    assert check_context_policy("shift", None, 1) == 1  # a one-token context keeps its token
+    with pytest.raises(
+        InputError, match=r"context_policy must be one of exact, shift, not 'slide'"
+    ):
+        check_context_policy("slide", None, 64)
+    for keep in (0, 64, -1):
+        with pytest.raises(InputError, match=r"context_keep \(.*\) must be in 1\.\.63"):
+            check_context_policy("shift", keep, 64)
+    with pytest.raises(InputError, match="--context-keep"):
+        check_context_policy("shift", 9, 8, names=("--context-policy", "--context-keep"))
+    model = make_model()
+    with pytest.raises(InputError, match="context_policy"):
+        generate_ids(model, [[1]], 2, context_policy="nope")
+    with pytest.raises(InputError, match=r"1\.\.7"):
+        generate_ids(model, [[1]], 2, context_policy="shift", context_keep=8)
