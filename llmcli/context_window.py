@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from llmcli.config import CONTEXT_POLICIES, default_keep, keep_range
+from llmcli.decode import Decoder
 from llmcli.errors import InputError
 from llmcli.kv_cache import KVCache
 
@@ -98,6 +99,7 @@ class ContextWindow:
         self.pads_t = torch.tensor(self.pads, device=device)  # (B,)
         self.end = P  # columns filled
         self.cached = 0  # columns whose keys/values are in the KV cache
+        self.newest: Tensor | None = None  # (B,) the column appended last
 
     def inputs(self, start: int) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """`(idx, key_padding_mask, position_ids)` for the columns `start .. end - 1`, as a
@@ -145,16 +147,26 @@ class ContextWindow:
             self.pads_t = (self.pads_t - shift).clamp(min=0)
             self.end = self.context_length
         self.tokens[:, self.end] = next_ids  # (B,)
+        self.newest = next_ids
         self.end += 1
 
 
-def _cached_logits(model: Any, window: ContextWindow, cache: KVCache) -> Tensor:
-    """Logits `(B, V)`: the whole window into an empty cache, else its last column."""
+def _cached_logits(
+    model: Any, window: ContextWindow, cache: KVCache, decoder: Decoder | None
+) -> Tensor:
+    """Logits `(B, V)`: the whole window into an empty cache, else its last column.
+
+    A decode step goes through `decoder` where there is one (same logits as the model's
+    `forward`, without its per-step overhead) and autocast is off (the decoder calls the
+    operations `forward` would, but not through the modules autocast may treat differently).
+    """
     end = window.end
     if window.cached == 0:  # prefill the prompts (with their padding mask)
         idx, mask, pos = window.inputs(0)
         logits, _ = model(idx, key_padding_mask=mask, position_ids=pos, kv_cache=cache)
         logits = logits[:, -1, :]  # (B, T, V) -> (B, V)
+    elif decoder is not None and not torch.is_autocast_enabled(decoder.device_type):
+        logits = decoder(window.newest, cache, window.last_position())  # (B, V)
     else:  # decode one column; the cache remembers the padding
         idx, pos = window.tokens[:, end - 1 : end], window.last_position()
         logits, _ = model(idx, position_ids=pos, kv_cache=cache)
@@ -163,19 +175,27 @@ def _cached_logits(model: Any, window: ContextWindow, cache: KVCache) -> Tensor:
     return logits
 
 
-def next_logits(model: Any, window: ContextWindow, cache: KVCache | None) -> Tensor:
+def next_logits(
+    model: Any, window: ContextWindow, cache: KVCache | None, decoder: Decoder | None = None
+) -> Tensor:
     """`exact`: logits `(B, V)` of the token after column `end - 1`."""
     C = model.context_length
     end = window.end
     if cache is not None and end <= C:
-        return _cached_logits(model, window, cache)
+        return _cached_logits(model, window, cache, decoder)
     # No cache, or past the context: the model sees the last C columns, recomputed.
     idx, mask, pos = window.inputs(max(0, end - C))
     logits, _ = model(idx, key_padding_mask=mask, position_ids=pos)
     return logits[:, -1, :]  # (B, T, V) -> (B, V)
 
 
-def shift_logits(model: Any, window: ContextWindow, cache: KVCache | None, keep: int) -> Tensor:
+def shift_logits(
+    model: Any,
+    window: ContextWindow,
+    cache: KVCache | None,
+    keep: int,
+    decoder: Decoder | None = None,
+) -> Tensor:
     """`shift`: logits `(B, V)` of the token after column `end - 1`.
 
     When the newest column does not fit in the context, the window starts again from the rows'
@@ -187,7 +207,7 @@ def shift_logits(model: Any, window: ContextWindow, cache: KVCache | None, keep:
         if cache is not None:
             cache.reset()
     if cache is not None:
-        return _cached_logits(model, window, cache)
+        return _cached_logits(model, window, cache, decoder)
     idx, mask, pos = window.inputs(0)
     logits, _ = model(idx, key_padding_mask=mask, position_ids=pos)
     return logits[:, -1, :]  # (B, T, V) -> (B, V)

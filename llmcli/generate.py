@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from llmcli.context_window import ContextWindow, check_context_policy, next_logits, shift_logits
+from llmcli.decode import decoder_for
 from llmcli.errors import InputError
 from llmcli.sampling import GeneratorArg, check_sampling, make_generators, sample_next
 
@@ -153,12 +154,13 @@ def _generate(
         # exact: a prompt that fills the context slides the window at the first step already.
         fits = shift or window.end < C
         cache = model.new_kv_cache(B) if use_cache and fits and max_new_tokens > 0 else None
+        decoder = None if cache is None else decoder_for(model)
     for _ in range(max_new_tokens):
         with torch.inference_mode():
             if shift:
-                logits = shift_logits(model, window, cache, context_keep)  # (B, V)
+                logits = shift_logits(model, window, cache, context_keep, decoder)  # (B, V)
             else:
-                logits = next_logits(model, window, cache)  # (B, V)
+                logits = next_logits(model, window, cache, decoder)  # (B, V)
             if vocab_size is not None:
                 logits = logits[:, :vocab_size]  # (B, vocab_size)
             next_ids = sample_next(logits, gens, temperature, top_k, top_p)  # (B,)

@@ -49,6 +49,10 @@ class KVCache:
         shape = (n_layer, batch_size, n_head, max_len, head_size)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
+        # One view per layer, made once: a step then writes and reads without indexing `k`/`v`.
+        # (select, not unbind: autograd forbids in-place writes to views of unbind's outputs)
+        self._k_layers = [self.k[i] for i in range(n_layer)]
+        self._v_layers = [self.v[i] for i in range(n_layer)]
         self.padding = torch.zeros(batch_size, max_len, device=device, dtype=torch.bool)
         self.has_padding = False
         self.n_layer = n_layer
@@ -120,12 +124,13 @@ class KVCache:
                 f"the KV cache holds max_len = {self.max_len} positions; {past} are cached and "
                 f"{T} more do not fit: reset() or crop() the cache, or make a larger one"
             )
-        self.k[layer_idx, :, :, past : past + T] = k
-        self.v[layer_idx, :, :, past : past + T] = v
+        k_layer, v_layer = self._k_layers[layer_idx], self._v_layers[layer_idx]
+        k_layer.narrow(2, past, T).copy_(k)
+        v_layer.narrow(2, past, T).copy_(v)
         self._lengths[layer_idx] = past + T
         return (
-            self.k[layer_idx, :, :, : past + T],  # (B, nh, past + T, hs)
-            self.v[layer_idx, :, :, : past + T],  # (B, nh, past + T, hs)
+            k_layer.narrow(2, 0, past + T),  # (B, nh, past + T, hs)
+            v_layer.narrow(2, 0, past + T),  # (B, nh, past + T, hs)
         )
 
     def reset(self) -> None:

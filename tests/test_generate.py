@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from llmcli.decode import Decoder
 from llmcli.errors import InputError
 from llmcli.generate import generate, generate_ids
 from llmcli.model import Transformer
@@ -96,17 +97,22 @@ SETTINGS = [
 ]
 
 
-def test_cache_feeds_one_token_per_step_until_the_window_slides() -> None:
+def test_cache_feeds_one_token_per_step_until_the_window_slides(monkeypatch) -> None:
     model = make_model()
     lengths = []
-    forward = model.forward
+    forward, decode = model.forward, Decoder.__call__
 
     def spy(idx, *args, **kwargs):
         lengths.append((idx.shape[1], kwargs.get("kv_cache") is not None))
         return forward(idx, *args, **kwargs)
 
+    def decode_spy(self, idx, cache, position_ids):  # one-token steps skip `forward`
+        lengths.append((1, True))
+        return decode(self, idx, cache, position_ids)
+
     model.forward = spy
-    generate_ids(model, [[1, 2, 3]], 10, temperature=0.0)
+    monkeypatch.setattr(Decoder, "__call__", decode_spy)
+    generate_ids(model, [[1, 2, 3]], 10, temperature=0.0, context_policy="exact")
     # prefill 3, five single tokens (sequence reaches 8 = context), then the sliding window.
     assert lengths == [(3, True)] + [(1, True)] * 5 + [(8, False)] * 4
 
