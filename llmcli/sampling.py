@@ -116,7 +116,9 @@ def _filtered(
         left out (top-k: `V' = k`); the kept ones are not renormalised.
     """
     V = logits.shape[-1]
-    scores = logits.float() / temperature  # (B, V)
+    if logits.dtype != torch.float32:
+        logits = logits.float()
+    scores = logits / temperature  # (B, V)
     ids = None
     use_k = top_k is not None and top_k < V
     if use_k or top_p < 1.0:
@@ -133,15 +135,15 @@ def _filtered(
 
 
 def _uniform(B: int, generator: GeneratorArg, device: torch.device) -> Tensor:
-    """`(B,)` float64 uniform numbers in [0, 1): one per row, from the row's own generator."""
+    """`(B, 1)` float64 uniform numbers in [0, 1): one per row, from the row's own generator."""
     if generator is None or isinstance(generator, torch.Generator):
         gen_device = generator.device if generator is not None else device
-        u = torch.rand(B, generator=generator, dtype=torch.float64, device=gen_device)  # (B,)
+        u = torch.rand(B, 1, generator=generator, dtype=torch.float64, device=gen_device)
     else:
         if len(generator) != B:
             raise InputError(f"got {len(generator)} generators for a batch of {B} rows")
-        u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generator])
-    return u.to(device, non_blocking=True)
+        u = torch.cat([torch.rand(1, 1, generator=g, dtype=torch.float64) for g in generator])
+    return u if u.device == device else u.to(device, non_blocking=True)  # (B, 1)
 
 
 def _inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
@@ -151,14 +153,14 @@ def _inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
 
     Args:
         probs: `(B, V)` non-negative, need not sum to 1.
-        u: `(B,)` float64 in [0, 1).
+        u: `(B, 1)` float64 in [0, 1).
 
     Returns:
         `(B,)` long indices into the last dimension.
     """
-    cdf = probs.double().cumsum(dim=-1)  # (B, V); float64 so that u * total < total
-    target = (u * cdf[:, -1])[:, None]  # (B, 1)
-    choice = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # (B,)
+    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)  # (B, V); so that u * total < total
+    target = cdf[:, -1:] * u  # (B, 1)
+    choice = torch.searchsorted(cdf, target, right=True).view(-1)  # (B,)
     return choice.clamp_(max=probs.shape[-1] - 1)
 
 

@@ -102,5 +102,5 @@ def test_sample_frequencies_follow_filtered_distribution(temperature, top_k, top
 
 def test_inverse_cdf_never_picks_a_zero_probability_token() -> None:
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]] * 3)  # (3, 5)
-    u = torch.tensor([0.0, 0.5, 1.0 - 2**-53], dtype=torch.float64)
+    u = torch.tensor([[0.0], [0.5], [1.0 - 2**-53]], dtype=torch.float64)  # (B, 1)
     assert _inverse_cdf(probs, u).tolist() == [1, 3, 3]
