@@ -7,6 +7,7 @@ commands that need them, so `llmcli --help` answers at once.
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -62,6 +63,33 @@ JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of 
 ProgressOption = Annotated[
     bool,
     typer.Option(help="Show progress: a bar on a terminal, plain lines in a log or pipe."),
+]
+
+
+# `llmcli sample`'s generation options.
+ContextPolicyOption = Annotated[
+    Optional[str],
+    typer.Option(
+        help="Past the context: exact (the last context_length tokens, recomputed each step) "
+        "or shift (keep the last tokens, go on with the KV cache) (default: run config).",
+        metavar="POLICY",
+    ),
+]
+ContextKeepOption = Annotated[
+    Optional[int],
+    typer.Option(
+        help="Tokens shift keeps when the context is full, 1..context_length-1 (default: run "
+        "config, else context_length // 2).",
+        metavar="N",
+    ),
+]
+ThreadsOption = Annotated[
+    Optional[int],
+    typer.Option(
+        help="CPU threads (default: 1 for a small model decoding one token per step, else "
+        "torch's own).",
+        metavar="N",
+    ),
 ]
 
 
@@ -239,23 +267,9 @@ def sample_command(
         bool,
         typer.Option("--json", help="One JSON object per sample (prompt, completion, tokens...)."),
     ] = False,
-    context_policy: Annotated[
-        Optional[str],
-        typer.Option(
-            help="Past the context: exact (the last context_length tokens, recomputed each "
-            "step) or shift (keep the last tokens, go on with the KV cache) (default: run "
-            "config).",
-            metavar="POLICY",
-        ),
-    ] = None,
-    context_keep: Annotated[
-        Optional[int],
-        typer.Option(
-            help="Tokens shift keeps when the context is full, 1..context_length-1 (default: "
-            "run config, else context_length // 2).",
-            metavar="N",
-        ),
-    ] = None,
+    context_policy: ContextPolicyOption = None,
+    context_keep: ContextKeepOption = None,
+    threads: ThreadsOption = None,
     weights: WeightsOption = "best",
     device: DeviceOption = "auto",
 ) -> None:
@@ -264,9 +278,15 @@ def sample_command(
 
     from llmcli.sample import format_samples, read_prompts, sample_run, unescape
 
+    flushed = [0.0]
+
     def write(text: str) -> None:
+        # Streamed text reaches the terminal at least every 50 ms, not one write per token.
         sys.stdout.write(text)
-        sys.stdout.flush()
+        now = time.monotonic()
+        if now - flushed[0] >= 0.05:
+            sys.stdout.flush()
+            flushed[0] = now
 
     streaming = (sys.stdout.isatty() if stream is None else stream) and not json_
     samples = sample_run(
@@ -281,6 +301,7 @@ def sample_command(
         stop=[unescape(text) for text in stop or []],
         context_policy=context_policy,
         context_keep=context_keep,
+        threads=threads,
         weights=weights,
         device=device,
         write=write if streaming else None,
@@ -291,6 +312,7 @@ def sample_command(
             typer.echo(json.dumps(sample.to_dict(), ensure_ascii=False))
     elif not streaming:
         write(format_samples(samples))
+    sys.stdout.flush()
 
 
 @app.command("inspect-attention")

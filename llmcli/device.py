@@ -4,7 +4,8 @@
 `Precision` owns what a training step does differently per precision: the autocast context,
 the GradScaler (fp16 only), and the unscale / clip / step / zero sequence; the training loop
 and `llmcli bench` both step through it. `check_memory` refuses a model and batch that cannot fit
-before anything is allocated.
+before anything is allocated. `sampling_threads` picks the CPU thread count for generation and
+`torch_threads` applies one for a while.
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ if TYPE_CHECKING:
     from llmcli.config import Config
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
+
+# Up to this many non-embedding parameters a one-token decode step ran faster on one thread than
+# on two (2-core VM, torch 2.13: 4L/128 0.70 vs 0.92 ms, 4L/192 1.56 vs 1.76, 4L/256 2.43 vs
+# 2.49; 6L/384, 10.7M, 7.56 vs 6.92): its operations are too small to share.
+ONE_THREAD_DECODE_PARAMS = 4_000_000
 
 
 def _suggest(what: str, value: str) -> str:
@@ -155,6 +161,30 @@ class Precision:
 # ---------------------------------------------------------------------------------------------
 # Memory
 # ---------------------------------------------------------------------------------------------
+
+
+def sampling_threads(model: nn.Module, device: torch.device, decode_bound: bool) -> int | None:
+    """The CPU thread count generation runs best on: 1 when its steps are mostly one-token
+    decode steps (`decode_bound`) of a small model, else None (keep torch's own choice, which
+    full-window forwards and larger models use well)."""
+    if device.type != "cpu" or not decode_bound:
+        return None
+    n_params = model.num_parameters(non_embedding=True)  # type: ignore[operator]
+    return 1 if n_params <= ONE_THREAD_DECODE_PARAMS else None
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Any:
+    """Run the block on `n` CPU threads (None: as it is), then restore the previous count."""
+    if n is None:
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def format_count(n: int) -> str:

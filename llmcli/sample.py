@@ -23,12 +23,12 @@ import torch
 
 from llmcli.checkpoint import load_run
 from llmcli.context_window import check_context_policy, check_policy_name
-from llmcli.device import resolve_device
+from llmcli.device import resolve_device, sampling_threads, torch_threads
 from llmcli.errors import InputError
 from llmcli.generate import _generate
 from llmcli.prompts import encode_prompt, parse_prompts, read_prompt_file
 from llmcli.sampling import check_sampling, make_generators
-from llmcli.tokenizer import Tokenizer
+from llmcli.tokenizer import CharTokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +105,8 @@ class _TextState:
         context: Sequence[int] = (),
     ) -> None:
         self.tokenizer = tokenizer
+        # A char tokenizer's token is its text alone: no context, no partial characters.
+        self.token_texts = tokenizer.token_texts if isinstance(tokenizer, CharTokenizer) else None
         self.stops = [s for s in stops if s]
         self.stop_ids = stop_ids
         self.context = list(context)[-self.CONTEXT :]
@@ -130,6 +132,8 @@ class _TextState:
     def _decode(self, upto: int) -> str:
         """The text of `ids[decoded:upto]`, decoded after up to CONTEXT earlier tokens."""
         new = self.ids[self.decoded : upto]
+        if self.token_texts is not None:
+            return "".join([self.token_texts[i] for i in new])
         n = self.CONTEXT
         if self.decoded >= n:
             ctx = self.ids[self.decoded - n : self.decoded]
@@ -527,6 +531,7 @@ def sample_run(
     stop: Sequence[str] = (),
     context_policy: str | None = None,
     context_keep: int | None = None,
+    threads: int | None = None,
     weights: str = "best",
     device: str = "auto",
     write: Callable[[str], Any] | None = None,
@@ -546,6 +551,8 @@ def sample_run(
         stop: stop strings (see `sample_texts`).
         context_policy, context_keep: override the run's `sample.context_policy` and
             `sample.context_keep` (see `llmcli.generate.generate`).
+        threads: CPU threads while generating; None picks them (`device.sampling_threads`:
+            one for a small model whose steps are mostly one-token decode steps).
         weights: "best" or "last" weights of the run (see `checkpoint.load_run`).
         device: "auto", "cpu", "cuda" or "mps".
         write: stream the formatted output through this as it is generated (see
@@ -566,6 +573,8 @@ def sample_run(
         raise InputError(f"--num-samples ({num_samples}) must be >= 1.")
     if context_policy is not None:
         check_policy_name(context_policy, "--context-policy")
+    if threads is not None and threads < 1:
+        raise InputError(f"--threads ({threads}) must be >= 1.")
     device_ = resolve_device(device, what="--device")
     run = load_run(checkpoint, weights=weights, device=device_, notify=notify)
     defaults = run.config.sample
@@ -578,23 +587,28 @@ def sample_run(
     )
     eot = run.tokenizer.eot_id
     headers = [p for p in prompts for _ in range(num_samples)]
+    new_tokens = defaults.max_new_tokens if max_new_tokens is None else max_new_tokens
+    if threads is None:  # decode-bound: shift, or exact within the context
+        decode_bound = policy == "shift" or new_tokens < run.model.context_length
+        threads = sampling_threads(run.model, device_, decode_bound)
     # The run's defaults were checked when its config loaded, the options above: trust both.
-    return _sample_texts(
-        run.model,
-        run.tokenizer,
-        prompts,
-        max_new_tokens=defaults.max_new_tokens if max_new_tokens is None else max_new_tokens,
-        temperature=defaults.temperature if temperature is None else temperature,
-        top_k=defaults.top_k if top_k is None else top_k,
-        top_p=defaults.top_p if top_p is None else top_p,
-        seed=defaults.seed if seed is None else seed,
-        num_samples=num_samples,
-        stop=stop,
-        stop_ids=() if eot is None else (eot,),
-        use_cache=True,
-        context_policy=policy,
-        context_keep=keep,
-        sink=None if write is None else OrderedWriter(write, headers),
-        batch_size=BATCH_SIZE,
-        notify=notify,
-    )
+    with torch_threads(threads):
+        return _sample_texts(
+            run.model,
+            run.tokenizer,
+            prompts,
+            max_new_tokens=new_tokens,
+            temperature=defaults.temperature if temperature is None else temperature,
+            top_k=defaults.top_k if top_k is None else top_k,
+            top_p=defaults.top_p if top_p is None else top_p,
+            seed=defaults.seed if seed is None else seed,
+            num_samples=num_samples,
+            stop=stop,
+            stop_ids=() if eot is None else (eot,),
+            use_cache=True,
+            context_policy=policy,
+            context_keep=keep,
+            sink=None if write is None else OrderedWriter(write, headers),
+            batch_size=BATCH_SIZE,
+            notify=notify,
+        )

@@ -130,6 +130,8 @@ class CharTokenizer:
         self.eot_id: int | None = len(self.chars) if eot is not None else None
         self.vocab_size = len(self.chars) + (eot is not None)
         self.stoi = {c: i for i, c in enumerate(self.chars)}
+        # id -> text: a text is the concatenation of its tokens' texts.
+        self.token_texts: list[str] = self.chars if eot is None else [*self.chars, eot]
         # Sorted code points, for a vectorised encode by binary search (see encode_array).
         self._codepoints = np.array([ord(c) for c in self.chars], dtype=np.uint32)
 
@@ -175,8 +177,7 @@ class CharTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         ids = _checked_ids(ids, self.vocab_size, "char vocabulary")
-        tokens = self.chars if self.eot is None else [*self.chars, self.eot]
-        return "".join([tokens[i] for i in ids])
+        return "".join([self.token_texts[i] for i in ids])
 
     def to_hf(self) -> HFTokenizer:
         """The same tokenizer as a Hugging Face `tokenizers.Tokenizer` (same ids, same text).

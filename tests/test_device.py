@@ -8,13 +8,17 @@ from torch import nn
 
 from llmcli.config import config_from_dict
 from llmcli.device import (
+    ONE_THREAD_DECODE_PARAMS,
     Precision,
     check_memory,
     estimate_training_bytes,
     resolve_device,
     resolve_precision,
+    sampling_threads,
+    torch_threads,
 )
 from llmcli.errors import InputError
+from llmcli.model import Transformer
 
 
 def test_device_and_precision_choices() -> None:
@@ -109,3 +113,28 @@ def test_bf16_autocast_on_cpu_runs_matmuls_in_bf16() -> None:
     with precision.autocast():
         out = nn.Linear(4, 4)(torch.randn(2, 4))
     assert out.dtype == torch.bfloat16 and precision.scaler is None
+
+
+def test_sampling_threads_one_for_a_small_decode_bound_model_only() -> None:
+    cpu = torch.device("cpu")
+    tiny = Transformer(65, 4, 4, 128, 64)  # 0.8M parameters
+    big = Transformer(65, 6, 6, 384, 256)  # 10.7M
+    assert tiny.num_parameters(non_embedding=True) <= ONE_THREAD_DECODE_PARAMS
+    assert big.num_parameters(non_embedding=True) > ONE_THREAD_DECODE_PARAMS
+    assert sampling_threads(tiny, cpu, decode_bound=True) == 1
+    assert sampling_threads(tiny, cpu, decode_bound=False) is None  # full windows: torch's own
+    assert sampling_threads(big, cpu, decode_bound=True) is None
+    assert sampling_threads(tiny, torch.device("cuda"), decode_bound=True) is None
+
+
+def test_torch_threads_sets_and_restores_the_count() -> None:
+    before = torch.get_num_threads()
+    target = 1 if before != 1 else 2
+    with torch_threads(target):
+        assert torch.get_num_threads() == target
+    assert torch.get_num_threads() == before
+    with pytest.raises(RuntimeError), torch_threads(target):
+        raise RuntimeError("restored even so")
+    assert torch.get_num_threads() == before
+    with torch_threads(None):
+        assert torch.get_num_threads() == before

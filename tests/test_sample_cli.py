@@ -324,6 +324,20 @@ def test_latest_run_is_used_and_named(capsys, tmp_path, monkeypatch) -> None:
     assert out == "ROMEO:" + expected_completion(newest, "ROMEO:", 20, seed=3) + "\n"
 
 
+def test_threads_option_gives_the_same_text_and_restores_the_count(capsys, run_dir) -> None:
+    import torch
+
+    before = torch.get_num_threads()
+    texts = []
+    for threads in ([], ["--threads", "1"], ["--threads", "2"]):
+        args = ["sample", "--checkpoint", str(run_dir), "--prompt", "ROMEO:", "--json", *threads]
+        code, out, err = cli(capsys, *args)
+        assert code == 0, err
+        texts.append(json.loads(out)["completion"])
+        assert torch.get_num_threads() == before
+    assert texts[0] == texts[1] == texts[2] == expected_completion(run_dir, "ROMEO:", 20, seed=3)
+
+
 def test_sample_run_checks_the_controls_once(run_dir, monkeypatch) -> None:
     calls = count_check_sampling(monkeypatch)
     samples = sample_run(run_dir, ["ROMEO:", "J"], max_new_tokens=4, top_p=0.9, num_samples=2)
@@ -345,6 +359,7 @@ def test_sample_run_checks_the_controls_once(run_dir, monkeypatch) -> None:
         ),
         (["--context-keep", "0"], "--context-keep (0) must be in 1..15"),
         (["--context-keep", "16"], "--context-keep (16) must be in 1..15"),
+        (["--threads", "0"], "--threads (0) must be >= 1"),
         (["--prompt", "ROMEO€ and ЖЖ"], "'Ж', '€'"),
         (["--prompt", "x", "--prompt-file", "p.txt"], "not both"),
         (["--prompt-file", "nope.txt"], "does not exist"),
