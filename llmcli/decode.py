@@ -6,9 +6,10 @@ those cost more than the arithmetic. `Decoder` collects the weights once per gen
 the same operations on the same values in the same order: `layer_norm` / `rms_norm`, `addmm`
 (`mm` without a bias) with the transposed weight view that `F.linear` passes, the rotary
 embedding's own `forward`, SDPA with the same mask, the cache written through `KVCache.update`.
-Its logits equal `Transformer.forward`'s bit for bit (tests/test_decode.py checks every recipe
-option, with and without padding). It checks nothing, so only `llmcli.context_window` calls it,
-with inputs that generation built.
+Its logits equal `Transformer.forward`'s bit for bit (tests/test_decode.py checks every pair of
+recipe option values, with and without padding), so generation samples the same tokens either
+way. It checks nothing, so only `llmcli.context_window` calls it, with inputs that generation
+built.
 """
 
 from __future__ import annotations

@@ -80,8 +80,8 @@ def test_exact_gives_the_tokens_it_gave_before_shift_existed() -> None:
 
 
 @pytest.mark.parametrize("pos_emb", ["learned", "rope"])
-@pytest.mark.parametrize("settings", SETTINGS, ids=SETTING_IDS)
-@pytest.mark.parametrize("keep", [1, 3, 4, 7])
+@pytest.mark.parametrize("settings", SETTINGS[::2], ids=SETTING_IDS[::2])
+@pytest.mark.parametrize("keep", [1, 4, 7])
 def test_shift_is_the_keep_and_recompute_loop(pos_emb, settings, keep) -> None:
     model = make_model(pos_emb)
     for prompt in ([4, 9, 1], list(range(1, 12)), [5] * CONTEXT):
@@ -129,8 +129,8 @@ PROMPTS = [[3], [1, 2, 3, 4, 5], list(range(1, 13)), [7, 7, 2], list(range(9, 16
 
 
 @pytest.mark.parametrize("pos_emb", ["learned", "rope"])
-@pytest.mark.parametrize("settings", SETTINGS, ids=SETTING_IDS)
-@pytest.mark.parametrize("keep", [1, 4, 7])
+@pytest.mark.parametrize("settings", SETTINGS[:2], ids=SETTING_IDS[:2])
+@pytest.mark.parametrize("keep", [1, 4])
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_shift_padded_batch_equals_each_prompt_alone(pos_emb, settings, keep, use_cache) -> None:
     """Rows of 1, 3, 5, 7 and 8 tokens reach the context at different steps: each row shifts
