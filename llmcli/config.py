@@ -237,10 +237,10 @@ class SampleConfig:
     top_k: int | None = 200
     top_p: float = 1.0
     seed: int = 1337
-    # Past model.context_length: "exact" recomputes the last context_length tokens every step;
-    # "shift" keeps the last context_keep tokens (null: context_length // 2) and goes on with
-    # the KV cache (see llmcli.context_window).
-    context_policy: Literal["exact", "shift"] = "exact"
+    # Past model.context_length: "shift" keeps the last context_keep tokens (null:
+    # context_length // 2) and goes on with the KV cache; "exact" recomputes the last
+    # context_length tokens every step (see llmcli.context_window; why shift: README, Sampling).
+    context_policy: Literal["exact", "shift"] = "shift"
     context_keep: int | None = None
 
     def validate(self) -> None:

@@ -59,7 +59,7 @@ def generate(
     generators: Sequence[torch.Generator] | None = None,
     use_cache: bool = True,
     vocab_size: int | None = None,
-    context_policy: str = "exact",
+    context_policy: str = "shift",
     context_keep: int | None = None,
 ) -> Iterator[Tensor]:
     """Generate for a batch of prompts, one step at a time.
@@ -82,9 +82,10 @@ def generate(
             window each step, the nanoGPT way; same tokens, slower).
         vocab_size: sample only among ids `< vocab_size` (a model's vocabulary may be padded
             beyond its tokenizer's).
-        context_policy: past `context_length`, "exact" (the last `context_length` tokens,
-            recomputed every step) or "shift" (keep the last `context_keep` tokens, prefill them
-            again, go on with the cache); see `llmcli.context_window`.
+        context_policy: past `context_length`, "shift" (keep the last `context_keep` tokens,
+            prefill them again, go on with the cache; the default, as in `llmcli sample`) or
+            "exact" (the last `context_length` tokens, recomputed every step); see
+            `llmcli.context_window`.
         context_keep: tokens `shift` keeps, in `1 .. context_length - 1` (None: half the
             context).
 

@@ -255,7 +255,7 @@ def sample_texts(
     stop: Sequence[str] = (),
     stop_ids: Sequence[int] = (),
     use_cache: bool = True,
-    context_policy: str = "exact",
+    context_policy: str = "shift",
     context_keep: int | None = None,
     sink: TextSink | None = None,
     batch_size: int = BATCH_SIZE,

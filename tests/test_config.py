@@ -184,7 +184,7 @@ def test_binary_file_is_a_config_error(tmp_path: Path) -> None:
 def test_context_policy_defaults_fill_configs_written_before_it() -> None:
     # A run's config.yaml written before sample.context_policy and sample.context_keep existed.
     old = config_from_dict({"sample": {"max_new_tokens": 100, "temperature": 0.8, "seed": 1}})
-    assert (old.sample.context_policy, old.sample.context_keep) == ("exact", None)
+    assert (old.sample.context_policy, old.sample.context_keep) == ("shift", None)
     assert config_from_dict({"sample": {"context_keep": 1}}).sample.context_keep == 1
     one_token = {"model": {"context_length": 1}, "sample": {"context_keep": 1}}
     assert config_from_dict(one_token).sample.context_keep == 1  # keeps its one token

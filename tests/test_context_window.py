@@ -64,7 +64,8 @@ def test_exact_is_the_crop_and_recompute_loop(pos_emb, settings) -> None:
 def test_exact_gives_the_tokens_it_gave_before_shift_existed() -> None:
     # Computed with the generation code as it was before the context policies (one thread).
     learned, rope = make_model(), make_model("rope", seed=1)
-    assert generate_ids(learned, [[4, 9, 1], [2]], 24, temperature=0.9, seed=5) == [
+    kw = dict(context_policy="exact", temperature=0.9, seed=5)
+    assert generate_ids(learned, [[4, 9, 1], [2]], 24, **kw) == [
         [26, 10, 12, 11, 8, 35, 22, 24, 33, 17, 12, 12, 31, 8, 4, 9, 14, 14, 26, 19, 23, 19, 1, 12],
         [25, 36, 36, 18, 17, 25, 3, 25, 36, 37, 9, 3, 36, 22, 25, 38, 2, 4, 22, 2, 21, 26, 31, 6],
     ]
