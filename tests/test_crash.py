@@ -442,7 +442,7 @@ def test_sigint_at_a_random_moment_of_train_saves_exits_130_and_resumes_exactly(
     [
         (
             ["sample", "--prompt", "ROMEO:", "--max-new-tokens", "50", "--no-stream"],
-            "llmcli.generate.next_logits",
+            "llmcli.generate.sample_next",
         ),
         (
             ["inspect-attention", "--prompt", "ROMEO: But soft", "--out", "{tmp}/attention"],
@@ -474,4 +474,4 @@ def test_sigint_during_sample_and_inspect_exits_130_without_traceback(
     captured = capsys.readouterr()
     assert exit_info.value.code == 130, captured.err
     assert "Traceback" not in captured.out + captured.err
-    assert len(calls) == (3 if attr == "_next_logits" else 1)
+    assert len(calls) == (1 if attr == "plot_layers" else 3)
