@@ -482,6 +482,41 @@ def eval_command(
     typer.echo(json.dumps(result.to_dict()) if json_ else format_result(result))
 
 
+@app.command("compare")
+def compare_command(
+    runs: Annotated[
+        list[str],
+        typer.Argument(help="Run directories, or globs such as 'checkpoints/*'.", metavar="RUN..."),
+    ],
+    metric: Annotated[
+        str,
+        typer.Option(
+            help="What to draw: val_loss, val_ppl, train_loss, lr, grad_norm or tok_per_s.",
+            metavar="NAME",
+        ),
+    ] = "val_loss",
+    x: Annotated[
+        str, typer.Option("--x", help="Against: step, tokens or elapsed_s.", metavar="AXIS")
+    ] = "step",
+    out: Annotated[Path, typer.Option(help="The picture to write (PNG).", metavar="FILE")] = Path(
+        "compare.png"
+    ),
+    json_: JsonOption = False,
+) -> None:
+    """Compare runs: their curves in one PNG and a table (best val loss, steps, tokens, time,
+    tokens/s, and the config keys that differ)."""
+    import json
+
+    from llmcli.compare import compare_runs, format_table
+
+    comparison = compare_runs(runs, metric=metric, x=x, out=out)
+    if json_:
+        typer.echo(json.dumps(comparison.to_dict()))
+        return
+    typer.echo(format_table(comparison))
+    typer.echo(f"wrote {comparison.picture}")
+
+
 @app.command("bench")
 def bench_command(
     config: ConfigArg,

@@ -23,6 +23,7 @@ import yaml
 
 from llmcli.errors import ConfigError, InputError
 from llmcli.fileio import read_user_text
+from llmcli.trackers import TRACKERS
 
 
 @dataclass
@@ -136,6 +137,19 @@ class TrainConfig:
     schedule: Literal["cosine", "wsd"] = "cosine"
     decay_fraction: float = 0.2
     init_from: str | None = None
+    # Experiment trackers besides metrics.jsonl: none, tensorboard, wandb, or a list of them.
+    logger: str | list[str] = "none"
+    wandb_project: str | None = None  # default: the config's name
+    wandb_name: str | None = None  # default: the run directory's name
+
+    @property
+    def loggers(self) -> list[str]:
+        """The trackers `logger` names, in order, without "none" and repeats."""
+        return list(dict.fromkeys(n for n in self._logger_names() if n != "none"))
+
+    def _logger_names(self) -> list[str]:
+        names = self.logger if isinstance(self.logger, list) else self.logger.split(",")
+        return [n.strip() for n in names if n.strip()]
 
     def validate(self) -> None:
         for key in (
@@ -189,6 +203,15 @@ class TrainConfig:
             self.seed,
             "must be in 0..2**63-1 (torch's seed range)",
         )
+        self._validate_loggers()
+
+    def _validate_loggers(self) -> None:
+        unknown = [n for n in self._logger_names() if n not in TRACKERS]
+        if unknown:
+            raise ConfigError(
+                f"train.logger ({self.logger!r}): {', '.join(map(repr, unknown))} is not a "
+                f"tracker; the choices are {', '.join(TRACKERS)}, or a list of them."
+            )
 
     @property
     def warmup(self) -> int:
@@ -320,6 +343,8 @@ def _type_name(tp: Any) -> str:
         return " or ".join(repr(a) for a in typing.get_args(tp))
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0]).removeprefix('a ')}s"
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
         tp, getattr(tp, "__name__", str(tp))
     )
@@ -339,6 +364,12 @@ def _coerce(tp: Any, value: Any) -> tuple[bool, Any]:
         return False, value
     if origin is Literal:
         return (type(value) is str and value in typing.get_args(tp)), value
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if type(value) is not list:
+            return False, value
+        converted = [_coerce(item, v) for v in value]
+        return all(ok for ok, _ in converted), [v for _, v in converted]
     if tp is type(None):
         return value is None, value
     if tp is bool:

@@ -137,18 +137,36 @@ class Precision:
         """Backpropagate `loss` (scaled first under fp16)."""
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
-    def step(self, optimizer: torch.optim.Optimizer, params: list[Any], grad_clip: float) -> None:
-        """Clip the gradients' global norm to `grad_clip` (0: no clipping), step, zero them."""
-        if grad_clip > 0:
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: list[Any],
+        grad_clip: float,
+        want_norm: bool = False,
+    ) -> torch.Tensor | None:
+        """Clip the gradients' global norm to `grad_clip` (0: no clipping), step, zero them.
+
+        Returns:
+            The global gradient norm before clipping, a 0-d tensor on the device (not read
+            back, so no synchronisation): always when clipping (it comes free), else only with
+            `want_norm`; otherwise None.
+        """
+        norm = None
+        if grad_clip > 0 or want_norm:
             if self.scaler is not None:
-                self.scaler.unscale_(optimizer)
-            nn.utils.clip_grad_norm_(params, grad_clip, foreach=True)
+                self.scaler.unscale_(optimizer)  # the norm of the true gradients
+            if grad_clip > 0:
+                norm = nn.utils.clip_grad_norm_(params, grad_clip, foreach=True)
+            else:
+                grads = [p.grad for p in params if p.grad is not None]
+                norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
         if self.scaler is not None:
             self.scaler.step(optimizer)
             self.scaler.update()
         else:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        return norm
 
     def state_dict(self) -> dict[str, Any]:
         return self.scaler.state_dict() if self.scaler is not None else {}

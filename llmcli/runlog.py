@@ -1,9 +1,9 @@
 """The training log: `metrics.jsonl`, reading it back, and the loss-curve picture.
 
-Rank 0 appends one JSON object per logged step (`"kind": "train"`) and per evaluation
-(`"kind": "eval"`). A resumed run first cuts the file back to its size at the save it resumes
-from, so the records after that save are written again rather than twice. `loss.png` is redrawn
-from the file at every evaluation.
+Rank 0 appends one JSON object per logged step (`"kind": "train"`) and per evaluation (`"kind":
+"eval"`), and hands each to the run's experiment trackers (`llmcli.trackers`). A resumed run first
+cuts the file back to its size at the save it resumes from, so the records after that save are
+written again rather than twice. `loss.png` is redrawn from the file at every evaluation.
 """
 
 from __future__ import annotations
@@ -19,13 +19,17 @@ from matplotlib.figure import Figure
 
 from llmcli.errors import CheckpointError, describe_os_error
 from llmcli.fileio import atomic_write_bytes
+from llmcli.trackers import Trackers
 
 
 class MetricsLog:
     """Appends JSON records to `metrics.jsonl` (rank 0), knowing its size at each save."""
 
-    def __init__(self, path: Path, keep_bytes: int | None) -> None:
+    def __init__(
+        self, path: Path, keep_bytes: int | None, trackers: Trackers | None = None
+    ) -> None:
         self.path = path
+        self.trackers = trackers  # they receive every record too (TensorBoard, W&B)
         if keep_bytes is not None and path.exists() and path.stat().st_size > keep_bytes:
             # Records written after the save we resume from are written again by this run.
             atomic_write_bytes(path, path.read_bytes()[:keep_bytes])
@@ -45,9 +49,13 @@ class MetricsLog:
                 "checkpoint is intact: fix the problem and continue with --resume."
             ) from None
         self.size += len(line)
+        if self.trackers is not None:
+            self.trackers.log(record)
 
     def close(self) -> None:
         self._fh.close()
+        if self.trackers is not None:
+            self.trackers.close()
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

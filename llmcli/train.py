@@ -39,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from llmcli import checkpoint as ckpt
-from llmcli.config import Config
+from llmcli.config import Config, TrainConfig
 from llmcli.data import BatchSampler, TokenData, prepare_data
 from llmcli.device import Precision, check_memory, format_count, is_out_of_memory, resolve_device
 from llmcli.distributed import (
@@ -60,6 +60,7 @@ from llmcli.optim import apply_lr, build_optimizer
 from llmcli.progress import Progress
 from llmcli.runlog import MetricsLog, plot_losses
 from llmcli.tokenizer import Tokenizer
+from llmcli.trackers import Trackers, check_available, open_trackers
 from llmcli.train_state import TrainState, rng_state, seed_everything, set_rng_state
 from llmcli.versions import record as record_versions
 
@@ -158,6 +159,7 @@ def train(
         KeyboardInterrupt: after Ctrl-C, once the checkpoint is saved.
     """
     session_start = time.perf_counter()
+    check_available(config.train.loggers)  # a missing tracker package: before any work
     info = dist_from_env()
     device = resolve_device(config.train.device, info.local_rank)
     precision = Precision.resolve(device, config.train.dtype)
@@ -191,7 +193,7 @@ def _loop(run: Run, progress: bool, on_step: Callable[[int], None] | None) -> Tr
         try:
             while state.step < tc.max_steps:
                 lr = apply_lr(run.optimizer, state.step, tc)
-                _train_step(run, losses)
+                norm = _train_step(run, losses, want_norm=_logs(state.step + 1, tc))
                 state.step += 1
                 state.tokens += run.tokens_per_step
                 bar.update(1)
@@ -199,7 +201,7 @@ def _loop(run: Run, progress: bool, on_step: Callable[[int], None] | None) -> Tr
                     on_step(state.step)
 
                 is_eval = state.step % tc.eval_interval == 0 or state.step == tc.max_steps
-                is_log = state.step % tc.log_interval == 0 or is_eval
+                is_log = _logs(state.step, tc)
                 local_stop = stop.requested
                 if not (is_log or (local_stop and not info.enabled)):
                     continue  # alone, a stop acts at once; under DDP at the next log step
@@ -210,7 +212,7 @@ def _loop(run: Run, progress: bool, on_step: Callable[[int], None] | None) -> Tr
                 tok_s = (state.tokens - last_log[1]) / max(now - last_log[0], 1e-9)
                 last_log = (now, state.tokens)
                 if is_log:  # (a stop between log steps writes no record)
-                    _log(run, bar, lr, step_losses[-1], tok_s)
+                    _log(run, bar, lr, step_losses[-1], tok_s, norm)
                 if is_eval:
                     best = _evaluate(run, lr)
                     _save(run, best)
@@ -231,8 +233,16 @@ def _loop(run: Run, progress: bool, on_step: Callable[[int], None] | None) -> Tr
 # ---------------------------------------------------------------------------------------------
 
 
-def _train_step(run: Run, losses: _LossBuffer) -> None:
-    """One optimizer step over `grad_accum` micro-batches; their mean loss goes to `losses`."""
+def _logs(step: int, tc: TrainConfig) -> bool:
+    """Whether the loop logs (and so evaluates or saves, if due) after `step`."""
+    return step % tc.log_interval == 0 or step % tc.eval_interval == 0 or step == tc.max_steps
+
+
+def _train_step(run: Run, losses: _LossBuffer, want_norm: bool) -> torch.Tensor | None:
+    """One optimizer step over `grad_accum` micro-batches; their mean loss goes to `losses`.
+
+    Returns the global gradient norm before clipping (see `Precision.step`), on the device.
+    """
     tc = run.config.train
     for micro in range(tc.grad_accum):
         x, y = run.sampler.next()  # (B, T), (B, T) on device
@@ -243,8 +253,9 @@ def _train_step(run: Run, losses: _LossBuffer) -> None:
             loss = loss / tc.grad_accum  # the micro-batches' mean, summed below
             run.precision.backward(loss)
         losses.add(loss.detach())
-    run.precision.step(run.optimizer, run.params, tc.grad_clip)
+    norm = run.precision.step(run.optimizer, run.params, tc.grad_clip, want_norm)
     losses.end_step()
+    return norm
 
 
 class _LossBuffer:
@@ -296,22 +307,25 @@ def _diverged(run: Run, step: int, value: float) -> DivergenceError:
     )
 
 
-def _log(run: Run, bar: Progress, lr: float, loss: float, tok_s: float) -> None:
+def _log(
+    run: Run, bar: Progress, lr: float, loss: float, tok_s: float, norm: torch.Tensor | None
+) -> None:
     """Rank 0: one `metrics.jsonl` record, and the figures beside the bar (or a plain line)."""
     if run.metrics is None:
         return
     state = run.state
-    run.metrics.write(
-        {
-            "kind": "train",
-            "step": state.step,
-            "tokens": state.tokens,
-            "elapsed_s": round(state.elapsed, 3),
-            "lr": lr,
-            "train_loss": loss,
-            "tok_per_s": round(tok_s, 1),
-        }
-    )
+    record = {
+        "kind": "train",
+        "step": state.step,
+        "tokens": state.tokens,
+        "elapsed_s": round(state.elapsed, 3),
+        "lr": lr,
+        "train_loss": loss,
+        "tok_per_s": round(tok_s, 1),
+    }
+    if norm is not None:
+        record["grad_norm"] = norm.item()  # the gradient norm of this step, before clipping
+    run.metrics.write(record)
     bar.report({"loss": f"{loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tok_s:,.0f}"})
 
 
@@ -566,7 +580,7 @@ def _open_run_files(run: Run) -> None:
     keep = run.metrics_bytes if run.resumed_from is not None else None
     try:
         ckpt.write_config_and_tokenizer(run.run_dir, run.config, run.tokenizer)
-        run.metrics = MetricsLog(run.run_dir / ckpt.METRICS_FILE, keep)
+        run.metrics = MetricsLog(run.run_dir / ckpt.METRICS_FILE, keep, _trackers(run))
     except OSError as exc:
         raise CheckpointError(
             f"cannot write the run files in '{run.run_dir}': {describe_os_error(exc)}. "
@@ -585,6 +599,21 @@ def _open_run_files(run: Run) -> None:
         run.tokens_per_step,
         state.step + 1,
         tc.max_steps,
+    )
+
+
+def _trackers(run: Run) -> Trackers | None:
+    """The experiment trackers `train.logger` asks for (None for none)."""
+    tc = run.config.train
+    if not tc.loggers:
+        return None
+    return open_trackers(
+        tc.loggers,
+        run.run_dir,
+        run.config.to_dict(),
+        project=tc.wandb_project or run.config.name,
+        name=tc.wandb_name or run.run_dir.name,
+        resumed_from=run.resumed_from,
     )
 
 

@@ -93,19 +93,28 @@ def test_fp32_step_equals_the_plain_backward_clip_step(clip: float) -> None:
     with precision.autocast():
         loss = nn.functional.mse_loss(ours(x), y)
     precision.backward(loss)
-    precision.step(opt, list(ours.parameters()), clip)
+    norm = precision.step(opt, list(ours.parameters()), clip, want_norm=True)
 
     ref_loss = nn.functional.mse_loss(ref(x), y)
     ref_loss.backward()
-    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref.parameters()]))
+    ref_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref.parameters()]))
+    torch.testing.assert_close(norm, ref_norm)  # the norm before clipping, either way
     if clip > 0:
-        assert norm > clip  # the clipping path is taken
+        assert ref_norm > clip  # the clipping path is taken
         for p in ref.parameters():
-            p.grad.mul_(clip / (norm + 1e-6))
+            p.grad.mul_(clip / (ref_norm + 1e-6))
     ref_opt.step()
     for a, b in zip(ours.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
         assert a.grad is None  # zeroed (set to None) after the step
+
+
+def test_no_norm_is_computed_unless_clipping_or_asked() -> None:
+    model, x, y = make_model_and_batch(1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    precision = Precision.resolve(torch.device("cpu"), "float32")
+    nn.functional.mse_loss(model(x), y).backward()
+    assert precision.step(opt, list(model.parameters()), 0.0) is None
 
 
 def test_bf16_autocast_on_cpu_runs_matmuls_in_bf16() -> None:

@@ -424,6 +424,8 @@ def test_ddp_two_processes_match_one_process_with_the_union_of_their_batches(
             "--out",
             str(ddp_dir),
             "--no-progress",
+            "--set",
+            "train.logger=tensorboard",
         ],
         cwd=ROOT,
         env=cli_env(),
@@ -432,6 +434,7 @@ def test_ddp_two_processes_match_one_process_with_the_union_of_their_batches(
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
+    assert len(list((ddp_dir / "tensorboard").glob("events.*"))) == 1  # rank 0 logs alone
 
     # One process, batch 8: each batch is rank 0's 4 windows followed by rank 1's.
     Sampler = llmcli.data.BatchSampler
@@ -473,6 +476,8 @@ def test_ddp_two_processes_match_one_process_with_the_union_of_their_batches(
     assert ddp[-1]["step"] == 20 and ddp[-1]["tokens"] == 20 * 2 * 2 * 4 * 8
     for a, b in zip(ddp, one, strict=True):
         assert a["train_loss"] == pytest.approx(b["train_loss"], abs=1e-4)
+        if a["kind"] == "train":  # the norm of the gradients averaged over the ranks
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
         if a["kind"] == "eval":
             assert a["val_loss"] == pytest.approx(b["val_loss"], abs=1e-4)
     assert_close_weights(ddp_dir, tmp_path / "one", atol=1e-5)

@@ -1,0 +1,221 @@
+"""`llmcli compare`: several runs side by side, their curves in one picture and a table.
+
+It reads only what any run directory holds (`metrics.jsonl`, `config.yaml`, `meta.json`), so it
+works on runs trained anywhere. The table gives each run's best val loss and its step, steps,
+tokens, training time and tokens/s, and the config keys whose values differ between the runs
+(only those).
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from llmcli.checkpoint import CONFIG_FILE, METRICS_FILE, read_meta
+from llmcli.config import read_yaml
+from llmcli.errors import InputError, describe_os_error
+from llmcli.fileio import atomic_write_bytes
+from llmcli.runlog import best_eval, read_metrics
+
+X_AXES = ("step", "tokens", "elapsed_s")
+# Each metric, and the kind of record that holds it.
+METRICS = {
+    "val_loss": "eval",
+    "val_ppl": "eval",
+    "train_loss": "train",
+    "lr": "train",
+    "grad_norm": "train",
+    "tok_per_s": "train",
+}
+
+
+@dataclass
+class RunSummary:
+    """One run's line of the table."""
+
+    run: str
+    best_val_loss: float | None
+    best_step: int | None
+    steps: int | None
+    tokens: int | None
+    elapsed_s: float | None
+    tokens_per_s: float | None
+    differs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Comparison:
+    """What `compare_runs` found: a line per run, the differing keys, the picture's path."""
+
+    runs: list[RunSummary]
+    differing_keys: list[str]
+    metric: str
+    x: str
+    picture: Path | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "metric": self.metric,
+            "x": self.x,
+            "picture": str(self.picture) if self.picture else None,
+            "differing_keys": self.differing_keys,
+            "runs": [asdict(r) for r in self.runs],
+        }
+
+
+def expand_runs(specs: list[str]) -> list[Path]:
+    """Run directories from paths and globs (`checkpoints/*`), in the order given.
+
+    Raises:
+        InputError: a spec matching nothing, a folder that is not a run, fewer than two runs.
+    """
+    runs: list[Path] = []
+    for spec in specs:
+        matches = sorted(glob.glob(spec)) if glob.has_magic(spec) else [spec]
+        if not matches:
+            raise InputError(f"{spec!r} matches no run directory.")
+        for match in matches:
+            path = Path(match)
+            if not (path / METRICS_FILE).is_file() or not (path / CONFIG_FILE).is_file():
+                if glob.has_magic(spec) and path.is_dir():
+                    continue  # a glob may also match other folders
+                raise InputError(
+                    f"'{path}' is not a run directory: it has no {METRICS_FILE} and "
+                    f"{CONFIG_FILE} (give folders that `llmcli train` wrote)."
+                )
+            runs.append(path)
+    if len(runs) < 2:
+        raise InputError(f"compare needs at least two runs; got {len(runs)}: {specs}.")
+    return runs
+
+
+def _flat(config: dict[str, Any]) -> dict[str, Any]:
+    return {
+        f"{section}.{key}": value
+        for section, values in config.items()
+        if isinstance(values, dict)
+        for key, value in values.items()
+    }
+
+
+def _summary(run: Path, records: list[dict[str, Any]]) -> RunSummary:
+    meta = read_meta(run)
+    best, best_step = best_eval(records)
+    last = records[-1] if records else {}
+    tokens, elapsed = meta.get("tokens", last.get("tokens")), meta.get("elapsed_s")
+    if elapsed is None:
+        elapsed = last.get("elapsed_s")
+    rates = [r["tok_per_s"] for r in records if isinstance(r.get("tok_per_s"), (int, float))]
+    return RunSummary(
+        run=str(run),
+        best_val_loss=best,
+        best_step=best_step,
+        steps=meta.get("step", last.get("step")),
+        tokens=tokens,
+        elapsed_s=elapsed,
+        tokens_per_s=sum(rates) / len(rates) if rates else None,
+    )
+
+
+def compare_runs(
+    specs: list[str], *, metric: str = "val_loss", x: str = "step", out: str | Path | None = None
+) -> Comparison:
+    """Compare runs: a PNG of `metric` against `x` for each run (to `out`) and the table.
+
+    Args:
+        specs: run directories or globs.
+        metric: one of `METRICS`.
+        x: one of `X_AXES`.
+        out: where to write the PNG (None: no picture).
+
+    Raises:
+        InputError: a bad run, metric or axis; a metric no run recorded; an unwritable `out`.
+    """
+    if metric not in METRICS:
+        raise InputError(f"--metric {metric!r} is not one of {', '.join(METRICS)}.")
+    if x not in X_AXES:
+        raise InputError(f"--x {x!r} is not one of {', '.join(X_AXES)}.")
+    runs = expand_runs(specs)
+    records = {run: read_metrics(run / METRICS_FILE) for run in runs}
+    missing = [str(r) for r, recs in records.items() if not _points(recs, metric, x)]
+    if missing:
+        raise InputError(
+            f"metric {metric!r} (against {x}) is not in the metrics.jsonl of: {', '.join(missing)}."
+        )
+    configs = {run: _flat(read_yaml(run / CONFIG_FILE)) for run in runs}
+    keys = sorted({k for c in configs.values() for k in c})
+    differing = [k for k in keys if len({repr(c.get(k)) for c in configs.values()}) > 1]
+    summaries = []
+    for run in runs:
+        summary = _summary(run, records[run])
+        summary.differs = {k: configs[run].get(k) for k in differing}
+        summaries.append(summary)
+    picture = None
+    if out is not None:
+        picture = Path(out)
+        try:
+            atomic_write_bytes(picture, _plot(records, metric, x))
+        except OSError as exc:
+            raise InputError(f"cannot write '{picture}': {describe_os_error(exc)}.") from None
+    return Comparison(summaries, differing, metric, x, picture)
+
+
+def _points(records: list[dict[str, Any]], metric: str, x: str) -> list[tuple[float, float]]:
+    kind = METRICS[metric]
+    return [
+        (r[x], r[metric])
+        for r in records
+        if r.get("kind") == kind
+        and isinstance(r.get(metric), (int, float))
+        and isinstance(r.get(x), (int, float))
+        and math.isfinite(r[metric])
+    ]
+
+
+def _plot(records: dict[Path, list[dict[str, Any]]], metric: str, x: str) -> bytes:
+    fig = Figure(figsize=(7.5, 4.5), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    marker = "o-" if METRICS[metric] == "eval" else "-"
+    for run, recs in records.items():
+        xs, ys = zip(*_points(recs, metric, x), strict=True)
+        ax.plot(xs, ys, marker, ms=3, lw=1.2, label=run.name)
+    ax.set_xlabel({"step": "step", "tokens": "tokens", "elapsed_s": "seconds of training"}[x])
+    ax.set_ylabel(metric)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+def format_table(comparison: Comparison) -> str:
+    """The table as aligned text: one row per run, then the differing config keys."""
+    header = ["run", "best val", "at step", "steps", "tokens", "time s", "tok/s"]
+    header += comparison.differing_keys
+    rows = [header]
+    for r in comparison.runs:
+        rows.append(
+            [
+                Path(r.run).name,
+                "-" if r.best_val_loss is None else f"{r.best_val_loss:.4f}",
+                "-" if r.best_step is None else str(r.best_step),
+                "-" if r.steps is None else str(r.steps),
+                "-" if r.tokens is None else f"{r.tokens:,}",
+                "-" if r.elapsed_s is None else f"{r.elapsed_s:.1f}",
+                "-" if r.tokens_per_s is None else f"{r.tokens_per_s:,.0f}",
+                *(str(r.differs.get(k)) for k in comparison.differing_keys),
+            ]
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows
+    )

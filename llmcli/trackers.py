@@ -1,0 +1,183 @@
+"""Experiment trackers: the records of `metrics.jsonl`, sent to TensorBoard or Weights & Biases too.
+
+`train.logger` names the trackers (`none`, `tensorboard`, `wandb`, or several). Each receives
+every record the training loop writes to `metrics.jsonl` (rank 0 only), with the same values:
+
+- a train step: `train/loss`, `train/lr`, `train/grad_norm`, `train/tokens_per_s`,
+  `progress/tokens`, `progress/elapsed_s`;
+- an evaluation: `eval/train_loss`, `eval/val_loss`, `eval/val_ppl`;
+
+(TensorBoard tags and W&B keys alike), at the record's step.
+
+- TensorBoard writes event files into `<run>/tensorboard/` through
+  `torch.utils.tensorboard.SummaryWriter`. A resumed run purges the steps after the one it
+  resumes from (`purge_step`), so the curves have no duplicated or out-of-order points.
+- W&B logs through `wandb` (`WANDB_MODE=offline` keeps everything local); the W&B run id is kept
+  in `<run>/wandb_run_id`, so that `--resume` continues the same W&B run.
+
+The packages are optional extras (`pip install llmcli[tensorboard]`, `llmcli[wandb]`): they are
+imported only when a tracker is asked for, and `check_available` says which extra is missing
+before training starts. A tracker that fails mid-run (a full disk, a W&B error) warns once and is
+dropped: `metrics.jsonl` stays the record.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import uuid
+from pathlib import Path
+from typing import Any, Protocol
+
+from llmcli.errors import InputError
+
+logger = logging.getLogger(__name__)
+
+TRACKERS = ("none", "tensorboard", "wandb")
+TENSORBOARD_DIR = "tensorboard"
+WANDB_ID_FILE = "wandb_run_id"
+# The package each tracker imports, and the extra that installs it.
+_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
+_TRAIN_TAGS = {
+    "train_loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "tok_per_s": "train/tokens_per_s",
+    "tokens": "progress/tokens",
+    "elapsed_s": "progress/elapsed_s",
+}
+_EVAL_TAGS = {
+    "train_loss": "eval/train_loss",
+    "val_loss": "eval/val_loss",
+    "val_ppl": "eval/val_ppl",
+}
+
+
+def tags(record: dict[str, Any]) -> dict[str, float]:
+    """The scalars of a `metrics.jsonl` record under their tracker tags (step and kind aside)."""
+    names = _EVAL_TAGS if record.get("kind") == "eval" else _TRAIN_TAGS
+    return {
+        tag: float(record[key])
+        for key, tag in names.items()
+        if isinstance(record.get(key), (int, float)) and not isinstance(record.get(key), bool)
+    }
+
+
+def check_available(names: list[str]) -> None:
+    """Refuse a tracker whose package is missing, naming the extra that installs it.
+
+    Raises:
+        InputError: `pip install 'llmcli[<extra>]'` is needed.
+    """
+    for name in names:
+        module, extra = _PACKAGES[name]
+        if importlib.util.find_spec(module) is None:
+            raise InputError(
+                f"train.logger {name!r} needs the {module} package, which is not installed: "
+                f"pip install 'llmcli[{extra}]' (or set train.logger: none)."
+            )
+
+
+class Tracker(Protocol):
+    name: str
+
+    def log(self, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class TensorBoardTracker:
+    """Scalars into `<run>/tensorboard/` (a resumed run purges the steps it writes again)."""
+
+    name = "tensorboard"
+
+    def __init__(self, run_dir: Path, resumed_from: int | None) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # optional: llmcli[tensorboard]
+
+        purge = resumed_from + 1 if resumed_from is not None else None
+        self.writer = SummaryWriter(log_dir=str(run_dir / TENSORBOARD_DIR), purge_step=purge)
+
+    def log(self, record: dict[str, Any]) -> None:
+        for tag, value in tags(record).items():
+            self.writer.add_scalar(tag, value, global_step=record["step"])
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbTracker:
+    """A W&B run, resumed by the id kept in the run directory."""
+
+    name = "wandb"
+
+    def __init__(self, run_dir: Path, config: dict[str, Any], project: str, name: str) -> None:
+        import wandb  # optional: llmcli[wandb]
+
+        id_file = run_dir / WANDB_ID_FILE
+        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
+        self.run = wandb.init(
+            project=project,
+            name=name,
+            id=run_id,
+            resume="allow",
+            dir=str(run_dir),
+            config=config,
+        )
+        if not id_file.is_file():
+            id_file.write_text(run_id + "\n")
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.run.log(tags(record), step=record["step"])
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class Trackers:
+    """The trackers of a run, each dropped (with one warning) at its first failure."""
+
+    def __init__(self, trackers: list[Tracker]) -> None:
+        self.trackers = trackers
+
+    def log(self, record: dict[str, Any]) -> None:
+        for tracker in list(self.trackers):
+            try:
+                tracker.log(record)
+            except Exception as exc:  # any failure of an optional tracker must not stop training
+                self._drop(tracker, exc)
+
+    def close(self) -> None:
+        for tracker in list(self.trackers):
+            try:
+                tracker.close()
+            except Exception as exc:  # closing is best effort: metrics.jsonl has everything
+                self._drop(tracker, exc)
+
+    def _drop(self, tracker: Tracker, exc: BaseException) -> None:
+        self.trackers.remove(tracker)
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        logger.warning(
+            "%s logging failed (%s); training goes on, metrics.jsonl keeps every record",
+            tracker.name,
+            first,
+        )
+
+
+def open_trackers(
+    names: list[str],
+    run_dir: Path,
+    config: dict[str, Any],
+    *,
+    project: str,
+    name: str,
+    resumed_from: int | None,
+) -> Trackers:
+    """Start the trackers `names` for a run (call `check_available` first)."""
+    trackers: list[Tracker] = []
+    for tracker in names:
+        if tracker == "tensorboard":
+            trackers.append(TensorBoardTracker(run_dir, resumed_from))
+        elif tracker == "wandb":
+            trackers.append(WandbTracker(run_dir, config, project, name))
+    return Trackers(trackers)

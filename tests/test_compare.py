@@ -1,0 +1,100 @@
+"""`llmcli compare` (llmcli/compare.py): curves of several runs in one PNG, and a table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from llmcli.cli import main
+from llmcli.compare import compare_runs, format_table
+from llmcli.config import config_from_dict
+from llmcli.errors import InputError
+from llmcli.runlog import best_eval, read_metrics
+from llmcli.train import train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """Two tiny trained runs that differ in model.n_head only."""
+    root = tmp_path_factory.mktemp("compare")
+    corpus = root / "corpus.txt"
+    corpus.write_text((ROOT / "data" / "shakespeare.txt").read_text(encoding="utf-8")[:20_000])
+    for n_head in (2, 4):
+        raw = {
+            "model": {"n_layer": 1, "n_head": n_head, "n_embed": 16, "context_length": 16},
+            "data": {"path": str(corpus), "cache_dir": str(root / "cache")},
+            "train": {
+                "device": "cpu",
+                "batch_size": 4,
+                "max_steps": 12,
+                "warmup_steps": 2,
+                "eval_interval": 4,
+                "eval_steps": 2,
+                "log_interval": 2,
+            },
+        }
+        train(config_from_dict(raw), out_dir=root / f"heads-{n_head}", progress=False)
+    return root
+
+
+def cli(capsys, *args) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exc:
+        main([str(a) for a in args])
+    out = capsys.readouterr()
+    return exc.value.code, out.out, out.err
+
+
+def test_compare_draws_the_curves_and_lists_only_the_differing_keys(runs, capsys) -> None:
+    png = runs / "cmp.png"
+    code, out, err = cli(capsys, "compare", runs / "heads-*", "--out", png, "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["differing_keys"] == ["model.n_head"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for row in result["runs"]:
+        records = read_metrics(Path(row["run"]) / "metrics.jsonl")
+        assert (row["best_val_loss"], row["best_step"]) == best_eval(records)
+        assert row["steps"] == 12 and row["tokens"] == 12 * 4 * 16
+        assert row["differs"] == {"model.n_head": int(Path(row["run"]).name.split("-")[1])}
+    table = format_table(compare_runs([str(runs / "heads-2"), str(runs / "heads-4")]))
+    assert table.splitlines()[0].split()[-1] == "model.n_head"
+    assert [line.split()[0] for line in table.splitlines()[1:]] == ["heads-2", "heads-4"]
+
+
+def test_every_metric_and_axis_draws(runs) -> None:
+    for metric in ("train_loss", "lr", "grad_norm", "val_ppl", "tok_per_s"):
+        for x in ("step", "tokens", "elapsed_s"):
+            result = compare_runs([str(runs / "heads-*")], metric=metric, x=x, out=runs / "m.png")
+            assert result.picture is not None and result.picture.stat().st_size > 1000
+
+
+def test_bad_input_exits_2_naming_the_folder_or_metric(runs, tmp_path, capsys) -> None:
+    (tmp_path / "not-a-run").mkdir()
+    cases = [
+        ((runs / "heads-2", tmp_path / "not-a-run"), "not-a-run' is not a run directory"),
+        ((runs / "heads-2", tmp_path / "nothing-*"), "matches no run directory"),
+        ((runs / "heads-2",), "at least two runs"),
+        ((runs / "heads-*", "--metric", "bleu"), "--metric 'bleu' is not one of"),
+        ((runs / "heads-*", "--x", "epoch"), "--x 'epoch' is not one of"),
+    ]
+    for args, message in cases:
+        code, _, err = cli(capsys, "compare", *args)
+        assert code == 2 and message in err and "Traceback" not in err, (args, err)
+
+
+def test_a_metric_a_run_never_recorded_is_named(runs, tmp_path) -> None:
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "config.yaml").write_text((runs / "heads-2" / "config.yaml").read_text())
+    records = [r for r in read_metrics(runs / "heads-2" / "metrics.jsonl")]
+    for r in records:
+        r.pop("grad_norm", None)  # a run from before llmcli logged gradient norms
+    (old / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(InputError, match=r"metric 'grad_norm' .* of: .*old"):
+        compare_runs([str(runs / "heads-2"), str(old)], metric="grad_norm")

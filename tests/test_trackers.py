@@ -1,0 +1,218 @@
+"""Experiment trackers (llmcli/trackers.py): TensorBoard and W&B get the records of metrics.jsonl.
+
+TensorBoard's event files are read back with its own `EventAccumulator`; the W&B run is the real
+`wandb` package in offline mode (no network), its history read back from the run's `.wandb` log.
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib.util
+import json
+import logging
+import math
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from wandb.proto import wandb_internal_pb2
+
+import llmcli.trackers
+from llmcli.cli import main
+from llmcli.config import config_from_dict
+from llmcli.runlog import read_metrics
+from llmcli.trackers import TENSORBOARD_DIR, WANDB_ID_FILE, tags
+from llmcli.train import train
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMED = {"train/tokens_per_s", "progress/elapsed_s"}
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("trackers") / "corpus.txt"
+    path.write_text((ROOT / "data" / "shakespeare.txt").read_text(encoding="utf-8")[:20_000])
+    return path
+
+
+def raw_config(corpus: Path, **train_opts) -> dict:
+    return {
+        "model": {"n_layer": 1, "n_head": 2, "n_embed": 16, "context_length": 16},
+        "data": {"path": str(corpus), "cache_dir": str(corpus.parent / "cache")},
+        "train": {
+            "device": "cpu",
+            "batch_size": 4,
+            "max_steps": 12,
+            "warmup_steps": 2,
+            "eval_interval": 4,
+            "eval_steps": 2,
+            "log_interval": 2,
+            **train_opts,
+        },
+    }
+
+
+def expected_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Tag -> [(step, value)] from metrics.jsonl, as the trackers must have them."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    for record in read_metrics(run_dir / "metrics.jsonl"):
+        for tag, value in tags(record).items():
+            out.setdefault(tag, []).append((record["step"], value))
+    return out
+
+
+def tensorboard_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    events = EventAccumulator(str(run_dir / TENSORBOARD_DIR), size_guidance={"scalars": 0})
+    events.Reload()
+    return {
+        tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]
+    }
+
+
+def assert_same_scalars(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want)
+    for tag, points in want.items():
+        assert [s for s, _ in got[tag]] == [s for s, _ in points], tag  # once each, in order
+        for (_, a), (_, b) in zip(got[tag], points, strict=True):
+            assert math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-6), tag  # TensorBoard: float32
+
+
+def test_tensorboard_holds_the_metrics_also_across_a_resume(corpus, tmp_path) -> None:
+    config = config_from_dict(raw_config(corpus, logger="tensorboard"))
+    reference = tmp_path / "reference"
+    train(config, out_dir=reference, progress=False)
+    want = expected_scalars(reference)
+    assert {"train/loss", "train/grad_norm", "eval/val_loss", "progress/tokens"} <= set(want)
+    assert_same_scalars(tensorboard_scalars(reference), want)
+
+    run = tmp_path / "run"
+
+    def crash(step: int) -> None:
+        if step == 7:  # after the save of step 4 and the records of step 6
+            raise RuntimeError("simulated crash")
+
+    with pytest.raises(RuntimeError):
+        train(config, out_dir=run, progress=False, on_step=crash)
+    train(config, out_dir=run, resume=True, progress=False)
+    # The resumed run rewrote the same records (times and speeds aside: they are measured).
+    got = expected_scalars(run)
+    assert {t: [s for s, _ in p] for t, p in got.items()} == {
+        t: [s for s, _ in p] for t, p in want.items()
+    }
+    assert {t: p for t, p in got.items() if t not in TIMED} == {
+        t: [(s, pytest.approx(v)) for s, v in p] for t, p in want.items() if t not in TIMED
+    }
+    assert_same_scalars(tensorboard_scalars(run), expected_scalars(run))
+
+
+def wandb_history(run_dir: Path) -> list[dict]:
+    """The history rows of the offline W&B run in `run_dir`, read from its `.wandb` log (a
+    LevelDB-style log of protobuf `Record`s after a 7-byte header)."""
+    (log,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    data, pos, block = log.read_bytes(), 7, 32768
+    assert data[:4] == b":W&B"
+    chunks, pending = [], b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:
+            pos += block - pos % block  # a block's tail too short for a header is padding
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):  # FULL, or LAST of a split record
+            chunks.append(pending + chunk)
+            pending = b""
+        elif kind in (2, 3):  # FIRST or MIDDLE
+            pending += chunk
+    rows = []
+    for chunk in chunks:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(chunk)
+        if record.WhichOneof("record_type") == "history":
+            rows.append(
+                {
+                    i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                    for i in record.history.item
+                }
+            )
+    return rows
+
+
+def test_wandb_offline_logs_the_metrics_and_resumes_the_same_run(
+    corpus, tmp_path, monkeypatch
+) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    config = config_from_dict(raw_config(corpus, logger="wandb", wandb_project="tests"))
+    run = tmp_path / "run"
+    train(config, out_dir=run, progress=False)
+    run_id = (run / WANDB_ID_FILE).read_text().strip()
+    rows = wandb_history(run)
+    want = expected_scalars(run)
+    for tag, points in want.items():
+        got = [(r["_step"], r[tag]) for r in rows if tag in r]
+        assert [s for s, _ in got] == [s for s, _ in points], tag
+        assert [v for _, v in got] == pytest.approx([v for _, v in points]), tag
+    more = config_from_dict(raw_config(corpus, logger="wandb", max_steps=16))
+    train(more, out_dir=run, resume=True, progress=False)
+    assert (run / WANDB_ID_FILE).read_text().strip() == run_id  # the same W&B run continues
+    assert len(list(run.glob(f"wandb/offline-run-*-{run_id}"))) >= 1
+
+
+def test_a_failing_tracker_warns_once_and_training_goes_on(
+    corpus, tmp_path, monkeypatch, caplog
+) -> None:
+    def full_disk(self, record) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(llmcli.trackers.TensorBoardTracker, "log", full_disk)
+    config = config_from_dict(raw_config(corpus, logger="tensorboard"))
+    with caplog.at_level(logging.WARNING, logger="llmcli.trackers"):
+        summary = train(config, out_dir=tmp_path / "run", progress=False)
+    assert summary.step == 12
+    warnings = [r for r in caplog.records if "tensorboard logging failed" in r.getMessage()]
+    assert len(warnings) == 1 and "No space left" in warnings[0].getMessage()
+    assert len(read_metrics(tmp_path / "run" / "metrics.jsonl")) == 9  # 6 train + 3 eval
+
+
+def test_a_missing_package_or_unknown_tracker_exits_2_before_training(
+    corpus, tmp_path, monkeypatch, capsys
+) -> None:
+    config_file = tmp_path / "c.yaml"
+    config_file.write_text(json.dumps(raw_config(corpus)))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
+    )
+    for value, message in (
+        ("wandb", "pip install 'llmcli[wandb]'"),
+        ("mlflow", "'mlflow' is not a tracker; the choices are none, tensorboard, wandb"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            main(
+                [
+                    "train",
+                    str(config_file),
+                    "--out",
+                    str(tmp_path / "run"),
+                    "--set",
+                    f"train.logger={value}",
+                ]
+            )
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and message in err and "Traceback" not in err
+        assert not (tmp_path / "run").exists()  # nothing started
+
+
+def test_the_gradient_norm_is_logged_with_and_without_clipping(corpus, tmp_path) -> None:
+    for clip in (1.0, 0.0):
+        config = config_from_dict(raw_config(corpus, grad_clip=clip))
+        train(config, out_dir=tmp_path / f"clip-{clip}", progress=False)
+        norms = [
+            r["grad_norm"]
+            for r in read_metrics(tmp_path / f"clip-{clip}" / "metrics.jsonl")
+            if r["kind"] == "train"
+        ]
+        assert len(norms) == 6 and all(math.isfinite(n) and n > 0 for n in norms)
