@@ -66,7 +66,19 @@ ProgressOption = Annotated[
 ]
 
 
-# `llmcli sample`'s generation options.
+# `llmcli sample`'s prompts and generation options.
+PromptOption = Annotated[
+    Optional[str],
+    typer.Option(
+        help="Prompt text; '-' reads it from stdin (default: empty prompt).", metavar="TEXT"
+    ),
+]
+PromptFileOption = Annotated[
+    Optional[Path],
+    typer.Option(
+        help="File of prompts, one per line or a JSON list; all run as one batch.", metavar="FILE"
+    ),
+]
 ContextPolicyOption = Annotated[
     Optional[str],
     typer.Option(
@@ -222,19 +234,8 @@ def train_command(
 @app.command("sample")
 def sample_command(
     checkpoint: CheckpointOption = None,
-    prompt: Annotated[
-        Optional[str],
-        typer.Option(
-            help="Prompt text; '-' reads it from stdin (default: empty prompt).", metavar="TEXT"
-        ),
-    ] = None,
-    prompt_file: Annotated[
-        Optional[Path],
-        typer.Option(
-            help="File of prompts, one per line or a JSON list; all run as one batch.",
-            metavar="FILE",
-        ),
-    ] = None,
+    prompt: PromptOption = None,
+    prompt_file: PromptFileOption = None,
     max_new_tokens: Annotated[
         Optional[int], typer.Option(help="Tokens to generate per sample (default: run config).")
     ] = None,
@@ -278,16 +279,7 @@ def sample_command(
 
     from llmcli.sample import format_samples, read_prompts, sample_run, unescape
 
-    flushed = [0.0]
-
-    def write(text: str) -> None:
-        # Streamed text reaches the terminal at least every 50 ms, not one write per token.
-        sys.stdout.write(text)
-        now = time.monotonic()
-        if now - flushed[0] >= 0.05:
-            sys.stdout.flush()
-            flushed[0] = now
-
+    write = _ThrottledStdout()
     streaming = (sys.stdout.isatty() if stream is None else stream) and not json_
     samples = sample_run(
         checkpoint,
@@ -313,6 +305,22 @@ def sample_command(
     elif not streaming:
         write(format_samples(samples))
     sys.stdout.flush()
+
+
+class _ThrottledStdout:
+    """Writes to stdout, flushed at most every 50 ms: streamed text reaches the terminal
+    promptly without one flush per token (the caller flushes at the end)."""
+
+    def __init__(self, interval_s: float = 0.05) -> None:
+        self.interval_s = interval_s
+        self.flushed = 0.0
+
+    def __call__(self, text: str) -> None:
+        sys.stdout.write(text)
+        now = time.monotonic()
+        if now - self.flushed >= self.interval_s:
+            sys.stdout.flush()
+            self.flushed = now
 
 
 @app.command("inspect-attention")

@@ -551,30 +551,17 @@ def sample_run(
         stop: stop strings (see `sample_texts`).
         context_policy, context_keep: override the run's `sample.context_policy` and
             `sample.context_keep` (see `llmcli.generate.generate`).
-        threads: CPU threads while generating; None picks them (`device.sampling_threads`:
-            one for a small model whose steps are mostly one-token decode steps).
+        threads: CPU threads while generating (None: picked by `device.sampling_threads`).
         weights: "best" or "last" weights of the run (see `checkpoint.load_run`).
         device: "auto", "cpu", "cuda" or "mps".
-        write: stream the formatted output through this as it is generated (see
-            `OrderedWriter`); None to only return the samples.
+        write: receives the formatted output as it is generated (`OrderedWriter`), or None.
         notify: receives one-line notices (which run is used, version differences).
 
     Returns:
         The samples, prompt by prompt.
     """
-    # The options are checked before the run loads, so that a mistyped one fails at once; a
-    # setting left to the run's default is checked with a value that passes.
-    check_sampling(
-        0.0 if temperature is None else temperature, top_k, 1.0 if top_p is None else top_p
-    )
-    if max_new_tokens is not None and max_new_tokens < 1:
-        raise InputError(f"--max-new-tokens ({max_new_tokens}) must be >= 1.")
-    if num_samples < 1:
-        raise InputError(f"--num-samples ({num_samples}) must be >= 1.")
-    if context_policy is not None:
-        check_policy_name(context_policy, "--context-policy")
-    if threads is not None and threads < 1:
-        raise InputError(f"--threads ({threads}) must be >= 1.")
+    # The options are checked before the run loads, so that a mistyped one fails at once.
+    _check_options(temperature, top_k, top_p, max_new_tokens, num_samples, context_policy, threads)
     device_ = resolve_device(device, what="--device")
     run = load_run(checkpoint, weights=weights, device=device_, notify=notify)
     defaults = run.config.sample
@@ -588,9 +575,7 @@ def sample_run(
     eot = run.tokenizer.eot_id
     headers = [p for p in prompts for _ in range(num_samples)]
     new_tokens = defaults.max_new_tokens if max_new_tokens is None else max_new_tokens
-    if threads is None:  # decode-bound: shift, or exact within the context
-        decode_bound = policy == "shift" or new_tokens < run.model.context_length
-        threads = sampling_threads(run.model, device_, decode_bound)
+    threads = _threads_for(run.model, device_, policy, new_tokens) if threads is None else threads
     # The run's defaults were checked when its config loaded, the options above: trust both.
     with torch_threads(threads):
         return _sample_texts(
@@ -612,3 +597,34 @@ def sample_run(
             batch_size=BATCH_SIZE,
             notify=notify,
         )
+
+
+def _check_options(
+    temperature: float | None,
+    top_k: int | None,
+    top_p: float | None,
+    max_new_tokens: int | None,
+    num_samples: int,
+    context_policy: str | None,
+    threads: int | None,
+) -> None:
+    """Raise `InputError` for a `sample_run` option out of range, naming the command-line
+    option; a setting left to the run's default (None) is checked with a value that passes."""
+    check_sampling(
+        0.0 if temperature is None else temperature, top_k, 1.0 if top_p is None else top_p
+    )
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens ({max_new_tokens}) must be >= 1.")
+    if num_samples < 1:
+        raise InputError(f"--num-samples ({num_samples}) must be >= 1.")
+    if context_policy is not None:
+        check_policy_name(context_policy, "--context-policy")
+    if threads is not None and threads < 1:
+        raise InputError(f"--threads ({threads}) must be >= 1.")
+
+
+def _threads_for(model: Any, device: torch.device, policy: str, new_tokens: int) -> int | None:
+    """CPU threads for a sample (`device.sampling_threads`): its steps are decode-bound under
+    `shift`, or under `exact` when they all fit in the context."""
+    decode_bound = policy == "shift" or new_tokens < model.context_length
+    return sampling_threads(model, device, decode_bound)
