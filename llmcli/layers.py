@@ -1,7 +1,8 @@
-"""Building blocks that the model's recipe options add: RMSNorm, QK-norm, rotary embeddings.
+"""Building blocks that the model's recipe options add: RMSNorm, QK-norm, rotary embeddings;
+and head ablation (`mask_heads`).
 
 All are off by default; `llmcli.model` uses them for `norm: rmsnorm`, `qk_norm: true` and
-`pos_emb: rope`.
+`pos_emb: rope`, and `mask_heads` for its `head_mask` argument (`llmcli.ablation`).
 """
 
 from __future__ import annotations
@@ -47,6 +48,24 @@ def qk_rms_norm(x: Tensor) -> Tensor:
         (..., hs) -> (..., hs), each vector with root-mean-square 1.
     """
     return F.rms_norm(x, (x.shape[-1],), eps=1e-5)
+
+
+def mask_heads(y: Tensor, head_mask: Tensor, head_mean: Tensor | None = None) -> Tensor:
+    """Head ablation: keep (1) or remove (0) each head's output, before the output projection.
+
+    A removed head outputs zeros, or its `head_mean` (mean ablation). With a mask of ones the
+    values of `y` come back unchanged, bit for bit (`y * 1`, `+ 0 * mean`).
+
+    Shape:
+        y `(B, nh, T, hs)`; head_mask `(nh,)` or, one mask per batch row, `(B, nh)`;
+        head_mean `(nh, hs)` -> `(B, nh, T, hs)`.
+    """
+    m = head_mask.to(y.dtype)[..., None, None]  # (nh, 1, 1) or (B, nh, 1, 1)
+    y = y * m  # (B, nh, T, hs)
+    if head_mean is not None:
+        mean = head_mean.to(y.dtype)[:, None, :]  # (nh, 1, hs)
+        y = y + (1 - m) * mean  # (B, nh, T, hs)
+    return y
 
 
 class RotaryEmbedding(nn.Module):

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from llmcli.errors import InputError
 from llmcli.kv_cache import KVCache, padding_with_cache
-from llmcli.layers import RotaryEmbedding, make_norm, qk_rms_norm
+from llmcli.layers import RotaryEmbedding, make_norm, mask_heads, qk_rms_norm
 from llmcli.masks import allowed_keys, check_length, check_padding_mask, default_position_ids
 
 if TYPE_CHECKING:
@@ -224,6 +224,8 @@ class MultiHeadAttention(nn.Module):
         kv_cache: KVCache | None = None,
         layer_idx: int = 0,
         return_weights: bool = False,
+        head_mask: Tensor | None = None,
+        head_mean: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend causally over `x` (and over the cached keys, with a `kv_cache`).
 
@@ -237,6 +239,8 @@ class MultiHeadAttention(nn.Module):
                 attend over all of them.
             layer_idx: the layer's index in `kv_cache`.
             return_weights: use the explicit softmax path and also return the weights.
+            head_mask: `(nh,)` or `(B, nh)`: 1 keeps a head, 0 removes its output before `proj`.
+            head_mean: `(nh, hs)`: what a removed head outputs instead of zeros (mean ablation).
 
         Returns:
             `y` `(B, T, C)`, or `(y, weights)` with weights `(B, nh, T, T_k)`.
@@ -276,6 +280,8 @@ class MultiHeadAttention(nn.Module):
             y = _causal_attention(q, k, v, causal, dropout_p)
         else:
             y = _padded_attention(q, k, v, causal, key_padding_mask, dropout_p)
+        if head_mask is not None:  # head ablation (llmcli.ablation); without it, this one test
+            y = mask_heads(y, head_mask, head_mean)  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, nh, T, hs) -> (B, T, nh, hs) -> (B, T, C)
         y = self.proj(y)  # (B, T, C)
         if dropout_p > 0.0:
@@ -440,6 +446,8 @@ class Block(nn.Module):
         kv_cache: KVCache | None = None,
         layer_idx: int = 0,
         return_weights: bool = False,
+        head_mask: Tensor | None = None,
+        head_mean: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """See `MultiHeadAttention.forward`; returns `x` `(B, T, C)` or `(x, weights)`."""
         a = self.attn(
@@ -449,6 +457,8 @@ class Block(nn.Module):
             kv_cache=kv_cache,
             layer_idx=layer_idx,
             return_weights=return_weights,
+            head_mask=head_mask,
+            head_mean=head_mean,
         )
         a, wei = a if return_weights else (a, None)
         x = x + a  # (B, T, C)
@@ -600,6 +610,8 @@ class Transformer(nn.Module):
         key_padding_mask: Tensor | None = None,
         position_ids: Tensor | None = None,
         kv_cache: KVCache | None = None,
+        head_mask: Tensor | None = None,
+        head_mean: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Next-token logits, and the mean cross-entropy when `targets` are given.
 
@@ -614,11 +626,16 @@ class Transformer(nn.Module):
                 starts at 0 at its first real token, as if it were alone); without, `past + t`.
             kv_cache: from `new_kv_cache`; the new tokens' keys/values are appended and attention
                 runs over every cached position (causal among the new ones).
+            head_mask: `(n_layer, nh)`, or `(n_layer, B, nh)` per batch row: 1 keeps a head, 0
+                removes its output (see `MultiHeadAttention.forward`).
+            head_mean: `(n_layer, nh, hs)`: removed heads output these instead of zeros.
 
         Returns:
             `(logits (B, T, V), loss)`; `loss` is None without `targets`.
         """
-        logits, loss, _ = self._run(idx, targets, key_padding_mask, position_ids, kv_cache, False)
+        logits, loss, _ = self._run(
+            idx, targets, key_padding_mask, position_ids, kv_cache, False, head_mask, head_mean
+        )
         return logits, loss
 
     def forward_with_attention(
@@ -645,6 +662,8 @@ class Transformer(nn.Module):
         position_ids: Tensor | None,
         kv_cache: KVCache | None,
         return_weights: bool,
+        head_mask: Tensor | None = None,
+        head_mean: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None, list[Tensor]]:
         """Checks, then embeddings -> blocks -> final norm -> LM head (-> loss); see `forward`."""
         if idx.ndim != 2:
@@ -667,6 +686,8 @@ class Transformer(nn.Module):
                 kv_cache=kv_cache,
                 layer_idx=i,
                 return_weights=return_weights,
+                head_mask=None if head_mask is None else head_mask[i],
+                head_mean=None if head_mean is None else head_mean[i],
             )
             if return_weights:
                 x, wei = x

@@ -1,0 +1,226 @@
+"""Head ablation (llmcli/ablation.py and the model's `head_mask`): against references.
+
+References: a stack of `Head`s with one head's output replaced in the concatenation, a model
+whose attention layers output `proj.bias` written out by hand, and the plain one-forward-per-head
+Δloss (`head_deltas_full`) for the layer cache.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from model_helpers import assert_close, gen, randomize_, tiny_model
+
+from llmcli.ablation import (
+    check_method,
+    format_top_heads,
+    head_batch,
+    head_deltas,
+    head_deltas_full,
+    head_means,
+    parse_ablate,
+    top_heads,
+)
+from llmcli.errors import InputError
+from llmcli.model import MultiHeadAttention
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+OPTIONS = {
+    "default": {},
+    "rope+qknorm": {"rope": True, "qk_norm": True},
+}
+
+
+def sharp_model(seed: int = 0, **kwargs):
+    """A tiny model with larger weights than the initialisation, so heads matter visibly."""
+    model = tiny_model(seed, n_layer=3, **kwargs)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.mul_(6.0)
+    return model
+
+
+def random_batches(n: int = 3, B: int = 2, T: int = 16, vocab: int = 37, seed: int = 1):
+    g = gen(seed)
+    return [
+        (torch.randint(vocab, (B, T), generator=g), torch.randint(vocab, (B, T), generator=g))
+        for _ in range(n)
+    ]
+
+
+# ----------------------------------------------------------------------------- the model's hook
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["fused", "explicit"])
+@pytest.mark.parametrize("opts", OPTIONS.values(), ids=OPTIONS.keys())
+def test_removing_a_head_equals_the_stack_of_heads_with_its_output_replaced(opts, explicit):
+    mha = randomize_(MultiHeadAttention(4, 32, 8, **opts)).eval()
+    x = torch.randn(2, 8, 32, generator=gen(1))
+    heads = mha.heads()
+    outs = [h(x) for h in heads]  # 4 x (B, T, hs)
+    mean = torch.randn(4, 8, generator=gen(2))  # (nh, hs)
+    for h in range(4):
+        mask = torch.ones(4)
+        mask[h] = 0.0
+        for head_mean in (None, mean):
+            replaced = list(outs)
+            fill = (
+                torch.zeros_like(outs[h]) if head_mean is None else head_mean[h].expand_as(outs[h])
+            )
+            replaced[h] = fill
+            ref = mha.proj(torch.cat(replaced, dim=-1))  # (B, T, C)
+            y = mha(x, head_mask=mask, head_mean=head_mean, return_weights=explicit)
+            y = y[0] if explicit else y
+            kind = "zero" if head_mean is None else "mean"
+            assert_close(y, ref, f"head {h} {kind}, {'explicit' if explicit else 'fused'}")
+
+
+def test_a_mask_per_batch_row_removes_each_rows_own_heads():
+    mha = randomize_(MultiHeadAttention(4, 32, 8)).eval()
+    x = torch.randn(3, 8, 32, generator=gen(1))
+    rows = torch.tensor([[1.0, 0.0, 1.0, 1.0], [0.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    y = mha(x, head_mask=rows)  # (B, T, C)
+    for b in range(3):
+        assert_close(y[b : b + 1], mha(x[b : b + 1], head_mask=rows[b]), f"row {b}")
+
+
+def test_removing_every_head_leaves_proj_bias_computed_by_hand():
+    model = randomize_(tiny_model(0, n_layer=3))
+    idx = torch.randint(37, (2, 16), generator=gen(1))
+    logits, _ = model(idx, head_mask=torch.zeros(3, 4))
+    with torch.no_grad():  # the model written out with each attention layer's output = proj.bias
+        x = model.wte.weight[idx] + model.wpe.weight[:16]  # (B, T, C)
+        for block in model.blocks:
+            x = x + block.attn.proj.bias  # (B, T, C) + (C,)
+            h = F.layer_norm(x, (32,), block.ln2.weight, block.ln2.bias)
+            h = F.gelu(h @ block.mlp.fc.weight.T + block.mlp.fc.bias)  # (B, T, 4C)
+            x = x + h @ block.mlp.proj.weight.T + block.mlp.proj.bias
+        x = F.layer_norm(x, (32,), model.ln_f.weight, model.ln_f.bias)
+        ref = x @ model.wte.weight.T  # tied LM head: (B, T, V)
+    assert_close(logits, ref, "every head removed vs proj.bias by hand")
+
+
+def test_a_mask_of_ones_changes_no_bit():
+    model = sharp_model(0)
+    idx = torch.randint(37, (2, 16), generator=gen(1))
+    means = head_means(model, random_batches())
+    plain, _ = model(idx)
+    ones = torch.ones(3, 4)
+    assert torch.equal(model(idx, head_mask=ones)[0], plain)
+    assert torch.equal(model(idx, head_mask=ones, head_mean=means)[0], plain)
+
+
+def test_head_means_are_the_mean_outputs_of_the_stack_of_heads():
+    model = sharp_model(0)
+    data = random_batches()
+    means = head_means(model, data)  # (L, H, hs)
+    outs = [[] for _ in model.blocks]
+    hooks = [
+        block.attn.register_forward_pre_hook(
+            lambda m, args, i=i: outs[i].append(torch.stack([h(args[0]) for h in m.heads()]))
+        )
+        for i, block in enumerate(model.blocks)
+    ]
+    with torch.no_grad():
+        for x, _ in data:
+            model(x)
+    for hook in hooks:
+        hook.remove()
+    for i in range(3):
+        ref = torch.cat(outs[i], dim=1).mean(dim=(1, 2))  # (H, n*B, T, hs) -> (H, hs)
+        assert_close(means[i], ref, f"mean head outputs, layer {i}")
+
+
+# ----------------------------------------------------------------------------- Δloss per head
+
+
+@pytest.mark.parametrize("per_pass", [None, 1, 3])
+@pytest.mark.parametrize("opts", [{}, {"pos_emb": "rope", "norm": "rmsnorm"}], ids=["gpt2", "rope"])
+def test_the_layer_cache_gives_the_deltas_of_full_recomputation(opts, per_pass):
+    model = sharp_model(0, **opts)
+    data = random_batches()
+    fast = head_deltas(model, data, ("zero", "mean"), heads_per_pass=per_pass)
+    full = head_deltas_full(model, data, ("zero", "mean"))
+    assert fast.base_loss == pytest.approx(full.base_loss, rel=1e-6)
+    assert (fast.batches, fast.tokens) == (3, 96)
+    for method in ("zero", "mean"):
+        assert np.abs(full.delta[method]).max() > 1e-2  # the heads matter here
+        np.testing.assert_allclose(fast.delta[method], full.delta[method], atol=1e-5)
+
+
+def test_a_head_that_writes_nothing_has_zero_delta():
+    model = sharp_model(0)
+    with torch.no_grad():
+        model.blocks[1].attn.proj.weight[:, 8:16] = 0.0  # head 1 of layer 1 reaches nothing
+    result = head_deltas(model, random_batches(), ("zero", "mean"))
+    assert result.delta["zero"][1, 1] == pytest.approx(0.0, abs=1e-6)
+    assert result.delta["mean"][1, 1] == pytest.approx(0.0, abs=1e-6)
+    assert np.abs(result.delta["zero"]).max() > 1e-2
+
+
+def test_the_deltas_are_token_weighted_over_batches_of_other_sizes():
+    model = sharp_model(0)
+    data = random_batches(2, B=2) + random_batches(1, B=3, T=9, seed=5)
+    fast = head_deltas(model, data)
+    full = head_deltas_full(model, data)
+    assert fast.tokens == 2 * 32 + 27
+    np.testing.assert_allclose(fast.delta["zero"], full.delta["zero"], atol=1e-5)
+
+
+def test_head_batch_fits_the_budget():
+    model = tiny_model(0)
+    assert head_batch(model, 32) == 4  # tiny: every head of a layer at once
+    per_copy = 32 * (8 * 32 + 3 * 37) * 4
+    assert head_batch(model, 32, budget=2 * per_copy) == 2
+    assert head_batch(model, 32, budget=1) == 1
+
+
+def test_top_heads_and_their_summary():
+    delta = np.array([[0.1, 0.5, -0.2], [0.05, 0.0, 0.3]])
+    assert top_heads(delta, 3) == [(0, 1, 0.5), (1, 2, 0.3), (0, 0, 0.1)]
+    model = sharp_model(0)
+    text = format_top_heads(head_deltas(model, random_batches(), ("zero", "mean")), k=2)
+    assert "clean loss" in text and "dloss_zero" in text and "dloss_mean" in text
+    assert "median" in text
+
+
+# ----------------------------------------------------------------------------- options
+
+
+def test_parse_ablate_heads_and_layers():
+    mask = parse_ablate(["0.1", "2", " 1.3 "], 3, 4)
+    expected = torch.ones(3, 4)
+    expected[0, 1] = expected[2] = expected[1, 3] = 0.0
+    assert torch.equal(mask, expected)
+    assert torch.equal(parse_ablate([], 3, 4), torch.ones(3, 4))
+    assert torch.equal(parse_ablate(["1"], 3, 4), parse_ablate(["1.0", "1.1", "1.2", "1.3"], 3, 4))
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("9.9", r"layer 9 is past the last layer \(2\).*L from 0 to 2 and H from 0 to 3"),
+        ("1.4", r"head 4 is past the last head \(3\).*L from 0 to 2 and H from 0 to 3"),
+        ("3", r"layer 3 is past the last layer"),
+        ("x", r"'x' is not a head or a layer: write L.H .* or L "),
+        ("1.", r"'1.' is not a head or a layer"),
+        ("-1", r"'-1' is not a head or a layer.*L from 0 to 2"),
+        ("1.2.3", r"not a head or a layer"),
+        ("", r"not a head or a layer"),
+    ],
+)
+def test_parse_ablate_names_the_forms_and_ranges(spec, message):
+    with pytest.raises(InputError, match=message):
+        parse_ablate([spec], 3, 4)
+
+
+def test_check_method():
+    assert check_method("mean") == "mean"
+    with pytest.raises(InputError, match=r"--ablation 'foo' is not known: choose zero or mean"):
+        check_method("foo")
+    with pytest.raises(InputError, match=r"zero or mean or both"):
+        check_method("all", ("zero", "mean", "both"))
