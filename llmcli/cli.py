@@ -466,6 +466,22 @@ def eval_command(
             help="Windows of context_length tokens per batch (default: the run's train.batch_size)."
         ),
     ] = None,
+    ablate: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            help="Remove a head: L.H (head H of layer L) or L (every head of layer L), 0-based; "
+            "repeatable.",
+            metavar="SPEC",
+        ),
+    ] = None,
+    ablation: Annotated[
+        str,
+        typer.Option(
+            help="How --ablate removes a head: zero (its output zeroed) or mean (replaced by its "
+            "mean output over the scored text).",
+            metavar="METHOD",
+        ),
+    ] = "zero",
     weights: WeightsOption = "best",
     device: DeviceOption = "auto",
     json_: JsonOption = False,
@@ -482,6 +498,8 @@ def eval_command(
         data,
         steps=steps,
         batch_size=batch_size,
+        ablate=ablate or [],
+        ablation=ablation,
         weights=weights,
         device=device,
         progress=True,

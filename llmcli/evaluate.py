@@ -8,7 +8,7 @@ tokenizer) or on any UTF-8 text file. Unlike the training loop's estimate, which
 into consecutive windows of `context_length` inputs, window `k` predicting `t_{kT+1} .. t_{kT+T}`
 from `t_{kT} .. t_{kT+T-1}`, so that every token after the first is predicted exactly once (the
 last window may be shorter). With `steps=N` only the first `N` batches of `batch_size` windows are
-scored.
+scored. `--ablate` scores the model with heads removed (`llmcli.ablation`).
 
 Figures, over the predicted tokens:
 - `loss`: mean cross-entropy in nats per token; `perplexity = exp(loss)`;
@@ -23,16 +23,17 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
+from llmcli.ablation import check_method, head_means, parse_ablate
 from llmcli.checkpoint import load_run
 from llmcli.data import prepare_data
 from llmcli.device import Precision, resolve_device
@@ -62,6 +63,8 @@ class EvalResult:
     bits_per_token: float
     bits_per_byte: float
     elapsed_s: float
+    ablate: list[str] = field(default_factory=list)  # the `--ablate` specs: heads removed
+    ablation: str | None = None  # how they were removed, with `ablate`
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -145,6 +148,36 @@ def evaluate_loss(
     return dict(zip(samplers, totals.tolist(), strict=True))
 
 
+def window_starts(
+    n: int, context_length: int, batch_size: int, steps: int | None = None
+) -> list[list[int]]:
+    """The first token of each window, grouped into batches (see the module doc).
+
+    Window k has inputs `[s, s + T)` and targets `[s + 1, s + T + 1)`; full windows come in
+    batches of `batch_size`, then the shorter last window alone, if any. With `steps`, only the
+    first `steps` batches.
+    """
+    T = context_length
+    starts = list(range(0, n - 1, T))
+    full = [s for s in starts if s + T + 1 <= n]
+    partial = [s for s in starts if s + T + 1 > n]  # at most one, the shorter last window
+    batches = [full[i : i + batch_size] for i in range(0, len(full), batch_size)]
+    batches += [partial] if partial else []
+    return batches if steps is None else batches[:steps]
+
+
+def window_batches(
+    tokens: np.ndarray, context_length: int, starts: list[list[int]], device: torch.device | str
+) -> Iterator[tuple[Tensor, Tensor]]:
+    """The `(x, y)` windows of each batch of `window_starts`, each `(B, L)` long on `device`."""
+    n = len(tokens)
+    for batch in starts:
+        length = min(context_length, n - 1 - batch[0])  # a batch's windows have one length
+        index = np.asarray(batch)[:, None] + np.arange(length + 1)  # (B, L+1)
+        windows = torch.from_numpy(np.asarray(tokens[index], dtype=np.int64)).to(device)
+        yield windows[:, :-1], windows[:, 1:]  # (B, L), (B, L)
+
+
 @torch.no_grad()
 def score_tokens(
     model: nn.Module,
@@ -156,6 +189,8 @@ def score_tokens(
     special_id: int | None = None,
     device: torch.device | str = "cpu",
     progress: bool = False,
+    head_mask: Tensor | None = None,
+    head_mean: Tensor | None = None,
 ) -> Totals:
     """Sum the model's negative log-likelihood over consecutive windows of `tokens`.
 
@@ -168,28 +203,20 @@ def score_tokens(
         special_id: a token id that is not text (left out of `text_nats`).
         device: where to run the model.
         progress: show progress (a bar on a terminal, plain lines elsewhere).
+        head_mask, head_mean: heads to remove, passed to a `Transformer`'s `forward`.
 
     Returns:
         `Totals` (bytes left at 0: the caller counts them from the tokens scored).
     """
-    n = len(tokens)
-    T = context_length
-    starts = list(range(0, n - 1, T))  # window k: inputs [s, s + T), targets [s + 1, s + T + 1)
-    full = [s for s in starts if s + T + 1 <= n]
-    partial = [s for s in starts if s + T + 1 > n]  # at most one, the shorter last window
-    batches = [full[i : i + batch_size] for i in range(0, len(full), batch_size)]
-    batches += [partial] if partial else []
-    if steps is not None:
-        batches = batches[:steps]
+    starts = window_starts(len(tokens), context_length, batch_size, steps)
+    ablation = {} if head_mask is None else {"head_mask": head_mask, "head_mean": head_mean}
     totals = Totals()
     model.eval()
-    bar = Progress(len(batches), desc="eval", unit="batch", enabled=progress, tenths=True)
-    for batch in batches:
-        length = min(T, n - 1 - batch[0])  # all windows of a batch have the same length
-        index = np.asarray(batch)[:, None] + np.arange(length + 1)  # (B, L+1)
-        windows = torch.from_numpy(np.asarray(tokens[index], dtype=np.int64)).to(device)
-        x, y = windows[:, :-1], windows[:, 1:]  # (B, L), (B, L)
-        logits, _ = model(x)  # (B, L, V)
+    bar = Progress(len(starts), desc="eval", unit="batch", enabled=progress, tenths=True)
+    for (x, y), batch in zip(
+        window_batches(tokens, context_length, starts, device), starts, strict=True
+    ):
+        logits, _ = model(x, **ablation)  # (B, L, V)
         nll = F.cross_entropy(
             logits.float().flatten(0, 1), y.flatten(), reduction="none"
         )  # (B * L,)
@@ -204,12 +231,52 @@ def score_tokens(
     return totals
 
 
+def eval_tokens(
+    run: Any,
+    data: str | Path | None = None,
+    hint: str = "Or pass --data PATH to score a text file.",
+) -> tuple[np.ndarray, str]:
+    """The tokens to score and a label for them: a text file, or the run's validation split.
+
+    Args:
+        run: a loaded run (`checkpoint.load_run`).
+        data: a UTF-8 text file (None: the validation split, rebuilt from the run's config:
+            the same corpus path must still be readable).
+        hint: ends the message when the validation split cannot be rebuilt.
+
+    Raises:
+        InputError: a bad data file or an unreadable corpus; a text with characters the run's
+            tokenizer cannot encode, or fewer than 2 tokens.
+    """
+    if data is not None:
+        text = read_text(data)
+        tokens = np.asarray(run.tokenizer.encode(text), dtype=np.int64)
+        label = str(data)
+    else:
+        ctx = run.config.model.context_length
+        try:
+            tokens = prepare_data(run.config.data, ctx, tokenizer=run.tokenizer).val
+        except InputError as exc:
+            raise InputError(
+                f"cannot rebuild the validation split of '{run.run_dir}': {exc} {hint}"
+            ) from None
+        source = run.config.data.val_path or run.config.data.path or run.config.data.dataset
+        label = f"validation split of {source}"
+    if len(tokens) < 2:
+        raise InputError(
+            f"{label} has {len(tokens)} token(s): at least 2 are needed (one to predict from)."
+        )
+    return tokens, label
+
+
 def evaluate_run(
     checkpoint: str | Path | None = None,
     data: str | Path | None = None,
     *,
     steps: int | None = None,
     batch_size: int | None = None,
+    ablate: Sequence[str] = (),
+    ablation: str = "zero",
     weights: str = "best",
     device: str = "auto",
     progress: bool = False,
@@ -219,54 +286,47 @@ def evaluate_run(
 
     Args:
         checkpoint: a run directory (None: the latest run under `checkpoints/`).
-        data: a UTF-8 text file to score (None: the run's validation split, rebuilt from its
-            config: the same corpus path must still be readable).
+        data: a UTF-8 text file to score (None: the run's validation split, see `eval_tokens`).
         steps: score only the first `steps` batches (None: all of the text).
         batch_size: windows per batch (None: the run's `train.batch_size`).
+        ablate: heads to remove, `"L.H"` or `"L"` each (see `ablation.parse_ablate`).
+        ablation: "zero" or "mean": a removed head outputs zeros, or its mean output over the
+            scored batches (computed in a first pass over them).
         weights: "best" or "last" weights of the run.
         device: "auto", "cpu", "cuda" or "mps".
         progress: show progress (a bar on a terminal, plain lines elsewhere).
         notify: called with one line per warning (installed versions differ from the run's).
 
     Raises:
-        InputError: a bad run directory, data file, `steps` or `batch_size`; a text with
-            characters the run's tokenizer cannot encode, or fewer than 2 tokens.
+        InputError: a bad run directory, data file, `steps`, `batch_size`, `ablate` or
+            `ablation` (see `eval_tokens`).
     """
     if steps is not None and steps < 1:
         raise InputError(f"--steps ({steps}) must be a positive number of batches.")
     if batch_size is not None and batch_size < 1:
         raise InputError(f"--batch-size ({batch_size}) must be positive.")
+    check_method(ablation)
     t0 = time.perf_counter()
     dev = resolve_device(device, what="--device")
     run = load_run(checkpoint, weights=weights, device=dev, notify=notify)
-    ctx = run.config.model.context_length
-    if data is not None:
-        text = read_text(data)
-        tokens = np.asarray(run.tokenizer.encode(text), dtype=np.int64)
-        label = str(data)
-    else:
-        try:
-            tokens = prepare_data(run.config.data, ctx, tokenizer=run.tokenizer).val
-        except InputError as exc:
-            raise InputError(
-                f"cannot rebuild the validation split of '{run.run_dir}': {exc} Or pass "
-                "--data PATH to score a text file."
-            ) from None
-        source = run.config.data.val_path or run.config.data.path or run.config.data.dataset
-        label = f"validation split of {source}"
-    if len(tokens) < 2:
-        raise InputError(
-            f"{label} has {len(tokens)} token(s): at least 2 are needed (one to predict from)."
-        )
+    head_mask = parse_ablate(ablate, run.model.n_layer, run.model.n_head).to(dev)
+    tokens, label = eval_tokens(run, data)
+    ctx, batch_size = run.config.model.context_length, batch_size or run.config.train.batch_size
+    head_mean = None
+    if ablate and ablation == "mean":
+        starts = window_starts(len(tokens), ctx, batch_size, steps)
+        head_mean = head_means(run.model, window_batches(tokens, ctx, starts, dev))
     totals = score_tokens(
         run.model,
         tokens,
         ctx,
-        batch_size or run.config.train.batch_size,
+        batch_size,
         steps=steps,
         special_id=getattr(run.tokenizer, "eot_id", None),
         device=dev,
         progress=progress,
+        head_mask=head_mask if ablate else None,
+        head_mean=head_mean,
     )
     scored = np.asarray(tokens[1 : 1 + totals.tokens], dtype=np.int64)  # the predicted tokens
     n_bytes = _text_bytes(run.tokenizer, scored)
@@ -284,15 +344,20 @@ def evaluate_run(
         bits_per_token=loss / math.log(2),
         bits_per_byte=totals.text_nats / math.log(2) / n_bytes if n_bytes else math.nan,
         elapsed_s=time.perf_counter() - t0,
+        ablate=list(ablate),
+        ablation=ablation if ablate else None,
     )
 
 
 def format_result(result: EvalResult) -> str:
     """A few human-readable lines."""
-    return (
+    text = (
         f"run {result.run_dir} (step {result.step}, {Path(result.weights).name})\n"
         f"data: {result.data}: {result.tokens:,} tokens predicted, {result.bytes:,} bytes, "
         f"{result.windows:,} windows\n"
         f"loss {result.loss:.4f} nats/token, perplexity {result.perplexity:.3f}, "
         f"{result.bits_per_token:.4f} bits/token, {result.bits_per_byte:.4f} bits/byte"
     )
+    if result.ablate:
+        text += f"\nheads removed ({result.ablation} ablation): {', '.join(result.ablate)}"
+    return text

@@ -13,7 +13,7 @@ import torch
 from conftest import save_tiny_run
 
 from llmcli.cli import main
-from llmcli.evaluate import evaluate_run
+from llmcli.evaluate import evaluate_run, score_tokens, window_batches, window_starts
 from llmcli.tokenizer import BPETokenizer, CharTokenizer
 
 CTX, BATCH = 16, 3
@@ -33,9 +33,10 @@ def make_run(run_dir: Path, tokenizer, data: dict | None = None) -> Path:
     return save_tiny_run(run_dir, tokenizer, raw, sharpen=6.0, extra_meta={"step": 7})
 
 
-def reference_nll(run_dir: Path, ids: list[int]) -> np.ndarray:
+def reference_nll(run_dir: Path, ids: list[int], **ablation) -> np.ndarray:
     """Per-token negative log-likelihoods by hand: window k predicts ids[kT+1 .. kT+T] from
-    ids[kT .. kT+T-1], one window at a time, log-softmax in float64 NumPy."""
+    ids[kT .. kT+T-1], one window at a time, log-softmax in float64 NumPy. `ablation`: the
+    model's `head_mask` and `head_mean`."""
     from llmcli.checkpoint import load_run
 
     model = load_run(run_dir).model
@@ -45,7 +46,7 @@ def reference_nll(run_dir: Path, ids: list[int]) -> np.ndarray:
         y = ids[s + 1 : s + CTX + 1]
         x = x[: len(y)]
         with torch.no_grad():
-            logits, _ = model(torch.tensor([x]))
+            logits, _ = model(torch.tensor([x]), **ablation)
         z = logits[0].double().numpy()  # (L, V)
         logz = np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1)) + z.max(-1)
         out.extend(logz - z[np.arange(len(y)), y])
@@ -201,3 +202,82 @@ def test_bad_input_exits_2_with_a_message(
         "no_run": "does not exist",
     }[case]
     assert err.startswith("error: ") and expected in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------------ --ablate
+
+
+def test_a_mask_of_ones_scores_bit_for_bit_as_plain_eval(char_run: Path) -> None:
+    from llmcli.ablation import head_means
+    from llmcli.checkpoint import load_run
+
+    model = load_run(char_run).model
+    tokens = np.asarray(CharTokenizer.train([TEXT]).encode(TEXT), dtype=np.int64)
+    plain = score_tokens(model, tokens, CTX, BATCH)
+    ones = torch.ones(2, 2)
+    starts = window_starts(len(tokens), CTX, BATCH)
+    means = head_means(model, window_batches(tokens, CTX, starts, "cpu"))
+    for head_mean in (None, means):
+        masked = score_tokens(model, tokens, CTX, BATCH, head_mask=ones, head_mean=head_mean)
+        assert masked == plain  # every sum, bit for bit
+
+
+def test_ablate_removes_heads_zero_and_mean(char_run: Path, text_file: Path) -> None:
+    from llmcli.ablation import head_means
+
+    plain = evaluate_run(char_run, text_file, device="cpu")
+    ids = CharTokenizer.train([TEXT]).encode(TEXT)
+    mask = torch.tensor([[1.0, 0.0], [0.0, 0.0]])  # 0.1 and all of layer 1
+    zero = evaluate_run(char_run, text_file, ablate=["0.1", "1"], device="cpu")
+    assert (zero.ablate, zero.ablation) == (["0.1", "1"], "zero")
+    assert zero.loss == pytest.approx(reference_nll(char_run, ids, head_mask=mask).mean(), rel=1e-5)
+    assert abs(zero.loss - plain.loss) > 1e-3
+
+    from llmcli.checkpoint import load_run
+
+    model = load_run(char_run).model
+    n = len(ids)  # every window's inputs, the shorter last one included
+    windows = [(torch.tensor([ids[s : min(s + CTX, n - 1)]]), None) for s in range(0, n - 1, CTX)]
+    means = head_means(model, windows)
+    mean = evaluate_run(char_run, text_file, ablate=["0.1", "1"], ablation="mean", device="cpu")
+    ref = reference_nll(char_run, ids, head_mask=mask, head_mean=means).mean()
+    assert mean.ablation == "mean" and mean.loss == pytest.approx(ref, rel=1e-5)
+    assert abs(mean.loss - zero.loss) > 1e-4
+
+
+def test_cli_ablate(capsys, char_run: Path, text_file: Path) -> None:
+    args = ["eval", "--checkpoint", str(char_run), "--data", str(text_file), "--device", "cpu"]
+    code, out, err = cli(capsys, *args, "--ablate", "1.0", "--ablation", "mean", "--json")
+    assert code == 0, err
+    record = json.loads(out)
+    expected = evaluate_run(char_run, text_file, ablate=["1.0"], ablation="mean", device="cpu")
+    assert (record["ablate"], record["ablation"]) == (["1.0"], "mean")
+    assert record["loss"] == expected.loss
+    code, out, err = cli(capsys, *args, "--ablate", "0", "--ablate", "1.1")
+    assert code == 0, err
+    assert "heads removed (zero ablation): 0, 1.1" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--ablate", "9.9"],
+            r"layer 9 is past the last layer \(1\).*L from 0 to 1 and H from 0 to 1",
+        ),
+        (["--ablate", "0.2"], r"head 2 is past the last head \(1\)"),
+        (["--ablate", "x"], r"'x' is not a head or a layer: write L.H .* or L .*L from 0 to 1"),
+        (["--ablate", "1."], r"'1.' is not a head or a layer"),
+        (["--ablate", "-1"], r"'-1' is not a head or a layer"),
+        (["--ablation", "foo"], r"--ablation 'foo' is not known: choose zero or mean"),
+        (["--ablate", "0", "--ablation", "foo"], r"--ablation 'foo' is not known"),
+    ],
+)
+def test_cli_bad_ablation_exits_2(capsys, char_run: Path, text_file: Path, args, message) -> None:
+    import re
+
+    base = ["eval", "--checkpoint", str(char_run), "--data", str(text_file), "--device", "cpu"]
+    code, out, err = cli(capsys, *base, *args)
+    assert code == 2 and out == "", err
+    assert err.startswith("error: ") and "Traceback" not in err
+    assert re.search(message, err.replace("\n", " ")), err
