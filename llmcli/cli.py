@@ -372,6 +372,18 @@ def inspect_attention_command(
     pictures: Annotated[
         bool, typer.Option("--pictures/--no-pictures", help="Write one PNG per layer.")
     ] = True,
+    ablation: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Add each head's loss increase when it is removed, measured on validation "
+            "batches: zero, mean or both (a metric column, ablation.png, the top heads).",
+            metavar="METHOD",
+        ),
+    ] = None,
+    ablation_steps: Annotated[
+        Optional[int],
+        typer.Option(help="Validation batches --ablation measures on (default: 20).", metavar="N"),
+    ] = None,
 ) -> None:
     """Dump every head's attention for a prompt, score each head, draw it, write a viewer."""
     from llmcli.attention.report import format_report, inspect_attention
@@ -389,6 +401,8 @@ def inspect_attention_command(
         weights=weights,
         device=device,
         pictures=pictures,
+        ablation=ablation,
+        ablation_steps=ablation_steps,
         notify=_notify,
     )
     typer.echo(format_report(result), nl=False)

@@ -284,6 +284,8 @@ def test_command_several_prompts(run_dir, tmp_path, capsys) -> None:
         (["--prompt", "ok", "--head", "-1"], r"--head -1 is out of range.*4 heads"),
         (["--prompt", "ok", "--format", "csv"], "--format 'csv'"),
         (["--prompt", "~~~"], "vocabulary lacks"),
+        (["--ablation", "foo"], "--ablation 'foo' is not known: choose zero or mean or both"),
+        (["--ablation", "zero", "--ablation-steps", "0"], r"--ablation-steps \(0\) must be"),
     ],
 )
 def test_command_bad_input_exits_2(run_dir, capsys, args, message) -> None:
@@ -331,3 +333,71 @@ def test_format_report_one_block_per_prompt(tmp_path) -> None:
     assert blocks[1].splitlines()[0] == "prompt 1 (2 tokens): 'ab'"
     assert format_metrics_table(short) in blocks[1]
     assert blocks[1].splitlines()[-1] == f"wrote {tmp_path / 'prompt-001'}/: a.json"
+
+
+# ------------------------------------------------------------------ --ablation
+
+
+def reference_deltas(run_dir, steps: int):
+    """Every head's Δloss the plain way (one full forward per head) on the same batches."""
+    from llmcli.ablation import head_deltas_full
+    from llmcli.checkpoint import load_run
+    from llmcli.evaluate import eval_tokens, window_batches, window_starts
+
+    run = load_run(run_dir)
+    tokens, _ = eval_tokens(run)
+    starts = window_starts(len(tokens), CTX, run.config.train.batch_size, steps)
+    return head_deltas_full(run.model, window_batches(tokens, CTX, starts, "cpu"), ("zero", "mean"))
+
+
+def test_command_ablation_adds_dloss_columns_and_the_top_heads(run_dir, tmp_path, capsys) -> None:
+    from llmcli.attention.viewer import viewer_data
+
+    args = ["inspect-attention", "--checkpoint", str(run_dir), "--prompt", "Speak, speak."]
+    args += ["--ablation", "both", "--no-pictures", "--out", str(tmp_path)]
+    code, out, err = cli(args, capsys)
+    assert code == 0, err
+    names = [*METRIC_NAMES, "dloss_zero", "dloss_mean"]
+    assert ["layer", "head", *names] in [line.split() for line in out.splitlines()]
+    assert "top heads by dloss_zero" in out and "top heads by dloss_mean" in out
+    dump = load_dump(tmp_path / "attention.npz")
+    assert dump.metric_names == names and dump.metrics.shape == (2, 4, 6)
+    ref = reference_deltas(run_dir, report.ABLATION_STEPS)
+    np.testing.assert_allclose(dump.metrics[..., 4], ref.delta["zero"], atol=1e-5)
+    np.testing.assert_allclose(dump.metrics[..., 5], ref.delta["mean"], atol=1e-5)
+    note = dump.meta["ablation"]
+    assert note["base_loss"] == pytest.approx(ref.base_loss, rel=1e-6)
+    assert note["tokens"] == ref.tokens and note["steps"] == report.ABLATION_STEPS
+    assert np.array(note["delta"]["zero"]).shape == (2, 4)
+    data = viewer_data(load_dump(tmp_path / "attention.npz"))
+    assert data["metric_names"] == names and len(data["metrics"][0][0]) == 6
+
+
+def test_command_ablation_follows_the_selection(run_dir, tmp_path, capsys) -> None:
+    args = ["inspect-attention", "--checkpoint", str(run_dir), "--prompt", "Speak"]
+    args += ["--layer", "1", "--head", "2", "--ablation", "zero", "--ablation-steps", "1"]
+    code, out, err = cli([*args, "--no-pictures", "--out", str(tmp_path)], capsys)
+    assert code == 0, err
+    dump = load_dump(tmp_path / "attention.npz")
+    assert dump.metric_names[-1] == "dloss_zero" and dump.metrics.shape == (1, 1, 5)
+    full = np.array(dump.meta["ablation"]["delta"]["zero"])  # every head, whatever the selection
+    assert full.shape == (2, 4) and dump.metrics[0, 0, -1] == pytest.approx(full[1, 2])
+    assert "dloss_mean" not in out and not (tmp_path / "ablation.png").exists()
+
+
+def test_the_heat_map_is_written_with_the_pictures(tmp_path) -> None:
+    from llmcli.ablation import HeadDeltas
+
+    dump = make_dump()  # layers [0, 2], heads [0, 1, 3] of a 3 x 4 model
+    delta = np.arange(12.0).reshape(3, 4) / 10
+    result = HeadDeltas(base_loss=2.0, delta={"zero": delta}, batches=1, tokens=10)
+    report.add_ablation([dump], result, {**result.to_dict(), "steps": 1})
+    np.testing.assert_allclose(dump.metrics[..., -1], delta[[0, 2]][:, [0, 1, 3]], rtol=1e-6)
+    files = report.write_outputs(dump, tmp_path, viewer=False)
+    assert [p.name for p in files] == [
+        "attention.npz",
+        "layer-0.png",
+        "layer-2.png",
+        "ablation.png",
+    ]
+    assert (tmp_path / "ablation.png").read_bytes().startswith(b"\x89PNG")

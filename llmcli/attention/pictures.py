@@ -85,3 +85,44 @@ def plot_layers(dump: AttentionDump, out_dir: str | Path) -> list[Path]:
             fig.savefig(tmp, dpi=100, format="png", bbox_inches="tight")
         paths.append(path)
     return paths
+
+
+def plot_head_deltas(delta: dict[str, np.ndarray], path: str | Path, title: str = "") -> Path:
+    """A heat map of each head's Δloss, `n_layer` rows x `n_head` columns, one panel per method.
+
+    Each cell is labelled with its value; the colour scale is shared by the panels and centred
+    on 0, so heads whose removal lowers the loss show in the other colour.
+
+    Args:
+        delta: method -> `(L, H)` Δloss in nats per token (`ablation.HeadDeltas.delta`).
+        path: the PNG to write.
+        title: the figure's title.
+
+    Returns:
+        `path`.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)  # callers may name a new folder
+    maps = {method: np.asarray(d, dtype=np.float64) for method, d in delta.items()}
+    n_layer, n_head = next(iter(maps.values())).shape
+    top = max(max(float(np.abs(d).max()) for d in maps.values()), 1e-9)
+    cell = 0.45 if n_layer * n_head > 144 else 0.8  # inches per head
+    fig = Figure(figsize=(len(maps) * (cell * n_head + 1.6), cell * n_layer + 1.4))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(maps), squeeze=False)[0]
+    for ax, (method, d) in zip(axes, maps.items(), strict=True):
+        im = ax.imshow(d, cmap="RdBu_r", vmin=-top, vmax=top, interpolation="nearest")
+        ax.set_title(f"{method} ablation", fontsize=9)
+        ax.set_xticks(range(n_head), [str(h) for h in range(n_head)], fontsize=7)
+        ax.set_yticks(range(n_layer), [str(layer) for layer in range(n_layer)], fontsize=7)
+        ax.set_xlabel("head", fontsize=8)
+        ax.set_ylabel("layer", fontsize=8)
+        if n_layer * n_head <= 144:  # room for a label in every cell
+            for (i, j), v in np.ndenumerate(d):
+                colour = "white" if abs(v) > 0.6 * top else "black"
+                ax.text(j, i, f"{v:.3f}", ha="center", va="center", fontsize=6, color=colour)
+    fig.colorbar(im, ax=list(axes), shrink=0.8, label="Δloss (nats/token)")
+    fig.suptitle(title or "loss increase when one head is removed", fontsize=10)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=100, format="png", bbox_inches="tight")
+    return path

@@ -2,7 +2,9 @@
 
 `inspect_attention` loads a run, takes the prompts (or the start of the run's validation text),
 captures and scores every head (`build_dumps`) and writes, for each prompt, the dump, one PNG
-per layer and the offline HTML viewer (`write_outputs`).
+per layer and the offline HTML viewer (`write_outputs`). With `ablation`, every head's loss
+increase when it is removed is measured on validation batches (`measure_heads`) and added as a
+metric column, drawn as a heat map (`ablation.png`) and listed, top heads first.
 """
 
 from __future__ import annotations
@@ -18,18 +20,24 @@ import numpy as np
 import torch
 
 from llmcli import __version__
+from llmcli.ablation import INSPECT_METHODS, HeadDeltas, check_method, format_top_heads, head_deltas
 from llmcli.attention.capture import capture_prompts, induction_scores
 from llmcli.attention.dump import FORMATS, AttentionDump, format_metrics_table, save_dump
 from llmcli.attention.metrics import INDUCTION, METRIC_NAMES, head_metrics
-from llmcli.attention.pictures import plot_layers
+from llmcli.attention.pictures import plot_head_deltas, plot_layers
 from llmcli.attention.viewer import write_viewer
 from llmcli.checkpoint import load_run
 from llmcli.data import prepare_data
 from llmcli.device import resolve_device
 from llmcli.errors import InputError, describe_os_error
+from llmcli.evaluate import eval_tokens, window_batches, window_starts
 from llmcli.prompts import encode_prompt, read_prompt_file
 
 log = logging.getLogger(__name__)
+
+#: Validation batches `--ablation` measures on by default: the tiny model (4 x 4 heads, batches
+#: of 12 x 64 tokens) measures both methods in well under a minute on 2 CPU cores.
+ABLATION_STEPS = 20
 
 
 def sha256_file(path: str | Path) -> str:
@@ -112,8 +120,63 @@ def default_prompt_ids(run: Any, cache_dir: str | Path | None = None) -> tuple[l
 
 
 # --------------------------------------------------------------------------------------------
+# Head ablation.
+# --------------------------------------------------------------------------------------------
+
+
+def measure_heads(
+    run: Any, ablation: str, steps: int, device: torch.device | str = "cpu"
+) -> tuple[HeadDeltas, dict[str, Any]]:
+    """Every head's Δloss on the first `steps` batches of the run's validation split.
+
+    Args:
+        run: a loaded run; its `train.batch_size` windows of `context_length` tokens per batch.
+        ablation: "zero", "mean" or "both".
+        steps: batches to measure on.
+        device: where the model is.
+
+    Returns:
+        The `HeadDeltas` and a JSON-ready note for the dumps' meta (the result and its data).
+    """
+    methods = ("zero", "mean") if ablation == "both" else (ablation,)
+    hint = "--ablation measures the heads on it."
+    tokens, label = eval_tokens(run, hint=hint)
+    ctx, batch_size = run.config.model.context_length, run.config.train.batch_size
+    starts = window_starts(len(tokens), ctx, batch_size, steps)
+    result = head_deltas(run.model, window_batches(tokens, ctx, starts, device), methods)
+    note = {**result.to_dict(), "data": label, "steps": steps, "batch_size": batch_size}
+    return result, note
+
+
+def add_ablation(dumps: Sequence[AttentionDump], result: HeadDeltas, note: dict[str, Any]) -> None:
+    """Append a `dloss_<method>` metric column per method to each dump (following its layer and
+    head selection) and the full result to its meta, under "ablation"."""
+    names = [f"dloss_{method}" for method in result.delta]
+    for dump in dumps:
+        li, hi = np.array(dump.layers), np.array(dump.heads)
+        cols = np.stack([d[li][:, hi] for d in result.delta.values()], axis=-1)  # (L', H', M')
+        dump.metrics = np.concatenate([dump.metrics, cols.astype(np.float32)], axis=-1)
+        dump.metric_names = dump.metric_names + names  # a new list: dumps may share the old one
+        dump.meta = {**dump.meta, "metric_names": dump.metric_names, "ablation": note}
+
+
+# --------------------------------------------------------------------------------------------
 # The command's library function.
 # --------------------------------------------------------------------------------------------
+
+
+def run_meta(run: Any) -> dict[str, Any]:
+    """What every dump records about its run: where, which weights (and their sha256), step,
+    config, llmcli version."""
+    weights_path = Path(run.weights_path) if run.weights_path else None
+    return {
+        "checkpoint": str(Path(run.run_dir).resolve()),
+        "weights_file": str(weights_path.resolve()) if weights_path else None,
+        "weights_sha256": sha256_file(weights_path) if weights_path else None,
+        "step": run.step,
+        "config": run.config.to_dict(),
+        "llmcli_version": __version__,
+    }
 
 
 @dataclass
@@ -124,6 +187,7 @@ class InspectResult:
     dumps: list[AttentionDump]
     out_dirs: list[Path]
     files: list[list[Path]]
+    ablation: HeadDeltas | None = None
 
 
 def build_dumps(
@@ -222,7 +286,8 @@ def write_outputs(
     pictures: bool = True,
     viewer: bool = True,
 ) -> list[Path]:
-    """Write `attention.<fmt>`, `layer-<L>.png` per layer and `attention.html` into `out_dir`."""
+    """Write `attention.<fmt>`, `layer-<L>.png` per layer and `attention.html` into `out_dir`;
+    with a head ablation in the dump's meta, also its heat map `ablation.png`."""
     out_dir = Path(out_dir)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -236,6 +301,14 @@ def write_outputs(
         files = [save_dump(dump, out_dir / f"attention{FORMATS[fmt]}", fmt)]
         if pictures:
             files += plot_layers(dump, out_dir)
+        if pictures and "ablation" in dump.meta:
+            note = dump.meta["ablation"]
+            title = (
+                f"loss increase when one head is removed (clean loss {note['base_loss']:.3f}, "
+                f"{note['tokens']:,} validation tokens)"
+            )
+            delta = {method: np.array(d) for method, d in note["delta"].items()}
+            files.append(plot_head_deltas(delta, out_dir / "ablation.png", title))
         if viewer:
             files.append(write_viewer(dump, out_dir / "attention.html"))
     except OSError as exc:  # every file is written atomically: earlier ones stay whole
@@ -249,6 +322,16 @@ def prompt_dir(out_dir: Path, index: int, n_prompts: int) -> Path:
     """Where prompt `index`'s files go: `out_dir` itself for one prompt, else
     `out_dir/prompt-000/`, `out_dir/prompt-001/`, ... in the order the prompts were given."""
     return out_dir if n_prompts == 1 else out_dir / f"prompt-{index:03d}"
+
+
+def _check_options(fmt: str, ablation: str | None, ablation_steps: int | None) -> None:
+    """The options that need no run, checked before any work."""
+    if fmt not in FORMATS:
+        raise InputError(f"--format {fmt!r} is not known: choose one of {', '.join(FORMATS)}.")
+    if ablation is not None:
+        check_method(ablation, INSPECT_METHODS)
+    if ablation_steps is not None and ablation_steps < 1:
+        raise InputError(f"--ablation-steps ({ablation_steps}) must be a positive number.")
 
 
 def inspect_attention(
@@ -266,6 +349,8 @@ def inspect_attention(
     device: str = "cpu",
     pictures: bool = True,
     viewer: bool = True,
+    ablation: str | None = None,
+    ablation_steps: int | None = None,
     notify: Callable[[str], Any] = log.warning,
 ) -> InspectResult:
     """`llmcli inspect-attention`: load a run, capture each prompt, write dumps, PNGs, viewer.
@@ -284,14 +369,16 @@ def inspect_attention(
         weights: "best" or "last" (see `checkpoint.load_run`).
         device: where the model runs: "cpu", "cuda", "mps" or "auto".
         pictures, viewer: write the PNGs and the HTML viewer.
+        ablation: "zero", "mean" or "both": add each head's Δloss (see `measure_heads`).
+        ablation_steps: validation batches the ablation measures on (None: `ABLATION_STEPS`).
         notify: receives one-line notices as they come (the run used, version differences,
             the default prompt).
 
     Raises:
-        InputError: no run, bad prompt, layer or head out of range, unknown format.
+        InputError: no run, bad prompt, layer or head out of range, unknown format or
+            ablation method, `ablation_steps` < 1.
     """
-    if fmt not in FORMATS:
-        raise InputError(f"--format {fmt!r} is not known: choose one of {', '.join(FORMATS)}.")
+    _check_options(fmt, ablation, ablation_steps)
     prompts = list(prompts)
     if prompt_file is not None:
         prompts += read_prompt_file(prompt_file, **PROMPT_FILE)
@@ -307,15 +394,7 @@ def inspect_attention(
         ids, default_note = default_prompt_ids(run)
         prompts_ids = [ids]
         notify(default_note)
-    weights_path = Path(run.weights_path) if run.weights_path else None
-    meta = {
-        "checkpoint": str(Path(run.run_dir).resolve()),
-        "weights_file": str(weights_path.resolve()) if weights_path else None,
-        "weights_sha256": sha256_file(weights_path) if weights_path else None,
-        "step": run.step,
-        "config": run.config.to_dict(),
-        "llmcli_version": __version__,
-    }
+    meta = run_meta(run)
     if prompts_ids is not None:
         meta["default_prompt"] = default_note
     dumps = build_dumps(
@@ -329,13 +408,17 @@ def inspect_attention(
         prompts_ids=prompts_ids,
         meta=meta,
     )
+    deltas = None
+    if ablation is not None:
+        deltas, note = measure_heads(run, ablation, ablation_steps or ABLATION_STEPS, device_)
+        add_ablation(dumps, deltas, note)
     root = Path(out_dir) if out_dir is not None else Path(run.run_dir) / "attention"
     out_dirs, files = [], []
     for i, dump in enumerate(dumps):
         folder = prompt_dir(root, i, len(dumps))
         out_dirs.append(folder)
         files.append(write_outputs(dump, folder, fmt, pictures=pictures, viewer=viewer))
-    return InspectResult(run_dir=Path(run.run_dir), dumps=dumps, out_dirs=out_dirs, files=files)
+    return InspectResult(Path(run.run_dir), dumps, out_dirs, files, ablation=deltas)
 
 
 def format_report(result: InspectResult) -> str:
@@ -351,4 +434,6 @@ def format_report(result: InspectResult) -> str:
         lines.append(format_metrics_table(dump))
         lines.append(f"wrote {folder}/: " + ", ".join(p.name for p in result.files[i]))
         lines.append("")
+    if result.ablation is not None:
+        lines += [format_top_heads(result.ablation), ""]
     return "".join(f"{line}\n" for line in lines)
