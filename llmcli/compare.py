@@ -19,7 +19,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from llmcli.checkpoint import CONFIG_FILE, METRICS_FILE, read_meta
-from llmcli.config import read_yaml
+from llmcli.config import config_from_dict, read_yaml
 from llmcli.errors import InputError, describe_os_error
 from llmcli.fileio import atomic_write_bytes
 from llmcli.runlog import best_eval, read_metrics
@@ -112,7 +112,6 @@ def _summary(run: Path, records: list[dict[str, Any]]) -> RunSummary:
     tokens, elapsed = meta.get("tokens", last.get("tokens")), meta.get("elapsed_s")
     if elapsed is None:
         elapsed = last.get("elapsed_s")
-    rates = [r["tok_per_s"] for r in records if isinstance(r.get("tok_per_s"), (int, float))]
     return RunSummary(
         run=str(run),
         best_val_loss=best,
@@ -120,7 +119,7 @@ def _summary(run: Path, records: list[dict[str, Any]]) -> RunSummary:
         steps=meta.get("step", last.get("step")),
         tokens=tokens,
         elapsed_s=elapsed,
-        tokens_per_s=sum(rates) / len(rates) if rates else None,
+        tokens_per_s=tokens / elapsed if tokens and elapsed else None,
     )
 
 
@@ -149,7 +148,9 @@ def compare_runs(
         raise InputError(
             f"metric {metric!r} (against {x}) is not in the metrics.jsonl of: {', '.join(missing)}."
         )
-    configs = {run: _flat(read_yaml(run / CONFIG_FILE)) for run in runs}
+    # A key an older run's config.yaml lacks had its default there.
+    defaults = _flat(config_from_dict({}).to_dict())
+    configs = {run: defaults | _flat(read_yaml(run / CONFIG_FILE)) for run in runs}
     keys = sorted({k for c in configs.values() for k in c})
     differing = [k for k in keys if len({repr(c.get(k)) for c in configs.values()}) > 1]
     summaries = []
@@ -198,11 +199,10 @@ def _plot(records: dict[Path, list[dict[str, Any]]], metric: str, x: str) -> byt
 
 
 def format_table(comparison: Comparison) -> str:
-    """The table as aligned text: one row per run, then the differing config keys."""
-    header = ["run", "best val", "at step", "steps", "tokens", "time s", "tok/s"]
-    header += comparison.differing_keys
-    rows = [header]
-    for r in comparison.runs:
+    """The table as aligned text: one row per run; then one row per differing config key."""
+    runs = comparison.runs
+    rows = [["run", "best val", "at step", "steps", "tokens", "time s", "tok/s"]]
+    for r in runs:
         rows.append(
             [
                 Path(r.run).name,
@@ -212,10 +212,18 @@ def format_table(comparison: Comparison) -> str:
                 "-" if r.tokens is None else f"{r.tokens:,}",
                 "-" if r.elapsed_s is None else f"{r.elapsed_s:.1f}",
                 "-" if r.tokens_per_s is None else f"{r.tokens_per_s:,.0f}",
-                *(str(r.differs.get(k)) for k in comparison.differing_keys),
             ]
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    text = _aligned(rows)
+    if comparison.differing_keys:
+        keys = [["config keys that differ", *(Path(r.run).name for r in runs)]]
+        keys += [[k, *(str(r.differs.get(k)) for r in runs)] for k in comparison.differing_keys]
+        text += "\n\n" + _aligned(keys)
+    return text
+
+
+def _aligned(rows: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join(
-        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows
     )

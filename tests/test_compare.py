@@ -63,8 +63,11 @@ def test_compare_draws_the_curves_and_lists_only_the_differing_keys(runs, capsys
         assert row["steps"] == 12 and row["tokens"] == 12 * 4 * 16
         assert row["differs"] == {"model.n_head": int(Path(row["run"]).name.split("-")[1])}
     table = format_table(compare_runs([str(runs / "heads-2"), str(runs / "heads-4")]))
-    assert table.splitlines()[0].split()[-1] == "model.n_head"
-    assert [line.split()[0] for line in table.splitlines()[1:]] == ["heads-2", "heads-4"]
+    runs_part, keys_part = table.split("\n\n")
+    assert [line.split()[0] for line in runs_part.splitlines()[1:]] == ["heads-2", "heads-4"]
+    assert keys_part.splitlines()[1].split() == ["model.n_head", "2", "4"]
+    for row in result["runs"]:  # tokens/s over the whole run, as `llmcli train` reports it
+        assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["elapsed_s"])
 
 
 def test_every_metric_and_axis_draws(runs) -> None:
