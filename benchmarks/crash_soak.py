@@ -24,7 +24,19 @@ after which the run did not load: must be 0), moments (kills per kind), written_
 (kills per file of the "write" kind), state_steps (the resume state's step after each kill),
 wall_s.
 
+Distributed mode (`--distributed N`): the same run trained by `torchrun --nproc_per_node=N
+--max-restarts=K -m llmcli train CONFIG --resume auto`, saving every `--save-interval` steps.
+In each chain, K times, once a new group of workers is up, a random worker is SIGKILLed after a
+random delay (during start-up, data preparation, training or a save); torchrun restarts the
+group, which resumes from the last save (or starts afresh before the first one). The finished
+run's weights and metrics must equal, bitwise, those of the same command never killed. Output
+keys: kills, restarts (killed worker groups that torchrun restarted), resumed (groups that
+resumed from a save; the others were killed before the first save or before they resumed),
+stuck_joins (ranks that gave up joining a restarted group after 45 s, which torchrun restarted
+again), mismatches (must be 0), failed (torchrun runs that did not end with status 0), wall_s.
+
 Usage: python benchmarks/crash_soak.py [--kills 20] [--chain 4] [--seed 0] [--steps 24]
+       python benchmarks/crash_soak.py --distributed 2 [--kills 10] [--chain 5] [--steps 60]
 """
 
 from __future__ import annotations
@@ -116,7 +128,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--eval-interval", type=int, default=4)
     parser.add_argument("--tmp", default=None, help="work folder (default: a new temp folder)")
+    parser.add_argument(
+        "--distributed", type=int, default=0, metavar="N", help="N torchrun workers per run"
+    )
+    parser.add_argument("--save-interval", type=int, default=3, help="distributed mode's")
+    parser.add_argument(
+        "--max-delay", type=float, default=15.0, help="distributed: seconds before a kill, at most"
+    )
     args = parser.parse_args()
+    if args.distributed:
+        print(json.dumps(distributed_soak(args)))
+        return
 
     import torch
     import yaml
@@ -310,6 +332,116 @@ def main() -> None:
             }
         )
     )
+
+
+def _workers(agent: int) -> list[int]:
+    """The `llmcli` worker processes torchrun's agent (pid `agent`) started."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == agent and b"llmcli" in cmdline:
+            pids.append(int(entry))
+    return sorted(pids)
+
+
+def distributed_soak(args: argparse.Namespace) -> dict:
+    """Kill random torchrun workers at random moments; compare the finished runs bitwise."""
+    import yaml
+
+    from llmcli import checkpoint as ckpt
+    from llmcli.runlog import read_metrics
+
+    rng = random.Random(args.seed)
+    t0 = time.perf_counter()
+    work = Path(args.tmp or tempfile.mkdtemp(prefix="llmcli-dsoak-"))
+    work.mkdir(parents=True, exist_ok=True)
+    corpus = work / "corpus.txt"
+    corpus.write_text((ROOT / "data" / "shakespeare.txt").read_text(encoding="utf-8")[:20000])
+    train = {"device": "cpu", "batch_size": 4, "max_steps": args.steps, "warmup_steps": 2}
+    train |= {"eval_interval": 20, "eval_steps": 1, "log_interval": 2, "seed": 3}
+    train["save_interval"] = args.save_interval
+    raw = {
+        "model": {"n_layer": 1, "n_head": 2, "n_embed": 16, "context_length": 16},
+        "data": {"path": str(corpus), "cache_dir": str(work / "cache")},
+        "train": train,
+    }
+    config = work / "soak.yaml"
+    config.write_text(yaml.safe_dump(raw), encoding="utf-8")
+    # A rank stuck joining its group (a gloo hang) exits after 45 s: torchrun restarts it too.
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), LLMCLI_DIST_JOIN_TIMEOUT="45")
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RESTART_COUNT"):
+        env.pop(name, None)
+
+    def torchrun(run_dir: Path, restarts: int, log: Path) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        cmd += [f"--nproc_per_node={args.distributed}", f"--max-restarts={restarts}"]
+        cmd += ["-m", "llmcli", "train", str(config), "--out", str(run_dir)]
+        cmd += ["--resume", "auto", "--no-progress"]
+        with open(log, "w") as out:
+            return subprocess.Popen(cmd, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    def stable(run_dir: Path) -> list[dict]:
+        records = read_metrics(run_dir / "metrics.jsonl")
+        return [{k: v for k, v in r.items() if k not in VOLATILE} for r in records]
+
+    reference = work / "reference"
+    if torchrun(reference, 0, work / "reference.log").wait() != 0:
+        raise SystemExit(f"the reference run failed: {(work / 'reference.log').read_text()}")
+    kills = restarts = resumed = mismatches = failed = chains = stuck_joins = 0
+    while kills < args.kills:
+        chains += 1
+        run_dir, log = work / f"run-{chains}", work / f"run-{chains}.log"
+        planned = min(args.chain, args.kills - kills)
+        agent, seen = torchrun(run_dir, planned + 3, log), set()
+        while agent.poll() is None and len(seen) < planned:
+            group = _workers(agent.pid)
+            if len(group) < args.distributed or seen & set(group):
+                time.sleep(0.05)  # not up yet, or the group we killed not yet restarted
+                continue
+            time.sleep(rng.uniform(0.2, args.max_delay))
+            if agent.poll() is not None:
+                break
+            victim = rng.choice(group)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, signal.SIGKILL)
+            seen |= set(group)
+            kills += 1
+        failed += agent.wait() != 0
+        text = log.read_text()
+        restarts += text.count("(exitcode: -9)")  # each killed group, restarted by torchrun
+        stuck_joins += text.count("could not join")
+        resumed += text.count("resuming run")
+        same_weights = ckpt.read_weights(run_dir / "model.safetensors")[0]
+        expected = ckpt.read_weights(reference / "model.safetensors")[0]
+        mismatches += not all(torch_equal(same_weights[k], expected[k]) for k in expected)
+        mismatches += stable(run_dir) != stable(reference)
+    return {
+        "mode": "distributed",
+        "workers": args.distributed,
+        "kills": kills,
+        "restarts": restarts,
+        "stuck_joins": stuck_joins,
+        "resumed": resumed,
+        "mismatches": mismatches,
+        "failed": failed,
+        "chains": chains,
+        "steps": args.steps,
+        "save_interval": args.save_interval,
+        "seed": args.seed,
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return a.shape == b.shape and bool(torch.equal(a, b))
 
 
 if __name__ == "__main__":

@@ -381,6 +381,12 @@ def default_run_dir(config: Config) -> Path:
     return Path(config.train.out_dir) if config.train.out_dir else Path("checkpoints") / config.name
 
 
+def resumes(run_dir: Path, resume: bool | str) -> bool:
+    """Whether a start continues the run in `run_dir`: `resume` is True, or "auto" and the
+    folder holds a resume state (what else it holds is checked as for a fresh start)."""
+    return resume is True or (resume == "auto" and (run_dir / STATE_FILE).is_file())
+
+
 def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
     """Check the run directory can be written and holds what `resume` / `overwrite` expect.
 

@@ -197,8 +197,13 @@ def train_command(
         ),
     ] = None,
     resume: Annotated[
-        bool, typer.Option(help="Continue the run saved in the run directory, exactly.")
-    ] = False,
+        Optional[str],
+        typer.Option(
+            help="Continue the run saved in the run directory, exactly; '--resume auto' "
+            "continues it if there is one and starts otherwise (default: train.resume).",
+            metavar="[auto]",
+        ),
+    ] = None,
     overwrite: Annotated[
         bool, typer.Option(help="Start afresh even if the run directory holds a run.")
     ] = False,
@@ -206,22 +211,30 @@ def train_command(
 ) -> None:
     """Train a model (Ctrl-C saves and stops; under torchrun, trains with DDP)."""
     from llmcli.config import load_config
+    from llmcli.interrupt import EXIT_TERMINATED, Preempted
     from llmcli.train import train
 
     _log_to_stderr()
-    summary = train(
-        load_config(config, set_ or []),
-        out_dir=out,
-        resume=resume,
-        overwrite=overwrite,
-        progress=progress,
-    )
+    if resume is not None and resume not in _RESUME_VALUES:
+        raise InputError(f"--resume takes no value, or 'auto'; got {resume!r}.")
+    cfg = load_config(config, set_ or [])
+    try:
+        summary = train(
+            cfg,
+            out_dir=out,
+            resume=cfg.train.resume if resume is None else _RESUME_VALUES[resume],
+            overwrite=overwrite,
+            progress=progress,
+        )
+    except Preempted:  # saved: the status schedulers read as "preempted, requeue"
+        raise typer.Exit(EXIT_TERMINATED) from None
     if summary.rank != 0:
         return
     rate = f", {summary.tokens_per_s:,.0f} tokens/s" if summary.tokens_per_s else ""
+    saves = f", {summary.saves} saves of at most {summary.save_s:.2f} s" if summary.saves else ""
     typer.echo(
         f"run {summary.run_dir}: step {summary.step}/{summary.max_steps}, "
-        f"{summary.tokens:,} tokens, {summary.elapsed_s:.0f} s{rate}"
+        f"{summary.tokens:,} tokens, {summary.elapsed_s:.0f} s{rate}{saves}"
     )
     if summary.val_loss is not None:
         typer.echo(
@@ -615,10 +628,26 @@ def bench_command(
     typer.echo(f"wrote {json_path} and {png_path}")
 
 
+# `--resume` alone, `--resume auto` and `--resume=auto`: typer options cannot take an optional
+# value, so a bare `--resume` is given its value before parsing.
+_RESUME_VALUES = {"strict": True, "auto": "auto"}
+
+
+def _with_resume_value(argv: list[str]) -> list[str]:
+    out = []
+    for i, arg in enumerate(argv):
+        if arg == "--resume" and (i + 1 == len(argv) or argv[i + 1] not in _RESUME_VALUES):
+            arg = "--resume=strict"
+        out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: runs the app and maps errors to exit statuses (2 bad input, 130 Ctrl-C)."""
+    """Entry point: runs the app and maps errors to exit statuses (2 bad input, 130 Ctrl-C;
+    `train` exits 143 after SIGTERM)."""
+    args = _with_resume_value(sys.argv[1:] if argv is None else argv)
     try:
-        code = app(args=argv, prog_name="llmcli", standalone_mode=False)
+        code = app(args=args, prog_name="llmcli", standalone_mode=False)
     except InputError as exc:
         typer.echo(f"error: {exc}", err=True)
         sys.exit(2)

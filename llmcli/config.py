@@ -141,6 +141,13 @@ class TrainConfig:
     logger: str | list[str] = "none"
     wandb_project: str | None = None  # default: the config's name
     wandb_name: str | None = None  # default: the run directory's name
+    # Resume state also between evaluations, so that a kill loses little work: every
+    # `save_interval` steps and/or once `save_interval_s` seconds passed since the last save.
+    save_interval: int | None = None
+    save_interval_s: float | None = 300.0
+    # false: start (a run already there is an error); true: continue the run there; auto:
+    # continue it if there is one, else start (one command for a first start and a restart).
+    resume: bool | Literal["auto"] = False
 
     @property
     def loggers(self) -> list[str]:
@@ -203,6 +210,15 @@ class TrainConfig:
             self.seed,
             "must be in 0..2**63-1 (torch's seed range)",
         )
+        for key in ("save_interval", "save_interval_s"):
+            value = getattr(self, key)
+            _require(
+                value is None or value > 0,
+                "train",
+                key,
+                value,
+                "must be positive, or null to save only at evaluations",
+            )
         self._validate_loggers()
 
     def _validate_loggers(self) -> None:

@@ -9,7 +9,9 @@ says so through `agreed` instead of leaving the others waiting forever.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +20,14 @@ import torch
 import torch.distributed as dist
 
 from llmcli.errors import InputError
+
+logger = logging.getLogger(__name__)
+
+# Joining the group waits for every rank, then connects them, and gloo's connection can wait for
+# a peer forever (its own timeout does not apply there; seen after restarts, see _attempt_store):
+# a process still joining after this many seconds exits with status 1, so that torchrun restarts
+# the group once more.
+JOIN_TIMEOUT_S = float(os.environ.get("LLMCLI_DIST_JOIN_TIMEOUT", "300"))
 
 
 @dataclass
@@ -65,11 +75,57 @@ def process_group(info: DistInfo, device: torch.device) -> Iterator[None]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=info.rank, world_size=info.world_size)
+    with _exit_if_stuck(JOIN_TIMEOUT_S, info):
+        dist.init_process_group(
+            backend, store=_attempt_store(info), rank=info.rank, world_size=info.world_size
+        )
     try:
         yield
     finally:
         dist.destroy_process_group()
+
+
+def _attempt_store(info: DistInfo) -> dist.Store | None:
+    """On one machine under torchrun, the agent's store seen through a prefix of this attempt.
+
+    After a restart, torchrun's single-node agent keeps its store, and the keys where gloo's ranks
+    leave their addresses still hold the previous attempt's: a rank that reads one before its peer
+    rewrites it connects to a dead process, then fails or waits forever. A prefix per restart
+    (every rank of one agent has the same restart count) gives each attempt its own keys. Across
+    machines the agents' counts can differ, and torch's default store is used (None).
+    """
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or env.get("GROUP_WORLD_SIZE") != "1":
+        return None
+    store = dist.TCPStore(
+        env["MASTER_ADDR"], int(env["MASTER_PORT"]), info.world_size, is_master=False
+    )
+    attempt = f"llmcli/{env.get('TORCHELASTIC_RUN_ID', '')}/{env['TORCHELASTIC_RESTART_COUNT']}"
+    return dist.PrefixStore(attempt, store)
+
+
+@contextlib.contextmanager
+def _exit_if_stuck(seconds: float, info: DistInfo) -> Iterator[None]:
+    """Exit the process (status 1) if the block has not finished after `seconds`."""
+
+    def stuck() -> None:
+        logger.error(
+            "rank %d could not join the other %d ranks within %.0f s; exiting so that torchrun "
+            "(--max-restarts) starts the group again",
+            info.rank,
+            info.world_size - 1,
+            seconds,
+        )
+        logging.shutdown()
+        os._exit(1)
+
+    timer = threading.Timer(seconds, stuck)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def all_ok(ok: bool, info: DistInfo, device: torch.device) -> bool:

@@ -2,7 +2,9 @@
 
 A training run must never lose more than the current step to an interrupt: `StopRequest` turns
 the first SIGINT or SIGTERM (Ctrl-C, `kill`, a scheduler's preemption) into a flag that the loop
-checks after each step; it then saves and exits with status 130.
+checks after each step; it then saves and exits: status 130 after Ctrl-C, 143 after SIGTERM
+(128 + 15, what a process killed by SIGTERM reports: the status schedulers read as "preempted,
+requeue me", for example Kubernetes' `podFailurePolicy` `onExitCodes`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,13 @@ import threading
 from typing import Any
 
 logger = logging.getLogger(__name__)
+
+EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT): 128 + 2
+EXIT_TERMINATED = 143  # SIGTERM: 128 + 15
+
+
+class Preempted(KeyboardInterrupt):
+    """Training saved and stopped after SIGTERM (a scheduler's preemption): exit status 143."""
 
 
 class StopRequest:
@@ -28,6 +37,7 @@ class StopRequest:
 
     def __init__(self, escalate: bool = True) -> None:
         self.requested = False
+        self.signum: int | None = None  # the signal that asked first
         self.escalate = escalate
         self._previous: dict[int, Any] = {}
 
@@ -36,7 +46,7 @@ class StopRequest:
             if self.escalate:
                 raise KeyboardInterrupt
             return
-        self.requested = True
+        self.requested, self.signum = True, signum
         logger.warning(
             "%s: saving a checkpoint after this step%s",
             signal.Signals(signum).name,

@@ -11,6 +11,10 @@ What a step does not do: read a value back from the device. Losses go into a sma
 buffer that is read once per log step (every `log_interval` steps), where a NaN or inf is found
 and named by its step; nothing else synchronises the host with the device between log steps.
 
+Saves: at every evaluation, every `train.save_interval` steps, and at the first log step
+`train.save_interval_s` seconds after the last save, so that a kill loses bounded work; all ranks
+learn at the same step that a save (or a stop) is due, through the log step's all-reduce.
+
 Exact resume: see `llmcli.train_state`. `metrics.jsonl` is cut back to what it held at the save
 a run resumes from, and the resumed run writes the same records again (only `elapsed_s` and
 `tok_per_s` differ).
@@ -25,8 +29,10 @@ bar; logged losses are averaged over ranks.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
+import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -54,7 +60,7 @@ from llmcli.errors import CheckpointError, InputError, describe_os_error
 from llmcli.evaluate import evaluate_loss, perplexity
 from llmcli.fileio import remove_stale_temp_files
 from llmcli.hf.load import load_hf_weights, resolve_init_from
-from llmcli.interrupt import StopRequest
+from llmcli.interrupt import Preempted, StopRequest
 from llmcli.model import Transformer
 from llmcli.optim import apply_lr, build_optimizer
 from llmcli.progress import Progress
@@ -95,6 +101,8 @@ class TrainSummary:
     world_size: int
     rank: int
     resumed_from: int | None
+    saves: int = 0  # checkpoints written in this session
+    save_s: float | None = None  # the longest of them, seconds (what a preemption must allow)
 
 
 @dataclass
@@ -117,6 +125,8 @@ class Run:
     resumed_from: int | None = None  # the step a resumed run started from
     metrics_bytes: int | None = None  # metrics.jsonl's size at the save resumed from
     metrics: MetricsLog | None = None  # rank 0 only
+    saved_at: float = 0.0  # perf_counter() at the end of the last save (or the loop's start)
+    save_seconds: list[float] = dataclasses.field(default_factory=list)  # this session's saves
 
     @property
     def device(self) -> torch.device:
@@ -134,7 +144,7 @@ def train(
     config: Config,
     *,
     out_dir: str | Path | None = None,
-    resume: bool = False,
+    resume: bool | str = False,
     overwrite: bool = False,
     progress: bool = True,
     on_step: Callable[[int], None] | None = None,
@@ -144,7 +154,8 @@ def train(
     Args:
         config: a validated config.
         out_dir: the run directory (default `train.out_dir`, else `checkpoints/<config name>`).
-        resume: continue the run saved in the run directory exactly where it was saved.
+        resume: continue the run saved in the run directory exactly where it was saved;
+            "auto": continue it if the directory holds a resume state, else start.
         overwrite: start afresh even if the run directory already holds a run.
         progress: show progress (rank 0): a bar on a terminal, plain lines elsewhere.
         on_step: called with the step number after every optimizer step (for tests: it may
@@ -159,6 +170,11 @@ def train(
         KeyboardInterrupt: after Ctrl-C, once the checkpoint is saved.
     """
     session_start = time.perf_counter()
+    if resume and overwrite:
+        raise InputError(
+            f"--resume{' auto' if resume == 'auto' else ''} and --overwrite contradict each "
+            "other: continue the run in the folder, or start it afresh; give one of them."
+        )
     check_available(config.train.loggers)  # a missing tracker package: before any work
     info = dist_from_env()
     device = resolve_device(config.train.device, info.local_rank)
@@ -189,6 +205,7 @@ def _loop(run: Run, progress: bool, on_step: Callable[[int], None] | None) -> Tr
     )
     loop_start, loop_step = time.perf_counter(), state.step
     last_log = (loop_start, state.tokens)  # tokens/s counts training steps only
+    run.saved_at = loop_start
     with StopRequest(escalate=not info.enabled) as stop, logging_redirect_tqdm(), bar:
         try:
             while state.step < tc.max_steps:
@@ -202,11 +219,11 @@ def _loop(run: Run, progress: bool, on_step: Callable[[int], None] | None) -> Tr
 
                 is_eval = state.step % tc.eval_interval == 0 or state.step == tc.max_steps
                 is_log = _logs(state.step, tc)
-                local_stop = stop.requested
-                if not (is_log or (local_stop and not info.enabled)):
+                is_save = tc.save_interval is not None and state.step % tc.save_interval == 0
+                if not (is_log or is_save or (stop.requested and not info.enabled)):
                     continue  # alone, a stop acts at once; under DDP at the next log step
-                # The one place the host reads the device: losses, and every rank's stop flag.
-                step_losses, stopping = losses.read(local_stop, info)
+                # The one place the host reads the device: losses, and every rank's flags.
+                step_losses, flags = losses.read(_flags(run, stop), info)
                 _check_finite(run, step_losses)
                 now = time.perf_counter()
                 tok_s = (state.tokens - last_log[1]) / max(now - last_log[0], 1e-9)
@@ -216,9 +233,12 @@ def _loop(run: Run, progress: bool, on_step: Callable[[int], None] | None) -> Tr
                 if is_eval:
                     best = _evaluate(run, lr)
                     _save(run, best)
+                elif is_save or flags.save_due:
+                    _save(run, best=False)  # resume state between evaluations
+                if is_eval or is_save or flags.save_due:
                     last_log = (time.perf_counter(), state.tokens)
-                if stopping:
-                    _stop(run)
+                if flags.stop:
+                    _stop(run, preempted=flags.terminated)
         finally:
             if run.metrics is not None:
                 run.metrics.close()
@@ -258,15 +278,35 @@ def _train_step(run: Run, losses: _LossBuffer, want_norm: bool) -> torch.Tensor 
     return norm
 
 
+@dataclass(frozen=True)
+class _Flags:
+    """What a rank asks of all of them at a sync step; after `_LossBuffer.read`, any rank's."""
+
+    stop: bool = False  # Ctrl-C or SIGTERM: save and stop
+    terminated: bool = False  # ... by SIGTERM (a scheduler's preemption): exit status 143
+    save_due: bool = False  # `train.save_interval_s` passed since the last save
+
+
+def _flags(run: Run, stop: StopRequest) -> _Flags:
+    interval = run.config.train.save_interval_s
+    return _Flags(
+        stop=stop.requested,
+        terminated=stop.signum == signal.SIGTERM,
+        save_due=interval is not None and time.perf_counter() - run.saved_at >= interval,
+    )
+
+
 class _LossBuffer:
     """Per-step losses kept on the device between log steps; the host reads them at once.
 
-    The extra last slot carries this rank's stop request through the same all-reduce, so that
-    under DDP every rank learns at the same step that one of them was asked to stop.
+    Extra slots at the end carry this rank's `_Flags` through the same all-reduce, so that under
+    DDP every rank learns at the same step that one of them was asked to stop or to save.
     """
 
+    N_FLAGS = len(dataclasses.fields(_Flags))
+
     def __init__(self, log_interval: int, device: torch.device) -> None:
-        self.values = torch.zeros(log_interval + 1, device=device)
+        self.values = torch.zeros(log_interval + self.N_FLAGS, device=device)
         self.n = 0
 
     def add(self, loss: torch.Tensor) -> None:
@@ -276,14 +316,14 @@ class _LossBuffer:
     def end_step(self) -> None:
         self.n += 1
 
-    def read(self, stop: bool, info: DistInfo) -> tuple[list[float], bool]:
-        """(the loss of each step since the last read, whether any rank asked to stop)."""
-        self.values[-1] = 1.0 if stop else 0.0
+    def read(self, flags: _Flags, info: DistInfo) -> tuple[list[float], _Flags]:
+        """(the loss of each step since the last read, the flags any rank raised)."""
+        self.values[-self.N_FLAGS :] = torch.tensor(dataclasses.astuple(flags), dtype=torch.float)
         mean_over_ranks(self.values, info)
         values = self.values.tolist()
         self.values.zero_()
         losses, self.n = values[: self.n], 0
-        return losses, values[-1] > 0
+        return losses, _Flags(*(v > 0 for v in values[-self.N_FLAGS :]))
 
 
 def _check_finite(run: Run, step_losses: list[float]) -> None:
@@ -366,23 +406,25 @@ def _evaluate(run: Run, lr: float) -> bool:
     return best
 
 
-def _stop(run: Run) -> None:
-    """Save (unless this step was just saved) and leave the loop with KeyboardInterrupt."""
+def _stop(run: Run, preempted: bool) -> None:
+    """Save (unless this step was just saved) and leave the loop with KeyboardInterrupt, or
+    `Preempted` (its subclass) after SIGTERM."""
     if run.state.last_saved != run.state.step:
         _save(run, best=False)
     if run.info.main:
         logger.warning(
             "stopped at step %d; the checkpoint in '%s' is saved: "
-            "continue with the same command and --resume",
+            "continue with the same command and --resume (or --resume auto)",
             run.state.step,
             run.run_dir,
         )
-    raise KeyboardInterrupt
+    raise Preempted if preempted else KeyboardInterrupt
 
 
 def _save(run: Run, best: bool) -> None:
     """Write a checkpoint of this step (rank 0), with every rank's RNG and sampler state."""
     state, info = run.state, run.info
+    start = time.perf_counter()
     rngs_and_samplers = gather((rng_state(run.device), run.sampler.state_dict()), info)
     if run.metrics is not None:
         vocab = int(run.tokenizer.vocab_size)
@@ -417,6 +459,8 @@ def _save(run: Run, best: bool) -> None:
             run.run_dir, run.model, resume_state, meta, best=best, previous_step=state.last_saved
         )
     state.last_saved = state.step
+    run.saved_at = time.perf_counter()
+    run.save_seconds.append(run.saved_at - start)
 
 
 def _eval_samplers(run: Run) -> dict[str, BatchSampler]:
@@ -446,7 +490,7 @@ def _build(
     info: DistInfo,
     precision: Precision,
     run_dir: Path,
-    resume: bool,
+    resume: bool | str,
     overwrite: bool,
     session_start: float,
 ) -> Run:
@@ -513,17 +557,20 @@ def _prepare(
     info: DistInfo,
     device: torch.device,
     run_dir: Path,
-    resume: bool,
+    resume: bool | str,
     overwrite: bool,
 ) -> tuple[dict[str, Any] | None, TokenData]:
     """Check the run directory, load the resume state, tokenize the data: (saved state, data)."""
     saved: dict[str, Any] | None = None
+    resume = ckpt.resumes(run_dir, resume)  # before rank 0 prepares the folder
     with agreed(info, device):
         if info.main:
             ckpt.prepare_run_dir(run_dir, resume, overwrite)
     with agreed(info, device):
         if resume:
             saved = ckpt.load_state(run_dir)
+    with agreed(info, device):
+        _check_same_save(saved, run_dir, info)
     tokenizer = ckpt.load_tokenizer_file(run_dir) if resume else None
     # Rank 0 tokenizes first and fills the cache; the others then read it.
     data = None
@@ -542,6 +589,17 @@ def _prepare(
                 "not match an uninterrupted one"
             )
     return saved, data
+
+
+def _check_same_save(saved: dict[str, Any] | None, run_dir: Path, info: DistInfo) -> None:
+    """Every rank starts from the same save (or none): a restarted group must agree on the
+    step, or the ranks' weights would differ from the first step on."""
+    steps = gather(None if saved is None else saved.get("step"), info)
+    if len(set(steps)) > 1:
+        raise CheckpointError(
+            f"the ranks read different resume states from '{run_dir}' (steps by rank: "
+            f"{steps}): every rank must see the same run directory, on a shared file system."
+        )
 
 
 def _restore(run: Run, saved: dict[str, Any]) -> None:
@@ -656,4 +714,6 @@ def _summary(run: Run, elapsed_s: float, tok_rate: float | None) -> TrainSummary
         world_size=run.info.world_size,
         rank=run.info.rank,
         resumed_from=run.resumed_from,
+        saves=len(run.save_seconds),
+        save_s=max(run.save_seconds, default=None),
     )
