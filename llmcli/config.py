@@ -23,7 +23,6 @@ import yaml
 
 from llmcli.errors import ConfigError, InputError
 from llmcli.fileio import read_user_text
-from llmcli.trackers import TRACKERS
 
 
 @dataclass
@@ -252,6 +251,8 @@ class TrainConfig:
 
 
 CONTEXT_POLICIES = ("exact", "shift")
+# The experiment trackers train.logger may name (llmcli.trackers runs them).
+TRACKERS = ("none", "tensorboard", "wandb")
 
 
 def keep_range(context_length: int) -> tuple[int, int]:

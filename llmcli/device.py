@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -279,3 +280,18 @@ def check_memory(config: Config, vocab_size: int, device: torch.device) -> None:
         f"tokens) but the {device.type} has {have / gib:,.1f} GiB: lower model.n_embed, "
         "model.n_layer or train.batch_size (raise train.grad_accum to keep the tokens per step)."
     )
+
+
+@contextlib.contextmanager
+def out_of_memory_is_bad_input(device: torch.device, run_dir: Path) -> Iterator[None]:
+    """Turn running out of memory into a message that says what to lower."""
+    try:
+        yield
+    except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+        if not is_out_of_memory(exc):
+            raise
+        raise InputError(
+            f"out of memory on {device} ({str(exc).strip().splitlines()[0][:200]}): lower "
+            "train.batch_size (raise train.grad_accum to keep the tokens per step), the model "
+            f"size or model.context_length. Any checkpoint saved in '{run_dir}' is intact."
+        ) from None

@@ -29,11 +29,11 @@ import uuid
 from pathlib import Path
 from typing import Any, Protocol
 
+from llmcli.config import Config
 from llmcli.errors import InputError
 
 logger = logging.getLogger(__name__)
 
-TRACKERS = ("none", "tensorboard", "wandb")
 TENSORBOARD_DIR = "tensorboard"
 WANDB_ID_FILE = "wandb_run_id"
 # The package each tracker imports, and the extra that installs it.
@@ -164,20 +164,16 @@ class Trackers:
         )
 
 
-def open_trackers(
-    names: list[str],
-    run_dir: Path,
-    config: dict[str, Any],
-    *,
-    project: str,
-    name: str,
-    resumed_from: int | None,
-) -> Trackers:
-    """Start the trackers `names` for a run (call `check_available` first)."""
+def open_trackers(config: Config, run_dir: Path, resumed_from: int | None) -> Trackers | None:
+    """Start the trackers `train.logger` names for a run (None for none; call
+    `check_available` first). W&B's project and run name default to the config's and the run
+    directory's names."""
+    tc = config.train
     trackers: list[Tracker] = []
-    for tracker in names:
+    for tracker in tc.loggers:
         if tracker == "tensorboard":
             trackers.append(TensorBoardTracker(run_dir, resumed_from))
         elif tracker == "wandb":
-            trackers.append(WandbTracker(run_dir, config, project, name))
-    return Trackers(trackers)
+            project, name = tc.wandb_project or config.name, tc.wandb_name or run_dir.name
+            trackers.append(WandbTracker(run_dir, config.to_dict(), project, name))
+    return Trackers(trackers) if trackers else None

@@ -34,7 +34,7 @@ import logging
 import math
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,7 +47,13 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from llmcli import checkpoint as ckpt
 from llmcli.config import Config, TrainConfig
 from llmcli.data import BatchSampler, TokenData, prepare_data
-from llmcli.device import Precision, check_memory, format_count, is_out_of_memory, resolve_device
+from llmcli.device import (
+    Precision,
+    check_memory,
+    format_count,
+    out_of_memory_is_bad_input,
+    resolve_device,
+)
 from llmcli.distributed import (
     DistInfo,
     agreed,
@@ -66,7 +72,7 @@ from llmcli.optim import apply_lr, build_optimizer
 from llmcli.progress import Progress
 from llmcli.runlog import MetricsLog, plot_losses
 from llmcli.tokenizer import Tokenizer
-from llmcli.trackers import Trackers, check_available, open_trackers
+from llmcli.trackers import check_available, open_trackers
 from llmcli.train_state import TrainState, rng_state, seed_everything, set_rng_state
 from llmcli.versions import record as record_versions
 
@@ -180,7 +186,7 @@ def train(
     device = resolve_device(config.train.device, info.local_rank)
     precision = Precision.resolve(device, config.train.dtype)
     run_dir = Path(out_dir) if out_dir is not None else ckpt.default_run_dir(config)
-    with process_group(info, device), _out_of_memory_is_bad_input(device, run_dir):
+    with process_group(info, device), out_of_memory_is_bad_input(device, run_dir):
         run = _build(config, info, precision, run_dir, resume, overwrite, session_start)
         if run.state.step >= config.train.max_steps:
             if info.main:
@@ -638,7 +644,8 @@ def _open_run_files(run: Run) -> None:
     keep = run.metrics_bytes if run.resumed_from is not None else None
     try:
         ckpt.write_config_and_tokenizer(run.run_dir, run.config, run.tokenizer)
-        run.metrics = MetricsLog(run.run_dir / ckpt.METRICS_FILE, keep, _trackers(run))
+        trackers = open_trackers(run.config, run.run_dir, run.resumed_from)
+        run.metrics = MetricsLog(run.run_dir / ckpt.METRICS_FILE, keep, trackers)
     except OSError as exc:
         raise CheckpointError(
             f"cannot write the run files in '{run.run_dir}': {describe_os_error(exc)}. "
@@ -658,36 +665,6 @@ def _open_run_files(run: Run) -> None:
         state.step + 1,
         tc.max_steps,
     )
-
-
-def _trackers(run: Run) -> Trackers | None:
-    """The experiment trackers `train.logger` asks for (None for none)."""
-    tc = run.config.train
-    if not tc.loggers:
-        return None
-    return open_trackers(
-        tc.loggers,
-        run.run_dir,
-        run.config.to_dict(),
-        project=tc.wandb_project or run.config.name,
-        name=tc.wandb_name or run.run_dir.name,
-        resumed_from=run.resumed_from,
-    )
-
-
-@contextlib.contextmanager
-def _out_of_memory_is_bad_input(device: torch.device, run_dir: Path) -> Iterator[None]:
-    """Turn running out of memory into a message that says what to lower."""
-    try:
-        yield
-    except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError
-        if not is_out_of_memory(exc):
-            raise
-        raise InputError(
-            f"out of memory on {device} ({str(exc).strip().splitlines()[0][:200]}): lower "
-            "train.batch_size (raise train.grad_accum to keep the tokens per step), the model "
-            f"size or model.context_length. Any checkpoint saved in '{run_dir}' is intact."
-        ) from None
 
 
 def _finite(value: float) -> float | None:
