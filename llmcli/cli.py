@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -628,16 +628,25 @@ def bench_command(
     typer.echo(f"wrote {json_path} and {png_path}")
 
 
-# `--resume` alone, `--resume auto` and `--resume=auto`: typer options cannot take an optional
-# value, so a bare `--resume` is given its value before parsing.
+# Options that may be given bare: `--resume` (strict) or `--resume auto`, and `--ablation` (zero)
+# or `--ablation mean|both`. Typer options cannot take an optional value, so a bare one (followed
+# by nothing or by another option; for `--resume`, which a CONFIG may follow, by anything but one
+# of its values) is given its value before parsing. A bad value is then refused by the command.
 _RESUME_VALUES = {"strict": True, "auto": "auto"}
+_BARE_VALUES: dict[str, tuple[str, Any]] = {
+    "--resume": ("strict", _RESUME_VALUES),
+    "--ablation": ("zero", None),
+}
 
 
-def _with_resume_value(argv: list[str]) -> list[str]:
+def _with_bare_values(argv: list[str]) -> list[str]:
     out = []
     for i, arg in enumerate(argv):
-        if arg == "--resume" and (i + 1 == len(argv) or argv[i + 1] not in _RESUME_VALUES):
-            arg = "--resume=strict"
+        if arg in _BARE_VALUES:
+            value, values = _BARE_VALUES[arg]
+            after = argv[i + 1] if i + 1 < len(argv) else None
+            if after is None or after.startswith("-") or (values and after not in values):
+                arg = f"{arg}={value}"
         out.append(arg)
     return out
 
@@ -645,7 +654,7 @@ def _with_resume_value(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     """Entry point: runs the app and maps errors to exit statuses (2 bad input, 130 Ctrl-C;
     `train` exits 143 after SIGTERM)."""
-    args = _with_resume_value(sys.argv[1:] if argv is None else argv)
+    args = _with_bare_values(sys.argv[1:] if argv is None else argv)
     try:
         code = app(args=args, prog_name="llmcli", standalone_mode=False)
     except InputError as exc:

@@ -1,4 +1,5 @@
-"""Attention masks, the checks of attention inputs, and the positions that skip padding.
+"""Attention masks, attention computed under them, the checks of attention inputs, and the
+positions that skip padding.
 
 A `key_padding_mask` is `(B, T_k)` bool with `True` = "this key is padding, ignore it", the
 convention of `torch.nn.MultiheadAttention`. (SDPA's bool `attn_mask` means the opposite, `True` =
@@ -10,6 +11,7 @@ attention output: it never produces NaN and passes no gradient.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from llmcli.errors import InputError
@@ -88,3 +90,58 @@ def default_position_ids(
     if position_ids is not None and tuple(position_ids.shape) != (B, T):
         raise InputError(f"position_ids must have shape {(B, T)}, got {tuple(position_ids.shape)}")
     return position_ids
+
+
+# Attention three ways, picked by `MultiHeadAttention.forward`: q `(B, nh, T, hs)`, k and v
+# `(B, nh, T_k, hs)`, the causal mask `(T, T_k)` (True = may attend), dropout probability ->
+# y `(B, nh, T, hs)`. A query whose keys are all padding gets a zero output.
+
+
+def explicit_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: Tensor,
+    key_padding_mask: Tensor | None,
+    dropout_p: float,
+) -> tuple[Tensor, Tensor]:
+    """The per-head formula written out, `softmax(Q K^T / sqrt(hs)) @ V`; also returns the weights.
+
+    Shape:
+        y `(B, nh, T, hs)`, weights `(B, nh, T, T_k)` (all zero on a query with no key).
+    """
+    allowed, empty_rows = allowed_keys(causal, key_padding_mask)
+    hs = q.shape[-1]
+    wei = q @ k.transpose(-2, -1) * hs**-0.5  # (B,nh,T,hs) @ (B,nh,hs,T_k) -> (B,nh,T,T_k)
+    wei = wei.masked_fill(~allowed, float("-inf"))  # (B, nh, T, T_k)
+    wei = F.softmax(wei, dim=-1)  # (B, nh, T, T_k)
+    if empty_rows is not None:
+        wei = wei.masked_fill(empty_rows, 0.0)
+    if dropout_p > 0.0:
+        wei = F.dropout(wei, dropout_p)
+    y = wei @ v  # (B, nh, T, T_k) @ (B, nh, T_k, hs) -> (B, nh, T, hs)
+    return y, wei
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, causal: Tensor, dropout_p: float) -> Tensor:
+    """Fused SDPA without padding, with no mask tensor in the common cases.
+
+    `T == T_k` (training, or a prefill into an empty cache) uses SDPA's own causal mask; one new
+    token (`T == 1`, a decode step) sees every cached key; only several new tokens after cached
+    ones need the sliced `causal` mask.
+    """
+    T, T_k = causal.shape
+    if T == T_k:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    if T == 1:  # one new token sees every cached key
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal, dropout_p=dropout_p)
+
+
+def padded_attention(
+    q: Tensor, k: Tensor, v: Tensor, causal: Tensor, key_padding_mask: Tensor, dropout_p: float
+) -> Tensor:
+    """Fused SDPA with the causal and padding masks combined; queries with no key output zeros."""
+    allowed, empty_rows = allowed_keys(causal, key_padding_mask)
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p)
+    return y.masked_fill(empty_rows, 0.0)  # (B, nh, T, hs)

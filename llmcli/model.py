@@ -7,7 +7,9 @@ head size (`C // nh`), `V` vocabulary. `Head` is a single attention head written
 
 Recipe options (all off by default, so the default model is a GPT-2-like architecture): rotary
 position embeddings (`rope`), RMSNorm, QK-norm (their layers are in `llmcli.layers`), a ReLU² MLP
-and an untied LM head. Masks follow `llmcli.masks`; generation uses `llmcli.kv_cache.KVCache`.
+and an untied LM head. Masks, and attention computed under them three ways (the explicit
+formula, fused SDPA, fused SDPA with padding), are in `llmcli.masks`; generation uses
+`llmcli.kv_cache.KVCache`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,15 @@ from torch import Tensor, nn
 from llmcli.errors import InputError
 from llmcli.kv_cache import KVCache, padding_with_cache
 from llmcli.layers import RotaryEmbedding, make_norm, mask_heads, qk_rms_norm
-from llmcli.masks import allowed_keys, check_length, check_padding_mask, default_position_ids
+from llmcli.masks import (
+    allowed_keys,
+    causal_attention,
+    check_length,
+    check_padding_mask,
+    default_position_ids,
+    explicit_attention,
+    padded_attention,
+)
 
 if TYPE_CHECKING:
     from llmcli.config import ModelConfig
@@ -104,61 +114,6 @@ class Head(nn.Module):
         wei = self.dropout(wei)
         v = self.value(x)  # (B, T, hs)
         return wei @ v  # (B, T, T) @ (B, T, hs) -> (B, T, hs)
-
-
-# Attention three ways, picked by `MultiHeadAttention.forward`: q `(B, nh, T, hs)`, k and v
-# `(B, nh, T_k, hs)`, the causal mask `(T, T_k)` (True = may attend), dropout probability ->
-# y `(B, nh, T, hs)`. A query whose keys are all padding gets a zero output.
-
-
-def _explicit_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    causal: Tensor,
-    key_padding_mask: Tensor | None,
-    dropout_p: float,
-) -> tuple[Tensor, Tensor]:
-    """The per-head formula written out, `softmax(Q K^T / sqrt(hs)) @ V`; also returns the weights.
-
-    Shape:
-        y `(B, nh, T, hs)`, weights `(B, nh, T, T_k)` (all zero on a query with no key).
-    """
-    allowed, empty_rows = allowed_keys(causal, key_padding_mask)
-    hs = q.shape[-1]
-    wei = q @ k.transpose(-2, -1) * hs**-0.5  # (B,nh,T,hs) @ (B,nh,hs,T_k) -> (B,nh,T,T_k)
-    wei = wei.masked_fill(~allowed, float("-inf"))  # (B, nh, T, T_k)
-    wei = F.softmax(wei, dim=-1)  # (B, nh, T, T_k)
-    if empty_rows is not None:
-        wei = wei.masked_fill(empty_rows, 0.0)
-    if dropout_p > 0.0:
-        wei = F.dropout(wei, dropout_p)
-    y = wei @ v  # (B, nh, T, T_k) @ (B, nh, T_k, hs) -> (B, nh, T, hs)
-    return y, wei
-
-
-def _causal_attention(q: Tensor, k: Tensor, v: Tensor, causal: Tensor, dropout_p: float) -> Tensor:
-    """Fused SDPA without padding, with no mask tensor in the common cases.
-
-    `T == T_k` (training, or a prefill into an empty cache) uses SDPA's own causal mask; one new
-    token (`T == 1`, a decode step) sees every cached key; only several new tokens after cached
-    ones need the sliced `causal` mask.
-    """
-    T, T_k = causal.shape
-    if T == T_k:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-    if T == 1:  # one new token sees every cached key
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal, dropout_p=dropout_p)
-
-
-def _padded_attention(
-    q: Tensor, k: Tensor, v: Tensor, causal: Tensor, key_padding_mask: Tensor, dropout_p: float
-) -> Tensor:
-    """Fused SDPA with the causal and padding masks combined; queries with no key output zeros."""
-    allowed, empty_rows = allowed_keys(causal, key_padding_mask)
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p)
-    return y.masked_fill(empty_rows, 0.0)  # (B, nh, T, hs)
 
 
 class MultiHeadAttention(nn.Module):
@@ -275,11 +230,11 @@ class MultiHeadAttention(nn.Module):
         causal = self.causal[past:T_k, :T_k]  # (T, T_k)
         dropout_p = self.dropout if self.training else 0.0
         if return_weights:
-            y, wei = _explicit_attention(q, k, v, causal, key_padding_mask, dropout_p)
+            y, wei = explicit_attention(q, k, v, causal, key_padding_mask, dropout_p)
         elif key_padding_mask is None:
-            y = _causal_attention(q, k, v, causal, dropout_p)
+            y = causal_attention(q, k, v, causal, dropout_p)
         else:
-            y = _padded_attention(q, k, v, causal, key_padding_mask, dropout_p)
+            y = padded_attention(q, k, v, causal, key_padding_mask, dropout_p)
         if head_mask is not None:  # head ablation (llmcli.ablation); without it, this one test
             y = mask_heads(y, head_mask, head_mean)  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, nh, T, hs) -> (B, T, nh, hs) -> (B, T, C)

@@ -375,7 +375,8 @@ def test_command_ablation_adds_dloss_columns_and_the_top_heads(run_dir, tmp_path
 
 def test_command_ablation_follows_the_selection(run_dir, tmp_path, capsys) -> None:
     args = ["inspect-attention", "--checkpoint", str(run_dir), "--prompt", "Speak"]
-    args += ["--layer", "1", "--head", "2", "--ablation", "zero", "--ablation-steps", "1"]
+    # A bare --ablation (followed by another option here) is zero ablation.
+    args += ["--layer", "1", "--head", "2", "--ablation", "--ablation-steps", "1"]
     code, out, err = cli([*args, "--no-pictures", "--out", str(tmp_path)], capsys)
     assert code == 0, err
     dump = load_dump(tmp_path / "attention.npz")
