@@ -1,23 +1,35 @@
-"""Sampling speed: KV-cached decoding against full recomputation and `transformers`; prints JSON.
+"""Sampling speed: context policies, the decode step, `transformers`, padded batches; prints JSON.
 
-1. `cached_vs_recompute`: new tokens/s for 500 tokens at batch 1 (greedy, 1-token prompt) with
-   llmcli's `generate` (KV cache) and with the nanoGPT loop (crop to the context, rerun the whole
-   sequence, take the last logits, append), on the tiny model (4 layers, n_embed 128, context 64)
-   and a context-512 model (6 layers, 6 heads, n_embed 384). Past the tiny model's context both
-   recompute the 64-token window every step (positions are absolute, so a sliding window
-   invalidates every cached key): its ratio covers only the first 64 tokens' savings.
-2. `latency`: per-token latency of the first and the last 100 tokens of a 1,000-token generation
-   with the cache, on the 6-layer model with context 1024 (so the cache stays valid throughout).
-3. `vs_transformers`: the context-512 model's weights in `transformers`' GPT2LMHeadModel,
-   `generate(do_sample=False, use_cache=True)` for 500 tokens, against llmcli's `generate`,
-   interleaved rounds, median tokens/s; `tokens_equal` says whether both produced the same ids.
-4. `batched_vs_sequential`: 16 prompts of different lengths (8..128 tokens, 100 new tokens each
-   on the context-512 model; 4..36 tokens, 24 new on the tiny one), temperature 0.8, top-k 50,
-   one seed per prompt, as one left-padded batch against one prompt after another;
-   `same_tokens` checks that every prompt got the same tokens both ways.
+Every part runs on random weights (speed does not depend on them), scaled up so that logits are
+not near-ties, with llmcli's default sampling (temperature 0.8, top-k 200, seed 1337) unless it
+says greedy. Contestants are interleaved round by round in one process, the order rotating, so
+that a noisy machine slows them alike; figures are medians over rounds. Each llmcli run uses the
+CPU threads `llmcli sample` would (`llmcli.device.sampling_threads`: 1 for the tiny model's
+decode-bound runs, torch's own count otherwise); the others use torch's own count.
 
-Weights are random (speed does not depend on them), scaled up so that logits are not near-ties.
-Usage: python benchmarks/sample_throughput.py [--threads N] [--new-tokens 500] [--rounds 3]
+1. `long_generation`: batch 1 from a 1-token prompt far past the context: the tiny model
+   (4L/128, context 64) for 2,000 tokens and 6L/384 at context 256 for 1,000 tokens. Contestants:
+   `shift` (keep context // 2, re-prefill, decode with the cache), `exact` (the last
+   context_length tokens recomputed each step past the context), `full_recompute` (`generate`
+   under `exact` without a cache: the whole window every step, the nanoGPT way), `nanogpt` (tiny
+   only: nanoGPT's loop, crop / forward / sample / cat, drawing with llmcli's sampler so that
+   tokens compare) and `today` (`generate` as it was at the baseline revision, before the context
+   policies). Tokens/s, ms per token and per decode step, ratios; `exact`, `full_recompute`,
+   `nanogpt` and `today` must give the same tokens.
+2. `decode_step`: the tiny model's cached one-token step inside the context (63 new tokens from
+   a 1-token prompt), ms per step, today's `generate` (baseline revision) against the current one,
+   each at 1 and 2 threads, greedy and sampled; the same tokens are required. The median step,
+   and the 10th percentile (less sensitive to other processes on a shared CPU).
+3. `vs_transformers_tiny`: the tiny model's weights in `GPT2LMHeadModel`, greedy, 63 tokens
+   (inside GPT-2's positions): `generate(use_cache=True)` at 1 and 2 threads (per-step times from
+   a streamer) against llmcli's `shift` (equal to `exact` inside the context).
+4. The earlier benchmark's 6L/384 figures, for regressions: `mid_ctx512` (500 greedy tokens at
+   context 512: current vs today, and nanoGPT's full recompute once), `latency` (first/last 100
+   of 1,000 tokens at context 1024), `vs_transformers` (context 512, 500 greedy tokens) and
+   `batched_vs_sequential` (16 prompts of different lengths as one padded batch vs one by one).
+
+Usage: python benchmarks/sample_throughput.py [--parts long,decode,...] [--rounds 3]
+       [--baseline REV] [--threads N]
 """
 
 from __future__ import annotations
@@ -29,25 +41,35 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from git_baseline import load_baseline
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmcli.config import ModelConfig  # noqa: E402
+from llmcli.device import sampling_threads, torch_threads  # noqa: E402
 from llmcli.generate import generate  # noqa: E402
 from llmcli.model import Transformer  # noqa: E402
+from llmcli.sampling import sample_next  # noqa: E402
 
 VOCAB = 65  # the bundled corpus' characters
 TINY = dict(n_layer=4, n_head=4, n_embed=128, context_length=64)
 MID = dict(n_layer=6, n_head=6, n_embed=384, context_length=512)
+MID256 = {**MID, "context_length": 256}
+SEED = 1337
+SAMPLING = dict(temperature=0.8, top_k=200)  # llmcli's sample defaults
+BASELINE = "7fa4a5b"  # the last commit before the context policies and the decode step
+CPU = torch.device("cpu")
+PARTS = ("long", "decode", "hf_tiny", "mid", "latency", "hf_mid", "batched")
 
 
-def make_model(shape: dict, seed: int = 0) -> Transformer:
+def make_model(shape: dict, cls: type = Transformer, seed: int = 0) -> torch.nn.Module:
     g = torch.Generator().manual_seed(seed)
-    model = Transformer(VOCAB, **shape, generator=g)
+    model = cls(VOCAB, **shape, generator=g)
     with torch.no_grad():
         for p in model.parameters():
             if p.ndim == 2:
@@ -55,64 +77,206 @@ def make_model(shape: dict, seed: int = 0) -> Transformer:
     return model.eval()
 
 
-def llmcli_tokens(model: Transformer, prompt: list[int], n: int, **kw) -> tuple[list[int], float]:
-    """Greedy (unless kw says otherwise) generation with llmcli; (new ids, seconds)."""
-    kw = {"temperature": 0.0, **kw}
+def timed(steps: Iterator[torch.Tensor]) -> tuple[list[int], list[float], float]:
+    """Run a step iterator: (row 0's tokens, seconds of each step, total seconds)."""
     start = time.perf_counter()
-    out = [step for step in generate(model, [prompt], n, **kw)]
-    seconds = time.perf_counter() - start
-    return torch.cat(out).tolist(), seconds
+    stamps, tokens = [start], []
+    for step in steps:
+        tokens.append(int(step[0]))
+        stamps.append(time.perf_counter())
+    return tokens, [b - a for a, b in zip(stamps, stamps[1:], strict=False)], stamps[-1] - start
 
 
 @torch.no_grad()
-def nanogpt_tokens(model: Transformer, prompt: list[int], n: int) -> tuple[list[int], float]:
-    """nanoGPT's `generate`: crop to the context, rerun everything, greedy on the last logits."""
+def nanogpt_steps(model: Transformer, prompt: list[int], n: int, **sampling) -> Iterator:
+    """nanoGPT's `generate`: crop to the context, run it all, sample the last logits, append."""
+    g = torch.Generator().manual_seed(SEED)  # what llmcli's row 0 draws from
     idx = torch.tensor([prompt])
-    start = time.perf_counter()
     for _ in range(n):
-        idx_cond = idx[:, -model.context_length :]
-        logits, _ = model(idx_cond)
-        next_id = logits[:, -1, :].argmax(dim=-1, keepdim=True)  # (1, 1)
+        logits, _ = model(idx[:, -model.context_length :])
+        next_id = sample_next(logits[:, -1, :], g, **sampling)[:, None]  # (1, 1)
         idx = torch.cat((idx, next_id), dim=1)
-    seconds = time.perf_counter() - start
-    return idx[0, len(prompt) :].tolist(), seconds
+        yield next_id[:, 0]
 
 
-def cached_vs_recompute(n: int) -> dict:
-    out = {}
-    for name, shape in (("tiny_ctx64", TINY), ("6L_384_ctx512", MID)):
-        model = make_model(shape)
-        llmcli_tokens(model, [1], 8)  # warm-up
-        cached_ids, cached_s = llmcli_tokens(model, [1], n)
-        full_ids, full_s = nanogpt_tokens(model, [1], n)
-        out[name] = {
-            "shape": shape,
-            "new_tokens": n,
-            "cached_tokens_per_s": round(n / cached_s, 1),
-            "full_recompute_tokens_per_s": round(n / full_s, 1),
-            "speedup": round(full_s / cached_s, 2),
-            "tokens_equal": cached_ids == full_ids,
-        }
+def schedule(policy: str, prompt: int, n: int, C: int, keep: int) -> list[str]:
+    """What each step of a batch-1 run computes: prefill, decode (one cached token), or
+    recompute (`exact` past the context: the whole window, no cache)."""
+    kinds, end, cached = [], prompt, False
+    for _ in range(n):
+        if end > C and policy == "shift":
+            end, cached = keep, False
+        if policy == "exact" and end > C:
+            kinds.append("recompute")
+        else:
+            kinds.append("decode" if cached else "prefill")
+            cached = True
+        end += 1
+    return kinds
+
+
+def interleave(contestants: dict[str, tuple[int | None, Callable]], rounds: int, chunk: int):
+    """Run every contestant `rounds` times: name -> list of runs, each (row 0's tokens, seconds
+    of each step, total seconds).
+
+    Within a round all contestants run side by side, `chunk` steps each in turn (the order
+    rotating), so that a machine whose speed drifts from second to second slows them alike.
+    """
+    runs: dict[str, list] = {name: [] for name in contestants}
+    names = list(contestants)
+    for r in range(rounds):
+        live = {name: contestants[name][1]() for name in names}
+        tokens: dict[str, list[int]] = {name: [] for name in names}
+        steps: dict[str, list[float]] = {name: [] for name in names}
+        turn = r
+        while live:
+            order = [
+                n for n in names[turn % len(names) :] + names[: turn % len(names)] if n in live
+            ]
+            turn += 1
+            for name in order:
+                with torch_threads(contestants[name][0]):
+                    stamp = time.perf_counter()
+                    for _ in range(chunk):
+                        step = next(live[name], None)
+                        if step is None:
+                            del live[name]
+                            break
+                        tokens[name].append(int(step[0]))
+                        now = time.perf_counter()
+                        steps[name].append(now - stamp)
+                        stamp = now
+        for name in names:
+            runs[name].append((tokens[name], steps[name], sum(steps[name])))
+    return runs
+
+
+def summarize(runs: list, n: int, kinds: list[str] | None = None) -> dict:
+    seconds = statistics.median(total for _, _, total in runs)
+    out = {
+        "tokens_per_s": round(n / seconds, 1),
+        "ms_per_token": round(seconds / n * 1e3, 3),
+        "rounds_s": [round(total, 2) for _, _, total in runs],
+    }
+    if kinds:
+        for kind in ("decode", "prefill", "recompute"):
+            steps = [s for _, per, _ in runs for s, k in zip(per, kinds, strict=True) if k == kind]
+            if steps:
+                out[f"ms_per_{kind}_step"] = round(statistics.median(steps) * 1e3, 3)
+                out[f"{kind}_steps"] = len(steps) // len(runs)
     return out
 
 
-def latency(n: int = 1000, window: int = 100) -> dict:
-    shape = {**MID, "context_length": 1024}
+def long_generation(shape: dict, n: int, rounds: int, baseline: dict | None, nanogpt: bool):
+    C = shape["context_length"]
+    keep = C // 2
     model = make_model(shape)
-    llmcli_tokens(model, [1], 8)
-    stamps = [time.perf_counter()]
-    for _ in generate(model, [[1]], n, temperature=0.0):
-        stamps.append(time.perf_counter())
-    per_token = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
-    first = statistics.mean(per_token[:window]) * 1e3
-    last = statistics.mean(per_token[-window:]) * 1e3
-    return {
-        "shape": shape,
-        "new_tokens": n,
-        "first_100_ms_per_token": round(first, 2),
-        "last_100_ms_per_token": round(last, 2),
-        "last_over_first": round(last / first, 2),
+    kw = dict(SAMPLING, seed=SEED)
+    threads = {
+        "shift": sampling_threads(model, CPU, decode_bound=True),
+        "exact": sampling_threads(model, CPU, decode_bound=n < C),
     }
+
+    def policy(name: str) -> Callable:
+        return lambda: generate(model, [[1]], n, context_policy=name, **kw)
+
+    contestants: dict[str, tuple[int | None, Callable]] = {
+        "shift": (threads["shift"], policy("shift")),
+        "exact": (threads["exact"], policy("exact")),
+        "full_recompute": (
+            None,
+            lambda: generate(model, [[1]], n, use_cache=False, context_policy="exact", **kw),
+        ),
+    }
+    if nanogpt:
+        contestants["nanogpt"] = (None, lambda: nanogpt_steps(model, [1], n, **SAMPLING))
+    if baseline is not None:
+        old = make_model(shape, baseline["model"].Transformer)
+        contestants["today"] = (None, lambda: baseline["generate"].generate(old, [[1]], n, **kw))
+    for threads_, make in contestants.values():  # warm-up: the first steps of each
+        with torch_threads(threads_):
+            timed(_first(make(), 8))
+    runs = interleave(contestants, rounds, chunk=50)
+    out: dict = {"shape": shape, "new_tokens": n, "keep": keep, "rounds": rounds}
+    out["threads"] = {
+        name: threads_ or torch.get_num_threads() for name, (threads_, _) in contestants.items()
+    }
+    for name, name_runs in runs.items():
+        policy = name if name in ("shift", "exact") else None
+        kinds = schedule(policy, 1, n, C, keep) if policy else None
+        out[name] = summarize(name_runs, n, kinds)
+    tokens = {name: name_runs[0][0] for name, name_runs in runs.items()}
+    same = [tokens[k] for k in ("exact", "full_recompute", "nanogpt", "today") if k in tokens]
+    out["exact_tokens_equal_recompute_nanogpt_today"] = all(t == same[0] for t in same)
+    speed = {name: out[name]["tokens_per_s"] for name in runs}
+    out["ratios"] = {
+        f"shift_over_{name}": round(speed["shift"] / speed[name], 2)
+        for name in speed
+        if name != "shift"
+    }
+    if "today" in speed:
+        out["ratios"]["exact_over_today"] = round(speed["exact"] / speed["today"], 2)
+    return out
+
+
+def _first(steps: Iterator, n: int) -> Iterator:
+    """The first `n` steps of a step iterator."""
+    for i, step in enumerate(steps):
+        if i == n:
+            return
+        yield step
+
+
+def decode_step(rounds: int, baseline: dict | None) -> dict:
+    """The tiny model's in-context decode step: current vs baseline, 1 and 2 threads."""
+    n = TINY["context_length"] - 1
+    model = make_model(TINY)
+    contestants: dict[str, tuple[int | None, Callable]] = {}
+    out: dict = {"shape": TINY, "new_tokens": n, "rounds": rounds}
+    settings = {"greedy": dict(temperature=0.0), "sampled": dict(SAMPLING, seed=SEED)}
+    for label, kw in settings.items():
+        for threads in (1, 2):
+            contestants[f"current_{label}_{threads}t"] = (
+                threads,
+                lambda kw=kw: generate(model, [[1]], n, **kw),
+            )
+            if baseline is not None:
+                old = make_model(TINY, baseline["model"].Transformer)
+                contestants[f"today_{label}_{threads}t"] = (
+                    threads,
+                    lambda kw=kw, old=old: baseline["generate"].generate(old, [[1]], n, **kw),
+                )
+    interleave(contestants, 2, chunk=n)  # warm-up
+    runs = interleave(contestants, rounds, chunk=n)
+    ms, p10 = {}, {}
+    for name, name_runs in runs.items():
+        steps = sorted(s for _, per, _ in name_runs for s in per[1:])  # step 0 is the prefill
+        ms[name] = round(statistics.median(steps) * 1e3, 3)
+        p10[name] = round(steps[len(steps) // 10] * 1e3, 3)
+    out["ms_per_decode_step"] = ms
+    # The fastest tenth of the steps: what a step costs when other processes leave the CPU be.
+    out["ms_per_decode_step_p10"] = p10
+    out["auto_threads"] = sampling_threads(model, CPU, decode_bound=True) or 2
+    if baseline is not None:
+        default = torch.get_num_threads()
+        auto = out["auto_threads"]
+        out["ratios"] = {
+            f"today_{default}t_over_current_{auto}t_{label}": round(
+                ms[f"today_{label}_{default}t"] / ms[f"current_{label}_{auto}t"], 2
+            )
+            for label in settings
+        }
+        for label in settings:
+            for threads in (1, 2):
+                out["ratios"][f"same_threads_{label}_{threads}t"] = round(
+                    ms[f"today_{label}_{threads}t"] / ms[f"current_{label}_{threads}t"], 2
+                )
+        out["tokens_equal"] = all(
+            runs[f"today_{label}_{t}t"][0][0] == runs[f"current_{label}_{t}t"][0][0]
+            for label in settings
+            for t in (1, 2)
+        )
+    return out
 
 
 def to_transformers(model: Transformer, shape: dict):
@@ -130,7 +294,131 @@ def to_transformers(model: Transformer, shape: dict):
     return hf.eval()
 
 
+def vs_transformers_tiny(rounds: int) -> dict:
+    """Per-step times of a finished HF run come from a streamer that stamps each token."""
+    n = TINY["context_length"] - 1
+    model = make_model(TINY)
+    hf = to_transformers(model, TINY)
+    auto = sampling_threads(model, CPU, decode_bound=True)
+
+    from transformers.generation.streamers import BaseStreamer
+
+    def hf_timed() -> tuple[list[int], list[float], float]:
+        stamps: list[float] = []
+
+        class Stamps(BaseStreamer):
+            def put(self, value: torch.Tensor) -> None:
+                stamps.append(time.perf_counter())
+                tokens.append(int(value.reshape(-1)[-1]))
+
+            def end(self) -> None:
+                pass
+
+        tokens: list[int] = []
+        prompt = torch.tensor([[1]])
+        start = time.perf_counter()
+        with torch.inference_mode():
+            hf.generate(
+                prompt,
+                attention_mask=torch.ones_like(prompt),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                use_cache=True,
+                pad_token_id=0,
+                eos_token_id=None,
+                streamer=Stamps(),
+            )
+        total = time.perf_counter() - start
+        # put() gets the prompt first, then each new token.
+        per = [b - a for a, b in zip(stamps[1:], stamps[2:], strict=False)]
+        return tokens[1:], per, total
+
+    results: dict[str, list] = {"llmcli_shift": [], "transformers_1t": [], "transformers_2t": []}
+    for r in range(rounds + 1):  # round 0 warms up
+        order = list(results) if r % 2 else list(reversed(results))
+        for name in order:
+            threads = {"llmcli_shift": auto, "transformers_1t": 1, "transformers_2t": 2}[name]
+            with torch_threads(threads):
+                if name == "llmcli_shift":
+                    steps = generate(model, [[1]], n, temperature=0.0, context_policy="shift")
+                    tokens, per, total = timed(steps)
+                    per = per[1:]  # the prefill
+                else:
+                    tokens, per, total = hf_timed()
+            if r:
+                results[name].append((tokens, per, total))
+    out: dict = {"shape": TINY, "new_tokens": n, "rounds": rounds, "llmcli_threads": auto or 2}
+    for name, runs in results.items():
+        out[name] = {
+            "tokens_per_s": round(n / statistics.median(t for _, _, t in runs), 1),
+            "ms_per_step": round(statistics.median(s for _, per, _ in runs for s in per) * 1e3, 3),
+        }
+    best_hf = max(out[k]["tokens_per_s"] for k in ("transformers_1t", "transformers_2t"))
+    best_hf_step = min(out[k]["ms_per_step"] for k in ("transformers_1t", "transformers_2t"))
+    out["ratios"] = {
+        "shift_over_best_transformers_tokens_per_s": round(
+            out["llmcli_shift"]["tokens_per_s"] / best_hf, 2
+        ),
+        "shift_over_best_transformers_per_step": round(
+            best_hf_step / out["llmcli_shift"]["ms_per_step"], 2
+        ),
+    }
+    out["tokens_equal"] = results["llmcli_shift"][0][0] == results["transformers_2t"][0][0]
+    return out
+
+
+def mid_ctx512(n: int, rounds: int, baseline: dict | None) -> dict:
+    """500 greedy tokens at context 512 (all inside it): current vs today, nanoGPT once."""
+    model = make_model(MID)
+    contestants: dict[str, tuple[int | None, Callable]] = {
+        "current": (None, lambda: generate(model, [[1]], n, temperature=0.0)),
+    }
+    if baseline is not None:
+        old = make_model(MID, baseline["model"].Transformer)
+        contestants["today"] = (
+            None,
+            lambda: baseline["generate"].generate(old, [[1]], n, temperature=0.0),
+        )
+    for _, make in contestants.values():
+        timed(_first(make(), 8))
+    runs = interleave(contestants, rounds, chunk=50)
+    full = timed(nanogpt_steps(model, [1], n, temperature=0.0))
+    out: dict = {"shape": MID, "new_tokens": n, "rounds": rounds}
+    for name, name_runs in runs.items():
+        out[name] = summarize(name_runs, n, schedule("exact", 1, n, MID["context_length"], 0))
+    out["nanogpt_full_recompute"] = summarize([full], n)
+    speed = {name: out[name]["tokens_per_s"] for name in runs}
+    out["ratios"] = {
+        "current_over_nanogpt": round(
+            speed["current"] / out["nanogpt_full_recompute"]["tokens_per_s"], 2
+        )
+    }
+    if "today" in speed:
+        out["ratios"]["current_over_today"] = round(speed["current"] / speed["today"], 2)
+    tokens = [name_runs[0][0] for name_runs in runs.values()] + [full[0]]
+    out["tokens_equal"] = all(t == tokens[0] for t in tokens)
+    return out
+
+
+def latency(n: int = 1000, window: int = 100) -> dict:
+    shape = {**MID, "context_length": 1024}
+    model = make_model(shape)
+    timed(_first(generate(model, [[1]], n, temperature=0.0), 8))
+    _, per_token, _ = timed(generate(model, [[1]], n, temperature=0.0))
+    first = statistics.mean(per_token[:window]) * 1e3
+    last = statistics.mean(per_token[-window:]) * 1e3
+    return {
+        "shape": shape,
+        "new_tokens": n,
+        "first_100_ms_per_token": round(first, 2),
+        "last_100_ms_per_token": round(last, 2),
+        "last_over_first": round(last / first, 2),
+    }
+
+
 def vs_transformers(n: int, rounds: int) -> dict:
+    """The context-512 model, 500 greedy tokens, whole `generate` calls, median tokens/s."""
     model = make_model(MID)
     hf = to_transformers(model, MID)
     prompt = torch.tensor([[1]])
@@ -150,16 +438,13 @@ def vs_transformers(n: int, rounds: int) -> dict:
         return ids[0, 1:].tolist(), time.perf_counter() - start
 
     run_hf()  # warm-up (both)
-    llmcli_tokens(model, [1], 8)
+    timed(_first(generate(model, [[1]], 8, temperature=0.0), 8))
     ours_s, theirs_s = [], []
     for _ in range(rounds):
-        ours_ids, s = llmcli_tokens(model, [1], n)
+        ours_ids, _, s = timed(generate(model, [[1]], n, temperature=0.0))
         ours_s.append(s)
         hf_ids, s = run_hf()
         theirs_s.append(s)
-    same_prefix = next(
-        (i for i, (a, b) in enumerate(zip(ours_ids, hf_ids, strict=True)) if a != b), n
-    )
     ours, theirs = statistics.median(ours_s), statistics.median(theirs_s)
     return {
         "shape": MID,
@@ -169,7 +454,6 @@ def vs_transformers(n: int, rounds: int) -> dict:
         "transformers_tokens_per_s": round(n / theirs, 1),
         "speedup": round(theirs / ours, 2),
         "tokens_equal": ours_ids == hf_ids,
-        "equal_prefix_tokens": same_prefix,
     }
 
 
@@ -178,15 +462,15 @@ def batched_vs_sequential(shape: dict, lengths: list[int], n: int) -> dict:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, VOCAB, (L,), generator=g).tolist() for L in lengths]
     kw = dict(temperature=0.8, top_k=50)
-    llmcli_tokens(model, prompts[0], 8, **kw, seed=0)
+    timed(_first(generate(model, prompts[:1], 8, seed=0, **kw), 8))
 
     start = time.perf_counter()
-    steps = [step for step in generate(model, prompts, n, seed=0, **kw)]
+    steps = list(generate(model, prompts, n, seed=0, **kw))
     batched_s = time.perf_counter() - start
     batched = torch.stack(steps, dim=1).tolist()  # (len(prompts), n)
 
     start = time.perf_counter()
-    alone = [llmcli_tokens(model, p, n, seed=i, **kw)[0] for i, p in enumerate(prompts)]
+    alone = [timed(generate(model, [p], n, seed=i, **kw))[0] for i, p in enumerate(prompts)]
     sequential_s = time.perf_counter() - start
     total = n * len(prompts)
     return {
@@ -205,49 +489,97 @@ def spread(lo: int, hi: int, n: int = 16) -> list[int]:
     return [lo + ((hi - lo) * i) // (n - 1) for i in range(n)]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--threads", type=int, default=None, help="torch threads (default: torch's own choice)"
-    )
-    parser.add_argument("--new-tokens", type=int, default=500)
-    parser.add_argument("--latency-tokens", type=int, default=1000)
-    parser.add_argument("--batch-tokens", type=int, default=100)
-    parser.add_argument("--rounds", type=int, default=3, help="rounds against transformers")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
-    import transformers
-
-    started = time.perf_counter()
-    date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    load = os.getloadavg()
-    parts = {
-        "cached_vs_recompute": cached_vs_recompute(args.new_tokens),
-        "latency": latency(args.latency_tokens),
-        "vs_transformers": vs_transformers(args.new_tokens, args.rounds),
-        "batched_vs_sequential": {
+def run_parts(args: argparse.Namespace, baseline: dict | None) -> dict:
+    parts = set(args.parts.split(","))
+    out: dict = {}
+    if "long" in parts:
+        out["long_generation"] = {
+            "tiny_ctx64": long_generation(TINY, args.long_tokens, args.rounds, baseline, True),
+            "6L_384_ctx256": long_generation(
+                MID256, args.mid_long_tokens, args.mid_rounds, baseline, False
+            ),
+        }
+    if "decode" in parts:
+        out["decode_step"] = decode_step(args.decode_rounds, baseline)
+    if "hf_tiny" in parts:
+        out["vs_transformers_tiny"] = vs_transformers_tiny(args.decode_rounds)
+    if "mid" in parts:
+        out["mid_ctx512"] = mid_ctx512(args.new_tokens, args.rounds, baseline)
+    if "latency" in parts:
+        out["latency"] = latency(args.latency_tokens)
+    if "hf_mid" in parts:
+        out["vs_transformers"] = vs_transformers(args.new_tokens, args.rounds)
+    if "batched" in parts:
+        out["batched_vs_sequential"] = {
             "6L_384_ctx512": batched_vs_sequential(MID, spread(8, 128), args.batch_tokens),
             # Prompts and new tokens stay within the tiny model's 64-token context.
             "tiny_ctx64": batched_vs_sequential(TINY, spread(4, 36), 24),
-        },
-    }
-    cvr, bvs = parts["cached_vs_recompute"], parts["batched_vs_sequential"]
+        }
+    return out
+
+
+def headline(parts: dict) -> dict:
+    """The ratios the targets are about, pulled out of the parts that ran."""
+    ratios: dict = {}
+    long = parts.get("long_generation", {})
+    for name, part in long.items():
+        for key, value in part["ratios"].items():
+            ratios[f"{name}_{key}"] = value
+    if "decode_step" in parts:
+        part = parts["decode_step"]
+        ratios.update({f"decode_{k}": v for k, v in part.get("ratios", {}).items()})
+        auto = part["auto_threads"]
+        for label in ("greedy", "sampled"):
+            ratios[f"decode_ms_{label}_current_{auto}t"] = part["ms_per_decode_step"][
+                f"current_{label}_{auto}t"
+            ]
+    if "vs_transformers_tiny" in parts:
+        ratios.update(parts["vs_transformers_tiny"]["ratios"])
+    if "mid_ctx512" in parts:
+        ratios.update({f"ctx512_{k}": v for k, v in parts["mid_ctx512"]["ratios"].items()})
+    if "vs_transformers" in parts:
+        ratios["ctx512_llmcli_over_transformers"] = parts["vs_transformers"]["speedup"]
+    if "batched_vs_sequential" in parts:
+        for name, part in parts["batched_vs_sequential"].items():
+            ratios[f"batched_over_sequential_{name}"] = part["speedup"]
+    return ratios
+
+
+TARGETS = {
+    "tiny_ctx64_shift_over_full_recompute": ">= 3",
+    "decode_today_2t_over_current_1t (in-context cached step, each at its default)": ">= 2",
+    "decode_ms_*_current (auto threads)": "<= 0.7",
+    "shift_over_best_transformers (tiny, inside the context)": ">= 1.5",
+    "6L/384 (ctx512 current_over_today, ctx256 exact_over_today)": ">= 1 (no regression)",
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"any of {', '.join(PARTS)}")
+    parser.add_argument("--threads", type=int, default=None, help="torch's own thread count")
+    parser.add_argument("--baseline", default=BASELINE, help="git revision of 'today' ('' none)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--mid-rounds", type=int, default=1, help="rounds of 6L/384 ctx 256")
+    parser.add_argument("--decode-rounds", type=int, default=20)
+    parser.add_argument("--long-tokens", type=int, default=2000)
+    parser.add_argument("--mid-long-tokens", type=int, default=1000)
+    parser.add_argument("--new-tokens", type=int, default=500)
+    parser.add_argument("--latency-tokens", type=int, default=1000)
+    parser.add_argument("--batch-tokens", type=int, default=100)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import transformers
+
+    baseline = load_baseline(args.baseline) if args.baseline else None
+    started = time.perf_counter()
+    date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    load = os.getloadavg()
+    parts = run_parts(args, baseline)
     result = {
-        "ratios": {
-            "cached_over_recompute_ctx512": cvr["6L_384_ctx512"]["speedup"],
-            "cached_over_recompute_tiny_ctx64": cvr["tiny_ctx64"]["speedup"],
-            "llmcli_over_transformers_ctx512": parts["vs_transformers"]["speedup"],
-            "batched_over_sequential_ctx512": bvs["6L_384_ctx512"]["speedup"],
-            "batched_over_sequential_tiny": bvs["tiny_ctx64"]["speedup"],
-            "latency_last_over_first": parts["latency"]["last_over_first"],
-        },
-        "targets": {
-            "cached_over_recompute_ctx512": ">= 10",
-            "llmcli_over_transformers_ctx512": ">= 1.5",
-            "batched_over_sequential": ">= 5",
-        },
+        "ratios": headline(parts),
+        "targets": TARGETS,
         **parts,
         "machine": {
             "date": date,
@@ -256,9 +588,11 @@ def main() -> None:
             "cpus": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
             "load_average_at_start": [round(x, 2) for x in load],
+            "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
             "python": platform.python_version(),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
+            "baseline": None if baseline is None else baseline["rev"],
         },
         "seconds": round(time.perf_counter() - started, 1),
     }

@@ -1,0 +1,66 @@
+"""llmcli as it was at a git revision, importable next to the working tree's: `llmcli_baseline`.
+
+A benchmark that compares today's code with an earlier commit in one process (interleaved
+rounds, so that a noisy machine slows both alike) extracts the package from git into a temporary
+folder under another name and rewrites its own imports (`from llmcli.x` -> `from
+llmcli_baseline.x`). Only the package's Python files are needed; nothing is installed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from io import BytesIO
+from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parents[1]
+NAME = "llmcli_baseline"
+_IMPORT = re.compile(r"^(\s*)(from|import) llmcli(?=[\s.])", re.MULTILINE)
+
+
+def load_baseline(rev: str, modules: tuple[str, ...] = ("generate", "model")) -> dict[str, object]:
+    """Import `modules` of the `llmcli` package at git revision `rev` as `llmcli_baseline.*`.
+
+    Returns:
+        `{"rev": full commit hash, name: module, ...}`.
+
+    Raises:
+        RuntimeError: not a git checkout, or `rev` unknown.
+    """
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--verify", f"{rev}^{{commit}}"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        archive = subprocess.run(
+            ["git", "archive", "--format=tar", commit, "llmcli"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise RuntimeError(f"cannot read llmcli at git revision {rev!r}: {exc}") from None
+    folder = Path(tempfile.mkdtemp(prefix="llmcli-baseline-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    with tarfile.open(fileobj=BytesIO(archive)) as tar:
+        tar.extractall(folder, filter="data")
+    package = folder / NAME
+    (folder / "llmcli").rename(package)
+    for path in package.rglob("*.py"):
+        path.write_text(_IMPORT.sub(rf"\1\2 {NAME}", path.read_text(encoding="utf-8")))
+    sys.path.insert(0, str(folder))
+    loaded: dict[str, object] = {"rev": commit}
+    for name in modules:
+        module: ModuleType = importlib.import_module(f"{NAME}.{name}")
+        loaded[name] = module
+    return loaded
