@@ -16,6 +16,8 @@ from llmcli.config import config_from_dict
 from llmcli.model import Transformer
 from llmcli.tokenizer import Tokenizer
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 @pytest.fixture(scope="module")
 def one_thread():
@@ -135,3 +137,27 @@ def cache_repo(
         (repo / "refs").mkdir(exist_ok=True)
         (repo / "refs" / ref).write_text(commit, encoding="utf-8")
     return snapshot
+
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory) -> Path:
+    """The first 20,000 characters of the bundled corpus, with a token cache beside them."""
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text((ROOT / "data" / "shakespeare.txt").read_text(encoding="utf-8")[:20_000])
+    return path
+
+
+def small_run_config(corpus: Path, **train: Any) -> dict:
+    """A raw config of a 1-layer, 16-wide char model on `corpus`, trained on the CPU: seconds per
+    run; `train` overrides or adds `train.*` keys."""
+    return {
+        "model": {"n_layer": 1, "n_head": 2, "n_embed": 16, "context_length": 16},
+        "data": {"path": str(corpus), "cache_dir": str(corpus.parent / "cache")},
+        "train": {
+            "device": "cpu",
+            "batch_size": 4,
+            "warmup_steps": 2,
+            "log_interval": 2,
+            **train,
+        },
+    }

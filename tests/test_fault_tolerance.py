@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import default_sigint
+from conftest import default_sigint, small_run_config
 from safetensors.torch import load_file
 
 from llmcli import checkpoint as ckpt
@@ -43,28 +43,15 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("fault") / "corpus.txt"
-    path.write_text((ROOT / "data" / "shakespeare.txt").read_text(encoding="utf-8")[:20_000])
-    return path
+def corpus(small_corpus: Path) -> Path:
+    return small_corpus
 
 
 def raw_config(corpus: Path, **train_opts) -> dict:
-    return {
-        "model": {"n_layer": 1, "n_head": 2, "n_embed": 16, "context_length": 16},
-        "data": {"path": str(corpus), "cache_dir": str(corpus.parent / "cache")},
-        "train": {
-            "device": "cpu",
-            "batch_size": 4,
-            "max_steps": MAX_STEPS,
-            "warmup_steps": 2,
-            "eval_interval": 10,
-            "eval_steps": 1,
-            "log_interval": 2,
-            "seed": 5,
-            **train_opts,
-        },
-    }
+    return small_run_config(
+        corpus,
+        **({"max_steps": MAX_STEPS, "eval_interval": 10, "eval_steps": 1, "seed": 5} | train_opts),
+    )
 
 
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:

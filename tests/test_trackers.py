@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 
 import pytest
+from conftest import small_run_config
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from wandb.proto import wandb_internal_pb2
 
@@ -31,27 +32,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("trackers") / "corpus.txt"
-    path.write_text((ROOT / "data" / "shakespeare.txt").read_text(encoding="utf-8")[:20_000])
-    return path
+def corpus(small_corpus: Path) -> Path:
+    return small_corpus
 
 
 def raw_config(corpus: Path, **train_opts) -> dict:
-    return {
-        "model": {"n_layer": 1, "n_head": 2, "n_embed": 16, "context_length": 16},
-        "data": {"path": str(corpus), "cache_dir": str(corpus.parent / "cache")},
-        "train": {
-            "device": "cpu",
-            "batch_size": 4,
-            "max_steps": 12,
-            "warmup_steps": 2,
-            "eval_interval": 4,
-            "eval_steps": 2,
-            "log_interval": 2,
-            **train_opts,
-        },
-    }
+    return small_run_config(
+        corpus, **({"max_steps": 12, "eval_interval": 4, "eval_steps": 2} | train_opts)
+    )
 
 
 def expected_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
