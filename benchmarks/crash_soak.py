@@ -352,6 +352,7 @@ def _workers(agent: int) -> list[int]:
 
 def distributed_soak(args: argparse.Namespace) -> dict:
     """Kill random torchrun workers at random moments; compare the finished runs bitwise."""
+    import torch
     import yaml
 
     from llmcli import checkpoint as ckpt
@@ -417,9 +418,11 @@ def distributed_soak(args: argparse.Namespace) -> dict:
         restarts += text.count("(exitcode: -9)")  # each killed group, restarted by torchrun
         stuck_joins += text.count("could not join")
         resumed += text.count("resuming run")
-        same_weights = ckpt.read_weights(run_dir / "model.safetensors")[0]
+        final = ckpt.read_weights(run_dir / "model.safetensors")[0]
         expected = ckpt.read_weights(reference / "model.safetensors")[0]
-        mismatches += not all(torch_equal(same_weights[k], expected[k]) for k in expected)
+        mismatches += final.keys() != expected.keys() or not all(
+            torch.equal(final[k], expected[k]) for k in expected
+        )
         mismatches += stable(run_dir) != stable(reference)
     return {
         "mode": "distributed",
@@ -436,12 +439,6 @@ def distributed_soak(args: argparse.Namespace) -> dict:
         "seed": args.seed,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
-
-
-def torch_equal(a, b) -> bool:
-    import torch
-
-    return a.shape == b.shape and bool(torch.equal(a, b))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,25 @@ logger = logging.getLogger(__name__)
 # a peer forever (its own timeout does not apply there; seen after restarts, see _attempt_store):
 # a process still joining after this many seconds exits with status 1, so that torchrun restarts
 # the group once more.
-JOIN_TIMEOUT_S = float(os.environ.get("LLMCLI_DIST_JOIN_TIMEOUT", "300"))
+JOIN_TIMEOUT_ENV, JOIN_TIMEOUT_S = "LLMCLI_DIST_JOIN_TIMEOUT", 300.0
+
+
+def join_timeout() -> float:
+    """Seconds a rank may take to join its group: $LLMCLI_DIST_JOIN_TIMEOUT, else 300.
+
+    Raises:
+        InputError: the variable is not a positive number.
+    """
+    text = os.environ.get(JOIN_TIMEOUT_ENV)
+    if text is None:
+        return JOIN_TIMEOUT_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise InputError(f"{JOIN_TIMEOUT_ENV}={text!r}: give a positive number of seconds.")
+    return seconds
 
 
 @dataclass
@@ -75,7 +93,7 @@ def process_group(info: DistInfo, device: torch.device) -> Iterator[None]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    with _exit_if_stuck(JOIN_TIMEOUT_S, info):
+    with _exit_if_stuck(join_timeout(), info):
         dist.init_process_group(
             backend, store=_attempt_store(info), rank=info.rank, world_size=info.world_size
         )

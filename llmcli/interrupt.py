@@ -50,7 +50,9 @@ class StopRequest:
         logger.warning(
             "%s: saving a checkpoint after this step%s",
             signal.Signals(signum).name,
-            " (press Ctrl-C again to quit at once)" if self.escalate else "",
+            " (press Ctrl-C again to quit at once)"
+            if self.escalate and signum == signal.SIGINT
+            else "",
         )
 
     def __enter__(self) -> StopRequest:

@@ -29,6 +29,7 @@ from safetensors.torch import load_file
 from llmcli import checkpoint as ckpt
 from llmcli.cli import main
 from llmcli.config import config_from_dict
+from llmcli.distributed import join_timeout
 from llmcli.errors import CheckpointError, InputError
 from llmcli.interrupt import EXIT_TERMINATED, Preempted
 from llmcli.runlog import read_metrics
@@ -200,6 +201,20 @@ def test_sigterm_saves_and_raises_preempted(corpus, reference, tmp_path) -> None
     assert_same_weights(run, reference)
 
 
+@pytest.mark.parametrize("value", ["abc", "0", "-5", "inf", ""])
+def test_a_bad_join_timeout_is_named(monkeypatch, value) -> None:
+    monkeypatch.setenv("LLMCLI_DIST_JOIN_TIMEOUT", value)
+    with pytest.raises(InputError, match="LLMCLI_DIST_JOIN_TIMEOUT=.*positive number"):
+        join_timeout()
+
+
+def test_the_join_timeout_comes_from_the_environment(monkeypatch) -> None:
+    monkeypatch.delenv("LLMCLI_DIST_JOIN_TIMEOUT", raising=False)
+    assert join_timeout() == 300.0
+    monkeypatch.setenv("LLMCLI_DIST_JOIN_TIMEOUT", "45")
+    assert join_timeout() == 45.0
+
+
 # ---------------------------------------------------------------------------------------------
 # Real processes: the CLI alone and under torchrun
 # ---------------------------------------------------------------------------------------------
@@ -298,7 +313,7 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_bitwise_equal(corpus, tmp
             cmd,
             cwd=ROOT,
             # Gloo can hang while a restarted group connects: such a rank exits after 45 s and
-            # torchrun starts the group again (llmcli.distributed.JOIN_TIMEOUT_S).
+            # torchrun starts the group again (llmcli.distributed.join_timeout).
             env=cli_env(KILL_AT_STEP=kill_at, LLMCLI_DIST_JOIN_TIMEOUT="45"),
             capture_output=True,
             text=True,
