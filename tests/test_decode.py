@@ -1,8 +1,10 @@
 """The one-token decode step (llmcli/decode.py): the same logits and cache as
-`Transformer.forward`, bit for bit, for every pair of recipe option values, with and without
-padding."""
+`Transformer.forward` run with the same GELU kernel, bit for bit, for every pair of recipe
+option values, with and without padding."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -32,6 +34,17 @@ def option_id(opts: dict) -> str:
     return "-".join(str(v) for v in opts.values())
 
 
+@contextlib.contextmanager
+def onednn(enabled: bool):
+    """oneDNN on or off for the block (on the CPU it runs GELU when on), as it was after."""
+    before = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = enabled
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = before
+
+
 @pytest.mark.parametrize("opts", OPTIONS, ids=[option_id(o) for o in OPTIONS])
 def test_decode_step_equals_forward_bit_for_bit(opts) -> None:
     model = randomize_(tiny_model(**opts)).eval()
@@ -51,7 +64,8 @@ def test_decode_step_equals_forward_bit_for_bit(opts) -> None:
             for t in range(8):
                 idx = torch.randint(37, (B,), generator=g)  # (B,)
                 pos = (torch.tensor([3, 5, 1]) + t)[:, None] if padded else None  # (B, 1)
-                expected, _ = model(idx[:, None], position_ids=pos, kv_cache=theirs)
+                with onednn(False):  # the step's GELU kernel
+                    expected, _ = model(idx[:, None], position_ids=pos, kv_cache=theirs)
                 got = decoder(idx, ours, pos)
                 assert torch.equal(got, expected[:, -1]), f"step {t}, padded={padded}"
         assert ours.length == theirs.length == 13
@@ -64,3 +78,37 @@ def test_decoder_only_for_a_transformer_in_eval_mode() -> None:
     assert isinstance(decoder_for(model), Decoder)
     assert decoder_for(model.train()) is None  # dropout: forward's business
     assert decoder_for(torch.nn.Linear(2, 2)) is None
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_decode_step_leaves_onednn_as_it_found_it(enabled) -> None:
+    model = randomize_(tiny_model(mlp="gelu")).eval()
+    with onednn(enabled), torch.inference_mode():
+        cache = model.new_kv_cache(1)
+        model(torch.tensor([[1, 2, 3]]), kv_cache=cache)
+        Decoder(model)(torch.tensor([4]), cache, None)
+        assert torch.backends.mkldnn.enabled is enabled
+        with pytest.raises(IndexError):  # a step that fails restores it too
+            Decoder(model)(torch.tensor([10**6]), cache, None)
+        assert torch.backends.mkldnn.enabled is enabled
+
+
+def test_decode_step_with_onednn_gelu_differs_in_the_last_bits_only() -> None:
+    """oneDNN's GELU (torch's default on the CPU for large tensors) and ATen's, which the step
+    uses, agree to a few units in the last place: the logits agree far below any sampling
+    threshold, and a long greedy run picks the same tokens."""
+    model = randomize_(tiny_model(mlp="gelu")).eval()
+    g = gen(2)
+    with torch.inference_mode():
+        prompt = torch.randint(37, (4, 6), generator=g)  # (B, T)
+        ours, theirs = model.new_kv_cache(4), model.new_kv_cache(4)
+        model(prompt, kv_cache=ours)
+        model(prompt, kv_cache=theirs)
+        decoder = Decoder(model)
+        idx = prompt[:, -1]
+        for _ in range(10):
+            expected, _ = model(idx[:, None], kv_cache=theirs)  # oneDNN's GELU
+            got = decoder(idx, ours, None)
+            torch.testing.assert_close(got, expected[:, -1], rtol=1e-5, atol=1e-5)
+            assert torch.equal(got.argmax(-1), expected[:, -1].argmax(-1))
+            idx = got.argmax(-1)
