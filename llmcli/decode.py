@@ -6,10 +6,15 @@ those cost more than the arithmetic. `Decoder` collects the weights once per gen
 the same operations on the same values in the same order: `layer_norm` / `rms_norm`, `addmm`
 (`mm` without a bias) with the transposed weight view that `F.linear` passes, the rotary
 embedding's own `forward`, SDPA with the same mask, the cache written through `KVCache.update`.
-Its logits equal `Transformer.forward`'s bit for bit (tests/test_decode.py checks every pair of
-recipe option values, with and without padding), so generation samples the same tokens either
-way. It checks nothing, so only `llmcli.context_window` calls it, with inputs that generation
-built.
+One thing differs on the CPU: the step runs GELU on ATen's own kernel rather than oneDNN's
+(torch's choice for float tensors), whose set-up alone costs more than a one-token GELU. The two
+kernels agree to the last bit or two, so the step's logits equal `Transformer.forward`'s bit for
+bit when `forward` runs with oneDNN off too, and within a few millionths otherwise
+(tests/test_decode.py checks every pair of recipe option values, with and without padding).
+A sampled token could change only where the draw falls within that much of the boundary
+between two tokens' cumulative probabilities (benchmarks/decode_tokens.py found no change in
+30,000 tokens). It checks nothing, so only `llmcli.context_window` calls it, with inputs that
+generation built.
 """
 
 from __future__ import annotations
@@ -118,7 +123,7 @@ class Decoder:
         if self.device_type != "cpu" or not torch.backends.mkldnn.enabled:
             return self._step(idx, cache, position_ids)
         # On the CPU, GELU goes through oneDNN, whose set-up costs about 15 us a call: more than
-        # the one-token GELU takes on ATen's own kernel (2 us), and a quarter of a tiny model's
+        # the one-token GELU takes on ATen's own kernel (2 us); it was a third of a tiny model's
         # step. oneDNN is faster only on large inputs (2x at 12 x 64 x 512), so it stays on
         # outside the step. The two kernels agree to the last bit or two.
         torch.backends.mkldnn.enabled = False
