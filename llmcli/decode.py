@@ -125,7 +125,8 @@ class Decoder:
         # On the CPU, GELU goes through oneDNN, whose set-up costs about 15 us a call: more than
         # the one-token GELU takes on ATen's own kernel (2 us); it was a third of a tiny model's
         # step. oneDNN is faster only on large inputs (2x at 12 x 64 x 512), so it stays on
-        # outside the step. The two kernels agree to the last bit or two.
+        # outside the step. The two kernels agree to the last bit or two. The flag is
+        # process-wide: another thread's GELU during the step takes ATen's kernel too.
         torch.backends.mkldnn.enabled = False
         try:
             return self._step(idx, cache, position_ids)
