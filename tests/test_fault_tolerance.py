@@ -43,11 +43,6 @@ VOLATILE = ("elapsed_s", "tok_per_s")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def corpus(small_corpus: Path) -> Path:
-    return small_corpus
-
-
 def raw_config(corpus: Path, **train_opts) -> dict:
     return small_run_config(
         corpus,
@@ -86,15 +81,15 @@ def saved_step(run_dir: Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def reference(corpus: Path, tmp_path_factory, one_thread) -> Path:
+def reference(small_corpus: Path, tmp_path_factory, one_thread) -> Path:
     """An uninterrupted run, saving only at its evaluations."""
     run_dir = tmp_path_factory.mktemp("reference") / "run"
-    train(config_from_dict(raw_config(corpus)), out_dir=run_dir, progress=False)
+    train(config_from_dict(raw_config(small_corpus)), out_dir=run_dir, progress=False)
     return run_dir
 
 
-def test_resume_auto_starts_then_continues_exactly(corpus, reference, tmp_path) -> None:
-    config = config_from_dict(raw_config(corpus))
+def test_resume_auto_starts_then_continues_exactly(small_corpus, reference, tmp_path) -> None:
+    config = config_from_dict(raw_config(small_corpus))
     run = tmp_path / "run"
     with pytest.raises(RuntimeError):  # the first start: nothing to resume, so it starts
         train(config, out_dir=run, resume="auto", progress=False, on_step=crash_at(13))
@@ -108,8 +103,8 @@ def test_resume_auto_starts_then_continues_exactly(corpus, reference, tmp_path) 
     assert_same_weights(run, reference)
 
 
-def test_resume_auto_refuses_what_it_cannot_continue(corpus, reference, tmp_path) -> None:
-    raw = raw_config(corpus)
+def test_resume_auto_refuses_what_it_cannot_continue(small_corpus, reference, tmp_path) -> None:
+    raw = raw_config(small_corpus)
     raw["model"]["n_embed"] = 32
     other = config_from_dict(raw)
     with pytest.raises(CheckpointError, match="the config's model differs"):
@@ -118,7 +113,7 @@ def test_resume_auto_refuses_what_it_cannot_continue(corpus, reference, tmp_path
     weights_only = tmp_path / "weights-only"  # a run without its resume state
     weights_only.mkdir()
     (weights_only / ckpt.MODEL_FILE).write_bytes((reference / ckpt.MODEL_FILE).read_bytes())
-    config = config_from_dict(raw_config(corpus))
+    config = config_from_dict(raw_config(small_corpus))
     with pytest.raises(CheckpointError, match="already holds a run"):
         train(config, out_dir=weights_only, resume="auto", progress=False)
     with pytest.raises(InputError, match="contradict"):
@@ -135,9 +130,9 @@ def test_resume_auto_refuses_what_it_cannot_continue(corpus, reference, tmp_path
         (["--set", "train.resume=maybe"], "train.resume must be true or false or 'auto'"),
     ],
 )
-def test_bad_fault_tolerance_options_exit_2(corpus, tmp_path, capsys, argv, message) -> None:
+def test_bad_fault_tolerance_options_exit_2(small_corpus, tmp_path, capsys, argv, message) -> None:
     config = tmp_path / "c.yaml"
-    config.write_text(yaml.safe_dump(raw_config(corpus)))
+    config.write_text(yaml.safe_dump(raw_config(small_corpus)))
     with pytest.raises(SystemExit) as exit_info:
         main(["train", str(config), "--out", str(tmp_path / "run"), "--no-progress", *argv])
     err = capsys.readouterr().err
@@ -146,9 +141,9 @@ def test_bad_fault_tolerance_options_exit_2(corpus, tmp_path, capsys, argv, mess
     assert not (tmp_path / "run" / ckpt.STATE_FILE).exists()
 
 
-def test_resume_auto_from_the_cli_and_the_config(corpus, reference, tmp_path, capsys) -> None:
+def test_resume_auto_from_the_cli_and_the_config(small_corpus, reference, tmp_path, capsys) -> None:
     config = tmp_path / "c.yaml"
-    config.write_text(yaml.safe_dump(raw_config(corpus, resume="auto")))
+    config.write_text(yaml.safe_dump(raw_config(small_corpus, resume="auto")))
     run = tmp_path / "run"
     for _ in range(2):  # train.resume: auto, twice: starts, then finds the run finished
         with pytest.raises(SystemExit) as exit_info:
@@ -171,9 +166,9 @@ def test_resume_auto_from_the_cli_and_the_config(corpus, reference, tmp_path, ca
     ids=["steps", "seconds"],
 )
 def test_saves_between_evaluations_resume_exactly(
-    corpus, reference, tmp_path, opts, crash, saved
+    small_corpus, reference, tmp_path, opts, crash, saved
 ) -> None:
-    config = config_from_dict(raw_config(corpus, **opts))
+    config = config_from_dict(raw_config(small_corpus, **opts))
     run = tmp_path / "run"
     with pytest.raises(RuntimeError):
         train(config, out_dir=run, progress=False, on_step=crash_at(crash))
@@ -186,8 +181,8 @@ def test_saves_between_evaluations_resume_exactly(
     assert stable_metrics(run) == stable_metrics(reference)  # saving changes no record
 
 
-def test_sigterm_saves_and_raises_preempted(corpus, reference, tmp_path) -> None:
-    config = config_from_dict(raw_config(corpus))
+def test_sigterm_saves_and_raises_preempted(small_corpus, reference, tmp_path) -> None:
+    config = config_from_dict(raw_config(small_corpus))
     run = tmp_path / "run"
 
     def terminate(step: int) -> None:
@@ -260,9 +255,11 @@ def terminate_when_training(cmd: list[str], run_dir: Path) -> subprocess.Complet
 
 
 @pytest.mark.slow
-def test_sigterm_to_the_cli_exits_143_with_a_checkpoint(corpus, tmp_path) -> None:
+def test_sigterm_to_the_cli_exits_143_with_a_checkpoint(small_corpus, tmp_path) -> None:
     config = tmp_path / "c.yaml"
-    config.write_text(yaml.safe_dump(raw_config(corpus, max_steps=100_000, eval_interval=50_000)))
+    config.write_text(
+        yaml.safe_dump(raw_config(small_corpus, max_steps=100_000, eval_interval=50_000))
+    )
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "llmcli", "train", str(config), "--out", str(run)]
     out = terminate_when_training([*cmd, "--no-progress"], run)
@@ -273,9 +270,11 @@ def test_sigterm_to_the_cli_exits_143_with_a_checkpoint(corpus, tmp_path) -> Non
 
 
 @pytest.mark.slow
-def test_sigterm_to_torchrun_stops_every_rank_at_one_step(corpus, tmp_path) -> None:
+def test_sigterm_to_torchrun_stops_every_rank_at_one_step(small_corpus, tmp_path) -> None:
     config = tmp_path / "c.yaml"
-    config.write_text(yaml.safe_dump(raw_config(corpus, max_steps=100_000, eval_interval=50_000)))
+    config.write_text(
+        yaml.safe_dump(raw_config(small_corpus, max_steps=100_000, eval_interval=50_000))
+    )
     run = tmp_path / "run"
     cmd = [*torchrun(), "-m", "llmcli", "train", str(config), "--out", str(run), "--no-progress"]
     out = terminate_when_training(cmd, run)
@@ -291,9 +290,11 @@ def test_sigterm_to_torchrun_stops_every_rank_at_one_step(corpus, tmp_path) -> N
 
 
 @pytest.mark.slow
-def test_a_killed_worker_is_restarted_and_the_run_ends_bitwise_equal(corpus, tmp_path) -> None:
+def test_a_killed_worker_is_restarted_and_the_run_ends_bitwise_equal(
+    small_corpus, tmp_path
+) -> None:
     config = tmp_path / "c.yaml"
-    config.write_text(yaml.safe_dump(raw_config(corpus)))
+    config.write_text(yaml.safe_dump(raw_config(small_corpus)))
     runs = {}
     for name, kill_at in (("uninterrupted", "0"), ("killed", "14")):
         runs[name] = tmp_path / name

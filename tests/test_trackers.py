@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 
 import pytest
+import wandb
 from conftest import small_run_config
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from wandb.proto import wandb_internal_pb2
@@ -29,11 +30,6 @@ ROOT = Path(__file__).resolve().parents[1]
 TIMED = {"train/tokens_per_s", "progress/elapsed_s"}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def corpus(small_corpus: Path) -> Path:
-    return small_corpus
 
 
 def raw_config(corpus: Path, **train_opts) -> dict:
@@ -67,8 +63,8 @@ def assert_same_scalars(got: dict, want: dict) -> None:
             assert math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-6), tag  # TensorBoard: float32
 
 
-def test_tensorboard_holds_the_metrics_also_across_a_resume(corpus, tmp_path) -> None:
-    config = config_from_dict(raw_config(corpus, logger="tensorboard"))
+def test_tensorboard_holds_the_metrics_also_across_a_resume(small_corpus, tmp_path) -> None:
+    config = config_from_dict(raw_config(small_corpus, logger="tensorboard"))
     reference = tmp_path / "reference"
     train(config, out_dir=reference, progress=False)
     want = expected_scalars(reference)
@@ -98,6 +94,9 @@ def test_tensorboard_holds_the_metrics_also_across_a_resume(corpus, tmp_path) ->
 def wandb_history(run_dir: Path) -> list[dict]:
     """The history rows of the offline W&B run in `run_dir`, read from its `.wandb` log (a
     LevelDB-style log of protobuf `Record`s after a 7-byte header)."""
+    # `run.finish()` can return before W&B's service process has written the whole log (1 run
+    # in 12 here had only its header); teardown waits for the service, as a process exit does.
+    wandb.teardown()
     (log,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
     data, pos, block = log.read_bytes(), 7, 32768
     assert data[:4] == b":W&B"
@@ -128,12 +127,12 @@ def wandb_history(run_dir: Path) -> list[dict]:
 
 
 def test_wandb_offline_logs_the_metrics_and_resumes_the_same_run(
-    corpus, tmp_path, monkeypatch
+    small_corpus, tmp_path, monkeypatch
 ) -> None:
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    config = config_from_dict(raw_config(corpus, logger="wandb", wandb_project="tests"))
+    config = config_from_dict(raw_config(small_corpus, logger="wandb", wandb_project="tests"))
     run = tmp_path / "run"
     train(config, out_dir=run, progress=False)
     run_id = (run / WANDB_ID_FILE).read_text().strip()
@@ -143,20 +142,20 @@ def test_wandb_offline_logs_the_metrics_and_resumes_the_same_run(
         got = [(r["_step"], r[tag]) for r in rows if tag in r]
         assert [s for s, _ in got] == [s for s, _ in points], tag
         assert [v for _, v in got] == pytest.approx([v for _, v in points]), tag
-    more = config_from_dict(raw_config(corpus, logger="wandb", max_steps=16))
+    more = config_from_dict(raw_config(small_corpus, logger="wandb", max_steps=16))
     train(more, out_dir=run, resume=True, progress=False)
     assert (run / WANDB_ID_FILE).read_text().strip() == run_id  # the same W&B run continues
     assert len(list(run.glob(f"wandb/offline-run-*-{run_id}"))) >= 1
 
 
 def test_a_failing_tracker_warns_once_and_training_goes_on(
-    corpus, tmp_path, monkeypatch, caplog
+    small_corpus, tmp_path, monkeypatch, caplog
 ) -> None:
     def full_disk(self, record) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(llmcli.trackers.TensorBoardTracker, "log", full_disk)
-    config = config_from_dict(raw_config(corpus, logger="tensorboard"))
+    config = config_from_dict(raw_config(small_corpus, logger="tensorboard"))
     with caplog.at_level(logging.WARNING, logger="llmcli.trackers"):
         summary = train(config, out_dir=tmp_path / "run", progress=False)
     assert summary.step == 12
@@ -166,10 +165,10 @@ def test_a_failing_tracker_warns_once_and_training_goes_on(
 
 
 def test_a_missing_package_or_unknown_tracker_exits_2_before_training(
-    corpus, tmp_path, monkeypatch, capsys
+    small_corpus, tmp_path, monkeypatch, capsys
 ) -> None:
     config_file = tmp_path / "c.yaml"
-    config_file.write_text(json.dumps(raw_config(corpus)))
+    config_file.write_text(json.dumps(raw_config(small_corpus)))
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
@@ -194,9 +193,9 @@ def test_a_missing_package_or_unknown_tracker_exits_2_before_training(
         assert not (tmp_path / "run").exists()  # nothing started
 
 
-def test_the_gradient_norm_is_logged_with_and_without_clipping(corpus, tmp_path) -> None:
+def test_the_gradient_norm_is_logged_with_and_without_clipping(small_corpus, tmp_path) -> None:
     for clip in (1.0, 0.0):
-        config = config_from_dict(raw_config(corpus, grad_clip=clip))
+        config = config_from_dict(raw_config(small_corpus, grad_clip=clip))
         train(config, out_dir=tmp_path / f"clip-{clip}", progress=False)
         norms = [
             r["grad_norm"]
