@@ -39,7 +39,9 @@ INSPECT_METHODS: tuple[str, ...] = ("zero", "mean", "both")
 #: Activation memory for the copies of one batch run at once (one copy per removed head).
 HEAD_BATCH_BYTES = 256 << 20
 
-_SPEC = re.compile(r"(\d+)(?:\.(\d+))?")
+# ASCII digits (`\d` takes any script's), at most 9 (more is past any layer; `int` refuses more
+# than 4,300 digits).
+_SPEC = re.compile(r"([0-9]{1,9})(?:\.([0-9]{1,9}))?")
 
 Batch = tuple[Tensor, Tensor]
 
@@ -255,15 +257,15 @@ def _prepare(
     batches: Iterable[Batch],
     methods: Sequence[str],
     means: Tensor | None,
-) -> tuple[list[Batch], Tensor | None]:
+) -> tuple[list[Batch], tuple[str, ...], Tensor | None]:
+    """The batches as a list, the methods checked and each once, the means "mean" needs."""
     batches = list(batches)
     if not batches:
         raise InputError("no batches to measure the heads on.")
-    for method in methods:
-        check_method(method)
+    methods = tuple(dict.fromkeys(check_method(method) for method in methods))
     if "mean" in methods and means is None:
         means = head_means(model, batches)
-    return batches, means
+    return batches, methods, means
 
 
 @torch.no_grad()
@@ -287,7 +289,9 @@ def head_deltas(
     Returns:
         `HeadDeltas`, token-weighted over the batches.
     """
-    batches, means = _prepare(model, batches, methods, means)
+    if heads_per_pass is not None and heads_per_pass < 1:
+        raise InputError(f"heads_per_pass ({heads_per_pass}) must be at least 1.")
+    batches, methods, means = _prepare(model, batches, methods, means)
     n_layer, n_head = model.n_layer, model.n_head
     nats = {method: np.zeros((n_layer, n_head)) for method in methods}
     clean, tokens = 0.0, 0
@@ -346,7 +350,7 @@ def head_deltas_full(
 
     Same arguments and result as `head_deltas`.
     """
-    batches, means = _prepare(model, batches, methods, means)
+    batches, methods, means = _prepare(model, batches, methods, means)
     n_layer, n_head = model.n_layer, model.n_head
     nats = {method: np.zeros((n_layer, n_head)) for method in methods}
     clean, tokens = 0.0, 0

@@ -502,13 +502,13 @@ def eval_command(
         ),
     ] = None,
     ablation: Annotated[
-        str,
+        Optional[str],
         typer.Option(
-            help="How --ablate removes a head: zero (its output zeroed) or mean (replaced by its "
-            "mean output over the scored text).",
+            help="How --ablate removes a head: zero (its output zeroed; the default) or mean "
+            "(replaced by its mean output over the scored text).",
             metavar="METHOD",
         ),
-    ] = "zero",
+    ] = None,
     weights: WeightsOption = "best",
     device: DeviceOption = "auto",
     json_: JsonOption = False,
@@ -628,22 +628,39 @@ def bench_command(
     typer.echo(f"wrote {json_path} and {png_path}")
 
 
-# Options that may be given bare: `--resume` (strict) or `--resume auto`, and `--ablation` (zero)
-# or `--ablation mean|both`. Typer options cannot take an optional value, so a bare one (followed
-# by nothing or by another option; for `--resume`, which a CONFIG may follow, by anything but one
-# of its values) is given its value before parsing. A bad value is then refused by the command.
+# Options that may be given bare: `train --resume` (strict) or `--resume auto`, and `--ablation`
+# (zero) or `--ablation mean|both` of `eval` and `inspect-attention`. Typer options cannot take an
+# optional value, so a bare one (followed by nothing or by another option; for `--resume`, which a
+# CONFIG may follow, by anything but one of its values) is given its value before parsing. A
+# token that is another option's value (`--prompt --ablation`) or comes after `--` is left alone.
+# A bad value is then refused by the command.
 _RESUME_VALUES = {"strict": True, "auto": "auto"}
-_BARE_VALUES: dict[str, tuple[str, Any]] = {
-    "--resume": ("strict", _RESUME_VALUES),
-    "--ablation": ("zero", None),
+_ABLATION = {"--ablation": ("zero", None)}
+_BARE_VALUES: dict[str, dict[str, tuple[str, Any]]] = {
+    "train": {"--resume": ("strict", _RESUME_VALUES)},
+    "eval": _ABLATION,
+    "inspect-attention": _ABLATION,
 }
 
 
 def _with_bare_values(argv: list[str]) -> list[str]:
-    out = []
-    for i, arg in enumerate(argv):
-        if arg in _BARE_VALUES:
-            value, values = _BARE_VALUES[arg]
+    bare = _BARE_VALUES.get(argv[0]) if argv else None
+    if bare is None:
+        return argv
+    command = typer.main.get_command(app).commands[argv[0]]  # type: ignore[attr-defined]
+    takes_value = {  # the options whose next token is their value (arguments have no is_flag)
+        name
+        for param in command.params
+        if getattr(param, "is_flag", True) is False
+        for name in param.opts
+    }
+    out = argv[:1]
+    for i in range(1, len(argv)):
+        arg = argv[i]
+        if arg == "--":
+            return out + argv[i:]
+        if arg in bare and argv[i - 1] not in takes_value:
+            value, values = bare[arg]
             after = argv[i + 1] if i + 1 < len(argv) else None
             if after is None or after.startswith("-") or (values and after not in values):
                 arg = f"{arg}={value}"

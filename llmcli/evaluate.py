@@ -276,7 +276,7 @@ def evaluate_run(
     steps: int | None = None,
     batch_size: int | None = None,
     ablate: Sequence[str] = (),
-    ablation: str = "zero",
+    ablation: str | None = None,
     weights: str = "best",
     device: str = "auto",
     progress: bool = False,
@@ -290,8 +290,9 @@ def evaluate_run(
         steps: score only the first `steps` batches (None: all of the text).
         batch_size: windows per batch (None: the run's `train.batch_size`).
         ablate: heads to remove, `"L.H"` or `"L"` each (see `ablation.parse_ablate`).
-        ablation: "zero" or "mean": a removed head outputs zeros, or its mean output over the
-            scored batches (computed in a first pass over them).
+        ablation: "zero" (None means it too) or "mean": a removed head outputs zeros, or its
+            mean output over the scored batches (computed in a first pass over them); only
+            with `ablate`.
         weights: "best" or "last" weights of the run.
         device: "auto", "cpu", "cuda" or "mps".
         progress: show progress (a bar on a terminal, plain lines elsewhere).
@@ -305,11 +306,18 @@ def evaluate_run(
         raise InputError(f"--steps ({steps}) must be a positive number of batches.")
     if batch_size is not None and batch_size < 1:
         raise InputError(f"--batch-size ({batch_size}) must be positive.")
-    check_method(ablation)
+    ablation = check_method(ablation or "zero") if ablate else ablation
+    if ablation is not None and not ablate:
+        check_method(ablation)
+        raise InputError(
+            f"--ablation {ablation} says how --ablate removes heads: give --ablate L.H (or L) too."
+        )
     t0 = time.perf_counter()
     dev = resolve_device(device, what="--device")
     run = load_run(checkpoint, weights=weights, device=dev, notify=notify)
-    head_mask = parse_ablate(ablate, run.model.n_layer, run.model.n_head).to(dev)
+    head_mask = None
+    if ablate:
+        head_mask = parse_ablate(ablate, run.model.n_layer, run.model.n_head).to(dev)
     tokens, label = eval_tokens(run, data)
     ctx, batch_size = run.config.model.context_length, batch_size or run.config.train.batch_size
     head_mean = None
@@ -325,7 +333,7 @@ def evaluate_run(
         special_id=getattr(run.tokenizer, "eot_id", None),
         device=dev,
         progress=progress,
-        head_mask=head_mask if ablate else None,
+        head_mask=head_mask,
         head_mean=head_mean,
     )
     scored = np.asarray(tokens[1 : 1 + totals.tokens], dtype=np.int64)  # the predicted tokens

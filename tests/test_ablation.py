@@ -152,6 +152,15 @@ def test_the_layer_cache_gives_the_deltas_of_full_recomputation(opts, per_pass):
         np.testing.assert_allclose(fast.delta[method], full.delta[method], atol=1e-5)
 
 
+def test_a_method_named_twice_is_measured_once_and_a_pass_holds_a_head():
+    model, data = sharp_model(0), random_batches()
+    once = head_deltas(model, data, ("zero",))
+    twice = head_deltas(model, data, ("zero", "zero"))
+    np.testing.assert_array_equal(twice.delta["zero"], once.delta["zero"])
+    with pytest.raises(InputError, match=r"heads_per_pass \(0\) must be at least 1"):
+        head_deltas(model, data, heads_per_pass=0)
+
+
 def test_a_head_that_writes_nothing_has_zero_delta():
     model = sharp_model(0)
     with torch.no_grad():
@@ -211,6 +220,8 @@ def test_parse_ablate_heads_and_layers():
         ("-1", r"'-1' is not a head or a layer.*L from 0 to 2"),
         ("1.2.3", r"not a head or a layer"),
         ("", r"not a head or a layer"),
+        ("1" * 5000, r"not a head or a layer"),  # not int()'s ValueError past 4,300 digits
+        ("\u0663", r"not a head or a layer"),  # a digit, but not an ASCII one
     ],
 )
 def test_parse_ablate_names_the_forms_and_ranges(spec, message):

@@ -286,6 +286,7 @@ def test_command_several_prompts(run_dir, tmp_path, capsys) -> None:
         (["--prompt", "~~~"], "vocabulary lacks"),
         (["--ablation", "foo"], "--ablation 'foo' is not known: choose zero or mean or both"),
         (["--ablation", "zero", "--ablation-steps", "0"], r"--ablation-steps \(0\) must be"),
+        (["--prompt", "ok", "--ablation-steps", "1"], "--ablation-steps .*give --ablation too"),
     ],
 )
 def test_command_bad_input_exits_2(run_dir, capsys, args, message) -> None:

@@ -76,3 +76,27 @@ def test_usage_errors_exit_2(tmp_path: Path) -> None:
         assert out.returncode == 2, args
         assert "Traceback" not in out.stderr + out.stdout
         assert out.stderr.strip(), args
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["train", "tiny", "--resume"], ["train", "tiny", "--resume=strict"]),
+        (["train", "--resume", "tiny"], ["train", "--resume=strict", "tiny"]),
+        (["train", "--resume", "auto", "tiny"], ["train", "--resume", "auto", "tiny"]),
+        (["eval", "--ablation", "--ablate", "1"], ["eval", "--ablation=zero", "--ablate", "1"]),
+        (["eval", "--ablation", "mean"], ["eval", "--ablation", "mean"]),
+        # another option's value, a token after `--`, a command without the option: untouched
+        (
+            ["inspect-attention", "--prompt", "--ablation"],
+            ["inspect-attention", "--prompt", "--ablation"],
+        ),
+        (["train", "--set", "--resume"], ["train", "--set", "--resume"]),
+        (["train", "tiny", "--", "--resume"], ["train", "tiny", "--", "--resume"]),
+        (["sample", "--prompt", "--ablation"], ["sample", "--prompt", "--ablation"]),
+    ],
+)
+def test_bare_options_get_their_value_and_nothing_else_changes(argv, expected) -> None:
+    from llmcli.cli import _with_bare_values
+
+    assert _with_bare_values(argv) == expected

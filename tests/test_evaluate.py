@@ -271,6 +271,9 @@ def test_cli_ablate(capsys, char_run: Path, text_file: Path) -> None:
         (["--ablate", "-1"], r"'-1' is not a head or a layer"),
         (["--ablation", "foo"], r"--ablation 'foo' is not known: choose zero or mean"),
         (["--ablate", "0", "--ablation", "foo"], r"--ablation 'foo' is not known"),
+        (["--ablation", "mean"], r"--ablation mean says how --ablate removes heads: give --ablate"),
+        (["--ablate", "1" * 5000], r"is not a head or a layer"),
+        (["--ablate", "\u0663"], r"is not a head or a layer"),  # an Arabic-Indic 3
     ],
 )
 def test_cli_bad_ablation_exits_2(capsys, char_run: Path, text_file: Path, args, message) -> None:

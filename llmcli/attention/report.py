@@ -330,6 +330,10 @@ def _check_options(fmt: str, ablation: str | None, ablation_steps: int | None) -
         raise InputError(f"--format {fmt!r} is not known: choose one of {', '.join(FORMATS)}.")
     if ablation is not None:
         check_method(ablation, INSPECT_METHODS)
+    if ablation_steps is not None and ablation is None:
+        raise InputError(
+            "--ablation-steps says how many batches --ablation measures on: give --ablation too."
+        )
     if ablation_steps is not None and ablation_steps < 1:
         raise InputError(f"--ablation-steps ({ablation_steps}) must be a positive number.")
 
