@@ -11,6 +11,7 @@ the command line's options into prompts and stop strings.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 import time
@@ -619,8 +620,9 @@ def _check_options(
         raise InputError(f"--num-samples ({num_samples}) must be >= 1.")
     if context_policy is not None:
         check_policy_name(context_policy, "--context-policy")
-    if threads is not None and threads < 1:
-        raise InputError(f"--threads ({threads}) must be >= 1.")
+    cpus = os.cpu_count() or 1
+    if threads is not None and not 1 <= threads <= cpus:  # torch crashes on absurd counts
+        raise InputError(f"--threads ({threads}) must be in 1..{cpus} (this machine's CPUs).")
 
 
 def _threads_for(model: Any, device: torch.device, policy: str, new_tokens: int) -> int | None:
