@@ -6,15 +6,15 @@ those cost more than the arithmetic. `Decoder` collects the weights once per gen
 the same operations on the same values in the same order: `layer_norm` / `rms_norm`, `addmm`
 (`mm` without a bias) with the transposed weight view that `F.linear` passes, the rotary
 embedding's own `forward`, SDPA with the same mask, the cache written through `KVCache.update`.
-One thing differs on the CPU: the step runs GELU on ATen's own kernel rather than oneDNN's
-(torch's choice for float tensors), whose set-up alone costs more than a one-token GELU. The two
-kernels agree to the last bit or two, so the step's logits equal `Transformer.forward`'s bit for
-bit when `forward` runs with oneDNN off too, and within a few millionths otherwise
-(tests/test_decode.py checks every pair of recipe option values, with and without padding).
-A sampled token could change only where the draw falls within that much of the boundary
-between two tokens' cumulative probabilities (benchmarks/decode_tokens.py found no change in
-30,000 tokens). It checks nothing, so only `llmcli.context_window` calls it, with inputs that
-generation built.
+One thing differs on the CPU: for a few rows the step runs GELU on ATen's own kernel rather than
+oneDNN's (torch's choice for float tensors), whose set-up alone costs more than a one-token
+GELU. The two kernels agree to the last bit or two, so the step's logits equal
+`Transformer.forward`'s bit for bit when `forward` runs with oneDNN off too, and within a few
+millionths otherwise (tests/test_decode.py checks every pair of recipe option values, with and
+without padding). A sampled token could change only where the draw falls within that much of the
+boundary between two tokens' cumulative probabilities (benchmarks/decode_tokens.py found no
+change in 30,000 tokens). It checks nothing, so only `llmcli.context_window` calls it, with
+inputs that generation built.
 """
 
 from __future__ import annotations
@@ -31,6 +31,10 @@ from llmcli.masks import allowed_keys
 from llmcli.model import Block, Transformer
 
 Fn = Callable[[Tensor], Tensor]
+
+#: Values per GELU call up to which ATen's CPU kernel beats oneDNN's (one thread, AVX2: 4.4 vs
+#: 17.7 us for 512 values, even at 16,384, 1.6x slower at 98,304).
+ATEN_GELU_MAX = 16_384
 
 
 def _norm(norm: nn.Module) -> Fn:
@@ -63,6 +67,7 @@ class _Layer:
         self.qkv, self.attn_proj = _linear(attn.qkv), _linear(attn.proj)
         self.fc, self.mlp_proj = _linear(mlp.fc), _linear(mlp.proj)
         self.relu2 = mlp.activation == "relu2"
+        self.hidden = mlp.fc.out_features  # 4C
         self.qk_norm = attn.qk_norm
         self.rotary = attn.rotary
         self.n_head, self.head_size = attn.n_head, attn.head_size
@@ -111,6 +116,9 @@ class Decoder:
         self.lm_head_t = model.lm_head.weight.t()  # (C, V) view
         self.causal = model.blocks[0].attn.causal if model.blocks else None
         self.device_type = self.wte.device.type
+        # Values of one row's GELU input, on the CPU (0: no GELU to move off oneDNN).
+        gelu = [layer.hidden for layer in self.layers if not layer.relu2]
+        self.gelu_width = max(gelu, default=0) if self.device_type == "cpu" else 0
 
     def __call__(self, idx: Tensor, cache: KVCache, position_ids: Tensor | None) -> Tensor:
         """Logits `(B, V)` of the token after `idx`.
@@ -120,13 +128,14 @@ class Decoder:
             cache: the generation's cache, holding at least one position.
             position_ids: `(B, 1)` long positions of `idx`, or None for the cache length.
         """
-        if self.device_type != "cpu" or not torch.backends.mkldnn.enabled:
+        small = 0 < idx.shape[0] * self.gelu_width <= ATEN_GELU_MAX
+        if not small or not torch.backends.mkldnn.enabled:
             return self._step(idx, cache, position_ids)
         # On the CPU, GELU goes through oneDNN, whose set-up costs about 15 us a call: more than
-        # the one-token GELU takes on ATen's own kernel (2 us); it was a third of a tiny model's
-        # step. oneDNN is faster only on large inputs (2x at 12 x 64 x 512), so it stays on
-        # outside the step. The two kernels agree to the last bit or two. The flag is
-        # process-wide: another thread's GELU during the step takes ATen's kernel too.
+        # a few rows' GELU takes on ATen's own kernel; it was a third of a tiny model's step.
+        # oneDNN is faster on large inputs (`ATEN_GELU_MAX`), so it stays on for them and outside
+        # the step. The two kernels agree to the last bit or two. The flag is process-wide:
+        # another thread's GELU during the step takes ATen's kernel too.
         torch.backends.mkldnn.enabled = False
         try:
             return self._step(idx, cache, position_ids)
