@@ -23,18 +23,16 @@ Prints one JSON object.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
+from git_baseline import load_baseline
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -96,24 +94,10 @@ def time_ablation(batches: list, rounds: int) -> dict:
     }
 
 
-def baseline_transformer(rev: str) -> type:
-    """`Transformer` from `llmcli/model.py` at git revision `rev` (its imports: today's llmcli)."""
-    source = subprocess.run(
-        ["git", "show", f"{rev}:llmcli/model.py"], cwd=ROOT, capture_output=True, check=True
-    ).stdout
-    folder = Path(tempfile.mkdtemp(prefix="ablation-baseline-"))
-    path = folder / "model_baseline.py"
-    path.write_bytes(source)
-    spec = importlib.util.spec_from_file_location("model_baseline", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["model_baseline"] = module
-    spec.loader.exec_module(module)
-    return module.Transformer
-
-
 def time_no_mask(rev: str, rounds: int, reps: int = 20) -> dict:
     """Forward (inference) and forward + backward (training) without a mask: today vs `rev`."""
-    models = {"today": tiny_model(), "baseline": tiny_model(baseline_transformer(rev))}
+    baseline = load_baseline(rev, ("model",))  # that revision's whole package
+    models = {"today": tiny_model(), "baseline": tiny_model(baseline["model"].Transformer)}
     models["baseline"].load_state_dict(models["today"].state_dict())
     x, y = random_batches(1, seed=7)[0]
     with torch.no_grad():
@@ -135,9 +119,7 @@ def time_no_mask(rev: str, rounds: int, reps: int = 20) -> dict:
             model.eval()
     ratio = {kind: _median_ratio(ms["today"][kind], ms["baseline"][kind]) for kind in ms["today"]}
     return {
-        "baseline_rev": subprocess.run(
-            ["git", "rev-parse", rev], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip(),
+        "baseline_rev": baseline["rev"],
         "logits_equal_bit_for_bit": same,
         "ms_median": {
             name: {kind: round(statistics.median(v), 2) for kind, v in d.items()}

@@ -10,7 +10,8 @@ tokens differ anywhere, and the largest logit difference over a window of greedy
 - `exact` against `generate` as it was at the baseline revision (`7fa4a5b`, before the context
   policies and the decode step): the same tokens as before, for the same seed.
 
-Usage: python benchmarks/decode_tokens.py [--run checkpoints/tiny] [--seeds 50] [--tokens 500]
+Usage: python benchmarks/decode_tokens.py [--run RUN] [--seeds 50] [--tokens 500]
+(RUN: a trained run, by default the repository's checkpoints/tiny)
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ from unittest import mock
 import torch
 from git_baseline import load_baseline
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 from llmcli import generate  # noqa: E402
 from llmcli.checkpoint import load_run  # noqa: E402
 from llmcli.decode import Decoder  # noqa: E402
+from llmcli.errors import CheckpointError  # noqa: E402
 
 BASELINE = "7fa4a5b"
 
@@ -54,13 +57,17 @@ def largest_logit_difference(model: torch.nn.Module, steps: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--run", default="checkpoints/tiny")
+    parser.add_argument("--run", default=str(ROOT / "checkpoints" / "tiny"))
     parser.add_argument("--seeds", type=int, default=50)
     parser.add_argument("--tokens", type=int, default=500)
     parser.add_argument("--temperature", type=float, default=0.8)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    run = load_run(args.run)
+    try:
+        run = load_run(args.run)
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     model, cfg = run.model, run.config.sample
     baseline = load_baseline(BASELINE)
     old = baseline["model"].Transformer.from_config(run.config.model, model.vocab_size).eval()

@@ -4,7 +4,7 @@ Every part runs on random weights (speed does not depend on them), scaled up so 
 not near-ties, with llmcli's default sampling (temperature 0.8, top-k 200, seed 1337) unless it
 says greedy. Contestants are interleaved round by round in one process, the order rotating, so
 that a noisy machine slows them alike; figures are medians over rounds. Each llmcli run uses the
-CPU threads `llmcli sample` would (`llmcli.device.sampling_threads`: 1 for the tiny model's
+CPU threads `llmcli sample` would (`llmcli.sample.threads_for`: 1 for the tiny model's
 decode-bound runs, torch's own count otherwise); the others use torch's own count.
 
 1. `long_generation`: batch 1 from a 1-token prompt far past the context: the tiny model
@@ -43,6 +43,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -51,9 +52,10 @@ from git_baseline import load_baseline
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmcli.config import ModelConfig  # noqa: E402
-from llmcli.device import sampling_threads, torch_threads  # noqa: E402
+from llmcli.device import torch_threads  # noqa: E402
 from llmcli.generate import generate  # noqa: E402
 from llmcli.model import Transformer  # noqa: E402
+from llmcli.sample import threads_for  # noqa: E402
 from llmcli.sampling import sample_next  # noqa: E402
 
 VOCAB = 65  # the bundled corpus' characters
@@ -172,10 +174,7 @@ def long_generation(shape: dict, n: int, rounds: int, baseline: dict | None, nan
     keep = C // 2
     model = make_model(shape)
     kw = dict(SAMPLING, seed=SEED)
-    threads = {
-        "shift": sampling_threads(model, CPU, decode_bound=True),
-        "exact": sampling_threads(model, CPU, decode_bound=n < C),
-    }
+    threads = {name: threads_for(model, CPU, name, n) for name in ("shift", "exact")}
 
     def policy(name: str) -> Callable:
         return lambda: generate(model, [[1]], n, context_policy=name, **kw)
@@ -195,7 +194,7 @@ def long_generation(shape: dict, n: int, rounds: int, baseline: dict | None, nan
         contestants["today"] = (None, lambda: baseline["generate"].generate(old, [[1]], n, **kw))
     for threads_, make in contestants.values():  # warm-up: the first steps of each
         with torch_threads(threads_):
-            timed(_first(make(), 8))
+            timed(islice(make(), 8))
     runs = interleave(contestants, rounds, chunk=50)
     out: dict = {"shape": shape, "new_tokens": n, "keep": keep, "rounds": rounds}
     out["threads"] = {
@@ -219,14 +218,6 @@ def long_generation(shape: dict, n: int, rounds: int, baseline: dict | None, nan
     return out
 
 
-def _first(steps: Iterator, n: int) -> Iterator:
-    """The first `n` steps of a step iterator."""
-    for i, step in enumerate(steps):
-        if i == n:
-            return
-        yield step
-
-
 def decode_step(rounds: int, baseline: dict | None) -> dict:
     """The tiny model's in-context decode step: current vs baseline, 1 and 2 threads."""
     n = TINY["context_length"] - 1
@@ -234,8 +225,10 @@ def decode_step(rounds: int, baseline: dict | None) -> dict:
     contestants: dict[str, tuple[int | None, Callable]] = {}
     out: dict = {"shape": TINY, "new_tokens": n, "rounds": rounds}
     settings = {"greedy": dict(temperature=0.0), "sampled": dict(SAMPLING, seed=SEED)}
+    default = torch.get_num_threads()
+    counts = sorted({1, 2, default})
     for label, kw in settings.items():
-        for threads in (1, 2):
+        for threads in counts:
             contestants[f"current_{label}_{threads}t"] = (
                 threads,
                 lambda kw=kw: generate(model, [[1]], n, **kw),
@@ -256,9 +249,8 @@ def decode_step(rounds: int, baseline: dict | None) -> dict:
     out["ms_per_decode_step"] = ms
     # The fastest tenth of the steps: what a step costs when other processes leave the CPU be.
     out["ms_per_decode_step_p10"] = p10
-    out["auto_threads"] = sampling_threads(model, CPU, decode_bound=True) or 2
+    out["auto_threads"] = threads_for(model, CPU, "shift", n) or default
     if baseline is not None:
-        default = torch.get_num_threads()
         auto = out["auto_threads"]
         out["ratios"] = {
             f"today_{default}t_over_current_{auto}t_{label}": round(
@@ -267,14 +259,14 @@ def decode_step(rounds: int, baseline: dict | None) -> dict:
             for label in settings
         }
         for label in settings:
-            for threads in (1, 2):
+            for threads in counts:
                 out["ratios"][f"same_threads_{label}_{threads}t"] = round(
                     ms[f"today_{label}_{threads}t"] / ms[f"current_{label}_{threads}t"], 2
                 )
         out["tokens_equal"] = all(
             runs[f"today_{label}_{t}t"][0][0] == runs[f"current_{label}_{t}t"][0][0]
             for label in settings
-            for t in (1, 2)
+            for t in counts
         )
     return out
 
@@ -294,12 +286,29 @@ def to_transformers(model: Transformer, shape: dict):
     return hf.eval()
 
 
+def hf_greedy(hf, n: int, **kwargs) -> torch.Tensor:
+    """`transformers` `generate`: exactly `n` greedy tokens after the 1-token prompt, cached."""
+    prompt = torch.tensor([[1]])
+    with torch.inference_mode():
+        return hf.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            use_cache=True,
+            pad_token_id=0,
+            eos_token_id=None,
+            **kwargs,
+        )
+
+
 def vs_transformers_tiny(rounds: int) -> dict:
     """Per-step times of a finished HF run come from a streamer that stamps each token."""
     n = TINY["context_length"] - 1
     model = make_model(TINY)
     hf = to_transformers(model, TINY)
-    auto = sampling_threads(model, CPU, decode_bound=True)
+    auto = threads_for(model, CPU, "shift", n)
 
     from transformers.generation.streamers import BaseStreamer
 
@@ -315,20 +324,8 @@ def vs_transformers_tiny(rounds: int) -> dict:
                 pass
 
         tokens: list[int] = []
-        prompt = torch.tensor([[1]])
         start = time.perf_counter()
-        with torch.inference_mode():
-            hf.generate(
-                prompt,
-                attention_mask=torch.ones_like(prompt),
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                use_cache=True,
-                pad_token_id=0,
-                eos_token_id=None,
-                streamer=Stamps(),
-            )
+        hf_greedy(hf, n, streamer=Stamps())
         total = time.perf_counter() - start
         # put() gets the prompt first, then each new token.
         per = [b - a for a, b in zip(stamps[1:], stamps[2:], strict=False)]
@@ -381,7 +378,7 @@ def mid_ctx512(n: int, rounds: int, baseline: dict | None) -> dict:
             lambda: baseline["generate"].generate(old, [[1]], n, temperature=0.0),
         )
     for _, make in contestants.values():
-        timed(_first(make(), 8))
+        timed(islice(make(), 8))
     runs = interleave(contestants, rounds, chunk=50)
     full = timed(nanogpt_steps(model, [1], n, temperature=0.0))
     out: dict = {"shape": MID, "new_tokens": n, "rounds": rounds}
@@ -404,7 +401,7 @@ def mid_ctx512(n: int, rounds: int, baseline: dict | None) -> dict:
 def latency(n: int = 1000, window: int = 100) -> dict:
     shape = {**MID, "context_length": 1024}
     model = make_model(shape)
-    timed(_first(generate(model, [[1]], n, temperature=0.0), 8))
+    timed(islice(generate(model, [[1]], n, temperature=0.0), 8))
     _, per_token, _ = timed(generate(model, [[1]], n, temperature=0.0))
     first = statistics.mean(per_token[:window]) * 1e3
     last = statistics.mean(per_token[-window:]) * 1e3
@@ -421,24 +418,14 @@ def vs_transformers(n: int, rounds: int) -> dict:
     """The context-512 model, 500 greedy tokens, whole `generate` calls, median tokens/s."""
     model = make_model(MID)
     hf = to_transformers(model, MID)
-    prompt = torch.tensor([[1]])
-    kwargs = dict(
-        max_new_tokens=n,
-        min_new_tokens=n,
-        do_sample=False,
-        use_cache=True,
-        pad_token_id=0,
-        eos_token_id=None,
-    )
 
     def run_hf() -> tuple[list[int], float]:
         start = time.perf_counter()
-        with torch.inference_mode():
-            ids = hf.generate(prompt, attention_mask=torch.ones_like(prompt), **kwargs)
+        ids = hf_greedy(hf, n)
         return ids[0, 1:].tolist(), time.perf_counter() - start
 
     run_hf()  # warm-up (both)
-    timed(_first(generate(model, [[1]], 8, temperature=0.0), 8))
+    timed(generate(model, [[1]], 8, temperature=0.0))
     ours_s, theirs_s = [], []
     for _ in range(rounds):
         ours_ids, _, s = timed(generate(model, [[1]], n, temperature=0.0))
@@ -462,7 +449,7 @@ def batched_vs_sequential(shape: dict, lengths: list[int], n: int) -> dict:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, VOCAB, (L,), generator=g).tolist() for L in lengths]
     kw = dict(temperature=0.8, top_k=50)
-    timed(_first(generate(model, prompts[:1], 8, seed=0, **kw), 8))
+    timed(generate(model, prompts[:1], 8, seed=0, **kw))
 
     start = time.perf_counter()
     steps = list(generate(model, prompts, n, seed=0, **kw))

@@ -576,7 +576,7 @@ def sample_run(
     eot = run.tokenizer.eot_id
     headers = [p for p in prompts for _ in range(num_samples)]
     new_tokens = defaults.max_new_tokens if max_new_tokens is None else max_new_tokens
-    threads = _threads_for(run.model, device_, policy, new_tokens) if threads is None else threads
+    threads = threads_for(run.model, device_, policy, new_tokens) if threads is None else threads
     # The run's defaults were checked when its config loaded, the options above: trust both.
     with torch_threads(threads):
         return _sample_texts(
@@ -625,7 +625,7 @@ def _check_options(
         raise InputError(f"--threads ({threads}) must be in 1..{cpus} (this machine's CPUs).")
 
 
-def _threads_for(model: Any, device: torch.device, policy: str, new_tokens: int) -> int | None:
+def threads_for(model: Any, device: torch.device, policy: str, new_tokens: int) -> int | None:
     """CPU threads for a sample (`device.sampling_threads`): its steps are decode-bound under
     `shift`, or under `exact` when they all fit in the context."""
     decode_bound = policy == "shift" or new_tokens < model.context_length
