@@ -209,7 +209,7 @@ def _rerun_from(
     h = model.blocks[layer](h, head_mask=head_mask, head_mean=head_mean)  # (B, T, C)
     for block in model.blocks[layer + 1 :]:
         h = block(h)  # (B, T, C)
-    return model.lm_head(model.ln_f(h))  # (B, T, V)
+    return model.to_logits(h)  # (B, T, V)
 
 
 # --------------------------------------------------------------------------------------------

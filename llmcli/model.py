@@ -647,12 +647,15 @@ class Transformer(nn.Module):
             if return_weights:
                 x, wei = x
                 weights.append(wei)
-        x = self.ln_f(x)  # (B, T, C)
-        logits = self.lm_head(x)  # (B, T, V)
+        logits = self.to_logits(x)  # (B, T, V)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(B * T, -1), targets.reshape(B * T), ignore_index=-1)
         return logits, loss, weights
+
+    def to_logits(self, x: Tensor) -> Tensor:
+        """The last block's output to logits: final norm, LM head. `(B, T, C)` -> `(B, T, V)`."""
+        return self.lm_head(self.ln_f(x))
 
     def _embed(self, idx: Tensor, position_ids: Tensor | None, past: int) -> Tensor:
         """Token embeddings, plus learned position embeddings (none with rope), then dropout.
