@@ -44,22 +44,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from llmcli.checkpoint import load_run  # noqa: E402
 from llmcli.config import default_keep  # noqa: E402
 from llmcli.data import prepare_data  # noqa: E402
+from llmcli.evaluate import window_batches, window_starts  # noqa: E402
 
 
 @torch.inference_mode()
 def loss_by_length(model: torch.nn.Module, tokens: np.ndarray, batch_size: int) -> list[float]:
     """Mean cross-entropy (nats) of a prediction from `L` tokens, for `L = 1 .. C`."""
     C = model.context_length
-    n_windows = (len(tokens) - 1) // C
-    windows = torch.from_numpy(np.asarray(tokens[: n_windows * C + 1], dtype=np.int64))
-    totals = torch.zeros(C, dtype=torch.float64)
-    for first in range(0, n_windows, batch_size):
-        rows = range(first, min(first + batch_size, n_windows))
-        x = torch.stack([windows[r * C : r * C + C] for r in rows])  # (b, C)
-        y = torch.stack([windows[r * C + 1 : r * C + C + 1] for r in rows])  # (b, C)
+    totals, n_windows = torch.zeros(C, dtype=torch.float64), 0
+    for x, y in window_batches(tokens, C, window_starts(len(tokens), C, batch_size), "cpu"):
+        if x.shape[1] < C:  # the shorter last window: every length is scored on full ones
+            continue
         logits, _ = model(x)  # (b, C, V)
         ce = F.cross_entropy(logits.transpose(1, 2), y, reduction="none")  # (b, C)
         totals += ce.double().sum(dim=0)
+        n_windows += x.shape[0]
     return (totals / n_windows).tolist()
 
 
