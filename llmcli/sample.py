@@ -573,6 +573,8 @@ def sample_run(
         run.model.context_length,
         names=("--context-policy", "--context-keep"),
     )
+    if context_keep is not None and policy == "exact" and notify is not None:
+        notify("--context-keep is for the shift policy; exact keeps the last context_length tokens")
     eot = run.tokenizer.eot_id
     headers = [p for p in prompts for _ in range(num_samples)]
     new_tokens = defaults.max_new_tokens if max_new_tokens is None else max_new_tokens

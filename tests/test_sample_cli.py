@@ -146,6 +146,11 @@ def test_context_policy_and_keep_options_and_config(capsys, run_dir, tmp_path) -
         capsys, "sample", "--checkpoint", str(shifted), "--prompt", "ROMEO:", "--json"
     )
     assert code == 0 and json.loads(out)["completion"] == texts["shift", 3]
+    # A keep given with exact changes nothing, and says so.
+    args = ["sample", "--checkpoint", str(run_dir), "--prompt", "ROMEO:", "--json"]
+    code, out, err = cli(capsys, *args, "--context-policy", "exact", "--context-keep", "3")
+    assert code == 0 and json.loads(out)["completion"] == texts["exact", None]
+    assert "--context-keep is for the shift policy" in err
 
 
 def test_num_samples_is_one_batch_with_seeds_seed_plus_i(capsys, run_dir) -> None:
