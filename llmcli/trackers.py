@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import shutil
 import uuid
 from pathlib import Path
 from typing import Any, Protocol
 
 from llmcli.config import Config
 from llmcli.errors import InputError
+from llmcli.fileio import atomic_write_text
 
 logger = logging.getLogger(__name__)
 
@@ -94,8 +96,11 @@ class TensorBoardTracker:
     def __init__(self, run_dir: Path, resumed_from: int | None) -> None:
         from torch.utils.tensorboard import SummaryWriter  # optional: llmcli[tensorboard]
 
+        log_dir = run_dir / TENSORBOARD_DIR
+        if resumed_from is None:  # a fresh start: an earlier run's curves would mix with its own
+            shutil.rmtree(log_dir, ignore_errors=True)
         purge = resumed_from + 1 if resumed_from is not None else None
-        self.writer = SummaryWriter(log_dir=str(run_dir / TENSORBOARD_DIR), purge_step=purge)
+        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge)
 
     def log(self, record: dict[str, Any]) -> None:
         for tag, value in tags(record).items():
@@ -111,21 +116,35 @@ class WandbTracker:
 
     name = "wandb"
 
-    def __init__(self, run_dir: Path, config: dict[str, Any], project: str, name: str) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        config: dict[str, Any],
+        project: str,
+        name: str,
+        resumed_from: int | None,
+    ) -> None:
         import wandb  # optional: llmcli[wandb]
 
         id_file = run_dir / WANDB_ID_FILE
-        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
-        self.run = wandb.init(
-            project=project,
-            name=name,
-            id=run_id,
-            resume="allow",
-            dir=str(run_dir),
-            config=config,
-        )
-        if not id_file.is_file():
-            id_file.write_text(run_id + "\n")
+        resume = resumed_from is not None and id_file.is_file()  # a fresh start: a new W&B run
+        run_id = id_file.read_text().strip() if resume else uuid.uuid4().hex[:12]
+        try:
+            self.run = wandb.init(
+                project=project,
+                name=name,
+                id=run_id,
+                resume="allow",
+                dir=str(run_dir),
+                config=config,
+            )
+        except wandb.errors.Error as exc:  # no API key, no network, a bad project name...
+            raise InputError(
+                f"W&B could not start a run: {exc}. Log in (`wandb login` or WANDB_API_KEY), "
+                "set WANDB_MODE=offline to log locally, or choose another train.logger."
+            ) from None
+        if not resume:
+            atomic_write_text(id_file, run_id + "\n")
 
     def log(self, record: dict[str, Any]) -> None:
         self.run.log(tags(record), step=record["step"])
@@ -175,5 +194,5 @@ def open_trackers(config: Config, run_dir: Path, resumed_from: int | None) -> Tr
             trackers.append(TensorBoardTracker(run_dir, resumed_from))
         elif tracker == "wandb":
             project, name = tc.wandb_project or config.name, tc.wandb_name or run_dir.name
-            trackers.append(WandbTracker(run_dir, config.to_dict(), project, name))
+            trackers.append(WandbTracker(run_dir, config.to_dict(), project, name, resumed_from))
     return Trackers(trackers) if trackers else None

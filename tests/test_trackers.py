@@ -22,6 +22,7 @@ from wandb.proto import wandb_internal_pb2
 import llmcli.trackers
 from llmcli.cli import main
 from llmcli.config import config_from_dict
+from llmcli.errors import InputError
 from llmcli.runlog import read_metrics
 from llmcli.trackers import TENSORBOARD_DIR, WANDB_ID_FILE, tags
 from llmcli.train import train
@@ -89,6 +90,11 @@ def test_tensorboard_holds_the_metrics_also_across_a_resume(small_corpus, tmp_pa
         t: [(s, pytest.approx(v)) for s, v in p] for t, p in want.items() if t not in TIMED
     }
     assert_same_scalars(tensorboard_scalars(run), expected_scalars(run))
+    # A fresh start in the same folder does not mix the earlier run's curves with its own.
+    shorter = config_from_dict(raw_config(small_corpus, logger="tensorboard", max_steps=8))
+    train(shorter, out_dir=run, overwrite=True, progress=False)
+    assert max(s for s, _ in expected_scalars(run)["train/loss"]) == 8
+    assert_same_scalars(tensorboard_scalars(run), expected_scalars(run))
 
 
 def wandb_history(run_dir: Path) -> list[dict]:
@@ -145,7 +151,19 @@ def test_wandb_offline_logs_the_metrics_and_resumes_the_same_run(
     more = config_from_dict(raw_config(small_corpus, logger="wandb", max_steps=16))
     train(more, out_dir=run, resume=True, progress=False)
     assert (run / WANDB_ID_FILE).read_text().strip() == run_id  # the same W&B run continues
-    assert len(list(run.glob(f"wandb/offline-run-*-{run_id}"))) >= 1
+    assert len(list(run.glob(f"wandb/offline-run-*-{run_id}"))) == 2  # one folder per start
+    train(config, out_dir=run, overwrite=True, progress=False)
+    assert (run / WANDB_ID_FILE).read_text().strip() != run_id  # a fresh start: a new W&B run
+
+
+def test_wandb_that_cannot_start_is_bad_input(small_corpus, tmp_path, monkeypatch) -> None:
+    def no_key(**kwargs):
+        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
+
+    monkeypatch.setattr(wandb, "init", no_key)
+    config = config_from_dict(raw_config(small_corpus, logger="wandb"))
+    with pytest.raises(InputError, match=r"W&B could not start a run: No API key.*WANDB_MODE"):
+        train(config, out_dir=tmp_path / "run", progress=False)
 
 
 def test_a_failing_tracker_warns_once_and_training_goes_on(
