@@ -218,11 +218,15 @@ def train_command(
     if resume is not None and resume not in _RESUME_VALUES:
         raise InputError(f"--resume takes no value, or 'auto'; got {resume!r}.")
     cfg = load_config(config, set_ or [])
+    if resume is None:  # the config's train.resume, unless --overwrite asks for a fresh start
+        resume_ = False if overwrite else cfg.train.resume
+    else:
+        resume_ = _RESUME_VALUES[resume]
     try:
         summary = train(
             cfg,
             out_dir=out,
-            resume=cfg.train.resume if resume is None else _RESUME_VALUES[resume],
+            resume=resume_,
             overwrite=overwrite,
             progress=progress,
         )

@@ -155,6 +155,12 @@ def test_resume_auto_from_the_cli_and_the_config(small_corpus, reference, tmp_pa
     assert exit_info.value.code == 0
     assert f"step {MAX_STEPS}/{MAX_STEPS}" in capsys.readouterr().out
     assert_same_weights(run, reference)
+    # --overwrite starts afresh although the config says resume: auto (and trains again).
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", str(config), "--out", str(run), "--overwrite", "--no-progress"])
+    assert exit_info.value.code == 0, capsys.readouterr().err
+    assert "resumed" not in capsys.readouterr().out
+    assert_same_weights(run, reference)
 
 
 @pytest.mark.parametrize(
