@@ -2,8 +2,8 @@
 
 It reads only what any run directory holds (`metrics.jsonl`, `config.yaml`, `meta.json`), so it
 works on runs trained anywhere. The table gives each run's best val loss and its step, steps,
-tokens, training time and tokens/s, and the config keys whose values differ between the runs
-(only those).
+tokens, training time and tokens per second of it, and the config keys whose values differ
+between the runs (only those).
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from llmcli.checkpoint import CONFIG_FILE, METRICS_FILE, read_meta
-from llmcli.config import config_from_dict, read_yaml
+from llmcli.checkpoint import CONFIG_FILE, METRICS_FILE, load_config_file, read_meta
 from llmcli.errors import InputError, describe_os_error
 from llmcli.fileio import atomic_write_bytes
 from llmcli.runlog import best_eval, read_metrics
@@ -148,9 +147,8 @@ def compare_runs(
         raise InputError(
             f"metric {metric!r} (against {x}) is not in the metrics.jsonl of: {', '.join(missing)}."
         )
-    # A key an older run's config.yaml lacks had its default there.
-    defaults = _flat(config_from_dict({}).to_dict())
-    configs = {run: defaults | _flat(read_yaml(run / CONFIG_FILE)) for run in runs}
+    # Validated, with the defaults of any key an older run's config.yaml lacks.
+    configs = {run: _flat(load_config_file(run).to_dict()) for run in runs}
     keys = sorted({k for c in configs.values() for k in c})
     differing = [k for k in keys if len({repr(c.get(k)) for c in configs.values()}) > 1]
     summaries = []
@@ -201,7 +199,9 @@ def _plot(records: dict[Path, list[dict[str, Any]]], metric: str, x: str) -> byt
 def format_table(comparison: Comparison) -> str:
     """The table as aligned text: one row per run; then one row per differing config key."""
     runs = comparison.runs
-    rows = [["run", "best val", "at step", "steps", "tokens", "time s", "tok/s"]]
+    # tokens over the run's whole time (start-up and evaluations too), not the training loop's
+    # own rate that `llmcli train` prints
+    rows = [["run", "best val", "at step", "steps", "tokens", "time s", "tok/run-s"]]
     for r in runs:
         rows.append(
             [

@@ -66,8 +66,11 @@ def test_compare_draws_the_curves_and_lists_only_the_differing_keys(runs, capsys
     runs_part, keys_part = table.split("\n\n")
     assert [line.split()[0] for line in runs_part.splitlines()[1:]] == ["heads-2", "heads-4"]
     assert keys_part.splitlines()[1].split() == ["model.n_head", "2", "4"]
-    for row in result["runs"]:  # tokens/s over the whole run, as `llmcli train` reports it
-        assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["elapsed_s"])
+    for row in result["runs"]:  # tokens over the run's whole time (meta.json's elapsed_s)
+        meta = json.loads((Path(row["run"]) / "meta.json").read_text())
+        assert row["elapsed_s"] == meta["elapsed_s"] > 0
+        assert row["tokens_per_s"] == pytest.approx(12 * 4 * 16 / meta["elapsed_s"])
+    assert "tok/run-s" in runs_part.splitlines()[0]
 
 
 def test_every_metric_and_axis_draws(runs) -> None:
