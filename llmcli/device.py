@@ -160,7 +160,7 @@ class Precision:
                 norm = nn.utils.clip_grad_norm_(params, grad_clip, foreach=True)
             else:
                 grads = [p.grad for p in params if p.grad is not None]
-                norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+                norm = nn.utils.get_total_norm(grads, foreach=True)  # what clipping measures
         if self.scaler is not None:
             self.scaler.step(optimizer)
             self.scaler.update()

@@ -212,12 +212,16 @@ def test_a_missing_package_or_unknown_tracker_exits_2_before_training(
 
 
 def test_the_gradient_norm_is_logged_with_and_without_clipping(small_corpus, tmp_path) -> None:
+    norms = {}
     for clip in (1.0, 0.0):
-        config = config_from_dict(raw_config(small_corpus, grad_clip=clip))
+        config = config_from_dict(raw_config(small_corpus, grad_clip=clip, log_interval=1))
         train(config, out_dir=tmp_path / f"clip-{clip}", progress=False)
-        norms = [
+        norms[clip] = [
             r["grad_norm"]
             for r in read_metrics(tmp_path / f"clip-{clip}" / "metrics.jsonl")
             if r["kind"] == "train"
         ]
-        assert len(norms) == 6 and all(math.isfinite(n) and n > 0 for n in norms)
+        assert len(norms[clip]) == 12 and all(math.isfinite(n) and n > 0 for n in norms[clip])
+    # Step 1 starts from the same weights: clipping's norm and the unclipped measure agree.
+    assert norms[1.0][0] == norms[0.0][0]
+    assert norms[1.0][1:] != norms[0.0][1:]  # after it, clipping changed the updates
