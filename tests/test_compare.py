@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import small_run_config
 
 from llmcli.cli import main
 from llmcli.compare import compare_runs, format_table
@@ -14,31 +15,16 @@ from llmcli.errors import InputError
 from llmcli.runlog import best_eval, read_metrics
 from llmcli.train import train
 
-ROOT = Path(__file__).resolve().parents[1]
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Path:
+def runs(small_corpus: Path) -> Path:
     """Two tiny trained runs that differ in model.n_head only."""
-    root = tmp_path_factory.mktemp("compare")
-    corpus = root / "corpus.txt"
-    corpus.write_text((ROOT / "data" / "shakespeare.txt").read_text(encoding="utf-8")[:20_000])
+    root = small_corpus.parent
     for n_head in (2, 4):
-        raw = {
-            "model": {"n_layer": 1, "n_head": n_head, "n_embed": 16, "context_length": 16},
-            "data": {"path": str(corpus), "cache_dir": str(root / "cache")},
-            "train": {
-                "device": "cpu",
-                "batch_size": 4,
-                "max_steps": 12,
-                "warmup_steps": 2,
-                "eval_interval": 4,
-                "eval_steps": 2,
-                "log_interval": 2,
-            },
-        }
+        raw = small_run_config(small_corpus, max_steps=12, eval_interval=4, eval_steps=2)
+        raw["model"]["n_head"] = n_head
         train(config_from_dict(raw), out_dir=root / f"heads-{n_head}", progress=False)
     return root
 
