@@ -216,7 +216,8 @@ def _loop(run: Run, progress: bool, on_step: Callable[[int], None] | None) -> Tr
         try:
             while state.step < tc.max_steps:
                 lr = apply_lr(run.optimizer, state.step, tc)
-                norm = _train_step(run, losses, want_norm=_logs(state.step + 1, tc))
+                is_log = _logs(state.step + 1, tc)  # the loop logs after this step
+                norm = _train_step(run, losses, want_norm=is_log)
                 state.step += 1
                 state.tokens += run.tokens_per_step
                 bar.update(1)
@@ -224,7 +225,6 @@ def _loop(run: Run, progress: bool, on_step: Callable[[int], None] | None) -> Tr
                     on_step(state.step)
 
                 is_eval = state.step % tc.eval_interval == 0 or state.step == tc.max_steps
-                is_log = _logs(state.step, tc)
                 is_save = tc.save_interval is not None and state.step % tc.save_interval == 0
                 if not (is_log or is_save or (stop.requested and not info.enabled)):
                     continue  # alone, a stop acts at once; under DDP at the next log step
