@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from model_helpers import assert_close, gen, randomize_, tiny_model
 
 from llmcli.ablation import (
+    HeadDeltas,
     check_method,
     format_top_heads,
     head_batch,
@@ -191,10 +192,14 @@ def test_head_batch_fits_the_budget():
 def test_top_heads_and_their_summary():
     delta = np.array([[0.1, 0.5, -0.2], [0.05, 0.0, 0.3]])
     assert top_heads(delta, 3) == [(0, 1, 0.5), (1, 2, 0.3), (0, 0, 0.1)]
-    model = sharp_model(0)
-    text = format_top_heads(head_deltas(model, random_batches(), ("zero", "mean")), k=2)
-    assert "clean loss" in text and "dloss_zero" in text and "dloss_mean" in text
-    assert "median" in text
+    result = HeadDeltas(base_loss=2.5, delta={"zero": delta, "mean": -delta}, batches=3, tokens=96)
+    assert format_top_heads(result, k=2).splitlines() == [
+        "head ablation on 3 validation batches (96 tokens): clean loss 2.5000 nats/token",
+        "top heads by dloss_zero (layer.head, nats/token; median +0.0750): 0.1 +0.5000, "
+        "1.2 +0.3000",
+        "top heads by dloss_mean (layer.head, nats/token; median -0.0750): 0.2 +0.2000, "
+        "1.1 -0.0000",
+    ]
 
 
 # ----------------------------------------------------------------------------- options
