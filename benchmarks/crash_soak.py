@@ -67,6 +67,48 @@ START_FILES = ["config.yaml", "tokenizer.json"]
 VOLATILE = ("elapsed_s", "tok_per_s")
 
 
+def soak_config(work: Path, chars: int, **train: object) -> tuple[dict, Path]:
+    """The soak's tiny run on the first `chars` characters of the bundled corpus: its raw config
+    and the YAML file it is written to, both in `work`."""
+    import yaml
+
+    corpus = work / "corpus.txt"
+    text = (ROOT / "data" / "shakespeare.txt").read_text(encoding="utf-8")[:chars]
+    corpus.write_text(text, encoding="utf-8")
+    raw = {
+        "model": {"n_layer": 1, "n_head": 2, "n_embed": 16, "context_length": 16},
+        "data": {"path": str(corpus), "cache_dir": str(work / "cache")},
+        "train": {"device": "cpu", "batch_size": 4, "warmup_steps": 2, "eval_steps": 1}
+        | {"log_interval": 2, "seed": 3, **train},
+    }
+    path = work / "soak.yaml"
+    path.write_text(yaml.safe_dump(raw), encoding="utf-8")
+    return raw, path
+
+
+def stable(run_dir: Path) -> list[dict]:
+    """A run's metrics records without the measured times and speeds."""
+    from llmcli.runlog import read_metrics
+
+    records = read_metrics(run_dir / "metrics.jsonl")
+    return [{k: v for k, v in r.items() if k not in VOLATILE} for r in records]
+
+
+def differences(run_dir: Path, reference: Path) -> int:
+    """0 when a finished run equals the reference bitwise; 1 each for its final weights and its
+    metrics when they differ."""
+    import torch
+
+    from llmcli import checkpoint as ckpt
+
+    final = ckpt.read_weights(run_dir / "model.safetensors")[0]
+    expected = ckpt.read_weights(reference / "model.safetensors")[0]
+    same = final.keys() == expected.keys() and all(
+        torch.equal(final[k], expected[k]) for k in final
+    )
+    return (not same) + (stable(run_dir) != stable(reference))
+
+
 class Pool:
     """`total` child processes, started `ahead` of use so that their imports overlap."""
 
@@ -141,40 +183,21 @@ def main() -> None:
         return
 
     import torch
-    import yaml
 
     from llmcli import checkpoint as ckpt
     from llmcli import train as train_module
     from llmcli.cli import main as cli_main
     from llmcli.config import config_from_dict
     from llmcli.errors import CheckpointError
-    from llmcli.runlog import read_metrics
 
     torch.set_num_threads(1)  # the children too: bitwise comparisons need the same kernels
     rng = random.Random(args.seed)
     t0 = time.perf_counter()
     work = Path(args.tmp or tempfile.mkdtemp(prefix="llmcli-soak-"))
     work.mkdir(parents=True, exist_ok=True)
-    corpus = work / "corpus.txt"
-    corpus.write_text(
-        (ROOT / "data" / "shakespeare.txt").read_text(encoding="utf-8")[:6000], encoding="utf-8"
+    raw, config_path = soak_config(
+        work, 6000, max_steps=args.steps, eval_interval=args.eval_interval
     )
-    raw = {
-        "model": {"n_layer": 1, "n_head": 2, "n_embed": 16, "context_length": 16},
-        "data": {"path": str(corpus), "cache_dir": str(work / "cache")},
-        "train": {
-            "device": "cpu",
-            "batch_size": 4,
-            "max_steps": args.steps,
-            "warmup_steps": 2,
-            "eval_interval": args.eval_interval,
-            "eval_steps": 1,
-            "log_interval": 2,
-            "seed": 3,
-        },
-    }
-    config_path = work / "soak.yaml"
-    config_path.write_text(yaml.safe_dump(raw), encoding="utf-8")
     saves = [s for s in range(1, args.steps + 1) if s % args.eval_interval == 0 or s == args.steps]
     pool = Pool(work, total=args.kills)  # warming up while the reference trains
 
@@ -192,12 +215,6 @@ def main() -> None:
     finally:
         ckpt.save_checkpoint, train_module.plot_losses = real_save, real_plot
     assert sorted(snapshots) == saves, (sorted(snapshots), saves)
-
-    def stable(run_dir: Path) -> list[dict]:
-        return [
-            {k: v for k, v in r.items() if k not in VOLATILE}
-            for r in read_metrics(run_dir / "metrics.jsonl")
-        ]
 
     def check(run_dir: Path) -> tuple[int, int | None, bool]:
         """(files that differ from the reference, resume state's step, loadable)."""
@@ -303,12 +320,7 @@ def main() -> None:
                 except SystemExit as exc:
                     if exc.code != 0:
                         raise
-            final = ckpt.read_weights(run_dir / "model.safetensors")[0]
-            reference = ckpt.read_weights(work / "reference" / "model.safetensors")[0]
-            same = final.keys() == reference.keys() and all(
-                torch.equal(final[k], reference[k]) for k in final
-            )
-            mismatches += (not same) + (stable(run_dir) != stable(work / "reference"))
+            mismatches += differences(run_dir, work / "reference")
     finally:
         pool.close()
 
@@ -352,28 +364,14 @@ def _workers(agent: int) -> list[int]:
 
 def distributed_soak(args: argparse.Namespace) -> dict:
     """Kill random torchrun workers at random moments; compare the finished runs bitwise."""
-    import torch
-    import yaml
-
-    from llmcli import checkpoint as ckpt
-    from llmcli.runlog import read_metrics
 
     rng = random.Random(args.seed)
     t0 = time.perf_counter()
     work = Path(args.tmp or tempfile.mkdtemp(prefix="llmcli-dsoak-"))
     work.mkdir(parents=True, exist_ok=True)
-    corpus = work / "corpus.txt"
-    corpus.write_text((ROOT / "data" / "shakespeare.txt").read_text(encoding="utf-8")[:20000])
-    train = {"device": "cpu", "batch_size": 4, "max_steps": args.steps, "warmup_steps": 2}
-    train |= {"eval_interval": 20, "eval_steps": 1, "log_interval": 2, "seed": 3}
-    train["save_interval"] = args.save_interval
-    raw = {
-        "model": {"n_layer": 1, "n_head": 2, "n_embed": 16, "context_length": 16},
-        "data": {"path": str(corpus), "cache_dir": str(work / "cache")},
-        "train": train,
-    }
-    config = work / "soak.yaml"
-    config.write_text(yaml.safe_dump(raw), encoding="utf-8")
+    _, config = soak_config(
+        work, 20000, max_steps=args.steps, eval_interval=20, save_interval=args.save_interval
+    )
     # A rank stuck joining its group (a gloo hang) exits after 45 s: torchrun restarts it too.
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), LLMCLI_DIST_JOIN_TIMEOUT="45")
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RESTART_COUNT"):
@@ -386,10 +384,6 @@ def distributed_soak(args: argparse.Namespace) -> dict:
         cmd += ["--resume", "auto", "--no-progress"]
         with open(log, "w") as out:
             return subprocess.Popen(cmd, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT)
-
-    def stable(run_dir: Path) -> list[dict]:
-        records = read_metrics(run_dir / "metrics.jsonl")
-        return [{k: v for k, v in r.items() if k not in VOLATILE} for r in records]
 
     reference = work / "reference"
     if torchrun(reference, 0, work / "reference.log").wait() != 0:
@@ -418,12 +412,7 @@ def distributed_soak(args: argparse.Namespace) -> dict:
         restarts += text.count("(exitcode: -9)")  # each killed group, restarted by torchrun
         stuck_joins += text.count("could not join")
         resumed += text.count("resuming run")
-        final = ckpt.read_weights(run_dir / "model.safetensors")[0]
-        expected = ckpt.read_weights(reference / "model.safetensors")[0]
-        mismatches += final.keys() != expected.keys() or not all(
-            torch.equal(final[k], expected[k]) for k in expected
-        )
-        mismatches += stable(run_dir) != stable(reference)
+        mismatches += differences(run_dir, reference)
     return {
         "mode": "distributed",
         "workers": args.distributed,
