@@ -13,7 +13,7 @@ bundled corpus's 83 characters), initialised with a fixed seed; the batches are 
 - `cache`: the layer cache with a layer's heads batched (`head_deltas`, the default).
 
 With `--baseline REV` it also times the model's forward without a mask (the path every other
-command takes) against `llmcli/model.py` at git revision REV, interleaved, inference and a
+command takes) against `llmcli/model/gpt.py` at git revision REV, interleaved, inference and a
 training forward + backward, and checks that the two give the same logits bit for bit
 (`--no-ablation` times only that).
 
@@ -37,8 +37,8 @@ from git_baseline import load_baseline
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from llmcli.ablation import head_batch, head_deltas, head_deltas_full  # noqa: E402
-from llmcli.model import Transformer  # noqa: E402
+from llmcli.inspection.ablation import head_batch, head_deltas, head_deltas_full  # noqa: E402
+from llmcli.model.gpt import Transformer  # noqa: E402
 
 TINY = {"n_layer": 4, "n_head": 4, "n_embed": 128, "context_length": 64}
 VOCAB, BATCH = 83, 12

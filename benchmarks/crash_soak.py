@@ -88,7 +88,7 @@ def soak_config(work: Path, chars: int, **train: object) -> tuple[dict, Path]:
 
 def stable(run_dir: Path) -> list[dict]:
     """A run's metrics records without the measured times and speeds."""
-    from llmcli.runlog import read_metrics
+    from llmcli.runs.metrics import read_metrics
 
     records = read_metrics(run_dir / "metrics.jsonl")
     return [{k: v for k, v in r.items() if k not in VOLATILE} for r in records]
@@ -99,7 +99,7 @@ def differences(run_dir: Path, reference: Path) -> int:
     metrics when they differ."""
     import torch
 
-    from llmcli import checkpoint as ckpt
+    from llmcli.runs import checkpoint as ckpt
 
     final = ckpt.read_weights(run_dir / "model.safetensors")[0]
     expected = ckpt.read_weights(reference / "model.safetensors")[0]
@@ -184,11 +184,11 @@ def main() -> None:
 
     import torch
 
-    from llmcli import checkpoint as ckpt
-    from llmcli import train as train_module
     from llmcli.cli import main as cli_main
     from llmcli.config import config_from_dict
     from llmcli.errors import CheckpointError
+    from llmcli.runs import checkpoint as ckpt
+    from llmcli.training import loop as train_module
 
     torch.set_num_threads(1)  # the children too: bitwise comparisons need the same kernels
     rng = random.Random(args.seed)

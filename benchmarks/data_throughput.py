@@ -38,7 +38,7 @@ SAMPLER_CHILD = r"""
 import json, mmap, resource, sys, time
 import numpy as np, torch
 sys.path.insert(0, sys.argv[4])
-from llmcli.data import BatchSampler
+from llmcli.data.tokens import BatchSampler
 
 path, method, n_batches = sys.argv[1], sys.argv[2], int(sys.argv[3])
 B, T = 64, 256
@@ -88,8 +88,8 @@ def _rate(nbytes: int, seconds: float) -> float:
 
 def tokenization(mb: float, tmp: Path, cap_s: float) -> dict:
     from llmcli.config import DataConfig
-    from llmcli.data import BATCH_CHARS, _pieces, prepare_data
-    from llmcli.tokenizer import BPETokenizer
+    from llmcli.data.tokenizer import BPETokenizer
+    from llmcli.data.tokens import BATCH_CHARS, _pieces, prepare_data
 
     corpus = CORPUS.read_text(encoding="utf-8")
     t0 = time.perf_counter()

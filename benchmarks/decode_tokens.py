@@ -1,9 +1,9 @@
 """Does the decode step sample the same tokens as the model's `forward`? Prints JSON.
 
-On the CPU the one-token decode step (`llmcli/decode.py`) runs GELU on ATen's kernel while
-`Transformer.forward` runs oneDNN's, which may differ in the last bit of some values. This
-samples a trained run with `llmcli.generate` both ways, seed by seed, and counts the seeds whose
-tokens differ anywhere, and the largest logit difference over a window of greedy steps:
+On the CPU the one-token decode step (`llmcli/generation/decode.py`) runs GELU on ATen's kernel
+while `Transformer.forward` runs oneDNN's, which may differ in the last bit of some values. This
+samples a trained run with `llmcli.generation.generate` both ways, seed by seed, and counts the
+seeds whose tokens differ anywhere, and the largest logit difference over a window of greedy steps:
 
 - `shift` (the default policy): the decode step against `forward` with the KV cache (the
   decoder switched off), `--tokens` new tokens per seed, so that most steps are decode steps;
@@ -30,9 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from llmcli import generate  # noqa: E402
-from llmcli.checkpoint import load_run  # noqa: E402
-from llmcli.decode import Decoder  # noqa: E402
 from llmcli.errors import CheckpointError  # noqa: E402
+from llmcli.generation.decode import Decoder  # noqa: E402
+from llmcli.runs.checkpoint import load_run  # noqa: E402
 
 BASELINE = "7fa4a5b"
 

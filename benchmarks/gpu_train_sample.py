@@ -1,11 +1,11 @@
 """The one-shot GPU check: train a config for a few hundred steps, then sample; prints JSON.
 
-Meant for a machine with a CUDA GPU (run once, as one prepared script): `llmcli.train.train` on
-`configs/small.yaml` (bf16 autocast, fused AdamW, SDPA, with `--compile` torch.compile), then
-`llmcli.sample.sample_run` on the run it wrote. Reported: training tokens/s (median over the
-log intervals after the first, which holds the warm-up and any compilation), model FLOPs
-utilisation against `--peak-tflops` (nanoGPT's `6 N + 12 L T C` FLOPs per token), the validation
-loss reached, and sampling tokens/s (KV cache, batch 1).
+Meant for a machine with a CUDA GPU (run once, as one prepared script):
+`llmcli.training.loop.train` on `configs/small.yaml` (bf16 autocast, fused AdamW, SDPA, with
+`--compile` torch.compile), then `llmcli.generation.sample.sample_run` on the run it wrote.
+Reported: training tokens/s (median over the log intervals after the first, which holds the warm-up
+and any compilation), model FLOPs utilisation against `--peak-tflops` (nanoGPT's `6 N + 12 L T C`
+FLOPs per token), the validation loss reached, and sampling tokens/s (KV cache, batch 1).
 
 Runs on the CPU too (for a dry run, shrink it: `--set train.batch_size=4 --steps 20`).
 
@@ -29,12 +29,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from llmcli.checkpoint import METRICS_FILE  # noqa: E402
 from llmcli.config import load_config  # noqa: E402
-from llmcli.model import Transformer  # noqa: E402
-from llmcli.runlog import read_metrics  # noqa: E402
-from llmcli.sample import sample_run  # noqa: E402
-from llmcli.train import train  # noqa: E402
+from llmcli.generation.sample import sample_run  # noqa: E402
+from llmcli.model.gpt import Transformer  # noqa: E402
+from llmcli.runs.checkpoint import METRICS_FILE  # noqa: E402
+from llmcli.runs.metrics import read_metrics  # noqa: E402
+from llmcli.training.loop import train  # noqa: E402
 
 
 def main() -> None:
@@ -123,7 +123,7 @@ def main() -> None:
 
 
 def _vocab_size(run_dir: Path) -> int:
-    from llmcli.checkpoint import load_tokenizer_file
+    from llmcli.runs.checkpoint import load_tokenizer_file
 
     return int(load_tokenizer_file(run_dir).vocab_size)
 

@@ -4,9 +4,9 @@ One training step = forward, loss, backward, gradient clipping (norm 1.0), optim
 zero_grad, on random token batches held in memory (data loading is not timed here; see
 RESULTS.md for the check of the real loop). Three models of the same sizes:
 
-- `llmcli`: `llmcli.model.Transformer` with llmcli's own optimizer setup (`build_optimizer`:
-  fused AdamW, decay groups) and the step `llmcli.train` runs (loss kept on the device, clipping
-  with `foreach`), fp32.
+- `llmcli`: `llmcli.model.gpt.Transformer` with llmcli's own optimizer setup (`build_optimizer`:
+  fused AdamW, decay groups) and the step `llmcli.training.loop` runs (loss kept on the device,
+  clipping with `foreach`), fp32.
 - `transformers`: `GPT2LMHeadModel` of the equivalent config (`llmcli.hf.gpt2.hf_config`: exact
   GELU, SDPA attention, tied head) with `torch.optim.AdamW` at its defaults and
   `clip_grad_norm_`, as a `transformers` user's loop does.
@@ -55,8 +55,8 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmcli.config import ModelConfig, TrainConfig  # noqa: E402
-from llmcli.model import Transformer  # noqa: E402
-from llmcli.optim import apply_lr, build_optimizer  # noqa: E402
+from llmcli.model.gpt import Transformer  # noqa: E402
+from llmcli.training.optim import apply_lr, build_optimizer  # noqa: E402
 
 VOCAB = 65  # the bundled corpus' characters
 CONFIGS = {
@@ -162,7 +162,7 @@ Step = Callable[[Tensor, Tensor], None]
 
 
 def llmcli_step(shape: dict, compile_model: bool = False) -> tuple[Step, nn.Module]:
-    """llmcli's model, optimizer and step, as `llmcli.train` runs them (grad_accum 1)."""
+    """llmcli's model, optimizer and step, as `llmcli.training.loop` runs them (grad_accum 1)."""
     model_shape = {k: v for k, v in shape.items() if k != "batch_size"}
     model = Transformer.from_config(
         ModelConfig(**model_shape), VOCAB, generator=torch.Generator().manual_seed(0)

@@ -3,10 +3,10 @@
 For every `(n_head, context_length)` combination the config's model is rebuilt with those two
 values (everything else as the config says) and measured on random tokens:
 
-- training tokens/s: the training step of `llmcli.train` (forward and loss under the run's
-  precision, backward, gradient clipping, `llmcli.optim.build_optimizer`'s optimizer, zero_grad)
-  at `train.batch_size` sequences of `context_length` tokens, after one warm-up step;
-- sampling tokens/s: `llmcli.generate.generate` (KV cache, temperature 1, batch 1) from a
+- training tokens/s: the training step of `llmcli.training.loop` (forward and loss under the run's
+  precision, backward, gradient clipping, `llmcli.training.optim.build_optimizer`'s optimizer,
+  zero_grad) at `train.batch_size` sequences of `context_length` tokens, after one warm-up step;
+- sampling tokens/s: `llmcli.generation.generate.generate` (KV cache, temperature 1, batch 1) from a
   one-token prompt, `min(sample_tokens, context_length - 1)` new tokens, so that the cache never
   slides;
 - forward latency: the median time of an eval-mode forward of one full-length sequence (1 x T);
@@ -48,14 +48,14 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from llmcli.config import Config, ModelConfig
+from llmcli.data.tokenizer import load_tokenizer
 from llmcli.device import Precision, resolve_device
 from llmcli.errors import ConfigError, InputError, describe_os_error
 from llmcli.fileio import atomic_write_bytes, atomic_write_json
-from llmcli.generate import generate
-from llmcli.model import Transformer
-from llmcli.optim import build_optimizer
+from llmcli.generation.generate import generate
+from llmcli.model.gpt import Transformer
 from llmcli.progress import Progress
-from llmcli.tokenizer import load_tokenizer
+from llmcli.training.optim import build_optimizer
 
 logger = logging.getLogger(__name__)
 

@@ -173,7 +173,7 @@ def prepare_data_command(
 ) -> None:
     """Train the tokenizer and tokenize the corpus into the cache, ahead of `train`."""
     from llmcli.config import load_config
-    from llmcli.data import prepare_data
+    from llmcli.data.tokens import prepare_data
 
     _log_to_stderr()
     cfg = load_config(config, set_ or [])
@@ -211,8 +211,8 @@ def train_command(
 ) -> None:
     """Train a model (Ctrl-C saves and stops; under torchrun, trains with DDP)."""
     from llmcli.config import load_config
-    from llmcli.interrupt import EXIT_TERMINATED, Preempted
-    from llmcli.train import train
+    from llmcli.training.interrupt import EXIT_TERMINATED, Preempted
+    from llmcli.training.loop import train
 
     _log_to_stderr()
     if resume is not None and resume not in _RESUME_VALUES:
@@ -294,7 +294,7 @@ def sample_command(
     """Generate text from a trained run (KV-cached, batched)."""
     import json
 
-    from llmcli.sample import format_samples, read_prompts, sample_run, unescape
+    from llmcli.generation.sample import format_samples, read_prompts, sample_run, unescape
 
     write = _ThrottledStdout()
     streaming = (sys.stdout.isatty() if stream is None else stream) and not json_
@@ -403,7 +403,7 @@ def inspect_attention_command(
     ] = None,
 ) -> None:
     """Dump every head's attention for a prompt, score each head, draw it, write a viewer."""
-    from llmcli.attention.report import format_report, inspect_attention
+    from llmcli.inspection.attention import format_report, inspect_attention
 
     result = inspect_attention(
         checkpoint,
@@ -434,7 +434,7 @@ def info_command(
     """Show a run: model size, training summary, recorded versions, generation defaults."""
     import json
 
-    from llmcli.info import format_info, run_info
+    from llmcli.runs.info import format_info, run_info
 
     info = run_info(checkpoint, weights=weights, notify=_notify)
     typer.echo(json.dumps(info, indent=2) if json_ else format_info(info))
@@ -520,7 +520,7 @@ def eval_command(
     """Mean loss, perplexity and bits per byte of a run on its validation split or a text."""
     import json
 
-    from llmcli.evaluate import evaluate_run, format_result
+    from llmcli.inspection.evaluate import evaluate_run, format_result
 
     _log_to_stderr()
 
@@ -564,7 +564,7 @@ def compare_command(
     tokens/s, and the config keys that differ)."""
     import json
 
-    from llmcli.compare import compare_runs, format_table
+    from llmcli.runs.compare import compare_runs, format_table
 
     comparison = compare_runs(runs, metric=metric, x=x, out=out)
     if json_:

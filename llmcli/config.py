@@ -251,7 +251,7 @@ class TrainConfig:
 
 
 CONTEXT_POLICIES = ("exact", "shift")
-# The experiment trackers train.logger may name (llmcli.trackers runs them).
+# The experiment trackers train.logger may name (llmcli.runs.trackers runs them).
 TRACKERS = ("none", "tensorboard", "wandb")
 
 
@@ -279,7 +279,8 @@ class SampleConfig:
     seed: int = 1337
     # Past model.context_length: "shift" keeps the last context_keep tokens (null:
     # context_length // 2) and goes on with the KV cache; "exact" recomputes the last
-    # context_length tokens every step (see llmcli.context_window; why shift: README, Sampling).
+    # context_length tokens every step (see llmcli.generation.context_window; why shift: README,
+    # Sampling).
     context_policy: Literal["exact", "shift"] = "shift"
     context_keep: int | None = None
 

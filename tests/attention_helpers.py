@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from llmcli.attention.dump import AttentionDump
-from llmcli.attention.metrics import METRIC_NAMES, head_metrics
+from llmcli.inspection.dump import AttentionDump
+from llmcli.inspection.metrics import METRIC_NAMES, head_metrics
 
 
 def make_dump(T: int = 6, L: int = 2, H: int = 3) -> AttentionDump:
@@ -37,8 +37,8 @@ CTX = 16
 def build_model(seed: int = 0, **model_overrides):
     """A small Transformer with sharpened query/key weights, so heads differ visibly."""
     from llmcli.config import config_from_dict
-    from llmcli.model import Transformer
-    from llmcli.tokenizer import CharTokenizer
+    from llmcli.data.tokenizer import CharTokenizer
+    from llmcli.model.gpt import Transformer
 
     tok = CharTokenizer.train([CORPUS])
     model_cfg = {"n_layer": 2, "n_head": 4, "n_embed": 32, "context_length": CTX, **model_overrides}

@@ -11,10 +11,10 @@ import pytest
 import torch
 from huggingface_hub import constants
 
-from llmcli.checkpoint import save_model_run
 from llmcli.config import config_from_dict
-from llmcli.model import Transformer
-from llmcli.tokenizer import Tokenizer
+from llmcli.data.tokenizer import Tokenizer
+from llmcli.model.gpt import Transformer
+from llmcli.runs.checkpoint import save_model_run
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,13 +18,13 @@ from pathlib import Path
 # Warm up (the imports take seconds), then wait for a job: {"argv", "env", "cwd"}.
 import matplotlib.backends.backend_agg  # noqa: F401
 
-import llmcli.attention.report
 import llmcli.cli  # noqa: F401
-import llmcli.data
+import llmcli.data.tokens
 import llmcli.fileio as fileio
-import llmcli.generate
-import llmcli.model
-import llmcli.train as T
+import llmcli.generation.generate
+import llmcli.inspection.attention
+import llmcli.model.gpt
+import llmcli.training.loop as T
 
 job_file = Path(os.environ["CRASH_JOB"])
 T.plot_losses(job_file.with_suffix(".none"), job_file.with_suffix(".png"))  # loads the fonts

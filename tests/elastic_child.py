@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 
-import llmcli.train as T
+import llmcli.training.loop as T
 from llmcli.cli import main
 
 kill_at = int(os.environ.get("KILL_AT_STEP", "0"))

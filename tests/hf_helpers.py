@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmcli import checkpoint as ckpt
 from llmcli.cli import main
 from llmcli.config import Config, DataConfig, ModelConfig
-from llmcli.model import Transformer
-from llmcli.tokenizer import BPETokenizer, CharTokenizer
+from llmcli.data.tokenizer import BPETokenizer, CharTokenizer
+from llmcli.model.gpt import Transformer
+from llmcli.runs import checkpoint as ckpt
 
 TEXT = (
     "First Citizen:\nBefore we proceed any further, hear me speak.\n\n"

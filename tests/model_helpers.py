@@ -7,7 +7,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from llmcli.model import Transformer
+from llmcli.model.gpt import Transformer
 
 
 def assert_close(actual, expected, name: str, atol: float = 1e-5, rtol: float = 1e-5) -> None:

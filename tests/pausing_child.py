@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-import llmcli.train as T
+import llmcli.training.loop as T
 from llmcli.cli import main
 
 pause_at, marker = int(os.environ["PAUSE_AT"]), Path(os.environ["PAUSE_MARKER"])

@@ -1,4 +1,4 @@
-"""Head ablation (llmcli/ablation.py and the model's `head_mask`): against references.
+"""Head ablation (llmcli/inspection/ablation.py and the model's `head_mask`): against references.
 
 References: a stack of `Head`s with one head's output replaced in the concatenation, a model
 whose attention layers output `proj.bias` written out by hand, and the plain one-forward-per-head
@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from model_helpers import assert_close, gen, randomize_, tiny_model
 
-from llmcli.ablation import (
+from llmcli.errors import InputError
+from llmcli.inspection.ablation import (
     HeadDeltas,
     check_method,
     format_top_heads,
@@ -24,8 +25,7 @@ from llmcli.ablation import (
     parse_ablate,
     top_heads,
 )
-from llmcli.errors import InputError
-from llmcli.model import MultiHeadAttention
+from llmcli.model.gpt import MultiHeadAttention
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

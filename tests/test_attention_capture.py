@@ -1,11 +1,11 @@
-"""Tests for llmcli.attention.capture: repeated sequences, and capture against plain PyTorch."""
+"""Tests for llmcli.inspection.capture: repeated sequences, and capture against plain PyTorch."""
 
 from __future__ import annotations
 
 import torch
 from attention_helpers import CTX, build_model
 
-from llmcli.attention.capture import capture_attention, repeated_random_tokens
+from llmcli.inspection.capture import capture_attention, repeated_random_tokens
 
 
 def test_repeated_random_tokens() -> None:

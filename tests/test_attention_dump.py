@@ -1,4 +1,4 @@
-"""Tests for llmcli.attention.dump: the three file formats and the metrics table."""
+"""Tests for llmcli.inspection.dump: the three file formats and the metrics table."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from attention_helpers import make_dump
 
-from llmcli.attention.dump import FORMATS, format_metrics_table, load_dump, save_dump
-from llmcli.attention.metrics import METRIC_NAMES
+from llmcli.inspection.dump import FORMATS, format_metrics_table, load_dump, save_dump
+from llmcli.inspection.metrics import METRIC_NAMES
 
 
 @pytest.mark.parametrize("fmt", ["npz", "safetensors", "json"])

@@ -1,4 +1,4 @@
-"""Tests for llmcli.attention.metrics: head metrics on hand-built attention patterns."""
+"""Tests for llmcli.inspection.metrics: head metrics on hand-built attention patterns."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from llmcli.attention.metrics import (
+from llmcli.inspection.metrics import (
     METRIC_NAMES,
     entropy_score,
     head_metrics,
@@ -144,5 +144,5 @@ def test_induction_score_patterns() -> None:
 
 def test_metrics_import_without_torch() -> None:
     # The scores are plain NumPy: reading a dump's metrics must not need torch installed.
-    code = "import sys, llmcli.attention.metrics; sys.exit('torch' in sys.modules)"
+    code = "import sys, llmcli.inspection.metrics; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0

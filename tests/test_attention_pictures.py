@@ -1,10 +1,10 @@
-"""Tests for llmcli.attention.pictures: one PNG per layer, readable token labels."""
+"""Tests for llmcli.inspection.pictures: one PNG per layer, readable token labels."""
 
 from __future__ import annotations
 
 from attention_helpers import make_dump
 
-from llmcli.attention.pictures import label_step, plot_layers, token_label
+from llmcli.inspection.pictures import label_step, plot_layers, token_label
 
 
 def test_plot_layers_writes_one_png_per_layer(tmp_path) -> None:

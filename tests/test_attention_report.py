@@ -1,4 +1,4 @@
-"""Tests for llmcli.attention.report and the inspect-attention command: a real model and run."""
+"""Tests for llmcli.inspection.attention and the inspect-attention command: a real model and run."""
 
 from __future__ import annotations
 
@@ -9,12 +9,10 @@ import pytest
 import torch
 from attention_helpers import CORPUS, CTX, build_model, make_dump
 
-from llmcli import prompts
-from llmcli.attention import report
-from llmcli.attention.capture import capture_attention, repeated_random_tokens
-from llmcli.attention.dump import format_metrics_table, load_dump
-from llmcli.attention.metrics import INDUCTION, METRIC_NAMES, head_metrics
-from llmcli.attention.report import (
+from llmcli.errors import InputError
+from llmcli.generation import prompts
+from llmcli.inspection import attention as report
+from llmcli.inspection.attention import (
     FALLBACK_PROMPT,
     PROMPT_FILE,
     InspectResult,
@@ -25,7 +23,9 @@ from llmcli.attention.report import (
     select_indices,
     sha256_file,
 )
-from llmcli.errors import InputError
+from llmcli.inspection.capture import capture_attention, repeated_random_tokens
+from llmcli.inspection.dump import format_metrics_table, load_dump
+from llmcli.inspection.metrics import INDUCTION, METRIC_NAMES, head_metrics
 
 
 def test_select_indices() -> None:
@@ -39,7 +39,7 @@ def test_select_indices() -> None:
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    from llmcli.checkpoint import save_model_run
+    from llmcli.runs.checkpoint import save_model_run
 
     root = tmp_path_factory.mktemp("inspect")
     corpus = root / "corpus.txt"
@@ -53,7 +53,7 @@ def run_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(run_dir):
-    from llmcli.checkpoint import load_run
+    from llmcli.runs.checkpoint import load_run
 
     return load_run(run_dir)
 
@@ -172,7 +172,7 @@ def test_default_prompt_is_the_start_of_validation_text(run_dir, tmp_path) -> No
 def test_default_prompt_falls_back_clearly(run_dir, tmp_path) -> None:
     import shutil
 
-    from llmcli.checkpoint import load_run
+    from llmcli.runs.checkpoint import load_run
 
     moved = tmp_path / "run"
     shutil.copytree(run_dir, moved)
@@ -341,9 +341,9 @@ def test_format_report_one_block_per_prompt(tmp_path) -> None:
 
 def reference_deltas(run_dir, steps: int):
     """Every head's Δloss the plain way (one full forward per head) on the same batches."""
-    from llmcli.ablation import head_deltas_full
-    from llmcli.checkpoint import load_run
-    from llmcli.evaluate import eval_tokens, window_batches, window_starts
+    from llmcli.inspection.ablation import head_deltas_full
+    from llmcli.inspection.evaluate import eval_tokens, window_batches, window_starts
+    from llmcli.runs.checkpoint import load_run
 
     run = load_run(run_dir)
     tokens, _ = eval_tokens(run)
@@ -352,7 +352,7 @@ def reference_deltas(run_dir, steps: int):
 
 
 def test_command_ablation_adds_dloss_columns_and_the_top_heads(run_dir, tmp_path, capsys) -> None:
-    from llmcli.attention.viewer import viewer_data
+    from llmcli.inspection.viewer import viewer_data
 
     args = ["inspect-attention", "--checkpoint", str(run_dir), "--prompt", "Speak, speak."]
     args += ["--ablation", "both", "--no-pictures", "--out", str(tmp_path)]
@@ -388,7 +388,7 @@ def test_command_ablation_follows_the_selection(run_dir, tmp_path, capsys) -> No
 
 
 def test_the_heat_map_is_written_with_the_pictures(tmp_path) -> None:
-    from llmcli.ablation import HeadDeltas
+    from llmcli.inspection.ablation import HeadDeltas
 
     dump = make_dump()  # layers [0, 2], heads [0, 1, 3] of a 3 x 4 model
     delta = np.arange(12.0).reshape(3, 4) / 10

@@ -1,4 +1,4 @@
-"""Tests for llmcli.attention.viewer: the self-contained page, its behaviour in headless Chromium.
+"""Tests for llmcli.inspection.viewer: the self-contained page, its behaviour in headless Chromium.
 
 The browser tests drive Debian's `chromium` through `chromedriver` with Selenium; they are skipped
 only where no Chromium (or no chromedriver) is installed.
@@ -15,9 +15,9 @@ import tempfile
 import numpy as np
 import pytest
 
-from llmcli.attention.dump import AttentionDump
-from llmcli.attention.metrics import METRIC_NAMES, head_metrics
-from llmcli.attention.viewer import render_viewer, viewer_data, write_viewer
+from llmcli.inspection.dump import AttentionDump
+from llmcli.inspection.metrics import METRIC_NAMES, head_metrics
+from llmcli.inspection.viewer import render_viewer, viewer_data, write_viewer
 
 T = 10
 TOKENS = ["T", "o", " ", "b", "e", "<", "/script>", "\n", "é", "&"]

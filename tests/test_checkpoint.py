@@ -1,4 +1,5 @@
-"""The run directory: atomic writes, safe loading, validation, latest run (llmcli/checkpoint.py)."""
+"""The run directory: atomic writes, safe loading, validation, latest run
+(llmcli/runs/checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ import pytest
 import torch
 import yaml
 
-from llmcli import checkpoint as ckpt
 from llmcli import fileio
 from llmcli.config import Config, ModelConfig
+from llmcli.data.tokenizer import CharTokenizer
 from llmcli.errors import CheckpointError, describe_os_error
-from llmcli.model import Transformer
-from llmcli.tokenizer import CharTokenizer
+from llmcli.model.gpt import Transformer
+from llmcli.runs import checkpoint as ckpt
 
 TEXT = "To be, or not to be, that is the question.\n"
 

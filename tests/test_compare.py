@@ -1,4 +1,4 @@
-"""`llmcli compare` (llmcli/compare.py): curves of several runs in one PNG, and a table."""
+"""`llmcli compare` (llmcli/runs/compare.py): curves of several runs in one PNG, and a table."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import pytest
 from conftest import small_run_config
 
 from llmcli.cli import main
-from llmcli.compare import compare_runs, format_table
 from llmcli.config import config_from_dict
 from llmcli.errors import InputError
-from llmcli.runlog import best_eval, read_metrics
-from llmcli.train import train
+from llmcli.runs.compare import compare_runs, format_table
+from llmcli.runs.metrics import best_eval, read_metrics
+from llmcli.training.loop import train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

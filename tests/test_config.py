@@ -18,7 +18,7 @@ from llmcli.config import (
     shipped_configs,
 )
 from llmcli.errors import ConfigError
-from llmcli.optim import lr_at
+from llmcli.training.optim import lr_at
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,6 +1,7 @@
-"""The context policies past context_length (llmcli/context_window.py): `exact` against a plain
-crop-and-recompute loop and against tokens of the code before `shift` existed, `shift` against a
-plain keep-and-recompute loop, padded batches against each prompt alone, and the checks."""
+"""The context policies past context_length (llmcli/generation/context_window.py): `exact` against
+a plain crop-and-recompute loop and against tokens of the code before `shift` existed, `shift`
+against a plain keep-and-recompute loop, padded batches against each prompt alone, and the
+checks."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import pytest
 import torch
 from test_generate import CONTEXT, make_model
 
-from llmcli.context_window import ContextWindow, check_context_policy
 from llmcli.errors import InputError
-from llmcli.generate import generate_ids
-from llmcli.sampling import sample_next
+from llmcli.generation.context_window import ContextWindow, check_context_policy
+from llmcli.generation.generate import generate_ids
+from llmcli.generation.sampling import sample_next
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

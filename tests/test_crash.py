@@ -36,14 +36,14 @@ import pytest
 import torch
 import yaml
 
-import llmcli.data
-import llmcli.train
-from llmcli import checkpoint as ckpt
+import llmcli.data.tokens
+import llmcli.training.loop
 from llmcli import fileio
 from llmcli.cli import main
 from llmcli.config import config_from_dict
-from llmcli.runlog import read_metrics
-from llmcli.train import train
+from llmcli.runs import checkpoint as ckpt
+from llmcli.runs.metrics import read_metrics
+from llmcli.training.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD = Path(__file__).with_name("crash_child.py")  # the killable `llmcli` process
@@ -88,7 +88,7 @@ def setup(tmp_path_factory, one_thread) -> dict:
 
     with pytest.MonkeyPatch.context() as mp:  # one thread, as the killed processes run
         mp.setattr(ckpt, "save_checkpoint", save)
-        mp.setattr(llmcli.train, "plot_losses", lambda *args: None)  # (not compared)
+        mp.setattr(llmcli.training.loop, "plot_losses", lambda *args: None)  # (not compared)
         train(config_from_dict(raw), out_dir=root / "reference", progress=False)
     assert sorted(snapshots) == SAVES
     return {
@@ -372,12 +372,12 @@ def test_a_full_disk_for_the_run_files_or_the_token_cache_is_a_clear_error(
         def __exit__(self, *exc) -> None:
             self.fh.close()
 
-    # The token cache is written through llmcli.data's own `open` of the temporary file.
+    # The token cache is written through llmcli.data.tokens's own `open` of the temporary file.
     def open_full(file, mode="r", *args, **kwargs):
         fh = real_open(file, mode, *args, **kwargs)
         return Full(fh) if "w" in mode else fh
 
-    monkeypatch.setattr(llmcli.data, "open", open_full, raising=False)
+    monkeypatch.setattr(llmcli.data.tokens, "open", open_full, raising=False)
     with pytest.raises(SystemExit) as exit_info:
         main(
             [
@@ -410,7 +410,7 @@ def test_sigint_at_a_random_moment_of_train_saves_exits_130_and_resumes_exactly(
         fired.set()
 
     timer = threading.Timer(delay, fire)
-    original = llmcli.train.train
+    original = llmcli.training.loop.train
 
     def on_step(step: int) -> None:
         if not timer.is_alive() and not fired.is_set():
@@ -419,7 +419,9 @@ def test_sigint_at_a_random_moment_of_train_saves_exits_130_and_resumes_exactly(
             pass
 
     monkeypatch.setattr(
-        llmcli.train, "train", lambda *args, **kwargs: original(*args, on_step=on_step, **kwargs)
+        llmcli.training.loop,
+        "train",
+        lambda *args, **kwargs: original(*args, on_step=on_step, **kwargs),
     )
     run_dir = tmp_path / "run"
     with pytest.raises(SystemExit) as exit_info:
@@ -442,11 +444,11 @@ def test_sigint_at_a_random_moment_of_train_saves_exits_130_and_resumes_exactly(
     [
         (
             ["sample", "--prompt", "ROMEO:", "--max-new-tokens", "50", "--no-stream"],
-            "llmcli.generate.sample_next",
+            "llmcli.generation.generate.sample_next",
         ),
         (
             ["inspect-attention", "--prompt", "ROMEO: But soft", "--out", "{tmp}/attention"],
-            "llmcli.attention.report.plot_layers",
+            "llmcli.inspection.attention.plot_layers",
         ),
     ],
     ids=["sample", "inspect-attention"],

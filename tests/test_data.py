@@ -12,13 +12,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmcli import corpus
-from llmcli import data as D
-from llmcli import tokenizer as tokenizer_module
 from llmcli.config import DataConfig
-from llmcli.data import BatchSampler, TokenData, default_cache_dir, prepare_data
+from llmcli.data import corpus
+from llmcli.data import tokenizer as tokenizer_module
+from llmcli.data import tokens as D
+from llmcli.data.tokenizer import BPETokenizer, CharTokenizer
+from llmcli.data.tokens import BatchSampler, TokenData, default_cache_dir, prepare_data
 from llmcli.errors import InputError
-from llmcli.tokenizer import BPETokenizer, CharTokenizer
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "shakespeare.txt"
 

@@ -1,4 +1,4 @@
-"""The one-token decode step (llmcli/decode.py): the same logits and cache as
+"""The one-token decode step (llmcli/generation/decode.py): the same logits and cache as
 `Transformer.forward` run with the same GELU kernel, bit for bit, for every pair of recipe
 option values, with and without padding."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from model_helpers import gen, randomize_, tiny_model
 
-from llmcli.decode import Decoder, decoder_for
+from llmcli.generation.decode import Decoder, decoder_for
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -124,10 +124,10 @@ def test_decode_step_stays_within_1e_5_of_forward_on_onednn() -> None:
     ],
 )
 def test_decode_step_moves_only_small_gelus_off_onednn(mlp, rows, limit, aten, monkeypatch) -> None:
-    import llmcli.decode
+    import llmcli.generation.decode
 
     if limit is not None:
-        monkeypatch.setattr(llmcli.decode, "ATEN_GELU_MAX", limit)
+        monkeypatch.setattr(llmcli.generation.decode, "ATEN_GELU_MAX", limit)
     model = randomize_(tiny_model(mlp=mlp)).eval()
     decoder = Decoder(model)
     seen = []

@@ -18,7 +18,7 @@ from llmcli.device import (
     torch_threads,
 )
 from llmcli.errors import InputError
-from llmcli.model import Transformer
+from llmcli.model.gpt import Transformer
 
 
 def test_device_and_precision_choices() -> None:
@@ -48,7 +48,7 @@ def test_device_and_precision_choices() -> None:
     ],
 )
 def test_memory_estimate_counts_the_parameters_and_refuses_what_cannot_fit(model: dict) -> None:
-    from llmcli.model import Transformer
+    from llmcli.model.gpt import Transformer
 
     model_cfg = {"n_layer": 1, "n_head": 2, "n_embed": 16, "context_length": 8}
     config = config_from_dict({"model": model_cfg, "train": {"batch_size": 4}}, name="t")

@@ -1,4 +1,5 @@
-"""`llmcli eval` (llmcli/evaluate.py): loss, perplexity and bits per byte against hand sums."""
+"""`llmcli eval` (llmcli/inspection/evaluate.py): loss, perplexity and bits per byte against hand
+sums."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import torch
 from conftest import save_tiny_run
 
 from llmcli.cli import main
-from llmcli.evaluate import evaluate_run, score_tokens, window_batches, window_starts
-from llmcli.tokenizer import BPETokenizer, CharTokenizer
+from llmcli.data.tokenizer import BPETokenizer, CharTokenizer
+from llmcli.inspection.evaluate import evaluate_run, score_tokens, window_batches, window_starts
 
 CTX, BATCH = 16, 3
 # Multi-byte characters (é: 2 bytes, —: 3 bytes) make bytes differ from characters.
@@ -37,7 +38,7 @@ def reference_nll(run_dir: Path, ids: list[int], **ablation) -> np.ndarray:
     """Per-token negative log-likelihoods by hand: window k predicts ids[kT+1 .. kT+T] from
     ids[kT .. kT+T-1], one window at a time, log-softmax in float64 NumPy. `ablation`: the
     model's `head_mask` and `head_mean`."""
-    from llmcli.checkpoint import load_run
+    from llmcli.runs.checkpoint import load_run
 
     model = load_run(run_dir).model
     out = []
@@ -208,8 +209,8 @@ def test_bad_input_exits_2_with_a_message(
 
 
 def test_a_mask_of_ones_scores_bit_for_bit_as_plain_eval(char_run: Path) -> None:
-    from llmcli.ablation import head_means
-    from llmcli.checkpoint import load_run
+    from llmcli.inspection.ablation import head_means
+    from llmcli.runs.checkpoint import load_run
 
     model = load_run(char_run).model
     tokens = np.asarray(CharTokenizer.train([TEXT]).encode(TEXT), dtype=np.int64)
@@ -223,7 +224,7 @@ def test_a_mask_of_ones_scores_bit_for_bit_as_plain_eval(char_run: Path) -> None
 
 
 def test_ablate_removes_heads_zero_and_mean(char_run: Path, text_file: Path) -> None:
-    from llmcli.ablation import head_means
+    from llmcli.inspection.ablation import head_means
 
     plain = evaluate_run(char_run, text_file, device="cpu")
     ids = CharTokenizer.train([TEXT]).encode(TEXT)
@@ -233,7 +234,7 @@ def test_ablate_removes_heads_zero_and_mean(char_run: Path, text_file: Path) -> 
     assert zero.loss == pytest.approx(reference_nll(char_run, ids, head_mask=mask).mean(), rel=1e-5)
     assert abs(zero.loss - plain.loss) > 1e-3
 
-    from llmcli.checkpoint import load_run
+    from llmcli.runs.checkpoint import load_run
 
     model = load_run(char_run).model
     n = len(ids)  # every window's inputs, the shorter last one included

@@ -26,14 +26,14 @@ import yaml
 from conftest import default_sigint, small_run_config
 from safetensors.torch import load_file
 
-from llmcli import checkpoint as ckpt
 from llmcli.cli import main
 from llmcli.config import config_from_dict
-from llmcli.distributed import join_timeout
 from llmcli.errors import CheckpointError, InputError
-from llmcli.interrupt import EXIT_TERMINATED, Preempted
-from llmcli.runlog import read_metrics
-from llmcli.train import train
+from llmcli.runs import checkpoint as ckpt
+from llmcli.runs.metrics import read_metrics
+from llmcli.training.distributed import join_timeout
+from llmcli.training.interrupt import EXIT_TERMINATED, Preempted
+from llmcli.training.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 ELASTIC_CHILD = Path(__file__).with_name("elastic_child.py")
@@ -320,7 +320,7 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_bitwise_equal(
             cmd,
             cwd=ROOT,
             # Gloo can hang while a restarted group connects: such a rank exits after 45 s and
-            # torchrun starts the group again (llmcli.distributed.join_timeout).
+            # torchrun starts the group again (llmcli.training.distributed.join_timeout).
             env=cli_env(KILL_AT_STEP=kill_at, LLMCLI_DIST_JOIN_TIMEOUT="45"),
             capture_output=True,
             text=True,

@@ -1,16 +1,16 @@
-"""Generation (llmcli/generate.py): seeds, validation, the KV cache's steps, padded batches
-against prompts alone. The context policies past context_length: test_context_window.py."""
+"""Generation (llmcli/generation/generate.py): seeds, validation, the KV cache's steps, padded
+batches against prompts alone. The context policies past context_length: test_context_window.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from llmcli.decode import Decoder
 from llmcli.errors import InputError
-from llmcli.generate import generate, generate_ids
-from llmcli.model import Transformer
-from llmcli.sampling import check_sampling, sample_next
+from llmcli.generation.decode import Decoder
+from llmcli.generation.generate import generate, generate_ids
+from llmcli.generation.sampling import check_sampling, sample_next
+from llmcli.model.gpt import Transformer
 
 CONTEXT = 8
 

@@ -19,13 +19,13 @@ import torch
 from conftest import cache_repo
 from hf_helpers import PROMPT, TEXT, assert_close, cli, greedy_llmcli, make_run
 
-from llmcli import checkpoint as ckpt
 from llmcli.config import Config, DataConfig, ModelConfig, TrainConfig
+from llmcli.data.tokenizer import BPETokenizer, CharTokenizer, load_tokenizer
 from llmcli.errors import InputError
 from llmcli.hf import export as hf_export
 from llmcli.hf import load as hf_import
-from llmcli.model import Transformer
-from llmcli.tokenizer import BPETokenizer, CharTokenizer, load_tokenizer
+from llmcli.model.gpt import Transformer
+from llmcli.runs import checkpoint as ckpt
 
 
 @pytest.fixture(autouse=True)
@@ -135,7 +135,7 @@ def test_export_meets_the_evaluation_harness_contract(tmp_path, kind):
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from llmcli.evaluate import evaluate_run
+    from llmcli.inspection.evaluate import evaluate_run
 
     run, out, text_file = make_run(tmp_path / "run", kind), tmp_path / "hf", tmp_path / "t.txt"
     text_file.write_text(TEXT * 32)
@@ -310,7 +310,7 @@ def test_tanh_gelu_checkpoint_loads_with_a_warning(tmp_path, caplog):
 
 
 def test_init_from_trains_its_own_run_from_the_gpt2_weights(tmp_path):
-    from llmcli.train import train
+    from llmcli.training.loop import train
 
     tok = save_tiny_gpt2(tmp_path / "gpt2")
     corpus = tmp_path / "corpus.txt"

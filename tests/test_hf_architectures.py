@@ -16,10 +16,10 @@ import pytest
 import torch
 from hf_helpers import PROMPT, TEXT, assert_close, cli, greedy_llmcli, make_run
 
-from llmcli import checkpoint as ckpt
 from llmcli.config import ModelConfig
 from llmcli.hf.architectures import choose
 from llmcli.hf.load import load_hf_folder
+from llmcli.runs import checkpoint as ckpt
 
 ROPE_LN = {"pos_emb": "rope", "norm": "layernorm"}
 ROPE_RMS = {"pos_emb": "rope", "norm": "rmsnorm", "mlp": "relu2"}

@@ -24,9 +24,9 @@ from huggingface_hub import constants
 
 from llmcli.cli import main
 from llmcli.config import DataConfig
+from llmcli.data.tokenizer import BPETokenizer, train_tokenizer
 from llmcli.errors import InputError
 from llmcli.hub import resolve_pretrained, split_hub_name
-from llmcli.tokenizer import BPETokenizer, train_tokenizer
 
 TEXT = "The quick brown fox jumps over the lazy dog.\nPack my box with five dozen liquor jugs.\n"
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
@@ -227,7 +227,7 @@ def test_data_tokenizer_missing_hub_name_exits_2_through_the_cli(
 def test_importing_llmcli_does_not_load_the_hub_download_machinery() -> None:
     """Resolving a Hub name loads `snapshot_download` (~0.4 s); other commands never do."""
     code = (
-        "import sys, llmcli.tokenizer, llmcli.hub; "
+        "import sys, llmcli.data.tokenizer, llmcli.hub; "
         "print('huggingface_hub.hf_api' in sys.modules, "
         "'huggingface_hub._snapshot_download' in sys.modules)"
     )

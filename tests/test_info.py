@@ -11,10 +11,10 @@ from conftest import save_tiny_run
 
 from llmcli.cli import main
 from llmcli.config import config_from_dict
-from llmcli.info import format_info, run_info
-from llmcli.model import Transformer
-from llmcli.tokenizer import CharTokenizer
-from llmcli.versions import record
+from llmcli.data.tokenizer import CharTokenizer
+from llmcli.model.gpt import Transformer
+from llmcli.runs.info import format_info, run_info
+from llmcli.runs.versions import record
 
 
 @pytest.fixture()

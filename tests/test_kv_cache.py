@@ -7,8 +7,8 @@ import torch
 from model_helpers import assert_close, gen, randomize_, tiny_model
 
 from llmcli.errors import InputError
-from llmcli.kv_cache import KVCache
-from llmcli.model import MultiHeadAttention
+from llmcli.model.gpt import MultiHeadAttention
+from llmcli.model.kv_cache import KVCache
 
 MODEL_OPTIONS = {
     "default": {},

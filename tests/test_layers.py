@@ -7,7 +7,7 @@ import torch
 from model_helpers import assert_close, gen, numpy_rope, randomize_, tiny_model
 from torch import nn
 
-from llmcli.layers import RMSNorm, RotaryEmbedding
+from llmcli.model.layers import RMSNorm, RotaryEmbedding
 
 
 def test_rope_rotation_matches_formula_keeps_norms_and_is_relative():

@@ -17,8 +17,8 @@ from model_helpers import assert_close, gen, numpy_rope, randomize_, tiny_model
 from torch import nn
 
 from llmcli.errors import InputError
-from llmcli.layers import RMSNorm
-from llmcli.model import MLP, Block, Head, MultiHeadAttention, Transformer
+from llmcli.model.gpt import MLP, Block, Head, MultiHeadAttention, Transformer
+from llmcli.model.layers import RMSNorm
 
 OPTIONS = {
     "default": {},

@@ -1,4 +1,5 @@
-"""Muon (llmcli/muon.py) and its wiring into the optimizer groups (llmcli/optim.py)."""
+"""Muon (llmcli/training/muon.py) and its wiring into the optimizer groups
+(llmcli/training/optim.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import torch
 
 from llmcli.config import ModelConfig, TrainConfig, config_from_dict
 from llmcli.errors import ConfigError
-from llmcli.model import Transformer
-from llmcli.muon import NS_COEFFS, Muon, newton_schulz
-from llmcli.optim import apply_lr, build_optimizer, muon_param_groups
+from llmcli.model.gpt import Transformer
+from llmcli.training.muon import NS_COEFFS, Muon, newton_schulz
+from llmcli.training.optim import apply_lr, build_optimizer, muon_param_groups
 
 
 def reference_newton_schulz(G: np.ndarray, steps: int = 5) -> np.ndarray:
@@ -73,7 +74,7 @@ def test_newton_schulz_keeps_zero_and_dtype() -> None:
 def reference_muon(
     W: np.ndarray, grads: list[np.ndarray], lr: float, mu: float, wd: float, nesterov: bool
 ) -> np.ndarray:
-    """Muon's update rule by hand (the llmcli.muon docstring), float64."""
+    """Muon's update rule by hand (the llmcli.training.muon docstring), float64."""
     W = W.astype(np.float64).copy()
     M = np.zeros_like(W)
     rows, cols = W.shape

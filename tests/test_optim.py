@@ -1,4 +1,4 @@
-"""AdamW parameter groups and the learning-rate schedules (llmcli/optim.py)."""
+"""AdamW parameter groups and the learning-rate schedules (llmcli/training/optim.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from llmcli.config import ModelConfig, TrainConfig
-from llmcli.model import Transformer
-from llmcli.optim import apply_lr, build_optimizer, learning_rate, lr_at, param_groups
+from llmcli.model.gpt import Transformer
+from llmcli.training.optim import apply_lr, build_optimizer, learning_rate, lr_at, param_groups
 
 
 def tiny_model(**overrides) -> Transformer:

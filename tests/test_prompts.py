@@ -1,6 +1,6 @@
-"""Prompt files and prompt encoding (llmcli/prompts.py), in both modes: sampling's (an empty
-prompt starts from the start ids, a long one is cropped, a file starting with `[` may be lines)
-and strict (empty or long prompts refused, such a file must be JSON, blank lines skipped)."""
+"""Prompt files and prompt encoding (llmcli/generation/prompts.py), in both modes: sampling's (an
+empty prompt starts from the start ids, a long one is cropped, a file starting with `[` may be
+lines) and strict (empty or long prompts refused, such a file must be JSON, blank lines skipped)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import json
 
 import pytest
 
+from llmcli.data.tokenizer import BPETokenizer, CharTokenizer
 from llmcli.errors import InputError
-from llmcli.prompts import encode_prompt, parse_prompts, read_prompt_file
-from llmcli.tokenizer import BPETokenizer, CharTokenizer
+from llmcli.generation.prompts import encode_prompt, parse_prompts, read_prompt_file
 
 CHARS = CharTokenizer("abcdefghijklmnopqrstuvwxyz \n:.")
 STRICT = dict(strict_json=True, skip_blank=True)

@@ -25,11 +25,11 @@ import torch
 import yaml
 from conftest import save_tiny_run
 
-from llmcli import checkpoint as ckpt
 from llmcli.cli import main
 from llmcli.config import config_from_dict
-from llmcli.tokenizer import CharTokenizer
-from llmcli.train import train
+from llmcli.data.tokenizer import CharTokenizer
+from llmcli.runs import checkpoint as ckpt
+from llmcli.training.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = "ROMEO: But soft, what light through yonder window breaks?\nJULIET: Ay me!\n"

@@ -1,4 +1,4 @@
-"""Text around generation (llmcli/sample.py): stop strings, streaming decode and order,
+"""Text around generation (llmcli/generation/sample.py): stop strings, streaming decode and order,
 batched `sample_texts` against samples alone, long prompts, prompt files."""
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ import logging
 import pytest
 from test_generate import make_model
 
+from llmcli.data.tokenizer import BPETokenizer, CharTokenizer
 from llmcli.errors import InputError
-from llmcli.generate import generate_ids
-from llmcli.sample import (
+from llmcli.generation.generate import generate_ids
+from llmcli.generation.sample import (
     OrderedWriter,
     _TextState,
     format_samples,
@@ -20,7 +21,6 @@ from llmcli.sample import (
     sample_texts,
     unescape,
 )
-from llmcli.tokenizer import BPETokenizer, CharTokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -169,7 +169,7 @@ def test_sample_texts_batch_equals_alone_and_streams_the_same_text() -> None:
 
 def test_long_prompt_is_cropped_with_one_warning(caplog) -> None:
     model = make_model(vocab=CHARS.vocab_size)
-    with caplog.at_level(logging.WARNING, logger="llmcli.sample"):
+    with caplog.at_level(logging.WARNING, logger="llmcli.generation.sample"):
         s = sample_texts(
             model, CHARS, ["abcdefghijklmnop", "xyzxyzxyzxyz"], max_new_tokens=4, temperature=0.0
         )
@@ -222,9 +222,9 @@ def test_bad_prompt_files(tmp_path, content, name, message) -> None:
 
 def count_check_sampling(monkeypatch) -> list[tuple]:
     """Record every call of `check_sampling`, wherever generation calls it from."""
-    import llmcli.generate
-    import llmcli.sample
-    from llmcli.sampling import check_sampling
+    import llmcli.generation.generate
+    import llmcli.generation.sample
+    from llmcli.generation.sampling import check_sampling
 
     calls: list[tuple] = []
 
@@ -232,8 +232,8 @@ def count_check_sampling(monkeypatch) -> list[tuple]:
         calls.append(args)
         return check_sampling(*args)
 
-    monkeypatch.setattr(llmcli.sample, "check_sampling", spy)
-    monkeypatch.setattr(llmcli.generate, "check_sampling", spy)
+    monkeypatch.setattr(llmcli.generation.sample, "check_sampling", spy)
+    monkeypatch.setattr(llmcli.generation.generate, "check_sampling", spy)
     return calls
 
 

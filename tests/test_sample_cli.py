@@ -14,11 +14,11 @@ import pytest
 from conftest import default_sigint, save_tiny_run
 from test_sample import count_check_sampling
 
-from llmcli.checkpoint import load_run
 from llmcli.cli import main
-from llmcli.generate import generate_ids
-from llmcli.sample import sample_run
-from llmcli.tokenizer import BPETokenizer, CharTokenizer
+from llmcli.data.tokenizer import BPETokenizer, CharTokenizer
+from llmcli.generation.generate import generate_ids
+from llmcli.generation.sample import sample_run
+from llmcli.runs.checkpoint import load_run
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = "ROMEO: But soft, what light through yonder window breaks?\nJULIET: Ay me!\n"

@@ -1,5 +1,5 @@
-"""The sampling maths (llmcli/sampling.py): temperature, top-k and top-p on hand-made logits
-against a numpy reference, draw frequencies, inverse-CDF edge cases."""
+"""The sampling maths (llmcli/generation/sampling.py): temperature, top-k and top-p on hand-made
+logits against a numpy reference, draw frequencies, inverse-CDF edge cases."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from llmcli.sampling import _inverse_cdf, filter_probs, sample_next
+from llmcli.generation.sampling import _inverse_cdf, filter_probs, sample_next
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -13,9 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmcli.config import DataConfig
-from llmcli.data import prepare_data
-from llmcli.errors import InputError
-from llmcli.tokenizer import (
+from llmcli.data.tokenizer import (
     EOT,
     BPETokenizer,
     CharTokenizer,
@@ -25,6 +23,8 @@ from llmcli.tokenizer import (
     tokenizer_from_json,
     train_tokenizer,
 )
+from llmcli.data.tokens import prepare_data
+from llmcli.errors import InputError
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "shakespeare.txt"
 TRICKY = [

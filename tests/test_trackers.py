@@ -1,4 +1,5 @@
-"""Experiment trackers (llmcli/trackers.py): TensorBoard and W&B get the records of metrics.jsonl.
+"""Experiment trackers (llmcli/runs/trackers.py): TensorBoard and W&B get the records of
+metrics.jsonl.
 
 TensorBoard's event files are read back with its own `EventAccumulator`; the W&B run is the real
 `wandb` package in offline mode (no network), its history read back from the run's `.wandb` log.
@@ -19,13 +20,13 @@ from conftest import small_run_config
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from wandb.proto import wandb_internal_pb2
 
-import llmcli.trackers
+import llmcli.runs.trackers
 from llmcli.cli import main
 from llmcli.config import config_from_dict
 from llmcli.errors import InputError
-from llmcli.runlog import read_metrics
-from llmcli.trackers import TENSORBOARD_DIR, WANDB_ID_FILE, tags
-from llmcli.train import train
+from llmcli.runs.metrics import read_metrics
+from llmcli.runs.trackers import TENSORBOARD_DIR, WANDB_ID_FILE, tags
+from llmcli.training.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMED = {"train/tokens_per_s", "progress/elapsed_s"}
@@ -172,9 +173,9 @@ def test_a_failing_tracker_warns_once_and_training_goes_on(
     def full_disk(self, record) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(llmcli.trackers.TensorBoardTracker, "log", full_disk)
+    monkeypatch.setattr(llmcli.runs.trackers.TensorBoardTracker, "log", full_disk)
     config = config_from_dict(raw_config(small_corpus, logger="tensorboard"))
-    with caplog.at_level(logging.WARNING, logger="llmcli.trackers"):
+    with caplog.at_level(logging.WARNING, logger="llmcli.runs.trackers"):
         summary = train(config, out_dir=tmp_path / "run", progress=False)
     assert summary.step == 12
     warnings = [r for r in caplog.records if "tensorboard logging failed" in r.getMessage()]

@@ -1,4 +1,4 @@
-"""The training loop (llmcli/train.py) and `llmcli train`: metrics, evaluation, checkpoints,
+"""The training loop (llmcli/training/loop.py) and `llmcli train`: metrics, evaluation, checkpoints,
 exact resume after Ctrl-C and SIGKILL, divergence, write failures, bad input, and DDP.
 
 Every run here is a 1-layer model of width 16 on 30k characters, trained on one thread (in this
@@ -21,13 +21,13 @@ import pytest
 import torch
 from conftest import default_sigint
 
-from llmcli import checkpoint as ckpt
 from llmcli import fileio
 from llmcli.config import Config, config_from_dict, dump_yaml
 from llmcli.errors import CheckpointError, InputError
-from llmcli.optim import lr_at
-from llmcli.runlog import read_metrics
-from llmcli.train import EVAL_SEED_OFFSET, DivergenceError, train
+from llmcli.runs import checkpoint as ckpt
+from llmcli.runs.metrics import read_metrics
+from llmcli.training.loop import EVAL_SEED_OFFSET, DivergenceError, train
+from llmcli.training.optim import lr_at
 
 ROOT = Path(__file__).resolve().parents[1]
 PAUSING_CHILD = Path(__file__).with_name("pausing_child.py")  # `llmcli`, pausing at a step
@@ -132,7 +132,7 @@ def reference(corpus: Path, tmp_path_factory) -> Path:
 
 
 def test_a_run_writes_its_directory_metrics_and_evaluations(reference: Path, corpus: Path) -> None:
-    from llmcli.data import BatchSampler, prepare_data
+    from llmcli.data.tokens import BatchSampler, prepare_data
 
     names = set(os.listdir(reference))
     assert names == {
@@ -271,16 +271,16 @@ def test_divergence_names_the_step_and_keeps_the_last_good_checkpoint(
             with torch.no_grad():
                 holder["model"].wte.weight[0, 0] = float("nan")
 
-    import llmcli.model
+    import llmcli.model.gpt
 
-    original = llmcli.model.Transformer.from_config
+    original = llmcli.model.gpt.Transformer.from_config
 
     def capture(*args, **kwargs):
         holder["model"] = original(*args, **kwargs)
         return holder["model"]
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(llmcli.model.Transformer, "from_config", capture)
+        mp.setattr(llmcli.model.gpt.Transformer, "from_config", capture)
         with pytest.raises(DivergenceError) as info:
             train(make_config(corpus), out_dir=run_dir, progress=False, on_step=poison)
     message = str(info.value)
@@ -404,8 +404,8 @@ def test_an_unwritable_run_directory_exits_2_with_a_message(corpus: Path, tmp_pa
 def test_ddp_two_processes_match_one_process_with_the_union_of_their_batches(
     corpus: Path, tmp_path: Path, monkeypatch
 ) -> None:
-    import llmcli.data
-    import llmcli.train
+    import llmcli.data.tokens
+    import llmcli.training.loop
 
     steps = dict(max_steps=20, warmup_steps=2, eval_interval=20, log_interval=10, grad_accum=2)
     config = write_config(make_config(corpus, batch_size=4, **steps), tmp_path / "ddp.yaml")
@@ -437,7 +437,7 @@ def test_ddp_two_processes_match_one_process_with_the_union_of_their_batches(
     assert len(list((ddp_dir / "tensorboard").glob("events.*"))) == 1  # rank 0 logs alone
 
     # One process, batch 8: each batch is rank 0's 4 windows followed by rank 1's.
-    Sampler = llmcli.data.BatchSampler
+    Sampler = llmcli.data.tokens.BatchSampler
 
     class Union:
         def __init__(
@@ -463,7 +463,7 @@ def test_ddp_two_processes_match_one_process_with_the_union_of_their_batches(
         def state_dict(self):
             return {"parts": [p.state_dict() for p in self.parts]}
 
-    monkeypatch.setattr(llmcli.train, "BatchSampler", Union)
+    monkeypatch.setattr(llmcli.training.loop, "BatchSampler", Union)
     train(make_config(corpus, batch_size=8, **steps), out_dir=tmp_path / "one", progress=False)
 
     ddp, one = (

@@ -1,4 +1,4 @@
-"""Recorded software versions and the warnings when they change (llmcli/versions.py)."""
+"""Recorded software versions and the warnings when they change (llmcli/runs/versions.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import platform
 from importlib import metadata
 
 from llmcli import __version__
-from llmcli.versions import record, warnings_for
+from llmcli.runs.versions import record, warnings_for
 
 
 def test_record_matches_the_installed_packages() -> None:

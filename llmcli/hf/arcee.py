@@ -40,7 +40,7 @@ from llmcli.hf.common import (
     take,
     warn_eps,
 )
-from llmcli.model import Transformer
+from llmcli.model.gpt import Transformer
 
 NAME = "arcee"
 MODEL_TYPE = "arcee"

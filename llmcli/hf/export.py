@@ -20,8 +20,8 @@ from typing import Any
 
 from safetensors.torch import save
 
-from llmcli import checkpoint as ckpt
 from llmcli.config import Config
+from llmcli.data.tokenizer import Tokenizer
 from llmcli.errors import InputError, describe_os_error
 from llmcli.fileio import atomic_write_bytes
 from llmcli.hf.architectures import choose
@@ -36,7 +36,7 @@ from llmcli.hf.common import (
     HF_WEIGHTS_INDEX,
     NORM_EPS,
 )
-from llmcli.tokenizer import Tokenizer
+from llmcli.runs import checkpoint as ckpt
 
 logger = logging.getLogger(__name__)
 

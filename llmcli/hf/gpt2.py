@@ -42,7 +42,7 @@ from llmcli.hf.common import (
     refuse,
     warn_eps,
 )
-from llmcli.model import Transformer
+from llmcli.model.gpt import Transformer
 
 logger = logging.getLogger(__name__)
 

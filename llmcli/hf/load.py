@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from llmcli import checkpoint as ckpt
 from llmcli.config import Config, ModelConfig
+from llmcli.data.tokenizer import Tokenizer, load_tokenizer
 from llmcli.errors import CheckpointError, InputError
 from llmcli.hf.architectures import for_model_type
 from llmcli.hf.common import (
@@ -31,8 +31,8 @@ from llmcli.hf.common import (
     HF_WEIGHTS_INDEX,
 )
 from llmcli.hub import resolve_pretrained, split_hub_name
-from llmcli.model import Transformer
-from llmcli.tokenizer import Tokenizer, load_tokenizer
+from llmcli.model.gpt import Transformer
+from llmcli.runs import checkpoint as ckpt
 
 logger = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from llmcli.hf.common import (
     take,
     warn_eps,
 )
-from llmcli.model import Transformer
+from llmcli.model.gpt import Transformer
 
 # Buffers that some GPT-NeoX checkpoints saved (causal mask, rotary table): not weights.
 _BUFFERS = (".attention.bias", ".attention.masked_bias", "rotary_emb.inv_freq")

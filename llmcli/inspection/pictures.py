@@ -10,8 +10,8 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from llmcli.attention.dump import AttentionDump
 from llmcli.fileio import atomic_path
+from llmcli.inspection.dump import AttentionDump
 
 
 def token_label(text: str) -> str:

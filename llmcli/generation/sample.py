@@ -1,9 +1,9 @@
 """Text around generation: prompts in, `Sample`s out; what `llmcli sample` runs.
 
 `sample_texts(model, tokenizer, prompts, ...)` encodes the prompts, generates `num_samples`
-continuations of each in batches (`llmcli.generate`), and turns the new tokens into text as they
-come: streaming (`TextSink`, `OrderedWriter` keeps samples generated together in order), stop
-strings and stop ids, multi-byte characters split over byte tokens, per-sample speed.
+continuations of each in batches (`llmcli.generation.generate`), and turns the new tokens into text
+as they come: streaming (`TextSink`, `OrderedWriter` keeps samples generated together in order),
+stop strings and stop ids, multi-byte characters split over byte tokens, per-sample speed.
 `sample_run` loads a run and applies its `sample:` defaults; `read_prompts` and `unescape` turn
 the command line's options into prompts and stop strings.
 """
@@ -22,14 +22,14 @@ from typing import IO, Any, Literal, Protocol
 
 import torch
 
-from llmcli.checkpoint import load_run
-from llmcli.context_window import check_context_policy, check_policy_name
+from llmcli.data.tokenizer import CharTokenizer, Tokenizer
 from llmcli.device import resolve_device, sampling_threads, torch_threads
 from llmcli.errors import InputError
-from llmcli.generate import _generate
-from llmcli.prompts import encode_prompt, parse_prompts, read_prompt_file
-from llmcli.sampling import check_sampling, make_generators
-from llmcli.tokenizer import CharTokenizer, Tokenizer
+from llmcli.generation.context_window import check_context_policy, check_policy_name
+from llmcli.generation.generate import _generate
+from llmcli.generation.prompts import encode_prompt, parse_prompts, read_prompt_file
+from llmcli.generation.sampling import check_sampling, make_generators
+from llmcli.runs.checkpoint import load_run
 
 logger = logging.getLogger(__name__)
 
@@ -273,14 +273,14 @@ def sample_texts(
         tokenizer: the run's tokenizer.
         prompts: texts; an empty one starts from the tokenizer's start ids.
         max_new_tokens: tokens to generate per sample at most (>= 1).
-        temperature, top_k, top_p: see `llmcli.sampling.sample_next`.
+        temperature, top_k, top_p: see `llmcli.generation.sampling.sample_next`.
         seed: base seed (a fresh random one when None).
         num_samples: samples per prompt (>= 1).
         stop: a sample ends when its text contains one of these; that text is not part of it.
         stop_ids: a sample ends when it generates one of these ids (not part of its text).
-        use_cache: use the KV cache (see `llmcli.generate.generate`).
+        use_cache: use the KV cache (see `llmcli.generation.generate.generate`).
         context_policy, context_keep: what the model sees past its context, "exact" or
-            "shift" and the tokens `shift` keeps (see `llmcli.generate.generate`).
+            "shift" and the tokens `shift` keeps (see `llmcli.generation.generate.generate`).
         sink: receives each sample's text as it becomes final (streaming), then `end(r)`.
         batch_size: most samples generated at once.
         notify: receives a one-line notice when prompts are cropped to the context.
@@ -490,8 +490,8 @@ def read_prompts(
 
     A prompt file holds one prompt per line (empty lines are skipped), or a JSON list of strings
     (a `.json` file must be one; another file is read as JSON when it parses as such a list);
-    see `llmcli.prompts.parse_prompts`. `--prompt-file -` reads it from stdin. With neither
-    option there is one empty prompt.
+    see `llmcli.generation.prompts.parse_prompts`. `--prompt-file -` reads it from stdin. With
+    neither option there is one empty prompt.
 
     Raises:
         InputError: both options, an unreadable or empty file, a JSON file of the wrong shape.
@@ -551,7 +551,7 @@ def sample_run(
         num_samples: samples per prompt.
         stop: stop strings (see `sample_texts`).
         context_policy, context_keep: override the run's `sample.context_policy` and
-            `sample.context_keep` (see `llmcli.generate.generate`).
+            `sample.context_keep` (see `llmcli.generation.generate.generate`).
         threads: CPU threads while generating (None: picked by `device.sampling_threads`).
         weights: "best" or "last" weights of the run (see `checkpoint.load_run`).
         device: "auto", "cpu", "cuda" or "mps".

@@ -8,7 +8,7 @@ tokenizer) or on any UTF-8 text file. Unlike the training loop's estimate, which
 into consecutive windows of `context_length` inputs, window `k` predicting `t_{kT+1} .. t_{kT+T}`
 from `t_{kT} .. t_{kT+T-1}`, so that every token after the first is predicted exactly once (the
 last window may be shorter). With `steps=N` only the first `N` batches of `batch_size` windows are
-scored. `--ablate` scores the model with heads removed (`llmcli.ablation`).
+scored. `--ablate` scores the model with heads removed (`llmcli.inspection.ablation`).
 
 Figures, over the predicted tokens:
 - `loss`: mean cross-entropy in nats per token; `perplexity = exp(loss)`;
@@ -33,14 +33,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from llmcli.ablation import check_method, head_means, parse_ablate
-from llmcli.checkpoint import load_run
-from llmcli.data import prepare_data
+from llmcli.data.tokens import prepare_data
 from llmcli.device import Precision, resolve_device
-from llmcli.distributed import DistInfo, mean_over_ranks
 from llmcli.errors import InputError
 from llmcli.fileio import read_user_text
+from llmcli.inspection.ablation import check_method, head_means, parse_ablate
 from llmcli.progress import Progress
+from llmcli.runs.checkpoint import load_run
+from llmcli.training.distributed import DistInfo, mean_over_ranks
 
 logger = logging.getLogger(__name__)
 

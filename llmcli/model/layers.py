@@ -1,8 +1,8 @@
 """Building blocks that the model's recipe options add: RMSNorm, QK-norm, rotary embeddings;
 and head ablation (`mask_heads`).
 
-All are off by default; `llmcli.model` uses them for `norm: rmsnorm`, `qk_norm: true` and
-`pos_emb: rope`, and `mask_heads` for its `head_mask` argument (`llmcli.ablation`).
+All are off by default; `llmcli.model.gpt` uses them for `norm: rmsnorm`, `qk_norm: true` and
+`pos_emb: rope`, and `mask_heads` for its `head_mask` argument (`llmcli.inspection.ablation`).
 """
 
 from __future__ import annotations

@@ -29,9 +29,9 @@ import torch
 from torch import Tensor
 
 from llmcli.config import CONTEXT_POLICIES, default_keep, keep_range
-from llmcli.decode import Decoder
 from llmcli.errors import InputError
-from llmcli.kv_cache import KVCache
+from llmcli.generation.decode import Decoder
+from llmcli.model.kv_cache import KVCache
 
 
 def check_context_policy(

@@ -18,10 +18,10 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from llmcli.checkpoint import CONFIG_FILE, METRICS_FILE, load_config_file, read_meta
 from llmcli.errors import InputError, describe_os_error
 from llmcli.fileio import atomic_write_bytes
-from llmcli.runlog import best_eval, read_metrics
+from llmcli.runs.checkpoint import CONFIG_FILE, METRICS_FILE, load_config_file, read_meta
+from llmcli.runs.metrics import best_eval, read_metrics
 
 X_AXES = ("step", "tokens", "elapsed_s")
 # Each metric, and the kind of record that holds it.

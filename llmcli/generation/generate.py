@@ -3,13 +3,14 @@
 `generate(model, prompts_ids, max_new_tokens, ...)` is an iterator that yields the `(B,)` new ids
 of each step. Prompts of different lengths run as one left-padded batch (a key padding mask
 hides the padding, positions count real tokens only) and each row draws from its own
-`torch.Generator` (see `llmcli.sampling`), so every prompt gets exactly what it would get alone
-with the same seed. The KV cache is prefilled with the prompts, then fed one token per step.
+`torch.Generator` (see `llmcli.generation.sampling`), so every prompt gets exactly what it would
+get alone with the same seed. The KV cache is prefilled with the prompts, then fed one token per
+step.
 
-Past `context_length` a context policy says what the model sees (`llmcli.context_window`):
-`exact` recomputes the last `context_length` tokens every step (a sliding window, as in nanoGPT
-and litgpt); `shift` keeps the last `keep` tokens, prefills them again and goes on with the
-cache. With or without the cache, a policy is the same computation.
+Past `context_length` a context policy says what the model sees
+(`llmcli.generation.context_window`): `exact` recomputes the last `context_length` tokens every
+step (a sliding window, as in nanoGPT and litgpt); `shift` keeps the last `keep` tokens, prefills
+them again and goes on with the cache. With or without the cache, a policy is the same computation.
 """
 
 from __future__ import annotations
@@ -20,10 +21,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from llmcli.context_window import ContextWindow, check_context_policy, next_logits, shift_logits
-from llmcli.decode import decoder_for
 from llmcli.errors import InputError
-from llmcli.sampling import GeneratorArg, check_sampling, make_generators, sample_next
+from llmcli.generation.context_window import (
+    ContextWindow,
+    check_context_policy,
+    next_logits,
+    shift_logits,
+)
+from llmcli.generation.decode import decoder_for
+from llmcli.generation.sampling import GeneratorArg, check_sampling, make_generators, sample_next
 
 
 def _check_prompts(prompts_ids: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:
@@ -35,7 +41,7 @@ def _check_prompts(prompts_ids: Sequence[Sequence[int]], vocab_size: int) -> lis
         if not row:
             raise InputError(
                 f"prompt {i} has no tokens: start an empty prompt from the tokenizer's start ids "
-                "(llmcli.tokenizer.start_ids)"
+                "(llmcli.data.tokenizer.start_ids)"
             )
         if min(row) < 0 or max(row) >= vocab_size:
             bad = sorted({t for t in row if not 0 <= t < vocab_size})
@@ -70,11 +76,11 @@ def generate(
     `context_length` tokens.
 
     Args:
-        model: a `llmcli.model.Transformer` in eval mode (or anything with its `forward`,
+        model: a `llmcli.model.gpt.Transformer` in eval mode (or anything with its `forward`,
             `new_kv_cache` and `context_length`).
         prompts_ids: B non-empty lists of token ids.
         max_new_tokens: steps to run (the caller may stop earlier by leaving the loop).
-        temperature, top_k, top_p: see `llmcli.sampling.sample_next`.
+        temperature, top_k, top_p: see `llmcli.generation.sampling.sample_next`.
         seed: seeds the per-row generators `seed + b` (ignored with `generators`; a fresh random
             seed when both are None). Unused at temperature 0.
         generators: B generators, one per row, advanced in place.
@@ -85,7 +91,7 @@ def generate(
         context_policy: past `context_length`, "shift" (keep the last `context_keep` tokens,
             prefill them again, go on with the cache; the default, as in `llmcli sample`) or
             "exact" (the last `context_length` tokens, recomputed every step); see
-            `llmcli.context_window`.
+            `llmcli.generation.context_window`.
         context_keep: tokens `shift` keeps, in `1 .. context_length - 1` (None: half the
             context).
 
@@ -135,8 +141,8 @@ def _generate(
     """The loop of `generate`, trusting its sampling controls, `max_new_tokens` and context
     policy (`context_keep` resolved: a number of tokens).
 
-    For callers that have already checked them once (`llmcli.sample`); the prompts are still
-    checked against the model's vocabulary here, as they are turned into rows.
+    For callers that have already checked them once (`llmcli.generation.sample`); the prompts are
+    still checked against the model's vocabulary here, as they are turned into rows.
     """
     rows = _check_prompts(prompts_ids, model.vocab_size)
     B, C = len(rows), model.context_length

@@ -13,8 +13,8 @@ GELU. The two kernels agree to the last bit or two, so the step's logits equal
 millionths otherwise (tests/test_decode.py checks every pair of recipe option values, with and
 without padding). A sampled token could change only where the draw falls within that much of the
 boundary between two tokens' cumulative probabilities (benchmarks/decode_tokens.py found no
-change in 30,000 tokens). It checks nothing, so only `llmcli.context_window` calls it, with
-inputs that generation built.
+change in 30,000 tokens). It checks nothing, so only `llmcli.generation.context_window` calls it,
+with inputs that generation built.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from llmcli.kv_cache import KVCache, padding_with_cache
-from llmcli.layers import RMSNorm, qk_rms_norm
-from llmcli.masks import allowed_keys
-from llmcli.model import Block, Transformer
+from llmcli.model.gpt import Block, Transformer
+from llmcli.model.kv_cache import KVCache, padding_with_cache
+from llmcli.model.layers import RMSNorm, qk_rms_norm
+from llmcli.model.masks import allowed_keys
 
 Fn = Callable[[Tensor], Tensor]
 

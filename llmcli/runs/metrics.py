@@ -1,8 +1,8 @@
 """The training log: `metrics.jsonl`, reading it back, and the loss-curve picture.
 
 Rank 0 appends one JSON object per logged step (`"kind": "train"`) and per evaluation (`"kind":
-"eval"`), and hands each to the run's experiment trackers (`llmcli.trackers`). A resumed run first
-cuts the file back to its size at the save it resumes from, so the records after that save are
+"eval"`), and hands each to the run's experiment trackers (`llmcli.runs.trackers`). A resumed run
+first cuts the file back to its size at the save it resumes from, so the records after that save are
 written again rather than twice. `loss.png` is redrawn from the file at every evaluation.
 """
 
@@ -19,7 +19,7 @@ from matplotlib.figure import Figure
 
 from llmcli.errors import CheckpointError, describe_os_error
 from llmcli.fileio import atomic_write_bytes
-from llmcli.trackers import Trackers
+from llmcli.runs.trackers import Trackers
 
 
 class MetricsLog:

@@ -1,11 +1,12 @@
 """The training loop: build the model, data and optimizer, then step, log, evaluate and save.
 
 `train(config)` trains the model `config.model` describes on the corpus `config.data` names and
-writes a run directory (layout in `llmcli.checkpoint`). One optimizer step is `grad_accum`
+writes a run directory (layout in `llmcli.runs.checkpoint`). One optimizer step is `grad_accum`
 micro-batches of `batch_size` sequences of `context_length` tokens on every rank. `_loop` is the
 whole loop, as in nanoGPT; what keeps a run safe sits beside it as named helpers: the resume
-state (`llmcli.train_state`), atomic saves (`llmcli.checkpoint`), precision (`llmcli.device`),
-agreement between ranks (`llmcli.distributed`) and Ctrl-C (`llmcli.interrupt`).
+state (`llmcli.training.state`), atomic saves (`llmcli.runs.checkpoint`), precision
+(`llmcli.device`), agreement between ranks (`llmcli.training.distributed`) and Ctrl-C
+(`llmcli.training.interrupt`).
 
 What a step does not do: read a value back from the device. Losses go into a small on-device
 buffer that is read once per log step (every `log_interval` steps), where a NaN or inf is found
@@ -15,7 +16,7 @@ Saves: at every evaluation, every `train.save_interval` steps, and at the first 
 `train.save_interval_s` seconds after the last save, so that a kill loses bounded work; all ranks
 learn at the same step that a save (or a stop) is due, through the log step's all-reduce.
 
-Exact resume: see `llmcli.train_state`. `metrics.jsonl` is cut back to what it held at the save
+Exact resume: see `llmcli.training.state`. `metrics.jsonl` is cut back to what it held at the save
 a run resumes from, and the resumed run writes the same records again (only `elapsed_s` and
 `tok_per_s` differ).
 
@@ -44,9 +45,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from llmcli import checkpoint as ckpt
 from llmcli.config import Config, TrainConfig
-from llmcli.data import BatchSampler, TokenData, prepare_data
+from llmcli.data.tokenizer import Tokenizer
+from llmcli.data.tokens import BatchSampler, TokenData, prepare_data
 from llmcli.device import (
     Precision,
     check_memory,
@@ -54,7 +55,17 @@ from llmcli.device import (
     out_of_memory_is_bad_input,
     resolve_device,
 )
-from llmcli.distributed import (
+from llmcli.errors import CheckpointError, InputError, describe_os_error
+from llmcli.fileio import remove_stale_temp_files
+from llmcli.hf.load import load_hf_weights, resolve_init_from
+from llmcli.inspection.evaluate import evaluate_loss, perplexity
+from llmcli.model.gpt import Transformer
+from llmcli.progress import Progress
+from llmcli.runs import checkpoint as ckpt
+from llmcli.runs.metrics import MetricsLog, plot_losses
+from llmcli.runs.trackers import check_available, open_trackers
+from llmcli.runs.versions import record as record_versions
+from llmcli.training.distributed import (
     DistInfo,
     agreed,
     dist_from_env,
@@ -62,19 +73,9 @@ from llmcli.distributed import (
     mean_over_ranks,
     process_group,
 )
-from llmcli.errors import CheckpointError, InputError, describe_os_error
-from llmcli.evaluate import evaluate_loss, perplexity
-from llmcli.fileio import remove_stale_temp_files
-from llmcli.hf.load import load_hf_weights, resolve_init_from
-from llmcli.interrupt import Preempted, StopRequest
-from llmcli.model import Transformer
-from llmcli.optim import apply_lr, build_optimizer
-from llmcli.progress import Progress
-from llmcli.runlog import MetricsLog, plot_losses
-from llmcli.tokenizer import Tokenizer
-from llmcli.trackers import check_available, open_trackers
-from llmcli.train_state import TrainState, rng_state, seed_everything, set_rng_state
-from llmcli.versions import record as record_versions
+from llmcli.training.interrupt import Preempted, StopRequest
+from llmcli.training.optim import apply_lr, build_optimizer
+from llmcli.training.state import TrainState, rng_state, seed_everything, set_rng_state
 
 logger = logging.getLogger(__name__)
 

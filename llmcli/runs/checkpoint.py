@@ -41,12 +41,12 @@ from typing import Any
 import torch
 from safetensors.torch import load, save
 
-from llmcli import versions
 from llmcli.config import Config, config_from_dict, dump_yaml, read_yaml
+from llmcli.data.tokenizer import Tokenizer, load_tokenizer
 from llmcli.errors import CheckpointError, InputError, describe_os_error
 from llmcli.fileio import atomic_write_bytes, atomic_write_json, atomic_write_text
-from llmcli.model import Transformer
-from llmcli.tokenizer import Tokenizer, load_tokenizer
+from llmcli.model.gpt import Transformer
+from llmcli.runs import versions
 
 logger = logging.getLogger(__name__)
 

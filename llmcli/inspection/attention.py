@@ -20,18 +20,24 @@ import numpy as np
 import torch
 
 from llmcli import __version__
-from llmcli.ablation import INSPECT_METHODS, HeadDeltas, check_method, format_top_heads, head_deltas
-from llmcli.attention.capture import capture_prompts, induction_scores
-from llmcli.attention.dump import FORMATS, AttentionDump, format_metrics_table, save_dump
-from llmcli.attention.metrics import INDUCTION, METRIC_NAMES, head_metrics
-from llmcli.attention.pictures import plot_head_deltas, plot_layers
-from llmcli.attention.viewer import write_viewer
-from llmcli.checkpoint import load_run
-from llmcli.data import prepare_data
+from llmcli.data.tokens import prepare_data
 from llmcli.device import resolve_device
 from llmcli.errors import InputError, describe_os_error
-from llmcli.evaluate import eval_tokens, window_batches, window_starts
-from llmcli.prompts import encode_prompt, read_prompt_file
+from llmcli.generation.prompts import encode_prompt, read_prompt_file
+from llmcli.inspection.ablation import (
+    INSPECT_METHODS,
+    HeadDeltas,
+    check_method,
+    format_top_heads,
+    head_deltas,
+)
+from llmcli.inspection.capture import capture_prompts, induction_scores
+from llmcli.inspection.dump import FORMATS, AttentionDump, format_metrics_table, save_dump
+from llmcli.inspection.evaluate import eval_tokens, window_batches, window_starts
+from llmcli.inspection.metrics import INDUCTION, METRIC_NAMES, head_metrics
+from llmcli.inspection.pictures import plot_head_deltas, plot_layers
+from llmcli.inspection.viewer import write_viewer
+from llmcli.runs.checkpoint import load_run
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The offline attention viewer: one self-contained HTML file per dump.
 
-`write_viewer` fills the template `llmcli/attention/viewer.html` (plain HTML, CSS and JavaScript, no
-network, no CDN) with a dump's data inlined as JSON: pick a layer and a head (or the mean of
+`write_viewer` fills the template `llmcli/inspection/viewer.html` (plain HTML, CSS and JavaScript,
+no network, no CDN) with a dump's data inlined as JSON: pick a layer and a head (or the mean of
 the heads), see the heatmap, hover or click a token or a cell to see where that query attends.
 
 The weights travel as base64 little-endian float32, lower triangle only (row q holds keys 0..q;
@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from llmcli.attention.dump import AttentionDump
 from llmcli.fileio import atomic_write_text
+from llmcli.inspection.dump import AttentionDump
 
 _PLACEHOLDER = "__ATTENTION_DATA__"
 
@@ -56,7 +56,7 @@ def viewer_data(dump: AttentionDump) -> dict[str, Any]:
 def render_viewer(dump: AttentionDump) -> str:
     """The viewer page for `dump` as one HTML string with the data inlined."""
     template = (
-        resources.files("llmcli.attention").joinpath("viewer.html").read_text(encoding="utf-8")
+        resources.files("llmcli.inspection").joinpath("viewer.html").read_text(encoding="utf-8")
     )
     payload = json.dumps(viewer_data(dump), ensure_ascii=False, allow_nan=False)
     # Inside <script> the sequence "</script>" (in a token, say) would end the element early:

@@ -12,9 +12,9 @@ import json
 from pathlib import Path
 from typing import Literal
 
+from llmcli.data.tokenizer import Tokenizer, start_ids
 from llmcli.errors import InputError
 from llmcli.fileio import read_user_text
-from llmcli.tokenizer import Tokenizer, start_ids
 
 _EXAMPLE = '["ROMEO:", "JULIET:"]'
 
@@ -121,7 +121,7 @@ def encode_prompt(
         prompt: the text.
         context_length: the model's context length.
         empty: for an empty prompt, or text that encodes to no tokens (e.g. only characters a
-            BPE drops): "start" from the tokenizer's start ids (`llmcli.tokenizer.start_ids`),
+            BPE drops): "start" from the tokenizer's start ids (`llmcli.data.tokenizer.start_ids`),
             or "error".
         too_long: for a prompt of more than `context_length` tokens: "crop" it to its last
             `context_length` tokens, or "error" (the message suggests `--truncate`).

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from llmcli.errors import InputError
-from llmcli.masks import check_padding_mask
+from llmcli.model.masks import check_padding_mask
 
 
 class KVCache:

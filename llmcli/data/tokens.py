@@ -1,7 +1,7 @@
 """From text sources to batches of token windows, through a memory-mapped token cache.
 
 `prepare_data` reads the configured text (`data.path`: a file, a folder of `.txt` files or a glob;
-or `data.dataset`: a Hugging Face `datasets` source; see `llmcli.corpus`), trains the tokenizer
+or `data.dataset`: a Hugging Face `datasets` source; see `llmcli.data.corpus`), trains the tokenizer
 unless one is given, and tokenizes the text once into a binary token file (uint16 when the
 vocabulary fits, else uint32) under a cache folder. The file is keyed by a hash of the source
 content and of the tokenizer, so an unchanged corpus is not tokenized again and a changed one is.
@@ -39,11 +39,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from llmcli.corpus import FileSource, Source, open_sources
-from llmcli.errors import InputError, describe_os_error
-from llmcli.fileio import atomic_path, atomic_write_text
-from llmcli.progress import Progress
-from llmcli.tokenizer import (
+from llmcli.data.corpus import FileSource, Source, open_sources
+from llmcli.data.tokenizer import (
     EOT,
     CharTokenizer,
     Tokenizer,
@@ -51,6 +48,9 @@ from llmcli.tokenizer import (
     separator_ids,
     train_tokenizer,
 )
+from llmcli.errors import InputError, describe_os_error
+from llmcli.fileio import atomic_path, atomic_write_text
+from llmcli.progress import Progress
 
 if TYPE_CHECKING:
     from llmcli.config import DataConfig

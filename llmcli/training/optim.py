@@ -24,7 +24,7 @@ from torch import nn
 
 from llmcli.config import TrainConfig
 from llmcli.errors import ConfigError
-from llmcli.muon import Muon
+from llmcli.training.muon import Muon
 
 Named = list[tuple[str, nn.Parameter]]
 
@@ -63,7 +63,7 @@ def muon_param_groups(model: nn.Module, train: TrainConfig) -> list[dict[str, An
     Hidden matrices are the 2-D parameters that are neither an `nn.Embedding` table nor the
     model's `lm_head` (attention QKV and output projections, MLP matrices). The embeddings and
     the LM head go to AdamW with weight decay, norm gains and biases to AdamW without (see
-    `param_groups`). See `llmcli.muon` for why.
+    `param_groups`). See `llmcli.training.muon` for why.
 
     Returns:
         `[muon, adamw decay, adamw no-decay]` groups, each with `"names"` and `"base_lr"`.
@@ -92,7 +92,7 @@ def build_optimizer(
     """The optimizer `train.optimizer` names, with its groups at their peak learning rate.
 
     AdamW uses the fused kernel on CUDA and the CPU, the foreach one elsewhere; "muon"
-    is `llmcli.muon.Muon` over `muon_param_groups` (Muon at `train.muon_lr` for hidden
+    is `llmcli.training.muon.Muon` over `muon_param_groups` (Muon at `train.muon_lr` for hidden
     matrices, AdamW at `train.lr` for the rest).
 
     Args:

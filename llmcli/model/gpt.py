@@ -6,10 +6,10 @@ head size (`C // nh`), `V` vocabulary. `Head` is a single attention head written
 `F.scaled_dot_product_attention`) and equals a stack of `Head`s with the same weights.
 
 Recipe options (all off by default, so the default model is a GPT-2-like architecture): rotary
-position embeddings (`rope`), RMSNorm, QK-norm (their layers are in `llmcli.layers`), a ReLU² MLP
-and an untied LM head. Masks, and attention computed under them three ways (the explicit
-formula, fused SDPA, fused SDPA with padding), are in `llmcli.masks`; generation uses
-`llmcli.kv_cache.KVCache`.
+position embeddings (`rope`), RMSNorm, QK-norm (their layers are in `llmcli.model.layers`), a ReLU²
+MLP and an untied LM head. Masks, and attention computed under them three ways (the explicit
+formula, fused SDPA, fused SDPA with padding), are in `llmcli.model.masks`; generation uses
+`llmcli.model.kv_cache.KVCache`.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from llmcli.errors import InputError
-from llmcli.kv_cache import KVCache, padding_with_cache
-from llmcli.layers import RotaryEmbedding, make_norm, mask_heads, qk_rms_norm
-from llmcli.masks import (
+from llmcli.model.kv_cache import KVCache, padding_with_cache
+from llmcli.model.layers import RotaryEmbedding, make_norm, mask_heads, qk_rms_norm
+from llmcli.model.masks import (
     allowed_keys,
     causal_attention,
     check_length,
@@ -235,7 +235,7 @@ class MultiHeadAttention(nn.Module):
             y = causal_attention(q, k, v, causal, dropout_p)
         else:
             y = padded_attention(q, k, v, causal, key_padding_mask, dropout_p)
-        if head_mask is not None:  # head ablation (llmcli.ablation); without it, this one test
+        if head_mask is not None:  # head ablation; without it, this one test
             y = mask_heads(y, head_mask, head_mean)  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, nh, T, hs) -> (B, T, nh, hs) -> (B, T, C)
         y = self.proj(y)  # (B, T, C)

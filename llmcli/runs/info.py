@@ -1,7 +1,7 @@
 """What a run is: its model size, training summary, recorded versions and generation defaults.
 
 `llmcli info` prints `run_info()`; the versions recorded at training time are compared with the
-installed ones (see `llmcli.versions`).
+installed ones (see `llmcli.runs.versions`).
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from llmcli.checkpoint import METRICS_FILE, load_run
-from llmcli.runlog import best_eval, read_metrics
-from llmcli.versions import record, warnings_for
+from llmcli.runs.checkpoint import METRICS_FILE, load_run
+from llmcli.runs.metrics import best_eval, read_metrics
+from llmcli.runs.versions import record, warnings_for
 
 
 def run_info(

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from llmcli.attention.metrics import induction_score
+from llmcli.inspection.metrics import induction_score
 
 #: How many prompts run through the model in one padded batch.
 BATCH_PROMPTS = 16
@@ -55,7 +55,7 @@ def capture_attention(
     those of the normal forward (a test checks it). The model's train/eval mode is restored.
 
     Args:
-        model: a `llmcli.model.Transformer`.
+        model: a `llmcli.model.gpt.Transformer`.
         idx: token ids `(B, T)`, T <= context_length.
         key_padding_mask: optional `(B, T)` bool, True where a key is padding.
 

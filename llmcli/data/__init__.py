@@ -1,0 +1,2 @@
+"""Text to batches: corpora (`corpus`), tokenizers (`tokenizer`), the token cache and batches
+(`tokens`)."""

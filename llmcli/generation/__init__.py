@@ -1,0 +1,2 @@
+"""Generation: sampling maths (`sampling`), the batched loop (`generate`) with its context window
+(`context_window`) and one-token step (`decode`), and the text around it (`prompts`, `sample`)."""

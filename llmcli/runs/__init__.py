@@ -1,0 +1,2 @@
+"""The run directory: its files (`checkpoint`), the metrics log (`metrics`), trackers
+(`trackers`), recorded versions (`versions`), and reading runs (`info`, `compare`)."""

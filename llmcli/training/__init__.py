@@ -1,0 +1,2 @@
+"""Training: the loop (`loop`), its resume state (`state`), optimizers and schedules (`optim`,
+`muon`), several processes (`distributed`) and Ctrl-C / SIGTERM (`interrupt`)."""
