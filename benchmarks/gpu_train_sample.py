@@ -80,7 +80,7 @@ def main() -> None:
 
     mc = config.model
     with torch.device("meta"):
-        model = Transformer.from_config(mc, _vocab_size(out))
+        model = Transformer(mc, _vocab_size(out))
     n = model.num_parameters(non_embedding=True)
     flops_per_token = 6 * n + 12 * mc.n_layer * mc.context_length * mc.n_embed
     mfu = steady * flops_per_token / (args.peak_tflops * 1e12)

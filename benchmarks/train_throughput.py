@@ -164,7 +164,7 @@ Step = Callable[[Tensor, Tensor], None]
 def llmcli_step(shape: dict, compile_model: bool = False) -> tuple[Step, nn.Module]:
     """llmcli's model, optimizer and step, as `llmcli.training.loop` runs them (grad_accum 1)."""
     model_shape = {k: v for k, v in shape.items() if k != "batch_size"}
-    model = Transformer.from_config(
+    model = Transformer(
         ModelConfig(**model_shape), VOCAB, generator=torch.Generator().manual_seed(0)
     )
     train_cfg = TrainConfig(device="cpu", max_steps=10**6, warmup_steps=0)

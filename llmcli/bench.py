@@ -219,7 +219,7 @@ def measure(
         torch.cuda.reset_peak_memory_stats(device)
 
     gen = torch.Generator().manual_seed(settings.seed)
-    model = Transformer.from_config(model_cfg, vocab, generator=gen).to(device)
+    model = Transformer(model_cfg, vocab, generator=gen).to(device)
     B, T = config.train.batch_size, context_length
     data = torch.randint(0, vocab, (B, T + 1), generator=gen).to(device)
     x, y = data[:, :-1], data[:, 1:]  # (B, T), (B, T)

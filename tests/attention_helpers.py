@@ -44,7 +44,7 @@ def build_model(seed: int = 0, **model_overrides):
     model_cfg = {"n_layer": 2, "n_head": 4, "n_embed": 32, "context_length": CTX, **model_overrides}
     config = config_from_dict({"model": model_cfg, "data": {"val_fraction": 0.25}})
     gen = torch.Generator().manual_seed(seed)
-    model = Transformer.from_config(config.model, tok.vocab_size, generator=gen)
+    model = Transformer(config.model, tok.vocab_size, generator=gen)
     with torch.no_grad():
         for block in model.blocks:
             block.attn.qkv.weight.normal_(0.0, 0.4, generator=gen)

@@ -73,7 +73,7 @@ def save_tiny_run(
         extra_meta: merged into `meta.json`.
     """
     config = config_from_dict(raw_config)
-    model = Transformer.from_config(
+    model = Transformer(
         config.model, tokenizer.vocab_size, generator=torch.Generator().manual_seed(seed)
     )
     if sharpen is not None:

@@ -47,7 +47,7 @@ def make_run(run_dir: Path, kind: str = "char", seed: int = 0, **model_opts) -> 
     model_cfg = ModelConfig(n_layer=2, n_head=4, n_embed=32, context_length=96, **model_opts)
     config = Config(model=model_cfg, data=DataConfig(tokenizer=kind))
     g = torch.Generator().manual_seed(seed)
-    model = Transformer.from_config(model_cfg, tok.vocab_size, generator=g)
+    model = Transformer(model_cfg, tok.vocab_size, generator=g)
     with torch.no_grad():  # well-separated logits, so greedy decoding has no near ties
         for name, p in model.named_parameters():
             gain = name.endswith("weight") and p.ndim == 1

@@ -1,5 +1,6 @@
 """Shared by the model tests: comparisons that print their difference, seeded generators,
-randomised parameters, a tiny model, and the rotary formula in NumPy."""
+randomised parameters, a tiny model, the rotary formula in NumPy, and an attention layer run
+with a context or with its weights read."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from llmcli.model.gpt import Transformer
+from llmcli.config import ModelConfig
+from llmcli.model import AttentionContext, Transformer, hooked
 
 
 def assert_close(actual, expected, name: str, atol: float = 1e-5, rtol: float = 1e-5) -> None:
@@ -31,10 +33,12 @@ def randomize_(module: nn.Module, seed: int = 0) -> nn.Module:
     return module
 
 
-def tiny_model(seed: int = 0, **kwargs) -> Transformer:
-    args = {"vocab_size": 37, "n_layer": 2, "n_head": 4, "n_embed": 32, "context_length": 16}
-    args.update(kwargs)
-    return Transformer(**args, generator=gen(seed)).eval()
+def tiny_model(seed: int = 0, vocab_size: int = 37, **kwargs) -> Transformer:
+    """A 2-layer model in eval mode; keyword arguments are `ModelConfig` values."""
+    config = ModelConfig(
+        **{"n_layer": 2, "n_head": 4, "n_embed": 32, "context_length": 16, **kwargs}
+    )
+    return Transformer(config, vocab_size, generator=gen(seed)).eval()
 
 
 def numpy_rope(x: np.ndarray, positions: np.ndarray, base: float = 10000.0) -> np.ndarray:
@@ -46,3 +50,17 @@ def numpy_rope(x: np.ndarray, positions: np.ndarray, base: float = 10000.0) -> n
     return np.concatenate(
         [a * np.cos(theta) - b * np.sin(theta), a * np.sin(theta) + b * np.cos(theta)], axis=-1
     )
+
+
+def context(module: nn.Module, x: torch.Tensor, **inputs) -> AttentionContext:
+    """The attention context of one forward of `module` over `x` (`key_padding_mask=`,
+    `position_ids=`, `kv_cache=`), as `Transformer.forward` builds it."""
+    return AttentionContext.build(x, module.config.context_length, **inputs)
+
+
+def with_weights(mha: nn.Module, x: torch.Tensor, ctx: AttentionContext | None = None):
+    """`mha(x, ctx)` and its attention weights `(B, nh, T, T_k)`, read at its `pattern` hook."""
+    weights = []
+    with hooked(mha, {"pattern": weights.append}):
+        y = mha(x, ctx)
+    return y, weights[0]

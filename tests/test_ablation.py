@@ -1,4 +1,4 @@
-"""Head ablation (llmcli/inspection/ablation.py and the model's `head_mask`): against references.
+"""Head ablation (llmcli/inspection/ablation.py, at the `attn.z` hook point): against references.
 
 References: a stack of `Head`s with one head's output replaced in the concatenation, a model
 whose attention layers output `proj.bias` written out by hand, and the plain one-forward-per-head
@@ -6,6 +6,8 @@ whose attention layers output `proj.bias` written out by hand, and the plain one
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import numpy as np
 import pytest
@@ -16,23 +18,26 @@ from model_helpers import assert_close, gen, randomize_, tiny_model
 from llmcli.errors import InputError
 from llmcli.inspection.ablation import (
     HeadDeltas,
+    ablation_hooks,
     check_method,
     format_top_heads,
     head_batch,
     head_deltas,
     head_deltas_full,
     head_means,
+    mask_heads,
     parse_ablate,
     top_heads,
 )
-from llmcli.model.gpt import MultiHeadAttention
+from llmcli.model import MultiHeadAttention, hooked
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 OPTIONS = {
     "default": {},
-    "rope+qknorm": {"rope": True, "qk_norm": True},
+    "rope+qknorm": {"pos_emb": "rope", "qk_norm": True},
 }
+SHAPE = {"n_head": 4, "n_embed": 32, "context_length": 8}
 
 
 def sharp_model(seed: int = 0, **kwargs):
@@ -59,7 +64,7 @@ def random_batches(n: int = 3, B: int = 2, T: int = 16, vocab: int = 37, seed: i
 @pytest.mark.parametrize("explicit", [False, True], ids=["fused", "explicit"])
 @pytest.mark.parametrize("opts", OPTIONS.values(), ids=OPTIONS.keys())
 def test_removing_a_head_equals_the_stack_of_heads_with_its_output_replaced(opts, explicit):
-    mha = randomize_(MultiHeadAttention(4, 32, 8, **opts)).eval()
+    mha = randomize_(MultiHeadAttention(**SHAPE, **opts)).eval()
     x = torch.randn(2, 8, 32, generator=gen(1))
     heads = mha.heads()
     outs = [h(x) for h in heads]  # 4 x (B, T, hs)
@@ -74,25 +79,31 @@ def test_removing_a_head_equals_the_stack_of_heads_with_its_output_replaced(opts
             )
             replaced[h] = fill
             ref = mha.proj(torch.cat(replaced, dim=-1))  # (B, T, C)
-            y = mha(x, head_mask=mask, head_mean=head_mean, return_weights=explicit)
-            y = y[0] if explicit else y
+            fns = {"z": partial(mask_heads, keep=mask, mean=head_mean)}
+            if explicit:  # reading the pattern makes the layer compute its weights explicitly
+                fns["pattern"] = lambda w: None
+            with hooked(mha, fns):
+                y = mha(x)
             kind = "zero" if head_mean is None else "mean"
             assert_close(y, ref, f"head {h} {kind}, {'explicit' if explicit else 'fused'}")
 
 
 def test_a_mask_per_batch_row_removes_each_rows_own_heads():
-    mha = randomize_(MultiHeadAttention(4, 32, 8)).eval()
+    mha = randomize_(MultiHeadAttention(**SHAPE)).eval()
     x = torch.randn(3, 8, 32, generator=gen(1))
     rows = torch.tensor([[1.0, 0.0, 1.0, 1.0], [0.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
-    y = mha(x, head_mask=rows)  # (B, T, C)
+    with hooked(mha, {"z": partial(mask_heads, keep=rows)}):
+        y = mha(x)  # (B, T, C)
     for b in range(3):
-        assert_close(y[b : b + 1], mha(x[b : b + 1], head_mask=rows[b]), f"row {b}")
+        with hooked(mha, {"z": partial(mask_heads, keep=rows[b])}):
+            assert_close(y[b : b + 1], mha(x[b : b + 1]), f"row {b}")
 
 
 def test_removing_every_head_leaves_proj_bias_computed_by_hand():
     model = randomize_(tiny_model(0, n_layer=3))
     idx = torch.randint(37, (2, 16), generator=gen(1))
-    logits, _ = model(idx, head_mask=torch.zeros(3, 4))
+    with model.hooks(ablation_hooks(torch.zeros(3, 4))):
+        logits, _ = model(idx)
     with torch.no_grad():  # the model written out with each attention layer's output = proj.bias
         x = model.wte.weight[idx] + model.wpe.weight[:16]  # (B, T, C)
         for block in model.blocks:
@@ -111,8 +122,15 @@ def test_a_mask_of_ones_changes_no_bit():
     means = head_means(model, random_batches())
     plain, _ = model(idx)
     ones = torch.ones(3, 4)
-    assert torch.equal(model(idx, head_mask=ones)[0], plain)
-    assert torch.equal(model(idx, head_mask=ones, head_mean=means)[0], plain)
+    for mean in (None, means):  # at every layer (ablation_hooks would leave such layers alone)
+        fns = {
+            f"blocks.{i}.attn.z": partial(
+                mask_heads, keep=ones[i], mean=None if mean is None else mean[i]
+            )
+            for i in range(3)
+        }
+        with model.hooks(fns):
+            assert torch.equal(model(idx)[0], plain)
 
 
 def test_head_means_are_the_mean_outputs_of_the_stack_of_heads():

@@ -27,9 +27,7 @@ def make_run(run_dir: Path, *, tie: bool = True, step: int = 7) -> tuple[Config,
         model=ModelConfig(n_layer=1, n_head=2, n_embed=16, context_length=8, tie_embeddings=tie)
     )
     tok = CharTokenizer.train([TEXT])
-    model = Transformer.from_config(
-        config.model, tok.vocab_size, generator=torch.Generator().manual_seed(3)
-    )
+    model = Transformer(config.model, tok.vocab_size, generator=torch.Generator().manual_seed(3))
     ckpt.save_model_run(run_dir, config, tok, model, extra_meta={"step": step})
     return config, model
 
@@ -224,7 +222,7 @@ def test_rope_weights_without_a_position_table_still_check_layers(tmp_path: Path
         model=ModelConfig(n_layer=2, n_head=2, n_embed=16, context_length=8, pos_emb="rope")
     )
     tok = CharTokenizer.train([TEXT])
-    model = Transformer.from_config(config.model, tok.vocab_size)
+    model = Transformer(config.model, tok.vocab_size)
     ckpt.save_model_run(tmp_path / "run", config, tok, model, extra_meta={"step": 1})
     assert ckpt.load_run(tmp_path / "run").model.n_layer == 2
     path = tmp_path / "run" / "config.yaml"

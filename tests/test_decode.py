@@ -1,6 +1,7 @@
 """The one-token decode step (llmcli/generation/decode.py): the same logits and cache as
 `Transformer.forward` run with the same GELU kernel, bit for bit, for every pair of recipe
-option values, with and without padding."""
+option values, with and without padding; and `small_gelu`, which picks ATen's GELU kernel for a
+generation with small steps."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 from model_helpers import gen, randomize_, tiny_model
 
-from llmcli.generation.decode import Decoder, decoder_for
+from llmcli.generation.decode import Decoder, decoder_for, small_gelu
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -50,8 +51,8 @@ def test_decode_step_equals_forward_bit_for_bit(opts) -> None:
     model = randomize_(tiny_model(**opts)).eval()
     g = gen(1)
     B = 3
-    for padded in (False, True):
-        with torch.inference_mode():
+    for padded, kernel in ((False, True), (True, True), (False, False), (True, False)):
+        with torch.inference_mode(), onednn(kernel):  # oneDNN's GELU kernel, or ATen's
             prompt = torch.randint(37, (B, 5), generator=g)  # (B, 5)
             mask = None
             if padded:  # rows of 3, 5 and 1 real tokens, left-padded
@@ -64,8 +65,7 @@ def test_decode_step_equals_forward_bit_for_bit(opts) -> None:
             for t in range(8):
                 idx = torch.randint(37, (B,), generator=g)  # (B,)
                 pos = (torch.tensor([3, 5, 1]) + t)[:, None] if padded else None  # (B, 1)
-                with onednn(False):  # the step's GELU kernel
-                    expected, _ = model(idx[:, None], position_ids=pos, kv_cache=theirs)
+                expected, _ = model(idx[:, None], position_ids=pos, kv_cache=theirs)
                 got = decoder(idx, ours, pos)
                 assert torch.equal(got, expected[:, -1]), f"step {t}, padded={padded}"
         assert ours.length == theirs.length == 13
@@ -73,30 +73,32 @@ def test_decode_step_equals_forward_bit_for_bit(opts) -> None:
         assert torch.equal(ours.padding, theirs.padding)
 
 
-def test_decoder_only_for_a_transformer_in_eval_mode() -> None:
+def test_decoder_only_for_a_transformer_in_eval_mode_without_hooks() -> None:
     model = tiny_model()
     assert isinstance(decoder_for(model), Decoder)
     assert decoder_for(model.train()) is None  # dropout: forward's business
     assert decoder_for(torch.nn.Linear(2, 2)) is None
+    with model.eval().hooks({"blocks.1.mlp_out": lambda x: None}):  # hooks see every step
+        assert decoder_for(model) is None
+    assert isinstance(decoder_for(model), Decoder)
 
 
 @pytest.mark.parametrize("enabled", [True, False])
-def test_decode_step_leaves_onednn_as_it_found_it(enabled) -> None:
+def test_small_gelu_leaves_onednn_as_it_found_it(enabled) -> None:
     model = randomize_(tiny_model(mlp="gelu")).eval()
-    with onednn(enabled), torch.inference_mode():
-        cache = model.new_kv_cache(1)
-        model(torch.tensor([[1, 2, 3]]), kv_cache=cache)
-        Decoder(model)(torch.tensor([4]), cache, None)
+    with onednn(enabled):
+        with small_gelu(model, 1):
+            assert torch.backends.mkldnn.enabled is False
         assert torch.backends.mkldnn.enabled is enabled
-        with pytest.raises(IndexError):  # a step that fails restores it too
-            Decoder(model)(torch.tensor([10**6]), cache, None)
+        with pytest.raises(IndexError), small_gelu(model, 1):  # a step that fails restores it too
+            model(torch.tensor([[10**6]]))
         assert torch.backends.mkldnn.enabled is enabled
 
 
-def test_decode_step_stays_within_1e_5_of_forward_on_onednn() -> None:
-    """oneDNN's GELU (torch's default on the CPU) and ATen's, which the step uses, agree to a
-    few units in the last place: the logits agree far below any sampling threshold, and a
-    greedy run picks the same tokens."""
+def test_decode_step_on_atens_gelu_stays_within_1e_5_of_forward_on_onednn() -> None:
+    """oneDNN's GELU (torch's default on the CPU) and ATen's, which `llmcli sample` gives the
+    step, agree to a few units in the last place: the logits agree far below any sampling
+    threshold, and a greedy run picks the same tokens."""
     model = randomize_(tiny_model(mlp="gelu")).eval()
     g = gen(2)
     with torch.inference_mode():
@@ -108,7 +110,8 @@ def test_decode_step_stays_within_1e_5_of_forward_on_onednn() -> None:
         idx = prompt[:, -1]
         for _ in range(10):
             expected, _ = model(idx[:, None], kv_cache=theirs)  # oneDNN's GELU
-            got = decoder(idx, ours, None)
+            with small_gelu(model, 4):
+                got = decoder(idx, ours, None)
             torch.testing.assert_close(got, expected[:, -1], rtol=1e-5, atol=1e-5)
             assert torch.equal(got.argmax(-1), expected[:, -1].argmax(-1))
             idx = got.argmax(-1)
@@ -123,20 +126,11 @@ def test_decode_step_stays_within_1e_5_of_forward_on_onednn() -> None:
         ("relu2", 1, None, False),  # no GELU: the flag is left alone
     ],
 )
-def test_decode_step_moves_only_small_gelus_off_onednn(mlp, rows, limit, aten, monkeypatch) -> None:
+def test_small_gelu_moves_only_small_gelus_off_onednn(mlp, rows, limit, aten, monkeypatch) -> None:
     import llmcli.generation.decode
 
     if limit is not None:
         monkeypatch.setattr(llmcli.generation.decode, "ATEN_GELU_MAX", limit)
     model = randomize_(tiny_model(mlp=mlp)).eval()
-    decoder = Decoder(model)
-    seen = []
-    step = decoder._step
-    monkeypatch.setattr(
-        decoder, "_step", lambda *a: seen.append(torch.backends.mkldnn.enabled) or step(*a)
-    )
-    with onednn(True), torch.inference_mode():
-        cache = model.new_kv_cache(rows)
-        model(torch.ones(rows, 2, dtype=torch.long), kv_cache=cache)
-        decoder(torch.ones(rows, dtype=torch.long), cache, None)
-    assert seen == [not aten]
+    with onednn(True), small_gelu(model, rows):
+        assert torch.backends.mkldnn.enabled is not aten

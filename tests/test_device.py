@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from llmcli.config import config_from_dict
+from llmcli.config import ModelConfig, config_from_dict
 from llmcli.device import (
     ONE_THREAD_DECODE_PARAMS,
     Precision,
@@ -55,7 +55,7 @@ def test_memory_estimate_counts_the_parameters_and_refuses_what_cannot_fit(model
     for key, value in model.items():
         setattr(config.model, key, value)
     n_params, need = estimate_training_bytes(config, 50)
-    assert n_params == Transformer.from_config(config.model, 50).num_parameters()
+    assert n_params == Transformer(config.model, 50).num_parameters()
     assert need > 16 * n_params
     check_memory(config, 50, torch.device("cpu"))  # fits
     config.model.n_embed, config.model.n_head = 4_000_000_000, 1
@@ -126,8 +126,10 @@ def test_bf16_autocast_on_cpu_runs_matmuls_in_bf16() -> None:
 
 def test_sampling_threads_one_for_a_small_decode_bound_model_only() -> None:
     cpu = torch.device("cpu")
-    tiny = Transformer(65, 4, 4, 128, 64)  # 0.8M parameters
-    big = Transformer(65, 6, 6, 384, 256)  # 10.7M
+    tiny = Transformer(ModelConfig(n_layer=4, n_head=4, n_embed=128, context_length=64), 65)  # 0.8M
+    big = Transformer(
+        ModelConfig(n_layer=6, n_head=6, n_embed=384, context_length=256), 65
+    )  # 10.7M
     assert tiny.num_parameters(non_embedding=True) <= ONE_THREAD_DECODE_PARAMS
     assert big.num_parameters(non_embedding=True) > ONE_THREAD_DECODE_PARAMS
     assert sampling_threads(tiny, cpu, decode_bound=True) == 1

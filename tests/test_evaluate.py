@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -34,10 +35,10 @@ def make_run(run_dir: Path, tokenizer, data: dict | None = None) -> Path:
     return save_tiny_run(run_dir, tokenizer, raw, sharpen=6.0, extra_meta={"step": 7})
 
 
-def reference_nll(run_dir: Path, ids: list[int], **ablation) -> np.ndarray:
+def reference_nll(run_dir: Path, ids: list[int], hooks: dict | None = None) -> np.ndarray:
     """Per-token negative log-likelihoods by hand: window k predicts ids[kT+1 .. kT+T] from
-    ids[kT .. kT+T-1], one window at a time, log-softmax in float64 NumPy. `ablation`: the
-    model's `head_mask` and `head_mean`."""
+    ids[kT .. kT+T-1], one window at a time, log-softmax in float64 NumPy; `hooks` run at the
+    model's hook points."""
     from llmcli.runs.checkpoint import load_run
 
     model = load_run(run_dir).model
@@ -46,12 +47,29 @@ def reference_nll(run_dir: Path, ids: list[int], **ablation) -> np.ndarray:
         x = ids[s : s + CTX]
         y = ids[s + 1 : s + CTX + 1]
         x = x[: len(y)]
-        with torch.no_grad():
-            logits, _ = model(torch.tensor([x]), **ablation)
+        with torch.no_grad(), model.hooks(hooks or {}):
+            logits, _ = model(torch.tensor([x]))
         z = logits[0].double().numpy()  # (L, V)
         logz = np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1)) + z.max(-1)
         out.extend(logz - z[np.arange(len(y)), y])
     return np.asarray(out)
+
+
+def removed(means: torch.Tensor | None = None) -> dict:
+    """Hooks that remove head 1 of layer 0 and both heads of layer 1 (`--ablate 0.1 --ablate 1`)
+    by hand: their slices of `attn.z` `(B, T, H, hs)` replaced by zeros, or by their `means`
+    `(L, H, hs)`."""
+
+    def replace(layer: int, heads: list[int]):
+        def fn(z: torch.Tensor) -> torch.Tensor:
+            z = z.clone()
+            for h in heads:
+                z[:, :, h] = 0.0 if means is None else means[layer, h]
+            return z
+
+        return fn
+
+    return {"blocks.0.attn.z": replace(0, [1]), "blocks.1.attn.z": replace(1, [0, 1])}
 
 
 @pytest.fixture(scope="module")
@@ -209,17 +227,24 @@ def test_bad_input_exits_2_with_a_message(
 
 
 def test_a_mask_of_ones_scores_bit_for_bit_as_plain_eval(char_run: Path) -> None:
-    from llmcli.inspection.ablation import head_means
+    from llmcli.inspection.ablation import head_means, mask_heads
     from llmcli.runs.checkpoint import load_run
 
     model = load_run(char_run).model
     tokens = np.asarray(CharTokenizer.train([TEXT]).encode(TEXT), dtype=np.int64)
     plain = score_tokens(model, tokens, CTX, BATCH)
-    ones = torch.ones(2, 2)
+    ones = torch.ones(2)
     starts = window_starts(len(tokens), CTX, BATCH)
     means = head_means(model, window_batches(tokens, CTX, starts, "cpu"))
     for head_mean in (None, means):
-        masked = score_tokens(model, tokens, CTX, BATCH, head_mask=ones, head_mean=head_mean)
+        fns = {
+            f"blocks.{i}.attn.z": partial(
+                mask_heads, keep=ones, mean=None if head_mean is None else head_mean[i]
+            )
+            for i in range(2)
+        }
+        with model.hooks(fns):
+            masked = score_tokens(model, tokens, CTX, BATCH)
         assert masked == plain  # every sum, bit for bit
 
 
@@ -228,10 +253,9 @@ def test_ablate_removes_heads_zero_and_mean(char_run: Path, text_file: Path) -> 
 
     plain = evaluate_run(char_run, text_file, device="cpu")
     ids = CharTokenizer.train([TEXT]).encode(TEXT)
-    mask = torch.tensor([[1.0, 0.0], [0.0, 0.0]])  # 0.1 and all of layer 1
     zero = evaluate_run(char_run, text_file, ablate=["0.1", "1"], device="cpu")
     assert (zero.ablate, zero.ablation) == (["0.1", "1"], "zero")
-    assert zero.loss == pytest.approx(reference_nll(char_run, ids, head_mask=mask).mean(), rel=1e-5)
+    assert zero.loss == pytest.approx(reference_nll(char_run, ids, removed()).mean(), rel=1e-5)
     assert abs(zero.loss - plain.loss) > 1e-3
 
     from llmcli.runs.checkpoint import load_run
@@ -241,7 +265,7 @@ def test_ablate_removes_heads_zero_and_mean(char_run: Path, text_file: Path) -> 
     windows = [(torch.tensor([ids[s : min(s + CTX, n - 1)]]), None) for s in range(0, n - 1, CTX)]
     means = head_means(model, windows)
     mean = evaluate_run(char_run, text_file, ablate=["0.1", "1"], ablation="mean", device="cpu")
-    ref = reference_nll(char_run, ids, head_mask=mask, head_mean=means).mean()
+    ref = reference_nll(char_run, ids, removed(means)).mean()
     assert mean.ablation == "mean" and mean.loss == pytest.approx(ref, rel=1e-5)
     assert abs(mean.loss - zero.loss) > 1e-4
 

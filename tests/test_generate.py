@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from llmcli.config import ModelConfig
 from llmcli.errors import InputError
 from llmcli.generation.decode import Decoder
 from llmcli.generation.generate import generate, generate_ids
@@ -21,7 +22,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def make_model(pos_emb: str = "learned", seed: int = 0, vocab: int = 40) -> Transformer:
     """A tiny random Transformer with sharpened weights, so that logits are far from ties."""
     g = torch.Generator().manual_seed(seed)
-    model = Transformer(vocab, 2, 2, 16, CONTEXT, pos_emb=pos_emb, generator=g)
+    config = ModelConfig(n_layer=2, n_head=2, n_embed=16, context_length=CONTEXT, pos_emb=pos_emb)
+    model = Transformer(config, vocab, generator=g)
     with torch.no_grad():
         for p in model.parameters():
             if p.ndim == 2:

@@ -161,7 +161,7 @@ def test_old_char_run_without_end_of_text_exports_with_a_hint(tmp_path, caplog):
     old.save(run / "tokenizer.json")
     weights, _ = ckpt.read_weights(run / "model.safetensors")
     config = ckpt.load_config_file(run)
-    model = Transformer.from_config(config.model, old.vocab_size)
+    model = Transformer(config.model, old.vocab_size)
     model.load_state_dict(
         {
             k: v[: old.vocab_size] if v.shape[0] == old.vocab_size + 1 else v

@@ -35,7 +35,7 @@ def run_dir(tmp_path: Path) -> Path:
 
 def test_run_info_reports_size_training_and_generation(run_dir: Path) -> None:
     info = run_info(run_dir)
-    model = Transformer.from_config(
+    model = Transformer(
         config_from_dict(
             {"model": {"n_layer": 2, "n_head": 2, "n_embed": 16, "context_length": 8}}
         ).model,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_helpers import assert_close, gen, randomize_, tiny_model
+from model_helpers import assert_close, context, gen, randomize_, tiny_model, with_weights
 
 from llmcli.errors import InputError
 from llmcli.model.gpt import MultiHeadAttention
@@ -108,17 +108,18 @@ def test_kv_cache_errors():
 
 
 def test_mha_standalone_kv_cache():
-    mha = randomize_(MultiHeadAttention(4, 32, 8, rope=True)).eval()
+    mha = randomize_(MultiHeadAttention(n_head=4, n_embed=32, context_length=8, pos_emb="rope"))
+    mha.eval()
     x = torch.randn(2, 8, 32, generator=gen(1))
     cache = KVCache(1, 2, 4, 8, 8)
     parts = [
-        mha(x[:, :3], kv_cache=cache),
-        mha(x[:, 3:4], kv_cache=cache),
-        mha(x[:, 4:], kv_cache=cache),
+        mha(x[:, :3], context(mha, x[:, :3], kv_cache=cache)),
+        mha(x[:, 3:4], context(mha, x[:, 3:4], kv_cache=cache)),
+        mha(x[:, 4:], context(mha, x[:, 4:], kv_cache=cache)),
     ]
     assert_close(torch.cat(parts, 1), mha(x), "standalone mha kv cache")
     cache.reset()
-    y, w = mha(x[:, :5], return_weights=True, kv_cache=cache)
-    y2, w2 = mha(x[:, 5:], return_weights=True, kv_cache=cache)
+    y, w = with_weights(mha, x[:, :5], context(mha, x[:, :5], kv_cache=cache))
+    y2, w2 = with_weights(mha, x[:, 5:], context(mha, x[:, 5:], kv_cache=cache))
     assert w2.shape == (2, 4, 3, 8)
-    assert_close(w2, mha(x, return_weights=True)[1][:, :, 5:], "cached explicit weights")
+    assert_close(w2, with_weights(mha, x)[1][:, :, 5:], "cached explicit weights")

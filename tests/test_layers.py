@@ -7,11 +7,12 @@ import torch
 from model_helpers import assert_close, gen, numpy_rope, randomize_, tiny_model
 from torch import nn
 
+from llmcli.config import ModelConfig
 from llmcli.model.layers import RMSNorm, RotaryEmbedding
 
 
 def test_rope_rotation_matches_formula_keeps_norms_and_is_relative():
-    rot = RotaryEmbedding(16, 32, base=10000.0)
+    rot = RotaryEmbedding(ModelConfig(n_head=1, n_embed=16, context_length=32, rope_base=10000.0))
     x = torch.randn(3, 32, 16, generator=gen(1))  # (B, T, hs)
     y = rot(x)
     assert_close(y, numpy_rope(x.double().numpy(), np.arange(32.0)), "rope vs numpy formula")

@@ -13,23 +13,33 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from model_helpers import assert_close, gen, numpy_rope, randomize_, tiny_model
+from model_helpers import (
+    assert_close,
+    context,
+    gen,
+    numpy_rope,
+    randomize_,
+    tiny_model,
+    with_weights,
+)
 from torch import nn
 
+from llmcli.config import ModelConfig
 from llmcli.errors import InputError
-from llmcli.model.gpt import MLP, Block, Head, MultiHeadAttention, Transformer
+from llmcli.model import MLP, Block, Head, MultiHeadAttention, Transformer
 from llmcli.model.layers import RMSNorm
 
 OPTIONS = {
     "default": {},
-    "rope+qknorm": {"rope": True, "qk_norm": True},
+    "rope+qknorm": {"pos_emb": "rope", "qk_norm": True},
 }
+SHAPE = {"n_head": 4, "n_embed": 32, "context_length": 8}  # the seed's example layer
 
 
 # ----------------------------------------------------------------------------- NumPy reference
 
 
-def numpy_mha(x, mha: MultiHeadAttention, rope=False, qk_norm=False):
+def numpy_mha(x, mha: MultiHeadAttention, pos_emb="learned", qk_norm=False):
     """The per-head formula in float64: softmax(QK^T/sqrt(hs)) causal, @V, cat, proj."""
     x = x.detach().double().numpy()
     W = mha.qkv.weight.detach().double().numpy()
@@ -49,7 +59,7 @@ def numpy_mha(x, mha: MultiHeadAttention, rope=False, qk_norm=False):
         if qk_norm:
             q = q / np.sqrt((q**2).mean(-1, keepdims=True) + 1e-5)
             k = k / np.sqrt((k**2).mean(-1, keepdims=True) + 1e-5)
-        if rope:
+        if pos_emb == "rope":
             q, k = numpy_rope(q, np.arange(T)), numpy_rope(k, np.arange(T))
         s = q @ k.transpose(0, 2, 1) / np.sqrt(hs)
         s = np.where(mask, s, -np.inf)
@@ -73,12 +83,12 @@ def test_usage_examples_run_as_written():
 
 @pytest.mark.parametrize("opts", OPTIONS.values(), ids=OPTIONS.keys())
 def test_mha_equals_numpy_per_head_formula(opts):
-    mha = randomize_(MultiHeadAttention(4, 32, 8, **opts)).eval()
+    mha = randomize_(MultiHeadAttention(**SHAPE, **opts)).eval()
     x = torch.randn(2, 8, 32, generator=gen(1))
     y_ref, w_ref = numpy_mha(x, mha, **opts)
     tag = "+".join(opts) or "default"
     assert_close(mha(x), y_ref, f"mha fused vs numpy [{tag}]")
-    y, w = mha(x, return_weights=True)
+    y, w = with_weights(mha, x)
     assert_close(y, y_ref, f"mha explicit vs numpy [{tag}]")
     assert_close(w, w_ref, f"mha weights vs numpy [{tag}]")
 
@@ -86,7 +96,7 @@ def test_mha_equals_numpy_per_head_formula(opts):
 @pytest.mark.parametrize("opts", OPTIONS.values(), ids=OPTIONS.keys())
 def test_from_heads_equals_stack_of_heads(opts):
     torch.manual_seed(0)
-    heads = [Head(32, 8, 8, **opts) for _ in range(4)]  # Head's default: no bias
+    heads = [Head(**SHAPE, bias=False, **opts) for _ in range(4)]  # proj's bias alone
     proj = nn.Linear(32, 32)
     x = torch.randn(2, 8, 32, generator=gen(1))
     ref = proj(torch.cat([h(x) for h in heads], dim=-1))
@@ -97,7 +107,7 @@ def test_from_heads_equals_stack_of_heads(opts):
 
 @pytest.mark.parametrize("opts", OPTIONS.values(), ids=OPTIONS.keys())
 def test_heads_equal_fused_layer(opts):
-    mha = randomize_(MultiHeadAttention(4, 32, 8, **opts)).eval()
+    mha = randomize_(MultiHeadAttention(**SHAPE, **opts)).eval()
     heads = mha.heads()
     assert len(heads) == 4 and all(isinstance(h, Head) for h in heads)
     x = torch.randn(2, 8, 32, generator=gen(1))
@@ -107,8 +117,9 @@ def test_heads_equal_fused_layer(opts):
     tag = "+".join(opts) or "default"
     ref = mha.proj(torch.cat([h(x) for h in heads], dim=-1))
     assert_close(mha(x), ref, f"heads() stack vs fused [{tag}]")
-    ref = mha.proj(torch.cat([h(x, kpm) for h in heads], dim=-1))
-    assert_close(mha(x, kpm), ref, f"heads() stack vs fused, padded [{tag}]")
+    ctx = context(mha, x, key_padding_mask=kpm)
+    ref = mha.proj(torch.cat([h(x, ctx) for h in heads], dim=-1))
+    assert_close(mha(x, ctx), ref, f"heads() stack vs fused, padded [{tag}]")
     # The heads hold copies: changing one leaves the layer untouched.
     with torch.no_grad():
         heads[0].query.weight.zero_()
@@ -116,7 +127,8 @@ def test_heads_equal_fused_layer(opts):
 
 
 def _torch_mha(mha: MultiHeadAttention) -> nn.MultiheadAttention:
-    ref = nn.MultiheadAttention(mha.n_embed, mha.n_head, bias=True, batch_first=True).eval()
+    C = mha.config.n_embed
+    ref = nn.MultiheadAttention(C, mha.n_head, bias=True, batch_first=True).eval()
     with torch.no_grad():
         ref.in_proj_weight.copy_(mha.qkv.weight)
         ref.in_proj_bias.copy_(mha.qkv.bias)
@@ -135,7 +147,7 @@ PADDINGS = {
 
 @pytest.mark.parametrize("padding", PADDINGS.keys())
 def test_mha_equals_torch_multihead_attention(padding):
-    mha = randomize_(MultiHeadAttention(4, 32, 8)).eval()
+    mha = randomize_(MultiHeadAttention(**SHAPE)).eval()
     ref = _torch_mha(mha)
     x = torch.randn(2, 8, 32, generator=gen(1))
     kpm = None if PADDINGS[padding] is None else torch.tensor(PADDINGS[padding])
@@ -151,8 +163,9 @@ def test_mha_equals_torch_multihead_attention(padding):
     )
     # Rows whose keys are all masked are NaN in torch; ours are defined (checked below).
     rows = ~torch.isnan(y_ref).any(-1)  # (B, T)
-    y_fused = mha(x, kpm)
-    y_expl, w = mha(x, kpm, return_weights=True)
+    ctx = context(mha, x, key_padding_mask=kpm)
+    y_fused = mha(x, ctx)
+    y_expl, w = with_weights(mha, x, ctx)
     assert_close(y_fused[rows], y_ref[rows], f"mha fused vs torch MHA [{padding} padding]")
     assert_close(y_expl[rows], y_ref[rows], f"mha explicit vs torch MHA [{padding} padding]")
     w_rows = rows[:, None, :].expand(-1, 4, -1)  # (B, nh, T)
@@ -167,7 +180,7 @@ def test_mha_equals_torch_multihead_attention(padding):
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("opts", OPTIONS.values(), ids=OPTIONS.keys())
 def test_fused_equals_explicit_outputs_and_gradients(opts, padded):
-    mha = randomize_(MultiHeadAttention(4, 32, 8, **opts))
+    mha = randomize_(MultiHeadAttention(**SHAPE, **opts))
     x = torch.randn(2, 8, 32, generator=gen(1))
     g = torch.randn(2, 8, 32, generator=gen(2))
     kpm = torch.tensor(PADDINGS["left"]) if padded else None
@@ -175,7 +188,8 @@ def test_fused_equals_explicit_outputs_and_gradients(opts, padded):
     for explicit in (False, True):
         mha.zero_grad()
         xi = x.clone().requires_grad_(True)
-        y = mha(xi, kpm, return_weights=True)[0] if explicit else mha(xi, kpm)
+        ctx = context(mha, xi, key_padding_mask=kpm)
+        y = with_weights(mha, xi, ctx)[0] if explicit else mha(xi, ctx)
         (y * g).sum().backward()
         grads = [p.grad.clone() for p in mha.parameters()] + [xi.grad.clone()]
         results.append((y.detach(), grads))
@@ -187,12 +201,12 @@ def test_fused_equals_explicit_outputs_and_gradients(opts, padded):
 
 
 def test_all_masked_rows_are_zero_not_nan():
-    mha = randomize_(MultiHeadAttention(4, 32, 8))
+    mha = randomize_(MultiHeadAttention(**SHAPE))
     x = torch.randn(2, 8, 32, generator=gen(1), requires_grad=True)
     kpm = torch.tensor([[True] * 3 + [False] * 5, [True] * 8])  # row 1: everything padding
+    ctx = context(mha, x, key_padding_mask=kpm)
     for explicit in (False, True):
-        out = mha(x, kpm, return_weights=explicit)
-        y = out[0] if explicit else out
+        y, w = with_weights(mha, x, ctx) if explicit else (mha(x, ctx), None)
         assert torch.isfinite(y).all()
         empty = torch.tensor([[True] * 3 + [False] * 5, [True] * 8])
         assert_close(
@@ -203,20 +217,20 @@ def test_all_masked_rows_are_zero_not_nan():
             rtol=0,
         )
         if explicit:
-            assert (out[1][0, :, :3] == 0).all() and (out[1][1] == 0).all()
+            assert (w[0, :, :3] == 0).all() and (w[1] == 0).all()
         x.grad = None
         y.sum().backward()
         assert torch.isfinite(x.grad).all()
         assert (x.grad[1] == 0).all()  # a fully padded sequence passes no gradient
     head = mha.heads()[0]
-    assert (head(x, kpm)[empty] == 0).all()
+    assert (head(x, ctx)[empty] == 0).all()
 
 
 def test_padded_keys_receive_no_gradient_from_real_rows():
-    mha = randomize_(MultiHeadAttention(4, 32, 8))
+    mha = randomize_(MultiHeadAttention(**SHAPE))
     x = torch.randn(2, 8, 32, generator=gen(1), requires_grad=True)
     kpm = torch.tensor(PADDINGS["middle"])
-    y = mha(x, kpm)
+    y = mha(x, context(mha, x, key_padding_mask=kpm))
     y[~kpm].sum().backward()  # loss on real positions only
     assert (x.grad[kpm] == 0).all()
     assert (x.grad[~kpm] != 0).any(dim=-1).all()
@@ -224,7 +238,7 @@ def test_padded_keys_receive_no_gradient_from_real_rows():
 
 def test_input_longer_than_context_raises():
     x = torch.randn(1, 9, 32)
-    for layer in (MultiHeadAttention(4, 32, 8), Block(4, 32, 8), Head(32, 8, 8)):
+    for layer in (MultiHeadAttention(**SHAPE), Block(**SHAPE), Head(**SHAPE)):
         with pytest.raises(ValueError, match=r"T = 9 .*context_length is 8"):
             layer(x)
     model = tiny_model()
@@ -233,12 +247,12 @@ def test_input_longer_than_context_raises():
 
 
 def test_bad_masks_raise_input_error():
-    mha = MultiHeadAttention(4, 32, 8)
+    mha = MultiHeadAttention(**SHAPE)
     x = torch.randn(2, 8, 32)
     with pytest.raises(InputError, match="bool"):
-        mha(x, torch.ones(2, 8, dtype=torch.long))
+        context(mha, x, key_padding_mask=torch.ones(2, 8, dtype=torch.long))
     with pytest.raises(InputError, match="shape"):
-        mha(x, torch.zeros(2, 7, dtype=torch.bool))
+        context(mha, x, key_padding_mask=torch.zeros(2, 7, dtype=torch.bool))
 
 
 # ----------------------------------------------------------------------------- recipe options
@@ -260,7 +274,7 @@ def test_qk_norm_normalises_queries_and_keys():
     # scaling the query and key projections leaves the output unchanged, only with qk_norm.
     x = torch.randn(2, 8, 32, generator=gen(1))
     for qk_norm in (True, False):
-        mha = randomize_(MultiHeadAttention(4, 32, 8, qk_norm=qk_norm)).eval()
+        mha = randomize_(MultiHeadAttention(**SHAPE, qk_norm=qk_norm)).eval()
         y = mha(x)
         with torch.no_grad():
             mha.qkv.weight[:64] *= 7.0
@@ -269,7 +283,7 @@ def test_qk_norm_normalises_queries_and_keys():
             assert_close(mha(x), y, "qk_norm invariant to q/k scale", atol=1e-4, rtol=1e-4)
         else:
             assert not torch.allclose(mha(x), y, atol=1e-3)
-    mha = randomize_(MultiHeadAttention(4, 32, 8, qk_norm=True)).eval()
+    mha = randomize_(MultiHeadAttention(**SHAPE, qk_norm=True)).eval()
     y_ref, _ = numpy_mha(x, mha, qk_norm=True)
     assert_close(mha(x), y_ref, "qk_norm mha vs numpy")
 
@@ -277,7 +291,7 @@ def test_qk_norm_normalises_queries_and_keys():
 def test_mlp_activations_match_formulas():
     x = torch.randn(2, 5, 16, generator=gen(1))
     for activation in ("gelu", "relu2"):
-        mlp = randomize_(MLP(16, activation=activation))
+        mlp = randomize_(MLP(n_embed=16, mlp=activation))
         h = x @ mlp.fc.weight.T + mlp.fc.bias
         if activation == "gelu":  # exact (erf) GELU, GPT-2's activation_function="gelu"
             h = h * 0.5 * (1.0 + torch.special.erf(h / math.sqrt(2.0)))
@@ -383,11 +397,13 @@ def test_causality_later_tokens_do_not_change_earlier_logits():
         assert not torch.allclose(logits2[:, t + 1 :], logits[:, t + 1 :])
 
 
-def test_forward_with_attention():
+def test_reading_the_attention_patterns():
     model = tiny_model(dropout=0.1)
     idx = torch.randint(37, (2, 16), generator=gen(1))
-    logits, weights = model.forward_with_attention(idx)
-    assert_close(logits, model(idx)[0], "forward_with_attention logits vs forward")
+    weights = []
+    with model.hooks({f"blocks.{i}.attn.pattern": weights.append for i in range(2)}):
+        logits, _ = model(idx)
+    assert_close(logits, model(idx)[0], "logits with the patterns read vs forward")
     assert len(weights) == 2 and weights[0].shape == (2, 4, 16, 16)
     for w in weights:
         assert_close(w.sum(-1), torch.ones(2, 4, 16), "attention rows sum to 1")
@@ -405,7 +421,8 @@ def test_initial_loss_near_uniform():
             "tie_embeddings": False,
         },
     ):
-        model = Transformer(65, 4, 4, 128, 64, **opts, generator=gen(0))
+        config = ModelConfig(n_layer=4, n_head=4, n_embed=128, context_length=64, **opts)
+        model = Transformer(config, 65, generator=gen(0))
         idx = torch.randint(65, (4, 64), generator=gen(1))
         targets = torch.randint(65, (4, 64), generator=gen(2))
         with torch.no_grad():
@@ -434,7 +451,8 @@ def test_eval_is_deterministic_with_dropout():
 
 
 def test_init_is_gpt2_style_and_seeded():
-    model = Transformer(65, 4, 4, 128, 64, generator=gen(0))
+    config = ModelConfig(n_layer=4, n_head=4, n_embed=128, context_length=64)
+    model = Transformer(config, 65, generator=gen(0))
     block = model.blocks[0]
     assert_close(block.attn.qkv.weight.std(), torch.tensor(0.02), "qkv init std", atol=1e-3, rtol=0)
     assert_close(
@@ -445,7 +463,7 @@ def test_init_is_gpt2_style_and_seeded():
         rtol=0,
     )
     assert (block.attn.qkv.bias == 0).all() and (block.ln1.weight == 1).all()
-    again = Transformer(65, 4, 4, 128, 64, generator=gen(0))
+    again = Transformer(config, 65, generator=gen(0))
     for a, b in zip(model.parameters(), again.parameters(), strict=True):
         assert torch.equal(a, b)
 
@@ -462,9 +480,7 @@ def test_num_parameters():
     assert untied.num_parameters(non_embedding=True) == untied.num_parameters() - V * C
 
 
-def test_from_config():
-    from llmcli.config import ModelConfig
-
+def test_built_from_its_config():
     cfg = ModelConfig(
         n_layer=2,
         n_head=2,
@@ -479,7 +495,7 @@ def test_from_config():
         mlp="relu2",
         tie_embeddings=False,
     )
-    model = Transformer.from_config(cfg, vocab_size=11)
+    model = Transformer(cfg, vocab_size=11)
     assert (model.vocab_size, model.n_layer, model.n_head, model.n_embed, model.context_length) == (
         11,
         2,
@@ -494,7 +510,7 @@ def test_from_config():
     assert_close(attn.rotary.cos[1, 1], torch.tensor(math.cos(500.0 ** (-2 / 8))), "rope_base")
     logits, loss = model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))
     assert logits.shape == (1, 8, 11) and torch.isfinite(loss)
-    default = Transformer.from_config(ModelConfig(), vocab_size=65)
+    default = Transformer(ModelConfig(), vocab_size=65)
     assert default.wpe is not None and default.lm_head.weight is default.wte.weight
 
 

@@ -161,7 +161,7 @@ def test_muon_groups_refuse_vectors_and_need_use_muon() -> None:
 
 def tiny_model(**overrides) -> Transformer:
     cfg = ModelConfig(n_layer=2, n_head=2, n_embed=16, context_length=8, **overrides)
-    return Transformer.from_config(cfg, 11, generator=torch.Generator().manual_seed(0))
+    return Transformer(cfg, 11, generator=torch.Generator().manual_seed(0))
 
 
 @pytest.mark.parametrize("tie", [True, False])

@@ -271,16 +271,16 @@ def test_divergence_names_the_step_and_keeps_the_last_good_checkpoint(
             with torch.no_grad():
                 holder["model"].wte.weight[0, 0] = float("nan")
 
-    import llmcli.model.gpt
+    import llmcli.training.loop
 
-    original = llmcli.model.gpt.Transformer.from_config
+    original = llmcli.training.loop.Transformer
 
     def capture(*args, **kwargs):
         holder["model"] = original(*args, **kwargs)
         return holder["model"]
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(llmcli.model.gpt.Transformer, "from_config", capture)
+        mp.setattr(llmcli.training.loop, "Transformer", capture)
         with pytest.raises(DivergenceError) as info:
             train(make_config(corpus), out_dir=run_dir, progress=False, on_step=poison)
     message = str(info.value)

@@ -232,7 +232,7 @@ def load_hf_folder(
     folder, hf_cfg = check_hf_folder(path)
     model_cfg = model_config(hf_cfg, base or ModelConfig(), folder)
     tokenizer = _load_folder_tokenizer(folder, hf_cfg)
-    model = Transformer.from_config(model_cfg, tokenizer.vocab_size)
+    model = Transformer(model_cfg, tokenizer.vocab_size)
     load_hf_weights(model, folder)
     model.to(device)
     model.eval()

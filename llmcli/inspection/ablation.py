@@ -4,9 +4,9 @@ Removing a head and measuring how much the loss rises is the usual test of wheth
 (Michel et al. 2019, "Are Sixteen Heads Really Better than One?"). A removed head's output is
 zeroed before its layer's output projection (zero ablation), or replaced by its mean output over
 reference positions (mean ablation: the head then carries no information about the input, but
-the layers above still see its average contribution). The model does the removing
-(`Transformer.forward(head_mask=, head_mean=)`); this module parses `--ablate` specs, computes
-the mean head outputs and measures every head's Δloss.
+the layers above still see its average contribution). A head is removed at the model's
+`blocks.{l}.attn.z` hook point (`ablation_hooks`, `mask_heads`); this module also parses
+`--ablate` specs, computes the mean head outputs and measures every head's Δloss.
 
 `head_deltas` is the fast way. Removing a head of layer l changes nothing below l, so each
 batch's residual stream is computed once, and for each head only layers l.. run again; the heads
@@ -23,6 +23,7 @@ import re
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from llmcli.errors import InputError
+from llmcli.model.hooks import HookFn
 
 #: How a removed head is replaced: by zeros, or by its mean output.
 METHODS: tuple[str, ...] = ("zero", "mean")
@@ -110,8 +112,45 @@ def check_method(method: str, choices: Sequence[str] = METHODS) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# The model's pieces, run by hand.
+# Removing heads, and the model's pieces, through its hook points.
 # --------------------------------------------------------------------------------------------
+
+
+def mask_heads(z: Tensor, keep: Tensor, mean: Tensor | None = None) -> Tensor:
+    """Keep (1) or remove (0) each head's output; a removed head outputs zeros, or its `mean`.
+
+    With a mask of ones the values of `z` come back unchanged, bit for bit (`z * 1`, `+ 0 *
+    mean`).
+
+    Shape:
+        z `(B, T, nh, hs)` (the `attn.z` hook point); keep `(nh,)` or, one mask per batch row,
+        `(B, nh)`; mean `(nh, hs)` -> `(B, T, nh, hs)`.
+    """
+    m = keep.to(z.dtype)
+    m = m[:, None, :, None] if m.ndim == 2 else m[:, None]  # (B, 1, nh, 1) or (nh, 1)
+    z = z * m  # (B, T, nh, hs)
+    if mean is not None:
+        z = z + (1 - m) * mean.to(z.dtype)  # (B, T, nh, hs) + (nh, hs)
+    return z
+
+
+def ablation_hooks(mask: Tensor, means: Tensor | None = None) -> dict[str, HookFn]:
+    """Hook functions that remove the heads `mask` marks, for `Transformer.hooks`.
+
+    Args:
+        mask: `(L, H)`: 1 keeps a head, 0 removes it.
+        means: `(L, H, hs)`: what removed heads output instead of zeros (mean ablation).
+
+    Returns:
+        `blocks.{l}.attn.z` -> a function, for each layer with a head removed.
+    """
+    return {
+        f"blocks.{layer}.attn.z": partial(
+            mask_heads, keep=mask[layer], mean=None if means is None else means[layer]
+        )
+        for layer in range(mask.shape[0])
+        if bool((mask[layer] != 1).any())
+    }
 
 
 @contextmanager
@@ -138,10 +177,7 @@ def _nats(logits: Tensor, y: Tensor, copies: int = 1) -> Tensor:
 
 @torch.no_grad()
 def head_means(model: torch.nn.Module, batches: Iterable[Batch]) -> Tensor:
-    """Every head's mean output (before `proj`) over every position of `batches`, no head removed.
-
-    Read through a hook on each layer's `attn.proj`, whose input is the heads' outputs side by
-    side, head-major: channel `h * hs + i` is element i of head h.
+    """Every head's mean output (`attn.z`) over every position of `batches`, no head removed.
 
     Returns:
         `(L, H, hs)`, in the model's dtype and on its device.
@@ -153,25 +189,18 @@ def head_means(model: torch.nn.Module, batches: Iterable[Batch]) -> Tensor:
     weight = next(model.parameters())
     sums = torch.zeros(n_layer, n_embed, dtype=torch.float64, device=weight.device)
 
-    def summing(layer: int) -> Any:
-        def hook(module: torch.nn.Module, args: tuple[Tensor, ...]) -> None:
-            sums[layer] += args[0].flatten(0, -2).sum(0, dtype=torch.float64)  # (B*T, C) -> (C,)
+    def summing(layer: int) -> HookFn:
+        def add(z: Tensor) -> None:  # (B, T, nh, hs): heads side by side, as `proj` reads them
+            sums[layer] += z.reshape(-1, n_embed).sum(0, dtype=torch.float64)  # (C,)
 
-        return hook
+        return add
 
-    handles = [
-        block.attn.proj.register_forward_pre_hook(summing(i))
-        for i, block in enumerate(model.blocks)
-    ]
     positions = 0
-    try:
-        with _eval_mode(model):
-            for x, _ in batches:
-                model(x)
-                positions += x.numel()
-    finally:
-        for handle in handles:
-            handle.remove()
+    hooks = {f"blocks.{i}.attn.z": summing(i) for i in range(n_layer)}
+    with _eval_mode(model), model.hooks(hooks):
+        for x, _ in batches:
+            model(x)
+            positions += x.numel()
     if positions == 0:
         raise InputError("no batches to average the heads' outputs over.")
     means = sums / positions  # (L, C)
@@ -179,37 +208,28 @@ def head_means(model: torch.nn.Module, batches: Iterable[Batch]) -> Tensor:
 
 
 def _residual_streams(model: torch.nn.Module, x: Tensor) -> tuple[list[Tensor], Tensor]:
-    """The input of every block (the residual stream before it) and the logits, in one forward.
+    """The input of every block (`resid_pre`) and the logits, in one forward.
 
     Returns:
         `([(B, T, C)] * L, logits (B, T, V))`.
     """
     streams: list[Tensor] = []
-    handles = [
-        block.register_forward_pre_hook(lambda module, args: streams.append(args[0]))
-        for block in model.blocks
-    ]
-    try:
+    with model.hooks({f"blocks.{i}.resid_pre": streams.append for i in range(model.n_layer)}):
         logits, _ = model(x)  # (B, T, V)
-    finally:
-        for handle in handles:
-            handle.remove()
     return streams, logits
 
 
 def _rerun_from(
-    model: torch.nn.Module, layer: int, h: Tensor, head_mask: Tensor, head_mean: Tensor | None
+    model: torch.nn.Module, layer: int, h: Tensor, keep: Tensor, mean: Tensor | None
 ) -> Tensor:
     """Layers `layer`.. and the LM head on the residual stream `h`, heads removed in `layer`.
 
     Shape:
-        h `(B, T, C)`, head_mask `(B, H)` (one mask per row), head_mean `(H, hs)` ->
-        logits `(B, T, V)`
+        h `(B, T, C)`, keep `(B, H)` (one mask per row), mean `(H, hs)` -> logits `(B, T, V)`
     """
-    h = model.blocks[layer](h, head_mask=head_mask, head_mean=head_mean)  # (B, T, C)
-    for block in model.blocks[layer + 1 :]:
-        h = block(h)  # (B, T, C)
-    return model.to_logits(h)  # (B, T, V)
+    remove = partial(mask_heads, keep=keep, mean=mean)
+    with model.hooks({f"blocks.{layer}.attn.z": remove}):
+        return model.to_logits(model.run_blocks(h, start=layer))  # (B, T, V)
 
 
 # --------------------------------------------------------------------------------------------
@@ -364,7 +384,8 @@ def head_deltas_full(
                     for head in range(n_head):
                         mask = torch.ones(n_layer, n_head, device=x.device)
                         mask[layer, head] = 0.0
-                        logits, _ = model(x, head_mask=mask, head_mean=head_mean)
+                        with model.hooks(ablation_hooks(mask, head_mean)):
+                            logits, _ = model(x)
                         nats[method][layer, head] += _nats(logits, y).item() - clean_nats
     return HeadDeltas(
         base_loss=clean / tokens,

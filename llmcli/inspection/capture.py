@@ -1,6 +1,6 @@
 """Capture attention: run a model and record the softmax weights of every layer and head.
 
-`capture_attention` goes through the model's explicit attention path, `capture_prompts` runs
+`capture_attention` reads every layer's `attn.pattern` hook point, `capture_prompts` runs
 prompts of different lengths through it in batches, and `induction_scores` measures every head
 on repeated random token sequences.
 
@@ -51,8 +51,9 @@ def capture_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the model in eval mode (dropout off) and record every layer's per-head weights.
 
-    Goes through `Transformer.forward_with_attention`, the explicit softmax path; the logits are
-    those of the normal forward (a test checks it). The model's train/eval mode is restored.
+    Reads the `blocks.{l}.attn.pattern` hook points, which makes every layer compute its weights
+    explicitly; the logits are those of the normal forward (a test checks it). The model's
+    train/eval mode is restored.
 
     Args:
         model: a `llmcli.model.gpt.Transformer`.
@@ -62,14 +63,16 @@ def capture_attention(
     Returns:
         logits `(B, T, vocab)` and attention `(B, L, H, T, T)` (query x key), both float32 CPU.
     """
+    weights: list[torch.Tensor] = []
+    patterns = {f"blocks.{i}.attn.pattern": weights.append for i in range(model.n_layer)}
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
-            logits, weights = model.forward_with_attention(idx, key_padding_mask=key_padding_mask)
+        with torch.no_grad(), model.hooks(patterns):
+            logits, _ = model(idx, key_padding_mask=key_padding_mask)
     finally:
         model.train(was_training)
-    attn = torch.stack(list(weights), dim=1)  # L x (B, H, T, T) -> (B, L, H, T, T)
+    attn = torch.stack(weights, dim=1)  # L x (B, H, T, T) -> (B, L, H, T, T)
     return logits.float().cpu(), attn.float().cpu()
 
 

@@ -37,7 +37,7 @@ from llmcli.data.tokens import prepare_data
 from llmcli.device import Precision, resolve_device
 from llmcli.errors import InputError
 from llmcli.fileio import read_user_text
-from llmcli.inspection.ablation import check_method, head_means, parse_ablate
+from llmcli.inspection.ablation import ablation_hooks, check_method, head_means, parse_ablate
 from llmcli.progress import Progress
 from llmcli.runs.checkpoint import load_run
 from llmcli.training.distributed import DistInfo, mean_over_ranks
@@ -189,8 +189,6 @@ def score_tokens(
     special_id: int | None = None,
     device: torch.device | str = "cpu",
     progress: bool = False,
-    head_mask: Tensor | None = None,
-    head_mean: Tensor | None = None,
 ) -> Totals:
     """Sum the model's negative log-likelihood over consecutive windows of `tokens`.
 
@@ -203,20 +201,18 @@ def score_tokens(
         special_id: a token id that is not text (left out of `text_nats`).
         device: where to run the model.
         progress: show progress (a bar on a terminal, plain lines elsewhere).
-        head_mask, head_mean: heads to remove, passed to a `Transformer`'s `forward`.
 
     Returns:
         `Totals` (bytes left at 0: the caller counts them from the tokens scored).
     """
     starts = window_starts(len(tokens), context_length, batch_size, steps)
-    ablation = {} if head_mask is None else {"head_mask": head_mask, "head_mean": head_mean}
     totals = Totals()
     model.eval()
     bar = Progress(len(starts), desc="eval", unit="batch", enabled=progress, tenths=True)
     for (x, y), batch in zip(
         window_batches(tokens, context_length, starts, device), starts, strict=True
     ):
-        logits, _ = model(x, **ablation)  # (B, L, V)
+        logits, _ = model(x)  # (B, L, V)
         nll = F.cross_entropy(
             logits.float().flatten(0, 1), y.flatten(), reduction="none"
         )  # (B * L,)
@@ -324,18 +320,18 @@ def evaluate_run(
     if ablate and ablation == "mean":
         starts = window_starts(len(tokens), ctx, batch_size, steps)
         head_mean = head_means(run.model, window_batches(tokens, ctx, starts, dev))
-    totals = score_tokens(
-        run.model,
-        tokens,
-        ctx,
-        batch_size,
-        steps=steps,
-        special_id=getattr(run.tokenizer, "eot_id", None),
-        device=dev,
-        progress=progress,
-        head_mask=head_mask,
-        head_mean=head_mean,
-    )
+    hooks = {} if head_mask is None else ablation_hooks(head_mask, head_mean)
+    with run.model.hooks(hooks):
+        totals = score_tokens(
+            run.model,
+            tokens,
+            ctx,
+            batch_size,
+            steps=steps,
+            special_id=getattr(run.tokenizer, "eot_id", None),
+            device=dev,
+            progress=progress,
+        )
     scored = np.asarray(tokens[1 : 1 + totals.tokens], dtype=np.int64)  # the predicted tokens
     n_bytes = _text_bytes(run.tokenizer, scored)
     loss = totals.nats / totals.tokens

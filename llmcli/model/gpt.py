@@ -5,112 +5,101 @@ head size (`C // nh`), `V` vocabulary. `Head` is a single attention head written
 `MultiHeadAttention` computes `nh` such heads at once (one fused QKV projection,
 `F.scaled_dot_product_attention`) and equals a stack of `Head`s with the same weights.
 
-Recipe options (all off by default, so the default model is a GPT-2-like architecture): rotary
-position embeddings (`rope`), RMSNorm, QK-norm (their layers are in `llmcli.model.layers`), a ReLU²
-MLP and an untied LM head. Masks, and attention computed under them three ways (the explicit
-formula, fused SDPA, fused SDPA with padding), are in `llmcli.model.masks`; generation uses
-`llmcli.model.kv_cache.KVCache`.
+Every module is built from a `ModelConfig`, as nanoGPT's and litgpt's are (`Block(config)`);
+keyword arguments build one (`MultiHeadAttention(n_head=4, n_embed=32, context_length=8)`).
+Recipe options (all off by default, so the default model is GPT-2's architecture): rotary
+position embeddings (`pos_emb: rope`), RMSNorm, QK-norm (their layers are in
+`llmcli.model.layers`), a ReLU² MLP and an untied LM head. The masks a forward attends under,
+and attention computed fused or with its weights, are in `llmcli.model.attention`.
+
+Hook points (`llmcli.model.hooks`) name what a reader may want to see or change, with these
+shapes: `embed` (B, T, C); per block `l`: `blocks.{l}.resid_pre`, `blocks.{l}.resid_mid`,
+`blocks.{l}.resid_post` (B, T, C), `blocks.{l}.attn.pattern` (B, nh, T, T_k),
+`blocks.{l}.attn.z` (B, T, nh, hs), `blocks.{l}.attn_out`, `blocks.{l}.mlp_out` (B, T, C); then
+`final_norm` (B, T, C). `Transformer.hooks` runs functions at them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
+from itertools import islice
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from llmcli.config import ModelConfig
 from llmcli.errors import InputError
-from llmcli.model.kv_cache import KVCache, padding_with_cache
-from llmcli.model.layers import RotaryEmbedding, make_norm, mask_heads, qk_rms_norm
-from llmcli.model.masks import (
-    allowed_keys,
-    causal_attention,
-    check_length,
-    check_padding_mask,
-    default_position_ids,
-    explicit_attention,
-    padded_attention,
-)
-
-if TYPE_CHECKING:
-    from llmcli.config import ModelConfig
+from llmcli.model.attention import AttentionContext, attend, attention_weights
+from llmcli.model.hooks import HookFn, HookPoint, hook_names, hooked
+from llmcli.model.kv_cache import KVCache
+from llmcli.model.layers import RotaryEmbedding, make_norm, qk_rms_norm, rotate
 
 MLPS = ("gelu", "relu2")
 POS_EMBS = ("learned", "rope")
 
 
+def model_config(config: ModelConfig | None, overrides: Mapping[str, Any]) -> ModelConfig:
+    """The validated config a module is built from: `config`, or one that keyword arguments build
+    (the other settings keep `ModelConfig`'s defaults)."""
+    if config is None:
+        config = ModelConfig(**overrides)
+    elif overrides:
+        raise TypeError(f"give a ModelConfig or keyword arguments, not both: {sorted(overrides)}")
+    config.validate()
+    return config
+
+
 class Head(nn.Module):
     """One head of causal self-attention: the per-head formula, written out literally.
 
-    `softmax(Q K^T / sqrt(hs))` with the causal mask, dropout on the weights, then `@ V`, where
-    `Q, K, V` are linear projections `C -> hs`. With `rope` / `qk_norm` the queries and keys are
-    rotated / normalised first, as in `MultiHeadAttention`.
-
-    Args:
-        n_embed: input channels `C`.
-        head_size: `hs`.
-        context_length: longest sequence (size of the causal mask).
-        dropout: dropout probability on the attention weights.
-        bias: whether the key/query/value projections have a bias (none by default).
-        rope: rotate queries and keys by their positions (rotary embeddings).
-        rope_base: rotary frequency base.
-        qk_norm: RMS-normalise queries and keys (parameter-free).
+    `softmax(Q K^T / sqrt(hs)) V` under the causal mask, dropout on the weights, where `Q, K, V`
+    are linear projections `C -> hs`, `hs = n_embed // n_head`. With `rope` / `qk_norm` the
+    queries and keys are rotated / normalised first, as in `MultiHeadAttention`. A reference for
+    the fused layer (`MultiHeadAttention.heads`), so it takes no KV cache.
 
     Shape:
-        x `(B, T, C)` -> `(B, T, hs)`; `key_padding_mask` `(B, T)` bool, True = padding.
-        A query whose keys are all padding outputs zeros.
+        x `(B, T, C)` -> `(B, T, hs)`. A query whose keys are all padding outputs zeros.
     """
 
-    def __init__(
-        self,
-        n_embed: int,
-        head_size: int,
-        context_length: int,
-        dropout: float = 0.0,
-        bias: bool = False,
-        *,
-        rope: bool = False,
-        rope_base: float = 10000.0,
-        qk_norm: bool = False,
-    ) -> None:
+    def __init__(self, config: ModelConfig | None = None, **kwargs: Any) -> None:
         super().__init__()
-        self.key = nn.Linear(n_embed, head_size, bias=bias)
-        self.query = nn.Linear(n_embed, head_size, bias=bias)
-        self.value = nn.Linear(n_embed, head_size, bias=bias)
-        mask = torch.tril(torch.ones(context_length, context_length, dtype=torch.bool))
-        self.register_buffer("tril", mask, persistent=False)  # (L, L), True = may attend
-        self.dropout = nn.Dropout(dropout)
-        self.rotary = RotaryEmbedding(head_size, context_length, rope_base) if rope else None
-        self.rope_base = rope_base
-        self.qk_norm = qk_norm
+        self.config = config = model_config(config, kwargs)
+        C, hs = config.n_embed, config.n_embed // config.n_head
+        self.key = nn.Linear(C, hs, bias=config.bias)
+        self.query = nn.Linear(C, hs, bias=config.bias)
+        self.value = nn.Linear(C, hs, bias=config.bias)
+        L = config.context_length
+        self.register_buffer(
+            "tril", torch.tril(torch.ones(L, L, dtype=torch.bool)), persistent=False
+        )
+        self.dropout = nn.Dropout(config.dropout)
+        self.rotary = RotaryEmbedding(config) if config.pos_emb == "rope" else None
 
-    def forward(
-        self,
-        x: Tensor,
-        key_padding_mask: Tensor | None = None,
-        position_ids: Tensor | None = None,
-    ) -> Tensor:
+    def forward(self, x: Tensor, ctx: AttentionContext | None = None) -> Tensor:
+        """Attend causally over `x`; `ctx` adds padding and positions (see `AttentionContext`)."""
         B, T, C = x.shape
-        check_length(T, self.tril.shape[0])
-        if key_padding_mask is not None:
-            check_padding_mask(key_padding_mask, B, T)
+        ctx = AttentionContext.build(x, self.config.context_length) if ctx is None else ctx
         k = self.key(x)  # (B, T, hs)
         q = self.query(x)  # (B, T, hs)
-        if self.qk_norm:
+        if self.config.qk_norm:
             q, k = qk_rms_norm(q), qk_rms_norm(k)
         if self.rotary is not None:
-            q, k = self.rotary(q, position_ids), self.rotary(k, position_ids)
+            rotation = self.rotary.angles(T, ctx.position_ids, ctx.past)
+            q, k = rotate(q, rotation), rotate(k, rotation)
         hs = k.shape[-1]
         wei = q @ k.transpose(-2, -1) * hs**-0.5  # (B, T, hs) @ (B, hs, T) -> (B, T, T)
-        allowed, empty_rows = allowed_keys(self.tril[:T, :T], key_padding_mask)
-        if empty_rows is not None:
-            allowed, empty_rows = allowed[:, 0], empty_rows[:, 0]  # (B, T, T), (B, T, 1)
+        allowed = self.tril[:T, :T] if ctx.mask is None else ctx.mask  # (T, T) or (B, 1, T, T)
+        if allowed.ndim == 4:
+            allowed = allowed[:, 0]  # (B, T, T)
         wei = wei.masked_fill(~allowed, float("-inf"))  # (B, T, T)
         wei = F.softmax(wei, dim=-1)  # (B, T, T)
-        if empty_rows is not None:
-            wei = wei.masked_fill(empty_rows, 0.0)  # rows with no key attend to nothing
+        if ctx.empty_rows is not None:
+            wei = wei.masked_fill(ctx.empty_rows[:, 0], 0.0)  # rows with no key attend to nothing
         wei = self.dropout(wei)
         v = self.value(x)  # (B, T, hs)
         return wei @ v  # (B, T, T) @ (B, T, hs) -> (B, T, hs)
@@ -122,126 +111,78 @@ class MultiHeadAttention(nn.Module):
     Mathematically `proj(cat([head(x) for head in heads], dim=-1))` for `Head`s with the same
     weights (`heads()`, `from_heads`); computed fused: one QKV projection `qkv` (`C -> 3C`, queries
     then keys then values, head-major inside each, the layout of
-    `torch.nn.MultiheadAttention.in_proj_weight` and GPT-2's `c_attn`) and
-    `F.scaled_dot_product_attention`. `return_weights=True` takes an explicit softmax path that
-    also returns the per-head attention weights.
+    `torch.nn.MultiheadAttention.in_proj_weight` and GPT-2's `c_attn`) and SDPA. While a function
+    is at the `pattern` hook point the weights are computed explicitly, for it to read or replace.
 
     Args:
-        n_head: number of heads `nh`; `n_embed` must be divisible by it.
-        n_embed: channels `C`.
-        context_length: longest sequence.
-        dropout: dropout on the attention weights and on the output (residual dropout).
-        bias: biases in `qkv` and `proj`.
-        rope: rotary position embeddings on queries and keys.
-        rope_base: rotary frequency base.
-        qk_norm: parameter-free RMSNorm of queries and keys over the head dimension.
+        config: the model's config (`n_head`, `n_embed`, `context_length`, `dropout`, `bias`,
+            `pos_emb`, `rope_base`, `qk_norm`); or keyword arguments that build one.
+        layer_idx: this layer's index in a KV cache.
 
     Shape:
-        x `(B, T, C)` -> `(B, T, C)`; weights `(B, nh, T, T_k)` with `T_k = past + T`.
-        A query whose keys are all masked gets zero weights and a zero head output, so the
-        layer returns `proj.bias` there (never NaN).
+        x `(B, T, C)` -> `(B, T, C)`. A query whose keys are all masked gets zero weights and a
+        zero head output, so the layer returns `proj.bias` there (never NaN).
     """
 
     def __init__(
-        self,
-        n_head: int,
-        n_embed: int,
-        context_length: int,
-        dropout: float = 0.0,
-        bias: bool = True,
-        *,
-        rope: bool = False,
-        rope_base: float = 10000.0,
-        qk_norm: bool = False,
+        self, config: ModelConfig | None = None, layer_idx: int = 0, **kwargs: Any
     ) -> None:
         super().__init__()
-        if n_embed % n_head != 0:
-            raise InputError(f"n_embed ({n_embed}) must be divisible by n_head ({n_head})")
-        self.n_head = n_head
-        self.n_embed = n_embed
-        self.head_size = n_embed // n_head
-        self.context_length = context_length
-        self.dropout = dropout
-        self.rope_base = rope_base
-        self.qk_norm = qk_norm
-        self.qkv = nn.Linear(n_embed, 3 * n_embed, bias=bias)
-        self.proj = nn.Linear(n_embed, n_embed, bias=bias)
-        mask = torch.tril(torch.ones(context_length, context_length, dtype=torch.bool))
-        self.register_buffer("causal", mask, persistent=False)  # (L, L), True = may attend
-        self.rotary = RotaryEmbedding(self.head_size, context_length, rope_base) if rope else None
+        self.config = config = model_config(config, kwargs)
+        self.layer_idx = layer_idx
+        self.n_head, self.head_size = config.n_head, config.n_embed // config.n_head
+        self.dropout = config.dropout
+        self.qk_norm = config.qk_norm
+        self.qkv = nn.Linear(config.n_embed, 3 * config.n_embed, bias=config.bias)
+        self.proj = nn.Linear(config.n_embed, config.n_embed, bias=config.bias)
+        self.rotary = RotaryEmbedding(config) if config.pos_emb == "rope" else None
+        self.pattern = HookPoint()  # (B, nh, T, T_k): the softmax weights
+        self.z = HookPoint()  # (B, T, nh, hs): each head's output, before `proj`
 
-    def forward(
-        self,
-        x: Tensor,
-        key_padding_mask: Tensor | None = None,
-        *,
-        position_ids: Tensor | None = None,
-        kv_cache: KVCache | None = None,
-        layer_idx: int = 0,
-        return_weights: bool = False,
-        head_mask: Tensor | None = None,
-        head_mean: Tensor | None = None,
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        """Attend causally over `x` (and over the cached keys, with a `kv_cache`).
+    def forward(self, x: Tensor, ctx: AttentionContext | None = None) -> Tensor:
+        """Attend causally over `x`, and over the cached keys with `ctx.cache`.
 
         Args:
-            x: `(B, T, C)`.
-            key_padding_mask: `(B, T_k)` bool, True = padding (ignored); `T_k = past + T` where
-                `past` is the number of positions in `kv_cache` for this layer (0 without).
-            position_ids: `(B, T)` long positions for rotary embeddings; default
-                `past .. past + T - 1`. Ignored without `rope`.
-            kv_cache: append this call's keys/values to layer `layer_idx` of the cache and
-                attend over all of them.
-            layer_idx: the layer's index in `kv_cache`.
-            return_weights: use the explicit softmax path and also return the weights.
-            head_mask: `(nh,)` or `(B, nh)`: 1 keeps a head, 0 removes its output before `proj`.
-            head_mean: `(nh, hs)`: what a removed head outputs instead of zeros (mean ablation).
+            x: `(B, T, C)`; or `(B, C)`, one new token per row, the layout of a decode step
+                (`llmcli.generation.decode`), which spares it the time dimension's reshapes.
+            ctx: the forward's masks, positions and cache (`AttentionContext.build`); None for
+                plain causal attention over `x`.
 
         Returns:
-            `y` `(B, T, C)`, or `(y, weights)` with weights `(B, nh, T, T_k)`.
+            The shape of `x`.
         """
-        B, T, C = x.shape
         nh, hs = self.n_head, self.head_size
-        past = 0 if kv_cache is None else kv_cache.layer_length(layer_idx)
-        check_length(T, self.context_length, past)
-        if key_padding_mask is not None:
-            check_padding_mask(key_padding_mask, B, past + T)
-
-        # split + view + transpose (not a 5-D permute): SDPA's backward hands back gradients whose
-        # memory is (B, T, nh, hs), so the backward of this is one concatenation, no extra copy.
-        q, k, v = self.qkv(x).split(C, dim=2)  # each (B, T, C)
-        q = q.view(B, T, nh, hs)  # (B, T, nh, hs)
-        k = k.view(B, T, nh, hs)  # (B, T, nh, hs)
-        v = v.view(B, T, nh, hs)  # (B, T, nh, hs)
+        if x.ndim == 2:  # one token per row: the same q, k, v without a time dim to move
+            (B, C), T = x.shape, 1
+            q, k, v = self.qkv(x).view(B, 3, nh, 1, hs).unbind(1)  # each (B, nh, 1, hs)
+        else:
+            B, T, C = x.shape
+            # view + unbind + transpose (not a 5-D permute): SDPA's backward hands back gradients
+            # whose memory is (B, T, nh, hs), so the backward of this is one stack, no extra copy.
+            q, k, v = self.qkv(x).view(B, T, 3, nh, hs).unbind(2)  # each (B, T, nh, hs)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, hs)
+        if ctx is None:
+            ctx = AttentionContext.build(x.view(B, T, C), self.config.context_length)
         if self.qk_norm:
             q, k = qk_rms_norm(q), qk_rms_norm(k)
         if self.rotary is not None:
-            q = self.rotary(q, position_ids, offset=past)
-            k = self.rotary(k, position_ids, offset=past)
-        q = q.transpose(1, 2)  # (B, nh, T, hs)
-        k = k.transpose(1, 2)  # (B, nh, T, hs)
-        v = v.transpose(1, 2)  # (B, nh, T, hs)
-        if kv_cache is not None:
-            k, v = kv_cache.update(layer_idx, k, v)  # each (B, nh, past + T, hs)
-        T_k = past + T
-
-        # The causal mask is top-left aligned only when T == T_k; with a cache, query i sits at
-        # position past + i, so the mask is the matching slice of the full lower triangle.
-        causal = self.causal[past:T_k, :T_k]  # (T, T_k)
+            rotation = self.rotary.angles(T, ctx.position_ids, ctx.past)
+            q, k = rotate(q, rotation), rotate(k, rotation)
+        if ctx.cache is not None:
+            k, v = ctx.cache.update(self.layer_idx, k, v)  # each (B, nh, past + T, hs)
         dropout_p = self.dropout if self.training else 0.0
-        if return_weights:
-            y, wei = explicit_attention(q, k, v, causal, key_padding_mask, dropout_p)
-        elif key_padding_mask is None:
-            y = causal_attention(q, k, v, causal, dropout_p)
+        if self.pattern.active:  # read or replaced by a caller: computed explicitly
+            wei = self.pattern(attention_weights(q, k, ctx))  # (B, nh, T, T_k)
+            if dropout_p > 0.0:
+                wei = F.dropout(wei, dropout_p)
+            y = wei @ v  # (B, nh, T, T_k) @ (B, nh, T_k, hs) -> (B, nh, T, hs)
         else:
-            y = padded_attention(q, k, v, causal, key_padding_mask, dropout_p)
-        if head_mask is not None:  # head ablation; without it, this one test
-            y = mask_heads(y, head_mask, head_mean)  # (B, nh, T, hs)
-        y = y.transpose(1, 2).reshape(B, T, C)  # (B, nh, T, hs) -> (B, T, nh, hs) -> (B, T, C)
-        y = self.proj(y)  # (B, T, C)
+            y = attend(q, k, v, ctx, dropout_p)  # (B, nh, T, hs)
+        y = self.z(y.transpose(1, 2))  # (B, T, nh, hs)
+        y = self.proj(y.reshape(x.shape))  # (B, T, C) or (B, C)
         if dropout_p > 0.0:
             y = F.dropout(y, dropout_p)
-        return (y, wei) if return_weights else y
+        return y
 
     @classmethod
     def from_heads(cls, heads: list[Head], proj: nn.Linear) -> MultiHeadAttention:
@@ -258,17 +199,9 @@ class MultiHeadAttention(nn.Module):
                 f"from_heads needs n_head * head_size == n_embed == proj.in_features, got "
                 f"{n_head} * {head_size}, {n_embed}, {proj.in_features}"
             )
-        first = heads[0]
-        mha = cls(
-            n_head,
-            n_embed,
-            first.tril.shape[0],
-            dropout=first.dropout.p,
-            bias=any(h.key.bias is not None for h in heads) or proj.bias is not None,
-            rope=first.rotary is not None,
-            rope_base=first.rope_base,
-            qk_norm=first.qk_norm,
-        ).to(device=proj.weight.device, dtype=proj.weight.dtype)
+        bias = heads[0].config.bias or proj.bias is not None
+        config = dataclasses.replace(heads[0].config, n_head=n_head, bias=bias)
+        mha = cls(config).to(device=proj.weight.device, dtype=proj.weight.dtype)
         with torch.no_grad():
             for i, head in enumerate(heads):
                 rows = slice(i * head_size, (i + 1) * head_size)
@@ -276,15 +209,10 @@ class MultiHeadAttention(nn.Module):
                     qkv_rows = slice(j * n_embed + rows.start, j * n_embed + rows.stop)
                     mha.qkv.weight[qkv_rows] = linear.weight
                     if mha.qkv.bias is not None:
-                        bias = linear.bias if linear.bias is not None else 0.0
-                        mha.qkv.bias[qkv_rows] = bias
+                        mha.qkv.bias[qkv_rows] = linear.bias if linear.bias is not None else 0.0
             mha.proj.weight.copy_(proj.weight)
             if mha.proj.bias is not None:
                 mha.proj.bias.copy_(proj.bias if proj.bias is not None else 0.0)
-        if first.rotary is not None:
-            # Use the heads' own tables so that the two computations agree to the last bit.
-            mha.rotary.cos.copy_(first.rotary.cos)
-            mha.rotary.sin.copy_(first.rotary.sin)
         return mha
 
     def heads(self) -> list[Head]:
@@ -292,25 +220,15 @@ class MultiHeadAttention(nn.Module):
 
         `self.proj(torch.cat([h(x) for h in self.heads()], dim=-1))` equals `self(x)`.
         """
-        C, hs = self.n_embed, self.head_size
-        has_bias = self.qkv.bias is not None
+        C, hs = self.config.n_embed, self.head_size
         heads = []
         for i in range(self.n_head):
-            head = Head(
-                C,
-                hs,
-                self.context_length,
-                dropout=self.dropout,
-                bias=has_bias,
-                rope=self.rotary is not None,
-                rope_base=self.rope_base,
-                qk_norm=self.qk_norm,
-            ).to(device=self.qkv.weight.device, dtype=self.qkv.weight.dtype)
+            head = Head(self.config).to(device=self.qkv.weight.device, dtype=self.qkv.weight.dtype)
             with torch.no_grad():
                 for j, linear in enumerate((head.query, head.key, head.value)):
                     rows = slice(j * C + i * hs, j * C + (i + 1) * hs)
                     linear.weight.copy_(self.qkv.weight[rows])
-                    if has_bias:
+                    if self.qkv.bias is not None:
                         linear.bias.copy_(self.qkv.bias[rows])
             heads.append(head)
         return heads
@@ -319,27 +237,23 @@ class MultiHeadAttention(nn.Module):
 class MLP(nn.Module):
     """The position-wise feed-forward network: `C -> 4C -> activation -> C`, then dropout.
 
-    Args:
-        n_embed: channels `C`.
-        dropout: dropout on the output.
-        bias: biases in both linear layers.
-        activation: "gelu" (exact erf GELU, as GPT-2's `activation_function="gelu"`; faster than
-            the tanh approximation on CPU) or "relu2" (`relu(x)**2`, So et al. 2021 "Primer").
+    The activation is `config.mlp`: "gelu" (exact erf GELU, as GPT-2's
+    `activation_function="gelu"`; faster than the tanh approximation on CPU) or "relu2"
+    (`relu(x)**2`, So et al. 2021 "Primer").
 
     Shape:
         `(B, T, C)` -> `(B, T, C)`
     """
 
-    def __init__(
-        self, n_embed: int, dropout: float = 0.0, bias: bool = True, *, activation: str = "gelu"
-    ) -> None:
+    def __init__(self, config: ModelConfig | None = None, **kwargs: Any) -> None:
         super().__init__()
-        if activation not in MLPS:
-            raise InputError(f"mlp activation must be one of {MLPS}, got {activation!r}")
-        self.activation = activation
-        self.dropout = dropout
-        self.fc = nn.Linear(n_embed, 4 * n_embed, bias=bias)
-        self.proj = nn.Linear(4 * n_embed, n_embed, bias=bias)
+        config = model_config(config, kwargs)
+        if config.mlp not in MLPS:
+            raise InputError(f"mlp activation must be one of {MLPS}, got {config.mlp!r}")
+        self.activation = config.mlp
+        self.dropout = config.dropout
+        self.fc = nn.Linear(config.n_embed, 4 * config.n_embed, bias=config.bias)
+        self.proj = nn.Linear(4 * config.n_embed, config.n_embed, bias=config.bias)
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.fc(x)  # (B, T, 4C)
@@ -354,71 +268,36 @@ class Block(nn.Module):
     """A pre-norm Transformer block: `x = x + attn(ln1(x)); x = x + mlp(ln2(x))`.
 
     Args:
-        n_head, n_embed, context_length, dropout, bias: as in `MultiHeadAttention`.
-        norm: "layernorm" or "rmsnorm" for `ln1` and `ln2`.
-        mlp: the MLP activation, "gelu" or "relu2".
-        rope, rope_base, qk_norm: attention options, see `MultiHeadAttention`.
+        config: the model's config (see `MultiHeadAttention`, `MLP`; `norm` for `ln1`, `ln2`), or
+            keyword arguments that build one.
+        layer_idx: this block's index in a KV cache.
 
     Shape:
         `(B, T, C)` -> `(B, T, C)`
     """
 
     def __init__(
-        self,
-        n_head: int,
-        n_embed: int,
-        context_length: int,
-        dropout: float = 0.0,
-        bias: bool = True,
-        *,
-        norm: str = "layernorm",
-        mlp: str = "gelu",
-        rope: bool = False,
-        rope_base: float = 10000.0,
-        qk_norm: bool = False,
+        self, config: ModelConfig | None = None, layer_idx: int = 0, **kwargs: Any
     ) -> None:
         super().__init__()
-        self.ln1 = make_norm(norm, n_embed, bias)
-        self.attn = MultiHeadAttention(
-            n_head,
-            n_embed,
-            context_length,
-            dropout,
-            bias,
-            rope=rope,
-            rope_base=rope_base,
-            qk_norm=qk_norm,
-        )
-        self.ln2 = make_norm(norm, n_embed, bias)
-        self.mlp = MLP(n_embed, dropout, bias, activation=mlp)
+        config = model_config(config, kwargs)
+        # Registered in the order of the forward, which `hook_names` lists them in.
+        self.resid_pre = HookPoint()
+        self.ln1 = make_norm(config)
+        self.attn = MultiHeadAttention(config, layer_idx)
+        self.attn_out = HookPoint()
+        self.resid_mid = HookPoint()
+        self.ln2 = make_norm(config)
+        self.mlp = MLP(config)
+        self.mlp_out = HookPoint()
+        self.resid_post = HookPoint()
 
-    def forward(
-        self,
-        x: Tensor,
-        key_padding_mask: Tensor | None = None,
-        *,
-        position_ids: Tensor | None = None,
-        kv_cache: KVCache | None = None,
-        layer_idx: int = 0,
-        return_weights: bool = False,
-        head_mask: Tensor | None = None,
-        head_mean: Tensor | None = None,
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        """See `MultiHeadAttention.forward`; returns `x` `(B, T, C)` or `(x, weights)`."""
-        a = self.attn(
-            self.ln1(x),
-            key_padding_mask,
-            position_ids=position_ids,
-            kv_cache=kv_cache,
-            layer_idx=layer_idx,
-            return_weights=return_weights,
-            head_mask=head_mask,
-            head_mean=head_mean,
-        )
-        a, wei = a if return_weights else (a, None)
-        x = x + a  # (B, T, C)
-        x = x + self.mlp(self.ln2(x))  # (B, T, C)
-        return (x, wei) if return_weights else x
+    def forward(self, x: Tensor, ctx: AttentionContext | None = None) -> Tensor:
+        """See `MultiHeadAttention.forward`: `(B, T, C)` -> `(B, T, C)`."""
+        x = self.resid_pre(x)
+        x = self.resid_mid(x + self.attn_out(self.attn(self.ln1(x), ctx)))  # (B, T, C)
+        x = self.resid_post(x + self.mlp_out(self.mlp(self.ln2(x))))  # (B, T, C)
+        return x
 
 
 class Transformer(nn.Module):
@@ -430,91 +309,51 @@ class Transformer(nn.Module):
     by `1/sqrt(2 n_layer)`.
 
     Args:
+        config: the model's shape and recipe options.
         vocab_size: `V`.
-        n_layer, n_head, n_embed, context_length, dropout, bias: the model's shape.
-        pos_emb: "learned" (GPT-2) or "rope" (rotary embeddings in every attention layer).
-        norm: "layernorm" or "rmsnorm".
-        qk_norm: RMS-normalise queries and keys.
-        mlp: "gelu" or "relu2".
-        tie_embeddings: share the LM head's weight with the token embedding.
-        rope_base: rotary frequency base.
         generator: random generator for the initial weights (default: torch's global one).
     """
 
     def __init__(
-        self,
-        vocab_size: int,
-        n_layer: int,
-        n_head: int,
-        n_embed: int,
-        context_length: int,
-        dropout: float = 0.0,
-        bias: bool = True,
-        pos_emb: str = "learned",
-        norm: str = "layernorm",
-        qk_norm: bool = False,
-        mlp: str = "gelu",
-        tie_embeddings: bool = True,
-        *,
-        rope_base: float = 10000.0,
-        generator: torch.Generator | None = None,
+        self, config: ModelConfig, vocab_size: int, *, generator: torch.Generator | None = None
     ) -> None:
         super().__init__()
-        if pos_emb not in POS_EMBS:
-            raise InputError(f"pos_emb must be one of {POS_EMBS}, got {pos_emb!r}")
+        self.config = config = model_config(config, {})
+        if config.pos_emb not in POS_EMBS:
+            raise InputError(f"pos_emb must be one of {POS_EMBS}, got {config.pos_emb!r}")
         self.vocab_size = vocab_size
-        self.n_layer = n_layer
-        self.n_head = n_head
-        self.n_embed = n_embed
-        self.context_length = context_length
-        self.dropout = dropout
-        self.pos_emb = pos_emb
-        self.tie_embeddings = tie_embeddings
-
-        self.wte = nn.Embedding(vocab_size, n_embed)
-        self.wpe = nn.Embedding(context_length, n_embed) if pos_emb == "learned" else None
-        self.blocks = nn.ModuleList(
-            Block(
-                n_head,
-                n_embed,
-                context_length,
-                dropout,
-                bias,
-                norm=norm,
-                mlp=mlp,
-                rope=pos_emb == "rope",
-                rope_base=rope_base,
-                qk_norm=qk_norm,
-            )
-            for _ in range(n_layer)
-        )
-        self.ln_f = make_norm(norm, n_embed, bias)
-        self.lm_head = nn.Linear(n_embed, vocab_size, bias=False)
-        if tie_embeddings:
+        C = config.n_embed
+        self.wte = nn.Embedding(vocab_size, C)
+        self.wpe = nn.Embedding(config.context_length, C) if config.pos_emb == "learned" else None
+        self.embed = HookPoint()
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+        self.ln_f = make_norm(config)
+        self.final_norm = HookPoint()
+        self.lm_head = nn.Linear(C, vocab_size, bias=False)
+        if config.tie_embeddings:
             self.lm_head.weight = self.wte.weight  # one tensor, used twice
         self._init_weights(generator)
 
-    @classmethod
-    def from_config(
-        cls, model_cfg: ModelConfig, vocab_size: int, *, generator: torch.Generator | None = None
-    ) -> Transformer:
-        """Build the model a validated `ModelConfig` describes, for a vocabulary of `vocab_size`."""
-        return cls(
-            vocab_size,
-            model_cfg.n_layer,
-            model_cfg.n_head,
-            model_cfg.n_embed,
-            model_cfg.context_length,
-            dropout=model_cfg.dropout,
-            bias=model_cfg.bias,
-            pos_emb=model_cfg.pos_emb,
-            norm=model_cfg.norm,
-            qk_norm=model_cfg.qk_norm,
-            mlp=model_cfg.mlp,
-            tie_embeddings=model_cfg.tie_embeddings,
-            rope_base=model_cfg.rope_base,
-            generator=generator,
-        )
+    # The config's sizes, which readers of a model ask for often.
+    @property
+    def n_layer(self) -> int:
+        return self.config.n_layer
+
+    @property
+    def n_head(self) -> int:
+        return self.config.n_head
+
+    @property
+    def n_embed(self) -> int:
+        return self.config.n_embed
+
+    @property
+    def context_length(self) -> int:
+        return self.config.context_length
+
+    @property
+    def tie_embeddings(self) -> bool:
+        return self.config.tie_embeddings
 
     def _init_weights(self, generator: torch.Generator | None) -> None:
         std = 0.02
@@ -557,6 +396,15 @@ class Transformer(nn.Module):
         """An empty `KVCache` for this model; see `KVCache.for_model`."""
         return KVCache.for_model(self, batch_size, max_len, device=device, dtype=dtype)
 
+    def hook_names(self) -> list[str]:
+        """Every hook point, in the order the forward meets them (see the module doc)."""
+        return hook_names(self)
+
+    def hooks(self, fns: Mapping[str, HookFn]) -> AbstractContextManager[None]:
+        """`with model.hooks({name: fn}):` runs `fn(activation)` at each named hook point; a
+        returned tensor replaces the activation (see `llmcli.model.hooks`)."""
+        return hooked(self, fns)
+
     def forward(
         self,
         idx: Tensor,
@@ -565,8 +413,6 @@ class Transformer(nn.Module):
         key_padding_mask: Tensor | None = None,
         position_ids: Tensor | None = None,
         kv_cache: KVCache | None = None,
-        head_mask: Tensor | None = None,
-        head_mean: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Next-token logits, and the mean cross-entropy when `targets` are given.
 
@@ -581,97 +427,55 @@ class Transformer(nn.Module):
                 starts at 0 at its first real token, as if it were alone); without, `past + t`.
             kv_cache: from `new_kv_cache`; the new tokens' keys/values are appended and attention
                 runs over every cached position (causal among the new ones).
-            head_mask: `(n_layer, nh)`, or `(n_layer, B, nh)` per batch row: 1 keeps a head, 0
-                removes its output (see `MultiHeadAttention.forward`).
-            head_mean: `(n_layer, nh, hs)`: removed heads output these instead of zeros.
 
         Returns:
             `(logits (B, T, V), loss)`; `loss` is None without `targets`.
         """
-        logits, loss, _ = self._run(
-            idx, targets, key_padding_mask, position_ids, kv_cache, False, head_mask, head_mean
-        )
-        return logits, loss
-
-    def forward_with_attention(
-        self,
-        idx: Tensor,
-        key_padding_mask: Tensor | None = None,
-        *,
-        position_ids: Tensor | None = None,
-    ) -> tuple[Tensor, list[Tensor]]:
-        """Logits and every layer's attention weights, through the explicit softmax path.
-
-        Returns:
-            `(logits (B, T, V), [weights (B, nh, T, T)] * n_layer)`; rows sum to 1 except for
-            queries whose keys are all padding (all zero).
-        """
-        logits, _, weights = self._run(idx, None, key_padding_mask, position_ids, None, True)
-        return logits, weights
-
-    def _run(
-        self,
-        idx: Tensor,
-        targets: Tensor | None,
-        key_padding_mask: Tensor | None,
-        position_ids: Tensor | None,
-        kv_cache: KVCache | None,
-        return_weights: bool,
-        head_mask: Tensor | None = None,
-        head_mean: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor | None, list[Tensor]]:
-        """Checks, then embeddings -> blocks -> final norm -> LM head (-> loss); see `forward`."""
         if idx.ndim != 2:
             raise InputError(f"idx must have shape (B, T), got {tuple(idx.shape)}")
-        B, T = idx.shape
-        past = 0
-        if kv_cache is not None:
-            past = kv_cache.length
-            kv_cache.check_fits(B, T)  # before any layer writes: a failed call changes nothing
-        check_length(T, self.context_length, past)
-        key_padding_mask = padding_with_cache(key_padding_mask, kv_cache, B, past, T)
-        position_ids = default_position_ids(position_ids, key_padding_mask, B, past, T)
-        x = self._embed(idx, position_ids, past)  # (B, T, C)
-        weights = []
-        for i, block in enumerate(self.blocks):
-            x = block(
-                x,
-                key_padding_mask,
-                position_ids=position_ids,
-                kv_cache=kv_cache,
-                layer_idx=i,
-                return_weights=return_weights,
-                head_mask=None if head_mask is None else head_mask[i],
-                head_mean=None if head_mean is None else head_mean[i],
-            )
-            if return_weights:
-                x, wei = x
-                weights.append(wei)
+        ctx = AttentionContext.build(
+            idx,
+            self.context_length,
+            key_padding_mask=key_padding_mask,
+            position_ids=position_ids,
+            kv_cache=kv_cache,
+        )
+        x = self.embedding(idx, ctx)  # (B, T, C)
+        x = self.run_blocks(x, ctx)  # (B, T, C)
         logits = self.to_logits(x)  # (B, T, V)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.view(B * T, -1), targets.reshape(B * T), ignore_index=-1)
-        return logits, loss, weights
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
+        return logits, loss
 
-    def to_logits(self, x: Tensor) -> Tensor:
-        """The last block's output to logits: final norm, LM head. `(B, T, C)` -> `(B, T, V)`."""
-        return self.lm_head(self.ln_f(x))
-
-    def _embed(self, idx: Tensor, position_ids: Tensor | None, past: int) -> Tensor:
+    def embedding(self, idx: Tensor, ctx: AttentionContext) -> Tensor:
         """Token embeddings, plus learned position embeddings (none with rope), then dropout.
 
         Shape:
-            idx `(B, T)` long, position_ids `(B, T)` or None (`past .. past + T - 1`) -> `(B, T, C)`
+            idx `(B, T)` long -> `(B, T, C)`; positions are `ctx.position_ids`, else
+            `ctx.past .. ctx.past + T - 1`.
         """
         x = self.wte(idx)  # (B, T, C)
         if self.wpe is not None:
-            if position_ids is None:
+            if ctx.position_ids is None:
                 # A slice costs a copy in backward; the whole table (the usual training case) not.
-                wpe, T = self.wpe.weight, idx.shape[1]
+                wpe, T, past = self.wpe.weight, idx.shape[1], ctx.past
                 pos = wpe if past == 0 and T == wpe.shape[0] else wpe[past : past + T]  # (T, C)
                 x = x + pos  # (B, T, C) + (T, C)
             else:
-                x = x + self.wpe(position_ids)  # (B, T, C)
-        if self.training and self.dropout > 0.0:
-            x = F.dropout(x, self.dropout)
+                x = x + self.wpe(ctx.position_ids)  # (B, T, C)
+        x = self.embed(x)
+        if self.training and self.config.dropout > 0.0:
+            x = F.dropout(x, self.config.dropout)
         return x
+
+    def run_blocks(self, x: Tensor, ctx: AttentionContext | None = None, start: int = 0) -> Tensor:
+        """Blocks `start`.. on the residual stream `x` `(B, T, C)`: all of them in `forward`, the
+        upper ones to run a forward on from the middle (ctx None: plain causal attention)."""
+        for block in islice(self.blocks, start, None):
+            x = block(x, ctx)  # (B, T, C)
+        return x
+
+    def to_logits(self, x: Tensor) -> Tensor:
+        """The last block's output to logits: final norm, LM head. `(B, T, C)` -> `(B, T, V)`."""
+        return self.lm_head(self.final_norm(self.ln_f(x)))

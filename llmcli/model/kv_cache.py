@@ -1,9 +1,10 @@
-"""The generation cache and its padding bookkeeping.
+"""The generation cache.
 
 `Transformer.new_kv_cache` makes a `KVCache`; `Transformer.forward(..., kv_cache=...)` appends
 the new tokens' keys/values and attends over everything cached, so feeding one token per step
-gives the same logits as recomputing the whole sequence. `padding_with_cache` keeps the key
-padding mask of a left-padded batch in the cache, so decode steps need not pass it again.
+gives the same logits as recomputing the whole sequence. The cache also keeps the key padding
+mask of a left-padded batch (`llmcli.model.attention.padding_with_cache`), so decode steps need
+not pass it again.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import torch
 from torch import Tensor, nn
 
 from llmcli.errors import InputError
-from llmcli.model.masks import check_padding_mask
 
 
 class KVCache:
@@ -143,39 +143,3 @@ class KVCache:
         if n < 0:
             raise InputError(f"crop length must be >= 0, got {n}")
         self._lengths = [min(length, n) for length in self._lengths]
-
-
-def padding_with_cache(
-    key_padding_mask: Tensor | None, kv_cache: KVCache | None, B: int, past: int, T: int
-) -> Tensor | None:
-    """The key padding mask over every key of this forward, remembered by the cache.
-
-    With a cache, the mask given to a forward may cover every key (`(B, past + T)`) or only the new
-    tokens (`(B, T)`); either way it is written into `kv_cache.padding`, so that later calls
-    (one-token decode steps) may pass none: their new tokens count as real.
-
-    Args:
-        key_padding_mask: bool, True = padding, or None.
-        kv_cache: the cache of this forward, or None (then the mask is only checked).
-        B, past, T: batch size, positions already cached, new positions.
-
-    Returns:
-        `(B, past + T)` bool (a view into the cache), or None while nothing is padding.
-    """
-    if kv_cache is None:
-        if key_padding_mask is not None:
-            check_padding_mask(key_padding_mask, B, T)
-        return key_padding_mask
-    if key_padding_mask is None:
-        if not kv_cache.has_padding:
-            return None
-        kv_cache.padding[:, past : past + T] = False  # new tokens are real
-    else:
-        if key_padding_mask.dtype == torch.bool and key_padding_mask.shape[-1] == T:
-            check_padding_mask(key_padding_mask, B, T)
-            kv_cache.padding[:, past : past + T] = key_padding_mask
-        else:
-            check_padding_mask(key_padding_mask, B, past + T)
-            kv_cache.padding[:, : past + T] = key_padding_mask
-        kv_cache.has_padding = True
-    return kv_cache.padding[:, : past + T]  # (B, past + T)

@@ -1,17 +1,23 @@
-"""Building blocks that the model's recipe options add: RMSNorm, QK-norm, rotary embeddings;
-and head ablation (`mask_heads`).
+"""Building blocks that the model's recipe options add: RMSNorm, QK-norm, rotary embeddings.
 
 All are off by default; `llmcli.model.gpt` uses them for `norm: rmsnorm`, `qk_norm: true` and
-`pos_emb: rope`, and `mask_heads` for its `head_mask` argument (`llmcli.inspection.ablation`).
+`pos_emb: rope`.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from llmcli.errors import InputError
+
+if TYPE_CHECKING:
+    from llmcli.config import ModelConfig
+
+Rotation = tuple[Tensor, Tensor]  # (cos, sin) of RotaryEmbedding.angles
 
 NORMS = ("layernorm", "rmsnorm")
 
@@ -50,24 +56,6 @@ def qk_rms_norm(x: Tensor) -> Tensor:
     return F.rms_norm(x, (x.shape[-1],), eps=1e-5)
 
 
-def mask_heads(y: Tensor, head_mask: Tensor, head_mean: Tensor | None = None) -> Tensor:
-    """Head ablation: keep (1) or remove (0) each head's output, before the output projection.
-
-    A removed head outputs zeros, or its `head_mean` (mean ablation). With a mask of ones the
-    values of `y` come back unchanged, bit for bit (`y * 1`, `+ 0 * mean`).
-
-    Shape:
-        y `(B, nh, T, hs)`; head_mask `(nh,)` or, one mask per batch row, `(B, nh)`;
-        head_mean `(nh, hs)` -> `(B, nh, T, hs)`.
-    """
-    m = head_mask.to(y.dtype)[..., None, None]  # (nh, 1, 1) or (B, nh, 1, 1)
-    y = y * m  # (B, nh, T, hs)
-    if head_mean is not None:
-        mean = head_mean.to(y.dtype)[:, None, :]  # (nh, 1, hs)
-        y = y + (1 - m) * mean  # (B, nh, T, hs)
-    return y
-
-
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (RoPE, Su et al. 2021), "rotate half" layout as in GPT-NeoX/Llama.
 
@@ -75,14 +63,14 @@ class RotaryEmbedding(nn.Module):
     `(a, b) -> (a cos - b sin, a sin + b cos)`. A rotation keeps norms, and
     `rot(q, m) . rot(k, n)` depends only on `m - n`, so attention sees relative positions.
 
-    Args:
-        head_size: `hs`, must be even.
-        context_length: number of positions precomputed (positions must be < this).
-        base: the frequency base (10000 in the paper).
+    Built from a model config: head size `hs = n_embed // n_head` (must be even), positions
+    `0 .. context_length - 1` precomputed, frequency base `rope_base` (10000 in the paper).
     """
 
-    def __init__(self, head_size: int, context_length: int, base: float = 10000.0) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        head_size, base = config.n_embed // config.n_head, config.rope_base
+        context_length = config.context_length
         if head_size % 2 != 0:
             raise InputError(f"rotary embeddings need an even head size, got {head_size}")
         exponent = torch.arange(0, head_size, 2, dtype=torch.float64) / head_size  # (hs/2,)
@@ -96,37 +84,41 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def forward(self, x: Tensor, position_ids: Tensor | None = None, offset: int = 0) -> Tensor:
-        """Rotate `x` by its positions.
-
-        Args:
-            x: `(B, T, hs)` or `(B, T, nh, hs)`: time on dim 1, channels last.
-            position_ids: `(B, T)` long, or None for positions `offset .. offset + T - 1`.
-            offset: first position when `position_ids` is None.
+    def angles(self, T: int, position_ids: Tensor | None = None, offset: int = 0) -> Rotation:
+        """The rotation of `T` positions: `position_ids` `(B, T)`, or `offset .. offset + T - 1`.
 
         Returns:
-            Tensor of the same shape as `x`.
+            `(cos, sin)`, each `(T, hs)`, or `(B, T, hs)` with `position_ids`.
         """
-        T, hs = x.shape[1], x.shape[-1]
         if position_ids is None:
-            cos = self.cos[offset : offset + T]  # (T, hs)
-            sin = self.sin[offset : offset + T]  # (T, hs)
-        else:
-            cos = self.cos[position_ids]  # (B, T, hs)
-            sin = self.sin[position_ids]  # (B, T, hs)
-        if x.ndim == 4:  # heads sit between time and channels
-            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (T, 1, hs) or (B, T, 1, hs)
-        rotated_half = x.roll(hs // 2, dims=-1)  # (B, T, ..., hs): [b, a] for x = [a, b]
-        return torch.addcmul(x * cos.to(x.dtype), rotated_half, sin.to(x.dtype))
+            return self.cos[offset : offset + T], self.sin[offset : offset + T]  # (T, hs) each
+        return self.cos[position_ids], self.sin[position_ids]  # (B, T, hs) each
+
+    def forward(self, x: Tensor, position_ids: Tensor | None = None, offset: int = 0) -> Tensor:
+        """Rotate `x` `(..., T, hs)` (time on dim -2) by its positions; see `angles`."""
+        return rotate(x, self.angles(x.shape[-2], position_ids, offset))
 
 
-def make_norm(norm: str, n_embed: int, bias: bool) -> nn.Module:
-    """The normalisation layer `norm` names ("layernorm" or "rmsnorm") over `n_embed` channels.
+def rotate(x: Tensor, rotation: Rotation) -> Tensor:
+    """Apply a rotation from `RotaryEmbedding.angles` to `x`: `(a, b) -> (a cos - b sin, a sin +
+    b cos)` for each channel pair (i, i + hs/2).
 
-    `bias` applies to LayerNorm only; RMSNorm has none.
+    Shape:
+        x `(B, T, hs)` or `(B, nh, T, hs)` (time on dim -2), cos and sin `(T, hs)` or
+        `(B, T, hs)` -> the shape of `x`.
     """
-    if norm == "layernorm":
-        return nn.LayerNorm(n_embed, bias=bias)
-    if norm == "rmsnorm":
-        return RMSNorm(n_embed)
-    raise InputError(f"norm must be one of {NORMS}, got {norm!r}")
+    cos, sin = rotation
+    if x.ndim == 4 and cos.ndim == 3:  # per-row positions, heads between batch and time
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, hs)
+    rotated_half = x.roll(x.shape[-1] // 2, dims=-1)  # (..., hs): [b, a] for x = [a, b]
+    return torch.addcmul(x * cos.to(x.dtype), rotated_half, sin.to(x.dtype))
+
+
+def make_norm(config: ModelConfig) -> nn.Module:
+    """The normalisation layer `config.norm` names ("layernorm" or "rmsnorm") over `n_embed`
+    channels; `config.bias` applies to LayerNorm only (RMSNorm has none)."""
+    if config.norm == "layernorm":
+        return nn.LayerNorm(config.n_embed, bias=config.bias)
+    if config.norm == "rmsnorm":
+        return RMSNorm(config.n_embed)
+    raise InputError(f"norm must be one of {NORMS}, got {config.norm!r}")

@@ -652,7 +652,7 @@ def _load_run_files(run_dir: Path, weights: str, device: str | torch.device) -> 
         )
     _check_size(config.model, tensors, weights_path)
     try:
-        model = Transformer.from_config(config.model, vocab)
+        model = Transformer(config.model, vocab)
     except InputError as exc:
         raise CheckpointError(f"cannot build the model of '{run_dir}': {exc}") from None
     try:

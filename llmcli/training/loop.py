@@ -512,9 +512,7 @@ def _build(
     saved, data = _prepare(config, info, device, run_dir, resume, overwrite)
     vocab = int(data.tokenizer.vocab_size)
     check_memory(config, vocab, device)
-    model = Transformer.from_config(
-        config.model, vocab, generator=torch.Generator().manual_seed(tc.seed)
-    )
+    model = Transformer(config.model, vocab, generator=torch.Generator().manual_seed(tc.seed))
     if tc.init_from and saved is None:  # a resumed run's weights come from its state
         load_hf_weights(model, tc.init_from)
     model.to(device)
