@@ -29,7 +29,7 @@ from llmcli.generation.context_window import check_context_policy, check_policy_
 from llmcli.generation.generate import _generate
 from llmcli.generation.prompts import encode_prompt, parse_prompts, read_prompt_file
 from llmcli.generation.sampling import check_sampling, make_generators
-from llmcli.runs.checkpoint import load_run
+from llmcli.runs.loading import load_run
 
 logger = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ from llmcli.errors import InputError
 from llmcli.fileio import read_user_text
 from llmcli.inspection.ablation import check_method, head_means, parse_ablate
 from llmcli.progress import Progress
-from llmcli.runs.checkpoint import load_run
+from llmcli.runs.loading import load_run
 from llmcli.training.distributed import DistInfo, mean_over_ranks
 
 logger = logging.getLogger(__name__)

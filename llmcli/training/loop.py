@@ -1,10 +1,10 @@
 """The training loop: build the model, data and optimizer, then step, log, evaluate and save.
 
 `train(config)` trains the model `config.model` describes on the corpus `config.data` names and
-writes a run directory (layout in `llmcli.runs.checkpoint`). One optimizer step is `grad_accum`
+writes a run directory (layout in `llmcli.runs.directory`). One optimizer step is `grad_accum`
 micro-batches of `batch_size` sequences of `context_length` tokens on every rank. `_loop` is the
 whole loop, as in nanoGPT; what keeps a run safe sits beside it as named helpers: the resume
-state (`llmcli.training.state`), atomic saves (`llmcli.runs.checkpoint`), precision
+state (`llmcli.training.state`), atomic saves (`llmcli.runs.directory`), precision
 (`llmcli.device`), agreement between ranks (`llmcli.training.distributed`) and Ctrl-C
 (`llmcli.training.interrupt`).
 
@@ -61,7 +61,19 @@ from llmcli.hf.load import load_hf_weights, resolve_init_from
 from llmcli.inspection.evaluate import evaluate_loss, perplexity
 from llmcli.model.gpt import Transformer
 from llmcli.progress import Progress
-from llmcli.runs import checkpoint as ckpt
+from llmcli.runs.directory import (
+    METRICS_FILE,
+    PLOT_FILE,
+    STATE_FILE,
+    check_resumable,
+    default_run_dir,
+    prepare_run_dir,
+    resumes,
+    save_checkpoint,
+    write_config_and_tokenizer,
+)
+from llmcli.runs.formats import load_state
+from llmcli.runs.loading import load_tokenizer_file
 from llmcli.runs.metrics import MetricsLog, plot_losses
 from llmcli.runs.trackers import check_available, open_trackers
 from llmcli.runs.versions import record as record_versions
@@ -186,7 +198,7 @@ def train(
     info = dist_from_env()
     device = resolve_device(config.train.device, info.local_rank)
     precision = Precision.resolve(device, config.train.dtype)
-    run_dir = Path(out_dir) if out_dir is not None else ckpt.default_run_dir(config)
+    run_dir = Path(out_dir) if out_dir is not None else default_run_dir(config)
     with process_group(info, device), out_of_memory_is_bad_input(device, run_dir):
         run = _build(config, info, precision, run_dir, resume, overwrite, session_start)
         if run.state.step >= config.train.max_steps:
@@ -407,9 +419,9 @@ def _evaluate(run: Run, lr: float) -> bool:
             ", best so far" if best else "",
         )
         try:
-            plot_losses(run.run_dir / ckpt.METRICS_FILE, run.run_dir / ckpt.PLOT_FILE)
+            plot_losses(run.run_dir / METRICS_FILE, run.run_dir / PLOT_FILE)
         except OSError as exc:
-            logger.warning("could not draw %s: %s", ckpt.PLOT_FILE, describe_os_error(exc))
+            logger.warning("could not draw %s: %s", PLOT_FILE, describe_os_error(exc))
     return best
 
 
@@ -462,7 +474,7 @@ def _save(run: Run, best: bool) -> None:
             "rng": [rng for rng, _ in rngs_and_samplers],
             "sampler": [sampler for _, sampler in rngs_and_samplers],
         }
-        ckpt.save_checkpoint(
+        save_checkpoint(
             run.run_dir, run.model, resume_state, meta, best=best, previous_step=state.last_saved
         )
     state.last_saved = state.step
@@ -569,16 +581,16 @@ def _prepare(
 ) -> tuple[dict[str, Any] | None, TokenData]:
     """Check the run directory, load the resume state, tokenize the data: (saved state, data)."""
     saved: dict[str, Any] | None = None
-    resume = ckpt.resumes(run_dir, resume)  # before rank 0 prepares the folder
+    resume = resumes(run_dir, resume)  # before rank 0 prepares the folder
     with agreed(info, device):
         if info.main:
-            ckpt.prepare_run_dir(run_dir, resume, overwrite)
+            prepare_run_dir(run_dir, resume, overwrite)
     with agreed(info, device):
         if resume:
-            saved = ckpt.load_state(run_dir)
+            saved = load_state(run_dir / STATE_FILE)
     with agreed(info, device):
         _check_same_save(saved, run_dir, info)
-    tokenizer = ckpt.load_tokenizer_file(run_dir) if resume else None
+    tokenizer = load_tokenizer_file(run_dir) if resume else None
     # Rank 0 tokenizes first and fills the cache; the others then read it.
     data = None
     with agreed(info, device):
@@ -589,7 +601,7 @@ def _prepare(
             data = prepare_data(config.data, config.model.context_length, tokenizer=tokenizer)
     assert data is not None
     if saved is not None:
-        ckpt.check_resumable(saved, config, run_dir, int(data.tokenizer.vocab_size))
+        check_resumable(saved, config, run_dir, int(data.tokenizer.vocab_size))
         if saved.get("source_hash") not in (None, data.source_hash) and info.main:
             logger.warning(
                 "the corpus changed since this run was saved: the resumed run will "
@@ -644,9 +656,9 @@ def _open_run_files(run: Run) -> None:
     remove_stale_temp_files(run.run_dir)
     keep = run.metrics_bytes if run.resumed_from is not None else None
     try:
-        ckpt.write_config_and_tokenizer(run.run_dir, run.config, run.tokenizer)
+        write_config_and_tokenizer(run.run_dir, run.config, run.tokenizer)
         trackers = open_trackers(run.config, run.run_dir, run.resumed_from)
-        run.metrics = MetricsLog(run.run_dir / ckpt.METRICS_FILE, keep, trackers)
+        run.metrics = MetricsLog(run.run_dir / METRICS_FILE, keep, trackers)
     except OSError as exc:
         raise CheckpointError(
             f"cannot write the run files in '{run.run_dir}': {describe_os_error(exc)}. "
