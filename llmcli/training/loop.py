@@ -58,7 +58,6 @@ from llmcli.device import (
 from llmcli.errors import CheckpointError, InputError, describe_os_error
 from llmcli.fileio import remove_stale_temp_files
 from llmcli.hf.load import load_hf_weights, resolve_init_from
-from llmcli.inspection.evaluate import evaluate_loss, perplexity
 from llmcli.model.gpt import Transformer
 from llmcli.progress import Progress
 from llmcli.runs.directory import (
@@ -85,6 +84,7 @@ from llmcli.training.distributed import (
     mean_over_ranks,
     process_group,
 )
+from llmcli.training.evaluate import evaluate_loss, perplexity
 from llmcli.training.interrupt import Preempted, StopRequest
 from llmcli.training.optim import apply_lr, build_optimizer
 from llmcli.training.state import TrainState, rng_state, seed_everything, set_rng_state
