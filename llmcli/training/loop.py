@@ -64,7 +64,6 @@ from llmcli.runs.directory import (
     METRICS_FILE,
     PLOT_FILE,
     STATE_FILE,
-    check_resumable,
     default_run_dir,
     prepare_run_dir,
     resumes,
@@ -87,7 +86,13 @@ from llmcli.training.distributed import (
 from llmcli.training.evaluate import evaluate_loss, perplexity
 from llmcli.training.interrupt import Preempted, StopRequest
 from llmcli.training.optim import apply_lr, build_optimizer
-from llmcli.training.state import TrainState, rng_state, seed_everything, set_rng_state
+from llmcli.training.state import (
+    TrainState,
+    check_resumable,
+    rng_state,
+    seed_everything,
+    set_rng_state,
+)
 
 logger = logging.getLogger(__name__)
 

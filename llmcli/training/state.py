@@ -13,10 +13,15 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from llmcli.config import Config
+from llmcli.errors import CheckpointError
+from llmcli.runs.directory import CONFIG_FILE, STATE_FILE
 
 
 @dataclass
@@ -78,6 +83,66 @@ class TrainState:
             last_eval=dict(saved.get("last_eval", {})),
             last_saved=int(saved["step"]),
             session_start=session_start,
+        )
+
+
+# What `save` writes into the resume state, by type: checked before any of it is used.
+_STATE_LAYOUT: dict[str, type | tuple[type, ...]] = {
+    "config": dict,
+    "model": dict,
+    "optimizer": dict,
+    "rng": list,
+    "sampler": list,
+    "step": int,
+    "tokens": int,
+    "elapsed_s": (int, float),
+    "metrics_bytes": int,
+}
+
+
+def check_resumable(state: dict[str, Any], config: Config, run_dir: Path, vocab: int) -> None:
+    """Refuse a resume state that is malformed or does not fit `config` and the tokenizer.
+
+    Raises:
+        CheckpointError: naming what is missing or what differs, and what to do.
+    """
+    bad = [k for k, kind in _STATE_LAYOUT.items() if not isinstance(state.get(k), kind)]
+    if not bad and not (
+        state["rng"]
+        and len(state["rng"]) == len(state["sampler"])
+        and all(isinstance(x, dict) for x in state["rng"] + state["sampler"])
+    ):
+        bad = ["rng", "sampler"]
+    if bad:
+        raise CheckpointError(
+            f"resume state '{run_dir / STATE_FILE}' is incomplete or malformed (missing or "
+            f"wrong: {', '.join(bad)}); it was not written by this version of llmcli. Remove "
+            "it to start afresh, or restore it from a backup."
+        )
+    saved_optimizer = state["config"].get("train", {}).get("optimizer", "adamw")
+    if saved_optimizer != config.train.optimizer:
+        raise CheckpointError(
+            f"cannot resume '{run_dir}' with train.optimizer={config.train.optimizer!r}: it was "
+            f"trained with {saved_optimizer!r}, whose saved state does not carry over. Resume "
+            f"with --set train.optimizer={saved_optimizer}, or start a new run with --out DIR."
+        )
+    saved = state["config"].get("model", {})
+    now = config.to_dict()["model"]
+    diff = [
+        f"model.{k}: saved {saved.get(k)!r}, config {v!r}"
+        for k, v in now.items()
+        if saved.get(k) != v
+    ]
+    if diff:
+        raise CheckpointError(
+            f"cannot resume '{run_dir}': the config's model differs from the saved one "
+            f"({'; '.join(diff)}). Resume with the run's own config ({run_dir / CONFIG_FILE}) "
+            "or start a new run with --out DIR."
+        )
+    if state.get("vocab_size") != vocab:
+        raise CheckpointError(
+            f"cannot resume '{run_dir}': its tokenizer has {vocab} tokens but the saved model "
+            f"has {state.get('vocab_size')}; the run's files come from different runs."
         )
 
 
