@@ -34,7 +34,7 @@ from llmcli.errors import CheckpointError, describe_os_error
 from llmcli.fileio import atomic_write_bytes, atomic_write_json, atomic_write_text
 from llmcli.model.gpt import Transformer
 from llmcli.runs import versions
-from llmcli.runs.formats import WEIGHTS_FORMAT, read_meta, save_state, weights_bytes
+from llmcli.runs.formats import read_meta, save_state, weights_bytes
 
 CONFIG_FILE = "config.yaml"
 TOKENIZER_FILE = "tokenizer.json"
@@ -146,7 +146,7 @@ def save_checkpoint(
     Args:
         run_dir: the run directory (exists, with config.yaml and tokenizer.json).
         model: the unwrapped model (its weights go to `model.safetensors`).
-        state: the resume state (must include "model", the weights as a state dict).
+        state: the resume state, as `llmcli.training.state.ResumeState.to_dict()` gives it.
         meta: the `meta.json` content (must include "step" and "vocab_size").
         best: also write the weights to `best.safetensors`.
         previous_step: the step of the previous save (-1: none), named if this one fails.
@@ -162,7 +162,7 @@ def save_checkpoint(
         if best:
             atomic_write_bytes(run_dir / BEST_FILE, data)
         atomic_write_json(run_dir / META_FILE, meta)
-        save_state(run_dir / STATE_FILE, {"format": WEIGHTS_FORMAT, **state})
+        save_state(run_dir / STATE_FILE, state)
     except OSError as exc:
         previous = f"step {previous_step}" if previous_step >= 0 else "none yet"
         raise CheckpointError(

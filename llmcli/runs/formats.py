@@ -157,10 +157,11 @@ def load_weights(model: Any, tensors: dict[str, Any], path: str | Path) -> None:
 
 
 def save_state(path: str | Path, state: dict[str, Any]) -> None:
-    """Atomically write a resume state with `torch.save` (plain tensors, numbers, strings and
-    containers only, so that `load_state` can read it with `weights_only=True`)."""
+    """Atomically write a resume state with `torch.save`, tagged with this format for
+    `load_state` (plain tensors, numbers, strings and containers only, so that it can be read
+    with `weights_only=True`)."""
     buffer = io.BytesIO()
-    torch.save(state, buffer)
+    torch.save({"format": WEIGHTS_FORMAT, **state}, buffer)
     atomic_write_bytes(path, buffer.getvalue())
 
 

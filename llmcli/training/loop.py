@@ -38,7 +38,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -63,14 +62,12 @@ from llmcli.progress import Progress
 from llmcli.runs.directory import (
     METRICS_FILE,
     PLOT_FILE,
-    STATE_FILE,
     default_run_dir,
     prepare_run_dir,
     resumes,
     save_checkpoint,
     write_config_and_tokenizer,
 )
-from llmcli.runs.formats import load_state
 from llmcli.runs.loading import load_tokenizer_file
 from llmcli.runs.metrics import MetricsLog, plot_losses
 from llmcli.runs.trackers import check_available, open_trackers
@@ -86,13 +83,7 @@ from llmcli.training.distributed import (
 from llmcli.training.evaluate import evaluate_loss, perplexity
 from llmcli.training.interrupt import Preempted, StopRequest
 from llmcli.training.optim import apply_lr, build_optimizer
-from llmcli.training.state import (
-    TrainState,
-    check_resumable,
-    rng_state,
-    seed_everything,
-    set_rng_state,
-)
+from llmcli.training.state import ResumeState, TrainState, rng_state, seed_everything, set_rng_state
 
 logger = logging.getLogger(__name__)
 
@@ -467,20 +458,25 @@ def _save(run: Run, best: bool) -> None:
             "world_size": info.world_size,
             "versions": record_versions(),
         }
-        resume_state = {
-            **state.state_dict(),
-            "metrics_bytes": run.metrics.size,
-            "vocab_size": vocab,
-            "source_hash": run.data.source_hash,
-            "config": run.config.to_dict(),
-            "model": run.model.state_dict(),
-            "optimizer": run.optimizer.state_dict(),
-            "scaler": run.precision.state_dict(),
-            "rng": [rng for rng, _ in rngs_and_samplers],
-            "sampler": [sampler for _, sampler in rngs_and_samplers],
-        }
+        resume_state = ResumeState(
+            counters=state,
+            metrics_bytes=run.metrics.size,
+            vocab_size=vocab,
+            source_hash=run.data.source_hash,
+            config=run.config.to_dict(),
+            model=run.model.state_dict(),
+            optimizer=run.optimizer.state_dict(),
+            scaler=run.precision.state_dict(),
+            rng=[rng for rng, _ in rngs_and_samplers],
+            sampler=[sampler for _, sampler in rngs_and_samplers],
+        )
         save_checkpoint(
-            run.run_dir, run.model, resume_state, meta, best=best, previous_step=state.last_saved
+            run.run_dir,
+            run.model,
+            resume_state.to_dict(),
+            meta,
+            best=best,
+            previous_step=state.last_saved,
         )
     state.last_saved = state.step
     run.saved_at = time.perf_counter()
@@ -583,16 +579,16 @@ def _prepare(
     run_dir: Path,
     resume: bool | str,
     overwrite: bool,
-) -> tuple[dict[str, Any] | None, TokenData]:
+) -> tuple[ResumeState | None, TokenData]:
     """Check the run directory, load the resume state, tokenize the data: (saved state, data)."""
-    saved: dict[str, Any] | None = None
+    saved: ResumeState | None = None
     resume = resumes(run_dir, resume)  # before rank 0 prepares the folder
     with agreed(info, device):
         if info.main:
             prepare_run_dir(run_dir, resume, overwrite)
     with agreed(info, device):
         if resume:
-            saved = load_state(run_dir / STATE_FILE)
+            saved = ResumeState.load(run_dir)
     with agreed(info, device):
         _check_same_save(saved, run_dir, info)
     tokenizer = load_tokenizer_file(run_dir) if resume else None
@@ -606,8 +602,8 @@ def _prepare(
             data = prepare_data(config.data, config.model.context_length, tokenizer=tokenizer)
     assert data is not None
     if saved is not None:
-        check_resumable(saved, config, run_dir, int(data.tokenizer.vocab_size))
-        if saved.get("source_hash") not in (None, data.source_hash) and info.main:
+        saved.check_fits(config, run_dir, int(data.tokenizer.vocab_size))
+        if saved.source_hash not in (None, data.source_hash) and info.main:
             logger.warning(
                 "the corpus changed since this run was saved: the resumed run will "
                 "not match an uninterrupted one"
@@ -615,10 +611,10 @@ def _prepare(
     return saved, data
 
 
-def _check_same_save(saved: dict[str, Any] | None, run_dir: Path, info: DistInfo) -> None:
+def _check_same_save(saved: ResumeState | None, run_dir: Path, info: DistInfo) -> None:
     """Every rank starts from the same save (or none): a restarted group must agree on the
     step, or the ranks' weights would differ from the first step on."""
-    steps = gather(None if saved is None else saved.get("step"), info)
+    steps = gather(None if saved is None else saved.counters.step, info)
     if len(set(steps)) > 1:
         raise CheckpointError(
             f"the ranks read different resume states from '{run_dir}' (steps by rank: "
@@ -626,18 +622,18 @@ def _check_same_save(saved: dict[str, Any] | None, run_dir: Path, info: DistInfo
         )
 
 
-def _restore(run: Run, saved: dict[str, Any]) -> None:
+def _restore(run: Run, saved: ResumeState) -> None:
     """Load a resume state into the run's model, optimizer, precision, RNGs and sampler."""
     info = run.info
-    run.model.load_state_dict(saved["model"])
+    run.model.load_state_dict(saved.model)
     # Moments and step counts from the save; hyperparameters from today's config.
     groups = run.optimizer.param_groups
     fresh = [{k: v for k, v in g.items() if k != "params"} for g in groups]
-    run.optimizer.load_state_dict(saved["optimizer"])
+    run.optimizer.load_state_dict(saved.optimizer)
     for group, values in zip(run.optimizer.param_groups, fresh, strict=True):
         group.update(values)
-    run.precision.load_state_dict(saved.get("scaler") or {})
-    saved_world = len(saved["rng"])
+    run.precision.load_state_dict(saved.scaler)
+    saved_world = len(saved.rng)
     if saved_world != info.world_size and info.main:
         logger.warning(
             "resuming a %d-process run with %d processes: batches and random "
@@ -646,11 +642,12 @@ def _restore(run: Run, saved: dict[str, Any]) -> None:
             info.world_size,
         )
     own = min(info.rank, saved_world - 1)
-    set_rng_state(saved["rng"][own], run.device)
-    run.sampler.load_state_dict(saved["sampler"][own])
-    run.state = TrainState.from_state_dict(saved, run.state.session_start)
+    set_rng_state(saved.rng[own], run.device)
+    run.sampler.load_state_dict(saved.sampler[own])
+    # The saved counters, with this session's time counted from its start.
+    run.state = dataclasses.replace(saved.counters, session_start=run.state.session_start)
     run.resumed_from = run.state.step
-    run.metrics_bytes = int(saved["metrics_bytes"])
+    run.metrics_bytes = saved.metrics_bytes
 
 
 def _open_run_files(run: Run) -> None:
