@@ -99,10 +99,10 @@ def differences(run_dir: Path, reference: Path) -> int:
     metrics when they differ."""
     import torch
 
-    from llmcli.runs import checkpoint as ckpt
+    from llmcli.runs.formats import read_weights
 
-    final = ckpt.read_weights(run_dir / "model.safetensors")[0]
-    expected = ckpt.read_weights(reference / "model.safetensors")[0]
+    final = read_weights(run_dir / "model.safetensors")[0]
+    expected = read_weights(reference / "model.safetensors")[0]
     same = final.keys() == expected.keys() and all(
         torch.equal(final[k], expected[k]) for k in final
     )
@@ -187,7 +187,9 @@ def main() -> None:
     from llmcli.cli import main as cli_main
     from llmcli.config import config_from_dict
     from llmcli.errors import CheckpointError
-    from llmcli.runs import checkpoint as ckpt
+    from llmcli.runs.directory import STATE_FILE
+    from llmcli.runs.formats import load_state, read_weights
+    from llmcli.runs.loading import load_run
     from llmcli.training import loop as train_module
 
     torch.set_num_threads(1)  # the children too: bitwise comparisons need the same kernels
@@ -203,17 +205,17 @@ def main() -> None:
 
     # --- the reference, with its weights at every save --------------------------------------
     snapshots: dict[int, dict[str, torch.Tensor]] = {}
-    real_save, real_plot = ckpt.save_checkpoint, train_module.plot_losses
+    real_save, real_plot = train_module.save_checkpoint, train_module.plot_losses
 
     def save(run_dir, model, state, meta, **kwargs):
         snapshots[meta["step"]] = {k: v.detach().clone() for k, v in state["model"].items()}
         real_save(run_dir, model, state, meta, **kwargs)
 
-    ckpt.save_checkpoint, train_module.plot_losses = save, lambda *a: None
+    train_module.save_checkpoint, train_module.plot_losses = save, lambda *a: None
     try:
         train_module.train(config_from_dict(raw), out_dir=work / "reference", progress=False)
     finally:
-        ckpt.save_checkpoint, train_module.plot_losses = real_save, real_plot
+        train_module.save_checkpoint, train_module.plot_losses = real_save, real_plot
     assert sorted(snapshots) == saves, (sorted(snapshots), saves)
 
     def check(run_dir: Path) -> tuple[int, int | None, bool]:
@@ -222,9 +224,9 @@ def main() -> None:
         state_step = None
         if (run_dir / "state.pt").exists():
             try:
-                state = ckpt.load_state(run_dir)
+                state = load_state(run_dir / STATE_FILE)
                 for weights in ("best", "last"):
-                    ckpt.load_run(run_dir, weights=weights)
+                    load_run(run_dir, weights=weights)
             except CheckpointError:
                 return 0, None, False
             state_step = int(state["step"])
@@ -232,13 +234,13 @@ def main() -> None:
             bad += any(not torch.equal(t, expected[k]) for k, t in state["model"].items())
         else:
             try:
-                ckpt.load_run(run_dir)
+                load_run(run_dir)
             except CheckpointError:
                 pass  # nothing saved yet: refusing with a message is right
         for name in ("model.safetensors", "best.safetensors"):
             if (run_dir / name).exists():
                 try:
-                    tensors, metadata = ckpt.read_weights(run_dir / name)
+                    tensors, metadata = read_weights(run_dir / name)
                 except CheckpointError:
                     loadable = False
                     continue
@@ -257,7 +259,9 @@ def main() -> None:
             run_dir = work / f"run-{chain}"
             for _ in range(min(args.chain, args.kills - kills)):
                 state_step = (
-                    ckpt.load_state(run_dir)["step"] if (run_dir / "state.pt").exists() else 0
+                    load_state(run_dir / STATE_FILE)["step"]
+                    if (run_dir / "state.pt").exists()
+                    else 0
                 )
                 resuming = state_step > 0
                 left = [s for s in saves if s > state_step]

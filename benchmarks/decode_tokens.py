@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from llmcli import generate  # noqa: E402
 from llmcli.errors import CheckpointError  # noqa: E402
 from llmcli.generation.decode import Decoder  # noqa: E402
-from llmcli.runs.checkpoint import load_run  # noqa: E402
+from llmcli.runs.loading import load_run  # noqa: E402
 
 BASELINE = "7fa4a5b"
 

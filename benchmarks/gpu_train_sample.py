@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from llmcli.config import load_config  # noqa: E402
 from llmcli.generation.sample import sample_run  # noqa: E402
 from llmcli.model.gpt import Transformer  # noqa: E402
-from llmcli.runs.checkpoint import METRICS_FILE  # noqa: E402
+from llmcli.runs.directory import METRICS_FILE  # noqa: E402
 from llmcli.runs.metrics import read_metrics  # noqa: E402
 from llmcli.training.loop import train  # noqa: E402
 
@@ -123,7 +123,7 @@ def main() -> None:
 
 
 def _vocab_size(run_dir: Path) -> int:
-    from llmcli.runs.checkpoint import load_tokenizer_file
+    from llmcli.runs.loading import load_tokenizer_file
 
     return int(load_tokenizer_file(run_dir).vocab_size)
 

@@ -14,7 +14,7 @@ from huggingface_hub import constants
 from llmcli.config import config_from_dict
 from llmcli.data.tokenizer import Tokenizer
 from llmcli.model.gpt import Transformer
-from llmcli.runs.checkpoint import save_model_run
+from llmcli.runs.directory import save_model_run
 
 ROOT = Path(__file__).resolve().parents[1]
 

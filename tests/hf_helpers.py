@@ -12,7 +12,7 @@ from llmcli.cli import main
 from llmcli.config import Config, DataConfig, ModelConfig
 from llmcli.data.tokenizer import BPETokenizer, CharTokenizer
 from llmcli.model.gpt import Transformer
-from llmcli.runs import checkpoint as ckpt
+from llmcli.runs.directory import save_model_run
 
 TEXT = (
     "First Citizen:\nBefore we proceed any further, hear me speak.\n\n"
@@ -52,7 +52,7 @@ def make_run(run_dir: Path, kind: str = "char", seed: int = 0, **model_opts) -> 
         for name, p in model.named_parameters():
             gain = name.endswith("weight") and p.ndim == 1
             p.copy_((1.0 if gain else 0.0) + 0.3 * torch.randn(p.shape, generator=g))
-    ckpt.save_model_run(run_dir, config, tok, model)
+    save_model_run(run_dir, config, tok, model)
     return run_dir
 
 

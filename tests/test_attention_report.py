@@ -39,7 +39,7 @@ def test_select_indices() -> None:
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    from llmcli.runs.checkpoint import save_model_run
+    from llmcli.runs.directory import save_model_run
 
     root = tmp_path_factory.mktemp("inspect")
     corpus = root / "corpus.txt"
@@ -53,7 +53,7 @@ def run_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(run_dir):
-    from llmcli.runs.checkpoint import load_run
+    from llmcli.runs.loading import load_run
 
     return load_run(run_dir)
 
@@ -172,7 +172,7 @@ def test_default_prompt_is_the_start_of_validation_text(run_dir, tmp_path) -> No
 def test_default_prompt_falls_back_clearly(run_dir, tmp_path) -> None:
     import shutil
 
-    from llmcli.runs.checkpoint import load_run
+    from llmcli.runs.loading import load_run
 
     moved = tmp_path / "run"
     shutil.copytree(run_dir, moved)
@@ -343,7 +343,7 @@ def reference_deltas(run_dir, steps: int):
     """Every head's Δloss the plain way (one full forward per head) on the same batches."""
     from llmcli.inspection.ablation import head_deltas_full
     from llmcli.inspection.evaluate import eval_tokens, window_batches, window_starts
-    from llmcli.runs.checkpoint import load_run
+    from llmcli.runs.loading import load_run
 
     run = load_run(run_dir)
     tokens, _ = eval_tokens(run)

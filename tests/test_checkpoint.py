@@ -1,5 +1,5 @@
 """The run directory: atomic writes, safe loading, validation, latest run
-(llmcli/runs/checkpoint.py)."""
+(llmcli/runs/formats.py, directory.py, loading.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ from llmcli.config import Config, ModelConfig
 from llmcli.data.tokenizer import CharTokenizer
 from llmcli.errors import CheckpointError, describe_os_error
 from llmcli.model.gpt import Transformer
-from llmcli.runs import checkpoint as ckpt
+from llmcli.runs.directory import STATE_FILE, ensure_run_dir, save_model_run
+from llmcli.runs.formats import WEIGHTS_FORMAT, load_state, save_state
+from llmcli.runs.loading import find_latest_run, load_run
 
 TEXT = "To be, or not to be, that is the question.\n"
 
@@ -28,7 +30,7 @@ def make_run(run_dir: Path, *, tie: bool = True, step: int = 7) -> tuple[Config,
     )
     tok = CharTokenizer.train([TEXT])
     model = Transformer(config.model, tok.vocab_size, generator=torch.Generator().manual_seed(3))
-    ckpt.save_model_run(run_dir, config, tok, model, extra_meta={"step": step})
+    save_model_run(run_dir, config, tok, model, extra_meta={"step": step})
     return config, model
 
 
@@ -73,9 +75,9 @@ def test_a_failed_write_keeps_the_previous_file(tmp_path: Path, monkeypatch) -> 
 def test_ensure_run_dir_refuses_a_path_below_a_file(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises(CheckpointError, match="cannot write to output directory"):
-        ckpt.ensure_run_dir(tmp_path / "file" / "run")
+        ensure_run_dir(tmp_path / "file" / "run")
     with pytest.raises(CheckpointError, match="not a directory"):
-        ckpt.ensure_run_dir(tmp_path / "file")
+        ensure_run_dir(tmp_path / "file")
 
 
 # --- saving and loading a run ----------------------------------------------------------------
@@ -92,7 +94,7 @@ def test_save_and_load_round_trip(tmp_path: Path, tie: bool) -> None:
         "model.safetensors",
         "tokenizer.json",
     ]
-    run = ckpt.load_run(tmp_path / "run")
+    run = load_run(tmp_path / "run")
     assert run.weights_path == tmp_path / "run" / "best.safetensors"
     assert run.step == 7 and run.meta["step"] == 7 and run.meta["versions"]["torch"]
     assert run.config.to_dict() == config.to_dict()
@@ -106,39 +108,39 @@ def test_save_and_load_round_trip(tmp_path: Path, tie: bool) -> None:
     idx = torch.tensor([run.tokenizer.encode("To be")])
     model.eval()
     assert torch.equal(model(idx)[0], run.model(idx)[0])
-    assert ckpt.load_run(tmp_path / "run", weights="last").weights_path.name == "model.safetensors"
+    assert load_run(tmp_path / "run", weights="last").weights_path.name == "model.safetensors"
 
 
 def test_find_latest_run_picks_the_newest_weights(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="llmcli train configs/tiny.yaml"):
-        ckpt.find_latest_run(tmp_path)
+        find_latest_run(tmp_path)
     make_run(tmp_path / "a")
     make_run(tmp_path / "b")
     (tmp_path / "not-a-run").mkdir()
     now = time.time()
     os.utime(tmp_path / "a" / "model.safetensors", (now, now))
     os.utime(tmp_path / "b" / "model.safetensors", (now - 100, now - 100))
-    assert ckpt.find_latest_run(tmp_path) == tmp_path / "a"
+    assert find_latest_run(tmp_path) == tmp_path / "a"
     os.utime(tmp_path / "b" / "model.safetensors", (now + 100, now + 100))
-    assert ckpt.find_latest_run(tmp_path) == tmp_path / "b"
+    assert find_latest_run(tmp_path) == tmp_path / "b"
     make_run(tmp_path / "group" / "c")  # runs in sub-folders count too
     os.utime(tmp_path / "group" / "c" / "model.safetensors", (now + 200, now + 200))
-    assert ckpt.find_latest_run(tmp_path) == tmp_path / "group" / "c"
+    assert find_latest_run(tmp_path) == tmp_path / "group" / "c"
 
 
 def test_missing_run_and_missing_files_are_named(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="does not exist"):
-        ckpt.load_run(tmp_path / "nope")
+        load_run(tmp_path / "nope")
     make_run(tmp_path / "run")
     for name in ("tokenizer.json", "config.yaml"):
         (tmp_path / "run" / name).rename(tmp_path / name)
         with pytest.raises(CheckpointError, match=name):
-            ckpt.load_run(tmp_path / "run")
+            load_run(tmp_path / "run")
         (tmp_path / name).rename(tmp_path / "run" / name)
     for name in ("best.safetensors", "model.safetensors"):
         (tmp_path / "run" / name).unlink()
     with pytest.raises(CheckpointError, match="model.safetensors"):
-        ckpt.load_run(tmp_path / "run")
+        load_run(tmp_path / "run")
 
 
 def test_a_pickle_as_weights_is_refused_unread(tmp_path: Path) -> None:
@@ -146,15 +148,15 @@ def test_a_pickle_as_weights_is_refused_unread(tmp_path: Path) -> None:
     marker = tmp_path / "code-ran"
     torch.save({"w": Marker(str(marker))}, tmp_path / "run" / "best.safetensors")
     with pytest.raises(CheckpointError, match="not a safetensors file"):
-        ckpt.load_run(tmp_path / "run")
+        load_run(tmp_path / "run")
     assert not marker.exists()
 
 
 def test_a_pickle_as_resume_state_is_refused_unread(tmp_path: Path) -> None:
     marker = tmp_path / "code-ran"
-    torch.save({"format": ckpt.WEIGHTS_FORMAT, "x": Marker(str(marker))}, tmp_path / "state.pt")
+    torch.save({"format": WEIGHTS_FORMAT, "x": Marker(str(marker))}, tmp_path / "state.pt")
     with pytest.raises(CheckpointError, match="refused unread") as info:
-        ckpt.load_state(tmp_path)
+        load_state(tmp_path / STATE_FILE)
     assert "state.pt" in str(info.value)
     assert not marker.exists()
 
@@ -168,7 +170,7 @@ def test_truncated_weights_are_reported_as_corrupt_naming_the_file(
     data = path.read_bytes()
     path.write_bytes(data[: int(keep * len(data)) if isinstance(keep, float) else keep])
     with pytest.raises(CheckpointError, match="truncated|corrupt|not a safetensors") as info:
-        ckpt.load_run(tmp_path / "run")
+        load_run(tmp_path / "run")
     assert str(path) in str(info.value)
 
 
@@ -176,13 +178,13 @@ def test_truncated_weights_are_reported_as_corrupt_naming_the_file(
 def test_truncated_resume_state_is_reported_as_corrupt_naming_the_file(
     tmp_path: Path, fraction: float
 ) -> None:
-    ckpt.save_state(tmp_path, {"format": ckpt.WEIGHTS_FORMAT, "step": 3, "w": torch.arange(1000.0)})
-    assert ckpt.load_state(tmp_path)["step"] == 3
-    path = tmp_path / "state.pt"
+    path = tmp_path / STATE_FILE
+    save_state(path, {"format": WEIGHTS_FORMAT, "step": 3, "w": torch.arange(1000.0)})
+    assert load_state(path)["step"] == 3
     data = path.read_bytes()
     path.write_bytes(data[: int(fraction * len(data))])
     with pytest.raises(CheckpointError, match="corrupt or truncated") as info:
-        ckpt.load_state(tmp_path)
+        load_state(path)
     assert str(path) in str(info.value)
 
 
@@ -190,7 +192,7 @@ def test_tokenizer_and_weights_from_different_runs_are_refused(tmp_path: Path) -
     make_run(tmp_path / "run")
     CharTokenizer.train(["abc"]).save(tmp_path / "run" / "tokenizer.json")
     with pytest.raises(CheckpointError, match="different runs"):
-        ckpt.load_run(tmp_path / "run")
+        load_run(tmp_path / "run")
 
 
 def test_weights_that_do_not_fit_the_config_are_refused(tmp_path: Path) -> None:
@@ -201,7 +203,7 @@ def test_weights_that_do_not_fit_the_config_are_refused(tmp_path: Path) -> None:
         edited = {**raw, "model": {**raw["model"], key: value}}
         path.write_text(yaml.safe_dump(edited))
         with pytest.raises(CheckpointError, match=rf"model\.{key} = {value} but .* hold {held}"):
-            ckpt.load_run(tmp_path / "run")
+            load_run(tmp_path / "run")
 
 
 def test_a_config_edited_to_a_huge_model_fails_before_building_it(tmp_path: Path) -> None:
@@ -213,7 +215,7 @@ def test_a_config_edited_to_a_huge_model_fails_before_building_it(tmp_path: Path
     path.write_text(yaml.safe_dump(raw))
     start = time.perf_counter()
     with pytest.raises(CheckpointError, match=r"model\.n_layer = 1000000 but .* hold 1"):
-        ckpt.load_run(tmp_path / "run")
+        load_run(tmp_path / "run")
     assert time.perf_counter() - start < 30
 
 
@@ -223,18 +225,18 @@ def test_rope_weights_without_a_position_table_still_check_layers(tmp_path: Path
     )
     tok = CharTokenizer.train([TEXT])
     model = Transformer(config.model, tok.vocab_size)
-    ckpt.save_model_run(tmp_path / "run", config, tok, model, extra_meta={"step": 1})
-    assert ckpt.load_run(tmp_path / "run").model.n_layer == 2
+    save_model_run(tmp_path / "run", config, tok, model, extra_meta={"step": 1})
+    assert load_run(tmp_path / "run").model.n_layer == 2
     path = tmp_path / "run" / "config.yaml"
     raw = yaml.safe_load(path.read_text())
     raw["model"]["n_layer"] = 3
     path.write_text(yaml.safe_dump(raw))
     with pytest.raises(CheckpointError, match=r"model\.n_layer = 3 but .* hold 2"):
-        ckpt.load_run(tmp_path / "run")
+        load_run(tmp_path / "run")
 
 
 def test_a_broken_config_in_a_run_names_the_file(tmp_path: Path) -> None:
     make_run(tmp_path / "run")
     (tmp_path / "run" / "config.yaml").write_text("model: {n_head: 3}\n")
     with pytest.raises(CheckpointError, match="config.yaml"):
-        ckpt.load_run(tmp_path / "run")
+        load_run(tmp_path / "run")

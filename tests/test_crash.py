@@ -41,7 +41,9 @@ import llmcli.training.loop
 from llmcli import fileio
 from llmcli.cli import main
 from llmcli.config import config_from_dict
-from llmcli.runs import checkpoint as ckpt
+from llmcli.runs.directory import STATE_FILE, save_checkpoint
+from llmcli.runs.formats import load_state, read_weights
+from llmcli.runs.loading import load_run
 from llmcli.runs.metrics import read_metrics
 from llmcli.training.loop import train
 
@@ -80,14 +82,14 @@ def setup(tmp_path_factory, one_thread) -> dict:
     config_path = root / "crash.yaml"
     config_path.write_text(yaml.safe_dump(raw), encoding="utf-8")
     snapshots: dict[int, dict[str, torch.Tensor]] = {}
-    real_save = ckpt.save_checkpoint
+    real_save = save_checkpoint
 
     def save(run_dir, model, state, meta, **kwargs):
         snapshots[meta["step"]] = {k: v.detach().clone() for k, v in state["model"].items()}
         real_save(run_dir, model, state, meta, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:  # one thread, as the killed processes run
-        mp.setattr(ckpt, "save_checkpoint", save)
+        mp.setattr(llmcli.training.loop, "save_checkpoint", save)
         mp.setattr(llmcli.training.loop, "plot_losses", lambda *args: None)  # (not compared)
         train(config_from_dict(raw), out_dir=root / "reference", progress=False)
     assert sorted(snapshots) == SAVES
@@ -196,13 +198,13 @@ def assert_matches_reference_at_its_step(setup: dict, run_dir: Path) -> int:
     Returns the step of the resume state.
     """
     for weights in ("best", "last"):
-        ckpt.load_run(run_dir, weights=weights)
+        load_run(run_dir, weights=weights)
     for name in ("model.safetensors", "best.safetensors"):
-        tensors, metadata = ckpt.read_weights(run_dir / name)
+        tensors, metadata = read_weights(run_dir / name)
         expected = setup["snapshots"][int(metadata["step"])]
         for key, tensor in tensors.items():
             assert torch.equal(tensor, expected[key]), f"{name} step {metadata['step']}: {key}"
-    state = ckpt.load_state(run_dir)
+    state = load_state(run_dir / STATE_FILE)
     expected = setup["snapshots"][state["step"]]
     for key, tensor in state["model"].items():
         assert torch.equal(tensor, expected[key]), f"state.pt step {state['step']}: {key}"
@@ -219,7 +221,7 @@ def resume_in_process(setup: dict, run_dir: Path, capsys) -> None:
 
 def assert_same_as_reference(setup: dict, run_dir: Path) -> None:
     reference, got = (
-        ckpt.read_weights(d / "model.safetensors")[0] for d in (setup["reference"], run_dir)
+        read_weights(d / "model.safetensors")[0] for d in (setup["reference"], run_dir)
     )
     assert reference.keys() == got.keys()
     for key in reference:
@@ -431,8 +433,8 @@ def test_sigint_at_a_random_moment_of_train_saves_exits_130_and_resumes_exactly(
     assert exit_info.value.code == 130, err
     assert "Traceback" not in err and "--resume" in err
     stopped = int(re.search(r"stopped at step (\d+)", err).group(1))
-    assert ckpt.load_state(run_dir)["step"] == stopped
-    ckpt.load_run(run_dir)
+    assert load_state(run_dir / STATE_FILE)["step"] == stopped
+    load_run(run_dir)
 
     monkeypatch.undo()
     resume_in_process(setup, run_dir, capsys)

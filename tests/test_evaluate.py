@@ -39,7 +39,7 @@ def reference_nll(run_dir: Path, ids: list[int], hooks: dict | None = None) -> n
     """Per-token negative log-likelihoods by hand: window k predicts ids[kT+1 .. kT+T] from
     ids[kT .. kT+T-1], one window at a time, log-softmax in float64 NumPy; `hooks` run at the
     model's hook points."""
-    from llmcli.runs.checkpoint import load_run
+    from llmcli.runs.loading import load_run
 
     model = load_run(run_dir).model
     out = []
@@ -228,7 +228,7 @@ def test_bad_input_exits_2_with_a_message(
 
 def test_a_mask_of_ones_scores_bit_for_bit_as_plain_eval(char_run: Path) -> None:
     from llmcli.inspection.ablation import head_means, mask_heads
-    from llmcli.runs.checkpoint import load_run
+    from llmcli.runs.loading import load_run
 
     model = load_run(char_run).model
     tokens = np.asarray(CharTokenizer.train([TEXT]).encode(TEXT), dtype=np.int64)
@@ -258,7 +258,7 @@ def test_ablate_removes_heads_zero_and_mean(char_run: Path, text_file: Path) -> 
     assert zero.loss == pytest.approx(reference_nll(char_run, ids, removed()).mean(), rel=1e-5)
     assert abs(zero.loss - plain.loss) > 1e-3
 
-    from llmcli.runs.checkpoint import load_run
+    from llmcli.runs.loading import load_run
 
     model = load_run(char_run).model
     n = len(ids)  # every window's inputs, the shorter last one included

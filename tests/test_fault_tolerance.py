@@ -29,7 +29,8 @@ from safetensors.torch import load_file
 from llmcli.cli import main
 from llmcli.config import config_from_dict
 from llmcli.errors import CheckpointError, InputError
-from llmcli.runs import checkpoint as ckpt
+from llmcli.runs.directory import META_FILE, METRICS_FILE, MODEL_FILE, STATE_FILE
+from llmcli.runs.formats import load_state
 from llmcli.runs.metrics import read_metrics
 from llmcli.training.distributed import join_timeout
 from llmcli.training.interrupt import EXIT_TERMINATED, Preempted
@@ -51,7 +52,7 @@ def raw_config(corpus: Path, **train_opts) -> dict:
 
 
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(run_dir / ckpt.MODEL_FILE)
+    return load_file(run_dir / MODEL_FILE)
 
 
 def assert_same_weights(a: Path, b: Path) -> None:
@@ -64,7 +65,7 @@ def assert_same_weights(a: Path, b: Path) -> None:
 def stable_metrics(run_dir: Path) -> list[dict]:
     return [
         {k: v for k, v in r.items() if k not in VOLATILE}
-        for r in read_metrics(run_dir / ckpt.METRICS_FILE)
+        for r in read_metrics(run_dir / METRICS_FILE)
     ]
 
 
@@ -77,7 +78,7 @@ def crash_at(step: int):
 
 
 def saved_step(run_dir: Path) -> int:
-    return ckpt.load_state(run_dir)["step"]
+    return load_state(run_dir / STATE_FILE)["step"]
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +113,7 @@ def test_resume_auto_refuses_what_it_cannot_continue(small_corpus, reference, tm
 
     weights_only = tmp_path / "weights-only"  # a run without its resume state
     weights_only.mkdir()
-    (weights_only / ckpt.MODEL_FILE).write_bytes((reference / ckpt.MODEL_FILE).read_bytes())
+    (weights_only / MODEL_FILE).write_bytes((reference / MODEL_FILE).read_bytes())
     config = config_from_dict(raw_config(small_corpus))
     with pytest.raises(CheckpointError, match="already holds a run"):
         train(config, out_dir=weights_only, resume="auto", progress=False)
@@ -138,7 +139,7 @@ def test_bad_fault_tolerance_options_exit_2(small_corpus, tmp_path, capsys, argv
     err = capsys.readouterr().err
     assert exit_info.value.code == 2, err
     assert message in err and "Traceback" not in err
-    assert not (tmp_path / "run" / ckpt.STATE_FILE).exists()
+    assert not (tmp_path / "run" / STATE_FILE).exists()
 
 
 def test_resume_auto_from_the_cli_and_the_config(small_corpus, reference, tmp_path, capsys) -> None:
@@ -179,7 +180,7 @@ def test_saves_between_evaluations_resume_exactly(
     with pytest.raises(RuntimeError):
         train(config, out_dir=run, progress=False, on_step=crash_at(crash))
     assert saved_step(run) == saved
-    meta = json.loads((run / ckpt.META_FILE).read_text())
+    meta = json.loads((run / META_FILE).read_text())
     assert meta["step"] == saved and meta["best_step"] == 10  # saves without evaluations
     summary = train(config, out_dir=run, resume=True, progress=False)
     assert summary.saves == 2 and summary.save_s > 0  # steps 18 and 20
@@ -235,7 +236,7 @@ def torchrun() -> list[str]:
 def wait_for_records(run_dir: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
-        if (run_dir / ckpt.METRICS_FILE).is_file() and read_metrics(run_dir / ckpt.METRICS_FILE):
+        if (run_dir / METRICS_FILE).is_file() and read_metrics(run_dir / METRICS_FILE):
             return
         time.sleep(0.2)
     raise AssertionError(f"no training records in {run_dir} (exit status {proc.poll()})")
@@ -272,7 +273,7 @@ def test_sigterm_to_the_cli_exits_143_with_a_checkpoint(small_corpus, tmp_path) 
     assert out.returncode == EXIT_TERMINATED, out.stderr[-2000:]
     assert "SIGTERM" in out.stderr and "Traceback" not in out.stderr
     step = saved_step(run)
-    assert step > 0 and json.loads((run / ckpt.META_FILE).read_text())["step"] == step
+    assert step > 0 and json.loads((run / META_FILE).read_text())["step"] == step
 
 
 @pytest.mark.slow
@@ -287,12 +288,12 @@ def test_sigterm_to_torchrun_stops_every_rank_at_one_step(small_corpus, tmp_path
     assert out.returncode != 0  # torchrun reports the signal it got
     assert out.stderr.count("SIGTERM: saving a checkpoint") == 2, out.stderr[-3000:]
     assert "stopped at step" in out.stderr
-    state = ckpt.load_state(run)
+    state = load_state(run / STATE_FILE)
     step = state["step"]
-    assert step > 0 and json.loads((run / ckpt.META_FILE).read_text())["step"] == step
+    assert step > 0 and json.loads((run / META_FILE).read_text())["step"] == step
     # One save of one step: each rank's sampler had drawn exactly `step` batches.
     assert [s["batches"] for s in state["sampler"]] == [step, step]
-    assert torch.equal(load_file(run / ckpt.MODEL_FILE)["wte.weight"], state["model"]["wte.weight"])
+    assert torch.equal(load_file(run / MODEL_FILE)["wte.weight"], state["model"]["wte.weight"])
 
 
 @pytest.mark.slow

@@ -25,7 +25,9 @@ from llmcli.errors import InputError
 from llmcli.hf import export as hf_export
 from llmcli.hf import load as hf_import
 from llmcli.model.gpt import Transformer
-from llmcli.runs import checkpoint as ckpt
+from llmcli.runs.directory import METRICS_FILE, MODEL_FILE, save_model_run
+from llmcli.runs.formats import read_weights
+from llmcli.runs.loading import load_config_file, load_run
 
 
 @pytest.fixture(autouse=True)
@@ -64,7 +66,7 @@ def test_export_loads_in_transformers_with_equal_logits_and_greedy_text(tmp_path
     ):
         assert (out / name).is_file(), name
 
-    loaded = ckpt.load_run(run)
+    loaded = load_run(run)
     ours, tok = loaded.model, loaded.tokenizer
     theirs = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
     hf_tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
@@ -142,7 +144,7 @@ def test_export_meets_the_evaluation_harness_contract(tmp_path, kind):
     assert cli("export", "--checkpoint", run, "--out", out) == 0
     hf_tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
     theirs = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
-    eot = ckpt.load_run(run).tokenizer.eot_id
+    eot = load_run(run).tokenizer.eot_id
     assert eot is not None and hf_tok.bos_token_id == hf_tok.eos_token_id == eot
     assert hf_tok.decode([hf_tok.eos_token_id]) == "<|endoftext|>"
     assert theirs.generation_config.eos_token_id == eot
@@ -159,8 +161,8 @@ def test_old_char_run_without_end_of_text_exports_with_a_hint(tmp_path, caplog):
     run = make_run(tmp_path / "run", "char")
     old = CharTokenizer(CharTokenizer.train([TEXT]).chars, eot=None)  # a version 1 tokenizer
     old.save(run / "tokenizer.json")
-    weights, _ = ckpt.read_weights(run / "model.safetensors")
-    config = ckpt.load_config_file(run)
+    weights, _ = read_weights(run / "model.safetensors")
+    config = load_config_file(run)
     model = Transformer(config.model, old.vocab_size)
     model.load_state_dict(
         {
@@ -169,7 +171,7 @@ def test_old_char_run_without_end_of_text_exports_with_a_hint(tmp_path, caplog):
         },
         strict=False,
     )
-    ckpt.save_model_run(run, config, old, model)
+    save_model_run(run, config, old, model)
     with caplog.at_level(logging.WARNING, logger="llmcli.hf"):
         assert cli("export", "--checkpoint", run, "--out", tmp_path / "hf") == 0
     assert f"prefix_token_id={old.encode(chr(10))[0]}" in caplog.text
@@ -183,7 +185,7 @@ def test_export_writes_gpt2_conv1d_layout_and_zero_biases(tmp_path):
     out = tmp_path / "hf"
     hf_export.export_hf(run, out)
     tensors = load_file(out / "model.safetensors")
-    model = ckpt.load_run(run).model
+    model = load_run(run).model
     qkv = model.blocks[0].attn.qkv.weight  # (3C, C)
     assert torch.equal(tensors["transformer.h.0.attn.c_attn.weight"], qkv.t())  # (C, 3C)
     fc = model.blocks[1].mlp.fc.weight  # (4C, C)
@@ -339,7 +341,7 @@ def test_init_from_trains_its_own_run_from_the_gpt2_weights(tmp_path):
     run_dir = tmp_path / "run"
     train(config, out_dir=run_dir, progress=False)
 
-    run = ckpt.load_run(run_dir, weights="last")
+    run = load_run(run_dir, weights="last")
     assert run.step == 3
     m = run.config.model
     assert (m.n_layer, m.n_head, m.n_embed, m.context_length) == (2, 4, 32, 32)
@@ -350,7 +352,7 @@ def test_init_from_trains_its_own_run_from_the_gpt2_weights(tmp_path):
     with torch.no_grad():
         ours = run.model(ids)[0]
     assert_close(ours, hf_logits(tmp_path / "gpt2", ids), "init_from run after 3 steps", 1e-4)
-    assert (run_dir / ckpt.METRICS_FILE).is_file()
+    assert (run_dir / METRICS_FILE).is_file()
 
     # Resuming with the same config continues the run from its own state (2 more steps).
     more = Config(
@@ -360,7 +362,7 @@ def test_init_from_trains_its_own_run_from_the_gpt2_weights(tmp_path):
         train=dataclasses.replace(config.train, max_steps=5),
     )
     train(more, out_dir=run_dir, resume=True, progress=False)
-    assert ckpt.load_run(run_dir, weights="last").step == 5
+    assert load_run(run_dir, weights="last").step == 5
 
 
 def test_not_a_gpt2_folder_names_what_is_missing(tmp_path):
@@ -409,7 +411,7 @@ def test_exported_run_round_trips_through_init_from(tmp_path):
     run = make_run(tmp_path / "run", "bpe", seed=3)
     hf_export.export_hf(run, tmp_path / "hf")
     loaded = hf_import.load_hf_folder(tmp_path / "hf")
-    original = ckpt.load_run(run)
+    original = load_run(run)
     ids = torch.tensor([original.tokenizer.encode(TEXT)[:64]])
     with torch.no_grad():
         assert_close(loaded.model(ids)[0], original.model(ids)[0], "export -> init_from logits", 0)
@@ -428,7 +430,7 @@ def test_init_from_a_hub_name_trains_on_from_the_cache(tmp_path, hub_cache, caps
     assert Path(resolved.train.init_from) == snapshot.resolve()
     assert (resolved.model.pos_emb, resolved.model.norm) == ("rope", "rmsnorm")
     loaded = hf_import.load_hf_folder("org/tiny-arcee")
-    original = ckpt.load_run(run)
+    original = load_run(run)
     ids = torch.tensor([original.tokenizer.encode(TEXT)[:64]])
     with torch.no_grad():
         assert_close(loaded.model(ids)[0], original.model(ids)[0], "hub init_from logits", 0)
@@ -461,7 +463,7 @@ def test_llmcli_train_with_a_bad_init_from_exits_2(tmp_path, capsys):
         code = cli("train", config, "--out", tmp_path / "run", "--set", f"train.init_from={folder}")
         assert code == 2
         assert message in capsys.readouterr().err
-    assert not (tmp_path / "run" / ckpt.MODEL_FILE).exists()
+    assert not (tmp_path / "run" / MODEL_FILE).exists()
 
 
 def test_gpt2model_names_and_pytorch_model_bin_load_too(tmp_path):

@@ -19,7 +19,7 @@ from hf_helpers import PROMPT, TEXT, assert_close, cli, greedy_llmcli, make_run
 from llmcli.config import ModelConfig
 from llmcli.hf.architectures import choose
 from llmcli.hf.load import load_hf_folder
-from llmcli.runs import checkpoint as ckpt
+from llmcli.runs.loading import load_run
 
 ROPE_LN = {"pos_emb": "rope", "norm": "layernorm"}
 ROPE_RMS = {"pos_emb": "rope", "norm": "rmsnorm", "mlp": "relu2"}
@@ -45,7 +45,7 @@ def lively_run(path, kind: str, **opts):
     comparing generations means something); the seed is the first that gives one."""
     for seed in range(20):
         run = make_run(path / f"seed-{seed}", kind, seed=seed, **opts)
-        loaded = ckpt.load_run(run)
+        loaded = load_run(run)
         greedy = greedy_llmcli(loaded.model, loaded.tokenizer.encode(PROMPT), 40)
         if len(set(greedy)) > 3:
             return run
@@ -65,7 +65,7 @@ def test_export_computes_the_same_model(tmp_path, capsys, case) -> None:
     run, out = lively_run(tmp_path, kind, **opts), tmp_path / "hf"
     assert cli("export", "--checkpoint", run, "--out", out) == 0
     capsys.readouterr()
-    loaded = ckpt.load_run(run)
+    loaded = load_run(run)
     ours, tok = loaded.model, loaded.tokenizer
     theirs = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
     hf_tok = AutoTokenizer.from_pretrained(out, local_files_only=True)

@@ -172,7 +172,7 @@ def test_zeroing_a_head_at_its_hook_point_gives_eval_ablate_loss(tmp_path, layer
     text.write_text(CORPUS, encoding="utf-8")
     ablated = evaluate_run(run, text, ablate=[f"{layer}.{head}"], device="cpu")
 
-    from llmcli.runs.checkpoint import load_run
+    from llmcli.runs.loading import load_run
 
     def zero(z: torch.Tensor) -> torch.Tensor:  # (B, T, H, hs)
         z = z.clone()

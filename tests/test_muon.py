@@ -10,7 +10,7 @@ import torch
 from llmcli.config import ModelConfig, TrainConfig, config_from_dict
 from llmcli.errors import ConfigError
 from llmcli.model.gpt import Transformer
-from llmcli.training.muon import NS_COEFFS, Muon, newton_schulz
+from llmcli.training.muon import NS_COEFFS, AdamWDefaults, Muon, newton_schulz
 from llmcli.training.optim import apply_lr, build_optimizer, muon_param_groups
 
 
@@ -128,9 +128,7 @@ def test_adamw_groups_match_torch_adamw() -> None:
             {"params": a[:2], "use_muon": False, "weight_decay": 0.1},
             {"params": a[2:], "use_muon": False, "weight_decay": 0.0, "lr": 3e-3},
         ],
-        adamw_lr=1e-2,
-        betas=(0.8, 0.95),
-        eps=1e-8,
+        adamw=AdamWDefaults(lr=1e-2, betas=(0.8, 0.95), eps=1e-8),
     )
     ref = torch.optim.AdamW(
         [

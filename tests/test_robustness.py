@@ -28,7 +28,7 @@ from conftest import save_tiny_run
 from llmcli.cli import main
 from llmcli.config import config_from_dict
 from llmcli.data.tokenizer import CharTokenizer
-from llmcli.runs import checkpoint as ckpt
+from llmcli.runs.formats import WEIGHTS_FORMAT
 from llmcli.training.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -196,7 +196,7 @@ def truncate(name: str, fraction: float = 0.5) -> Callable[[Env, Path], None]:
 
 def pickle_as(name: str) -> Callable[[Env, Path], None]:
     def mutate(e: Env, run: Path) -> None:
-        obj = {"format": ckpt.WEIGHTS_FORMAT, "w": Marker(str(e.marker))}
+        obj = {"format": WEIGHTS_FORMAT, "w": Marker(str(e.marker))}
         torch.save(obj, run / name)
 
     return mutate

@@ -18,7 +18,7 @@ from llmcli.cli import main
 from llmcli.data.tokenizer import BPETokenizer, CharTokenizer
 from llmcli.generation.generate import generate_ids
 from llmcli.generation.sample import sample_run
-from llmcli.runs.checkpoint import load_run
+from llmcli.runs.loading import load_run
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = "ROMEO: But soft, what light through yonder window breaks?\nJULIET: Ay me!\n"

@@ -24,7 +24,9 @@ from conftest import default_sigint
 from llmcli import fileio
 from llmcli.config import Config, config_from_dict, dump_yaml
 from llmcli.errors import CheckpointError, InputError
-from llmcli.runs import checkpoint as ckpt
+from llmcli.runs.directory import STATE_FILE
+from llmcli.runs.formats import load_state, read_weights
+from llmcli.runs.loading import load_run
 from llmcli.runs.metrics import read_metrics
 from llmcli.training.loop import EVAL_SEED_OFFSET, DivergenceError, train
 from llmcli.training.optim import lr_at
@@ -74,7 +76,7 @@ def write_config(config: Config, path: Path) -> Path:
 
 
 def weights(run_dir: Path, name: str = "model.safetensors") -> dict[str, torch.Tensor]:
-    return ckpt.read_weights(run_dir / name)[0]
+    return read_weights(run_dir / name)[0]
 
 
 def assert_same_weights(a: Path, b: Path) -> None:
@@ -160,11 +162,11 @@ def test_a_run_writes_its_directory_metrics_and_evaluations(reference: Path, cor
         assert r["val_ppl"] == pytest.approx(math.exp(r["val_loss"]))
     elapsed = [r["elapsed_s"] for r in records]
     assert elapsed == sorted(elapsed) and elapsed[0] > 0
-    vocab = ckpt.load_run(reference).tokenizer.vocab_size
+    vocab = load_run(reference).tokenizer.vocab_size
     assert evals[-1]["val_loss"] < min(evals[0]["val_loss"], math.log(vocab))  # it learns
 
     # The final evaluation equals the mean loss of the final weights over the eval batches.
-    run = ckpt.load_run(reference, weights="last")
+    run = load_run(reference, weights="last")
     data = prepare_data(config.data, 8)
     for split, tokens in (("train", data.train), ("val", data.val)):
         sampler = BatchSampler(tokens, 4, 8, seed=7 + EVAL_SEED_OFFSET)
@@ -176,7 +178,7 @@ def test_a_run_writes_its_directory_metrics_and_evaluations(reference: Path, cor
     meta = json.loads((reference / "meta.json").read_text())
     assert meta["step"] == 30 and meta["tokens"] == 960
     assert meta["best_val_loss"] == min(r["val_loss"] for r in evals)
-    assert ckpt.load_state(reference)["best_step"] == meta["best_step"]
+    assert load_state(reference / STATE_FILE)["best_step"] == meta["best_step"]
     if meta["best_step"] == 30:
         assert (reference / "best.safetensors").read_bytes() == (
             reference / "model.safetensors"
@@ -231,8 +233,8 @@ def test_ctrl_c_saves_and_resume_is_bitwise_exact(
 
     with pytest.raises(KeyboardInterrupt):
         train(make_config(corpus), out_dir=run_dir, progress=False, on_step=interrupt)
-    assert ckpt.load_state(run_dir)["step"] == 13
-    assert ckpt.load_run(run_dir).step in (10, 13)
+    assert load_state(run_dir / STATE_FILE)["step"] == 13
+    assert load_run(run_dir).step in (10, 13)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
 
     summary = train(make_config(corpus), out_dir=run_dir, resume=True, progress=False)
@@ -285,8 +287,8 @@ def test_divergence_names_the_step_and_keeps_the_last_good_checkpoint(
             train(make_config(corpus), out_dir=run_dir, progress=False, on_step=poison)
     message = str(info.value)
     assert "nan at step 13" in message and "train.lr" in message and "step 10" in message
-    assert ckpt.load_state(run_dir)["step"] == 10
-    run = ckpt.load_run(run_dir)
+    assert load_state(run_dir / STATE_FILE)["step"] == 10
+    run = load_run(run_dir)
     assert all(torch.isfinite(p).all() for p in run.model.parameters())
 
 
@@ -310,8 +312,8 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(
         train(make_config(corpus), out_dir=run_dir, progress=False)
     message = str(info.value)
     assert "step 20" in message and "no space left" in message and "(step 10) is intact" in message
-    assert ckpt.load_state(run_dir)["step"] == 10
-    assert ckpt.load_run(run_dir).step == 10
+    assert load_state(run_dir / STATE_FILE)["step"] == 10
+    assert load_run(run_dir).step == 10
     assert not [p for p in os.listdir(run_dir) if ".tmp-" in p]
 
 
@@ -367,8 +369,8 @@ def test_sigkill_and_sigint_leave_a_run_that_resumes_bitwise_exactly(
     wait_for(marker, proc)
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=60)
-    assert ckpt.load_state(run_dir)["step"] == 10
-    assert ckpt.load_run(run_dir).step == 10
+    assert load_state(run_dir / STATE_FILE)["step"] == 10
+    assert load_run(run_dir).step == 10
 
     # Resume; Ctrl-C (SIGINT) at step 23 saves there and exits 130 with no traceback.
     marker.unlink()
@@ -379,7 +381,7 @@ def test_sigkill_and_sigint_leave_a_run_that_resumes_bitwise_exactly(
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr
     assert "Traceback" not in stderr and "--resume" in stderr
-    assert ckpt.load_state(run_dir)["step"] == 23
+    assert load_state(run_dir / STATE_FILE)["step"] == 23
 
     # Resume to the end: the same weights, bit for bit, and the same metrics.
     out = run_cli("train", str(config), "--out", str(run_dir), "--resume", "--no-progress")
@@ -481,4 +483,5 @@ def test_ddp_two_processes_match_one_process_with_the_union_of_their_batches(
         if a["kind"] == "eval":
             assert a["val_loss"] == pytest.approx(b["val_loss"], abs=1e-4)
     assert_close_weights(ddp_dir, tmp_path / "one", atol=1e-5)
-    assert ckpt.load_state(ddp_dir)["step"] == 20 and len(ckpt.load_state(ddp_dir)["rng"]) == 2
+    state = load_state(ddp_dir / STATE_FILE)
+    assert state["step"] == 20 and len(state["rng"]) == 2

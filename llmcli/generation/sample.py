@@ -30,7 +30,7 @@ from llmcli.generation.decode import small_gelu
 from llmcli.generation.generate import _generate
 from llmcli.generation.prompts import encode_prompt, parse_prompts, read_prompt_file
 from llmcli.generation.sampling import check_sampling, make_generators
-from llmcli.runs.checkpoint import load_run
+from llmcli.runs.loading import load_run
 
 logger = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from llmcli.hf.common import (
     HF_WEIGHTS_INDEX,
     NORM_EPS,
 )
-from llmcli.runs import checkpoint as ckpt
+from llmcli.runs.loading import load_run
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ def export_hf(
         InputError: a bad run, options no (or not the asked) architecture computes exactly,
             or an `out` that is not usable.
     """
-    run = ckpt.load_run(checkpoint, weights=weights, device="cpu", notify=notify)
+    run = load_run(checkpoint, weights=weights, device="cpu", notify=notify)
     out = Path(out)
     _check_out_dir(out, run.run_dir, force)
     arch = choose(run.config.model, fmt)

@@ -32,7 +32,7 @@ from llmcli.hf.common import (
 )
 from llmcli.hub import resolve_pretrained, split_hub_name
 from llmcli.model.gpt import Transformer
-from llmcli.runs import checkpoint as ckpt
+from llmcli.runs.formats import load_weights
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ def load_hf_weights(model: Transformer, path: str | Path) -> None:
     arch = for_model_type(hf_cfg.get("model_type"), str(folder / HF_CONFIG_FILE))
     model_cfg = model_config(hf_cfg, ModelConfig(), folder)
     ours = arch.from_hf(read_hf_weights(folder), model_cfg, source)
-    ckpt.load_weights(model, ours, folder)
+    load_weights(model, ours, folder)
 
 
 def model_config(hf_cfg: dict[str, Any], base: ModelConfig, folder: Path) -> ModelConfig:

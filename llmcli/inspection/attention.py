@@ -37,7 +37,7 @@ from llmcli.inspection.evaluate import eval_tokens, window_batches, window_start
 from llmcli.inspection.metrics import INDUCTION, METRIC_NAMES, head_metrics
 from llmcli.inspection.pictures import plot_head_deltas, plot_layers
 from llmcli.inspection.viewer import write_viewer
-from llmcli.runs.checkpoint import load_run
+from llmcli.runs.loading import load_run
 
 log = logging.getLogger(__name__)
 

@@ -1,14 +1,13 @@
-"""Evaluating a model: the training loop's loss estimate, and `llmcli eval` on a whole text.
+"""Evaluating a model: `llmcli eval` on a whole text.
 
-`evaluate_loss` is the estimate training logs at each evaluation: the mean loss over `eval_steps`
-random batches of each split (averaged over ranks under DDP). `evaluate_run` scores a run's model
-on its own validation split (the same split training reports, rebuilt from the run's config and
-tokenizer) or on any UTF-8 text file. Unlike the training loop's estimate, which averages
-`eval_steps` random batches, this is a deterministic pass: the token stream `t_0 .. t_{n-1}` is cut
-into consecutive windows of `context_length` inputs, window `k` predicting `t_{kT+1} .. t_{kT+T}`
-from `t_{kT} .. t_{kT+T-1}`, so that every token after the first is predicted exactly once (the
-last window may be shorter). With `steps=N` only the first `N` batches of `batch_size` windows are
-scored. `--ablate` scores the model with heads removed (`llmcli.inspection.ablation`).
+`evaluate_run` scores a run's model on its own validation split (the same split training reports,
+rebuilt from the run's config and tokenizer) or on any UTF-8 text file. Unlike the training loop's
+estimate (`llmcli.training.evaluate`), which averages `eval_steps` random batches, this is a
+deterministic pass: the token stream `t_0 .. t_{n-1}` is cut into consecutive windows of
+`context_length` inputs, window `k` predicting `t_{kT+1} .. t_{kT+T}` from `t_{kT} .. t_{kT+T-1}`,
+so that every token after the first is predicted exactly once (the last window may be shorter). With
+`steps=N` only the first `N` batches of `batch_size` windows are scored. `--ablate` scores the model
+with heads removed (`llmcli.inspection.ablation`).
 
 Figures, over the predicted tokens:
 - `loss`: mean cross-entropy in nats per token; `perplexity = exp(loss)`;
@@ -34,13 +33,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from llmcli.data.tokens import prepare_data
-from llmcli.device import Precision, resolve_device
+from llmcli.device import resolve_device
 from llmcli.errors import InputError
 from llmcli.fileio import read_user_text
 from llmcli.inspection.ablation import ablation_hooks, check_method, head_means, parse_ablate
 from llmcli.progress import Progress
-from llmcli.runs.checkpoint import load_run
-from llmcli.training.distributed import DistInfo, mean_over_ranks
+from llmcli.runs.loading import load_run
+from llmcli.training.evaluate import perplexity
 
 logger = logging.getLogger(__name__)
 
@@ -103,49 +102,6 @@ def _text_bytes(tokenizer: Any, ids: np.ndarray) -> int:
         len(tokenizer.decode(ids[i : i + DECODE_CHUNK].tolist()).encode("utf-8"))
         for i in range(0, len(ids), DECODE_CHUNK)
     )
-
-
-def perplexity(loss: float) -> float:
-    """`exp(loss)`, infinite where that overflows."""
-    try:
-        return math.exp(loss)
-    except OverflowError:
-        return math.inf
-
-
-@torch.no_grad()
-def evaluate_loss(
-    model: nn.Module,
-    samplers: dict[str, Any],
-    eval_steps: int,
-    precision: Precision,
-    info: DistInfo,
-) -> dict[str, float]:
-    """The training loop's estimate: mean loss over `eval_steps` batches of each sampler.
-
-    Args:
-        model: the model to evaluate (put in eval mode here, back to train mode after).
-        samplers: split name -> a fresh sampler whose `next()` gives `(x, y)`, each `(B, T)`.
-        eval_steps: batches per split.
-        precision: the autocast the training steps use.
-        info: under DDP the means are averaged over the ranks.
-
-    Returns:
-        split name -> mean loss.
-    """
-    was_training = model.training
-    model.eval()
-    totals = torch.zeros(len(samplers), device=precision.device)
-    for i, sampler in enumerate(samplers.values()):
-        for _ in range(eval_steps):
-            x, y = sampler.next()  # (B, T), (B, T)
-            with precision.autocast():
-                _, loss = model(x, y)
-            totals[i] += loss.float()
-    totals /= eval_steps
-    mean_over_ranks(totals, info)
-    model.train(was_training)
-    return dict(zip(samplers, totals.tolist(), strict=True))
 
 
 def window_starts(

@@ -20,7 +20,9 @@ from matplotlib.figure import Figure
 
 from llmcli.errors import InputError, describe_os_error
 from llmcli.fileio import atomic_write_bytes
-from llmcli.runs.checkpoint import CONFIG_FILE, METRICS_FILE, load_config_file, read_meta
+from llmcli.runs.directory import CONFIG_FILE, META_FILE, METRICS_FILE
+from llmcli.runs.formats import read_meta
+from llmcli.runs.loading import load_config_file
 from llmcli.runs.metrics import best_eval, read_metrics
 
 X_AXES = ("step", "tokens", "elapsed_s")
@@ -105,7 +107,7 @@ def _flat(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _summary(run: Path, records: list[dict[str, Any]]) -> RunSummary:
-    meta = read_meta(run)
+    meta = read_meta(run / META_FILE)
     best, best_step = best_eval(records)
     last = records[-1] if records else {}
     tokens, elapsed = meta.get("tokens", last.get("tokens")), meta.get("elapsed_s")

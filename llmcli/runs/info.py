@@ -10,7 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from llmcli.runs.checkpoint import METRICS_FILE, load_run
+from llmcli.runs.directory import METRICS_FILE
+from llmcli.runs.loading import load_run
 from llmcli.runs.metrics import best_eval, read_metrics
 from llmcli.runs.versions import record, warnings_for
 

@@ -1,2 +1,3 @@
-"""Training: the loop (`loop`), its resume state (`state`), optimizers and schedules (`optim`,
-`muon`), several processes (`distributed`) and Ctrl-C / SIGTERM (`interrupt`)."""
+"""Training: the loop (`loop`), its loss estimate (`evaluate`), its resume state (`state`),
+optimizers and schedules (`optim`, `muon`), several processes (`distributed`) and Ctrl-C / SIGTERM
+(`interrupt`)."""

@@ -1,10 +1,10 @@
 """The training loop: build the model, data and optimizer, then step, log, evaluate and save.
 
 `train(config)` trains the model `config.model` describes on the corpus `config.data` names and
-writes a run directory (layout in `llmcli.runs.checkpoint`). One optimizer step is `grad_accum`
+writes a run directory (layout in `llmcli.runs.directory`). One optimizer step is `grad_accum`
 micro-batches of `batch_size` sequences of `context_length` tokens on every rank. `_loop` is the
 whole loop, as in nanoGPT; what keeps a run safe sits beside it as named helpers: the resume
-state (`llmcli.training.state`), atomic saves (`llmcli.runs.checkpoint`), precision
+state (`llmcli.training.state`), atomic saves (`llmcli.runs.directory`), precision
 (`llmcli.device`), agreement between ranks (`llmcli.training.distributed`) and Ctrl-C
 (`llmcli.training.interrupt`).
 
@@ -38,7 +38,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -58,10 +57,18 @@ from llmcli.device import (
 from llmcli.errors import CheckpointError, InputError, describe_os_error
 from llmcli.fileio import remove_stale_temp_files
 from llmcli.hf.load import load_hf_weights, resolve_init_from
-from llmcli.inspection.evaluate import evaluate_loss, perplexity
 from llmcli.model.gpt import Transformer
 from llmcli.progress import Progress
-from llmcli.runs import checkpoint as ckpt
+from llmcli.runs.directory import (
+    METRICS_FILE,
+    PLOT_FILE,
+    default_run_dir,
+    prepare_run_dir,
+    resumes,
+    save_checkpoint,
+    write_config_and_tokenizer,
+)
+from llmcli.runs.loading import load_tokenizer_file
 from llmcli.runs.metrics import MetricsLog, plot_losses
 from llmcli.runs.trackers import check_available, open_trackers
 from llmcli.runs.versions import record as record_versions
@@ -73,9 +80,10 @@ from llmcli.training.distributed import (
     mean_over_ranks,
     process_group,
 )
+from llmcli.training.evaluate import evaluate_loss, perplexity
 from llmcli.training.interrupt import Preempted, StopRequest
 from llmcli.training.optim import apply_lr, build_optimizer
-from llmcli.training.state import TrainState, rng_state, seed_everything, set_rng_state
+from llmcli.training.state import ResumeState, TrainState, rng_state, seed_everything, set_rng_state
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +194,7 @@ def train(
     info = dist_from_env()
     device = resolve_device(config.train.device, info.local_rank)
     precision = Precision.resolve(device, config.train.dtype)
-    run_dir = Path(out_dir) if out_dir is not None else ckpt.default_run_dir(config)
+    run_dir = Path(out_dir) if out_dir is not None else default_run_dir(config)
     with process_group(info, device), out_of_memory_is_bad_input(device, run_dir):
         run = _build(config, info, precision, run_dir, resume, overwrite, session_start)
         if run.state.step >= config.train.max_steps:
@@ -407,9 +415,9 @@ def _evaluate(run: Run, lr: float) -> bool:
             ", best so far" if best else "",
         )
         try:
-            plot_losses(run.run_dir / ckpt.METRICS_FILE, run.run_dir / ckpt.PLOT_FILE)
+            plot_losses(run.run_dir / METRICS_FILE, run.run_dir / PLOT_FILE)
         except OSError as exc:
-            logger.warning("could not draw %s: %s", ckpt.PLOT_FILE, describe_os_error(exc))
+            logger.warning("could not draw %s: %s", PLOT_FILE, describe_os_error(exc))
     return best
 
 
@@ -450,20 +458,25 @@ def _save(run: Run, best: bool) -> None:
             "world_size": info.world_size,
             "versions": record_versions(),
         }
-        resume_state = {
-            **state.state_dict(),
-            "metrics_bytes": run.metrics.size,
-            "vocab_size": vocab,
-            "source_hash": run.data.source_hash,
-            "config": run.config.to_dict(),
-            "model": run.model.state_dict(),
-            "optimizer": run.optimizer.state_dict(),
-            "scaler": run.precision.state_dict(),
-            "rng": [rng for rng, _ in rngs_and_samplers],
-            "sampler": [sampler for _, sampler in rngs_and_samplers],
-        }
-        ckpt.save_checkpoint(
-            run.run_dir, run.model, resume_state, meta, best=best, previous_step=state.last_saved
+        resume_state = ResumeState(
+            counters=state,
+            metrics_bytes=run.metrics.size,
+            vocab_size=vocab,
+            source_hash=run.data.source_hash,
+            config=run.config.to_dict(),
+            model=run.model.state_dict(),
+            optimizer=run.optimizer.state_dict(),
+            scaler=run.precision.state_dict(),
+            rng=[rng for rng, _ in rngs_and_samplers],
+            sampler=[sampler for _, sampler in rngs_and_samplers],
+        )
+        save_checkpoint(
+            run.run_dir,
+            run.model,
+            resume_state.to_dict(),
+            meta,
+            best=best,
+            previous_step=state.last_saved,
         )
     state.last_saved = state.step
     run.saved_at = time.perf_counter()
@@ -564,19 +577,19 @@ def _prepare(
     run_dir: Path,
     resume: bool | str,
     overwrite: bool,
-) -> tuple[dict[str, Any] | None, TokenData]:
+) -> tuple[ResumeState | None, TokenData]:
     """Check the run directory, load the resume state, tokenize the data: (saved state, data)."""
-    saved: dict[str, Any] | None = None
-    resume = ckpt.resumes(run_dir, resume)  # before rank 0 prepares the folder
+    saved: ResumeState | None = None
+    resume = resumes(run_dir, resume)  # before rank 0 prepares the folder
     with agreed(info, device):
         if info.main:
-            ckpt.prepare_run_dir(run_dir, resume, overwrite)
+            prepare_run_dir(run_dir, resume, overwrite)
     with agreed(info, device):
         if resume:
-            saved = ckpt.load_state(run_dir)
+            saved = ResumeState.load(run_dir)
     with agreed(info, device):
         _check_same_save(saved, run_dir, info)
-    tokenizer = ckpt.load_tokenizer_file(run_dir) if resume else None
+    tokenizer = load_tokenizer_file(run_dir) if resume else None
     # Rank 0 tokenizes first and fills the cache; the others then read it.
     data = None
     with agreed(info, device):
@@ -587,8 +600,8 @@ def _prepare(
             data = prepare_data(config.data, config.model.context_length, tokenizer=tokenizer)
     assert data is not None
     if saved is not None:
-        ckpt.check_resumable(saved, config, run_dir, int(data.tokenizer.vocab_size))
-        if saved.get("source_hash") not in (None, data.source_hash) and info.main:
+        saved.check_fits(config, run_dir, int(data.tokenizer.vocab_size))
+        if saved.source_hash not in (None, data.source_hash) and info.main:
             logger.warning(
                 "the corpus changed since this run was saved: the resumed run will "
                 "not match an uninterrupted one"
@@ -596,10 +609,10 @@ def _prepare(
     return saved, data
 
 
-def _check_same_save(saved: dict[str, Any] | None, run_dir: Path, info: DistInfo) -> None:
+def _check_same_save(saved: ResumeState | None, run_dir: Path, info: DistInfo) -> None:
     """Every rank starts from the same save (or none): a restarted group must agree on the
     step, or the ranks' weights would differ from the first step on."""
-    steps = gather(None if saved is None else saved.get("step"), info)
+    steps = gather(None if saved is None else saved.counters.step, info)
     if len(set(steps)) > 1:
         raise CheckpointError(
             f"the ranks read different resume states from '{run_dir}' (steps by rank: "
@@ -607,18 +620,18 @@ def _check_same_save(saved: dict[str, Any] | None, run_dir: Path, info: DistInfo
         )
 
 
-def _restore(run: Run, saved: dict[str, Any]) -> None:
+def _restore(run: Run, saved: ResumeState) -> None:
     """Load a resume state into the run's model, optimizer, precision, RNGs and sampler."""
     info = run.info
-    run.model.load_state_dict(saved["model"])
+    run.model.load_state_dict(saved.model)
     # Moments and step counts from the save; hyperparameters from today's config.
     groups = run.optimizer.param_groups
     fresh = [{k: v for k, v in g.items() if k != "params"} for g in groups]
-    run.optimizer.load_state_dict(saved["optimizer"])
+    run.optimizer.load_state_dict(saved.optimizer)
     for group, values in zip(run.optimizer.param_groups, fresh, strict=True):
         group.update(values)
-    run.precision.load_state_dict(saved.get("scaler") or {})
-    saved_world = len(saved["rng"])
+    run.precision.load_state_dict(saved.scaler)
+    saved_world = len(saved.rng)
     if saved_world != info.world_size and info.main:
         logger.warning(
             "resuming a %d-process run with %d processes: batches and random "
@@ -627,11 +640,12 @@ def _restore(run: Run, saved: dict[str, Any]) -> None:
             info.world_size,
         )
     own = min(info.rank, saved_world - 1)
-    set_rng_state(saved["rng"][own], run.device)
-    run.sampler.load_state_dict(saved["sampler"][own])
-    run.state = TrainState.from_state_dict(saved, run.state.session_start)
+    set_rng_state(saved.rng[own], run.device)
+    run.sampler.load_state_dict(saved.sampler[own])
+    # The saved counters, with this session's time counted from its start.
+    run.state = dataclasses.replace(saved.counters, session_start=run.state.session_start)
     run.resumed_from = run.state.step
-    run.metrics_bytes = int(saved["metrics_bytes"])
+    run.metrics_bytes = saved.metrics_bytes
 
 
 def _open_run_files(run: Run) -> None:
@@ -642,9 +656,9 @@ def _open_run_files(run: Run) -> None:
     remove_stale_temp_files(run.run_dir)
     keep = run.metrics_bytes if run.resumed_from is not None else None
     try:
-        ckpt.write_config_and_tokenizer(run.run_dir, run.config, run.tokenizer)
+        write_config_and_tokenizer(run.run_dir, run.config, run.tokenizer)
         trackers = open_trackers(run.config, run.run_dir, run.resumed_from)
-        run.metrics = MetricsLog(run.run_dir / ckpt.METRICS_FILE, keep, trackers)
+        run.metrics = MetricsLog(run.run_dir / METRICS_FILE, keep, trackers)
     except OSError as exc:
         raise CheckpointError(
             f"cannot write the run files in '{run.run_dir}': {describe_os_error(exc)}. "

@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -93,6 +94,21 @@ def newton_schulz(G: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
     return X.to(G.dtype)
 
 
+@dataclass(frozen=True)
+class AdamWDefaults:
+    """What a `Muon` AdamW group (`use_muon=False`) uses where it sets no value of its own.
+
+    Attributes:
+        lr: learning rate (`train.lr`).
+        betas: `(beta1, beta2)`.
+        eps: added to the denominator.
+    """
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+
+
 class Muon(torch.optim.Optimizer):
     """Muon for the groups marked `use_muon=True`, AdamW for the others, in one optimizer.
 
@@ -113,10 +129,8 @@ class Muon(torch.optim.Optimizer):
         momentum: Muon momentum `mu`.
         nesterov: Nesterov momentum for Muon.
         ns_steps: Newton-Schulz iterations.
-        adamw_lr: default AdamW learning rate (`train.lr`).
-        betas: AdamW `(beta1, beta2)`.
-        eps: AdamW epsilon.
         weight_decay: default decoupled weight decay (both kinds).
+        adamw: defaults of the AdamW groups.
     """
 
     def __init__(
@@ -126,10 +140,9 @@ class Muon(torch.optim.Optimizer):
         momentum: float = 0.95,
         nesterov: bool = True,
         ns_steps: int = 5,
-        adamw_lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.95),
-        eps: float = 1e-8,
         weight_decay: float = 0.0,
+        *,
+        adamw: AdamWDefaults = AdamWDefaults(),
     ) -> None:
         groups = [dict(g) for g in params]
         for group in groups:
@@ -153,9 +166,9 @@ class Muon(torch.optim.Optimizer):
                     group.setdefault(key, value)
             else:
                 for key, value in (
-                    ("lr", adamw_lr),
-                    ("betas", betas),
-                    ("eps", eps),
+                    ("lr", adamw.lr),
+                    ("betas", adamw.betas),
+                    ("eps", adamw.eps),
                     ("weight_decay", weight_decay),
                 ):
                     group.setdefault(key, value)

@@ -24,7 +24,7 @@ from torch import nn
 
 from llmcli.config import TrainConfig
 from llmcli.errors import ConfigError
-from llmcli.training.muon import Muon
+from llmcli.training.muon import AdamWDefaults, Muon
 
 Named = list[tuple[str, nn.Parameter]]
 
@@ -117,8 +117,7 @@ def build_optimizer(
         return Muon(
             muon_param_groups(model, train),
             momentum=train.muon_momentum,
-            betas=(train.beta1, train.beta2),
-            eps=1e-8,
+            adamw=AdamWDefaults(betas=(train.beta1, train.beta2), eps=1e-8),
         )
     raise ConfigError(
         f"train.optimizer ({train.optimizer!r}) is not available in this version of llmcli; "

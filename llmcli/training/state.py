@@ -1,10 +1,17 @@
 """What a training run carries across a save: its counters and every random number generator.
 
-Exact resume. A save records the model, the optimizer, the `TrainState` counters (the schedule is
-a function of the step), the torch / CUDA / NumPy / Python RNG states of every rank and the
-batch sampler's position. Evaluation draws from its own samplers, re-seeded at every evaluation,
-so it never moves the training stream. A run resumed from a save therefore replays the same
-batches with the same random numbers and, on CPU, ends with bitwise-identical weights.
+`TrainState` holds the loop's counters during a session. `ResumeState` is what a save writes to
+`state.pt` and a resume reads back: the counters, the model, the optimizer, the precision scaler,
+and every rank's RNG and batch-sampler states. It owns the file's keys (`to_dict`), the checks on
+reading them back (`load`) and whether a run can continue from them (`check_fits`);
+`llmcli.runs.formats` writes and reads the file itself (`torch.save` to a temporary name renamed
+into place; `torch.load(weights_only=True)`).
+
+Exact resume. A save records the model, the optimizer, the counters (the schedule is a function
+of the step), the torch / CUDA / NumPy / Python RNG states of every rank and the batch sampler's
+position. Evaluation draws from its own samplers, re-seeded at every evaluation, so it never moves
+the training stream. A run resumed from a save therefore replays the same batches with the same
+random numbers and, on CPU, ends with bitwise-identical weights.
 """
 
 from __future__ import annotations
@@ -13,15 +20,22 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from llmcli.config import Config
+from llmcli.errors import CheckpointError
+from llmcli.runs.directory import CONFIG_FILE, STATE_FILE
+from llmcli.runs.formats import load_state
+
 
 @dataclass
 class TrainState:
-    """The training loop's counters: saved with every checkpoint, restored by `--resume`.
+    """The training loop's counters: saved with every checkpoint (`ResumeState`), restored by
+    `--resume`.
 
     Attributes:
         step: optimizer steps done.
@@ -56,28 +70,177 @@ class TrainState:
             self.best_val_loss, self.best_step = losses["val"], self.step
         return best
 
-    def state_dict(self) -> dict[str, Any]:
+
+# The keys every resume state holds, with their types: checked before any of it is used.
+_REQUIRED: dict[str, type | tuple[type, ...]] = {
+    "config": dict,
+    "model": dict,
+    "optimizer": dict,
+    "rng": list,
+    "sampler": list,
+    "step": int,
+    "tokens": int,
+    "elapsed_s": (int, float),
+    "metrics_bytes": int,
+}
+# The keys a resume state may lack (`ResumeState.from_dict` gives their defaults), with the types
+# they must have when present.
+_OPTIONAL: dict[str, type | tuple[type, ...]] = {
+    "best_val_loss": (int, float),
+    "best_step": (int, type(None)),
+    "last_eval": dict,
+    "vocab_size": (int, type(None)),
+    "source_hash": (str, type(None)),
+    "scaler": (dict, type(None)),
+}
+
+
+@dataclass
+class ResumeState:
+    """What `state.pt` holds: all a run needs to continue exactly where a save left it.
+
+    A save builds one from the live run and writes `to_dict()` (through
+    `llmcli.runs.directory.save_checkpoint`, which writes it last: the commit point of a save);
+    a resume reads it back with `load`, then checks it against its config with `check_fits`.
+
+    Attributes:
+        counters: the loop's counters (the file holds their `elapsed` at the save as
+            `elapsed_s`; read back, that becomes `elapsed_base`).
+        metrics_bytes: the size of `metrics.jsonl` at the save; a resumed run cuts it back there.
+        vocab_size: the tokenizer's size (None in a file that lacks it: `check_fits` refuses it).
+        source_hash: the corpus's hash (None: unknown); a resume warns when it changed.
+        config: the run's config, as `Config.to_dict()`.
+        model: the model's state dict (its own copy of the weights: resuming needs no other file).
+        optimizer: the optimizer's state dict.
+        scaler: the precision's state dict (the GradScaler's; {} without one).
+        rng: every rank's RNG states (`rng_state`), in rank order.
+        sampler: every rank's batch-sampler state, in rank order.
+    """
+
+    counters: TrainState
+    metrics_bytes: int
+    vocab_size: int | None
+    source_hash: str | None
+    config: dict[str, Any]
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    scaler: dict[str, Any]
+    rng: list[dict[str, Any]]
+    sampler: list[dict[str, Any]]
+
+    def to_dict(self) -> dict[str, Any]:
+        """What `state.pt` holds (`save_state` adds its format tag): tensors and plain data
+        only, so that it loads with `weights_only=True`."""
+        counters = self.counters
         return {
-            "step": self.step,
-            "tokens": self.tokens,
-            "elapsed_s": self.elapsed,
-            "best_val_loss": self.best_val_loss,
-            "best_step": self.best_step,
-            "last_eval": self.last_eval,
+            "step": counters.step,
+            "tokens": counters.tokens,
+            "elapsed_s": counters.elapsed,
+            "best_val_loss": counters.best_val_loss,
+            "best_step": counters.best_step,
+            "last_eval": counters.last_eval,
+            "metrics_bytes": self.metrics_bytes,
+            "vocab_size": self.vocab_size,
+            "source_hash": self.source_hash,
+            "config": self.config,
+            "model": self.model,
+            "optimizer": self.optimizer,
+            "scaler": self.scaler,
+            "rng": self.rng,
+            "sampler": self.sampler,
         }
 
     @classmethod
-    def from_state_dict(cls, saved: dict[str, Any], session_start: float) -> TrainState:
-        """The counters of a saved resume state (its step counts as the latest save)."""
+    def load(cls, run_dir: Path) -> ResumeState:
+        """Read `run_dir`'s `state.pt` safely and check what it holds.
+
+        Raises:
+            CheckpointError: missing, unsafe, truncated, corrupt, incomplete or malformed
+                (names the file and what is wrong).
+        """
+        path = run_dir / STATE_FILE
+        return cls.from_dict(load_state(path), path)
+
+    @classmethod
+    def from_dict(cls, saved: dict[str, Any], path: Path) -> ResumeState:
+        """The resume state in `saved` (what `path` held), checked before any of it is used.
+
+        Raises:
+            CheckpointError: a key is missing or of the wrong type, or the ranks' RNG and
+                sampler states do not pair up; names `path` and the keys.
+        """
+        _check_layout(saved, path)
         return cls(
-            step=int(saved["step"]),
-            tokens=int(saved["tokens"]),
-            elapsed_base=float(saved["elapsed_s"]),
-            best_val_loss=float(saved.get("best_val_loss", math.inf)),
-            best_step=saved.get("best_step"),
-            last_eval=dict(saved.get("last_eval", {})),
-            last_saved=int(saved["step"]),
-            session_start=session_start,
+            counters=TrainState(
+                step=int(saved["step"]),
+                tokens=int(saved["tokens"]),
+                elapsed_base=float(saved["elapsed_s"]),
+                best_val_loss=float(saved.get("best_val_loss", math.inf)),
+                best_step=saved.get("best_step"),
+                last_eval=dict(saved.get("last_eval", {})),
+                last_saved=int(saved["step"]),  # the save a run resumes from is its latest
+            ),
+            metrics_bytes=int(saved["metrics_bytes"]),
+            vocab_size=saved.get("vocab_size"),
+            source_hash=saved.get("source_hash"),
+            config=saved["config"],
+            model=saved["model"],
+            optimizer=saved["optimizer"],
+            scaler=saved.get("scaler") or {},
+            rng=saved["rng"],
+            sampler=saved["sampler"],
+        )
+
+    def check_fits(self, config: Config, run_dir: Path, vocab: int) -> None:
+        """Refuse to resume `run_dir` with a config or tokenizer this state does not fit.
+
+        Raises:
+            CheckpointError: naming what differs, and what to do.
+        """
+        saved_optimizer = self.config.get("train", {}).get("optimizer", "adamw")
+        if saved_optimizer != config.train.optimizer:
+            raise CheckpointError(
+                f"cannot resume '{run_dir}' with train.optimizer={config.train.optimizer!r}: it "
+                f"was trained with {saved_optimizer!r}, whose saved state does not carry over. "
+                f"Resume with --set train.optimizer={saved_optimizer}, or start a new run with "
+                "--out DIR."
+            )
+        saved = self.config.get("model", {})
+        now = config.to_dict()["model"]
+        diff = [
+            f"model.{k}: saved {saved.get(k)!r}, config {v!r}"
+            for k, v in now.items()
+            if saved.get(k) != v
+        ]
+        if diff:
+            raise CheckpointError(
+                f"cannot resume '{run_dir}': the config's model differs from the saved one "
+                f"({'; '.join(diff)}). Resume with the run's own config "
+                f"({run_dir / CONFIG_FILE}) or start a new run with --out DIR."
+            )
+        if self.vocab_size != vocab:
+            raise CheckpointError(
+                f"cannot resume '{run_dir}': its tokenizer has {vocab} tokens but the saved "
+                f"model has {self.vocab_size}; the run's files come from different runs."
+            )
+
+
+def _check_layout(saved: dict[str, Any], path: Path) -> None:
+    """Raise a `CheckpointError` naming `path` and the keys of `saved` that are missing or
+    wrong (see `_REQUIRED`, `_OPTIONAL`), or whose ranks do not pair up."""
+    bad = [k for k, kind in _REQUIRED.items() if not isinstance(saved.get(k), kind)]
+    bad += [k for k, kind in _OPTIONAL.items() if k in saved and not isinstance(saved[k], kind)]
+    if not bad and not (
+        saved["rng"]
+        and len(saved["rng"]) == len(saved["sampler"])
+        and all(isinstance(x, dict) for x in saved["rng"] + saved["sampler"])
+    ):
+        bad = ["rng", "sampler"]
+    if bad:
+        raise CheckpointError(
+            f"resume state '{path}' is incomplete or malformed (missing or wrong: "
+            f"{', '.join(bad)}); it was not written by this version of llmcli. Remove it to "
+            "start afresh, or restore it from a backup."
         )
 
 

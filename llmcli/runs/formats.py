@@ -1,0 +1,216 @@
+"""The formats of a run's files: safetensors weights, the resume state, `meta.json`.
+
+Weights are safetensors and the resume state is read with `torch.load(weights_only=True)`:
+loading a run never runs code from it. Each reader checks what it reads and raises a
+`CheckpointError` that names the file and what is wrong with it. The functions here take file
+paths; which file of a run directory holds what is `llmcli.runs.directory`'s business.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import struct
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load, save
+
+from llmcli.errors import CheckpointError
+from llmcli.fileio import atomic_write_bytes
+
+WEIGHTS_FORMAT = "llmcli-1"
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights (safetensors)
+# ---------------------------------------------------------------------------------------------
+
+
+def unique_state_dict(model: Any) -> dict[str, Any]:
+    """The model's state dict with tied tensors (same storage) kept once, contiguous, on CPU.
+
+    safetensors refuses tensors that share memory (tied embedding / LM head); the first name
+    keeps the tensor and `load_weights` restores the alias through the model itself.
+    """
+    out: dict[str, Any] = {}
+    seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
+    for name, tensor in model.state_dict().items():
+        key = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
+        if tensor.numel() > 0 and key in seen:
+            continue
+        seen.add(key)
+        out[name] = tensor.detach().to("cpu").contiguous()
+    return out
+
+
+def weights_bytes(model: Any, metadata: dict[str, Any]) -> bytes:
+    """Serialize `model`'s weights to safetensors bytes with string `metadata`."""
+    meta = {"format": WEIGHTS_FORMAT, **{k: str(v) for k, v in metadata.items()}}
+    return save(unique_state_dict(model), metadata=meta)
+
+
+def read_weights(path: str | Path) -> tuple[dict[str, Any], dict[str, str]]:
+    """Read a safetensors file into CPU tensors and its metadata, refusing anything else.
+
+    Raises:
+        CheckpointError: missing, not safetensors (a pickle, say), truncated or corrupt.
+    """
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(f"weights file '{path}' is missing.") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read weights file '{path}': {exc.strerror}.") from None
+    header = _safetensors_header(path, data)
+    try:
+        tensors = load(data)
+    except Exception as exc:  # safetensors raises its own error types for bad buffers
+        raise CheckpointError(
+            f"weights file '{path}' is corrupt or truncated ({exc}); retrain, or use the "
+            "other weights file of the run (--weights last / best)."
+        ) from None
+    metadata = header.get("__metadata__") or {}
+    return tensors, {str(k): str(v) for k, v in metadata.items()}
+
+
+def _safetensors_header(path: Path, data: bytes) -> dict[str, Any]:
+    # A safetensors file starts with an 8-byte little-endian header length and a JSON header.
+    # Checking it first turns pickles and other foreign files into a clear message.
+    not_st = (
+        f"weights file '{path}' is not a safetensors file (a pickle or other format?); "
+        "llmcli only loads safetensors weights, which cannot run code."
+    )
+    if len(data) < 8:
+        raise CheckpointError(f"weights file '{path}' is truncated ({len(data)} bytes).")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n < 2 or n > 100_000_000 or data[8:9] != b"{":
+        raise CheckpointError(not_st)
+    if 8 + n > len(data):
+        raise CheckpointError(
+            f"weights file '{path}' is truncated: its header says {n} bytes but the file has "
+            f"{len(data)} in all."
+        )
+    try:
+        header = json.loads(data[8 : 8 + n])
+    except ValueError:
+        raise CheckpointError(not_st) from None
+    if not isinstance(header, dict):
+        raise CheckpointError(not_st)
+    ends = [
+        v["data_offsets"][1]
+        for k, v in header.items()
+        if k != "__metadata__" and isinstance(v, dict) and "data_offsets" in v
+    ]
+    if ends and 8 + n + max(ends) > len(data):
+        raise CheckpointError(
+            f"weights file '{path}' is truncated: {len(data)} bytes, {8 + n + max(ends)} expected."
+        )
+    return header
+
+
+def load_weights(model: Any, tensors: dict[str, Any], path: str | Path) -> None:
+    """Load `tensors` into `model`, checking names and shapes; tied aliases may be absent.
+
+    Raises:
+        CheckpointError: a tensor is missing, unexpected or of the wrong shape (names it).
+    """
+    path = Path(path)
+    expected = model.state_dict()
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        raise CheckpointError(
+            f"weights file '{path}' has tensors the model does not: {', '.join(unexpected[:5])}"
+            f"{' ...' if len(unexpected) > 5 else ''}; the weights do not match config.yaml."
+        )
+    for name, tensor in tensors.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise CheckpointError(
+                f"weights file '{path}': tensor '{name}' has shape {tuple(tensor.shape)} but "
+                f"the model in config.yaml needs {tuple(expected[name].shape)}."
+            )
+    # A name may be missing only if it aliases (shares storage with) a tensor that is present.
+    by_storage: dict[int, list[str]] = {}
+    for name, tensor in expected.items():
+        by_storage.setdefault(tensor.data_ptr(), []).append(name)
+    missing = [
+        name
+        for name in expected
+        if name not in tensors
+        and not any(alias in tensors for alias in by_storage[expected[name].data_ptr()])
+    ]
+    if missing:
+        raise CheckpointError(
+            f"weights file '{path}' lacks tensors {', '.join(missing[:5])}"
+            f"{' ...' if len(missing) > 5 else ''}; it is incomplete or from another model."
+        )
+    with torch.no_grad():
+        model.load_state_dict(tensors, strict=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Resume state (torch.load with weights_only=True)
+# ---------------------------------------------------------------------------------------------
+
+
+def save_state(path: str | Path, state: dict[str, Any]) -> None:
+    """Atomically write a resume state with `torch.save`, tagged with this format for
+    `load_state` (plain tensors, numbers, strings and containers only, so that it can be read
+    with `weights_only=True`)."""
+    buffer = io.BytesIO()
+    torch.save({"format": WEIGHTS_FORMAT, **state}, buffer)
+    atomic_write_bytes(path, buffer.getvalue())
+
+
+def load_state(path: str | Path) -> dict[str, Any]:
+    """Read a resume state safely (`weights_only=True`: no code runs).
+
+    Raises:
+        CheckpointError: missing, unsafe (arbitrary pickled objects), truncated or corrupt.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(
+            f"no resume state '{path}': nothing to resume in '{path.parent}'. Start a new run "
+            "without --resume."
+        )
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        if "weights_only" in str(exc) or "Unsupported global" in str(exc):
+            raise CheckpointError(
+                f"resume state '{path}' holds Python objects other than tensors and plain "
+                "data; it was refused unread (loading it could run code). It was not written "
+                "by llmcli: remove it to start afresh."
+            ) from None
+        raise CheckpointError(f"resume state '{path}' is corrupt or truncated ({exc}).") from None
+    except Exception as exc:  # a damaged file fails in many ways (zip, pickle, EOF, storage)
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        size = path.stat().st_size
+        raise CheckpointError(
+            f"resume state '{path}' is corrupt or truncated ({size} bytes; {reason}). Remove "
+            "it to start afresh, or restore it from a backup."
+        ) from None
+    if not isinstance(state, dict) or state.get("format") != WEIGHTS_FORMAT:
+        raise CheckpointError(
+            f"resume state '{path}' is not an llmcli resume state (format "
+            f"{state.get('format') if isinstance(state, dict) else type(state).__name__!r})."
+        )
+    return state
+
+
+# ---------------------------------------------------------------------------------------------
+# Metadata
+# ---------------------------------------------------------------------------------------------
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    """A run's `meta.json` as a dict ({} when absent or unreadable: it is informative only)."""
+    try:
+        meta = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}

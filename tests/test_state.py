@@ -1,0 +1,123 @@
+"""The resume state (llmcli/training/state.py): what `state.pt` holds, and its checks on reading.
+
+The loop's own tests (test_train.py, test_crash.py) prove that a resume is exact; these pin the
+file's layout, so that a `state.pt` written by any earlier llmcli still loads.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmcli.errors import CheckpointError
+from llmcli.runs.directory import STATE_FILE
+from llmcli.runs.formats import WEIGHTS_FORMAT, load_state, save_state
+from llmcli.training.state import ResumeState, TrainState
+
+# The keys of `state.pt`, in the order every llmcli so far has written them.
+KEYS = [
+    "format",
+    "step",
+    "tokens",
+    "elapsed_s",
+    "best_val_loss",
+    "best_step",
+    "last_eval",
+    "metrics_bytes",
+    "vocab_size",
+    "source_hash",
+    "config",
+    "model",
+    "optimizer",
+    "scaler",
+    "rng",
+    "sampler",
+]
+
+
+def make_state() -> ResumeState:
+    counters = TrainState(
+        step=20,
+        tokens=640,
+        elapsed_base=3.5,
+        best_val_loss=1.25,
+        best_step=10,
+        last_eval={"train": 1.5, "val": 1.25},
+    )
+    return ResumeState(
+        counters=counters,
+        metrics_bytes=1234,
+        vocab_size=65,
+        source_hash="ab" * 32,
+        config={"model": {"n_layer": 1}, "train": {"optimizer": "adamw"}},
+        model={"w": torch.arange(6.0).reshape(2, 3)},
+        optimizer={"state": {}, "param_groups": [{"lr": 1e-3, "params": [0]}]},
+        scaler={},
+        rng=[{"torch": torch.zeros(4, dtype=torch.uint8)}] * 2,
+        sampler=[{"batches": 20}, {"batches": 20}],
+    )
+
+
+def test_the_file_holds_the_keys_earlier_versions_wrote_and_reads_back(tmp_path: Path) -> None:
+    state = make_state()
+    save_state(tmp_path / STATE_FILE, state.to_dict())
+    saved = load_state(tmp_path / STATE_FILE)
+    assert list(saved) == KEYS and saved["format"] == WEIGHTS_FORMAT
+    assert saved["elapsed_s"] >= 3.5 and isinstance(saved["elapsed_s"], float)
+    back = ResumeState.load(tmp_path)
+    c = back.counters
+    assert (c.step, c.tokens, c.best_val_loss, c.best_step) == (20, 640, 1.25, 10)
+    assert c.last_eval == {"train": 1.5, "val": 1.25} and c.elapsed_base == saved["elapsed_s"]
+    assert c.last_saved == 20  # the save a run resumes from is its latest
+    assert torch.equal(back.model["w"], state.model["w"])
+    assert (back.metrics_bytes, back.vocab_size, back.source_hash) == (1234, 65, "ab" * 32)
+    assert (back.config, back.optimizer, back.scaler) == (state.config, state.optimizer, {})
+    assert back.sampler == state.sampler and len(back.rng) == 2
+
+
+def test_keys_a_state_may_lack_take_their_defaults(tmp_path: Path) -> None:
+    saved = make_state().to_dict()
+    for key in ("best_val_loss", "best_step", "last_eval", "vocab_size", "source_hash", "scaler"):
+        del saved[key]
+    state = ResumeState.from_dict(saved, tmp_path / STATE_FILE)
+    assert state.counters.best_val_loss == math.inf and state.counters.best_step is None
+    assert state.counters.last_eval == {} and state.scaler == {}
+    assert state.vocab_size is None and state.source_hash is None
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("step", None),  # a key every state holds, missing
+        ("model", [1, 2]),
+        ("elapsed_s", "3 s"),
+        ("last_eval", "1.5"),  # a key a state may lack, present with the wrong type
+        ("best_val_loss", "low"),
+        ("scaler", [0]),
+    ],
+)
+def test_a_malformed_state_is_refused_naming_the_file_and_the_key(
+    tmp_path: Path, key: str, value: object
+) -> None:
+    saved = make_state().to_dict()
+    if value is None:
+        del saved[key]
+    else:
+        saved[key] = value
+    with pytest.raises(CheckpointError, match=f"incomplete or malformed .*: {key}\\)") as info:
+        ResumeState.from_dict(saved, tmp_path / STATE_FILE)
+    assert str(tmp_path / STATE_FILE) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("rng", "sampler"),
+    [([], []), ([{}], [{}, {}]), ([{}, "x"], [{}, {}])],
+    ids=["no-rank", "ranks-differ", "not-a-dict"],
+)
+def test_rng_and_sampler_states_must_pair_up_by_rank(tmp_path: Path, rng, sampler) -> None:
+    saved = {**make_state().to_dict(), "rng": rng, "sampler": sampler}
+    with pytest.raises(CheckpointError, match="missing or wrong: rng, sampler"):
+        ResumeState.from_dict(saved, tmp_path / STATE_FILE)
