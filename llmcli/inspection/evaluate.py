@@ -34,13 +34,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from llmcli.data.tokens import prepare_data
-from llmcli.device import Precision, resolve_device
+from llmcli.device import resolve_device
 from llmcli.errors import InputError
 from llmcli.fileio import read_user_text
 from llmcli.inspection.ablation import check_method, head_means, parse_ablate
 from llmcli.progress import Progress
 from llmcli.runs.checkpoint import load_run
 from llmcli.training.distributed import DistInfo, mean_over_ranks
+from llmcli.training.precision import Precision
 
 logger = logging.getLogger(__name__)
 

@@ -1,2 +1,3 @@
 """Training: the loop (`loop`), its resume state (`state`), optimizers and schedules (`optim`,
-`muon`), several processes (`distributed`) and Ctrl-C / SIGTERM (`interrupt`)."""
+`muon`), precision (`precision`), memory checks (`memory`), several processes (`distributed`) and
+Ctrl-C / SIGTERM (`interrupt`)."""
