@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -25,7 +25,7 @@ def sampling_threads(model: nn.Module, device: torch.device, decode_bound: bool)
 
 
 @contextlib.contextmanager
-def torch_threads(n: int | None) -> Any:
+def torch_threads(n: int | None) -> Iterator[None]:
     """Run the block on `n` CPU threads (None: as it is), then restore the previous count."""
     if n is None:
         yield

@@ -23,16 +23,6 @@ if TYPE_CHECKING:
     from llmcli.config import Config
 
 
-def is_out_of_memory(exc: BaseException) -> bool:
-    """True for the errors torch and the allocator raise when memory runs out."""
-    text = str(exc)
-    return (
-        isinstance(exc, (MemoryError, torch.OutOfMemoryError))
-        or "can't allocate memory" in text
-        or "out of memory" in text
-    )
-
-
 def estimate_training_bytes(config: Config, vocab_size: int) -> tuple[int, int]:
     """An estimate of the memory one training step needs: (parameters, bytes).
 
@@ -88,6 +78,16 @@ def check_memory(config: Config, vocab_size: int, device: torch.device) -> None:
         f"parameters, batches of {config.train.batch_size} x {config.model.context_length} "
         f"tokens) but the {device.type} has {have / gib:,.1f} GiB: lower model.n_embed, "
         "model.n_layer or train.batch_size (raise train.grad_accum to keep the tokens per step)."
+    )
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True for the errors torch and the allocator raise when memory runs out."""
+    text = str(exc)
+    return (
+        isinstance(exc, (MemoryError, torch.OutOfMemoryError))
+        or "can't allocate memory" in text
+        or "out of memory" in text
     )
 
 
