@@ -52,10 +52,10 @@ from git_baseline import load_baseline
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmcli.config import ModelConfig  # noqa: E402
-from llmcli.device import torch_threads  # noqa: E402
 from llmcli.generation.generate import generate  # noqa: E402
 from llmcli.generation.sample import threads_for  # noqa: E402
 from llmcli.generation.sampling import sample_next  # noqa: E402
+from llmcli.generation.threads import torch_threads  # noqa: E402
 from llmcli.model.gpt import Transformer  # noqa: E402
 
 VOCAB = 65  # the bundled corpus' characters

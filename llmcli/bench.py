@@ -49,13 +49,14 @@ from matplotlib.figure import Figure
 
 from llmcli.config import Config, ModelConfig
 from llmcli.data.tokenizer import load_tokenizer
-from llmcli.device import Precision, resolve_device
+from llmcli.device import resolve_device
 from llmcli.errors import ConfigError, InputError, describe_os_error
 from llmcli.fileio import atomic_write_bytes, atomic_write_json
 from llmcli.generation.generate import generate
 from llmcli.model.gpt import Transformer
 from llmcli.progress import Progress
 from llmcli.training.optim import build_optimizer
+from llmcli.training.precision import Precision
 
 logger = logging.getLogger(__name__)
 

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, ClassVar, Optional
 
 import typer
+from typer.core import TyperCommand
 
 from llmcli import __version__
 from llmcli.errors import InputError
@@ -105,6 +107,79 @@ ThreadsOption = Annotated[
 ]
 
 
+# Options whose value may be left out: `train --resume` (strict) or `--resume auto`, and
+# `--ablation` (zero) or `--ablation mean|both` of `eval` and `inspect-attention`.
+@dataclass(frozen=True)
+class _Bare:
+    """What an option means when given without a value.
+
+    Attributes:
+        value: the value a bare option gets.
+        values: the option's only values, if it has a fixed few: then a token after it that is
+            none of them is not its value (`train --resume tiny` is CONFIG tiny).
+    """
+
+    value: str
+    values: tuple[str, ...] | None = None
+
+    def is_bare_before(self, token: str | None) -> bool:
+        """Whether the option is bare when `token` follows it (None: nothing follows)."""
+        if token is None or token.startswith("-"):
+            return True
+        return self.values is not None and token not in self.values
+
+
+class _OptionalValueCommand(TyperCommand):
+    """A command whose options in `bare` may be given without a value.
+
+    Typer has no options with an optional value (it ignores click's `is_flag=False,
+    flag_value=...`), and its parser gives an option that takes a value the next token, whatever
+    it is. So this command's parse step first writes a bare option with its value (`--resume`
+    becomes `--resume=strict`), then parses as any command does. A token that is another
+    option's value (`--prompt --ablation`) and every token after `--` stay as they are; a value
+    given explicitly (`--resume=later`) is checked by the command.
+    """
+
+    bare: ClassVar[dict[str, _Bare]] = {}
+
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, self._with_bare_values(ctx, args))
+
+    def _with_bare_values(self, ctx: typer.Context, args: list[str]) -> list[str]:
+        takes_values = {  # option -> how many tokens after it are its value
+            name: param.nargs
+            for param in self.get_params(ctx)
+            if param.param_type_name == "option" and not (param.is_flag or param.count)
+            for name in param.opts
+        }
+        out: list[str] = []
+        i = 0
+        while i < len(args):
+            arg = args[i]
+            if arg == "--":
+                return out + args[i:]
+            after = args[i + 1] if i + 1 < len(args) else None
+            if arg in self.bare and self.bare[arg].is_bare_before(after):
+                out.append(f"{arg}={self.bare[arg].value}")
+                i += 1
+            else:  # an option that takes values keeps the tokens after it as they are
+                step = 1 + takes_values.get(arg, 0)
+                out += args[i : i + step]
+                i += step
+        return out
+
+
+_RESUME_VALUES = {"strict": True, "auto": "auto"}
+
+
+class _TrainCommand(_OptionalValueCommand):
+    bare: ClassVar[dict[str, _Bare]] = {"--resume": _Bare("strict", tuple(_RESUME_VALUES))}
+
+
+class _AblationCommand(_OptionalValueCommand):
+    bare: ClassVar[dict[str, _Bare]] = {"--ablation": _Bare("zero")}
+
+
 def _notify(line: str) -> None:
     """Lines for the user that are not the command's result (which run, warnings) go to stderr."""
     typer.echo(line, err=True)
@@ -185,7 +260,7 @@ def prepare_data_command(
     )
 
 
-@app.command("train")
+@app.command("train", cls=_TrainCommand)
 def train_command(
     config: ConfigArg,
     set_: SetOption = None,
@@ -340,7 +415,7 @@ class _ThrottledStdout:
             self.flushed = now
 
 
-@app.command("inspect-attention")
+@app.command("inspect-attention", cls=_AblationCommand)
 def inspect_attention_command(
     checkpoint: CheckpointOption = None,
     prompt: Annotated[
@@ -478,7 +553,7 @@ def export_command(
     )
 
 
-@app.command("eval")
+@app.command("eval", cls=_AblationCommand)
 def eval_command(
     checkpoint: CheckpointOption = None,
     data: Annotated[
@@ -632,50 +707,10 @@ def bench_command(
     typer.echo(f"wrote {json_path} and {png_path}")
 
 
-# Options that may be given bare: `train --resume` (strict) or `--resume auto`, and `--ablation`
-# (zero) or `--ablation mean|both` of `eval` and `inspect-attention`. Typer options cannot take an
-# optional value, so a bare one (followed by nothing or by another option; for `--resume`, which a
-# CONFIG may follow, by anything but one of its values) is given its value before parsing. A
-# token that is another option's value (`--prompt --ablation`) or comes after `--` is left alone.
-# A bad value is then refused by the command.
-_RESUME_VALUES = {"strict": True, "auto": "auto"}
-_ABLATION = {"--ablation": ("zero", None)}
-_BARE_VALUES: dict[str, dict[str, tuple[str, Any]]] = {
-    "train": {"--resume": ("strict", _RESUME_VALUES)},
-    "eval": _ABLATION,
-    "inspect-attention": _ABLATION,
-}
-
-
-def _with_bare_values(argv: list[str]) -> list[str]:
-    bare = _BARE_VALUES.get(argv[0]) if argv else None
-    if bare is None:
-        return argv
-    command = typer.main.get_command(app).commands[argv[0]]  # type: ignore[attr-defined]
-    takes_value = {  # the options whose next token is their value (arguments have no is_flag)
-        name
-        for param in command.params
-        if getattr(param, "is_flag", True) is False
-        for name in param.opts
-    }
-    out = argv[:1]
-    for i in range(1, len(argv)):
-        arg = argv[i]
-        if arg == "--":
-            return out + argv[i:]
-        if arg in bare and argv[i - 1] not in takes_value:
-            value, values = bare[arg]
-            after = argv[i + 1] if i + 1 < len(argv) else None
-            if after is None or after.startswith("-") or (values and after not in values):
-                arg = f"{arg}={value}"
-        out.append(arg)
-    return out
-
-
 def main(argv: list[str] | None = None) -> None:
     """Entry point: runs the app and maps errors to exit statuses (2 bad input, 130 Ctrl-C;
     `train` exits 143 after SIGTERM)."""
-    args = _with_bare_values(sys.argv[1:] if argv is None else argv)
+    args = sys.argv[1:] if argv is None else argv
     try:
         code = app(args=args, prog_name="llmcli", standalone_mode=False)
     except InputError as exc:

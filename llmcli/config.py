@@ -388,24 +388,23 @@ def _coerce(tp: Any, value: Any) -> tuple[bool, Any]:
             return False, value
         converted = [_coerce(item, v) for v in value]
         return all(ok for ok, _ in converted), [v for _, v in converted]
-    if tp is type(None):
-        return value is None, value
-    if tp is bool:
-        return type(value) is bool, value
-    if tp is int:
-        return type(value) is int, value
     if tp is float:
-        # PyYAML reads `1e-3` (no dot) as a string under YAML 1.1: accept such numbers.
-        if type(value) is str and _FLOAT_RE.fullmatch(value.strip()):
-            value = float(value)
-        if type(value) is int and abs(value) > 2**1023:  # beyond any float: not a number here
-            return False, value
-        if type(value) in (int, float) and math.isfinite(value):
-            return True, float(value)
-        return False, value
-    if tp is str:
-        return type(value) is str, value
+        return _coerce_float(value)
+    if tp in (type(None), bool, int, str):  # exactly that type: True is not an int
+        return type(value) is tp, value
     raise TypeError(f"unsupported config annotation {tp!r}")
+
+
+def _coerce_float(value: Any) -> tuple[bool, Any]:
+    """A float setting takes a finite int or float, or a number YAML left as a string."""
+    # PyYAML reads `1e-3` (no dot) as a string under YAML 1.1: accept such numbers.
+    if type(value) is str and _FLOAT_RE.fullmatch(value.strip()):
+        value = float(value)
+    if type(value) is int and abs(value) > 2**1023:  # beyond any float: not a number here
+        return False, value
+    if type(value) in (int, float) and math.isfinite(value):
+        return True, float(value)
+    return False, value
 
 
 def _build_section(section: str, raw: Any) -> Any:

@@ -4,6 +4,7 @@ A bar redraws itself with carriage returns many times a second, which reads well
 and fills a log file (CI, `nohup`, `2> train.log`) with thousands of lines. So a `Progress`
 draws the bar only when stderr is a terminal; otherwise it logs one plain line (logger
 `llmcli.progress`, INFO) at each `report` and, for counted work, at every tenth of the total.
+`format_count` writes the large counts such lines and other messages show (1.2K, 3.4M).
 """
 
 from __future__ import annotations
@@ -102,3 +103,11 @@ class Progress:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def format_count(n: int) -> str:
+    """1234 -> "1.2K", 3.4e6 -> "3.4M" (parameter counts in messages)."""
+    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:,.1f}{unit}"
+    return str(n)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -78,25 +79,134 @@ def test_usage_errors_exit_2(tmp_path: Path) -> None:
         assert out.stderr.strip(), args
 
 
+# --- options whose value may be left out: parsed by the real command line -----------------------
+
+
+class Called(Exception):
+    """Raised by a stand-in for the library function a command calls, once it has recorded what
+    the command passed it."""
+
+
+@pytest.fixture
+def received(monkeypatch) -> dict[str, Any]:
+    """What the commands passed to the library: the stand-ins record it and stop the command."""
+    import llmcli.config
+    import llmcli.generation.sample
+    import llmcli.inspection.attention
+    import llmcli.inspection.evaluate
+    import llmcli.training.loop
+
+    calls: dict[str, Any] = {}
+
+    def load_config(config, overrides):
+        calls["config"], calls["overrides"] = str(config), list(overrides)
+        return real_load_config(config, overrides)
+
+    def stand_in(name: str):
+        def record(*args, **kwargs):
+            calls[name] = (args, kwargs)
+            raise Called
+
+        return record
+
+    real_load_config = llmcli.config.load_config
+    monkeypatch.setattr(llmcli.config, "load_config", load_config)
+    monkeypatch.setattr(llmcli.training.loop, "train", stand_in("train"))
+    monkeypatch.setattr(llmcli.inspection.evaluate, "evaluate_run", stand_in("eval"))
+    monkeypatch.setattr(llmcli.inspection.attention, "inspect_attention", stand_in("inspect"))
+    monkeypatch.setattr(llmcli.generation.sample, "sample_run", stand_in("sample"))
+    return calls
+
+
+def call(argv: list[str]) -> None:
+    from llmcli.cli import main
+
+    with pytest.raises(Called):
+        main(argv)
+
+
+def fails(argv: list[str], capsys) -> str:
+    """The command's stderr; it exits 2."""
+    from llmcli.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
-    "argv, expected",
+    "argv, resume",
     [
-        (["train", "tiny", "--resume"], ["train", "tiny", "--resume=strict"]),
-        (["train", "--resume", "tiny"], ["train", "--resume=strict", "tiny"]),
-        (["train", "--resume", "auto", "tiny"], ["train", "--resume", "auto", "tiny"]),
-        (["eval", "--ablation", "--ablate", "1"], ["eval", "--ablation=zero", "--ablate", "1"]),
-        (["eval", "--ablation", "mean"], ["eval", "--ablation", "mean"]),
-        # another option's value, a token after `--`, a command without the option: untouched
-        (
-            ["inspect-attention", "--prompt", "--ablation"],
-            ["inspect-attention", "--prompt", "--ablation"],
-        ),
-        (["train", "--set", "--resume"], ["train", "--set", "--resume"]),
-        (["train", "tiny", "--", "--resume"], ["train", "tiny", "--", "--resume"]),
-        (["sample", "--prompt", "--ablation"], ["sample", "--prompt", "--ablation"]),
+        (["train", "tiny", "--resume"], True),
+        (["train", "--resume", "tiny"], True),  # tiny is the CONFIG, not --resume's value
+        (["train", "--resume", "--no-progress", "tiny"], True),
+        (["train", "--resume", "auto", "tiny"], "auto"),
+        (["train", "tiny", "--resume", "auto"], "auto"),
+        (["train", "--resume=auto", "tiny"], "auto"),
+        (["train", "tiny", "--resume", "strict"], True),
     ],
 )
-def test_bare_options_get_their_value_and_nothing_else_changes(argv, expected) -> None:
-    from llmcli.cli import _with_bare_values
+def test_train_resume_is_strict_when_bare(argv, resume, received) -> None:
+    call(argv)
+    assert received["config"] == "tiny"
+    assert received["train"][1]["resume"] == resume
 
-    assert _with_bare_values(argv) == expected
+
+def test_a_bare_resume_is_no_other_options_value_nor_after_double_dash(received, capsys) -> None:
+    err = fails(["train", "tiny", "--set", "--resume"], capsys)  # --set's value: a bad override
+    assert received["overrides"] == ["--resume"] and "train" not in received
+    assert "--set '--resume': expected section.key=value" in err
+    err = fails(["train", "--set", "--resume"], capsys)  # so there is no CONFIG
+    assert "Missing argument 'CONFIG'" in err
+    err = fails(["train", "tiny", "--", "--resume"], capsys)  # an argument after --
+    assert "unexpected extra argument(s) (--resume)" in err and "train" not in received
+    assert "--resume takes no value, or 'auto'; got 'later'" in fails(
+        ["train", "tiny", "--resume=later"], capsys
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, ablation, ablate",
+    [
+        (["eval", "--ablation", "--ablate", "1"], "zero", ["1"]),
+        (["eval", "--ablate", "1", "--ablation"], "zero", ["1"]),
+        (["eval", "--ablation", "mean"], "mean", []),
+        (["eval", "--ablation=both"], "both", []),
+        (["eval", "--ablation", "foo"], "foo", []),  # refused by evaluate_run, naming the methods
+        (["eval", "--ablate", "1"], None, ["1"]),
+    ],
+)
+def test_eval_ablation_is_zero_when_bare(argv, ablation, ablate, received) -> None:
+    call(argv)
+    _, kwargs = received["eval"]
+    assert (kwargs["ablation"], kwargs["ablate"]) == (ablation, ablate)
+
+
+def test_inspect_attention_ablation_is_zero_when_bare_and_a_prompt_may_read_ablation(
+    received,
+) -> None:
+    call(["inspect-attention", "--ablation", "--layer", "1"])
+    args, kwargs = received["inspect"]
+    assert (args[1], kwargs["ablation"], kwargs["layers"]) == ([], "zero", [1])
+    call(["inspect-attention", "--prompt", "--ablation"])
+    args, kwargs = received["inspect"]
+    assert (args[1], kwargs["ablation"]) == (["--ablation"], None)
+    call(["sample", "--prompt", "--ablation"])
+    args, _ = received["sample"]
+    assert args[1] == ["--ablation"]
+
+
+def test_help_shows_the_options_that_may_be_bare(capsys) -> None:
+    from llmcli.cli import main
+
+    for command, option, help_ in (
+        ("train", "--resume [auto]", "Continue the run saved in the run directory, exactly;"),
+        ("eval", "--ablation METHOD", "How --ablate removes a head: zero"),
+        ("inspect-attention", "--ablation METHOD", "Add each head's loss increase when it is"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            main([command, "--help"])
+        assert exc.value.code == 0
+        out = " ".join(capsys.readouterr().out.split())  # the help as one line, unwrapped
+        assert f"{option} {help_}" in out

@@ -40,7 +40,10 @@ FLOORS = {
         "0.4.3",
         ["safetensors.torch.save", "safetensors.torch.load", "safetensors.safe_open"],
     ),
-    "typer": ("0.12", ["typer.Typer", "typer.Option", "typer.Argument"]),
+    "typer": (
+        "0.12",
+        ["typer.Typer", "typer.Option", "typer.Argument", "typer.core.TyperCommand.parse_args"],
+    ),
     "datasets": ("2.19", ["datasets.load_dataset", "datasets.load_from_disk"]),
     "tqdm": ("4.66", ["tqdm.auto.tqdm", "tqdm.contrib.logging.logging_redirect_tqdm"]),
     "pyyaml": ("6.0", ["yaml.safe_load", "yaml.safe_dump"]),

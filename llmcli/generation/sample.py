@@ -23,13 +23,14 @@ from typing import IO, Any, Literal, Protocol
 import torch
 
 from llmcli.data.tokenizer import CharTokenizer, Tokenizer
-from llmcli.device import resolve_device, sampling_threads, torch_threads
+from llmcli.device import resolve_device
 from llmcli.errors import InputError
 from llmcli.generation.context_window import check_context_policy, check_policy_name
 from llmcli.generation.decode import small_gelu
 from llmcli.generation.generate import _generate
 from llmcli.generation.prompts import encode_prompt, parse_prompts, read_prompt_file
 from llmcli.generation.sampling import check_sampling, make_generators
+from llmcli.generation.threads import sampling_threads, torch_threads
 from llmcli.runs.loading import load_run
 
 logger = logging.getLogger(__name__)

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmcli.device import Precision
 from llmcli.training.distributed import DistInfo, mean_over_ranks
+from llmcli.training.precision import Precision
 
 
 def perplexity(loss: float) -> float:

@@ -5,7 +5,7 @@ writes a run directory (layout in `llmcli.runs.directory`). One optimizer step i
 micro-batches of `batch_size` sequences of `context_length` tokens on every rank. `_loop` is the
 whole loop, as in nanoGPT; what keeps a run safe sits beside it as named helpers: the resume
 state (`llmcli.training.state`), atomic saves (`llmcli.runs.directory`), precision
-(`llmcli.device`), agreement between ranks (`llmcli.training.distributed`) and Ctrl-C
+(`llmcli.training.precision`), agreement between ranks (`llmcli.training.distributed`) and Ctrl-C
 (`llmcli.training.interrupt`).
 
 What a step does not do: read a value back from the device. Losses go into a small on-device
@@ -47,18 +47,12 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from llmcli.config import Config, TrainConfig
 from llmcli.data.tokenizer import Tokenizer
 from llmcli.data.tokens import BatchSampler, TokenData, prepare_data
-from llmcli.device import (
-    Precision,
-    check_memory,
-    format_count,
-    out_of_memory_is_bad_input,
-    resolve_device,
-)
+from llmcli.device import resolve_device
 from llmcli.errors import CheckpointError, InputError, describe_os_error
 from llmcli.fileio import remove_stale_temp_files
 from llmcli.hf.load import load_hf_weights, resolve_init_from
 from llmcli.model.gpt import Transformer
-from llmcli.progress import Progress
+from llmcli.progress import Progress, format_count
 from llmcli.runs.directory import (
     METRICS_FILE,
     PLOT_FILE,
@@ -82,7 +76,9 @@ from llmcli.training.distributed import (
 )
 from llmcli.training.evaluate import evaluate_loss, perplexity
 from llmcli.training.interrupt import Preempted, StopRequest
+from llmcli.training.memory import check_memory, out_of_memory_is_bad_input
 from llmcli.training.optim import apply_lr, build_optimizer
+from llmcli.training.precision import Precision
 from llmcli.training.state import ResumeState, TrainState, rng_state, seed_everything, set_rng_state
 
 logger = logging.getLogger(__name__)

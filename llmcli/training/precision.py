@@ -1,0 +1,122 @@
+"""The precision a training step computes in: autocast, loss scaling, clipping and the step.
+
+`resolve_precision` turns `train.dtype` into what a device can train in; `Precision` owns what a
+training step does differently per precision: the autocast context, the GradScaler (fp16 only),
+and the unscale / clip / step / zero sequence. The training loop, `llmcli eval` and
+`llmcli bench` all step or evaluate through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmcli.errors import InputError
+
+
+def resolve_precision(device: torch.device, dtype: str) -> tuple[str, torch.dtype | None, bool]:
+    """The precision to train in: (name, autocast dtype or None for fp32, use a GradScaler).
+
+    "auto" is fp32 on CPU and MPS; on CUDA, bf16 autocast where the GPU supports it, else fp16
+    autocast with a GradScaler. The weights and the optimizer stay fp32 in every case.
+
+    Raises:
+        InputError: a precision the device cannot train in.
+    """
+    if dtype == "auto":
+        if device.type == "cuda":
+            dtype = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+        else:
+            dtype = "float32"
+    if dtype == "float32":
+        return dtype, None, False
+    if device.type == "cuda":
+        if dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
+            raise InputError(
+                "train.dtype is 'bfloat16' but this GPU does not support it: use "
+                "--set train.dtype=float16 (or auto)."
+            )
+        return dtype, getattr(torch, dtype), dtype == "float16"
+    if device.type == "cpu" and dtype == "bfloat16":
+        return dtype, torch.bfloat16, False
+    raise InputError(
+        f"train.dtype ({dtype!r}) is not supported on {device.type}: use float32 or auto"
+        + (" (or bfloat16)" if device.type == "cpu" else "")
+        + "."
+    )
+
+
+@dataclass
+class Precision:
+    """How one training step computes: autocast, loss scaling, clipping and the optimizer step.
+
+    Attributes:
+        name: "float32", "bfloat16" or "float16".
+        device: where the model runs.
+        autocast_dtype: the dtype of autocast regions, None for plain fp32.
+        scaler: the fp16 GradScaler, else None.
+    """
+
+    name: str
+    device: torch.device
+    autocast_dtype: torch.dtype | None
+    scaler: torch.amp.GradScaler | None
+
+    @classmethod
+    def resolve(cls, device: torch.device, dtype: str) -> Precision:
+        """The precision `train.dtype` asks for on `device` (see `resolve_precision`)."""
+        name, amp_dtype, use_scaler = resolve_precision(device, dtype)
+        scaler = torch.amp.GradScaler(device.type) if use_scaler else None
+        return cls(name, device, amp_dtype, scaler)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The context a forward pass runs in (a no-op for fp32)."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate `loss` (scaled first under fp16)."""
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: list[Any],
+        grad_clip: float,
+        want_norm: bool = False,
+    ) -> torch.Tensor | None:
+        """Clip the gradients' global norm to `grad_clip` (0: no clipping), step, zero them.
+
+        Returns:
+            The global gradient norm before clipping, a 0-d tensor on the device (not read
+            back, so no synchronisation): always when clipping (it comes free), else only with
+            `want_norm`; otherwise None.
+        """
+        norm = None
+        if grad_clip > 0 or want_norm:
+            if self.scaler is not None:
+                self.scaler.unscale_(optimizer)  # the norm of the true gradients
+            if grad_clip > 0:
+                norm = nn.utils.clip_grad_norm_(params, grad_clip, foreach=True)
+            else:
+                grads = [p.grad for p in params if p.grad is not None]
+                norm = nn.utils.get_total_norm(grads, foreach=True)  # what clipping measures
+        if self.scaler is not None:
+            self.scaler.step(optimizer)
+            self.scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scaler is not None and state:
+            self.scaler.load_state_dict(state)
