@@ -10,6 +10,7 @@ import logging
 import pytest
 from test_generate import make_model
 
+from llmcli.config import SampleConfig
 from llmcli.data.tokenizer import BPETokenizer, CharTokenizer
 from llmcli.errors import InputError
 from llmcli.generation.generate import generate_ids
@@ -156,7 +157,8 @@ def test_sample_texts_batch_equals_alone_and_streams_the_same_text() -> None:
         )[0]
         assert (alone.completion, alone.tokens, alone.seed) == (s.completion, s.tokens, 5 + r)
         start = CHARS.encode(s.prompt or "\n")
-        ids = generate_ids(model, [start], 15, temperature=1.0, top_k=12, seed=5 + r)[0]
+        config = SampleConfig(max_new_tokens=15, temperature=1.0, top_k=12, seed=5 + r)
+        [ids] = generate_ids(model, [start], config)
         full = CHARS.decode(ids)
         if "q" in full:
             assert s.completion == full[: full.index("q")] and s.stop_reason == "stop"
@@ -174,7 +176,9 @@ def test_long_prompt_is_cropped_with_one_warning(caplog) -> None:
             model, CHARS, ["abcdefghijklmnop", "xyzxyzxyzxyz"], max_new_tokens=4, temperature=0.0
         )
     assert len([r for r in caplog.records if "context_length" in r.getMessage()]) == 1
-    ids = generate_ids(model, [CHARS.encode("ijklmnop")], 4, temperature=0.0)[0]
+    [ids] = generate_ids(
+        model, [CHARS.encode("ijklmnop")], SampleConfig(max_new_tokens=4, temperature=0.0)
+    )
     assert s[0].completion == CHARS.decode(ids)
 
 
@@ -221,8 +225,8 @@ def test_bad_prompt_files(tmp_path, content, name, message) -> None:
 
 
 def count_check_sampling(monkeypatch) -> list[tuple]:
-    """Record every call of `check_sampling`, wherever generation calls it from."""
-    import llmcli.generation.generate
+    """Record every call of `check_sampling` (`generate` takes a SampleConfig, checked as it
+    was made)."""
     import llmcli.generation.sample
     from llmcli.generation.sampling import check_sampling
 
@@ -233,7 +237,6 @@ def count_check_sampling(monkeypatch) -> list[tuple]:
         return check_sampling(*args)
 
     monkeypatch.setattr(llmcli.generation.sample, "check_sampling", spy)
-    monkeypatch.setattr(llmcli.generation.generate, "check_sampling", spy)
     return calls
 
 

@@ -22,11 +22,12 @@ from typing import IO, Any, Literal, Protocol
 
 import torch
 
+from llmcli.config import SampleConfig
 from llmcli.data.tokenizer import CharTokenizer, Tokenizer
 from llmcli.device import resolve_device, sampling_threads, torch_threads
 from llmcli.errors import InputError
 from llmcli.generation.context_window import check_context_policy, check_policy_name
-from llmcli.generation.generate import _generate
+from llmcli.generation.generate import generate
 from llmcli.generation.prompts import encode_prompt, parse_prompts, read_prompt_file
 from llmcli.generation.sampling import check_sampling, make_generators
 from llmcli.runs.checkpoint import load_run
@@ -413,19 +414,22 @@ def _sample_batch(
     seconds = [0.0] * len(chunk)
     vocab = tokenizer.vocab_size if tokenizer.vocab_size < model.vocab_size else None
     start = time.perf_counter()
-    steps = _generate(
-        model,
-        [encoded[jobs[r][0]][0] for r in chunk],
-        max_new_tokens,
+    config = SampleConfig(
+        max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
-        seed=None,
+        seed=seed,
+        context_policy=context_policy,
+        context_keep=context_keep,
+    )
+    steps = generate(
+        model,
+        [encoded[jobs[r][0]][0] for r in chunk],
+        config,
         generators=make_generators(len(chunk), seed + chunk[0]),
         use_cache=use_cache,
         vocab_size=vocab,
-        context_policy=context_policy,
-        context_keep=context_keep,
     )
     live = len(chunk)
     for step in steps:
