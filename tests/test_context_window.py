@@ -9,8 +9,9 @@ import pytest
 import torch
 from test_generate import CONTEXT, make_model, sample_config
 
+from llmcli.config import SampleConfig
 from llmcli.errors import InputError
-from llmcli.generation.context_window import ContextWindow, check_context_policy
+from llmcli.generation.context_window import ContextWindow
 from llmcli.generation.generate import generate_ids
 from llmcli.generation.sampling import sample_next
 
@@ -161,20 +162,21 @@ def test_keep_last_keeps_full_rows_last_tokens_and_shorter_rows_whole() -> None:
 
 
 def test_policy_and_keep_are_checked() -> None:
-    assert check_context_policy("shift", None, 64) == 32
-    assert check_context_policy("exact", 5, 64) == 5
-    assert check_context_policy("shift", None, 1) == 1  # a one-token context keeps its token
+    assert SampleConfig(context_policy="shift").keep_for(64) == 32
+    assert SampleConfig(context_policy="exact", context_keep=5).keep_for(64) == 5
+    assert SampleConfig().keep_for(1) == 1  # a one-token context keeps its token
     with pytest.raises(
-        InputError, match=r"context_policy must be one of exact, shift, not 'slide'"
+        InputError,
+        match=r"--context-policy / sample\.context_policy \('slide'\) must be one of exact, shift",
     ):
-        check_context_policy("slide", None, 64)
+        SampleConfig(context_policy="slide")  # type: ignore[arg-type]
     for keep in (0, 64, -1):
-        with pytest.raises(InputError, match=r"context_keep \(.*\) must be in 1\.\.63"):
-            check_context_policy("shift", keep, 64)
-    with pytest.raises(InputError, match="--context-keep"):
-        check_context_policy("shift", 9, 8, names=("--context-policy", "--context-keep"))
+        with pytest.raises(
+            InputError, match=r"--context-keep / sample\.context_keep \(.*\) must be in 1\.\.63"
+        ):
+            SampleConfig(context_keep=keep).keep_for(64)
     model = make_model()
     with pytest.raises(InputError, match="context_policy"):
         generate_ids(model, [[1]], sample_config(2, context_policy="nope"))
-    with pytest.raises(InputError, match=r"1\.\.7"):
+    with pytest.raises(InputError, match=r"1\.\.7"):  # a model alone: generate checks the keep
         generate_ids(model, [[1]], sample_config(2, context_policy="shift", context_keep=8))

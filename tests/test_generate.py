@@ -10,7 +10,7 @@ from llmcli.config import SampleConfig
 from llmcli.errors import InputError
 from llmcli.generation.decode import Decoder
 from llmcli.generation.generate import generate, generate_ids
-from llmcli.generation.sampling import check_sampling, sample_next
+from llmcli.generation.sampling import sample_next
 from llmcli.model.gpt import Transformer
 
 CONTEXT = 8
@@ -94,7 +94,7 @@ def test_bad_controls_raise_input_error(bad) -> None:
     args = {"temperature": 1.0, "top_k": None, "top_p": 1.0, **bad}
     name = next(iter(bad))
     with pytest.raises(InputError, match=name):
-        check_sampling(**args)
+        SampleConfig(**args)
     with pytest.raises(InputError, match=name):
         next(generate(make_model(), [[1]], sample_config(3, **args)))
 
