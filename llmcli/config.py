@@ -452,17 +452,22 @@ def _coerce(tp: Any, value: Any) -> tuple[bool, Any]:
     if tp is int:
         return type(value) is int, value
     if tp is float:
-        # PyYAML reads `1e-3` (no dot) as a string under YAML 1.1: accept such numbers.
-        if type(value) is str and _FLOAT_RE.fullmatch(value.strip()):
-            value = float(value)
-        if type(value) is int and abs(value) > 2**1023:  # beyond any float: not a number here
-            return False, value
-        if type(value) in (int, float) and math.isfinite(value):
-            return True, float(value)
-        return False, value
+        return _coerce_float(value)
     if tp is str:
         return type(value) is str, value
     raise TypeError(f"unsupported config annotation {tp!r}")
+
+
+def _coerce_float(value: Any) -> tuple[bool, Any]:
+    """`_coerce` for a `float` annotation: a finite number, as a float."""
+    # PyYAML reads `1e-3` (no dot) as a string under YAML 1.1: accept such numbers.
+    if type(value) is str and _FLOAT_RE.fullmatch(value.strip()):
+        value = float(value)
+    if type(value) is int and abs(value) > 2**1023:  # beyond any float: not a number here
+        return False, value
+    if type(value) in (int, float) and math.isfinite(value):
+        return True, float(value)
+    return False, value
 
 
 def _build_section(section: str, raw: Any) -> Any:
