@@ -17,6 +17,7 @@ Usage: python benchmarks/decode_tokens.py [--run RUN] [--seeds 50] [--tokens 500
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -29,8 +30,9 @@ from git_baseline import load_baseline
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from llmcli import generate  # noqa: E402
+from llmcli.config import SampleConfig  # noqa: E402
 from llmcli.errors import CheckpointError  # noqa: E402
+from llmcli.generation import generate  # noqa: E402
 from llmcli.generation.decode import Decoder  # noqa: E402
 from llmcli.runs.loading import load_run  # noqa: E402
 
@@ -76,13 +78,13 @@ def main() -> None:
     start = time.perf_counter()
     differ = {"shift_decoder_vs_forward": 0, "exact_vs_baseline": 0}
     for seed in range(args.seeds):
-        ours = generate.generate_ids(model, [[1]], args.tokens, seed=seed, **kw)
+        config = SampleConfig(max_new_tokens=args.tokens, seed=seed, **kw)
+        ours = generate.generate_ids(model, [[1]], config)
         with mock.patch.object(generate, "decoder_for", lambda m: None):
-            theirs = generate.generate_ids(model, [[1]], args.tokens, seed=seed, **kw)
+            theirs = generate.generate_ids(model, [[1]], config)
         differ["shift_decoder_vs_forward"] += ours != theirs
-        ours = generate.generate_ids(
-            model, [[1]], args.tokens, seed=seed, context_policy="exact", **kw
-        )
+        exact = dataclasses.replace(config, context_policy="exact")
+        ours = generate.generate_ids(model, [[1]], exact)
         theirs = baseline["generate"].generate_ids(old, [[1]], args.tokens, seed=seed, **kw)
         differ["exact_vs_baseline"] += ours != theirs
     print(

@@ -85,9 +85,8 @@ def main() -> None:
     flops_per_token = 6 * n + 12 * mc.n_layer * mc.context_length * mc.n_embed
     mfu = steady * flops_per_token / (args.peak_tflops * 1e12)
 
-    samples = sample_run(
-        out, [""], max_new_tokens=args.sample_tokens, temperature=0.8, seed=0, notify=lambda _: None
-    )
+    settings = {"max_new_tokens": args.sample_tokens, "temperature": 0.8, "seed": 0}
+    samples = sample_run(out, [""], settings, notify=lambda _: None)
     device = summary.device
     result = {
         "train": {

@@ -51,7 +51,7 @@ from git_baseline import load_baseline
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from llmcli.config import ModelConfig  # noqa: E402
+from llmcli.config import ModelConfig, SampleConfig  # noqa: E402
 from llmcli.generation.generate import generate  # noqa: E402
 from llmcli.generation.sample import threads_for  # noqa: E402
 from llmcli.generation.sampling import sample_next  # noqa: E402
@@ -177,14 +177,21 @@ def long_generation(shape: dict, n: int, rounds: int, baseline: dict | None, nan
     threads = {name: threads_for(model, CPU, name, n) for name in ("shift", "exact")}
 
     def policy(name: str) -> Callable:
-        return lambda: generate(model, [[1]], n, context_policy=name, **kw)
+        return lambda: generate(
+            model, [[1]], SampleConfig(max_new_tokens=n, context_policy=name, **kw)
+        )
 
     contestants: dict[str, tuple[int | None, Callable]] = {
         "shift": (threads["shift"], policy("shift")),
         "exact": (threads["exact"], policy("exact")),
         "full_recompute": (
             None,
-            lambda: generate(model, [[1]], n, use_cache=False, context_policy="exact", **kw),
+            lambda: generate(
+                model,
+                [[1]],
+                SampleConfig(max_new_tokens=n, context_policy="exact", **kw),
+                use_cache=False,
+            ),
         ),
     }
     if nanogpt:
@@ -231,7 +238,7 @@ def decode_step(rounds: int, baseline: dict | None) -> dict:
         for threads in counts:
             contestants[f"current_{label}_{threads}t"] = (
                 threads,
-                lambda kw=kw: generate(model, [[1]], n, **kw),
+                lambda kw=kw: generate(model, [[1]], SampleConfig(max_new_tokens=n, **kw)),
             )
             if baseline is not None:
                 old = make_model(TINY, baseline["model"].Transformer)
@@ -338,7 +345,8 @@ def vs_transformers_tiny(rounds: int) -> dict:
             threads = {"llmcli_shift": auto, "transformers_1t": 1, "transformers_2t": 2}[name]
             with torch_threads(threads):
                 if name == "llmcli_shift":
-                    steps = generate(model, [[1]], n, temperature=0.0, context_policy="shift")
+                    greedy = SampleConfig(max_new_tokens=n, temperature=0.0, context_policy="shift")
+                    steps = generate(model, [[1]], greedy)
                     tokens, per, total = timed(steps)
                     per = per[1:]  # the prefill
                 else:
@@ -369,7 +377,10 @@ def mid_ctx512(n: int, rounds: int, baseline: dict | None) -> dict:
     """500 greedy tokens at context 512 (all inside it): current vs today, nanoGPT once."""
     model = make_model(MID)
     contestants: dict[str, tuple[int | None, Callable]] = {
-        "current": (None, lambda: generate(model, [[1]], n, temperature=0.0)),
+        "current": (
+            None,
+            lambda: generate(model, [[1]], SampleConfig(max_new_tokens=n, temperature=0.0)),
+        ),
     }
     if baseline is not None:
         old = make_model(MID, baseline["model"].Transformer)
@@ -401,8 +412,9 @@ def mid_ctx512(n: int, rounds: int, baseline: dict | None) -> dict:
 def latency(n: int = 1000, window: int = 100) -> dict:
     shape = {**MID, "context_length": 1024}
     model = make_model(shape)
-    timed(islice(generate(model, [[1]], n, temperature=0.0), 8))
-    _, per_token, _ = timed(generate(model, [[1]], n, temperature=0.0))
+    greedy = SampleConfig(max_new_tokens=n, temperature=0.0)
+    timed(islice(generate(model, [[1]], greedy), 8))
+    _, per_token, _ = timed(generate(model, [[1]], greedy))
     first = statistics.mean(per_token[:window]) * 1e3
     last = statistics.mean(per_token[-window:]) * 1e3
     return {
@@ -425,10 +437,12 @@ def vs_transformers(n: int, rounds: int) -> dict:
         return ids[0, 1:].tolist(), time.perf_counter() - start
 
     run_hf()  # warm-up (both)
-    timed(generate(model, [[1]], 8, temperature=0.0))
+    timed(generate(model, [[1]], SampleConfig(max_new_tokens=8, temperature=0.0)))
     ours_s, theirs_s = [], []
     for _ in range(rounds):
-        ours_ids, _, s = timed(generate(model, [[1]], n, temperature=0.0))
+        ours_ids, _, s = timed(
+            generate(model, [[1]], SampleConfig(max_new_tokens=n, temperature=0.0))
+        )
         ours_s.append(s)
         hf_ids, s = run_hf()
         theirs_s.append(s)
@@ -449,15 +463,18 @@ def batched_vs_sequential(shape: dict, lengths: list[int], n: int) -> dict:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, VOCAB, (L,), generator=g).tolist() for L in lengths]
     kw = dict(temperature=0.8, top_k=50)
-    timed(generate(model, prompts[:1], 8, seed=0, **kw))
+    timed(generate(model, prompts[:1], SampleConfig(max_new_tokens=8, seed=0, **kw)))
 
     start = time.perf_counter()
-    steps = list(generate(model, prompts, n, seed=0, **kw))
+    steps = list(generate(model, prompts, SampleConfig(max_new_tokens=n, seed=0, **kw)))
     batched_s = time.perf_counter() - start
     batched = torch.stack(steps, dim=1).tolist()  # (len(prompts), n)
 
     start = time.perf_counter()
-    alone = [timed(generate(model, [p], n, seed=i, **kw))[0] for i, p in enumerate(prompts)]
+    alone = [
+        timed(generate(model, [p], SampleConfig(max_new_tokens=n, seed=i, **kw)))[0]
+        for i, p in enumerate(prompts)
+    ]
     sequential_s = time.perf_counter() - start
     total = n * len(prompts)
     return {

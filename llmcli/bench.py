@@ -47,7 +47,7 @@ import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from llmcli.config import Config, ModelConfig
+from llmcli.config import Config, ModelConfig, SampleConfig
 from llmcli.data.tokenizer import load_tokenizer
 from llmcli.device import resolve_device
 from llmcli.errors import ConfigError, InputError, describe_os_error
@@ -297,10 +297,11 @@ def _sampling_rate(
     model: Transformer, first: int, n_new: int, precision: Precision, seed: int
 ) -> float:
     """New tokens per second when sampling `n_new` tokens after the one token `first`."""
+    config = SampleConfig(max_new_tokens=n_new, temperature=1.0, top_k=None, seed=seed)
     _sync(precision.device)
     start = time.perf_counter()
     with precision.autocast():
-        for _ in generate(model, [[first]], n_new, temperature=1.0, seed=seed):
+        for _ in generate(model, [[first]], config):
             pass
     _sync(precision.device)
     return n_new / (time.perf_counter() - start)

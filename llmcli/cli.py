@@ -369,25 +369,39 @@ def sample_command(
     """Generate text from a trained run (KV-cached, batched)."""
     import json
 
-    from llmcli.generation.sample import format_samples, read_prompts, sample_run, unescape
+    from llmcli.generation.sample import (
+        SampleOptions,
+        format_samples,
+        read_prompts,
+        sample_run,
+        unescape,
+    )
 
     write = _ThrottledStdout()
     streaming = (sys.stdout.isatty() if stream is None else stream) and not json_
-    samples = sample_run(
-        checkpoint,
-        read_prompts(prompt, prompt_file),
+    prompts = read_prompts(prompt, prompt_file)
+    options = SampleOptions(
+        num_samples=num_samples,
+        stop=tuple(unescape(text) for text in stop or []),
+        threads=threads,
+        weights=weights,
+        device=device,
+    )
+    # The run's sample: config, changed by the options given (None: not given).
+    settings = dict(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
         seed=seed,
-        num_samples=num_samples,
-        stop=[unescape(text) for text in stop or []],
         context_policy=context_policy,
         context_keep=context_keep,
-        threads=threads,
-        weights=weights,
-        device=device,
+    )
+    samples = sample_run(
+        checkpoint,
+        prompts,
+        {key: value for key, value in settings.items() if value is not None},
+        options,
         write=write if streaming else None,
         notify=_notify,
     )

@@ -268,9 +268,16 @@ def default_keep(context_length: int) -> int:
     return max(1, context_length // 2)
 
 
-@dataclass
+@dataclass(frozen=True)
 class SampleConfig:
-    """Generation defaults for `llmcli sample`."""
+    """Generation settings: a run's `sample:` section, with `llmcli sample`'s options applied by
+    `dataclasses.replace`; what `llmcli.generation.generate` takes.
+
+    Every setting is checked as the config is made (`dataclasses.replace` makes a new one), so a
+    `SampleConfig` holds valid settings; `context_keep` also depends on the model's context and
+    is checked against it by `keep_for`. A message names the value, the rule, and both the
+    command-line option and the config key that set it.
+    """
 
     max_new_tokens: int = 500
     temperature: float = 0.8
@@ -284,30 +291,85 @@ class SampleConfig:
     context_policy: Literal["exact", "shift"] = "shift"
     context_keep: int | None = None
 
+    def __post_init__(self) -> None:
+        self.validate()
+
     def validate(self) -> None:
-        _require(
-            self.max_new_tokens > 0,
-            "sample",
-            "max_new_tokens",
-            self.max_new_tokens,
-            "must be positive",
-        )
-        _require(
-            self.temperature >= 0,
-            "sample",
-            "temperature",
-            self.temperature,
-            "must be >= 0 (0 means greedy)",
-        )
-        if self.top_k is not None:
-            _require(
-                self.top_k >= 1,
-                "sample",
+        """Raise `ConfigError` for a setting outside its range (`context_keep`: `keep_for`)."""
+        for key, ok, rule in self._rules():
+            if not ok:
+                raise _sample_error(key, getattr(self, key), rule)
+
+    def _rules(self) -> list[tuple[str, bool, str]]:
+        """(key, whether its value keeps the rule, the rule) for every setting but the seed."""
+        t, k, p, keep = self.temperature, self.top_k, self.top_p, self.context_keep
+        return [
+            (
+                "max_new_tokens",
+                _is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
+                "must be an integer >= 1: the most tokens each sample generates",
+            ),
+            (
+                "temperature",
+                isinstance(t, (int, float)) and math.isfinite(t) and t >= 0,
+                "must be a number >= 0: 0 is greedy decoding, 1 samples from the model's "
+                "distribution, higher is more random",
+            ),
+            (
                 "top_k",
-                self.top_k,
-                "must be >= 1 (or null for no top-k filtering)",
+                k is None or (_is_int(k) and k >= 1),
+                "must be an integer >= 1 (the number of most likely tokens kept); null in a "
+                "config, or a value >= the vocabulary size, keeps every token",
+            ),
+            (
+                "top_p",
+                isinstance(p, (int, float)) and 0 < p <= 1,
+                "must be in (0, 1]: the probability mass of the most likely tokens kept "
+                "(nucleus sampling); 1 keeps every token",
+            ),
+            (
+                "context_policy",
+                self.context_policy in CONTEXT_POLICIES,
+                f"must be one of {', '.join(CONTEXT_POLICIES)}: exact recomputes the last "
+                "context_length tokens every step past the context, shift keeps the last tokens "
+                "and goes on with the KV cache",
+            ),
+            (
+                "context_keep",
+                keep is None or _is_int(keep),
+                "must be an integer (the tokens shift keeps when the context is full), or null "
+                "for context_length // 2",
+            ),
+        ]
+
+    def keep_for(self, context_length: int) -> int:
+        """The tokens `shift` keeps with a model of `context_length`: `context_keep`, or half the
+        context when it is null.
+
+        Raises:
+            ConfigError: `context_keep` outside `keep_range(context_length)`.
+        """
+        if self.context_keep is None:
+            return default_keep(context_length)
+        low, high = keep_range(context_length)
+        if not low <= self.context_keep <= high:
+            raise _sample_error(
+                "context_keep",
+                self.context_keep,
+                f"must be in {low}..{high} (1 to model.context_length - 1), or null for "
+                "context_length // 2: the tokens shift keeps when the context is full",
             )
-        _require(0 < self.top_p <= 1, "sample", "top_p", self.top_p, "must be in (0, 1]")
+        return self.context_keep
+
+
+def _sample_error(key: str, value: Any, rule: str) -> ConfigError:
+    """A broken rule of `sample.<key>`, named as `llmcli sample`'s option and as the key."""
+    option = "--" + key.replace("_", "-")
+    return ConfigError(f"{option} / sample.{key} ({value!r}) {rule}.")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
@@ -322,15 +384,10 @@ class Config:
     name: str = field(default="run", compare=False, repr=False)
 
     def validate(self) -> None:
-        for section in SECTIONS:
-            getattr(self, section).validate()
-        keep = self.sample.context_keep
-        low, high = keep_range(self.model.context_length)
-        if keep is not None and not low <= keep <= high:
-            raise ConfigError(
-                f"sample.context_keep ({keep}) must be in {low}..{high} (1 to "
-                f"model.context_length - 1), or null for context_length // 2."
-            )
+        # `sample` checked itself when it was made; its context_keep depends on the model.
+        for section in (self.model, self.data, self.train):
+            section.validate()
+        self.sample.keep_for(self.model.context_length)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """The fully resolved config as plain data (what `config.yaml` in a run holds)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from llmcli import config as config_module
 from llmcli.config import (
     Config,
     ModelConfig,
+    SampleConfig,
     config_from_dict,
     describe_shipped,
     dump_yaml,
@@ -122,16 +124,24 @@ def test_yaml_11_exponent_without_dot_is_a_number(tmp_path: Path) -> None:
         ),
         ("data: {val_fraction: 0}\n", [], r"data.val_fraction \(0.0\) must be between 0 and 1"),
         ("data: {val_fraction: 1}\n", [], r"data.val_fraction \(1.0\) must be between 0 and 1"),
-        ("sample: {top_p: 0}\n", [], r"sample.top_p \(0.0\) must be in \(0, 1\]"),
-        ("sample: {top_p: 1.5}\n", [], r"sample.top_p \(1.5\) must be in \(0, 1\]"),
-        ("sample: {temperature: -1}\n", [], r"sample.temperature \(-1.0\) must be >= 0"),
-        ("sample: {top_k: 0}\n", [], r"sample.top_k \(0\) must be >= 1"),
+        ("sample: {top_p: 0}\n", [], r"--top-p / sample.top_p \(0.0\) must be in \(0, 1\]"),
+        ("sample: {top_p: 1.5}\n", [], r"--top-p / sample.top_p \(1.5\) must be in \(0, 1\]"),
+        (
+            "sample: {temperature: -1}\n",
+            [],
+            r"--temperature / sample.temperature \(-1.0\) must be a number >= 0",
+        ),
+        ("sample: {top_k: 0}\n", [], r"--top-k / sample.top_k \(0\) must be an integer >= 1"),
         (
             "sample: {context_policy: slide}\n",
             [],
             r"sample.context_policy must be 'exact' or 'shift', got 'slide'",
         ),
-        ("sample: {context_keep: 0}\n", [], r"sample.context_keep \(0\) must be in 1..63 "),
+        (
+            "sample: {context_keep: 0}\n",
+            [],
+            r"--context-keep / sample.context_keep \(0\) must be in 1..63 ",
+        ),
         ("sample: {context_keep: 64}\n", [], r"sample.context_keep \(64\) must be in 1..63 "),
         (
             "model: {context_length: 16}\n",
@@ -188,6 +198,14 @@ def test_context_policy_defaults_fill_configs_written_before_it() -> None:
     assert config_from_dict({"sample": {"context_keep": 1}}).sample.context_keep == 1
     one_token = {"model": {"context_length": 1}, "sample": {"context_keep": 1}}
     assert config_from_dict(one_token).sample.context_keep == 1  # keeps its one token
+
+
+def test_sample_config_is_checked_as_it_is_made_and_replaced() -> None:
+    # `llmcli sample` applies its options to the run's SampleConfig with dataclasses.replace.
+    with pytest.raises(ConfigError, match=r"--top-p / sample.top_p \(0.0\) must be in \(0, 1\]"):
+        dataclasses.replace(SampleConfig(), top_p=0.0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        SampleConfig().top_p = 0.0  # type: ignore[misc]
 
 
 def test_config_error_is_a_value_error() -> None:

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_generate import CONTEXT, make_model
+from test_generate import CONTEXT, make_model, sample_config
 
+from llmcli.config import SampleConfig
 from llmcli.errors import InputError
-from llmcli.generation.context_window import ContextWindow, check_context_policy
+from llmcli.generation.context_window import ContextWindow
 from llmcli.generation.generate import generate_ids
 from llmcli.generation.sampling import sample_next
 
@@ -56,9 +57,8 @@ def test_exact_is_the_crop_and_recompute_loop(pos_emb, settings) -> None:
     for prompt in ([4, 9, 1], list(range(1, 12))):  # 11 tokens start beyond context_length 8
         expected = reference(model, prompt, 20, policy="exact", **settings)
         for use_cache in (True, False):
-            got = generate_ids(
-                model, [prompt], 20, context_policy="exact", use_cache=use_cache, **settings
-            )
+            config = sample_config(20, context_policy="exact", **settings)
+            got = generate_ids(model, [prompt], config, use_cache=use_cache)
             assert got[0] == expected
 
 
@@ -66,13 +66,13 @@ def test_exact_gives_the_tokens_it_gave_before_shift_existed() -> None:
     # Computed with the generation code as it was before the context policies (one thread).
     learned, rope = make_model(), make_model("rope", seed=1)
     kw = dict(context_policy="exact", temperature=0.9, seed=5)
-    assert generate_ids(learned, [[4, 9, 1], [2]], 24, **kw) == [
+    assert generate_ids(learned, [[4, 9, 1], [2]], sample_config(24, **kw)) == [
         [26, 10, 12, 11, 8, 35, 22, 24, 33, 17, 12, 12, 31, 8, 4, 9, 14, 14, 26, 19, 23, 19, 1, 12],
         [25, 36, 36, 18, 17, 25, 3, 25, 36, 37, 9, 3, 36, 22, 25, 38, 2, 4, 22, 2, 21, 26, 31, 6],
     ]
     prompts = [list(range(1, 12)), [7, 7]]
     kw = dict(temperature=0.8, top_k=10, top_p=0.9, seed=11)
-    assert generate_ids(rope, prompts, 24, context_policy="exact", **kw) == [
+    assert generate_ids(rope, prompts, sample_config(24, context_policy="exact", **kw)) == [
         [26, 39, 8, 8, 35, 9, 9, 9, 35, 0, 5, 39, 37, 37, 37, 37, 19, 26, 11, 0, 34, 38, 38, 38],
         [16, 33, 26, 26, 11, 18, 26, 9, 0, 9, 9, 9, 18, 18, 18, 39, 18, 9, 9, 9, 20, 26, 39, 39],
     ]
@@ -89,23 +89,16 @@ def test_shift_is_the_keep_and_recompute_loop(pos_emb, settings, keep) -> None:
     for prompt in ([4, 9, 1], list(range(1, 12)), [5] * CONTEXT):
         expected = reference(model, prompt, 25, policy="shift", keep=keep, **settings)
         for use_cache in (True, False):
-            got = generate_ids(
-                model,
-                [prompt],
-                25,
-                context_policy="shift",
-                context_keep=keep,
-                use_cache=use_cache,
-                **settings,
-            )
+            config = sample_config(25, context_policy="shift", context_keep=keep, **settings)
+            got = generate_ids(model, [prompt], config, use_cache=use_cache)
             assert got[0] == expected, f"prompt {prompt}, use_cache={use_cache}"
 
 
 def test_shift_differs_from_exact_past_the_context_only() -> None:
     model = make_model()
     kw = dict(temperature=1.0, seed=2)
-    exact = generate_ids(model, [[1, 2, 3]], 30, context_policy="exact", **kw)[0]
-    shift = generate_ids(model, [[1, 2, 3]], 30, context_policy="shift", **kw)[0]
+    [exact] = generate_ids(model, [[1, 2, 3]], sample_config(30, context_policy="exact", **kw))
+    [shift] = generate_ids(model, [[1, 2, 3]], sample_config(30, context_policy="shift", **kw))
     # The sequence reaches the context (8) after 5 new tokens; the 6th is the first one that
     # sees a different window.
     assert exact[:6] == shift[:6] and exact != shift
@@ -121,7 +114,8 @@ def test_shift_prefills_the_kept_tokens_once_then_decodes() -> None:
         return forward(idx, *args, **kwargs)
 
     model.forward = spy
-    generate_ids(model, [[1, 2, 3]], 16, temperature=0.0, context_policy="shift", context_keep=3)
+    config = sample_config(16, temperature=0.0, context_policy="shift", context_keep=3)
+    generate_ids(model, [[1, 2, 3]], config)
     # The prompt (3), then five one-token steps fill the context; then every 6 steps the last
     # 3 tokens are prefilled again.
     assert [n for n in calls if n > 1] == [3, 3, 3]
@@ -140,7 +134,7 @@ def test_shift_padded_batch_equals_each_prompt_alone(pos_emb, settings, keep, us
     model = make_model(pos_emb)
     seed = settings.get("seed", 0)
     kw = dict(context_policy="shift", context_keep=keep)
-    batch = generate_ids(model, PROMPTS, 30, use_cache=use_cache, **kw, **settings)
+    batch = generate_ids(model, PROMPTS, sample_config(30, **kw, **settings), use_cache=use_cache)
     for i, prompt in enumerate(PROMPTS):
         alone = reference(
             model, prompt, 30, policy="shift", keep=keep, **{**settings, "seed": seed + i}
@@ -168,20 +162,21 @@ def test_keep_last_keeps_full_rows_last_tokens_and_shorter_rows_whole() -> None:
 
 
 def test_policy_and_keep_are_checked() -> None:
-    assert check_context_policy("shift", None, 64) == 32
-    assert check_context_policy("exact", 5, 64) == 5
-    assert check_context_policy("shift", None, 1) == 1  # a one-token context keeps its token
+    assert SampleConfig(context_policy="shift").keep_for(64) == 32
+    assert SampleConfig(context_policy="exact", context_keep=5).keep_for(64) == 5
+    assert SampleConfig().keep_for(1) == 1  # a one-token context keeps its token
     with pytest.raises(
-        InputError, match=r"context_policy must be one of exact, shift, not 'slide'"
+        InputError,
+        match=r"--context-policy / sample\.context_policy \('slide'\) must be one of exact, shift",
     ):
-        check_context_policy("slide", None, 64)
+        SampleConfig(context_policy="slide")  # type: ignore[arg-type]
     for keep in (0, 64, -1):
-        with pytest.raises(InputError, match=r"context_keep \(.*\) must be in 1\.\.63"):
-            check_context_policy("shift", keep, 64)
-    with pytest.raises(InputError, match="--context-keep"):
-        check_context_policy("shift", 9, 8, names=("--context-policy", "--context-keep"))
+        with pytest.raises(
+            InputError, match=r"--context-keep / sample\.context_keep \(.*\) must be in 1\.\.63"
+        ):
+            SampleConfig(context_keep=keep).keep_for(64)
     model = make_model()
     with pytest.raises(InputError, match="context_policy"):
-        generate_ids(model, [[1]], 2, context_policy="nope")
-    with pytest.raises(InputError, match=r"1\.\.7"):
-        generate_ids(model, [[1]], 2, context_policy="shift", context_keep=8)
+        generate_ids(model, [[1]], sample_config(2, context_policy="nope"))
+    with pytest.raises(InputError, match=r"1\.\.7"):  # a model alone: generate checks the keep
+        generate_ids(model, [[1]], sample_config(2, context_policy="shift", context_keep=8))

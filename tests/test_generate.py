@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmcli.config import ModelConfig
+from llmcli.config import ModelConfig, SampleConfig
 from llmcli.errors import InputError
 from llmcli.generation.decode import Decoder
 from llmcli.generation.generate import generate, generate_ids
-from llmcli.generation.sampling import check_sampling, sample_next
+from llmcli.generation.sampling import sample_next
 from llmcli.model.gpt import Transformer
 
 CONTEXT = 8
@@ -29,6 +29,14 @@ def make_model(pos_emb: str = "learned", seed: int = 0, vocab: int = 40) -> Tran
             if p.ndim == 2:
                 p.mul_(8.0)
     return model.eval()
+
+
+def sample_config(max_new_tokens: int, **settings) -> SampleConfig:
+    """Settings for `generate`: plain sampling (temperature 1, every token kept) unless
+    `settings` say otherwise."""
+    return SampleConfig(
+        max_new_tokens=max_new_tokens, **{"temperature": 1.0, "top_k": None, **settings}
+    )
 
 
 def reference_generate(model, prompt, n, *, temperature, top_k=None, top_p=1.0, seed=0):
@@ -54,7 +62,10 @@ def test_temperature_zero_is_greedy_and_ignores_the_generator() -> None:
         assert torch.equal(sample_next(logits, g, 0.0, top_k, top_p), logits.argmax(-1))
     assert torch.equal(g.get_state(), state)  # no random number drawn
     model = make_model()
-    runs = [generate_ids(model, [[1, 2, 3]], 12, temperature=0.0, seed=s) for s in (0, 1, 99)]
+    runs = [
+        generate_ids(model, [[1, 2, 3]], sample_config(12, temperature=0.0, seed=s))
+        for s in (0, 1, 99)
+    ]
     assert runs[0] == runs[1] == runs[2]
     assert runs[0][0] == reference_generate(model, [1, 2, 3], 12, temperature=0.0)
 
@@ -62,9 +73,9 @@ def test_temperature_zero_is_greedy_and_ignores_the_generator() -> None:
 def test_same_seed_same_tokens_different_seed_different_tokens() -> None:
     model = make_model()
     kw = dict(temperature=1.0, top_k=20)
-    a = generate_ids(model, [[5, 6]], 20, seed=7, **kw)
-    assert a == generate_ids(model, [[5, 6]], 20, seed=7, **kw)
-    assert a != generate_ids(model, [[5, 6]], 20, seed=8, **kw)
+    a = generate_ids(model, [[5, 6]], sample_config(20, seed=7, **kw))
+    assert a == generate_ids(model, [[5, 6]], sample_config(20, seed=7, **kw))
+    assert a != generate_ids(model, [[5, 6]], sample_config(20, seed=8, **kw))
 
 
 @pytest.mark.parametrize(
@@ -84,9 +95,9 @@ def test_bad_controls_raise_input_error(bad) -> None:
     args = {"temperature": 1.0, "top_k": None, "top_p": 1.0, **bad}
     name = next(iter(bad))
     with pytest.raises(InputError, match=name):
-        check_sampling(**args)
+        SampleConfig(**args)
     with pytest.raises(InputError, match=name):
-        next(generate(make_model(), [[1]], 3, **args))
+        next(generate(make_model(), [[1]], sample_config(3, **args)))
 
 
 # ----------------------------------------------------------------------------- KV cache
@@ -114,7 +125,7 @@ def test_cache_feeds_one_token_per_step_until_the_window_slides(monkeypatch) -> 
 
     model.forward = spy
     monkeypatch.setattr(Decoder, "__call__", decode_spy)
-    generate_ids(model, [[1, 2, 3]], 10, temperature=0.0, context_policy="exact")
+    generate_ids(model, [[1, 2, 3]], sample_config(10, temperature=0.0, context_policy="exact"))
     # prefill 3, five single tokens (sequence reaches 8 = context), then the sliding window.
     assert lengths == [(3, True)] + [(1, True)] * 5 + [(8, False)] * 4
 
@@ -132,24 +143,23 @@ def test_padded_batch_equals_each_prompt_alone(pos_emb, settings, use_cache) -> 
     model = make_model(pos_emb)
     seed = settings.get("seed", 0)
     # 20 new tokens: the window slides, and the buffer (8 + 2 * 8 columns) is compacted.
-    batch = generate_ids(model, PROMPTS, 20, use_cache=use_cache, **settings)
+    batch = generate_ids(model, PROMPTS, sample_config(20, **settings), use_cache=use_cache)
     for i, prompt in enumerate(PROMPTS):
-        alone = generate_ids(model, [prompt], 20, **{**settings, "seed": seed + i})[0]
+        [alone] = generate_ids(model, [prompt], sample_config(20, **{**settings, "seed": seed + i}))
         assert batch[i] == alone, f"prompt {i}"
 
 
 def test_generate_streams_one_column_per_step() -> None:
     model = make_model()
-    steps = list(generate(model, PROMPTS, 5, temperature=1.0, seed=0))
+    config = sample_config(5, temperature=1.0, seed=0)
+    steps = list(generate(model, PROMPTS, config))
     assert len(steps) == 5 and all(s.shape == (len(PROMPTS),) for s in steps)
-    assert torch.stack(steps, 1).tolist() == generate_ids(
-        model, PROMPTS, 5, temperature=1.0, seed=0
-    )
+    assert torch.stack(steps, 1).tolist() == generate_ids(model, PROMPTS, config)
 
 
 def test_bad_prompts_raise_input_error() -> None:
     model = make_model()
     with pytest.raises(InputError, match="no tokens"):
-        generate_ids(model, [[1], []], 2)
+        generate_ids(model, [[1], []], sample_config(2))
     with pytest.raises(InputError, match="outside the model's vocabulary"):
-        generate_ids(model, [[1, 40]], 2)
+        generate_ids(model, [[1, 40]], sample_config(2))

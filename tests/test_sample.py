@@ -10,11 +10,13 @@ import logging
 import pytest
 from test_generate import make_model
 
+from llmcli.config import SampleConfig
 from llmcli.data.tokenizer import BPETokenizer, CharTokenizer
 from llmcli.errors import InputError
 from llmcli.generation.generate import generate_ids
 from llmcli.generation.sample import (
     OrderedWriter,
+    SampleOptions,
     _TextState,
     format_samples,
     read_prompts,
@@ -131,12 +133,8 @@ def test_sample_texts_batch_equals_alone_and_streams_the_same_text() -> None:
         model,
         CHARS,
         prompts,
-        max_new_tokens=15,
-        temperature=1.0,
-        top_k=12,
-        seed=5,
-        num_samples=2,
-        stop=["q"],
+        SampleConfig(max_new_tokens=15, temperature=1.0, top_k=12, seed=5),
+        SampleOptions(num_samples=2, stop=("q",)),
         sink=OrderedWriter(out.append, [p for p in prompts for _ in range(2)]),
     )
     assert [(s.prompt_index, s.sample_index) for s in samples] == [
@@ -144,19 +142,11 @@ def test_sample_texts_batch_equals_alone_and_streams_the_same_text() -> None:
     ]
     assert "".join(out) == format_samples(samples)
     for r, s in enumerate(samples):
-        alone = sample_texts(
-            model,
-            CHARS,
-            [s.prompt],
-            max_new_tokens=15,
-            temperature=1.0,
-            top_k=12,
-            seed=5 + r,
-            stop=["q"],
-        )[0]
+        config = SampleConfig(max_new_tokens=15, temperature=1.0, top_k=12, seed=5 + r)
+        [alone] = sample_texts(model, CHARS, [s.prompt], config, SampleOptions(stop=("q",)))
         assert (alone.completion, alone.tokens, alone.seed) == (s.completion, s.tokens, 5 + r)
         start = CHARS.encode(s.prompt or "\n")
-        ids = generate_ids(model, [start], 15, temperature=1.0, top_k=12, seed=5 + r)[0]
+        [ids] = generate_ids(model, [start], config)
         full = CHARS.decode(ids)
         if "q" in full:
             assert s.completion == full[: full.index("q")] and s.stop_reason == "stop"
@@ -170,11 +160,10 @@ def test_sample_texts_batch_equals_alone_and_streams_the_same_text() -> None:
 def test_long_prompt_is_cropped_with_one_warning(caplog) -> None:
     model = make_model(vocab=CHARS.vocab_size)
     with caplog.at_level(logging.WARNING, logger="llmcli.generation.sample"):
-        s = sample_texts(
-            model, CHARS, ["abcdefghijklmnop", "xyzxyzxyzxyz"], max_new_tokens=4, temperature=0.0
-        )
+        greedy = SampleConfig(max_new_tokens=4, temperature=0.0)
+        s = sample_texts(model, CHARS, ["abcdefghijklmnop", "xyzxyzxyzxyz"], greedy)
     assert len([r for r in caplog.records if "context_length" in r.getMessage()]) == 1
-    ids = generate_ids(model, [CHARS.encode("ijklmnop")], 4, temperature=0.0)[0]
+    [ids] = generate_ids(model, [CHARS.encode("ijklmnop")], greedy)
     assert s[0].completion == CHARS.decode(ids)
 
 
@@ -220,29 +209,24 @@ def test_bad_prompt_files(tmp_path, content, name, message) -> None:
 # ----------------------------------------------------------------------------- validation
 
 
-def count_check_sampling(monkeypatch) -> list[tuple]:
-    """Record every call of `check_sampling`, wherever generation calls it from."""
-    import llmcli.generation.generate
-    import llmcli.generation.sample
-    from llmcli.generation.sampling import check_sampling
-
+def count_checks(monkeypatch) -> list[tuple]:
+    """Record (temperature, top_k, top_p) of every `SampleConfig` checked (as it is made)."""
     calls: list[tuple] = []
+    validate = SampleConfig.validate
 
-    def spy(*args):
-        calls.append(args)
-        return check_sampling(*args)
+    def spy(self):
+        calls.append((self.temperature, self.top_k, self.top_p))
+        return validate(self)
 
-    monkeypatch.setattr(llmcli.generation.sample, "check_sampling", spy)
-    monkeypatch.setattr(llmcli.generation.generate, "check_sampling", spy)
+    monkeypatch.setattr(SampleConfig, "validate", spy)
     return calls
 
 
-def test_sample_texts_checks_the_controls_once(monkeypatch) -> None:
-    calls = count_check_sampling(monkeypatch)
+def test_sample_texts_checks_the_settings_once(monkeypatch) -> None:
+    calls = count_checks(monkeypatch)
     model = make_model(vocab=CHARS.vocab_size)
-    sample_texts(
-        model, CHARS, ["ab", "cd"], max_new_tokens=3, temperature=0.5, top_k=4, batch_size=1
-    )
-    assert calls == [(0.5, 4, 1.0)]
+    config = SampleConfig(max_new_tokens=3, temperature=0.5, top_k=4)
+    sample_texts(model, CHARS, ["ab", "cd"], config, SampleOptions(batch_size=1))
+    assert calls == [(0.5, 4, 1.0)]  # when it was made, not again for each batch
     with pytest.raises(InputError, match="top_p"):
-        sample_texts(model, CHARS, ["ab"], max_new_tokens=3, top_p=0.0)
+        sample_texts(model, CHARS, ["ab"], SampleConfig(max_new_tokens=3, top_p=0.0))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -12,12 +13,13 @@ from pathlib import Path
 
 import pytest
 from conftest import default_sigint, save_tiny_run
-from test_sample import count_check_sampling
+from test_sample import count_checks
 
 from llmcli.cli import main
+from llmcli.config import SampleConfig
 from llmcli.data.tokenizer import BPETokenizer, CharTokenizer
 from llmcli.generation.generate import generate_ids
-from llmcli.generation.sample import sample_run
+from llmcli.generation.sample import SampleOptions, sample_run
 from llmcli.runs.loading import load_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,16 +53,8 @@ def cli(capsys, *args: str) -> tuple[int, str, str]:
 def expected_completion(run_dir: Path, prompt: str, n: int, seed: int, **kw) -> str:
     run = load_run(run_dir)
     ids = run.tokenizer.encode(prompt) if prompt else [run.tokenizer.encode("\n")[0]]
-    s = run.config.sample
-    settings = dict(
-        temperature=s.temperature,
-        top_k=s.top_k,
-        top_p=s.top_p,
-        context_policy=s.context_policy,
-        context_keep=s.context_keep,
-    )
-    settings.update(kw)
-    new = generate_ids(run.model, [ids], n, seed=seed, **settings)[0]
+    config = dataclasses.replace(run.config.sample, max_new_tokens=n, seed=seed, **kw)
+    [new] = generate_ids(run.model, [ids], config)
     eot = run.tokenizer.eot_id
     if eot in new:  # a sample ends at its end-of-text token, which is not printed
         new = new[: new.index(eot)]
@@ -95,7 +89,8 @@ def test_options_override_the_config(capsys, run_dir) -> None:
     )
     assert code == 0
     run = load_run(run_dir)
-    ids = generate_ids(run.model, [run.tokenizer.encode("JULIET")], 7, temperature=0.0)[0]
+    greedy = SampleConfig(max_new_tokens=7, temperature=0.0)
+    [ids] = generate_ids(run.model, [run.tokenizer.encode("JULIET")], greedy)
     assert out == "JULIET" + run.tokenizer.decode(ids) + "\n"
     code, out, _ = cli(
         capsys,
@@ -113,9 +108,8 @@ def test_options_override_the_config(capsys, run_dir) -> None:
         "--no-stream",
     )
     assert code == 0
-    ids = generate_ids(
-        run.model, [run.tokenizer.encode("JULIET")], 20, temperature=1.0, top_k=3, top_p=0.6, seed=5
-    )[0]
+    config = SampleConfig(max_new_tokens=20, temperature=1.0, top_k=3, top_p=0.6, seed=5)
+    [ids] = generate_ids(run.model, [run.tokenizer.encode("JULIET")], config)
     assert out == "JULIET" + run.tokenizer.decode(ids) + "\n"
 
 
@@ -309,7 +303,9 @@ def test_bpe_run_starts_empty_prompt_at_end_of_text(capsys, tmp_path) -> None:
     assert code == 0
     row = json.loads(out)
     run = load_run(run_dir)
-    new = generate_ids(run.model, [[tok.eot_id]], 12, temperature=0.0)[0]
+    [new] = generate_ids(
+        run.model, [[tok.eot_id]], SampleConfig(max_new_tokens=12, temperature=0.0)
+    )
     if tok.eot_id in new:  # the sample ends at end-of-text, which is not printed
         new = new[: new.index(tok.eot_id)]
         assert row["stop_reason"] == "stop"
@@ -343,27 +339,35 @@ def test_threads_option_gives_the_same_text_and_restores_the_count(capsys, run_d
     assert texts[0] == texts[1] == texts[2] == expected_completion(run_dir, "ROMEO:", 20, seed=3)
 
 
-def test_sample_run_checks_the_controls_once(run_dir, monkeypatch) -> None:
-    calls = count_check_sampling(monkeypatch)
-    samples = sample_run(run_dir, ["ROMEO:", "J"], max_new_tokens=4, top_p=0.9, num_samples=2)
-    assert len(samples) == 4 and len(calls) == 1
+def test_sample_run_checks_the_settings_once(run_dir, monkeypatch) -> None:
+    calls = count_checks(monkeypatch)
+    options = SampleOptions(num_samples=2)
+    samples = sample_run(run_dir, ["ROMEO:", "J"], {"max_new_tokens": 4, "top_p": 0.9}, options)
+    # The run's settings as its config loads, then with the options applied: each once.
+    assert len(samples) == 4 and calls == [(1.0, 10, 1.0), (1.0, 10, 0.9)]
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--temperature", "-1"], "temperature (-1.0) must be a number >= 0"),
-        (["--top-p", "0"], "top_p (0.0) must be in (0, 1]"),
-        (["--top-p", "1.5"], "top_p (1.5) must be in (0, 1]"),
-        (["--top-k", "0"], "top_k (0) must be an integer >= 1"),
-        (["--max-new-tokens", "0"], "max-new-tokens (0) must be >= 1"),
-        (["--num-samples", "0"], "num-samples (0) must be >= 1"),
+        (
+            ["--temperature", "-1"],
+            "--temperature / sample.temperature (-1.0) must be a number >= 0",
+        ),
+        (["--top-p", "0"], "--top-p / sample.top_p (0.0) must be in (0, 1]"),
+        (["--top-p", "1.5"], "--top-p / sample.top_p (1.5) must be in (0, 1]"),
+        (["--top-k", "0"], "--top-k / sample.top_k (0) must be an integer >= 1"),
+        (
+            ["--max-new-tokens", "0"],
+            "--max-new-tokens / sample.max_new_tokens (0) must be an integer >= 1",
+        ),
+        (["--num-samples", "0"], "--num-samples (0) must be an integer >= 1"),
         (
             ["--context-policy", "slide"],
-            "--context-policy must be one of exact, shift, not 'slide'",
+            "--context-policy / sample.context_policy ('slide') must be one of exact, shift",
         ),
-        (["--context-keep", "0"], "--context-keep (0) must be in 1..15"),
-        (["--context-keep", "16"], "--context-keep (16) must be in 1..15"),
+        (["--context-keep", "0"], "--context-keep / sample.context_keep (0) must be in 1..15"),
+        (["--context-keep", "16"], "--context-keep / sample.context_keep (16) must be in 1..15"),
         (["--threads", "0"], "--threads (0) must be in 1.."),
         (["--threads", "100000"], "--threads (100000) must be in 1.."),  # a segfault in torch
         (["--prompt", "ROMEO€ and ЖЖ"], "'Ж', '€'"),

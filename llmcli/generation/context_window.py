@@ -28,48 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from llmcli.config import CONTEXT_POLICIES, default_keep, keep_range
-from llmcli.errors import InputError
 from llmcli.generation.decode import Decoder
 from llmcli.model.kv_cache import KVCache
-
-
-def check_context_policy(
-    policy: str,
-    keep: int | None,
-    context_length: int,
-    *,
-    names: tuple[str, str] = ("context_policy", "context_keep"),
-) -> int:
-    """Raise `InputError` for an unknown policy or a `keep` outside `1 .. context_length - 1`;
-    return the number of tokens `shift` keeps (`keep`, or half the context when None).
-
-    Args:
-        policy: "exact" or "shift".
-        keep: tokens kept by `shift`, or None for `context_length // 2`.
-        context_length: the model's.
-        names: how messages name the two settings (e.g. the command line's options).
-    """
-    check_policy_name(policy, names[0])
-    low, high = keep_range(context_length)
-    if keep is None:
-        return default_keep(context_length)
-    if isinstance(keep, bool) or not isinstance(keep, int) or not low <= keep <= high:
-        raise InputError(
-            f"{names[1]} ({keep}) must be in {low}..{high} (1 to the model's context_length "
-            f"{context_length} - 1): the tokens `shift` keeps when the context is full."
-        )
-    return keep
-
-
-def check_policy_name(policy: str, name: str = "context_policy") -> None:
-    """Raise `InputError` unless `policy` is one of `CONTEXT_POLICIES`, listing them."""
-    if policy not in CONTEXT_POLICIES:
-        raise InputError(
-            f"{name} must be one of {', '.join(CONTEXT_POLICIES)}, not {policy!r}: exact "
-            "recomputes the last context_length tokens every step past the context, shift "
-            "keeps the last tokens and goes on with the KV cache."
-        )
 
 
 class ContextWindow:

@@ -1,11 +1,11 @@
 """Batched autoregressive generation with a KV cache: token ids in, new token ids out.
 
-`generate(model, prompts_ids, max_new_tokens, ...)` is an iterator that yields the `(B,)` new ids
-of each step. Prompts of different lengths run as one left-padded batch (a key padding mask
-hides the padding, positions count real tokens only) and each row draws from its own
-`torch.Generator` (see `llmcli.generation.sampling`), so every prompt gets exactly what it would
-get alone with the same seed. The KV cache is prefilled with the prompts, then fed one token per
-step.
+`generate(model, prompts_ids, config)` is an iterator that yields the `(B,)` new ids of each step,
+drawn with the settings of a `llmcli.config.SampleConfig`. Prompts of different lengths run as
+one left-padded batch (a key padding mask hides the padding, positions count real tokens only)
+and each row draws from its own `torch.Generator` (see `llmcli.generation.sampling`), so every
+prompt gets exactly what it would get alone with the same seed. The KV cache is prefilled with
+the prompts, then fed one token per step.
 
 Past `context_length` a context policy says what the model sees
 (`llmcli.generation.context_window`): `exact` recomputes the last `context_length` tokens every
@@ -21,15 +21,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from llmcli.config import SampleConfig
 from llmcli.errors import InputError
-from llmcli.generation.context_window import (
-    ContextWindow,
-    check_context_policy,
-    next_logits,
-    shift_logits,
-)
+from llmcli.generation.context_window import ContextWindow, next_logits, shift_logits
 from llmcli.generation.decode import decoder_for
-from llmcli.generation.sampling import GeneratorArg, check_sampling, make_generators, sample_next
+from llmcli.generation.sampling import GeneratorArg, make_generators, sample_next
 
 
 def _check_prompts(prompts_ids: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:
@@ -56,130 +52,89 @@ def _check_prompts(prompts_ids: Sequence[Sequence[int]], vocab_size: int) -> lis
 def generate(
     model: Any,
     prompts_ids: Sequence[Sequence[int]],
-    max_new_tokens: int,
+    config: SampleConfig,
     *,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float = 1.0,
-    seed: int | None = None,
     generators: Sequence[torch.Generator] | None = None,
     use_cache: bool = True,
     vocab_size: int | None = None,
-    context_policy: str = "shift",
-    context_keep: int | None = None,
 ) -> Iterator[Tensor]:
     """Generate for a batch of prompts, one step at a time.
 
     Prompts of different lengths are left-padded into one batch; row `b` gets exactly the tokens
-    it would get alone with the generator `generators[b]` (by default seeded `seed + b`) and the
-    same context policy. Prompts longer than `context_length` are cropped to their last
+    it would get alone with the generator `generators[b]` (by default seeded `config.seed + b`)
+    and the same settings. Prompts longer than `context_length` are cropped to their last
     `context_length` tokens.
 
     Args:
         model: a `llmcli.model.gpt.Transformer` in eval mode (or anything with its `forward`,
             `new_kv_cache` and `context_length`).
         prompts_ids: B non-empty lists of token ids.
-        max_new_tokens: steps to run (the caller may stop earlier by leaving the loop).
-        temperature, top_k, top_p: see `llmcli.generation.sampling.sample_next`.
-        seed: seeds the per-row generators `seed + b` (ignored with `generators`; a fresh random
-            seed when both are None). Unused at temperature 0.
+        config: the sampling settings, checked when the config was made: `max_new_tokens` steps
+            (the caller may stop earlier by leaving the loop); `temperature`, `top_k`, `top_p`
+            (see `llmcli.generation.sampling.sample_next`); `seed` for the per-row generators
+            (ignored with `generators`, unused at temperature 0); past `context_length`,
+            `context_policy` "shift" (keep the last `context_keep` tokens, prefill them again,
+            go on with the cache) or "exact" (the last `context_length` tokens, recomputed
+            every step), see `llmcli.generation.context_window`.
         generators: B generators, one per row, advanced in place.
         use_cache: prefill a KV cache and feed one token per step (False: recompute the whole
             window each step, the nanoGPT way; same tokens, slower).
         vocab_size: sample only among ids `< vocab_size` (a model's vocabulary may be padded
             beyond its tokenizer's).
-        context_policy: past `context_length`, "shift" (keep the last `context_keep` tokens,
-            prefill them again, go on with the cache; the default, as in `llmcli sample`) or
-            "exact" (the last `context_length` tokens, recomputed every step); see
-            `llmcli.generation.context_window`.
-        context_keep: tokens `shift` keeps, in `1 .. context_length - 1` (None: half the
-            context).
 
     Yields:
         `(B,)` long tensors on the model's device: the new token of every row, step by step.
 
     Raises:
-        InputError: (at the first step) sampling controls out of range, a negative
-            `max_new_tokens`, an unknown context policy or a `context_keep` out of range, empty
-            prompts or ids outside the vocabulary, a wrong number of generators.
+        InputError: (at the first step) a `context_keep` outside `1 .. context_length - 1`,
+            empty prompts or ids outside the vocabulary, a wrong number of generators.
     """
-    check_sampling(temperature, top_k, top_p)
-    if max_new_tokens < 0:
-        raise InputError(f"max_new_tokens ({max_new_tokens}) must be >= 0")
-    context_keep = check_context_policy(context_policy, context_keep, model.context_length)
-    yield from _generate(
-        model,
-        prompts_ids,
-        max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        seed=seed,
-        generators=generators,
-        use_cache=use_cache,
-        vocab_size=vocab_size,
-        context_policy=context_policy,
-        context_keep=context_keep,
-    )
-
-
-def _generate(
-    model: Any,
-    prompts_ids: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    *,
-    temperature: float,
-    top_k: int | None,
-    top_p: float,
-    seed: int | None,
-    generators: Sequence[torch.Generator] | None,
-    use_cache: bool,
-    vocab_size: int | None,
-    context_policy: str,
-    context_keep: int,
-) -> Iterator[Tensor]:
-    """The loop of `generate`, trusting its sampling controls, `max_new_tokens` and context
-    policy (`context_keep` resolved: a number of tokens).
-
-    For callers that have already checked them once (`llmcli.generation.sample`); the prompts are
-    still checked against the model's vocabulary here, as they are turned into rows.
-    """
+    keep = config.keep_for(model.context_length)
     rows = _check_prompts(prompts_ids, model.vocab_size)
     B, C = len(rows), model.context_length
     rows = [row[-C:] for row in rows]
-    if generators is not None and len(generators) != B:
-        raise InputError(f"got {len(generators)} generators for {B} prompts")
-    if temperature > 0 and generators is None:
-        generators = make_generators(B, seed)
-    gens: GeneratorArg = None if temperature == 0 else generators
-    if gens is not None and len(gens) == 1:
-        gens = gens[0]  # one draw per step instead of a list of one
+    gens = _row_generators(config, generators, B)
     device = next(model.parameters()).device
+    n = config.max_new_tokens
     with torch.inference_mode():
-        window = ContextWindow(rows, max_new_tokens, C, device)
-        shift = context_policy == "shift"
+        window = ContextWindow(rows, n, C, device)
+        shift = config.context_policy == "shift"
         # exact: a prompt that fills the context slides the window at the first step already.
         fits = shift or window.end < C
-        cache = model.new_kv_cache(B) if use_cache and fits and max_new_tokens > 0 else None
+        cache = model.new_kv_cache(B) if use_cache and fits else None
         decoder = None if cache is None else decoder_for(model)
-    for _ in range(max_new_tokens):
+    for _ in range(n):
         with torch.inference_mode():
             if shift:
-                logits = shift_logits(model, window, cache, context_keep, decoder)  # (B, V)
+                logits = shift_logits(model, window, cache, keep, decoder)  # (B, V)
             else:
                 logits = next_logits(model, window, cache, decoder)  # (B, V)
             if vocab_size is not None:
                 logits = logits[:, :vocab_size]  # (B, vocab_size)
-            next_ids = sample_next(logits, gens, temperature, top_k, top_p)  # (B,)
+            next_ids = sample_next(
+                logits, gens, config.temperature, config.top_k, config.top_p
+            )  # (B,)
             window.append(next_ids)
         yield next_ids
 
 
+def _row_generators(
+    config: SampleConfig, generators: Sequence[torch.Generator] | None, B: int
+) -> GeneratorArg:
+    """What `sample_next` draws from: None at temperature 0, else one generator per row
+    (`generators`, or seeded `config.seed + b`), a single one for a batch of one."""
+    if generators is not None and len(generators) != B:
+        raise InputError(f"got {len(generators)} generators for {B} prompts")
+    if config.temperature == 0:
+        return None
+    gens = make_generators(B, config.seed) if generators is None else generators
+    return gens[0] if len(gens) == 1 else gens  # one draw per step instead of a list of one
+
+
 def generate_ids(
-    model: Any, prompts_ids: Sequence[Sequence[int]], max_new_tokens: int, **kwargs: Any
+    model: Any, prompts_ids: Sequence[Sequence[int]], config: SampleConfig, **kwargs: Any
 ) -> list[list[int]]:
-    """`generate` run to the end: the new ids of every prompt, `B` lists of `max_new_tokens`."""
-    steps = [step.cpu() for step in generate(model, prompts_ids, max_new_tokens, **kwargs)]
-    if not steps:
-        return [[] for _ in prompts_ids]
+    """`generate` run to the end: the new ids of every prompt, `B` lists of
+    `config.max_new_tokens`."""
+    steps = [step.cpu() for step in generate(model, prompts_ids, config, **kwargs)]
     return torch.stack(steps, dim=1).tolist()  # (B, N)

@@ -1,10 +1,11 @@
 """Text around generation: prompts in, `Sample`s out; what `llmcli sample` runs.
 
-`sample_texts(model, tokenizer, prompts, ...)` encodes the prompts, generates `num_samples`
-continuations of each in batches (`llmcli.generation.generate`), and turns the new tokens into text
-as they come: streaming (`TextSink`, `OrderedWriter` keeps samples generated together in order),
-stop strings and stop ids, multi-byte characters split over byte tokens, per-sample speed.
-`sample_run` loads a run and applies its `sample:` defaults; `read_prompts` and `unescape` turn
+`sample_texts(model, tokenizer, prompts, config, options)` encodes the prompts, generates
+`options.num_samples` continuations of each in batches with the settings of a `SampleConfig`
+(`llmcli.generation.generate`), and turns the new tokens into text as they come: streaming
+(`TextSink`, `OrderedWriter` keeps samples generated together in order), stop strings and stop
+ids, multi-byte characters split over byte tokens, per-sample speed. `sample_run` loads a run and
+applies the command line's settings to its `sample:` config; `read_prompts` and `unescape` turn
 the command line's options into prompts and stop strings.
 """
 
@@ -15,21 +16,22 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Generator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import IO, Any, Literal, Protocol
+from typing import IO, Any, Literal, NamedTuple, Protocol
 
 import torch
+from torch import Tensor
 
+from llmcli.config import SampleConfig
 from llmcli.data.tokenizer import CharTokenizer, Tokenizer
 from llmcli.device import resolve_device
 from llmcli.errors import InputError
-from llmcli.generation.context_window import check_context_policy, check_policy_name
 from llmcli.generation.decode import small_gelu
-from llmcli.generation.generate import _generate
+from llmcli.generation.generate import generate
 from llmcli.generation.prompts import encode_prompt, parse_prompts, read_prompt_file
-from llmcli.generation.sampling import check_sampling, make_generators
+from llmcli.generation.sampling import make_generators
 from llmcli.generation.threads import sampling_threads, torch_threads
 from llmcli.runs.loading import load_run
 
@@ -244,101 +246,82 @@ class OrderedWriter:
             self._advance()
 
 
+@dataclass(frozen=True)
+class SampleOptions:
+    """What `llmcli sample` does around generation besides the sampling settings (those are a
+    `llmcli.config.SampleConfig`). Checked as it is made.
+
+    Attributes:
+        num_samples: samples per prompt (>= 1).
+        stop: a sample ends when its text contains one of these; that text is not part of it.
+        stop_ids: a sample ends when it generates one of these ids (not part of its text);
+            `sample_run` adds the run's end-of-text id.
+        batch_size: most samples generated at once.
+        use_cache: use the KV cache (see `llmcli.generation.generate.generate`).
+        threads: CPU threads while `sample_run` generates (None: `threads_for` picks).
+        weights: the weights `sample_run` loads, "best" or "last" (see `checkpoint.load_run`).
+        device: where `sample_run` runs the model: "auto", "cpu", "cuda" or "mps".
+    """
+
+    num_samples: int = 1
+    stop: Sequence[str] = ()
+    stop_ids: Sequence[int] = ()
+    batch_size: int = BATCH_SIZE
+    use_cache: bool = True
+    threads: int | None = None
+    weights: str = "best"
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        n = self.num_samples
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise InputError(f"--num-samples ({n}) must be an integer >= 1.")
+        cpus = os.cpu_count() or 1
+        # torch crashes on absurd thread counts.
+        if self.threads is not None and not 1 <= self.threads <= cpus:
+            raise InputError(
+                f"--threads ({self.threads}) must be in 1..{cpus} (this machine's CPUs)."
+            )
+
+
+class _Job(NamedTuple):
+    """Sample `r`: the `sample_index`-th continuation of prompt `prompt_index`."""
+
+    r: int
+    prompt_index: int
+    sample_index: int
+    prompt: str
+    ids: list[int]  # the prompt's token ids, cropped to the context
+
+
 def sample_texts(
     model: Any,
     tokenizer: Tokenizer,
     prompts: Sequence[str],
+    config: SampleConfig,
+    options: SampleOptions = SampleOptions(),
     *,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float = 1.0,
-    seed: int | None = None,
-    num_samples: int = 1,
-    stop: Sequence[str] = (),
-    stop_ids: Sequence[int] = (),
-    use_cache: bool = True,
-    context_policy: str = "shift",
-    context_keep: int | None = None,
     sink: TextSink | None = None,
-    batch_size: int = BATCH_SIZE,
     notify: Callable[[str], Any] = logger.warning,
 ) -> list[Sample]:
-    """Generate `num_samples` continuations of every prompt, batched.
+    """Generate `options.num_samples` continuations of every prompt, batched.
 
     Sample `r = prompt_index * num_samples + sample_index` draws from a generator seeded
-    `seed + r`, so it is the same text whether it runs in a batch or alone with that seed. Up to
-    `batch_size` samples run as one left-padded batch.
+    `config.seed + r`, so it is the same text whether it runs in a batch or alone with that
+    seed. Up to `options.batch_size` samples run as one left-padded batch.
 
     Args:
         model: a `Transformer` in eval mode.
         tokenizer: the run's tokenizer.
         prompts: texts; an empty one starts from the tokenizer's start ids.
-        max_new_tokens: tokens to generate per sample at most (>= 1).
-        temperature, top_k, top_p: see `llmcli.generation.sampling.sample_next`.
-        seed: base seed (a fresh random one when None).
-        num_samples: samples per prompt (>= 1).
-        stop: a sample ends when its text contains one of these; that text is not part of it.
-        stop_ids: a sample ends when it generates one of these ids (not part of its text).
-        use_cache: use the KV cache (see `llmcli.generation.generate.generate`).
-        context_policy, context_keep: what the model sees past its context, "exact" or
-            "shift" and the tokens `shift` keeps (see `llmcli.generation.generate.generate`).
+        config: the sampling settings (see `llmcli.generation.generate.generate`).
+        options: samples per prompt, stop strings and ids, batch size, KV cache.
         sink: receives each sample's text as it becomes final (streaming), then `end(r)`.
-        batch_size: most samples generated at once.
         notify: receives a one-line notice when prompts are cropped to the context.
 
     Returns:
         The samples in order `r`.
     """
-    check_sampling(temperature, top_k, top_p)
-    keep = check_context_policy(context_policy, context_keep, model.context_length)
-    return _sample_texts(
-        model,
-        tokenizer,
-        prompts,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        seed=seed,
-        num_samples=num_samples,
-        stop=stop,
-        stop_ids=stop_ids,
-        use_cache=use_cache,
-        context_policy=context_policy,
-        context_keep=keep,
-        sink=sink,
-        batch_size=batch_size,
-        notify=notify,
-    )
-
-
-def _sample_texts(
-    model: Any,
-    tokenizer: Tokenizer,
-    prompts: Sequence[str],
-    *,
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int | None,
-    top_p: float,
-    seed: int | None,
-    num_samples: int,
-    stop: Sequence[str],
-    stop_ids: Sequence[int],
-    use_cache: bool,
-    context_policy: str,
-    context_keep: int,
-    sink: TextSink | None,
-    batch_size: int,
-    notify: Callable[[str], Any],
-) -> list[Sample]:
-    """`sample_texts` trusting its sampling controls and context policy (`context_keep`
-    resolved), which the caller has checked once."""
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise InputError(f"max_new_tokens ({max_new_tokens}) must be an integer >= 1")
-    if not isinstance(num_samples, int) or num_samples < 1:
-        raise InputError(f"num_samples ({num_samples}) must be an integer >= 1")
     if not prompts:
         raise InputError("no prompts given: pass at least one (an empty text is fine)")
     if tokenizer.vocab_size > model.vocab_size:
@@ -349,7 +332,24 @@ def _sample_texts(
     C = model.context_length
     encoded = [encode_prompt(tokenizer, p, C) for p in prompts]
     cropped = [i for i, (_, was_cropped) in enumerate(encoded) if was_cropped]
-    if len(cropped) == 1 and len(prompts) == 1:
+    _notify_cropped(cropped, len(prompts), C, notify)
+    jobs = [
+        _Job(i * options.num_samples + j, i, j, prompts[i], encoded[i][0])
+        for i in range(len(prompts))
+        for j in range(options.num_samples)
+    ]
+    samples: list[Sample] = []
+    for first in range(0, len(jobs), options.batch_size):
+        batch = jobs[first : first + options.batch_size]
+        samples.extend(_sample_batch(model, tokenizer, batch, config, options, sink))
+    return samples
+
+
+def _notify_cropped(
+    cropped: list[int], n_prompts: int, C: int, notify: Callable[[str], Any]
+) -> None:
+    """One notice for the prompts (indices `cropped`) longer than the context, if any."""
+    if len(cropped) == 1 and n_prompts == 1:
         notify(
             f"the prompt is longer than the model's context_length ({C} tokens): the model "
             f"sees only its last {C} tokens."
@@ -360,94 +360,78 @@ def _sample_texts(
             f"{len(cropped)} prompts (index {shown}) are longer than the model's "
             f"context_length ({C} tokens): the model sees only the last {C} tokens of each."
         )
-    if seed is None:
-        seed = int(torch.Generator().seed()) % (2**62)
-    jobs = [(i, j) for i in range(len(prompts)) for j in range(num_samples)]
-    samples: list[Sample] = []
-    for first in range(0, len(jobs), batch_size):
-        chunk = list(range(first, min(first + batch_size, len(jobs))))
-        samples.extend(
-            _sample_batch(
-                model,
-                tokenizer,
-                prompts,
-                encoded,
-                jobs,
-                chunk,
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                seed=seed,
-                stop=stop,
-                stop_ids=set(stop_ids),
-                use_cache=use_cache,
-                context_policy=context_policy,
-                context_keep=context_keep,
-                sink=sink,
-            )
-        )
-    return samples
 
 
 def _sample_batch(
     model: Any,
     tokenizer: Tokenizer,
-    prompts: Sequence[str],
-    encoded: list[tuple[list[int], bool]],
-    jobs: list[tuple[int, int]],
-    chunk: list[int],
-    *,
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int | None,
-    top_p: float,
-    seed: int,
-    stop: Sequence[str],
-    stop_ids: set[int],
-    use_cache: bool,
-    context_policy: str,
-    context_keep: int,
+    batch: list[_Job],
+    config: SampleConfig,
+    options: SampleOptions,
     sink: TextSink | None,
 ) -> list[Sample]:
-    """Run the samples `chunk` (indices into `jobs`) as one batch."""
-    states = [_TextState(tokenizer, stop, stop_ids, encoded[jobs[r][0]][0]) for r in chunk]
-    seconds = [0.0] * len(chunk)
+    """Run the samples `batch` as one batch, sending their text to `sink` as it becomes final."""
+    stop_ids = set(options.stop_ids)
+    states = [_TextState(tokenizer, options.stop, stop_ids, job.ids) for job in batch]
     vocab = tokenizer.vocab_size if tokenizer.vocab_size < model.vocab_size else None
     start = time.perf_counter()
-    steps = _generate(
+    steps = generate(
         model,
-        [encoded[jobs[r][0]][0] for r in chunk],
-        max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        seed=None,
-        generators=make_generators(len(chunk), seed + chunk[0]),
-        use_cache=use_cache,
+        [job.ids for job in batch],
+        config,
+        generators=make_generators(len(batch), config.seed + batch[0].r),
+        use_cache=options.use_cache,
         vocab_size=vocab,
-        context_policy=context_policy,
-        context_keep=context_keep,
     )
-    live = len(chunk)
-    with small_gelu(model, len(chunk)):  # the decode steps' GELU kernel, as fast as it gets
-        for step in steps:
-            now = None
-            for b, token in enumerate(step.tolist()):
-                state = states[b]
-                if state.done:
-                    continue
-                piece = state.push(token)
-                if sink is not None and piece:
-                    sink.text(chunk[b], piece)
-                if state.done:
-                    now = time.perf_counter() if now is None else now
-                    seconds[b] = now - start
-                    live -= 1
-                    if sink is not None:
-                        sink.end(chunk[b])
-            if live == 0:
-                break
+    with small_gelu(model, len(batch)):  # the decode steps' GELU kernel, as fast as it gets
+        seconds = _stream(steps, states, [job.r for job in batch], sink, start)
+    return [
+        Sample(
+            prompt=job.prompt,
+            completion=state.text,
+            tokens=len(state.ids),
+            seconds=seconds[b],
+            stop_reason=state.stop_reason,
+            seed=config.seed + job.r,
+            prompt_index=job.prompt_index,
+            sample_index=job.sample_index,
+        )
+        for b, (job, state) in enumerate(zip(batch, states, strict=True))
+    ]
+
+
+def _stream(
+    steps: Generator[Tensor, None, None],
+    states: list[_TextState],
+    indices: list[int],
+    sink: TextSink | None,
+    start: float,
+) -> list[float]:
+    """Feed each step's tokens to the samples' text states until all are done or the steps
+    end, sending the text that becomes final to `sink` under the samples' `indices`.
+
+    Returns:
+        The seconds from `start` (`time.perf_counter`) to the end of each sample.
+    """
+    seconds = [0.0] * len(states)
+    live = len(states)
+    for step in steps:
+        now = None
+        for b, token in enumerate(step.tolist()):
+            state = states[b]
+            if state.done:
+                continue
+            piece = state.push(token)
+            if sink is not None and piece:
+                sink.text(indices[b], piece)
+            if state.done:
+                now = time.perf_counter() if now is None else now
+                seconds[b] = now - start
+                live -= 1
+                if sink is not None:
+                    sink.end(indices[b])
+        if live == 0:
+            break
     steps.close()
     end = time.perf_counter()
     for b, state in enumerate(states):
@@ -456,21 +440,9 @@ def _sample_batch(
             seconds[b] = end - start
             if sink is not None:
                 if piece:
-                    sink.text(chunk[b], piece)
-                sink.end(chunk[b])
-    return [
-        Sample(
-            prompt=prompts[jobs[r][0]],
-            completion=state.text,
-            tokens=len(state.ids),
-            seconds=seconds[b],
-            stop_reason=state.stop_reason,
-            seed=seed + r,
-            prompt_index=jobs[r][0],
-            sample_index=jobs[r][1],
-        )
-        for b, (r, state) in enumerate(zip(chunk, states, strict=True))
-    ]
+                    sink.text(indices[b], piece)
+                sink.end(indices[b])
+    return seconds
 
 
 def format_samples(samples: Sequence[Sample], separator: str = "-" * 15) -> str:
@@ -525,113 +497,57 @@ def unescape(text: str) -> str:
 def sample_run(
     checkpoint: str | Path | None,
     prompts: Sequence[str],
+    overrides: Mapping[str, Any] | None = None,
+    options: SampleOptions = SampleOptions(),
     *,
-    max_new_tokens: int | None = None,
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    seed: int | None = None,
-    num_samples: int = 1,
-    stop: Sequence[str] = (),
-    context_policy: str | None = None,
-    context_keep: int | None = None,
-    threads: int | None = None,
-    weights: str = "best",
-    device: str = "auto",
     write: Callable[[str], Any] | None = None,
     notify: Callable[[str], Any] = logger.warning,
 ) -> list[Sample]:
     """Load a run and sample from it: what `llmcli sample` does.
 
-    Settings left None come from the run's `sample:` config. A BPE run's samples also end at the
-    end-of-text token.
+    The sampling settings are the run's `sample:` config with `overrides` applied by
+    `dataclasses.replace`, which checks them. A BPE run's samples also end at the end-of-text
+    token.
 
     Args:
         checkpoint: a run directory (or a weights file in one); None = the latest run under
             `checkpoints/`.
-        prompts: texts; each gets `num_samples` samples, all generated as one batch.
-        max_new_tokens, temperature, top_k, top_p, seed: override the run's defaults.
-        num_samples: samples per prompt.
-        stop: stop strings (see `sample_texts`).
-        context_policy, context_keep: override the run's `sample.context_policy` and
-            `sample.context_keep` (see `llmcli.generation.generate.generate`).
-        threads: CPU threads while generating (None: picked by `device.sampling_threads`).
-        weights: "best" or "last" weights of the run (see `checkpoint.load_run`).
-        device: "auto", "cpu", "cuda" or "mps".
+        prompts: texts; each gets `options.num_samples` samples, all generated as one batch.
+        overrides: sampling settings by `SampleConfig` key (`{"temperature": 0.0}`), over the
+            run's.
+        options: the rest: samples per prompt, stop strings, CPU threads, which weights, the
+            device (see `SampleOptions`).
         write: receives the formatted output as it is generated (`OrderedWriter`), or None.
         notify: receives one-line notices (which run is used, version differences).
 
     Returns:
         The samples, prompt by prompt.
     """
-    # The options are checked before the run loads, so that a mistyped one fails at once.
-    _check_options(temperature, top_k, top_p, max_new_tokens, num_samples, context_policy, threads)
-    device_ = resolve_device(device, what="--device")
-    run = load_run(checkpoint, weights=weights, device=device_, notify=notify)
-    defaults = run.config.sample
-    policy = defaults.context_policy if context_policy is None else context_policy
-    keep = check_context_policy(
-        policy,
-        defaults.context_keep if context_keep is None else context_keep,
-        run.model.context_length,
-        names=("--context-policy", "--context-keep"),
-    )
-    if context_keep is not None and policy == "exact" and notify is not None:
+    overrides = dict(overrides or {})
+    device = resolve_device(options.device, what="--device")
+    run = load_run(checkpoint, weights=options.weights, device=device, notify=notify)
+    config = replace(run.config.sample, **overrides)
+    # context_keep depends on the model: checked before any output (generate checks it again,
+    # for callers that bring a model alone).
+    config.keep_for(run.model.context_length)
+    if overrides.get("context_keep") is not None and config.context_policy == "exact":
         notify("--context-keep is for the shift policy; exact keeps the last context_length tokens")
     eot = run.tokenizer.eot_id
-    headers = [p for p in prompts for _ in range(num_samples)]
-    new_tokens = defaults.max_new_tokens if max_new_tokens is None else max_new_tokens
-    threads = threads_for(run.model, device_, policy, new_tokens) if threads is None else threads
-    # The run's defaults were checked when its config loaded, the options above: trust both.
+    if eot is not None:
+        options = replace(options, stop_ids=(*options.stop_ids, eot))
+    threads = options.threads
+    if threads is None:
+        threads = threads_for(run.model, device, config.context_policy, config.max_new_tokens)
+    headers = [p for p in prompts for _ in range(options.num_samples)]
+    sink = None if write is None else OrderedWriter(write, headers)
     with torch_threads(threads):
-        return _sample_texts(
-            run.model,
-            run.tokenizer,
-            prompts,
-            max_new_tokens=new_tokens,
-            temperature=defaults.temperature if temperature is None else temperature,
-            top_k=defaults.top_k if top_k is None else top_k,
-            top_p=defaults.top_p if top_p is None else top_p,
-            seed=defaults.seed if seed is None else seed,
-            num_samples=num_samples,
-            stop=stop,
-            stop_ids=() if eot is None else (eot,),
-            use_cache=True,
-            context_policy=policy,
-            context_keep=keep,
-            sink=None if write is None else OrderedWriter(write, headers),
-            batch_size=BATCH_SIZE,
-            notify=notify,
+        return sample_texts(
+            run.model, run.tokenizer, prompts, config, options, sink=sink, notify=notify
         )
 
 
-def _check_options(
-    temperature: float | None,
-    top_k: int | None,
-    top_p: float | None,
-    max_new_tokens: int | None,
-    num_samples: int,
-    context_policy: str | None,
-    threads: int | None,
-) -> None:
-    """Raise `InputError` for a `sample_run` option out of range, naming the command-line
-    option; a setting left to the run's default (None) is checked with a value that passes."""
-    check_sampling(
-        0.0 if temperature is None else temperature, top_k, 1.0 if top_p is None else top_p
-    )
-    if max_new_tokens is not None and max_new_tokens < 1:
-        raise InputError(f"--max-new-tokens ({max_new_tokens}) must be >= 1.")
-    if num_samples < 1:
-        raise InputError(f"--num-samples ({num_samples}) must be >= 1.")
-    if context_policy is not None:
-        check_policy_name(context_policy, "--context-policy")
-    cpus = os.cpu_count() or 1
-    if threads is not None and not 1 <= threads <= cpus:  # torch crashes on absurd counts
-        raise InputError(f"--threads ({threads}) must be in 1..{cpus} (this machine's CPUs).")
-
-
 def threads_for(model: Any, device: torch.device, policy: str, new_tokens: int) -> int | None:
-    """CPU threads for a sample (`device.sampling_threads`): its steps are decode-bound under
+    """CPU threads for a sample (`threads.sampling_threads`): its steps are decode-bound under
     `shift`, or under `exact` when they all fit in the context."""
     decode_bound = policy == "shift" or new_tokens < model.context_length
     return sampling_threads(model, device, decode_bound)

@@ -4,13 +4,12 @@
 `(B, V)` to ids `(B,)`: temperature, top-k (exactly k tokens, lowest ids winning ties), top-p
 (nucleus), and one seeded draw per row by inverse-CDF sampling, so that a row draws the same
 numbers from its own `torch.Generator` whatever batch it is in. `filter_probs` is the
-distribution it draws from, `make_generators` the per-row generators, `check_sampling` the
-validation of the three controls.
+distribution it draws from, `make_generators` the per-row generators. The settings are checked
+where they are made, in `llmcli.config.SampleConfig`.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -19,32 +18,6 @@ from torch import Tensor
 from llmcli.errors import InputError
 
 GeneratorArg = torch.Generator | Sequence[torch.Generator] | None
-
-
-def check_sampling(temperature: float, top_k: int | None, top_p: float) -> None:
-    """Raise `InputError` for sampling controls outside their ranges.
-
-    Args:
-        temperature: >= 0 (0 = greedy).
-        top_k: None (off) or >= 1.
-        top_p: in (0, 1] (1 = off).
-    """
-    is_number = isinstance(temperature, (int, float)) and math.isfinite(temperature)
-    if not is_number or temperature < 0:
-        raise InputError(
-            f"temperature ({temperature}) must be a number >= 0: 0 is greedy decoding, 1 samples "
-            "from the model's distribution, higher is more random."
-        )
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise InputError(
-            f"top_k ({top_k}) must be an integer >= 1 (the number of most likely tokens kept); "
-            "leave it out, or use a value >= the vocabulary size, to keep every token."
-        )
-    if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-        raise InputError(
-            f"top_p ({top_p}) must be in (0, 1]: the probability mass of the most likely tokens "
-            "kept (nucleus sampling); 1 keeps every token."
-        )
 
 
 def sample_next(
