@@ -343,8 +343,9 @@ def test_sample_run_checks_the_settings_once(run_dir, monkeypatch) -> None:
     calls = count_checks(monkeypatch)
     options = SampleOptions(num_samples=2)
     samples = sample_run(run_dir, ["ROMEO:", "J"], {"max_new_tokens": 4, "top_p": 0.9}, options)
-    # The run's settings as its config loads, then with the options applied: each once.
-    assert len(samples) == 4 and calls == [(1.0, 10, 1.0), (1.0, 10, 0.9)]
+    # Each config once, as it is made: the options alone (checked before the run loads, on the
+    # defaults), the run's settings as its config loads, then the run's with the options applied.
+    assert len(samples) == 4 and calls == [(0.8, 200, 0.9), (1.0, 10, 1.0), (1.0, 10, 0.9)]
 
 
 @pytest.mark.parametrize(

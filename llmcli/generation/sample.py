@@ -524,6 +524,7 @@ def sample_run(
         The samples, prompt by prompt.
     """
     overrides = dict(overrides or {})
+    SampleConfig(**overrides)  # a mistyped setting fails at once, before the run loads
     device = resolve_device(options.device, what="--device")
     run = load_run(checkpoint, weights=options.weights, device=device, notify=notify)
     config = replace(run.config.sample, **overrides)
