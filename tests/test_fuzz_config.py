@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from llmcli.cli import main
@@ -211,9 +211,13 @@ def folder(tmp_path_factory) -> Path:
 
 @FUZZ
 @given(doc=documents())
+@example(doc={"\x85": None})  # a section name that YAML does not read back as written
 def test_random_documents_validate_or_exit_2_with_a_message(folder: Path, doc: Any) -> None:
     path = folder / "doc.yaml"
     path.write_text(yaml.safe_dump(doc, allow_unicode=True, sort_keys=False), encoding="utf-8")
+    # What the file holds as YAML reads it back: a round trip is not exact for every string
+    # (a NEL character, U+0085, is a line break in YAML, so the name '\x85' comes back as ' ').
+    doc = yaml.safe_load(path.read_text(encoding="utf-8"))
     code, out, err = run_config(path)
     resolved = check_outcome(code, out, err)
     reasons = must_fail(doc)

@@ -411,7 +411,9 @@ def test_broken_runs_exit_2(capsys, run_dir, tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_ctrl_c_exits_130_without_traceback(run_dir) -> None:
+def test_ctrl_c_exits_130_without_traceback(tmp_path) -> None:
+    # A tokenizer without an end-of-text token: the sample cannot end by itself before SIGINT.
+    run_dir = make_run(tmp_path / "run", CharTokenizer(sorted(set(TEXT)), eot=None))
     proc = subprocess.Popen(
         [
             sys.executable,
