@@ -13,9 +13,10 @@ bundled corpus's 83 characters), initialised with a fixed seed; the batches are 
 - `cache`: the layer cache with a layer's heads batched (`head_deltas`, the default).
 
 With `--baseline REV` it also times the model's forward without a mask (the path every other
-command takes) against `llmcli/model/gpt.py` at git revision REV, interleaved, inference and a
-training forward + backward, and checks that the two give the same logits bit for bit
-(`--no-ablation` times only that).
+command takes) against the model at git revision REV, interleaved, inference and a training
+forward + backward, and checks that the two give the same logits bit for bit (`--no-ablation`
+times only that). REV's model is built through its own constructor, which takes the sizes as
+arguments: a revision before the modules were built from their config (e.g. 4558fb4).
 
 Prints one JSON object.
 """
@@ -37,6 +38,7 @@ from git_baseline import load_baseline
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from llmcli.config import ModelConfig  # noqa: E402
 from llmcli.inspection.ablation import head_batch, head_deltas, head_deltas_full  # noqa: E402
 from llmcli.model.gpt import Transformer  # noqa: E402
 
@@ -44,7 +46,14 @@ TINY = {"n_layer": 4, "n_head": 4, "n_embed": 128, "context_length": 64}
 VOCAB, BATCH = 83, 12
 
 
-def tiny_model(cls: type = Transformer, seed: int = 0) -> torch.nn.Module:
+def tiny_model(seed: int = 0) -> torch.nn.Module:
+    return Transformer(
+        ModelConfig(**TINY), VOCAB, generator=torch.Generator().manual_seed(seed)
+    ).eval()
+
+
+def baseline_tiny_model(cls: type, seed: int = 0) -> torch.nn.Module:
+    """The baseline revision's model, built through its own constructor (sizes as arguments)."""
     return cls(VOCAB, **TINY, generator=torch.Generator().manual_seed(seed)).eval()
 
 
@@ -97,7 +106,10 @@ def time_ablation(batches: list, rounds: int) -> dict:
 def time_no_mask(rev: str, rounds: int, reps: int = 20) -> dict:
     """Forward (inference) and forward + backward (training) without a mask: today vs `rev`."""
     baseline = load_baseline(rev, ("model",))  # that revision's whole package
-    models = {"today": tiny_model(), "baseline": tiny_model(baseline["model"].Transformer)}
+    models = {
+        "today": tiny_model(),
+        "baseline": baseline_tiny_model(baseline["model"].Transformer),
+    }
     models["baseline"].load_state_dict(models["today"].state_dict())
     x, y = random_batches(1, seed=7)[0]
     with torch.no_grad():
@@ -134,7 +146,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
-        "--baseline", help="git revision whose model.py to time the no-mask path against"
+        "--baseline", help="git revision whose model to time the no-mask path against"
     )
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: torch's)"

@@ -1,14 +1,18 @@
 """Does the decode step sample the same tokens as the model's `forward`? Prints JSON.
 
-On the CPU the one-token decode step (`llmcli/generation/decode.py`) runs GELU on ATen's kernel
-while `Transformer.forward` runs oneDNN's, which may differ in the last bit of some values. This
-samples a trained run with `llmcli.generation.generate` both ways, seed by seed, and counts the
-seeds whose tokens differ anywhere, and the largest logit difference over a window of greedy steps:
+On the CPU `llmcli sample` runs its generation inside `small_gelu` (`llmcli/generation/decode.py`),
+which puts GELU on ATen's kernel, while `Transformer.forward` elsewhere runs oneDNN's; the two may
+differ in the last bit of some values. This samples a trained run with
+`llmcli.generation.generate` both ways, seed by seed, and counts the seeds whose tokens differ
+anywhere, and the largest logit difference over a window of greedy steps (the decode step inside
+`small_gelu`, `forward` outside it):
 
-- `shift` (the default policy): the decode step against `forward` with the KV cache (the
-  decoder switched off), `--tokens` new tokens per seed, so that most steps are decode steps;
-- `exact` against `generate` as it was at the baseline revision (`7fa4a5b`, before the context
-  policies and the decode step): the same tokens as before, for the same seed.
+- `shift` (the default policy): the decode step inside `small_gelu`, as `llmcli sample` runs it,
+  against `forward` with the KV cache (the decoder switched off, oneDNN's GELU), `--tokens` new
+  tokens per seed, so that most steps are decode steps;
+- `exact` inside `small_gelu`, as `llmcli sample` runs it, against `generate` as it was at the
+  baseline revision (`7fa4a5b`, before the context policies and the decode step): the same
+  tokens as before, for the same seed.
 
 Usage: python benchmarks/decode_tokens.py [--run RUN] [--seeds 50] [--tokens 500]
 (RUN: a trained run, by default the repository's checkpoints/tiny)
@@ -33,14 +37,15 @@ sys.path.insert(0, str(ROOT))
 from llmcli.config import SampleConfig  # noqa: E402
 from llmcli.errors import CheckpointError  # noqa: E402
 from llmcli.generation import generate  # noqa: E402
-from llmcli.generation.decode import Decoder  # noqa: E402
+from llmcli.generation.decode import Decoder, small_gelu  # noqa: E402
 from llmcli.runs.loading import load_run  # noqa: E402
 
 BASELINE = "7fa4a5b"
 
 
 def largest_logit_difference(model: torch.nn.Module, steps: int) -> float:
-    """Max |decode step - forward| over `steps` greedy steps from a 1-token prompt."""
+    """Max |decode step - forward| over `steps` greedy steps from a 1-token prompt, the step
+    inside `small_gelu` (as `llmcli sample` runs it), `forward` outside it."""
     worst = 0.0
     with torch.inference_mode():
         ours, theirs = model.new_kv_cache(1), model.new_kv_cache(1)
@@ -50,7 +55,8 @@ def largest_logit_difference(model: torch.nn.Module, steps: int) -> float:
         decoder = Decoder(model)
         token = torch.tensor([1])
         for _ in range(min(steps, model.context_length - 1)):
-            got = decoder(token, ours, None)  # (1, V)
+            with small_gelu(model, 1):
+                got = decoder(token, ours, None)  # (1, V)
             expected = model(token[:, None], kv_cache=theirs)[0][:, -1]  # (1, V)
             worst = max(worst, (got - expected).abs().max().item())
             token = got.argmax(-1)
@@ -79,12 +85,14 @@ def main() -> None:
     differ = {"shift_decoder_vs_forward": 0, "exact_vs_baseline": 0}
     for seed in range(args.seeds):
         config = SampleConfig(max_new_tokens=args.tokens, seed=seed, **kw)
-        ours = generate.generate_ids(model, [[1]], config)
+        with small_gelu(model, 1):
+            ours = generate.generate_ids(model, [[1]], config)
         with mock.patch.object(generate, "decoder_for", lambda m: None):
             theirs = generate.generate_ids(model, [[1]], config)
         differ["shift_decoder_vs_forward"] += ours != theirs
         exact = dataclasses.replace(config, context_policy="exact")
-        ours = generate.generate_ids(model, [[1]], exact)
+        with small_gelu(model, 1):
+            ours = generate.generate_ids(model, [[1]], exact)
         theirs = baseline["generate"].generate_ids(old, [[1]], args.tokens, seed=seed, **kw)
         differ["exact_vs_baseline"] += ours != theirs
     print(

@@ -5,7 +5,11 @@ not near-ties, with llmcli's default sampling (temperature 0.8, top-k 200, seed 
 says greedy. Contestants are interleaved round by round in one process, the order rotating, so
 that a noisy machine slows them alike; figures are medians over rounds. Each llmcli run uses the
 CPU threads `llmcli sample` would (`llmcli.generation.sample.threads_for`: 1 for the tiny model's
-decode-bound runs, torch's own count otherwise); the others use torch's own count.
+decode-bound runs, torch's own count otherwise); the others use torch's own count. The current
+llmcli contestants generate inside `small_gelu` (`llmcli.generation.decode`), which `llmcli sample`
+enters once around a sample to put the small decode steps' GELU on ATen's kernel; interleaved,
+each enters it around its own turns, so the others (the baseline revision, nanoGPT's loop,
+`transformers`) run as they are.
 
 1. `long_generation`: batch 1 from a 1-token prompt far past the context: the tiny model
    (4L/128, context 64) for 2,000 tokens and 6L/384 at context 256 for 1,000 tokens. Contestants:
@@ -42,9 +46,11 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from datetime import datetime, timezone
 from itertools import islice
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from git_baseline import load_baseline
@@ -52,6 +58,7 @@ from git_baseline import load_baseline
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmcli.config import ModelConfig, SampleConfig  # noqa: E402
+from llmcli.generation.decode import small_gelu  # noqa: E402
 from llmcli.generation.generate import generate  # noqa: E402
 from llmcli.generation.sample import threads_for  # noqa: E402
 from llmcli.generation.sampling import sample_next  # noqa: E402
@@ -69,14 +76,47 @@ CPU = torch.device("cpu")
 PARTS = ("long", "decode", "hf_tiny", "mid", "latency", "hf_mid", "batched")
 
 
-def make_model(shape: dict, cls: type = Transformer, seed: int = 0) -> torch.nn.Module:
+def make_model(shape: dict, seed: int = 0) -> torch.nn.Module:
     g = torch.Generator().manual_seed(seed)
-    model = cls(VOCAB, **shape, generator=g)
+    return _scaled(Transformer(ModelConfig(**shape), VOCAB, generator=g))
+
+
+def baseline_model(shape: dict, baseline: dict, seed: int = 0) -> torch.nn.Module:
+    """`make_model` at the baseline revision, through its own constructor (sizes as arguments):
+    the same weights, as the same generator draws them in the same order."""
+    g = torch.Generator().manual_seed(seed)
+    return _scaled(baseline["model"].Transformer(VOCAB, **shape, generator=g))
+
+
+def _scaled(model: torch.nn.Module) -> torch.nn.Module:
+    """The weight matrices times 4, so that logits are not near-ties; in eval mode."""
     with torch.no_grad():
         for p in model.parameters():
             if p.ndim == 2:
                 p.mul_(4.0)
     return model.eval()
+
+
+class Contestant(NamedTuple):
+    """One way to generate, for `interleave`.
+
+    Attributes:
+        start: starts its step iterator (each step a `(B,)` tensor of new ids).
+        threads: the CPU threads it runs on (None: torch's own count).
+        llmcli: for the current code, the model whose batch-1 generation runs inside
+            `small_gelu`, as `llmcli sample` runs it; None runs as it is.
+    """
+
+    start: Callable[[], Iterator[torch.Tensor]]
+    threads: int | None = None
+    llmcli: torch.nn.Module | None = None
+
+    @contextmanager
+    def scope(self) -> Iterator[None]:
+        """Its threads, and for llmcli `small_gelu`, while it runs."""
+        gelu = nullcontext() if self.llmcli is None else small_gelu(self.llmcli, 1)
+        with torch_threads(self.threads), gelu:
+            yield
 
 
 def timed(steps: Iterator[torch.Tensor]) -> tuple[list[int], list[float], float]:
@@ -117,7 +157,7 @@ def schedule(policy: str, prompt: int, n: int, C: int, keep: int) -> list[str]:
     return kinds
 
 
-def interleave(contestants: dict[str, tuple[int | None, Callable]], rounds: int, chunk: int):
+def interleave(contestants: dict[str, Contestant], rounds: int, chunk: int):
     """Run every contestant `rounds` times: name -> list of runs, each (row 0's tokens, seconds
     of each step, total seconds).
 
@@ -127,7 +167,7 @@ def interleave(contestants: dict[str, tuple[int | None, Callable]], rounds: int,
     runs: dict[str, list] = {name: [] for name in contestants}
     names = list(contestants)
     for r in range(rounds):
-        live = {name: contestants[name][1]() for name in names}
+        live = {name: contestants[name].start() for name in names}
         tokens: dict[str, list[int]] = {name: [] for name in names}
         steps: dict[str, list[float]] = {name: [] for name in names}
         turn = r
@@ -137,7 +177,7 @@ def interleave(contestants: dict[str, tuple[int | None, Callable]], rounds: int,
             ]
             turn += 1
             for name in order:
-                with torch_threads(contestants[name][0]):
+                with contestants[name].scope():
                     stamp = time.perf_counter()
                     for _ in range(chunk):
                         step = next(live[name], None)
@@ -181,31 +221,34 @@ def long_generation(shape: dict, n: int, rounds: int, baseline: dict | None, nan
             model, [[1]], SampleConfig(max_new_tokens=n, context_policy=name, **kw)
         )
 
-    contestants: dict[str, tuple[int | None, Callable]] = {
-        "shift": (threads["shift"], policy("shift")),
-        "exact": (threads["exact"], policy("exact")),
-        "full_recompute": (
-            None,
+    contestants = {
+        "shift": Contestant(policy("shift"), threads["shift"], model),
+        "exact": Contestant(policy("exact"), threads["exact"], model),
+        "full_recompute": Contestant(
             lambda: generate(
                 model,
                 [[1]],
                 SampleConfig(max_new_tokens=n, context_policy="exact", **kw),
                 use_cache=False,
             ),
+            llmcli=model,
         ),
     }
     if nanogpt:
-        contestants["nanogpt"] = (None, lambda: nanogpt_steps(model, [1], n, **SAMPLING))
+        contestants["nanogpt"] = Contestant(lambda: nanogpt_steps(model, [1], n, **SAMPLING))
     if baseline is not None:
-        old = make_model(shape, baseline["model"].Transformer)
-        contestants["today"] = (None, lambda: baseline["generate"].generate(old, [[1]], n, **kw))
-    for threads_, make in contestants.values():  # warm-up: the first steps of each
-        with torch_threads(threads_):
-            timed(islice(make(), 8))
+        old = baseline_model(shape, baseline)
+        contestants["today"] = Contestant(
+            lambda: baseline["generate"].generate(old, [[1]], n, **kw)
+        )
+    for contestant in contestants.values():  # warm-up: the first steps of each
+        with contestant.scope():
+            timed(islice(contestant.start(), 8))
     runs = interleave(contestants, rounds, chunk=50)
     out: dict = {"shape": shape, "new_tokens": n, "keep": keep, "rounds": rounds}
     out["threads"] = {
-        name: threads_ or torch.get_num_threads() for name, (threads_, _) in contestants.items()
+        name: contestant.threads or torch.get_num_threads()
+        for name, contestant in contestants.items()
     }
     for name, name_runs in runs.items():
         policy = name if name in ("shift", "exact") else None
@@ -229,22 +272,23 @@ def decode_step(rounds: int, baseline: dict | None) -> dict:
     """The tiny model's in-context decode step: current vs baseline, 1 and 2 threads."""
     n = TINY["context_length"] - 1
     model = make_model(TINY)
-    contestants: dict[str, tuple[int | None, Callable]] = {}
+    contestants: dict[str, Contestant] = {}
     out: dict = {"shape": TINY, "new_tokens": n, "rounds": rounds}
     settings = {"greedy": dict(temperature=0.0), "sampled": dict(SAMPLING, seed=SEED)}
     default = torch.get_num_threads()
     counts = sorted({1, 2, default})
     for label, kw in settings.items():
         for threads in counts:
-            contestants[f"current_{label}_{threads}t"] = (
-                threads,
+            contestants[f"current_{label}_{threads}t"] = Contestant(
                 lambda kw=kw: generate(model, [[1]], SampleConfig(max_new_tokens=n, **kw)),
+                threads,
+                model,
             )
             if baseline is not None:
-                old = make_model(TINY, baseline["model"].Transformer)
-                contestants[f"today_{label}_{threads}t"] = (
-                    threads,
+                old = baseline_model(TINY, baseline)
+                contestants[f"today_{label}_{threads}t"] = Contestant(
                     lambda kw=kw, old=old: baseline["generate"].generate(old, [[1]], n, **kw),
+                    threads,
                 )
     interleave(contestants, 2, chunk=n)  # warm-up
     runs = interleave(contestants, rounds, chunk=n)
@@ -346,8 +390,8 @@ def vs_transformers_tiny(rounds: int) -> dict:
             with torch_threads(threads):
                 if name == "llmcli_shift":
                     greedy = SampleConfig(max_new_tokens=n, temperature=0.0, context_policy="shift")
-                    steps = generate(model, [[1]], greedy)
-                    tokens, per, total = timed(steps)
+                    with small_gelu(model, 1):  # as `llmcli sample` runs it
+                        tokens, per, total = timed(generate(model, [[1]], greedy))
                     per = per[1:]  # the prefill
                 else:
                     tokens, per, total = hf_timed()
@@ -376,20 +420,20 @@ def vs_transformers_tiny(rounds: int) -> dict:
 def mid_ctx512(n: int, rounds: int, baseline: dict | None) -> dict:
     """500 greedy tokens at context 512 (all inside it): current vs today, nanoGPT once."""
     model = make_model(MID)
-    contestants: dict[str, tuple[int | None, Callable]] = {
-        "current": (
-            None,
+    contestants = {
+        "current": Contestant(
             lambda: generate(model, [[1]], SampleConfig(max_new_tokens=n, temperature=0.0)),
+            llmcli=model,
         ),
     }
     if baseline is not None:
-        old = make_model(MID, baseline["model"].Transformer)
-        contestants["today"] = (
-            None,
-            lambda: baseline["generate"].generate(old, [[1]], n, temperature=0.0),
+        old = baseline_model(MID, baseline)
+        contestants["today"] = Contestant(
+            lambda: baseline["generate"].generate(old, [[1]], n, temperature=0.0)
         )
-    for _, make in contestants.values():
-        timed(islice(make(), 8))
+    for contestant in contestants.values():
+        with contestant.scope():
+            timed(islice(contestant.start(), 8))
     runs = interleave(contestants, rounds, chunk=50)
     full = timed(nanogpt_steps(model, [1], n, temperature=0.0))
     out: dict = {"shape": MID, "new_tokens": n, "rounds": rounds}
@@ -413,8 +457,9 @@ def latency(n: int = 1000, window: int = 100) -> dict:
     shape = {**MID, "context_length": 1024}
     model = make_model(shape)
     greedy = SampleConfig(max_new_tokens=n, temperature=0.0)
-    timed(islice(generate(model, [[1]], greedy), 8))
-    _, per_token, _ = timed(generate(model, [[1]], greedy))
+    with small_gelu(model, 1):  # as `llmcli sample` runs it
+        timed(islice(generate(model, [[1]], greedy), 8))
+        _, per_token, _ = timed(generate(model, [[1]], greedy))
     first = statistics.mean(per_token[:window]) * 1e3
     last = statistics.mean(per_token[-window:]) * 1e3
     return {
@@ -436,13 +481,16 @@ def vs_transformers(n: int, rounds: int) -> dict:
         ids = hf_greedy(hf, n)
         return ids[0, 1:].tolist(), time.perf_counter() - start
 
+    def run_ours(new_tokens: int) -> tuple[list[int], list[float], float]:
+        with small_gelu(model, 1):  # as `llmcli sample` runs it
+            greedy = SampleConfig(max_new_tokens=new_tokens, temperature=0.0)
+            return timed(generate(model, [[1]], greedy))
+
     run_hf()  # warm-up (both)
-    timed(generate(model, [[1]], SampleConfig(max_new_tokens=8, temperature=0.0)))
+    run_ours(8)
     ours_s, theirs_s = [], []
     for _ in range(rounds):
-        ours_ids, _, s = timed(
-            generate(model, [[1]], SampleConfig(max_new_tokens=n, temperature=0.0))
-        )
+        ours_ids, _, s = run_ours(n)
         ours_s.append(s)
         hf_ids, s = run_hf()
         theirs_s.append(s)
@@ -463,18 +511,23 @@ def batched_vs_sequential(shape: dict, lengths: list[int], n: int) -> dict:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, VOCAB, (L,), generator=g).tolist() for L in lengths]
     kw = dict(temperature=0.8, top_k=50)
-    timed(generate(model, prompts[:1], SampleConfig(max_new_tokens=8, seed=0, **kw)))
+    # Each generation inside `small_gelu` for its batch size, as `llmcli sample` runs it.
+    with small_gelu(model, 1):
+        timed(generate(model, prompts[:1], SampleConfig(max_new_tokens=8, seed=0, **kw)))
 
     start = time.perf_counter()
-    steps = list(generate(model, prompts, SampleConfig(max_new_tokens=n, seed=0, **kw)))
+    with small_gelu(model, len(prompts)):
+        steps = list(generate(model, prompts, SampleConfig(max_new_tokens=n, seed=0, **kw)))
     batched_s = time.perf_counter() - start
     batched = torch.stack(steps, dim=1).tolist()  # (len(prompts), n)
 
     start = time.perf_counter()
-    alone = [
-        timed(generate(model, [p], SampleConfig(max_new_tokens=n, seed=i, **kw)))[0]
-        for i, p in enumerate(prompts)
-    ]
+    alone = []
+    for i, p in enumerate(prompts):
+        with small_gelu(model, 1):
+            alone.append(
+                timed(generate(model, [p], SampleConfig(max_new_tokens=n, seed=i, **kw)))[0]
+            )
     sequential_s = time.perf_counter() - start
     total = n * len(prompts)
     return {
