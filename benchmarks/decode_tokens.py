@@ -1,18 +1,19 @@
 """Does the decode step sample the same tokens as the model's `forward`? Prints JSON.
 
-On the CPU `llmcli sample` runs its generation inside `small_gelu` (`llmcli/generation/decode.py`),
+On the CPU `llmcli sample` runs a generation whose steps are mostly small decode steps inside
+`small_gelu` (`llmcli/generation/decode.py`; `llmcli.generation.sample.decode_kernels` decides),
 which puts GELU on ATen's kernel, while `Transformer.forward` elsewhere runs oneDNN's; the two may
 differ in the last bit of some values. This samples a trained run with
 `llmcli.generation.generate` both ways, seed by seed, and counts the seeds whose tokens differ
 anywhere, and the largest logit difference over a window of greedy steps (the decode step inside
 `small_gelu`, `forward` outside it):
 
-- `shift` (the default policy): the decode step inside `small_gelu`, as `llmcli sample` runs it,
+- `shift` (the default policy): the decode step with the kernel `llmcli sample` picks (ATen's),
   against `forward` with the KV cache (the decoder switched off, oneDNN's GELU), `--tokens` new
   tokens per seed, so that most steps are decode steps;
-- `exact` inside `small_gelu`, as `llmcli sample` runs it, against `generate` as it was at the
-  baseline revision (`7fa4a5b`, before the context policies and the decode step): the same
-  tokens as before, for the same seed.
+- `exact` with the kernel `llmcli sample` picks (oneDNN's when the tokens go past the context),
+  against `generate` as it was at the baseline revision (`7fa4a5b`, before the context policies
+  and the decode step): the same tokens as before, for the same seed.
 
 Usage: python benchmarks/decode_tokens.py [--run RUN] [--seeds 50] [--tokens 500]
 (RUN: a trained run, by default the repository's checkpoints/tiny)
@@ -38,6 +39,7 @@ from llmcli.config import SampleConfig  # noqa: E402
 from llmcli.errors import CheckpointError  # noqa: E402
 from llmcli.generation import generate  # noqa: E402
 from llmcli.generation.decode import Decoder, small_gelu  # noqa: E402
+from llmcli.generation.sample import decode_kernels  # noqa: E402
 from llmcli.runs.loading import load_run  # noqa: E402
 
 BASELINE = "7fa4a5b"
@@ -85,13 +87,13 @@ def main() -> None:
     differ = {"shift_decoder_vs_forward": 0, "exact_vs_baseline": 0}
     for seed in range(args.seeds):
         config = SampleConfig(max_new_tokens=args.tokens, seed=seed, **kw)
-        with small_gelu(model, 1):
+        with decode_kernels(model, config, 1):
             ours = generate.generate_ids(model, [[1]], config)
         with mock.patch.object(generate, "decoder_for", lambda m: None):
             theirs = generate.generate_ids(model, [[1]], config)
         differ["shift_decoder_vs_forward"] += ours != theirs
         exact = dataclasses.replace(config, context_policy="exact")
-        with small_gelu(model, 1):
+        with decode_kernels(model, exact, 1):
             ours = generate.generate_ids(model, [[1]], exact)
         theirs = baseline["generate"].generate_ids(old, [[1]], args.tokens, seed=seed, **kw)
         differ["exact_vs_baseline"] += ours != theirs

@@ -25,8 +25,9 @@ per-round ratios: below 1 today is faster for milliseconds, above 1 for tokens/s
 - `long_sample`: `--long-tokens` new tokens at batch 1 from a 1-token prompt past the context,
   under `shift` (the default policy), sampled as above; tokens/s; the same tokens are required.
 
-Today's generation runs inside `small_gelu(model, 1)`, entered once around a sample as `llmcli
-sample` does; the baseline runs as it is (its decode step flips oneDNN itself at every step).
+Today's generation runs with the GELU kernel `llmcli sample` picks (`decode_kernels`: ATen's,
+set once around these decode-bound samples); the baseline runs as it is (its decode step flips
+oneDNN itself at every step).
 The two sampling parts scale the weight matrices by 4, as `sample_throughput.py` does, so that
 logits are not near-ties. The baseline side calls its revision's own API
 (`Transformer.from_config`, `generate(model, prompts, max_new_tokens, temperature=...)`,
@@ -59,8 +60,8 @@ from git_baseline import load_baseline
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmcli.config import ModelConfig, SampleConfig, TrainConfig  # noqa: E402
-from llmcli.generation.decode import small_gelu  # noqa: E402
 from llmcli.generation.generate import generate  # noqa: E402
+from llmcli.generation.sample import decode_kernels  # noqa: E402
 from llmcli.model.gpt import Transformer  # noqa: E402
 from llmcli.training.optim import build_optimizer  # noqa: E402
 
@@ -239,12 +240,12 @@ def stepped(steps: Iterator[torch.Tensor]) -> tuple[list[int], list[float]]:
 def sampler(
     baseline: dict[str, Any], models: dict[str, torch.nn.Module], n: int, settings: dict
 ) -> dict[str, Callable[[], tuple[list[int], list[float]]]]:
-    """One batch-1 generation of `n` tokens from the prompt [1] per side: today's inside
-    `small_gelu` as `llmcli sample` runs it, the baseline's through its own `generate`."""
+    """One batch-1 generation of `n` tokens from the prompt [1] per side: today's with the GELU
+    kernel `llmcli sample` picks (`decode_kernels`), the baseline's through its own `generate`."""
     config = SampleConfig(max_new_tokens=n, **settings)
 
     def today() -> tuple[list[int], list[float]]:
-        with small_gelu(models["today"], 1):
+        with decode_kernels(models["today"], config, 1):
             return stepped(generate(models["today"], [[1]], config))
 
     def old() -> tuple[list[int], list[float]]:

@@ -6,10 +6,10 @@ says greedy. Contestants are interleaved round by round in one process, the orde
 that a noisy machine slows them alike; figures are medians over rounds. Each llmcli run uses the
 CPU threads `llmcli sample` would (`llmcli.generation.sample.threads_for`: 1 for the tiny model's
 decode-bound runs, torch's own count otherwise); the others use torch's own count. The current
-llmcli contestants generate inside `small_gelu` (`llmcli.generation.decode`), which `llmcli sample`
-enters once around a sample to put the small decode steps' GELU on ATen's kernel; interleaved,
-each enters it around its own turns, so the others (the baseline revision, nanoGPT's loop,
-`transformers`) run as they are.
+llmcli contestants also run with the GELU kernel `llmcli sample` picks
+(`llmcli.generation.sample.decode_kernels`: ATen's, set once around a generation whose steps are
+mostly small decode steps; oneDNN's otherwise); interleaved, each sets it around its own turns,
+so the others (the baseline revision, nanoGPT's loop, `transformers`) run as they are.
 
 1. `long_generation`: batch 1 from a 1-token prompt far past the context: the tiny model
    (4L/128, context 64) for 2,000 tokens and 6L/384 at context 256 for 1,000 tokens. Contestants:
@@ -58,9 +58,8 @@ from git_baseline import load_baseline
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmcli.config import ModelConfig, SampleConfig  # noqa: E402
-from llmcli.generation.decode import small_gelu  # noqa: E402
 from llmcli.generation.generate import generate  # noqa: E402
-from llmcli.generation.sample import threads_for  # noqa: E402
+from llmcli.generation.sample import decode_kernels, threads_for  # noqa: E402
 from llmcli.generation.sampling import sample_next  # noqa: E402
 from llmcli.generation.threads import torch_threads  # noqa: E402
 from llmcli.model.gpt import Transformer  # noqa: E402
@@ -73,6 +72,7 @@ SEED = 1337
 SAMPLING = dict(temperature=0.8, top_k=200)  # llmcli's sample defaults
 BASELINE = "7fa4a5b"  # the last commit before the context policies and the decode step
 CPU = torch.device("cpu")
+POLICIES = ("shift", "exact")
 PARTS = ("long", "decode", "hf_tiny", "mid", "latency", "hf_mid", "batched")
 
 
@@ -103,18 +103,19 @@ class Contestant(NamedTuple):
     Attributes:
         start: starts its step iterator (each step a `(B,)` tensor of new ids).
         threads: the CPU threads it runs on (None: torch's own count).
-        llmcli: for the current code, the model whose batch-1 generation runs inside
-            `small_gelu`, as `llmcli sample` runs it; None runs as it is.
+        llmcli: for the current code, the model and settings of its batch-1 generation, whose
+            GELU kernel is chosen as `llmcli sample` chooses it (`decode_kernels`); None runs
+            as it is.
     """
 
     start: Callable[[], Iterator[torch.Tensor]]
     threads: int | None = None
-    llmcli: torch.nn.Module | None = None
+    llmcli: tuple[torch.nn.Module, SampleConfig] | None = None
 
     @contextmanager
     def scope(self) -> Iterator[None]:
-        """Its threads, and for llmcli `small_gelu`, while it runs."""
-        gelu = nullcontext() if self.llmcli is None else small_gelu(self.llmcli, 1)
+        """Its threads, and for llmcli its GELU kernel, while it runs."""
+        gelu = nullcontext() if self.llmcli is None else decode_kernels(*self.llmcli, 1)
         with torch_threads(self.threads), gelu:
             yield
 
@@ -214,24 +215,19 @@ def long_generation(shape: dict, n: int, rounds: int, baseline: dict | None, nan
     keep = C // 2
     model = make_model(shape)
     kw = dict(SAMPLING, seed=SEED)
-    threads = {name: threads_for(model, CPU, name, n) for name in ("shift", "exact")}
+    configs = {name: SampleConfig(max_new_tokens=n, context_policy=name, **kw) for name in POLICIES}
+    threads = {name: threads_for(model, CPU, config) for name, config in configs.items()}
 
-    def policy(name: str) -> Callable:
-        return lambda: generate(
-            model, [[1]], SampleConfig(max_new_tokens=n, context_policy=name, **kw)
-        )
+    def policy(name: str) -> Contestant:
+        start = lambda: generate(model, [[1]], configs[name])  # noqa: E731
+        return Contestant(start, threads[name], (model, configs[name]))
 
     contestants = {
-        "shift": Contestant(policy("shift"), threads["shift"], model),
-        "exact": Contestant(policy("exact"), threads["exact"], model),
+        "shift": policy("shift"),
+        "exact": policy("exact"),
         "full_recompute": Contestant(
-            lambda: generate(
-                model,
-                [[1]],
-                SampleConfig(max_new_tokens=n, context_policy="exact", **kw),
-                use_cache=False,
-            ),
-            llmcli=model,
+            lambda: generate(model, [[1]], configs["exact"], use_cache=False),
+            llmcli=(model, configs["exact"]),
         ),
     }
     if nanogpt:
@@ -278,11 +274,10 @@ def decode_step(rounds: int, baseline: dict | None) -> dict:
     default = torch.get_num_threads()
     counts = sorted({1, 2, default})
     for label, kw in settings.items():
+        config = SampleConfig(max_new_tokens=n, **kw)
         for threads in counts:
             contestants[f"current_{label}_{threads}t"] = Contestant(
-                lambda kw=kw: generate(model, [[1]], SampleConfig(max_new_tokens=n, **kw)),
-                threads,
-                model,
+                lambda config=config: generate(model, [[1]], config), threads, (model, config)
             )
             if baseline is not None:
                 old = baseline_model(TINY, baseline)
@@ -300,7 +295,7 @@ def decode_step(rounds: int, baseline: dict | None) -> dict:
     out["ms_per_decode_step"] = ms
     # The fastest tenth of the steps: what a step costs when other processes leave the CPU be.
     out["ms_per_decode_step_p10"] = p10
-    out["auto_threads"] = threads_for(model, CPU, "shift", n) or default
+    out["auto_threads"] = threads_for(model, CPU, SampleConfig(max_new_tokens=n)) or default
     if baseline is not None:
         auto = out["auto_threads"]
         out["ratios"] = {
@@ -359,7 +354,7 @@ def vs_transformers_tiny(rounds: int) -> dict:
     n = TINY["context_length"] - 1
     model = make_model(TINY)
     hf = to_transformers(model, TINY)
-    auto = threads_for(model, CPU, "shift", n)
+    auto = threads_for(model, CPU, SampleConfig(max_new_tokens=n))
 
     from transformers.generation.streamers import BaseStreamer
 
@@ -390,7 +385,7 @@ def vs_transformers_tiny(rounds: int) -> dict:
             with torch_threads(threads):
                 if name == "llmcli_shift":
                     greedy = SampleConfig(max_new_tokens=n, temperature=0.0, context_policy="shift")
-                    with small_gelu(model, 1):  # as `llmcli sample` runs it
+                    with decode_kernels(model, greedy, 1):  # as `llmcli sample` runs it
                         tokens, per, total = timed(generate(model, [[1]], greedy))
                     per = per[1:]  # the prefill
                 else:
@@ -420,11 +415,9 @@ def vs_transformers_tiny(rounds: int) -> dict:
 def mid_ctx512(n: int, rounds: int, baseline: dict | None) -> dict:
     """500 greedy tokens at context 512 (all inside it): current vs today, nanoGPT once."""
     model = make_model(MID)
+    greedy = SampleConfig(max_new_tokens=n, temperature=0.0)
     contestants = {
-        "current": Contestant(
-            lambda: generate(model, [[1]], SampleConfig(max_new_tokens=n, temperature=0.0)),
-            llmcli=model,
-        ),
+        "current": Contestant(lambda: generate(model, [[1]], greedy), llmcli=(model, greedy)),
     }
     if baseline is not None:
         old = baseline_model(MID, baseline)
@@ -457,7 +450,7 @@ def latency(n: int = 1000, window: int = 100) -> dict:
     shape = {**MID, "context_length": 1024}
     model = make_model(shape)
     greedy = SampleConfig(max_new_tokens=n, temperature=0.0)
-    with small_gelu(model, 1):  # as `llmcli sample` runs it
+    with decode_kernels(model, greedy, 1):  # as `llmcli sample` runs it
         timed(islice(generate(model, [[1]], greedy), 8))
         _, per_token, _ = timed(generate(model, [[1]], greedy))
     first = statistics.mean(per_token[:window]) * 1e3
@@ -482,8 +475,8 @@ def vs_transformers(n: int, rounds: int) -> dict:
         return ids[0, 1:].tolist(), time.perf_counter() - start
 
     def run_ours(new_tokens: int) -> tuple[list[int], list[float], float]:
-        with small_gelu(model, 1):  # as `llmcli sample` runs it
-            greedy = SampleConfig(max_new_tokens=new_tokens, temperature=0.0)
+        greedy = SampleConfig(max_new_tokens=new_tokens, temperature=0.0)
+        with decode_kernels(model, greedy, 1):  # as `llmcli sample` runs it
             return timed(generate(model, [[1]], greedy))
 
     run_hf()  # warm-up (both)
@@ -511,23 +504,24 @@ def batched_vs_sequential(shape: dict, lengths: list[int], n: int) -> dict:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, VOCAB, (L,), generator=g).tolist() for L in lengths]
     kw = dict(temperature=0.8, top_k=50)
-    # Each generation inside `small_gelu` for its batch size, as `llmcli sample` runs it.
-    with small_gelu(model, 1):
-        timed(generate(model, prompts[:1], SampleConfig(max_new_tokens=8, seed=0, **kw)))
+    # Each generation with the GELU kernel `llmcli sample` picks for its batch size.
+    warm = SampleConfig(max_new_tokens=8, seed=0, **kw)
+    with decode_kernels(model, warm, 1):
+        timed(generate(model, prompts[:1], warm))
 
     start = time.perf_counter()
-    with small_gelu(model, len(prompts)):
-        steps = list(generate(model, prompts, SampleConfig(max_new_tokens=n, seed=0, **kw)))
+    config = SampleConfig(max_new_tokens=n, seed=0, **kw)
+    with decode_kernels(model, config, len(prompts)):
+        steps = list(generate(model, prompts, config))
     batched_s = time.perf_counter() - start
     batched = torch.stack(steps, dim=1).tolist()  # (len(prompts), n)
 
     start = time.perf_counter()
     alone = []
     for i, p in enumerate(prompts):
-        with small_gelu(model, 1):
-            alone.append(
-                timed(generate(model, [p], SampleConfig(max_new_tokens=n, seed=i, **kw)))[0]
-            )
+        config = SampleConfig(max_new_tokens=n, seed=i, **kw)
+        with decode_kernels(model, config, 1):
+            alone.append(timed(generate(model, [p], config))[0])
     sequential_s = time.perf_counter() - start
     total = n * len(prompts)
     return {

@@ -35,3 +35,27 @@ def test_torch_threads_sets_and_restores_the_count() -> None:
     assert torch.get_num_threads() == before
     with torch_threads(None):
         assert torch.get_num_threads() == before
+
+
+def test_decode_bound_generations_get_the_small_gelu_kernel_and_others_torchs() -> None:
+    from llmcli.config import SampleConfig
+    from llmcli.generation.sample import decode_kernels
+    from llmcli.generation.threads import decode_bound
+
+    shift, short_exact, long_exact = (
+        SampleConfig(max_new_tokens=100),
+        SampleConfig(max_new_tokens=10, context_policy="exact"),
+        SampleConfig(max_new_tokens=100, context_policy="exact"),
+    )
+    assert decode_bound(shift, 16) and decode_bound(short_exact, 16)
+    assert not decode_bound(long_exact, 16)  # past the context each step recomputes the window
+    model = Transformer(ModelConfig(n_layer=1, n_head=2, n_embed=16, context_length=16), 11)
+    before = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = True
+    try:
+        for config, aten in ((shift, True), (short_exact, True), (long_exact, False)):
+            with decode_kernels(model, config, 1):
+                assert torch.backends.mkldnn.enabled is not aten
+            assert torch.backends.mkldnn.enabled
+    finally:
+        torch.backends.mkldnn.enabled = before

@@ -17,6 +17,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Generator, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any, Literal, NamedTuple, Protocol
@@ -32,7 +33,7 @@ from llmcli.generation.decode import small_gelu
 from llmcli.generation.generate import generate
 from llmcli.generation.prompts import encode_prompt, parse_prompts, read_prompt_file
 from llmcli.generation.sampling import make_generators
-from llmcli.generation.threads import sampling_threads, torch_threads
+from llmcli.generation.threads import decode_bound, sampling_threads, torch_threads
 from llmcli.runs.loading import load_run
 
 logger = logging.getLogger(__name__)
@@ -383,7 +384,7 @@ def _sample_batch(
         use_cache=options.use_cache,
         vocab_size=vocab,
     )
-    with small_gelu(model, len(batch)):  # the decode steps' GELU kernel, as fast as it gets
+    with decode_kernels(model, config, len(batch)):
         seconds = _stream(steps, states, [job.r for job in batch], sink, start)
     return [
         Sample(
@@ -538,7 +539,7 @@ def sample_run(
         options = replace(options, stop_ids=(*options.stop_ids, eot))
     threads = options.threads
     if threads is None:
-        threads = threads_for(run.model, device, config.context_policy, config.max_new_tokens)
+        threads = threads_for(run.model, device, config)
     headers = [p for p in prompts for _ in range(options.num_samples)]
     sink = None if write is None else OrderedWriter(write, headers)
     with torch_threads(threads):
@@ -547,8 +548,16 @@ def sample_run(
         )
 
 
-def threads_for(model: Any, device: torch.device, policy: str, new_tokens: int) -> int | None:
-    """CPU threads for a sample (`threads.sampling_threads`): its steps are decode-bound under
-    `shift`, or under `exact` when they all fit in the context."""
-    decode_bound = policy == "shift" or new_tokens < model.context_length
-    return sampling_threads(model, device, decode_bound)
+def threads_for(model: Any, device: torch.device, config: SampleConfig) -> int | None:
+    """CPU threads for a sample (`threads.sampling_threads`): 1 for a small model whose steps
+    are mostly decode steps (`threads.decode_bound`), else torch's own count."""
+    return sampling_threads(model, device, decode_bound(config, model.context_length))
+
+
+def decode_kernels(model: Any, config: SampleConfig, batch_size: int) -> AbstractContextManager:
+    """The GELU kernel a batch of samples runs with: ATen's where its steps are mostly small
+    decode steps (`decode.small_gelu`), else torch's own choice (full-window recomputes past
+    the context run large GELUs, on which oneDNN is faster)."""
+    if decode_bound(config, model.context_length):
+        return small_gelu(model, batch_size)
+    return nullcontext()

@@ -8,10 +8,19 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from llmcli.config import SampleConfig
+
 # Up to this many non-embedding parameters a one-token decode step ran faster on one thread than
 # on two (2-core VM, torch 2.13: 4L/128 0.70 vs 0.92 ms, 4L/192 1.56 vs 1.76, 4L/256 2.43 vs
 # 2.49; 6L/384, 10.7M, 7.56 vs 6.92): its operations are too small to share.
 ONE_THREAD_DECODE_PARAMS = 4_000_000
+
+
+def decode_bound(config: SampleConfig, context_length: int) -> bool:
+    """Whether a generation's steps are mostly one-token decode steps: always under `shift`;
+    under `exact` only while every new token fits in the context (past it, each step recomputes
+    the whole window)."""
+    return config.context_policy == "shift" or config.max_new_tokens < context_length
 
 
 def sampling_threads(model: nn.Module, device: torch.device, decode_bound: bool) -> int | None:
