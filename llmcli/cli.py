@@ -390,24 +390,22 @@ def inspect_attention_command(
     ] = None,
 ) -> None:
     """Dump every head's attention for a prompt, score each head, draw it, write a viewer."""
-    from llmcli.inspection.attention import format_report, inspect_attention
+    from llmcli.inspection.attention import InspectOptions, format_report, inspect_attention
 
-    result = inspect_attention(
-        checkpoint,
-        prompt or [],
-        prompt_file=prompt_file,
-        layers=layer,
-        heads=head,
-        out_dir=out,
+    options = InspectOptions(
+        layers=tuple(layer or ()),
+        heads=tuple(head or ()),
         fmt=format_,
         induction=induction,
         truncate=truncate,
-        weights=weights,
-        device=device,
         pictures=pictures,
         ablation=ablation,
         ablation_steps=ablation_steps,
-        notify=_notify,
+        weights=weights,
+        device=device,
+    )
+    result = inspect_attention(
+        checkpoint, prompt or [], options, prompt_file=prompt_file, out_dir=out, notify=_notify
     )
     typer.echo(format_report(result), nl=False)
 

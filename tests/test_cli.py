@@ -187,11 +187,11 @@ def test_inspect_attention_ablation_is_zero_when_bare_and_a_prompt_may_read_abla
     received,
 ) -> None:
     call(["inspect-attention", "--ablation", "--layer", "1"])
-    args, kwargs = received["inspect"]
-    assert (args[1], kwargs["ablation"], kwargs["layers"]) == ([], "zero", [1])
+    (_, prompts, options), _ = received["inspect"]
+    assert (prompts, options.ablation, options.layers) == ([], "zero", (1,))
     call(["inspect-attention", "--prompt", "--ablation"])
-    args, kwargs = received["inspect"]
-    assert (args[1], kwargs["ablation"]) == (["--ablation"], None)
+    (_, prompts, options), _ = received["inspect"]
+    assert (prompts, options.ablation) == (["--ablation"], None)
     call(["sample", "--prompt", "--ablation"])
     args, _ = received["sample"]
     assert args[1] == ["--ablation"]
