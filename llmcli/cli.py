@@ -505,22 +505,18 @@ def eval_command(
     """Mean loss, perplexity and bits per byte of a run on its validation split or a text."""
     import json
 
-    from llmcli.inspection.evaluate import evaluate_run, format_result
+    from llmcli.inspection.evaluate import EvalOptions, evaluate_run, format_result
 
     _log_to_stderr()
-
-    result = evaluate_run(
-        checkpoint,
-        data,
+    options = EvalOptions(
         steps=steps,
         batch_size=batch_size,
-        ablate=ablate or [],
+        ablate=tuple(ablate or ()),
         ablation=ablation,
         weights=weights,
         device=device,
-        progress=True,
-        notify=_notify,
     )
+    result = evaluate_run(checkpoint, data, options, progress=True, notify=_notify)
     typer.echo(json.dumps(result.to_dict()) if json_ else format_result(result))
 
 
