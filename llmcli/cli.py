@@ -8,14 +8,24 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, ClassVar, Optional
+from typing import Annotated, Optional
 
 import typer
-from typer.core import TyperCommand
 
 from llmcli import __version__
+from llmcli.cli_options import (
+    RESUME_VALUES,
+    AblationCommand,
+    CheckpointOption,
+    ConfigArg,
+    DeviceOption,
+    JsonOption,
+    ProgressOption,
+    SetOption,
+    TrainCommand,
+    WeightsOption,
+)
 from llmcli.errors import InputError
 
 app = typer.Typer(
@@ -28,161 +38,26 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 
-SetOption = Annotated[
-    Optional[list[str]],
-    typer.Option(
-        "--set",
-        help="Override one config value, as section.key=value (YAML scalar); repeatable.",
-        metavar="KEY=VALUE",
-    ),
-]
-
-
-ConfigArg = Annotated[
-    Path,
-    typer.Argument(
-        help="A YAML config file (e.g. my.yaml) or a shipped config's name (e.g. tiny; "
-        "`llmcli config --list` lists them).",
-        metavar="CONFIG",
-    ),
-]
-
-
-# Options several commands share: declared once, so that their names, help and defaults agree.
-CheckpointOption = Annotated[
-    Optional[Path],
-    typer.Option(
-        help="Run directory, or a weights file in one (default: the latest run under "
-        "checkpoints/).",
-        metavar="DIR",
-    ),
-]
-WeightsOption = Annotated[
-    str, typer.Option(help="Which weights of the run: best or last.", metavar="WHICH")
-]
-DeviceOption = Annotated[str, typer.Option(help="auto, cpu, cuda or mps.", metavar="DEVICE")]
-JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
-ProgressOption = Annotated[
-    bool,
-    typer.Option(help="Show progress: a bar on a terminal, plain lines in a log or pipe."),
-]
-
-
-# `llmcli sample`'s prompts and generation options.
-PromptOption = Annotated[
-    Optional[str],
-    typer.Option(
-        help="Prompt text; '-' reads it from stdin (default: empty prompt).", metavar="TEXT"
-    ),
-]
-PromptFileOption = Annotated[
-    Optional[Path],
-    typer.Option(
-        help="File of prompts, one per line or a JSON list; all run as one batch.", metavar="FILE"
-    ),
-]
-ContextPolicyOption = Annotated[
-    Optional[str],
-    typer.Option(
-        help="Past the context: exact (the last context_length tokens, recomputed each step) "
-        "or shift (keep the last tokens, go on with the KV cache) (default: run config).",
-        metavar="POLICY",
-    ),
-]
-ContextKeepOption = Annotated[
-    Optional[int],
-    typer.Option(
-        help="Tokens shift keeps when the context is full, 1..context_length-1 (default: run "
-        "config, else context_length // 2).",
-        metavar="N",
-    ),
-]
-ThreadsOption = Annotated[
-    Optional[int],
-    typer.Option(
-        help="CPU threads (default: 1 for a small model decoding one token per step, else "
-        "torch's own).",
-        metavar="N",
-    ),
-]
-
-
-# Options whose value may be left out: `train --resume` (strict) or `--resume auto`, and
-# `--ablation` (zero) or `--ablation mean|both` of `eval` and `inspect-attention`.
-@dataclass(frozen=True)
-class _Bare:
-    """What an option means when given without a value.
-
-    Attributes:
-        value: the value a bare option gets.
-        values: the option's only values, if it has a fixed few: then a token after it that is
-            none of them is not its value (`train --resume tiny` is CONFIG tiny).
-    """
-
-    value: str
-    values: tuple[str, ...] | None = None
-
-    def is_bare_before(self, token: str | None) -> bool:
-        """Whether the option is bare when `token` follows it (None: nothing follows)."""
-        if token is None or token.startswith("-"):
-            return True
-        return self.values is not None and token not in self.values
-
-
-class _OptionalValueCommand(TyperCommand):
-    """A command whose options in `bare` may be given without a value.
-
-    Typer has no options with an optional value (it ignores click's `is_flag=False,
-    flag_value=...`), and its parser gives an option that takes a value the next token, whatever
-    it is. So this command's parse step first writes a bare option with its value (`--resume`
-    becomes `--resume=strict`), then parses as any command does. A token that is another
-    option's value (`--prompt --ablation`) and every token after `--` stay as they are; a value
-    given explicitly (`--resume=later`) is checked by the command.
-    """
-
-    bare: ClassVar[dict[str, _Bare]] = {}
-
-    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
-        return super().parse_args(ctx, self._with_bare_values(ctx, args))
-
-    def _with_bare_values(self, ctx: typer.Context, args: list[str]) -> list[str]:
-        takes_values = {  # option -> how many tokens after it are its value
-            name: param.nargs
-            for param in self.get_params(ctx)
-            if param.param_type_name == "option" and not (param.is_flag or param.count)
-            for name in param.opts
-        }
-        out: list[str] = []
-        i = 0
-        while i < len(args):
-            arg = args[i]
-            if arg == "--":
-                return out + args[i:]
-            after = args[i + 1] if i + 1 < len(args) else None
-            if arg in self.bare and self.bare[arg].is_bare_before(after):
-                out.append(f"{arg}={self.bare[arg].value}")
-                i += 1
-            else:  # an option that takes values keeps the tokens after it as they are
-                step = 1 + takes_values.get(arg, 0)
-                out += args[i : i + step]
-                i += step
-        return out
-
-
-_RESUME_VALUES = {"strict": True, "auto": "auto"}
-
-
-class _TrainCommand(_OptionalValueCommand):
-    bare: ClassVar[dict[str, _Bare]] = {"--resume": _Bare("strict", tuple(_RESUME_VALUES))}
-
-
-class _AblationCommand(_OptionalValueCommand):
-    bare: ClassVar[dict[str, _Bare]] = {"--ablation": _Bare("zero")}
-
 
 def _notify(line: str) -> None:
     """Lines for the user that are not the command's result (which run, warnings) go to stderr."""
     typer.echo(line, err=True)
+
+
+class _ThrottledStdout:
+    """Writes to stdout, flushed at most every 50 ms: streamed text reaches the terminal
+    promptly without one flush per token (the caller flushes at the end)."""
+
+    def __init__(self, interval_s: float = 0.05) -> None:
+        self.interval_s = interval_s
+        self.flushed = 0.0
+
+    def __call__(self, text: str) -> None:
+        sys.stdout.write(text)
+        now = time.monotonic()
+        if now - self.flushed >= self.interval_s:
+            sys.stdout.flush()
+            self.flushed = now
 
 
 def _log_to_stderr() -> None:
@@ -260,7 +135,7 @@ def prepare_data_command(
     )
 
 
-@app.command("train", cls=_TrainCommand)
+@app.command("train", cls=TrainCommand)
 def train_command(
     config: ConfigArg,
     set_: SetOption = None,
@@ -290,13 +165,13 @@ def train_command(
     from llmcli.training.loop import train
 
     _log_to_stderr()
-    if resume is not None and resume not in _RESUME_VALUES:
+    if resume is not None and resume not in RESUME_VALUES:
         raise InputError(f"--resume takes no value, or 'auto'; got {resume!r}.")
     cfg = load_config(config, set_ or [])
     if resume is None:  # the config's train.resume, unless --overwrite asks for a fresh start
         resume_ = False if overwrite else cfg.train.resume
     else:
-        resume_ = _RESUME_VALUES[resume]
+        resume_ = RESUME_VALUES[resume]
     try:
         summary = train(
             cfg,
@@ -321,6 +196,45 @@ def train_command(
             f"train loss {summary.train_loss:.4f}, best val loss "
             f"{summary.best_val_loss:.4f}"
         )
+
+
+# `llmcli sample`'s prompts and generation options.
+PromptOption = Annotated[
+    Optional[str],
+    typer.Option(
+        help="Prompt text; '-' reads it from stdin (default: empty prompt).", metavar="TEXT"
+    ),
+]
+PromptFileOption = Annotated[
+    Optional[Path],
+    typer.Option(
+        help="File of prompts, one per line or a JSON list; all run as one batch.", metavar="FILE"
+    ),
+]
+ContextPolicyOption = Annotated[
+    Optional[str],
+    typer.Option(
+        help="Past the context: exact (the last context_length tokens, recomputed each step) "
+        "or shift (keep the last tokens, go on with the KV cache) (default: run config).",
+        metavar="POLICY",
+    ),
+]
+ContextKeepOption = Annotated[
+    Optional[int],
+    typer.Option(
+        help="Tokens shift keeps when the context is full, 1..context_length-1 (default: run "
+        "config, else context_length // 2).",
+        metavar="N",
+    ),
+]
+ThreadsOption = Annotated[
+    Optional[int],
+    typer.Option(
+        help="CPU threads (default: 1 for a small model decoding one token per step, else "
+        "torch's own).",
+        metavar="N",
+    ),
+]
 
 
 @app.command("sample")
@@ -413,23 +327,7 @@ def sample_command(
     sys.stdout.flush()
 
 
-class _ThrottledStdout:
-    """Writes to stdout, flushed at most every 50 ms: streamed text reaches the terminal
-    promptly without one flush per token (the caller flushes at the end)."""
-
-    def __init__(self, interval_s: float = 0.05) -> None:
-        self.interval_s = interval_s
-        self.flushed = 0.0
-
-    def __call__(self, text: str) -> None:
-        sys.stdout.write(text)
-        now = time.monotonic()
-        if now - self.flushed >= self.interval_s:
-            sys.stdout.flush()
-            self.flushed = now
-
-
-@app.command("inspect-attention", cls=_AblationCommand)
+@app.command("inspect-attention", cls=AblationCommand)
 def inspect_attention_command(
     checkpoint: CheckpointOption = None,
     prompt: Annotated[
@@ -492,24 +390,22 @@ def inspect_attention_command(
     ] = None,
 ) -> None:
     """Dump every head's attention for a prompt, score each head, draw it, write a viewer."""
-    from llmcli.inspection.attention import format_report, inspect_attention
+    from llmcli.inspection.attention import InspectOptions, format_report, inspect_attention
 
-    result = inspect_attention(
-        checkpoint,
-        prompt or [],
-        prompt_file=prompt_file,
-        layers=layer,
-        heads=head,
-        out_dir=out,
+    options = InspectOptions(
+        layers=tuple(layer or ()),
+        heads=tuple(head or ()),
         fmt=format_,
         induction=induction,
         truncate=truncate,
-        weights=weights,
-        device=device,
         pictures=pictures,
         ablation=ablation,
         ablation_steps=ablation_steps,
-        notify=_notify,
+        weights=weights,
+        device=device,
+    )
+    result = inspect_attention(
+        checkpoint, prompt or [], options, prompt_file=prompt_file, out_dir=out, notify=_notify
     )
     typer.echo(format_report(result), nl=False)
 
@@ -567,7 +463,7 @@ def export_command(
     )
 
 
-@app.command("eval", cls=_AblationCommand)
+@app.command("eval", cls=AblationCommand)
 def eval_command(
     checkpoint: CheckpointOption = None,
     data: Annotated[
@@ -609,22 +505,18 @@ def eval_command(
     """Mean loss, perplexity and bits per byte of a run on its validation split or a text."""
     import json
 
-    from llmcli.inspection.evaluate import evaluate_run, format_result
+    from llmcli.inspection.evaluate import EvalOptions, evaluate_run, format_result
 
     _log_to_stderr()
-
-    result = evaluate_run(
-        checkpoint,
-        data,
+    options = EvalOptions(
         steps=steps,
         batch_size=batch_size,
-        ablate=ablate or [],
+        ablate=tuple(ablate or ()),
         ablation=ablation,
         weights=weights,
         device=device,
-        progress=True,
-        notify=_notify,
     )
+    result = evaluate_run(checkpoint, data, options, progress=True, notify=_notify)
     typer.echo(json.dumps(result.to_dict()) if json_ else format_result(result))
 
 

@@ -15,6 +15,7 @@ from llmcli.inspection import attention as report
 from llmcli.inspection.attention import (
     FALLBACK_PROMPT,
     PROMPT_FILE,
+    InspectOptions,
     InspectResult,
     build_dumps,
     default_prompt_ids,
@@ -74,15 +75,17 @@ def test_dump_from_run(loaded, tmp_path) -> None:
 def test_layer_and_head_selection(loaded) -> None:
     prompt = "Speak, speak."
     (full,) = build_dumps(loaded.model, loaded.tokenizer, [prompt])
-    (part,) = build_dumps(loaded.model, loaded.tokenizer, [prompt], layers=[1], heads=[3, 0, 3])
+    (part,) = build_dumps(
+        loaded.model, loaded.tokenizer, [prompt], InspectOptions(layers=[1], heads=[3, 0, 3])
+    )
     assert (part.layers, part.heads) == ([1], [0, 3])
     assert (part.meta["layers"], part.meta["heads"]) == ([1], [0, 3])
     np.testing.assert_array_equal(part.attn, full.attn[[1]][:, [0, 3]])
     np.testing.assert_array_equal(part.metrics, full.metrics[[1]][:, [0, 3]])
     with pytest.raises(InputError, match="--layer 2 is out of range"):
-        build_dumps(loaded.model, loaded.tokenizer, [prompt], layers=[2])
+        build_dumps(loaded.model, loaded.tokenizer, [prompt], InspectOptions(layers=[2]))
     with pytest.raises(InputError, match="--head 4 is out of range"):
-        build_dumps(loaded.model, loaded.tokenizer, [prompt], heads=[4])
+        build_dumps(loaded.model, loaded.tokenizer, [prompt], InspectOptions(heads=[4]))
 
 
 def test_several_prompts_equal_each_alone_without_padding(loaded) -> None:
@@ -98,7 +101,7 @@ def test_several_prompts_equal_each_alone_without_padding(loaded) -> None:
 
 
 def test_induction_column(loaded) -> None:
-    (dump,) = build_dumps(loaded.model, loaded.tokenizer, ["Speak"], induction=True)
+    (dump,) = build_dumps(loaded.model, loaded.tokenizer, ["Speak"], InspectOptions(induction=True))
     assert dump.metric_names == [*METRIC_NAMES, INDUCTION]
     info = dump.meta["induction"]
     assert info["period"] == CTX // 2
@@ -127,7 +130,7 @@ def test_prompt_errors(loaded) -> None:
     long = "Before we proceed any further"
     with pytest.raises(InputError, match=r"29 tokens long.*context_length is 16.*--truncate"):
         build_dumps(model, tok, [long])
-    (dump,) = build_dumps(model, tok, [long], truncate=True)
+    (dump,) = build_dumps(model, tok, [long], InspectOptions(truncate=True))
     assert "".join(dump.tokens) == long[-CTX:] and dump.meta["truncated"] is True
     with pytest.raises(InputError, match="empty"):
         build_dumps(model, tok, [""])
@@ -159,9 +162,8 @@ def test_read_prompt_file(tmp_path) -> None:
 
 def test_default_prompt_is_the_start_of_validation_text(run_dir, tmp_path) -> None:
     notes: list[str] = []
-    result = inspect_attention(
-        run_dir, out_dir=tmp_path, pictures=False, viewer=False, notify=notes.append
-    )
+    options = InspectOptions(pictures=False, viewer=False)
+    result = inspect_attention(run_dir, options=options, out_dir=tmp_path, notify=notes.append)
     (dump,) = result.dumps
     n_train = int(len(CORPUS) * (1 - 0.25))  # char tokenizer: one token per character
     assert "".join(dump.tokens) == CORPUS[n_train : n_train + CTX]
@@ -297,6 +299,44 @@ def test_command_bad_input_exits_2(run_dir, capsys, args, message) -> None:
     assert err.startswith("checkpoint:") or err.startswith("error:")
     assert re.search(message, err.split("error: ", 1)[1].replace("\n", " ")), err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("options", "argv", "message"),
+    [
+        (
+            {"fmt": "csv"},
+            ["--format", "csv"],
+            "--format 'csv' is not known: choose one of npz, safetensors, json.",
+        ),
+        (
+            {"ablation": "foo"},
+            ["--ablation", "foo"],
+            "--ablation 'foo' is not known: choose zero or mean or both",
+        ),
+        (
+            {"ablation": "zero", "ablation_steps": 0},
+            ["--ablation", "zero", "--ablation-steps", "0"],
+            r"--ablation-steps \(0\) must be",
+        ),
+        (
+            {"ablation_steps": 1},
+            ["--ablation-steps", "1"],
+            "--ablation-steps .*give --ablation too",
+        ),
+    ],
+)
+def test_options_are_checked_as_they_are_made_before_a_run_loads(
+    tmp_path, capsys, options, argv, message
+) -> None:
+    import re
+
+    with pytest.raises(InputError, match=message):
+        InspectOptions(**options)
+    # The command makes its options first: no run is looked for (there is none here).
+    code, _, err = cli(["inspect-attention", "--checkpoint", str(tmp_path / "none"), *argv], capsys)
+    assert code == 2 and err.startswith("error: ")
+    assert re.search(message, err.replace("\n", " ")), err
 
 
 def test_command_no_run_found(tmp_path, capsys, monkeypatch) -> None:

@@ -112,7 +112,8 @@ def received(monkeypatch) -> dict[str, Any]:
     real_load_config = llmcli.config.load_config
     monkeypatch.setattr(llmcli.config, "load_config", load_config)
     monkeypatch.setattr(llmcli.training.loop, "train", stand_in("train"))
-    monkeypatch.setattr(llmcli.inspection.evaluate, "evaluate_run", stand_in("eval"))
+    # eval's values are checked as its options are made, before evaluate_run: record them there.
+    monkeypatch.setattr(llmcli.inspection.evaluate, "EvalOptions", stand_in("eval"))
     monkeypatch.setattr(llmcli.inspection.attention, "inspect_attention", stand_in("inspect"))
     monkeypatch.setattr(llmcli.generation.sample, "sample_run", stand_in("sample"))
     return calls
@@ -173,25 +174,25 @@ def test_a_bare_resume_is_no_other_options_value_nor_after_double_dash(received,
         (["eval", "--ablate", "1", "--ablation"], "zero", ["1"]),
         (["eval", "--ablation", "mean"], "mean", []),
         (["eval", "--ablation=both"], "both", []),
-        (["eval", "--ablation", "foo"], "foo", []),  # refused by evaluate_run, naming the methods
+        (["eval", "--ablation", "foo"], "foo", []),  # refused by EvalOptions, naming the methods
         (["eval", "--ablate", "1"], None, ["1"]),
     ],
 )
 def test_eval_ablation_is_zero_when_bare(argv, ablation, ablate, received) -> None:
     call(argv)
     _, kwargs = received["eval"]
-    assert (kwargs["ablation"], kwargs["ablate"]) == (ablation, ablate)
+    assert (kwargs["ablation"], list(kwargs["ablate"])) == (ablation, ablate)
 
 
 def test_inspect_attention_ablation_is_zero_when_bare_and_a_prompt_may_read_ablation(
     received,
 ) -> None:
     call(["inspect-attention", "--ablation", "--layer", "1"])
-    args, kwargs = received["inspect"]
-    assert (args[1], kwargs["ablation"], kwargs["layers"]) == ([], "zero", [1])
+    (_, prompts, options), _ = received["inspect"]
+    assert (prompts, options.ablation, options.layers) == ([], "zero", (1,))
     call(["inspect-attention", "--prompt", "--ablation"])
-    args, kwargs = received["inspect"]
-    assert (args[1], kwargs["ablation"]) == (["--ablation"], None)
+    (_, prompts, options), _ = received["inspect"]
+    assert (prompts, options.ablation) == (["--ablation"], None)
     call(["sample", "--prompt", "--ablation"])
     args, _ = received["sample"]
     assert args[1] == ["--ablation"]

@@ -16,7 +16,14 @@ from conftest import save_tiny_run
 
 from llmcli.cli import main
 from llmcli.data.tokenizer import BPETokenizer, CharTokenizer
-from llmcli.inspection.evaluate import evaluate_run, score_tokens, window_batches, window_starts
+from llmcli.errors import InputError
+from llmcli.inspection.evaluate import (
+    EvalOptions,
+    evaluate_run,
+    score_tokens,
+    window_batches,
+    window_starts,
+)
 
 CTX, BATCH = 16, 3
 # Multi-byte characters (é: 2 bytes, —: 3 bytes) make bytes differ from characters.
@@ -87,7 +94,7 @@ def text_file(tmp_path_factory) -> Path:
 def test_loss_perplexity_and_bits_per_byte_on_a_file_match_a_hand_computation(
     char_run: Path, text_file: Path
 ) -> None:
-    result = evaluate_run(char_run, text_file, device="cpu")
+    result = evaluate_run(char_run, text_file, EvalOptions(device="cpu"))
     ids = CharTokenizer.train([TEXT]).encode(TEXT)
     nll = reference_nll(char_run, ids)
     assert len(nll) == len(TEXT) - 1  # every character after the first, once
@@ -103,7 +110,7 @@ def test_loss_perplexity_and_bits_per_byte_on_a_file_match_a_hand_computation(
 
 
 def test_steps_scores_only_the_first_batches(char_run: Path, text_file: Path) -> None:
-    result = evaluate_run(char_run, text_file, steps=2, device="cpu")
+    result = evaluate_run(char_run, text_file, EvalOptions(steps=2, device="cpu"))
     n = 2 * BATCH * CTX  # two batches of BATCH full windows
     nll = reference_nll(char_run, CharTokenizer.train([TEXT]).encode(TEXT))[:n]
     assert result.tokens == n and result.windows == 2 * BATCH
@@ -111,7 +118,7 @@ def test_steps_scores_only_the_first_batches(char_run: Path, text_file: Path) ->
     assert result.loss == pytest.approx(nll.mean(), rel=1e-5)
     assert result.bits_per_byte == pytest.approx(nll.sum() / math.log(2) / result.bytes, rel=1e-5)
     # The batch size changes how windows are grouped, not what they score.
-    whole = evaluate_run(char_run, text_file, batch_size=1, device="cpu")
+    whole = evaluate_run(char_run, text_file, EvalOptions(batch_size=1, device="cpu"))
     assert whole.loss == pytest.approx(evaluate_run(char_run, text_file).loss, rel=1e-6)
 
 
@@ -124,7 +131,7 @@ def test_default_data_is_the_runs_validation_split(tmp_path: Path) -> None:
         tok,
         data={"path": str(corpus), "val_fraction": 0.25, "cache_dir": str(tmp_path / "cache")},
     )
-    result = evaluate_run(run, device="cpu")
+    result = evaluate_run(run, options=EvalOptions(device="cpu"))
     ids = tok.encode(TEXT * 4)
     val = ids[int(len(ids) * 0.75) :]  # the last val_fraction of the token stream
     nll = reference_nll(run, val)
@@ -141,7 +148,7 @@ def test_bpe_bits_per_byte_counts_bytes_and_leaves_special_tokens_out(tmp_path: 
     run = make_run(tmp_path / "run", tok)
     ids = tok.encode(text)
     assert tok.eot_id in ids and len(ids) < len(text)
-    result = evaluate_run(run, path, device="cpu")
+    result = evaluate_run(run, path, EvalOptions(device="cpu"))
     nll = reference_nll(run, ids)
     targets = np.asarray(ids[1:])
     is_text = targets != tok.eot_id
@@ -176,7 +183,7 @@ def test_cli_json_and_text_output_and_the_latest_run_by_default(
     )
     assert code == 0, err
     record = json.loads(out)
-    expected = evaluate_run(char_run, text_file, device="cpu").to_dict()
+    expected = evaluate_run(char_run, text_file, EvalOptions(device="cpu")).to_dict()
     assert record.keys() == expected.keys()
     for key in ("loss", "perplexity", "bits_per_byte", "tokens", "bytes", "step"):
         assert record[key] == pytest.approx(expected[key])
@@ -251,9 +258,9 @@ def test_a_mask_of_ones_scores_bit_for_bit_as_plain_eval(char_run: Path) -> None
 def test_ablate_removes_heads_zero_and_mean(char_run: Path, text_file: Path) -> None:
     from llmcli.inspection.ablation import head_means
 
-    plain = evaluate_run(char_run, text_file, device="cpu")
+    plain = evaluate_run(char_run, text_file, EvalOptions(device="cpu"))
     ids = CharTokenizer.train([TEXT]).encode(TEXT)
-    zero = evaluate_run(char_run, text_file, ablate=["0.1", "1"], device="cpu")
+    zero = evaluate_run(char_run, text_file, EvalOptions(ablate=["0.1", "1"], device="cpu"))
     assert (zero.ablate, zero.ablation) == (["0.1", "1"], "zero")
     assert zero.loss == pytest.approx(reference_nll(char_run, ids, removed()).mean(), rel=1e-5)
     assert abs(zero.loss - plain.loss) > 1e-3
@@ -264,7 +271,9 @@ def test_ablate_removes_heads_zero_and_mean(char_run: Path, text_file: Path) -> 
     n = len(ids)  # every window's inputs, the shorter last one included
     windows = [(torch.tensor([ids[s : min(s + CTX, n - 1)]]), None) for s in range(0, n - 1, CTX)]
     means = head_means(model, windows)
-    mean = evaluate_run(char_run, text_file, ablate=["0.1", "1"], ablation="mean", device="cpu")
+    mean = evaluate_run(
+        char_run, text_file, EvalOptions(ablate=["0.1", "1"], ablation="mean", device="cpu")
+    )
     ref = reference_nll(char_run, ids, removed(means)).mean()
     assert mean.ablation == "mean" and mean.loss == pytest.approx(ref, rel=1e-5)
     assert abs(mean.loss - zero.loss) > 1e-4
@@ -275,7 +284,9 @@ def test_cli_ablate(capsys, char_run: Path, text_file: Path) -> None:
     code, out, err = cli(capsys, *args, "--ablate", "1.0", "--ablation", "mean", "--json")
     assert code == 0, err
     record = json.loads(out)
-    expected = evaluate_run(char_run, text_file, ablate=["1.0"], ablation="mean", device="cpu")
+    expected = evaluate_run(
+        char_run, text_file, EvalOptions(ablate=["1.0"], ablation="mean", device="cpu")
+    )
     assert (record["ablate"], record["ablation"]) == (["1.0"], "mean")
     assert record["loss"] == expected.loss
     code, out, err = cli(capsys, *args, "--ablate", "0", "--ablate", "1.1")
@@ -308,4 +319,35 @@ def test_cli_bad_ablation_exits_2(capsys, char_run: Path, text_file: Path, args,
     code, out, err = cli(capsys, *base, *args)
     assert code == 2 and out == "", err
     assert err.startswith("error: ") and "Traceback" not in err
+    assert re.search(message, err.replace("\n", " ")), err
+
+
+@pytest.mark.parametrize(
+    ("options", "argv", "message"),
+    [
+        ({"steps": 0}, ["--steps", "0"], r"--steps \(0\) must be a positive number of batches"),
+        ({"batch_size": 0}, ["--batch-size", "0"], r"--batch-size \(0\) must be positive"),
+        ({"ablation": "foo"}, ["--ablation", "foo"], r"--ablation 'foo' is not known: choose zero"),
+        (
+            {"ablate": ["0"], "ablation": "both"},
+            ["--ablate", "0", "--ablation", "both"],
+            r"--ablation 'both' is not known",
+        ),
+        (
+            {"ablation": "mean"},
+            ["--ablation", "mean"],
+            r"--ablation mean says how --ablate removes heads: give --ablate",
+        ),
+    ],
+)
+def test_options_are_checked_as_they_are_made_before_a_run_loads(
+    capsys, tmp_path: Path, options, argv, message
+) -> None:
+    import re
+
+    with pytest.raises(InputError, match=message):
+        EvalOptions(**options)
+    # The command makes its options first: no run is looked for (there is none here).
+    code, out, err = cli(capsys, "eval", "--checkpoint", str(tmp_path / "none"), *argv)
+    assert code == 2 and out == "" and err.startswith("error: ")
     assert re.search(message, err.replace("\n", " ")), err

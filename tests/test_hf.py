@@ -137,7 +137,7 @@ def test_export_meets_the_evaluation_harness_contract(tmp_path, kind):
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from llmcli.inspection.evaluate import evaluate_run
+    from llmcli.inspection.evaluate import EvalOptions, evaluate_run
 
     run, out, text_file = make_run(tmp_path / "run", kind), tmp_path / "hf", tmp_path / "t.txt"
     text_file.write_text(TEXT * 32)
@@ -152,7 +152,7 @@ def test_export_meets_the_evaluation_harness_contract(tmp_path, kind):
     ids = hf_tok.encode(TEXT * 32)
     nats = harness_rolling_nats(theirs, ids, hf_tok.bos_token_id, theirs.config.n_positions)
     harness_bpb = nats / math.log(2) / len((TEXT * 32).encode("utf-8"))
-    ours = evaluate_run(run, text_file, device="cpu")
+    ours = evaluate_run(run, text_file, EvalOptions(device="cpu"))
     print(f"bits per byte: harness-style {harness_bpb:.5f}, llmcli eval {ours.bits_per_byte:.5f}")
     assert harness_bpb == pytest.approx(ours.bits_per_byte, rel=5e-3)
 

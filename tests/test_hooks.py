@@ -17,7 +17,7 @@ import llmcli.model.gpt
 from llmcli.data.tokenizer import CharTokenizer
 from llmcli.errors import InputError
 from llmcli.inspection.attention import build_dumps
-from llmcli.inspection.evaluate import evaluate_run
+from llmcli.inspection.evaluate import EvalOptions, evaluate_run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -170,7 +170,7 @@ def test_zeroing_a_head_at_its_hook_point_gives_eval_ablate_loss(tmp_path, layer
     run = save_tiny_run(tmp_path / "run", tok, {"model": model}, sharpen=6.0)
     text = tmp_path / "text.txt"
     text.write_text(CORPUS, encoding="utf-8")
-    ablated = evaluate_run(run, text, ablate=[f"{layer}.{head}"], device="cpu")
+    ablated = evaluate_run(run, text, EvalOptions(ablate=[f"{layer}.{head}"], device="cpu"))
 
     from llmcli.runs.loading import load_run
 

@@ -2,9 +2,10 @@
 
 `inspect_attention` loads a run, takes the prompts (or the start of the run's validation text),
 captures and scores every head (`build_dumps`) and writes, for each prompt, the dump, one PNG
-per layer and the offline HTML viewer (`write_outputs`). With `ablation`, every head's loss
-increase when it is removed is measured on validation batches (`measure_heads`) and added as a
-metric column, drawn as a heat map (`ablation.png`) and listed, top heads first.
+per layer and the offline HTML viewer (`write_outputs`). With an ablation method, every head's
+loss increase when it is removed is measured on validation batches (`measure_heads`) and added as
+a metric column, drawn as a heat map (`ablation.png`) and listed, top heads first. The command's
+settings travel whole as one `InspectOptions`, checked as it is made.
 """
 
 from __future__ import annotations
@@ -171,6 +172,61 @@ def add_ablation(dumps: Sequence[AttentionDump], result: HeadDeltas, note: dict[
 # --------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class InspectOptions:
+    """What `llmcli inspect-attention` keeps, adds and writes, and which weights it loads where.
+    Checked as it is made, where a check needs no run (`layers` and `heads` are checked against
+    the model by `select_indices`).
+
+    Attributes:
+        layers, heads: the model indices to keep in the dumps (empty: all); metrics follow the
+            selection.
+        fmt: the dump's format: "npz", "safetensors" or "json".
+        induction: add the induction score column (the same for every prompt: it is measured on
+            a repeated random sequence, recorded in meta).
+        truncate: keep the last context_length tokens of a too-long prompt instead of failing.
+        pictures, viewer: write the PNGs and the HTML viewer.
+        ablation: "zero", "mean" or "both": add each head's Δloss (see `measure_heads`); None:
+            no ablation.
+        ablation_steps: validation batches the ablation measures on (None: `ABLATION_STEPS`).
+        weights: the weights `inspect_attention` loads, "best" or "last" (see
+            `llmcli.runs.loading.load_run`).
+        device: where `inspect_attention` runs the model: "cpu", "cuda", "mps" or "auto".
+
+    Raises:
+        InputError: an unknown format or ablation method, `ablation_steps` without `ablation`
+            or < 1.
+    """
+
+    layers: Sequence[int] = ()
+    heads: Sequence[int] = ()
+    fmt: str = "npz"
+    induction: bool = False
+    truncate: bool = False
+    pictures: bool = True
+    viewer: bool = True
+    ablation: str | None = None
+    ablation_steps: int | None = None
+    weights: str = "best"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.fmt not in FORMATS:
+            raise InputError(
+                f"--format {self.fmt!r} is not known: choose one of {', '.join(FORMATS)}."
+            )
+        if self.ablation is not None:
+            check_method(self.ablation, INSPECT_METHODS)
+        steps = self.ablation_steps
+        if steps is not None and self.ablation is None:
+            raise InputError(
+                "--ablation-steps says how many batches --ablation measures on: give --ablation "
+                "too."
+            )
+        if steps is not None and steps < 1:
+            raise InputError(f"--ablation-steps ({steps}) must be a positive number.")
+
+
 def run_meta(run: Any) -> dict[str, Any]:
     """What every dump records about its run: where, which weights (and their sha256), step,
     config, llmcli version."""
@@ -200,11 +256,8 @@ def build_dumps(
     model: torch.nn.Module,
     tokenizer: Any,
     prompts: Sequence[str],
+    options: InspectOptions = InspectOptions(),
     *,
-    layers: Sequence[int] | None = None,
-    heads: Sequence[int] | None = None,
-    induction: bool = False,
-    truncate: bool = False,
     prompts_ids: Sequence[Sequence[int]] | None = None,
     meta: dict[str, Any] | None = None,
 ) -> list[AttentionDump]:
@@ -214,16 +267,14 @@ def build_dumps(
         model: a `Transformer`.
         tokenizer: encodes the prompts and decodes each token for the labels.
         prompts: the prompt texts (ignored where `prompts_ids` is given).
-        layers, heads: the model indices to keep (None: all); metrics follow the selection.
-        induction: append the induction score (same for every prompt: it is measured on a
-            repeated random sequence, recorded in meta).
-        truncate: keep the last context_length tokens of a long prompt instead of failing.
+        options: the layers and heads to keep, the induction score, truncation (the rest of
+            `InspectOptions` is not used here).
         prompts_ids: token ids to use directly (e.g. the default validation slice).
         meta: common metadata merged into every dump's meta.
     """
     n_layer, n_head, ctx = model.n_layer, model.n_head, model.context_length
-    layer_sel = select_indices(layers, n_layer, "layer")
-    head_sel = select_indices(heads, n_head, "head")
+    layer_sel = select_indices(options.layers, n_layer, "layer")
+    head_sel = select_indices(options.heads, n_head, "head")
     if prompts_ids is None:
         if not prompts:
             raise InputError("no prompt given: pass --prompt TEXT or --prompt-file FILE.")
@@ -233,7 +284,7 @@ def build_dumps(
                 p,
                 ctx,
                 empty="error",
-                too_long="crop" if truncate else "error",
+                too_long="crop" if options.truncate else "error",
                 label=f"prompt #{i + 1}" if len(prompts) > 1 else "the prompt",
             )
             for i, p in enumerate(prompts)
@@ -246,7 +297,7 @@ def build_dumps(
     names = list(METRIC_NAMES)
     extra: dict[str, Any] = {}
     ind = None
-    if induction:
+    if options.induction:
         ind, extra["induction"] = induction_scores(model, tokenizer.vocab_size)
         names.append(INDUCTION)
     captured = capture_prompts(model, [ids for ids, _ in encoded])
@@ -330,37 +381,13 @@ def prompt_dir(out_dir: Path, index: int, n_prompts: int) -> Path:
     return out_dir if n_prompts == 1 else out_dir / f"prompt-{index:03d}"
 
 
-def _check_options(fmt: str, ablation: str | None, ablation_steps: int | None) -> None:
-    """The options that need no run, checked before any work."""
-    if fmt not in FORMATS:
-        raise InputError(f"--format {fmt!r} is not known: choose one of {', '.join(FORMATS)}.")
-    if ablation is not None:
-        check_method(ablation, INSPECT_METHODS)
-    if ablation_steps is not None and ablation is None:
-        raise InputError(
-            "--ablation-steps says how many batches --ablation measures on: give --ablation too."
-        )
-    if ablation_steps is not None and ablation_steps < 1:
-        raise InputError(f"--ablation-steps ({ablation_steps}) must be a positive number.")
-
-
 def inspect_attention(
     checkpoint: str | Path | None = None,
     prompts: Sequence[str] = (),
+    options: InspectOptions = InspectOptions(),
     *,
     prompt_file: str | Path | None = None,
-    layers: Sequence[int] | None = None,
-    heads: Sequence[int] | None = None,
     out_dir: str | Path | None = None,
-    fmt: str = "npz",
-    induction: bool = False,
-    truncate: bool = False,
-    weights: str = "best",
-    device: str = "cpu",
-    pictures: bool = True,
-    viewer: bool = True,
-    ablation: str | None = None,
-    ablation_steps: int | None = None,
     notify: Callable[[str], Any] = log.warning,
 ) -> InspectResult:
     """`llmcli inspect-attention`: load a run, capture each prompt, write dumps, PNGs, viewer.
@@ -369,36 +396,27 @@ def inspect_attention(
         checkpoint: a run directory; None takes the latest run under `checkpoints/`.
         prompts: prompt texts; with none (and no `prompt_file`) the first context_length tokens
             of the run's validation text are used.
+        options: what to keep, add and write, which weights and the device (see
+            `InspectOptions`, checked as it was made).
         prompt_file: more prompts (see `PROMPT_FILE`); they follow `prompts`.
-        layers, heads: model indices to keep in the dumps (None: all).
         out_dir: default `<run>/attention/`. One prompt writes there; several write
             `prompt-000/`, `prompt-001/`, ... (see `prompt_dir`).
-        fmt: "npz", "safetensors" or "json".
-        induction: add the induction score column.
-        truncate: keep the last context_length tokens of too-long prompts.
-        weights: "best" or "last" (see `checkpoint.load_run`).
-        device: where the model runs: "cpu", "cuda", "mps" or "auto".
-        pictures, viewer: write the PNGs and the HTML viewer.
-        ablation: "zero", "mean" or "both": add each head's Δloss (see `measure_heads`).
-        ablation_steps: validation batches the ablation measures on (None: `ABLATION_STEPS`).
         notify: receives one-line notices as they come (the run used, version differences,
             the default prompt).
 
     Raises:
-        InputError: no run, bad prompt, layer or head out of range, unknown format or
-            ablation method, `ablation_steps` < 1.
+        InputError: no run, bad prompt, layer or head out of range.
     """
-    _check_options(fmt, ablation, ablation_steps)
     prompts = list(prompts)
     if prompt_file is not None:
         prompts += read_prompt_file(prompt_file, **PROMPT_FILE)
-    device_ = resolve_device(device, what="--device")
-    run = load_run(checkpoint, weights=weights, device=device_, notify=notify)
+    device = resolve_device(options.device, what="--device")
+    run = load_run(checkpoint, weights=options.weights, device=device, notify=notify)
     notify(f"checkpoint: {run.run_dir}")
     model = run.model
     # Check the selection before any work, with the model's own sizes in the message.
-    select_indices(layers, model.n_layer, "layer")
-    select_indices(heads, model.n_head, "head")
+    select_indices(options.layers, model.n_layer, "layer")
+    select_indices(options.heads, model.n_head, "head")
     prompts_ids = None
     if not prompts:
         ids, default_note = default_prompt_ids(run)
@@ -407,27 +425,22 @@ def inspect_attention(
     meta = run_meta(run)
     if prompts_ids is not None:
         meta["default_prompt"] = default_note
-    dumps = build_dumps(
-        model,
-        run.tokenizer,
-        prompts,
-        layers=layers,
-        heads=heads,
-        induction=induction,
-        truncate=truncate,
-        prompts_ids=prompts_ids,
-        meta=meta,
-    )
+    dumps = build_dumps(model, run.tokenizer, prompts, options, prompts_ids=prompts_ids, meta=meta)
     deltas = None
-    if ablation is not None:
-        deltas, note = measure_heads(run, ablation, ablation_steps or ABLATION_STEPS, device_)
+    if options.ablation is not None:
+        steps = options.ablation_steps or ABLATION_STEPS
+        deltas, note = measure_heads(run, options.ablation, steps, device)
         add_ablation(dumps, deltas, note)
     root = Path(out_dir) if out_dir is not None else Path(run.run_dir) / "attention"
     out_dirs, files = [], []
     for i, dump in enumerate(dumps):
         folder = prompt_dir(root, i, len(dumps))
         out_dirs.append(folder)
-        files.append(write_outputs(dump, folder, fmt, pictures=pictures, viewer=viewer))
+        files.append(
+            write_outputs(
+                dump, folder, options.fmt, pictures=options.pictures, viewer=options.viewer
+            )
+        )
     return InspectResult(Path(run.run_dir), dumps, out_dirs, files, ablation=deltas)
 
 

@@ -5,9 +5,10 @@ rebuilt from the run's config and tokenizer) or on any UTF-8 text file. Unlike t
 estimate (`llmcli.training.evaluate`), which averages `eval_steps` random batches, this is a
 deterministic pass: the token stream `t_0 .. t_{n-1}` is cut into consecutive windows of
 `context_length` inputs, window `k` predicting `t_{kT+1} .. t_{kT+T}` from `t_{kT} .. t_{kT+T-1}`,
-so that every token after the first is predicted exactly once (the last window may be shorter). With
-`steps=N` only the first `N` batches of `batch_size` windows are scored. `--ablate` scores the model
-with heads removed (`llmcli.inspection.ablation`).
+so that every token after the first is predicted exactly once (the last window may be shorter). The
+command's settings travel whole as one `EvalOptions`, checked as it is made: with `steps=N` only the
+first `N` batches of `batch_size` windows are scored; `ablate` scores the model with heads removed
+(`llmcli.inspection.ablation`).
 
 Figures, over the predicted tokens:
 - `loss`: mean cross-entropy in nats per token; `perplexity = exp(loss)`;
@@ -221,24 +222,13 @@ def eval_tokens(
     return tokens, label
 
 
-def evaluate_run(
-    checkpoint: str | Path | None = None,
-    data: str | Path | None = None,
-    *,
-    steps: int | None = None,
-    batch_size: int | None = None,
-    ablate: Sequence[str] = (),
-    ablation: str | None = None,
-    weights: str = "best",
-    device: str = "auto",
-    progress: bool = False,
-    notify: Callable[[str], None] | None = None,
-) -> EvalResult:
-    """Mean loss, perplexity and bits per byte of a run's model on a text.
+@dataclass(frozen=True)
+class EvalOptions:
+    """What `llmcli eval` scores, with which heads removed, and which weights it loads where.
+    Checked as it is made, where a check needs no run (the heads in `ablate` are checked against
+    the model by `ablation.parse_ablate`).
 
-    Args:
-        checkpoint: a run directory (None: the latest run under `checkpoints/`).
-        data: a UTF-8 text file to score (None: the run's validation split, see `eval_tokens`).
+    Attributes:
         steps: score only the first `steps` batches (None: all of the text).
         batch_size: windows per batch (None: the run's `train.batch_size`).
         ablate: heads to remove, `"L.H"` or `"L"` each (see `ablation.parse_ablate`).
@@ -247,33 +237,73 @@ def evaluate_run(
             with `ablate`.
         weights: "best" or "last" weights of the run.
         device: "auto", "cpu", "cuda" or "mps".
+
+    Raises:
+        InputError: `steps` or `batch_size` below 1, an unknown `ablation`, or one without
+            `ablate`.
+    """
+
+    steps: int | None = None
+    batch_size: int | None = None
+    ablate: Sequence[str] = ()
+    ablation: str | None = None
+    weights: str = "best"
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.steps is not None and self.steps < 1:
+            raise InputError(f"--steps ({self.steps}) must be a positive number of batches.")
+        if self.batch_size is not None and self.batch_size < 1:
+            raise InputError(f"--batch-size ({self.batch_size}) must be positive.")
+        if self.ablation is not None:
+            check_method(self.ablation)
+        if self.ablation is not None and not self.ablate:
+            raise InputError(
+                f"--ablation {self.ablation} says how --ablate removes heads: give --ablate L.H "
+                "(or L) too."
+            )
+
+    @property
+    def method(self) -> str | None:
+        """How the heads in `ablate` are removed ("zero" unless `ablation` says "mean"); None
+        when no head is."""
+        return (self.ablation or "zero") if self.ablate else None
+
+
+def evaluate_run(
+    checkpoint: str | Path | None = None,
+    data: str | Path | None = None,
+    options: EvalOptions = EvalOptions(),
+    *,
+    progress: bool = False,
+    notify: Callable[[str], None] | None = None,
+) -> EvalResult:
+    """Mean loss, perplexity and bits per byte of a run's model on a text.
+
+    Args:
+        checkpoint: a run directory (None: the latest run under `checkpoints/`).
+        data: a UTF-8 text file to score (None: the run's validation split, see `eval_tokens`).
+        options: how many batches of what size, the heads to remove and how, which weights and
+            the device (see `EvalOptions`, checked as it was made).
         progress: show progress (a bar on a terminal, plain lines elsewhere).
         notify: called with one line per warning (installed versions differ from the run's).
 
     Raises:
-        InputError: a bad run directory, data file, `steps`, `batch_size`, `ablate` or
-            `ablation` (see `eval_tokens`).
+        InputError: a bad run directory or data file, a head of `options.ablate` the model does
+            not have (see `eval_tokens`, `ablation.parse_ablate`).
     """
-    if steps is not None and steps < 1:
-        raise InputError(f"--steps ({steps}) must be a positive number of batches.")
-    if batch_size is not None and batch_size < 1:
-        raise InputError(f"--batch-size ({batch_size}) must be positive.")
-    ablation = check_method(ablation or "zero") if ablate else ablation
-    if ablation is not None and not ablate:
-        check_method(ablation)
-        raise InputError(
-            f"--ablation {ablation} says how --ablate removes heads: give --ablate L.H (or L) too."
-        )
     t0 = time.perf_counter()
-    dev = resolve_device(device, what="--device")
-    run = load_run(checkpoint, weights=weights, device=dev, notify=notify)
+    dev = resolve_device(options.device, what="--device")
+    run = load_run(checkpoint, weights=options.weights, device=dev, notify=notify)
+    ablate, steps = options.ablate, options.steps
     head_mask = None
     if ablate:
         head_mask = parse_ablate(ablate, run.model.n_layer, run.model.n_head).to(dev)
     tokens, label = eval_tokens(run, data)
-    ctx, batch_size = run.config.model.context_length, batch_size or run.config.train.batch_size
+    ctx = run.config.model.context_length
+    batch_size = options.batch_size or run.config.train.batch_size
     head_mean = None
-    if ablate and ablation == "mean":
+    if options.method == "mean":
         starts = window_starts(len(tokens), ctx, batch_size, steps)
         head_mean = head_means(run.model, window_batches(tokens, ctx, starts, dev))
     hooks = {} if head_mask is None else ablation_hooks(head_mask, head_mean)
@@ -305,7 +335,7 @@ def evaluate_run(
         bits_per_byte=totals.text_nats / math.log(2) / n_bytes if n_bytes else math.nan,
         elapsed_s=time.perf_counter() - t0,
         ablate=list(ablate),
-        ablation=ablation if ablate else None,
+        ablation=options.method,
     )
 
 
