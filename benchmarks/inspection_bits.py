@@ -122,9 +122,11 @@ def attention_dumps(today: Any, old: Any, baseline: dict, prompts: list) -> dict
     """Capture and dumps of `inspect-attention` for the prompts, both sides."""
     ours = capture.capture_prompts(today.model, prompts)
     theirs = baseline["attention.capture"].capture_prompts(old.model, prompts)
-    kwargs = {"prompts_ids": prompts, "induction": True}
-    dumps = attention.build_dumps(today.model, today.tokenizer, [], **kwargs)
-    old_dumps = baseline["attention.report"].build_dumps(old.model, old.tokenizer, [], **kwargs)
+    options = attention.InspectOptions(induction=True)
+    dumps = attention.build_dumps(today.model, today.tokenizer, [], options, prompts_ids=prompts)
+    old_dumps = baseline["attention.report"].build_dumps(
+        old.model, old.tokenizer, [], prompts_ids=prompts, induction=True
+    )
     return {
         "prompt_lengths": [len(ids) for ids in prompts],
         "logits": compare([lg for lg, _ in ours], [lg for lg, _ in theirs]),
@@ -160,7 +162,7 @@ def eval_ablate(run_dir: Path, baseline: dict, specs: list[str], steps: int) -> 
         kwargs = {"steps": steps, "device": "cpu"}
         if method is not None:
             kwargs |= {"ablate": specs, "ablation": method}
-        ours = evaluate.evaluate_run(run_dir, **kwargs).loss
+        ours = evaluate.evaluate_run(run_dir, None, evaluate.EvalOptions(**kwargs)).loss
         theirs = baseline["evaluate"].evaluate_run(run_dir, **kwargs).loss
         out[method or "none"] = {"today": ours, "baseline": theirs, **compare(ours, theirs)}
     return out
