@@ -161,39 +161,34 @@ def _loop(run: Run, progress: bool, on_step: Callable[[int], None] | None) -> Tr
         tc.max_steps, desc="train", unit="step", initial=state.step, enabled=progress and info.main
     )
     loop_start, loop_step = time.perf_counter(), state.step
-    last_log = (loop_start, state.tokens)  # tokens/s counts training steps only
+    speed = _TokenRate(loop_start, state.tokens)
     run.saved_at = loop_start
     with StopRequest(escalate=not info.enabled) as stop, logging_redirect_tqdm(), bar:
         try:
             while state.step < tc.max_steps:
                 lr = apply_lr(run.optimizer, state.step, tc)
-                is_log = _logs(state.step + 1, tc)  # the loop logs after this step
-                norm = _train_step(run, losses, want_norm=is_log)
+                due = _due(state.step + 1, tc)  # known before the step: a log step wants the norm
+                norm = _train_step(run, losses, want_norm=due.log)
                 state.step += 1
                 state.tokens += run.tokens_per_step
                 bar.update(1)
                 if on_step is not None:
                     on_step(state.step)
 
-                is_eval = state.step % tc.eval_interval == 0 or state.step == tc.max_steps
-                is_save = tc.save_interval is not None and state.step % tc.save_interval == 0
-                if not (is_log or is_save or (stop.requested and not info.enabled)):
-                    continue  # alone, a stop acts at once; under DDP at the next log step
+                # Alone, a stop acts at once; under DDP, every rank stops at the next log step.
+                stop_now = stop.requested and not info.enabled
+                if not (due.log or due.save or stop_now):
+                    continue
                 # The one place the host reads the device: losses, and every rank's flags.
                 step_losses, flags = losses.read(_flags(run, stop), info)
                 _check_finite(run, step_losses)
-                now = time.perf_counter()
-                tok_s = (state.tokens - last_log[1]) / max(now - last_log[0], 1e-9)
-                last_log = (now, state.tokens)
-                if is_log:  # (a stop between log steps writes no record)
+                tok_s = speed.read(state.tokens)
+                if due.log:  # (a stop between log steps writes no record)
                     _log(run, bar, lr, step_losses[-1], tok_s, norm)
-                if is_eval:
-                    best = _evaluate(run, lr)
+                if due.evaluate or due.save or flags.timed_save:
+                    best = _evaluate(run, lr) if due.evaluate else False  # each evaluation saves
                     _save(run, best)
-                elif is_save or flags.save_due:
-                    _save(run, best=False)  # resume state between evaluations
-                if is_eval or is_save or flags.save_due:
-                    last_log = (time.perf_counter(), state.tokens)
+                    speed.restart(state.tokens)  # tokens/s leaves evaluations and saves out
                 if flags.stop:
                     _stop(run, preempted=flags.terminated)
         finally:
@@ -210,9 +205,24 @@ def _loop(run: Run, progress: bool, on_step: Callable[[int], None] | None) -> Tr
 # ---------------------------------------------------------------------------------------------
 
 
-def _logs(step: int, tc: TrainConfig) -> bool:
-    """Whether the loop logs (and so evaluates or saves, if due) after `step`."""
-    return step % tc.log_interval == 0 or step % tc.eval_interval == 0 or step == tc.max_steps
+@dataclass(frozen=True)
+class _Due:
+    """What the schedule asks of the loop after a step, besides the step itself."""
+
+    log: bool  # read the losses and flags, write a record (every evaluation logs too)
+    evaluate: bool  # estimate the losses, then save
+    save: bool  # save the resume state (`train.save_interval`)
+
+
+def _due(step: int, tc: TrainConfig) -> _Due:
+    """What the loop does after `step`, by `train.log_interval`, `eval_interval`, `max_steps`
+    and `save_interval`; saves by the clock and stops are `_Flags`."""
+    evaluate = step % tc.eval_interval == 0 or step == tc.max_steps
+    return _Due(
+        log=evaluate or step % tc.log_interval == 0,
+        evaluate=evaluate,
+        save=tc.save_interval is not None and step % tc.save_interval == 0,
+    )
 
 
 def _train_step(run: Run, losses: _LossBuffer, want_norm: bool) -> torch.Tensor | None:
@@ -237,11 +247,12 @@ def _train_step(run: Run, losses: _LossBuffer, want_norm: bool) -> torch.Tensor 
 
 @dataclass(frozen=True)
 class _Flags:
-    """What a rank asks of all of them at a sync step; after `_LossBuffer.read`, any rank's."""
+    """What a rank asks of all of them when the loop reads the device; after `_LossBuffer.read`,
+    what any rank asked."""
 
     stop: bool = False  # Ctrl-C or SIGTERM: save and stop
     terminated: bool = False  # ... by SIGTERM (a scheduler's preemption): exit status 143
-    save_due: bool = False  # `train.save_interval_s` passed since the last save
+    timed_save: bool = False  # `train.save_interval_s` passed since the last save
 
 
 def _flags(run: Run, stop: StopRequest) -> _Flags:
@@ -249,7 +260,7 @@ def _flags(run: Run, stop: StopRequest) -> _Flags:
     return _Flags(
         stop=stop.requested,
         terminated=stop.signum == signal.SIGTERM,
-        save_due=interval is not None and time.perf_counter() - run.saved_at >= interval,
+        timed_save=interval is not None and time.perf_counter() - run.saved_at >= interval,
     )
 
 
@@ -281,6 +292,23 @@ class _LossBuffer:
         self.values.zero_()
         losses, self.n = values[: self.n], 0
         return losses, _Flags(*(v > 0 for v in values[-self.N_FLAGS :]))
+
+
+class _TokenRate:
+    """Training tokens per second between reads; `restart` leaves evaluations and saves out."""
+
+    def __init__(self, start: float, tokens: int) -> None:
+        self.start, self.tokens = start, tokens
+
+    def read(self, tokens: int) -> float:
+        """Tokens per second since the last read or restart, which this read ends."""
+        now = time.perf_counter()
+        rate = (tokens - self.tokens) / max(now - self.start, 1e-9)
+        self.start, self.tokens = now, tokens
+        return rate
+
+    def restart(self, tokens: int) -> None:
+        self.start, self.tokens = time.perf_counter(), tokens
 
 
 def _check_finite(run: Run, step_losses: list[float]) -> None:
