@@ -1,4 +1,4 @@
-"""Config loading, validation messages and `--set` overrides (llmcli/config.py)."""
+"""Config loading, validation messages and `--set` overrides (llmcli/config/)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llmcli import config as config_module
 from llmcli.config import (
     Config,
     ModelConfig,
@@ -19,6 +18,7 @@ from llmcli.config import (
     load_config,
     shipped_configs,
 )
+from llmcli.config import shipped as shipped_module
 from llmcli.errors import ConfigError
 from llmcli.training.optim import lr_at
 
@@ -252,7 +252,7 @@ def test_a_missing_bundled_corpus_names_the_file(tmp_path: Path, monkeypatch) ->
     (tmp_path / "configs").mkdir()
     (tmp_path / "configs" / "tiny.yaml").write_text((ROOT / "configs" / "tiny.yaml").read_text())
     (tmp_path / "data").mkdir()  # a broken install: the corpus is gone
-    monkeypatch.setattr(config_module, "_PACKAGE_DIR", tmp_path / "llmcli")
+    monkeypatch.setattr(shipped_module, "_PACKAGE_DIR", tmp_path / "llmcli")
     with pytest.raises(ConfigError, match=r"bundled corpus '.*shakespeare.txt', which is missing"):
         load_config("tiny")
 

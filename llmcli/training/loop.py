@@ -1,10 +1,11 @@
-"""The training loop: build the model, data and optimizer, then step, log, evaluate and save.
+"""The training loop: build a run, then step, log, evaluate and save.
 
 `train(config)` trains the model `config.model` describes on the corpus `config.data` names and
 writes a run directory (layout in `llmcli.runs.directory`). One optimizer step is `grad_accum`
-micro-batches of `batch_size` sequences of `context_length` tokens on every rank. `_loop` is the
-whole loop, as in nanoGPT; what keeps a run safe sits beside it as named helpers: the resume
-state (`llmcli.training.state`), atomic saves (`llmcli.runs.directory`), precision
+micro-batches of `batch_size` sequences of `context_length` tokens on every rank. Everything the
+loop works with is built first (`llmcli.training.run`); `_loop` is the whole loop, as in nanoGPT;
+what keeps a run safe sits beside it as named helpers: the resume state
+(`llmcli.training.state`), atomic saves (`llmcli.runs.directory`), precision
 (`llmcli.training.precision`), agreement between ranks (`llmcli.training.distributed`) and Ctrl-C
 (`llmcli.training.interrupt`).
 
@@ -40,35 +41,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from llmcli.config import Config, TrainConfig
-from llmcli.data.tokenizer import Tokenizer
-from llmcli.data.tokens import BatchSampler, TokenData, prepare_data
 from llmcli.device import resolve_device
-from llmcli.errors import CheckpointError, InputError, describe_os_error
-from llmcli.fileio import remove_stale_temp_files
-from llmcli.hf.load import load_hf_weights, resolve_init_from
-from llmcli.model.gpt import Transformer
-from llmcli.progress import Progress, format_count
-from llmcli.runs.directory import (
-    METRICS_FILE,
-    PLOT_FILE,
-    default_run_dir,
-    prepare_run_dir,
-    resumes,
-    save_checkpoint,
-    write_config_and_tokenizer,
-)
-from llmcli.runs.loading import load_tokenizer_file
-from llmcli.runs.metrics import MetricsLog, plot_losses
-from llmcli.runs.trackers import check_available, open_trackers
+from llmcli.errors import InputError, describe_os_error
+from llmcli.progress import Progress
+from llmcli.runs.directory import METRICS_FILE, PLOT_FILE, default_run_dir, save_checkpoint
+from llmcli.runs.metrics import plot_losses
+from llmcli.runs.trackers import check_available
 from llmcli.runs.versions import record as record_versions
 from llmcli.training.distributed import (
     DistInfo,
-    agreed,
     dist_from_env,
     gather,
     mean_over_ranks,
@@ -76,16 +60,13 @@ from llmcli.training.distributed import (
 )
 from llmcli.training.evaluate import evaluate_loss, perplexity
 from llmcli.training.interrupt import Preempted, StopRequest
-from llmcli.training.memory import check_memory, out_of_memory_is_bad_input
-from llmcli.training.optim import apply_lr, build_optimizer
+from llmcli.training.memory import out_of_memory_is_bad_input
+from llmcli.training.optim import apply_lr
 from llmcli.training.precision import Precision
-from llmcli.training.state import ResumeState, TrainState, rng_state, seed_everything, set_rng_state
+from llmcli.training.run import Run, build_run, eval_samplers, open_run_files
+from llmcli.training.state import ResumeState, rng_state
 
 logger = logging.getLogger(__name__)
-
-# Evaluation batches come from their own samplers with this seed offset, re-created at every
-# evaluation: the same batches each time, and the training stream is never touched.
-EVAL_SEED_OFFSET = 1_000_003
 
 
 class DivergenceError(InputError):
@@ -114,41 +95,6 @@ class TrainSummary:
     resumed_from: int | None
     saves: int = 0  # checkpoints written in this session
     save_s: float | None = None  # the longest of them, seconds (what a preemption must allow)
-
-
-@dataclass
-class Run:
-    """Everything the loop works with, built by `_build`."""
-
-    config: Config
-    info: DistInfo
-    run_dir: Path
-    precision: Precision
-    data: TokenData
-    tokenizer: Tokenizer
-    model: Transformer  # the weights, unwrapped: what is saved
-    forward: nn.Module  # the model, compiled with train.compile: what evaluation runs
-    trainer: nn.Module  # the model, DDP-wrapped under torchrun: what training steps run
-    params: list[nn.Parameter]  # the model's parameters, for gradient clipping
-    optimizer: torch.optim.Optimizer
-    sampler: BatchSampler
-    state: TrainState
-    resumed_from: int | None = None  # the step a resumed run started from
-    metrics_bytes: int | None = None  # metrics.jsonl's size at the save resumed from
-    metrics: MetricsLog | None = None  # rank 0 only
-    saved_at: float = 0.0  # perf_counter() at the end of the last save (or the loop's start)
-    save_seconds: list[float] = dataclasses.field(default_factory=list)  # this session's saves
-
-    @property
-    def device(self) -> torch.device:
-        return self.precision.device
-
-    @property
-    def tokens_per_step(self) -> int:
-        tc = self.config.train
-        return (
-            tc.batch_size * self.config.model.context_length * tc.grad_accum * self.info.world_size
-        )
 
 
 def train(
@@ -192,7 +138,7 @@ def train(
     precision = Precision.resolve(device, config.train.dtype)
     run_dir = Path(out_dir) if out_dir is not None else default_run_dir(config)
     with process_group(info, device), out_of_memory_is_bad_input(device, run_dir):
-        run = _build(config, info, precision, run_dir, resume, overwrite, session_start)
+        run = build_run(config, info, precision, run_dir, resume, overwrite, session_start)
         if run.state.step >= config.train.max_steps:
             if info.main:
                 logger.info(
@@ -203,7 +149,7 @@ def train(
                     config.train.max_steps,
                 )
             return _summary(run, run.state.elapsed_base, None)
-        _open_run_files(run)
+        open_run_files(run)
         return _loop(run, progress, on_step)
 
 
@@ -215,39 +161,34 @@ def _loop(run: Run, progress: bool, on_step: Callable[[int], None] | None) -> Tr
         tc.max_steps, desc="train", unit="step", initial=state.step, enabled=progress and info.main
     )
     loop_start, loop_step = time.perf_counter(), state.step
-    last_log = (loop_start, state.tokens)  # tokens/s counts training steps only
+    speed = _TokenRate(loop_start, state.tokens)
     run.saved_at = loop_start
     with StopRequest(escalate=not info.enabled) as stop, logging_redirect_tqdm(), bar:
         try:
             while state.step < tc.max_steps:
                 lr = apply_lr(run.optimizer, state.step, tc)
-                is_log = _logs(state.step + 1, tc)  # the loop logs after this step
-                norm = _train_step(run, losses, want_norm=is_log)
+                due = _due(state.step + 1, tc)  # known before the step: a log step wants the norm
+                norm = _train_step(run, losses, want_norm=due.log)
                 state.step += 1
                 state.tokens += run.tokens_per_step
                 bar.update(1)
                 if on_step is not None:
                     on_step(state.step)
 
-                is_eval = state.step % tc.eval_interval == 0 or state.step == tc.max_steps
-                is_save = tc.save_interval is not None and state.step % tc.save_interval == 0
-                if not (is_log or is_save or (stop.requested and not info.enabled)):
-                    continue  # alone, a stop acts at once; under DDP at the next log step
+                # Alone, a stop acts at once; under DDP, every rank stops at the next log step.
+                stop_now = stop.requested and not info.enabled
+                if not (due.log or due.save or stop_now):
+                    continue
                 # The one place the host reads the device: losses, and every rank's flags.
                 step_losses, flags = losses.read(_flags(run, stop), info)
                 _check_finite(run, step_losses)
-                now = time.perf_counter()
-                tok_s = (state.tokens - last_log[1]) / max(now - last_log[0], 1e-9)
-                last_log = (now, state.tokens)
-                if is_log:  # (a stop between log steps writes no record)
+                tok_s = speed.read(state.tokens)
+                if due.log:  # (a stop between log steps writes no record)
                     _log(run, bar, lr, step_losses[-1], tok_s, norm)
-                if is_eval:
-                    best = _evaluate(run, lr)
+                if due.evaluate or due.save or flags.timed_save:
+                    best = _evaluate(run, lr) if due.evaluate else False  # each evaluation saves
                     _save(run, best)
-                elif is_save or flags.save_due:
-                    _save(run, best=False)  # resume state between evaluations
-                if is_eval or is_save or flags.save_due:
-                    last_log = (time.perf_counter(), state.tokens)
+                    speed.restart(state.tokens)  # tokens/s leaves evaluations and saves out
                 if flags.stop:
                     _stop(run, preempted=flags.terminated)
         finally:
@@ -264,9 +205,24 @@ def _loop(run: Run, progress: bool, on_step: Callable[[int], None] | None) -> Tr
 # ---------------------------------------------------------------------------------------------
 
 
-def _logs(step: int, tc: TrainConfig) -> bool:
-    """Whether the loop logs (and so evaluates or saves, if due) after `step`."""
-    return step % tc.log_interval == 0 or step % tc.eval_interval == 0 or step == tc.max_steps
+@dataclass(frozen=True)
+class _Due:
+    """What the schedule asks of the loop after a step, besides the step itself."""
+
+    log: bool  # read the losses and flags, write a record (every evaluation logs too)
+    evaluate: bool  # estimate the losses, then save
+    save: bool  # save the resume state (`train.save_interval`)
+
+
+def _due(step: int, tc: TrainConfig) -> _Due:
+    """What the loop does after `step`, by `train.log_interval`, `eval_interval`, `max_steps`
+    and `save_interval`; saves by the clock and stops are `_Flags`."""
+    evaluate = step % tc.eval_interval == 0 or step == tc.max_steps
+    return _Due(
+        log=evaluate or step % tc.log_interval == 0,
+        evaluate=evaluate,
+        save=tc.save_interval is not None and step % tc.save_interval == 0,
+    )
 
 
 def _train_step(run: Run, losses: _LossBuffer, want_norm: bool) -> torch.Tensor | None:
@@ -291,11 +247,12 @@ def _train_step(run: Run, losses: _LossBuffer, want_norm: bool) -> torch.Tensor 
 
 @dataclass(frozen=True)
 class _Flags:
-    """What a rank asks of all of them at a sync step; after `_LossBuffer.read`, any rank's."""
+    """What a rank asks of all of them when the loop reads the device; after `_LossBuffer.read`,
+    what any rank asked."""
 
     stop: bool = False  # Ctrl-C or SIGTERM: save and stop
     terminated: bool = False  # ... by SIGTERM (a scheduler's preemption): exit status 143
-    save_due: bool = False  # `train.save_interval_s` passed since the last save
+    timed_save: bool = False  # `train.save_interval_s` passed since the last save
 
 
 def _flags(run: Run, stop: StopRequest) -> _Flags:
@@ -303,7 +260,7 @@ def _flags(run: Run, stop: StopRequest) -> _Flags:
     return _Flags(
         stop=stop.requested,
         terminated=stop.signum == signal.SIGTERM,
-        save_due=interval is not None and time.perf_counter() - run.saved_at >= interval,
+        timed_save=interval is not None and time.perf_counter() - run.saved_at >= interval,
     )
 
 
@@ -335,6 +292,23 @@ class _LossBuffer:
         self.values.zero_()
         losses, self.n = values[: self.n], 0
         return losses, _Flags(*(v > 0 for v in values[-self.N_FLAGS :]))
+
+
+class _TokenRate:
+    """Training tokens per second between reads; `restart` leaves evaluations and saves out."""
+
+    def __init__(self, start: float, tokens: int) -> None:
+        self.start, self.tokens = start, tokens
+
+    def read(self, tokens: int) -> float:
+        """Tokens per second since the last read or restart, which this read ends."""
+        now = time.perf_counter()
+        rate = (tokens - self.tokens) / max(now - self.start, 1e-9)
+        self.start, self.tokens = now, tokens
+        return rate
+
+    def restart(self, tokens: int) -> None:
+        self.start, self.tokens = time.perf_counter(), tokens
 
 
 def _check_finite(run: Run, step_losses: list[float]) -> None:
@@ -383,7 +357,7 @@ def _log(
 def _evaluate(run: Run, lr: float) -> bool:
     """Estimate the train and val loss, log them, redraw the curve; True for a new best."""
     losses = evaluate_loss(
-        run.forward, _eval_samplers(run), run.config.train.eval_steps, run.precision, run.info
+        run.forward, eval_samplers(run), run.config.train.eval_steps, run.precision, run.info
     )
     state, val = run.state, losses["val"]
     if not math.isfinite(val):
@@ -477,203 +451,6 @@ def _save(run: Run, best: bool) -> None:
     state.last_saved = state.step
     run.saved_at = time.perf_counter()
     run.save_seconds.append(run.saved_at - start)
-
-
-def _eval_samplers(run: Run) -> dict[str, BatchSampler]:
-    """Fresh samplers over both splits, seeded apart from the training stream."""
-    tc, info = run.config.train, run.info
-    return {
-        split: BatchSampler(
-            tokens,
-            tc.batch_size,
-            run.config.model.context_length,
-            seed=tc.seed + EVAL_SEED_OFFSET,
-            rank=info.rank,
-            world_size=info.world_size,
-            device=run.device,
-        )
-        for split, tokens in (("train", run.data.train), ("val", run.data.val))
-    }
-
-
-# ---------------------------------------------------------------------------------------------
-# Building a run
-# ---------------------------------------------------------------------------------------------
-
-
-def _build(
-    config: Config,
-    info: DistInfo,
-    precision: Precision,
-    run_dir: Path,
-    resume: bool | str,
-    overwrite: bool,
-    session_start: float,
-) -> Run:
-    """The run directory, data, model, optimizer and samplers, restored from a save if resuming.
-
-    Every rank checks each stage with the others (`agreed`) before going on, so that a bad
-    input on one rank stops them all with its message.
-    """
-    tc, device = config.train, precision.device
-    if tc.init_from:  # a Hugging Face folder sets the model's shape and the tokenizer
-        config = resolve_init_from(config)
-    saved, data = _prepare(config, info, device, run_dir, resume, overwrite)
-    vocab = int(data.tokenizer.vocab_size)
-    check_memory(config, vocab, device)
-    model = Transformer(config.model, vocab, generator=torch.Generator().manual_seed(tc.seed))
-    if tc.init_from and saved is None:  # a resumed run's weights come from its state
-        load_hf_weights(model, tc.init_from)
-    model.to(device)
-    optimizer = build_optimizer(model, tc, device.type)
-    seed_everything(tc.seed + info.rank)
-    with agreed(info, device):
-        sampler = BatchSampler(
-            data.train,
-            tc.batch_size,
-            config.model.context_length,
-            seed=tc.seed,
-            rank=info.rank,
-            world_size=info.world_size,
-            device=device,
-        )
-    run = Run(
-        config=config,
-        info=info,
-        run_dir=run_dir,
-        precision=precision,
-        data=data,
-        tokenizer=data.tokenizer,
-        model=model,
-        forward=model,
-        trainer=model,
-        params=list(model.parameters()),
-        optimizer=optimizer,
-        sampler=sampler,
-        state=TrainState(session_start=session_start),
-    )
-    with agreed(info, device):
-        _eval_samplers(run)  # a corpus too small for the batch and context fails here, not later
-    if saved is not None:
-        _restore(run, saved)
-    run.forward = run.trainer = torch.compile(model) if tc.compile else model
-    if info.enabled:
-        device_ids = [device.index] if device.type == "cuda" else None
-        run.trainer = DistributedDataParallel(run.forward, device_ids=device_ids)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    return run
-
-
-def _prepare(
-    config: Config,
-    info: DistInfo,
-    device: torch.device,
-    run_dir: Path,
-    resume: bool | str,
-    overwrite: bool,
-) -> tuple[ResumeState | None, TokenData]:
-    """Check the run directory, load the resume state, tokenize the data: (saved state, data)."""
-    saved: ResumeState | None = None
-    resume = resumes(run_dir, resume)  # before rank 0 prepares the folder
-    with agreed(info, device):
-        if info.main:
-            prepare_run_dir(run_dir, resume, overwrite)
-    with agreed(info, device):
-        if resume:
-            saved = ResumeState.load(run_dir)
-    with agreed(info, device):
-        _check_same_save(saved, run_dir, info)
-    tokenizer = load_tokenizer_file(run_dir) if resume else None
-    # Rank 0 tokenizes first and fills the cache; the others then read it.
-    data = None
-    with agreed(info, device):
-        if info.main:
-            data = prepare_data(config.data, config.model.context_length, tokenizer=tokenizer)
-    with agreed(info, device):
-        if not info.main:
-            data = prepare_data(config.data, config.model.context_length, tokenizer=tokenizer)
-    assert data is not None
-    if saved is not None:
-        saved.check_fits(config, run_dir, int(data.tokenizer.vocab_size))
-        if saved.source_hash not in (None, data.source_hash) and info.main:
-            logger.warning(
-                "the corpus changed since this run was saved: the resumed run will "
-                "not match an uninterrupted one"
-            )
-    return saved, data
-
-
-def _check_same_save(saved: ResumeState | None, run_dir: Path, info: DistInfo) -> None:
-    """Every rank starts from the same save (or none): a restarted group must agree on the
-    step, or the ranks' weights would differ from the first step on."""
-    steps = gather(None if saved is None else saved.counters.step, info)
-    if len(set(steps)) > 1:
-        raise CheckpointError(
-            f"the ranks read different resume states from '{run_dir}' (steps by rank: "
-            f"{steps}): every rank must see the same run directory, on a shared file system."
-        )
-
-
-def _restore(run: Run, saved: ResumeState) -> None:
-    """Load a resume state into the run's model, optimizer, precision, RNGs and sampler."""
-    info = run.info
-    run.model.load_state_dict(saved.model)
-    # Moments and step counts from the save; hyperparameters from today's config.
-    groups = run.optimizer.param_groups
-    fresh = [{k: v for k, v in g.items() if k != "params"} for g in groups]
-    run.optimizer.load_state_dict(saved.optimizer)
-    for group, values in zip(run.optimizer.param_groups, fresh, strict=True):
-        group.update(values)
-    run.precision.load_state_dict(saved.scaler)
-    saved_world = len(saved.rng)
-    if saved_world != info.world_size and info.main:
-        logger.warning(
-            "resuming a %d-process run with %d processes: batches and random "
-            "numbers will differ from an uninterrupted run",
-            saved_world,
-            info.world_size,
-        )
-    own = min(info.rank, saved_world - 1)
-    set_rng_state(saved.rng[own], run.device)
-    run.sampler.load_state_dict(saved.sampler[own])
-    # The saved counters, with this session's time counted from its start.
-    run.state = dataclasses.replace(saved.counters, session_start=run.state.session_start)
-    run.resumed_from = run.state.step
-    run.metrics_bytes = saved.metrics_bytes
-
-
-def _open_run_files(run: Run) -> None:
-    """Rank 0: write config.yaml and tokenizer.json, open metrics.jsonl, say what starts."""
-    if not run.info.main:
-        return
-    tc, state, info = run.config.train, run.state, run.info
-    remove_stale_temp_files(run.run_dir)
-    keep = run.metrics_bytes if run.resumed_from is not None else None
-    try:
-        write_config_and_tokenizer(run.run_dir, run.config, run.tokenizer)
-        trackers = open_trackers(run.config, run.run_dir, run.resumed_from)
-        run.metrics = MetricsLog(run.run_dir / METRICS_FILE, keep, trackers)
-    except OSError as exc:
-        raise CheckpointError(
-            f"cannot write the run files in '{run.run_dir}': {describe_os_error(exc)}. "
-            "Any checkpoint saved there is intact; fix the problem and run again."
-        ) from None
-    for note in tc.short_run_notes():
-        logger.warning(note)
-    logger.info(
-        "%s run '%s': %s parameters, %s on %s%s, %d tokens per step, steps %d..%d",
-        "resuming" if run.resumed_from is not None else "starting",
-        run.run_dir,
-        format_count(run.model.num_parameters()),
-        run.precision.name,
-        run.device,
-        f" x{info.world_size}" if info.enabled else "",
-        run.tokens_per_step,
-        state.step + 1,
-        tc.max_steps,
-    )
 
 
 def _finite(value: float) -> float | None:

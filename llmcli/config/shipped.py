@@ -1,0 +1,94 @@
+"""The configs shipped with llmcli, found by name, and the bundled corpora they train on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from llmcli.errors import ConfigError
+
+# In a wheel the shipped configs and corpora are package data (`llmcli/configs/`,
+# `llmcli/corpora/`); in a checkout (or an editable install) they are the repository's top-level
+# `configs/` and `data/`, the single source the wheel is built from.
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]  # llmcli/
+_SHIPPED = {"configs": ("configs", "configs"), "corpora": ("corpora", "data")}
+
+
+def shipped_dir(kind: Literal["configs", "corpora"]) -> Path:
+    """The folder of the shipped configs or of the bundled corpora, installed or in a checkout."""
+    inside, checkout = _SHIPPED[kind]
+    installed = _PACKAGE_DIR / inside
+    return installed if installed.is_dir() else _PACKAGE_DIR.parent / checkout
+
+
+def shipped_configs() -> dict[str, Path]:
+    """Name -> file of every shipped config (`tiny` -> `.../configs/tiny.yaml`), sorted."""
+    folder = shipped_dir("configs")
+    return {p.stem: p for p in sorted(folder.glob("*.yaml"))} if folder.is_dir() else {}
+
+
+def describe_shipped() -> list[tuple[str, str]]:
+    """(name, the first line of its leading comment) for every shipped config."""
+    rows = []
+    for name, path in shipped_configs().items():
+        first = next(
+            (
+                line
+                for line in path.read_text(encoding="utf-8").splitlines()
+                if line.startswith("#")
+            ),
+            "#",
+        )
+        rows.append((name, first.lstrip("#").strip()))
+    return rows
+
+
+def find_config(spec: str | Path) -> tuple[Path, bool]:
+    """The config file `spec` names, and whether it is a shipped one.
+
+    `spec` is a path to a YAML file, or the name of a shipped config (`tiny`, `tiny.yaml`).
+    A file that exists wins over a shipped name.
+
+    Raises:
+        ConfigError: `spec` is neither; the message lists the shipped names.
+    """
+    path = Path(spec)
+    shipped = shipped_configs()
+    if path.exists():
+        folder = shipped_dir("configs").resolve()
+        return path, path.is_file() and path.resolve().parent == folder
+    name = path.name[: -len(".yaml")] if path.name.endswith(".yaml") else path.name
+    if len(path.parts) == 1 and name in shipped:
+        return shipped[name], True
+    names = ", ".join(shipped) or "none (this installation lacks its configs: reinstall llmcli)"
+    raise ConfigError(
+        f"config {str(spec)!r} does not exist, as a file or as a shipped config: check the path, "
+        f"or give one of the shipped names: {names} (`llmcli config --list` describes them)."
+    )
+
+
+def bundled_paths(raw: Any, source: Path) -> Any:
+    """A shipped config's relative `data/...` paths, pointed at the bundled corpora.
+
+    Shipped configs name their corpus relative to the project (`data/shakespeare.txt`), which
+    exists only in a checkout's root; this makes them work from any folder and in a wheel.
+    """
+    data = raw.get("data") if isinstance(raw, dict) else None
+    if not isinstance(data, dict):
+        return raw
+    data = dict(data)
+    for key in ("path", "val_path"):
+        value = data.get(key)
+        if not isinstance(value, str) or Path(value).is_absolute():
+            continue
+        parts = Path(value).parts
+        if parts and parts[0] == "data":
+            bundled = shipped_dir("corpora").joinpath(*parts[1:])
+            if not bundled.exists():
+                raise ConfigError(
+                    f"the shipped config {str(source)!r} trains on the bundled corpus "
+                    f"{str(bundled)!r}, which is missing: this installation of llmcli is "
+                    "incomplete, reinstall it (or give data.path with --set)."
+                )
+            data[key] = str(bundled)
+    return {**raw, "data": data}

@@ -1,0 +1,276 @@
+"""A run: what the training loop works with, and how it is built, or restored from a save.
+
+`build_run` makes the run directory ready (a fresh start or a resume), tokenizes the corpus, builds
+the model, optimizer and batch sampler, loads the resume state into them when resuming, and wraps
+the model for `train.compile` and DDP. Every rank checks each stage with the others (`agreed`)
+before going on, so that a bad input on one rank stops them all with its message.
+`open_run_files` then writes the run's config and tokenizer and opens `metrics.jsonl`, cut back to
+what it held at the save a run resumes from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from llmcli.config import Config
+from llmcli.data.tokenizer import Tokenizer
+from llmcli.data.tokens import BatchSampler, TokenData, prepare_data
+from llmcli.errors import CheckpointError, describe_os_error
+from llmcli.fileio import remove_stale_temp_files
+from llmcli.hf.load import load_hf_weights, resolve_init_from
+from llmcli.model.gpt import Transformer
+from llmcli.progress import format_count
+from llmcli.runs.directory import (
+    METRICS_FILE,
+    prepare_run_dir,
+    resumes,
+    write_config_and_tokenizer,
+)
+from llmcli.runs.loading import load_tokenizer_file
+from llmcli.runs.metrics import MetricsLog
+from llmcli.runs.trackers import open_trackers
+from llmcli.training.distributed import DistInfo, agreed, gather
+from llmcli.training.memory import check_memory
+from llmcli.training.optim import build_optimizer
+from llmcli.training.precision import Precision
+from llmcli.training.state import ResumeState, TrainState, seed_everything, set_rng_state
+
+logger = logging.getLogger(__name__)
+
+# Evaluation batches come from their own samplers with this seed offset, re-created at every
+# evaluation: the same batches each time, and the training stream is never touched.
+EVAL_SEED_OFFSET = 1_000_003
+
+
+@dataclass
+class Run:
+    """Everything the loop works with, built by `build_run`."""
+
+    config: Config
+    info: DistInfo
+    run_dir: Path
+    precision: Precision
+    data: TokenData
+    tokenizer: Tokenizer
+    model: Transformer  # the weights, unwrapped: what is saved
+    forward: nn.Module  # the model, compiled with train.compile: what evaluation runs
+    trainer: nn.Module  # the model, DDP-wrapped under torchrun: what training steps run
+    params: list[nn.Parameter]  # the model's parameters, for gradient clipping
+    optimizer: torch.optim.Optimizer
+    sampler: BatchSampler
+    state: TrainState
+    resumed_from: int | None = None  # the step a resumed run started from
+    metrics_bytes: int | None = None  # metrics.jsonl's size at the save resumed from
+    metrics: MetricsLog | None = None  # rank 0 only
+    saved_at: float = 0.0  # perf_counter() at the end of the last save (or the loop's start)
+    save_seconds: list[float] = dataclasses.field(default_factory=list)  # this session's saves
+
+    @property
+    def device(self) -> torch.device:
+        return self.precision.device
+
+    @property
+    def tokens_per_step(self) -> int:
+        tc = self.config.train
+        return (
+            tc.batch_size * self.config.model.context_length * tc.grad_accum * self.info.world_size
+        )
+
+
+def build_run(
+    config: Config,
+    info: DistInfo,
+    precision: Precision,
+    run_dir: Path,
+    resume: bool | str,
+    overwrite: bool,
+    session_start: float,
+) -> Run:
+    """The run directory, data, model, optimizer and samplers, restored from a save if resuming.
+
+    Every rank checks each stage with the others (`agreed`) before going on, so that a bad
+    input on one rank stops them all with its message.
+    """
+    tc, device = config.train, precision.device
+    if tc.init_from:  # a Hugging Face folder sets the model's shape and the tokenizer
+        config = resolve_init_from(config)
+    saved, data = _prepare(config, info, device, run_dir, resume, overwrite)
+    vocab = int(data.tokenizer.vocab_size)
+    check_memory(config, vocab, device)
+    model = Transformer(config.model, vocab, generator=torch.Generator().manual_seed(tc.seed))
+    if tc.init_from and saved is None:  # a resumed run's weights come from its state
+        load_hf_weights(model, tc.init_from)
+    model.to(device)
+    optimizer = build_optimizer(model, tc, device.type)
+    seed_everything(tc.seed + info.rank)
+    with agreed(info, device):
+        sampler = BatchSampler(
+            data.train,
+            tc.batch_size,
+            config.model.context_length,
+            seed=tc.seed,
+            rank=info.rank,
+            world_size=info.world_size,
+            device=device,
+        )
+    run = Run(
+        config=config,
+        info=info,
+        run_dir=run_dir,
+        precision=precision,
+        data=data,
+        tokenizer=data.tokenizer,
+        model=model,
+        forward=model,
+        trainer=model,
+        params=list(model.parameters()),
+        optimizer=optimizer,
+        sampler=sampler,
+        state=TrainState(session_start=session_start),
+    )
+    with agreed(info, device):
+        eval_samplers(run)  # a corpus too small for the batch and context fails here, not later
+    if saved is not None:
+        _restore(run, saved)
+    run.forward = run.trainer = torch.compile(model) if tc.compile else model
+    if info.enabled:
+        device_ids = [device.index] if device.type == "cuda" else None
+        run.trainer = DistributedDataParallel(run.forward, device_ids=device_ids)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    return run
+
+
+def _prepare(
+    config: Config,
+    info: DistInfo,
+    device: torch.device,
+    run_dir: Path,
+    resume: bool | str,
+    overwrite: bool,
+) -> tuple[ResumeState | None, TokenData]:
+    """Check the run directory, load the resume state, tokenize the data: (saved state, data)."""
+    saved: ResumeState | None = None
+    resume = resumes(run_dir, resume)  # before rank 0 prepares the folder
+    with agreed(info, device):
+        if info.main:
+            prepare_run_dir(run_dir, resume, overwrite)
+    with agreed(info, device):
+        if resume:
+            saved = ResumeState.load(run_dir)
+    with agreed(info, device):
+        _check_same_save(saved, run_dir, info)
+    tokenizer = load_tokenizer_file(run_dir) if resume else None
+    # Rank 0 tokenizes first and fills the cache; the others then read it.
+    data = None
+    with agreed(info, device):
+        if info.main:
+            data = prepare_data(config.data, config.model.context_length, tokenizer=tokenizer)
+    with agreed(info, device):
+        if not info.main:
+            data = prepare_data(config.data, config.model.context_length, tokenizer=tokenizer)
+    assert data is not None
+    if saved is not None:
+        saved.check_fits(config, run_dir, int(data.tokenizer.vocab_size))
+        if saved.source_hash not in (None, data.source_hash) and info.main:
+            logger.warning(
+                "the corpus changed since this run was saved: the resumed run will "
+                "not match an uninterrupted one"
+            )
+    return saved, data
+
+
+def _check_same_save(saved: ResumeState | None, run_dir: Path, info: DistInfo) -> None:
+    """Every rank starts from the same save (or none): a restarted group must agree on the
+    step, or the ranks' weights would differ from the first step on."""
+    steps = gather(None if saved is None else saved.counters.step, info)
+    if len(set(steps)) > 1:
+        raise CheckpointError(
+            f"the ranks read different resume states from '{run_dir}' (steps by rank: "
+            f"{steps}): every rank must see the same run directory, on a shared file system."
+        )
+
+
+def _restore(run: Run, saved: ResumeState) -> None:
+    """Load a resume state into the run's model, optimizer, precision, RNGs and sampler."""
+    info = run.info
+    run.model.load_state_dict(saved.model)
+    # Moments and step counts from the save; hyperparameters from today's config.
+    groups = run.optimizer.param_groups
+    fresh = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+    run.optimizer.load_state_dict(saved.optimizer)
+    for group, values in zip(run.optimizer.param_groups, fresh, strict=True):
+        group.update(values)
+    run.precision.load_state_dict(saved.scaler)
+    saved_world = len(saved.rng)
+    if saved_world != info.world_size and info.main:
+        logger.warning(
+            "resuming a %d-process run with %d processes: batches and random "
+            "numbers will differ from an uninterrupted run",
+            saved_world,
+            info.world_size,
+        )
+    own = min(info.rank, saved_world - 1)
+    set_rng_state(saved.rng[own], run.device)
+    run.sampler.load_state_dict(saved.sampler[own])
+    # The saved counters, with this session's time counted from its start.
+    run.state = dataclasses.replace(saved.counters, session_start=run.state.session_start)
+    run.resumed_from = run.state.step
+    run.metrics_bytes = saved.metrics_bytes
+
+
+def eval_samplers(run: Run) -> dict[str, BatchSampler]:
+    """Fresh samplers over both splits, seeded apart from the training stream."""
+    tc, info = run.config.train, run.info
+    return {
+        split: BatchSampler(
+            tokens,
+            tc.batch_size,
+            run.config.model.context_length,
+            seed=tc.seed + EVAL_SEED_OFFSET,
+            rank=info.rank,
+            world_size=info.world_size,
+            device=run.device,
+        )
+        for split, tokens in (("train", run.data.train), ("val", run.data.val))
+    }
+
+
+def open_run_files(run: Run) -> None:
+    """Rank 0: write config.yaml and tokenizer.json, open metrics.jsonl, say what starts."""
+    if not run.info.main:
+        return
+    tc, state, info = run.config.train, run.state, run.info
+    remove_stale_temp_files(run.run_dir)
+    keep = run.metrics_bytes if run.resumed_from is not None else None
+    try:
+        write_config_and_tokenizer(run.run_dir, run.config, run.tokenizer)
+        trackers = open_trackers(run.config, run.run_dir, run.resumed_from)
+        run.metrics = MetricsLog(run.run_dir / METRICS_FILE, keep, trackers)
+    except OSError as exc:
+        raise CheckpointError(
+            f"cannot write the run files in '{run.run_dir}': {describe_os_error(exc)}. "
+            "Any checkpoint saved there is intact; fix the problem and run again."
+        ) from None
+    for note in tc.short_run_notes():
+        logger.warning(note)
+    logger.info(
+        "%s run '%s': %s parameters, %s on %s%s, %d tokens per step, steps %d..%d",
+        "resuming" if run.resumed_from is not None else "starting",
+        run.run_dir,
+        format_count(run.model.num_parameters()),
+        run.precision.name,
+        run.device,
+        f" x{info.world_size}" if info.enabled else "",
+        run.tokens_per_step,
+        state.step + 1,
+        tc.max_steps,
+    )
