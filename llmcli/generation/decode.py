@@ -2,10 +2,10 @@
 
 A decode step feeds one new token per row into a KV cache. Through `Transformer.forward` it makes
 about 40 module calls, each with `nn.Module.__call__`'s bookkeeping, and on a small model those
-cost more than the arithmetic. `Decoder` runs the same code, `Transformer.embedding`,
-`Block.forward`, `MultiHeadAttention.forward`, `MLP.forward` and `Transformer.to_logits`
-unchanged, on twins of the modules: plain objects whose `__call__` is the module class's
-`forward` and whose layers are plain functions of the same weights (the `addmm` that `F.linear`
+cost more than the arithmetic. `Decoder` runs the blocks' own code, `Block.forward`,
+`MultiHeadAttention.forward` and `MLP.forward` unchanged, on twins of the modules: plain objects
+whose `__call__` is the module class's `forward` and whose layers are plain functions of the
+same weights (the `addmm` that `F.linear`
 runs on a 2-D input, the norm's own `torch.layer_norm` / `torch.rms_norm`, `F.embedding`), with
 no hook points listening. The residual stream is `(B, C)`, one token per row, a layout
 `MultiHeadAttention.forward` takes for this. So there is one block to read, and the step
@@ -104,24 +104,21 @@ class _Block(_Twin):
         self.resid_pre = self.attn_out = self.resid_mid = self.mlp_out = self.resid_post = _same
 
 
-class Decoder(_Twin):
+class Decoder:
     """`Transformer.forward(idx, position_ids=..., kv_cache=cache)` for one token per row.
 
     Built once per generation from a model in eval mode; the model's weights must not be
-    replaced while it is in use (the functions hold them).
+    replaced while it is in use (the functions hold them). The embedding and the LM head around
+    the blocks are those of `Transformer.embedding` and `Transformer.to_logits` in the step's
+    `(B, C)` layout, with no hook point or dropout to pass (the model is in eval mode, unhooked).
     """
 
-    embedding = Transformer.embedding
-    run_blocks = Transformer.run_blocks
-    to_logits = Transformer.to_logits
-
     def __init__(self, model: Transformer) -> None:
-        self.config, self.context_length = model.config, model.context_length
-        wte = model.wte.weight
-        self.wte, self.wpe, self.embed = (lambda idx: F.embedding(idx, wte)), model.wpe, _same
+        self.wte = model.wte.weight  # (V, C)
+        self.wpe = None if model.wpe is None else model.wpe.weight  # (L, C)
         self.blocks = [_Block(block) for block in model.blocks]
-        self.ln_f, self.final_norm, self.lm_head = _norm(model.ln_f), _same, _linear(model.lm_head)
-        self.device_type = wte.device.type
+        self.ln_f, self.lm_head = _norm(model.ln_f), _linear(model.lm_head)
+        self.device_type = self.wte.device.type
 
     def __call__(self, idx: Tensor, cache: KVCache, position_ids: Tensor | None) -> Tensor:
         """Logits `(B, V)` of the token after `idx`.
@@ -131,13 +128,16 @@ class Decoder(_Twin):
             cache: the generation's cache, holding at least one position.
             position_ids: `(B, 1)` long positions of `idx`, or None for the cache length.
         """
-        idx = idx[:, None]  # (B, 1)
-        ctx = AttentionContext.build(
-            idx, self.context_length, position_ids=position_ids, kv_cache=cache
-        )
-        x = self.embedding(idx, ctx)[:, 0]  # (B, C): attention's one-token layout
-        x = self.run_blocks(x, ctx)  # (B, C)
-        return self.to_logits(x)  # (B, V)
+        ctx = AttentionContext.decode_step(cache, position_ids)
+        x = F.embedding(idx, self.wte)  # (B, C): one token per row
+        if self.wpe is not None:
+            if position_ids is None:
+                x = x + self.wpe[ctx.past]  # (B, C) + (C,)
+            else:
+                x = x + F.embedding(position_ids.view(-1), self.wpe)  # (B, C)
+        for block in self.blocks:
+            x = block(x, ctx)  # (B, C)
+        return self.lm_head(self.ln_f(x))  # (B, V)
 
 
 def decoder_for(model: Any) -> Decoder | None:

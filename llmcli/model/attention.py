@@ -82,6 +82,23 @@ class AttentionContext:
             mask, empty_rows = allowed_keys(mask, key_padding_mask)
         return cls(past, position_ids, kv_cache, mask, empty_rows)
 
+    @classmethod
+    def decode_step(cls, cache: KVCache, position_ids: Tensor | None = None) -> AttentionContext:
+        """The context of one new token per row after the cached positions (a decode step),
+        from inputs that generation made: `build` without its checks. The new tokens are real,
+        so no query is left without a key; the cache's padding, if any, is masked.
+
+        Args:
+            cache: the generation's cache.
+            position_ids: `(B, 1)` long positions of the new tokens, or None for the cache length.
+        """
+        past = cache.length
+        padding = padding_with_cache(None, cache, cache.batch_size, past, 1)  # (B, past+1) or None
+        if padding is None:
+            return cls(past, position_ids, cache)
+        mask = allowed_keys(causal_mask(1, past + 1, padding.device), padding)[0]  # (B,1,1,past+1)
+        return cls(past, position_ids, cache, mask)
+
 
 def causal_mask(T: int, T_k: int, device: torch.device | str | None = None) -> Tensor:
     """`(T, T_k)` bool, True where query i (at position `T_k - T + i`) may attend key j."""
@@ -118,9 +135,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext, dropout_p: fl
         -> `(B, nh, T, hs)`; a query with no key outputs zeros.
     """
     if ctx.mask is None:  # causal with T == T_k (SDPA's own mask), or one query seeing every key
-        return F.scaled_dot_product_attention(
-            q, k, v, dropout_p=dropout_p, is_causal=q.shape[2] > 1
-        )
+        # (attn_mask, dropout_p, is_causal) by position: parsing keywords shows on a decode step.
+        return F.scaled_dot_product_attention(q, k, v, None, dropout_p, q.shape[2] > 1)
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, dropout_p=dropout_p)
     return y if ctx.empty_rows is None else y.masked_fill(ctx.empty_rows, 0.0)  # (B, nh, T, hs)
 

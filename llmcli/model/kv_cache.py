@@ -14,6 +14,8 @@ from torch import Tensor, nn
 
 from llmcli.errors import InputError
 
+Views = tuple[Tensor, Tensor]  # a layer's keys and values at some positions
+
 
 class KVCache:
     """Keys and values of every attention layer, preallocated for `max_len` positions.
@@ -28,6 +30,10 @@ class KVCache:
     Cached states depend on absolute positions (and, past the first layer, on every earlier
     token), so generation beyond `max_len` cannot just drop the oldest entry: `reset()` and
     prefill the last window again (or `crop(n)` to go back to a shared prefix).
+
+    Without autograd (generation), the views a step writes and reads are kept for the steps
+    that come back to the same positions (see `_views`): at most four per position and layer,
+    a few hundred bytes each.
 
     Attributes:
         k, v: `(n_layer, B, nh, max_len, hs)`.
@@ -59,6 +65,7 @@ class KVCache:
         self.batch_size = batch_size
         self.max_len = max_len
         self._lengths = [0] * n_layer  # Python ints: no host-device sync to read them
+        self._kept: dict[tuple[int, int], tuple[tuple[Tensor, ...], ...]] = {}  # see _views
 
     @classmethod
     def for_model(
@@ -124,14 +131,35 @@ class KVCache:
                 f"the KV cache holds max_len = {self.max_len} positions; {past} are cached and "
                 f"{T} more do not fit: reset() or crop() the cache, or make a larger one"
             )
-        k_layer, v_layer = self._k_layers[layer_idx], self._v_layers[layer_idx]
-        k_layer.narrow(2, past, T).copy_(k)
-        v_layer.narrow(2, past, T).copy_(v)
+        (k_new, v_new), (k_all, v_all) = self._views(layer_idx, past, T)
+        k_new.copy_(k)
+        v_new.copy_(v)
         self._lengths[layer_idx] = past + T
-        return (
-            k_layer.narrow(2, 0, past + T),  # (B, nh, past + T, hs)
-            v_layer.narrow(2, 0, past + T),  # (B, nh, past + T, hs)
-        )
+        return k_all, v_all  # each (B, nh, past + T, hs)
+
+    def _views(self, layer_idx: int, past: int, T: int) -> tuple[Views, Views]:
+        """One layer's views `(B, nh, ., hs)` of the keys and values at the new positions
+        `past .. past + T - 1`, and at every position up to them.
+
+        Without autograd every layer's views of a step are made at once (the layers of a forward
+        write the same positions, and one `unbind` is cheaper than a view per layer) and kept,
+        for the steps that come back to the same positions (after a `reset`, a `shift` past the
+        context): on a small model, making views was most of the cache's cost per step. Under
+        autograd each layer makes its own, as writing to `unbind`'s views is refused there.
+        """
+        if torch.is_grad_enabled():
+            k, v = self._k_layers[layer_idx], self._v_layers[layer_idx]
+            new = k.narrow(2, past, T), v.narrow(2, past, T)
+            return new, (k.narrow(2, 0, past + T), v.narrow(2, 0, past + T))
+        views = self._kept.get((past, T))
+        if views is None:
+            views = self._kept[(past, T)] = tuple(
+                x.narrow(3, start, length).unbind(0)  # n_layer views (B, nh, length, hs)
+                for start, length in ((past, T), (0, past + T))
+                for x in (self.k, self.v)
+            )
+        k_new, v_new, k_all, v_all = views
+        return (k_new[layer_idx], v_new[layer_idx]), (k_all[layer_idx], v_all[layer_idx])
 
     def reset(self) -> None:
         """Forget everything cached (the memory is kept for reuse)."""
