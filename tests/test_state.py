@@ -1,7 +1,8 @@
 """The resume state (llmcli/training/state.py): what `state.pt` holds, and its checks on reading.
 
 The loop's own tests (test_train.py, test_crash.py) prove that a resume is exact; these pin the
-file's layout, so that a `state.pt` written by any earlier llmcli still loads.
+file's layout (the keys and types every llmcli so far has written) and the checks that refuse a
+damaged state with a message naming the file, before any of it is used.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from llmcli.errors import CheckpointError
 from llmcli.runs.directory import STATE_FILE
 from llmcli.runs.formats import WEIGHTS_FORMAT, load_state, save_state
-from llmcli.training.state import ResumeState, TrainState
+from llmcli.training.state import ResumeState, TrainState, rng_state
 
 # The keys of `state.pt`, in the order every llmcli so far has written them.
 KEYS = [
@@ -56,7 +57,7 @@ def make_state() -> ResumeState:
         model={"w": torch.arange(6.0).reshape(2, 3)},
         optimizer={"state": {}, "param_groups": [{"lr": 1e-3, "params": [0]}]},
         scaler={},
-        rng=[{"torch": torch.zeros(4, dtype=torch.uint8)}] * 2,
+        rng=[rng_state(torch.device("cpu"))] * 2,
         sampler=[{"batches": 20}, {"batches": 20}],
     )
 
@@ -97,6 +98,12 @@ def test_keys_a_state_may_lack_take_their_defaults(tmp_path: Path) -> None:
         ("last_eval", "1.5"),  # a key a state may lack, present with the wrong type
         ("best_val_loss", "low"),
         ("scaler", [0]),
+        ("step", True),  # a bool is no step count
+        ("step", -5),
+        ("metrics_bytes", -1),
+        ("config", {"model": {"n_layer": 1}, "train": []}),
+        ("optimizer", {"param_groups": []}),
+        ("rng", [{"torch": torch.zeros(4, dtype=torch.uint8)}] * 2),  # NumPy's, Python's missing
     ],
 )
 def test_a_malformed_state_is_refused_naming_the_file_and_the_key(
@@ -121,3 +128,54 @@ def test_rng_and_sampler_states_must_pair_up_by_rank(tmp_path: Path, rng, sample
     saved = {**make_state().to_dict(), "rng": rng, "sampler": sampler}
     with pytest.raises(CheckpointError, match="missing or wrong: rng, sampler"):
         ResumeState.from_dict(saved, tmp_path / STATE_FILE)
+
+
+def rename_a_weight(state: dict) -> None:
+    state["model"]["blockr.0.attn.qkv.weight"] = state["model"].pop("blocks.0.attn.qkv.weight")
+
+
+def shrink_a_weight(state: dict) -> None:
+    state["model"]["wte.weight"] = state["model"]["wte.weight"][:-1]
+
+
+def drop_a_param_group(state: dict) -> None:
+    state["optimizer"]["param_groups"].pop()
+
+
+def empty_the_sampler(state: dict) -> None:
+    state["sampler"] = [{}]
+
+
+def damage_the_torch_rng(state: dict) -> None:
+    state["rng"][0]["torch"] = state["rng"][0]["torch"][:10]
+
+
+@pytest.mark.slow  # trains a run to damage its save
+@pytest.mark.parametrize(
+    "damage",
+    [rename_a_weight, shrink_a_weight, drop_a_param_group, empty_the_sampler, damage_the_torch_rng],
+)
+def test_a_state_that_loads_but_does_not_fit_is_refused_with_exit_2(
+    small_corpus: Path, tmp_path: Path, damage, capsys
+) -> None:
+    import json
+
+    from conftest import small_run_config
+
+    from llmcli.cli import main
+
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps(small_run_config(small_corpus, max_steps=4, eval_interval=4)))
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", str(config), "--out", str(run), "--no-progress"])
+    assert exit_info.value.code == 0
+    state = torch.load(run / STATE_FILE, weights_only=True)
+    damage(state)
+    torch.save(state, run / STATE_FILE)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", str(config), "--out", str(run), "--resume", "--set", "train.max_steps=6"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert str(run / STATE_FILE) in err and "Traceback" not in err

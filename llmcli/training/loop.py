@@ -428,22 +428,10 @@ def _save(run: Run, best: bool) -> None:
             "world_size": info.world_size,
             "versions": record_versions(),
         }
-        resume_state = ResumeState(
-            counters=state,
-            metrics_bytes=run.metrics.size,
-            vocab_size=vocab,
-            source_hash=run.data.source_hash,
-            config=run.config.to_dict(),
-            model=run.model.state_dict(),
-            optimizer=run.optimizer.state_dict(),
-            scaler=run.precision.state_dict(),
-            rng=[rng for rng, _ in rngs_and_samplers],
-            sampler=[sampler for _, sampler in rngs_and_samplers],
-        )
         save_checkpoint(
             run.run_dir,
             run.model,
-            resume_state.to_dict(),
+            ResumeState.capture(run, rngs_and_samplers).to_dict(),
             meta,
             best=best,
             previous_step=state.last_saved,

@@ -40,7 +40,7 @@ from llmcli.training.distributed import DistInfo, agreed, gather
 from llmcli.training.memory import check_memory
 from llmcli.training.optim import build_optimizer
 from llmcli.training.precision import Precision
-from llmcli.training.state import ResumeState, TrainState, seed_everything, set_rng_state
+from llmcli.training.state import ResumeState, TrainState, seed_everything
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ def build_run(
     with agreed(info, device):
         eval_samplers(run)  # a corpus too small for the batch and context fails here, not later
     if saved is not None:
-        _restore(run, saved)
+        saved.restore(run)
     run.forward = run.trainer = torch.compile(model) if tc.compile else model
     if info.enabled:
         device_ids = [device.index] if device.type == "cuda" else None
@@ -197,34 +197,6 @@ def _check_same_save(saved: ResumeState | None, run_dir: Path, info: DistInfo) -
             f"the ranks read different resume states from '{run_dir}' (steps by rank: "
             f"{steps}): every rank must see the same run directory, on a shared file system."
         )
-
-
-def _restore(run: Run, saved: ResumeState) -> None:
-    """Load a resume state into the run's model, optimizer, precision, RNGs and sampler."""
-    info = run.info
-    run.model.load_state_dict(saved.model)
-    # Moments and step counts from the save; hyperparameters from today's config.
-    groups = run.optimizer.param_groups
-    fresh = [{k: v for k, v in g.items() if k != "params"} for g in groups]
-    run.optimizer.load_state_dict(saved.optimizer)
-    for group, values in zip(run.optimizer.param_groups, fresh, strict=True):
-        group.update(values)
-    run.precision.load_state_dict(saved.scaler)
-    saved_world = len(saved.rng)
-    if saved_world != info.world_size and info.main:
-        logger.warning(
-            "resuming a %d-process run with %d processes: batches and random "
-            "numbers will differ from an uninterrupted run",
-            saved_world,
-            info.world_size,
-        )
-    own = min(info.rank, saved_world - 1)
-    set_rng_state(saved.rng[own], run.device)
-    run.sampler.load_state_dict(saved.sampler[own])
-    # The saved counters, with this session's time counted from its start.
-    run.state = dataclasses.replace(saved.counters, session_start=run.state.session_start)
-    run.resumed_from = run.state.step
-    run.metrics_bytes = saved.metrics_bytes
 
 
 def eval_samplers(run: Run) -> dict[str, BatchSampler]:

@@ -2,8 +2,9 @@
 
 `TrainState` holds the loop's counters during a session. `ResumeState` is what a save writes to
 `state.pt` and a resume reads back: the counters, the model, the optimizer, the precision scaler,
-and every rank's RNG and batch-sampler states. It owns the file's keys (`to_dict`), the checks on
-reading them back (`load`) and whether a run can continue from them (`check_fits`);
+and every rank's RNG and batch-sampler states. It owns what is taken from a run (`capture`), the
+file's keys (`to_dict`), the checks on reading them back (`load`), whether a run can continue
+from them (`check_fits`) and putting them back into a run (`restore`);
 `llmcli.runs.formats` writes and reads the file itself (`torch.save` to a temporary name renamed
 into place; `torch.load(weights_only=True)`).
 
@@ -16,20 +17,28 @@ random numbers and, on CPU, ends with bitwise-identical weights.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from llmcli.config import Config
-from llmcli.errors import CheckpointError
+from llmcli.errors import CheckpointError, InputError
 from llmcli.runs.directory import CONFIG_FILE, STATE_FILE
-from llmcli.runs.formats import load_state
+from llmcli.runs.formats import load_state, load_weights
+
+if TYPE_CHECKING:
+    from llmcli.training.run import Run
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -127,6 +136,26 @@ class ResumeState:
     scaler: dict[str, Any]
     rng: list[dict[str, Any]]
     sampler: list[dict[str, Any]]
+    path: Path | None = field(default=None, compare=False)  # the file it was read from
+
+    @classmethod
+    def capture(cls, run: Run, rngs_and_samplers: list[tuple[Any, Any]]) -> ResumeState:
+        """What a save of `run` writes: its counters, weights, optimizer and precision state,
+        and every rank's RNG and sampler states (`rngs_and_samplers`, gathered from the ranks in
+        rank order). Rank 0 saves: it holds the metrics log, whose size the state records."""
+        assert run.metrics is not None, "only rank 0, which writes metrics.jsonl, saves"
+        return cls(
+            counters=run.state,
+            metrics_bytes=run.metrics.size,
+            vocab_size=int(run.tokenizer.vocab_size),
+            source_hash=run.data.source_hash,
+            config=run.config.to_dict(),
+            model=run.model.state_dict(),
+            optimizer=run.optimizer.state_dict(),
+            scaler=run.precision.state_dict(),
+            rng=[rng for rng, _ in rngs_and_samplers],
+            sampler=[sampler for _, sampler in rngs_and_samplers],
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """What `state.pt` holds (`save_state` adds its format tag): tensors and plain data
@@ -189,6 +218,7 @@ class ResumeState:
             scaler=saved.get("scaler") or {},
             rng=saved["rng"],
             sampler=saved["sampler"],
+            path=path,
         )
 
     def check_fits(self, config: Config, run_dir: Path, vocab: int) -> None:
@@ -224,24 +254,103 @@ class ResumeState:
                 f"model has {self.vocab_size}; the run's files come from different runs."
             )
 
+    def restore(self, run: Run) -> None:
+        """Put this state back into `run`: weights, optimizer moments (with today's
+        hyperparameters), precision scaler, this rank's RNG and sampler states, counters.
+
+        Raises:
+            CheckpointError: a part that does not fit the run (a damaged or foreign file),
+                naming the file and the part.
+        """
+        load_weights(run.model, self.model, self.path or STATE_FILE)
+        # Moments and step counts from the save; hyperparameters from today's config.
+        fresh = [{k: v for k, v in g.items() if k != "params"} for g in run.optimizer.param_groups]
+        self._part("optimizer", lambda: run.optimizer.load_state_dict(self.optimizer))
+        for group, values in zip(run.optimizer.param_groups, fresh, strict=True):
+            group.update(values)
+        self._part("scaler", lambda: run.precision.load_state_dict(self.scaler))
+        info, saved_world = run.info, len(self.rng)
+        if saved_world != info.world_size and info.main:
+            logger.warning(
+                "resuming a %d-process run with %d processes: batches and random "
+                "numbers will differ from an uninterrupted run",
+                saved_world,
+                info.world_size,
+            )
+        own = min(info.rank, saved_world - 1)
+        self._part("rng", lambda: set_rng_state(self.rng[own], run.device))
+        self._part("sampler", lambda: run.sampler.load_state_dict(self.sampler[own]))
+        # The saved counters, with this session's time counted from its start.
+        run.state = dataclasses.replace(self.counters, session_start=run.state.session_start)
+        run.resumed_from = run.state.step
+        run.metrics_bytes = self.metrics_bytes
+
+    def _part(self, part: str, load: Callable[[], Any]) -> None:
+        """Run `load`; what it raises on a malformed part is a `CheckpointError` naming it."""
+        try:
+            load()
+        except (KeyError, IndexError, ValueError, TypeError, RuntimeError, InputError) as exc:
+            text = str(exc).strip()
+            reason = text.splitlines()[0].rstrip(".") if text else type(exc).__name__
+            raise CheckpointError(
+                f"resume state '{self.path}': its {part} state does not fit this run "
+                f"({reason[:200]}); it is damaged or was not written by this version of "
+                "llmcli. Remove it to start afresh, or restore it from a backup."
+            ) from None
+
 
 def _check_layout(saved: dict[str, Any], path: Path) -> None:
     """Raise a `CheckpointError` naming `path` and the keys of `saved` that are missing or
-    wrong (see `_REQUIRED`, `_OPTIONAL`), or whose ranks do not pair up."""
-    bad = [k for k, kind in _REQUIRED.items() if not isinstance(saved.get(k), kind)]
-    bad += [k for k, kind in _OPTIONAL.items() if k in saved and not isinstance(saved[k], kind)]
-    if not bad and not (
-        saved["rng"]
-        and len(saved["rng"]) == len(saved["sampler"])
-        and all(isinstance(x, dict) for x in saved["rng"] + saved["sampler"])
-    ):
-        bad = ["rng", "sampler"]
+    wrong (see `_REQUIRED`, `_OPTIONAL`, `_malformed`), or whose ranks do not pair up."""
+    bad = [k for k, kind in _REQUIRED.items() if not _is(saved.get(k), kind)]
+    bad += [k for k, kind in _OPTIONAL.items() if k in saved and not _is(saved[k], kind)]
+    bad += [] if bad else _malformed(saved)
     if bad:
         raise CheckpointError(
             f"resume state '{path}' is incomplete or malformed (missing or wrong: "
             f"{', '.join(bad)}); it was not written by this version of llmcli. Remove it to "
             "start afresh, or restore it from a backup."
         )
+
+
+def _is(value: Any, kind: type | tuple[type, ...]) -> bool:
+    """`isinstance`, but a bool is no int (`True` is no step count)."""
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+
+
+def _malformed(saved: dict[str, Any]) -> list[str]:
+    """The keys of a state of the right types whose insides are wrong: negative counters, a
+    config without its sections, an optimizer state without its parts, RNG states that lack one
+    of the generators, ranks whose RNG and sampler states do not pair up."""
+    bad = [k for k in ("step", "tokens", "metrics_bytes") if saved[k] < 0]
+    config = saved["config"]
+    if not all(isinstance(config.get(s), dict) for s in ("model", "train")):
+        bad.append("config")
+    optimizer = saved["optimizer"]
+    if not (
+        isinstance(optimizer.get("state"), dict) and isinstance(optimizer.get("param_groups"), list)
+    ):
+        bad.append("optimizer")
+    rng, sampler = saved["rng"], saved["sampler"]
+    if not (rng and len(rng) == len(sampler) and all(isinstance(x, dict) for x in rng + sampler)):
+        return [*bad, "rng", "sampler"]
+    if not all(_rng_ok(x) for x in rng):
+        bad.append("rng")
+    return bad
+
+
+def _rng_ok(state: dict[str, Any]) -> bool:
+    """Whether `state` has what `set_rng_state` reads: torch's, NumPy's (5 parts), Python's (3)."""
+    numpy_state, python_state = state.get("numpy"), state.get("python")
+    return (
+        isinstance(state.get("torch"), torch.Tensor)
+        and isinstance(numpy_state, (tuple, list))
+        and len(numpy_state) == 5
+        and isinstance(numpy_state[1], torch.Tensor)
+        and isinstance(python_state, (tuple, list))
+        and len(python_state) == 3
+    )
 
 
 def seed_everything(seed: int) -> None:
