@@ -53,6 +53,7 @@ from llmcli.device import resolve_device
 from llmcli.errors import ConfigError, InputError, describe_os_error
 from llmcli.fileio import atomic_write_bytes, atomic_write_json
 from llmcli.generation.generate import generate
+from llmcli.generation.sample import decode_kernels
 from llmcli.model.gpt import Transformer
 from llmcli.progress import Progress
 from llmcli.training.optim import build_optimizer
@@ -296,11 +297,12 @@ def _time_forward(model: Transformer, x: torch.Tensor, precision: Precision, rep
 def _sampling_rate(
     model: Transformer, first: int, n_new: int, precision: Precision, seed: int
 ) -> float:
-    """New tokens per second when sampling `n_new` tokens after the one token `first`."""
+    """New tokens per second when sampling `n_new` tokens after the one token `first`, with the
+    kernels `llmcli sample` would use."""
     config = SampleConfig(max_new_tokens=n_new, temperature=1.0, top_k=None, seed=seed)
     _sync(precision.device)
     start = time.perf_counter()
-    with precision.autocast():
+    with precision.autocast(), decode_kernels(model, config, batch_size=1):
         for _ in generate(model, [[first]], config):
             pass
     _sync(precision.device)

@@ -146,6 +146,8 @@ def fails(argv: list[str], capsys) -> str:
         (["train", "tiny", "--resume", "auto"], "auto"),
         (["train", "--resume=auto", "tiny"], "auto"),
         (["train", "tiny", "--resume", "strict"], True),
+        (["train", "tiny", "--out", "o", "--set", "train.max_steps=3", "--resume"], True),
+        (["train", "tiny", "--resume", "--out", "o", "--set", "train.max_steps=3"], True),
     ],
 )
 def test_train_resume_is_strict_when_bare(argv, resume, received) -> None:
@@ -176,6 +178,8 @@ def test_a_bare_resume_is_no_other_options_value_nor_after_double_dash(received,
         (["eval", "--ablation=both"], "both", []),
         (["eval", "--ablation", "foo"], "foo", []),  # refused by EvalOptions, naming the methods
         (["eval", "--ablate", "1"], None, ["1"]),
+        (["eval", "--ablate", "1", "--data", "t.txt", "--ablation"], "zero", ["1"]),
+        (["eval", "--ablation", "--data", "t.txt", "--ablate", "0.1"], "zero", ["0.1"]),
     ],
 )
 def test_eval_ablation_is_zero_when_bare(argv, ablation, ablate, received) -> None:

@@ -206,6 +206,13 @@ def test_sample_config_is_checked_as_it_is_made_and_replaced() -> None:
         dataclasses.replace(SampleConfig(), top_p=0.0)
     with pytest.raises(dataclasses.FrozenInstanceError):
         SampleConfig().top_p = 0.0  # type: ignore[misc]
+    # YAML's true is a bool, which Python would take for 1.
+    for key, value in (("temperature", True), ("top_p", True), ("seed", True), ("seed", -1)):
+        with pytest.raises(ConfigError, match=rf"sample.{key} \({value}\) must be"):
+            SampleConfig(**{key: value})
+    with pytest.raises(ConfigError, match=r"sample.seed \(1.5\) must be an integer in 0..2\*\*63"):
+        SampleConfig(seed=1.5)
+    assert SampleConfig(seed=2**63 - 1).seed == 2**63 - 1
 
 
 def test_config_error_is_a_value_error() -> None:

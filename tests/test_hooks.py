@@ -14,10 +14,14 @@ from conftest import save_tiny_run
 from model_helpers import assert_close, gen, randomize_, tiny_model
 
 import llmcli.model.gpt
+from llmcli.config import SampleConfig
 from llmcli.data.tokenizer import CharTokenizer
 from llmcli.errors import InputError
+from llmcli.generation.generate import generate
 from llmcli.inspection.attention import build_dumps
 from llmcli.inspection.evaluate import EvalOptions, evaluate_run
+from llmcli.model import MultiHeadAttention
+from llmcli.model.hooks import hooks_active
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -120,6 +124,105 @@ def test_the_logits_are_the_final_norm_through_the_lm_head_and_replacements_flow
     assert_close(z[0], expected, "z under a replaced pattern")
 
 
+def test_the_values_at_the_hook_points_add_up_along_the_residual_stream() -> None:
+    model = randomize_(tiny_model())
+    idx = torch.randint(37, (2, 9), generator=gen(1))
+    seen = {}
+    record = {n: (lambda x, n=n: seen.__setitem__(n, x)) for n in model.hook_names()}
+    with torch.no_grad(), model.hooks(record):
+        model(idx)
+        embed = model.wte.weight[idx] + model.wpe.weight[:9]  # (B, T, C)
+        assert_close(seen["embed"], embed, "embed vs wte[idx] + wpe[:T]")
+        assert torch.equal(seen["blocks.0.resid_pre"], seen["embed"])
+        assert torch.equal(seen["blocks.1.resid_pre"], seen["blocks.0.resid_post"])
+        for i, block in enumerate(model.blocks):
+            get = lambda name, i=i: seen[f"blocks.{i}.{name}"]  # noqa: E731
+            z = get("attn.z")  # (B, T, nh, hs)
+            assert_close(get("attn_out"), block.attn.proj(z.flatten(2)), f"{i} attn_out")
+            assert_close(get("resid_mid"), get("resid_pre") + get("attn_out"), f"{i} resid_mid")
+            mlp = block.mlp(block.ln2(get("resid_mid")))
+            assert_close(get("mlp_out"), mlp, f"{i} mlp_out vs mlp(ln2(resid_mid))")
+            assert_close(get("resid_post"), get("resid_mid") + get("mlp_out"), f"{i} resid_post")
+        assert_close(seen["final_norm"], model.ln_f(seen["blocks.1.resid_post"]), "final_norm")
+
+
+def test_equal_functions_nest_at_one_point_and_each_block_takes_its_own_away() -> None:
+    model = tiny_model()
+    idx = torch.zeros(1, 3, dtype=torch.long)
+    calls = []
+    double = lambda x: calls.append(1) or x * 2  # noqa: E731
+    plain, _ = model(idx)
+    with model.hooks({"blocks.0.mlp_out": double}):
+        with model.hooks({"blocks.0.mlp_out": double}):
+            assert len(model.blocks[0].mlp_out.fns) == 2
+            model(idx)
+            assert len(calls) == 2  # both ran
+        assert model.blocks[0].mlp_out.fns == [double]
+        assert hooks_active()
+        assert not torch.equal(model(idx)[0], plain)
+    assert model.blocks[0].mlp_out.fns == [] and not hooks_active()
+    assert torch.equal(model(idx)[0], plain)
+
+
+def test_a_replacement_that_cannot_stand_for_the_activation_is_refused_by_name() -> None:
+    model = tiny_model()
+    idx = torch.zeros(1, 3, dtype=torch.long)
+    with pytest.raises(InputError, match="'blocks.1.attn_out' returned a tensor of shape"):
+        with model.hooks({"blocks.1.attn_out": lambda x: x[:, :1]}):
+            model(idx)
+    with pytest.raises(InputError, match="'embed' returned a list"):
+        with model.hooks({"embed": lambda x: [x]}):
+            model(idx)
+    with pytest.raises(InputError, match="'embed' returned a tensor .*torch.float64"):
+        with model.hooks({"embed": lambda x: x.double()}):
+            model(idx)
+    with pytest.raises(InputError, match="the hook for 'embed' is a int, not a function"):
+        with model.hooks({"embed": 3}):
+            pass
+    assert not hooks_active()
+
+
+def test_a_hook_added_while_a_generation_runs_sees_its_next_steps() -> None:
+    model = randomize_(tiny_model())
+    config = SampleConfig(max_new_tokens=6, temperature=1.0, top_k=None, seed=3)
+    expected = [t.clone() for t in generate(model, [[1, 2, 3]], config)]
+    steps, seen = generate(model, [[1, 2, 3]], config), []
+    got = [next(steps), next(steps)]
+    with model.hooks({"embed": seen.append}):
+        got.append(next(steps))
+        got.append(next(steps))
+    got += list(steps)
+    assert [tuple(x.shape) for x in seen] == [(1, 1, 32)] * 2  # one new token per step
+    assert torch.equal(torch.stack(got), torch.stack(expected))
+
+
+def test_a_failing_hook_leaves_the_kv_cache_as_it_was() -> None:
+    model = randomize_(tiny_model())
+    idx = torch.randint(37, (2, 8), generator=gen(1))
+    cache = model.new_kv_cache(2)
+    with torch.no_grad():
+        model(idx[:, :5], kv_cache=cache)
+
+        def fail(x: torch.Tensor) -> None:
+            raise RuntimeError("a broken hook")
+
+        with (
+            pytest.raises(RuntimeError, match="a broken hook"),
+            model.hooks({"blocks.1.resid_pre": fail}),
+        ):
+            model(idx[:, 5:6], kv_cache=cache)  # layer 0 has written position 5 by then
+        assert [cache.layer_length(i) for i in range(2)] == [5, 5]
+        logits, _ = model(idx[:, 5:], kv_cache=cache)
+        full, _ = model(idx)
+    assert_close(logits, full[:, 5:], "decoding on after the failed step vs one forward")
+
+
+def test_attention_alone_takes_only_a_batch_of_sequences() -> None:
+    mha = MultiHeadAttention(tiny_model().config)
+    with pytest.raises(InputError, match=r"x must have shape \(B, T, C\), got \(4, 32\)"):
+        mha(torch.randn(4, 32))
+
+
 def test_the_pattern_is_computed_only_for_the_layers_that_are_read(monkeypatch) -> None:
     model = tiny_model(n_layer=3)
     calls = []
@@ -152,6 +255,8 @@ def test_unknown_names_are_refused_and_functions_leave_with_the_block() -> None:
 
 
 def test_a_pattern_read_by_a_hook_equals_inspect_attentions_dump() -> None:
+    """The dump is built on the hook; that the weights themselves are right (against
+    `torch.nn.MultiheadAttention`) is checked in test_attention_capture."""
     _, tok, model = build_model()
     for prompt in ("Before we procee", "All:\nSpeak"):
         (dump,) = build_dumps(model, tok, [prompt])

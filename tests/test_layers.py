@@ -36,6 +36,20 @@ def test_rope_rotation_matches_formula_keeps_norms_and_is_relative():
     assert_close(rot(x[:, 4:9], pos), y[:, 4:9], "rope position_ids", atol=0, rtol=0)
 
 
+def test_rope_on_heads_rotates_each_head_by_its_rows_positions():
+    """`(B, nh, T, hs)`, the layout attention rotates: time on dim -2, each row with its own
+    positions, every head of a row alike."""
+    rot = RotaryEmbedding(ModelConfig(n_head=1, n_embed=8, context_length=16, rope_base=100.0))
+    x = torch.randn(2, 3, 5, 8, generator=gen(4))  # (B, nh, T, hs)
+    pos = torch.tensor([[0, 1, 2, 3, 4], [9, 10, 11, 12, 13]])  # (B, T)
+    y = rot(x, pos)
+    for b in range(2):
+        for h in range(3):
+            ref = numpy_rope(x[b, h].double().numpy()[None], pos[b].double().numpy(), 100.0)[0]
+            assert_close(y[b, h], ref, f"rope row {b} head {h} vs numpy formula")
+    assert_close(rot(x, offset=9)[1], y[1], "offset = the row's positions", atol=0, rtol=0)
+
+
 def test_rmsnorm_matches_formula():
     norm = randomize_(RMSNorm(32))
     x = torch.randn(2, 5, 32, generator=gen(1)) * 3 + 1

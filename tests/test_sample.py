@@ -230,3 +230,9 @@ def test_sample_texts_checks_the_settings_once(monkeypatch) -> None:
     assert calls == [(0.5, 4, 1.0)]  # when it was made, not again for each batch
     with pytest.raises(InputError, match="top_p"):
         sample_texts(model, CHARS, ["ab"], SampleConfig(max_new_tokens=3, top_p=0.0))
+
+
+def test_sample_options_refuse_a_batch_of_no_samples() -> None:
+    for bad in (0, -2, True):
+        with pytest.raises(InputError, match=rf"batch_size \({bad}\) must be an integer >= 1"):
+            SampleOptions(batch_size=bad)

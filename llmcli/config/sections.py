@@ -291,7 +291,7 @@ class SampleConfig:
                 raise _sample_error(key, getattr(self, key), rule)
 
     def _rules(self) -> list[tuple[str, bool, str]]:
-        """(key, whether its value keeps the rule, the rule) for every setting but the seed."""
+        """(key, whether its value keeps the rule, the rule) for every setting."""
         t, k, p, keep = self.temperature, self.top_k, self.top_p, self.context_keep
         return [
             (
@@ -301,7 +301,7 @@ class SampleConfig:
             ),
             (
                 "temperature",
-                isinstance(t, (int, float)) and math.isfinite(t) and t >= 0,
+                _is_number(t) and math.isfinite(t) and t >= 0,
                 "must be a number >= 0: 0 is greedy decoding, 1 samples from the model's "
                 "distribution, higher is more random",
             ),
@@ -313,9 +313,15 @@ class SampleConfig:
             ),
             (
                 "top_p",
-                isinstance(p, (int, float)) and 0 < p <= 1,
+                _is_number(p) and 0 < p <= 1,
                 "must be in (0, 1]: the probability mass of the most likely tokens kept "
                 "(nucleus sampling); 1 keeps every token",
+            ),
+            (
+                "seed",
+                _is_int(self.seed) and 0 <= self.seed < 2**63,
+                "must be an integer in 0..2**63-1 (torch's seed range; row b of a batch is "
+                "seeded seed + b)",
             ),
             (
                 "context_policy",
@@ -360,6 +366,10 @@ def _sample_error(key: str, value: Any, rule: str) -> ConfigError:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass

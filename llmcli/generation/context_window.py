@@ -116,16 +116,16 @@ def _cached_logits(
 ) -> Tensor:
     """Logits `(B, V)`: the whole window into an empty cache, else its last column.
 
-    A decode step goes through `decoder` where there is one (same logits as the model's
-    `forward`, without its per-step overhead) and autocast is off (the decoder calls the
-    operations `forward` would, but not through the modules autocast may treat differently).
+    A decode step goes through `decoder` where there is one and it applies now (see
+    `Decoder.applies`): the same logits as the model's `forward`, without its per-step
+    overhead.
     """
     end = window.end
     if window.cached == 0:  # prefill the prompts (with their padding mask)
         idx, mask, pos = window.inputs(0)
         logits, _ = model(idx, key_padding_mask=mask, position_ids=pos, kv_cache=cache)
         logits = logits[:, -1, :]  # (B, T, V) -> (B, V)
-    elif decoder is not None and not torch.is_autocast_enabled(decoder.device_type):
+    elif decoder is not None and decoder.applies():
         logits = decoder(window.newest, cache, window.last_position())  # (B, V)
     else:  # decode one column; the cache remembers the padding
         idx, pos = window.tokens[:, end - 1 : end], window.last_position()

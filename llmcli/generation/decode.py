@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from llmcli.model.attention import AttentionContext
 from llmcli.model.gpt import MLP, Block, MultiHeadAttention, Transformer
-from llmcli.model.hooks import HookPoint
+from llmcli.model.hooks import HookPoint, hooks_active
 from llmcli.model.kv_cache import KVCache
 from llmcli.model.layers import RMSNorm
 
@@ -120,6 +120,13 @@ class Decoder:
         self.ln_f, self.lm_head = _norm(model.ln_f), _linear(model.lm_head)
         self.device_type = self.wte.device.type
 
+    def applies(self) -> bool:
+        """Whether a step may run here now: not under autocast (the twins call the operations
+        `forward` would, not through the modules autocast treats differently), and no hook
+        function at work anywhere (a hooked model decodes through `forward`, so that its
+        functions see every step)."""
+        return not (hooks_active() or torch.is_autocast_enabled(self.device_type))
+
     def __call__(self, idx: Tensor, cache: KVCache, position_ids: Tensor | None) -> Tensor:
         """Logits `(B, V)` of the token after `idx`.
 
@@ -143,12 +150,16 @@ class Decoder:
 def decoder_for(model: Any) -> Decoder | None:
     """A `Decoder` for a `Transformer` in eval mode with no hook function at work; None for
     anything else (a model in training mode, whose dropout the twins leave out, a hooked model,
-    another module), which is then called through its `forward`."""
+    a norm the twins do not know, another module), which is then called through its `forward`.
+    A step checks `Decoder.applies` too: hooks may come while a generation runs."""
     if not isinstance(model, Transformer) or model.training:
         return None
     if any(m.active for m in model.modules() if isinstance(m, HookPoint)):
         return None
-    return Decoder(model)
+    try:
+        return Decoder(model)
+    except TypeError:  # a norm module the twins cannot call as a function
+        return None
 
 
 @contextmanager

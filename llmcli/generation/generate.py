@@ -85,6 +85,10 @@ def generate(
     Yields:
         `(B,)` long tensors on the model's device: the new token of every row, step by step.
 
+    On the CPU `llmcli sample` runs this inside `llmcli.generation.sample.decode_kernels`
+    (ATen's GELU for small decode steps, faster there than oneDNN's); a library caller after
+    the same speed wraps its loop the same way.
+
     Raises:
         InputError: (at the first step) a `context_keep` outside `1 .. context_length - 1`,
             empty prompts or ids outside the vocabulary, a wrong number of generators.

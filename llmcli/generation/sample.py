@@ -260,7 +260,8 @@ class SampleOptions:
         batch_size: most samples generated at once.
         use_cache: use the KV cache (see `llmcli.generation.generate.generate`).
         threads: CPU threads while `sample_run` generates (None: `threads_for` picks).
-        weights: the weights `sample_run` loads, "best" or "last" (see `checkpoint.load_run`).
+        weights: the weights `sample_run` loads, "best" or "last" (see
+            `llmcli.runs.loading.load_run`).
         device: where `sample_run` runs the model: "auto", "cpu", "cuda" or "mps".
     """
 
@@ -277,6 +278,9 @@ class SampleOptions:
         n = self.num_samples
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise InputError(f"--num-samples ({n}) must be an integer >= 1.")
+        b = self.batch_size
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise InputError(f"batch_size ({b}) must be an integer >= 1: the most samples at once.")
         cpus = os.cpu_count() or 1
         # torch crashes on absurd thread counts.
         if self.threads is not None and not 1 <= self.threads <= cpus:

@@ -192,7 +192,7 @@ def eval_tokens(
     """The tokens to score and a label for them: a text file, or the run's validation split.
 
     Args:
-        run: a loaded run (`checkpoint.load_run`).
+        run: a loaded run (`llmcli.runs.loading.load_run`).
         data: a UTF-8 text file (None: the validation split, rebuilt from the run's config:
             the same corpus path must still be readable).
         hint: ends the message when the validation split cannot be rebuilt.

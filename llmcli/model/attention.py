@@ -35,6 +35,8 @@ class AttentionContext:
             itself (`T == T_k`), or there is nothing to mask (one new token sees every key).
         empty_rows: `(B, 1, T, 1)` bool, the queries with no key to attend (their output is
             zero), or None.
+        decode: a decode step (`decode_step`): one new token per row, whose activations the
+            attention layers may take as `(B, C)`, without the time dimension.
     """
 
     past: int = 0
@@ -42,6 +44,7 @@ class AttentionContext:
     cache: KVCache | None = None
     mask: Tensor | None = None
     empty_rows: Tensor | None = None
+    decode: bool = False
 
     @classmethod
     def build(
@@ -95,9 +98,9 @@ class AttentionContext:
         past = cache.length
         padding = padding_with_cache(None, cache, cache.batch_size, past, 1)  # (B, past+1) or None
         if padding is None:
-            return cls(past, position_ids, cache)
+            return cls(past, position_ids, cache, decode=True)
         mask = allowed_keys(causal_mask(1, past + 1, padding.device), padding)[0]  # (B,1,1,past+1)
-        return cls(past, position_ids, cache, mask)
+        return cls(past, position_ids, cache, mask, decode=True)
 
 
 def causal_mask(T: int, T_k: int, device: torch.device | str | None = None) -> Tensor:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from itertools import islice
 from typing import Any
 
@@ -143,8 +143,8 @@ class MultiHeadAttention(nn.Module):
         """Attend causally over `x`, and over the cached keys with `ctx.cache`.
 
         Args:
-            x: `(B, T, C)`; or `(B, C)`, one new token per row, the layout of a decode step
-                (`llmcli.generation.decode`), which spares it the time dimension's reshapes.
+            x: `(B, T, C)`; or, in a decode step (`AttentionContext.decode_step`), `(B, C)`,
+                one new token per row, which spares the step the time dimension's reshapes.
             ctx: the forward's masks, positions and cache (`AttentionContext.build`); None for
                 plain causal attention over `x`.
 
@@ -152,15 +152,17 @@ class MultiHeadAttention(nn.Module):
             The shape of `x`.
         """
         nh, hs = self.n_head, self.head_size
-        if x.ndim == 2:  # one token per row: the same q, k, v without a time dim to move
-            (B, C), T = x.shape, 1
-            q, k, v = self.qkv(x).view(B, 3, nh, 1, hs).unbind(1)  # each (B, nh, 1, hs)
-        else:
+        if x.ndim == 3:
             B, T, C = x.shape
             # view + unbind + transpose (not a 5-D permute): SDPA's backward hands back gradients
             # whose memory is (B, T, nh, hs), so the backward of this is one stack, no extra copy.
             q, k, v = self.qkv(x).view(B, T, 3, nh, hs).unbind(2)  # each (B, T, nh, hs)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, hs)
+        elif x.ndim == 2 and ctx is not None and ctx.decode:  # one token per row, no time dim
+            (B, C), T = x.shape, 1
+            q, k, v = self.qkv(x).view(B, 3, nh, 1, hs).unbind(1)  # each (B, nh, 1, hs)
+        else:
+            raise InputError(f"x must have shape (B, T, C), got {tuple(x.shape)}")
         if ctx is None:
             ctx = AttentionContext.build(x.view(B, T, C), self.config.context_length)
         if self.qk_norm:
@@ -321,7 +323,7 @@ class Transformer(nn.Module):
         self.config = config = model_config(config, {})
         if config.pos_emb not in POS_EMBS:
             raise InputError(f"pos_emb must be one of {POS_EMBS}, got {config.pos_emb!r}")
-        self.vocab_size = vocab_size
+        self.vocab_size, self.dropout = vocab_size, config.dropout
         C = config.n_embed
         self.wte = nn.Embedding(vocab_size, C)
         self.wpe = nn.Embedding(config.context_length, C) if config.pos_emb == "learned" else None
@@ -433,16 +435,17 @@ class Transformer(nn.Module):
         """
         if idx.ndim != 2:
             raise InputError(f"idx must have shape (B, T), got {tuple(idx.shape)}")
-        ctx = AttentionContext.build(
-            idx,
-            self.context_length,
-            key_padding_mask=key_padding_mask,
-            position_ids=position_ids,
-            kv_cache=kv_cache,
-        )
-        x = self.embedding(idx, ctx)  # (B, T, C)
-        x = self.run_blocks(x, ctx)  # (B, T, C)
-        logits = self.to_logits(x)  # (B, T, V)
+        with nullcontext() if kv_cache is None else kv_cache.unchanged_on_error():
+            ctx = AttentionContext.build(
+                idx,
+                self.context_length,
+                key_padding_mask=key_padding_mask,
+                position_ids=position_ids,
+                kv_cache=kv_cache,
+            )
+            x = self.embedding(idx, ctx)  # (B, T, C)
+            x = self.run_blocks(x, ctx)  # (B, T, C)
+            logits = self.to_logits(x)  # (B, T, V)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
@@ -465,8 +468,8 @@ class Transformer(nn.Module):
             else:
                 x = x + self.wpe(ctx.position_ids)  # (B, T, C)
         x = self.embed(x)
-        if self.training and self.config.dropout > 0.0:
-            x = F.dropout(x, self.config.dropout)
+        if self.training and self.dropout > 0.0:
+            x = F.dropout(x, self.dropout)
         return x
 
     def run_blocks(self, x: Tensor, ctx: AttentionContext | None = None, start: int = 0) -> Tensor:

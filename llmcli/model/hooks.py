@@ -32,11 +32,13 @@ class HookPoint(nn.Module):
 
     Attributes:
         fns: the functions run on the activation, in order; each may replace it.
+        name: where the point sits in the model (set by `hooked`, for messages).
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.fns: list[HookFn] = []
+        self.name = ""
 
     @property
     def active(self) -> bool:
@@ -47,8 +49,34 @@ class HookPoint(nn.Module):
         for fn in self.fns:
             out = fn(x)
             if out is not None:
+                _check_replacement(self.name, x, out)
                 x = out
         return x
+
+
+def _check_replacement(name: str, x: Tensor, out: object) -> None:
+    """Raise `InputError` unless `out` can stand where `x` was: a tensor of its shape, dtype and
+    device (anything else would flow on as a wrong answer or fail far from the hook)."""
+    if not isinstance(out, Tensor):
+        raise InputError(
+            f"the function at hook point {name!r} returned a {type(out).__name__}: return a "
+            "tensor to replace the activation, or None to keep it."
+        )
+    if (out.shape, out.dtype, out.device) != (x.shape, x.dtype, x.device):
+        raise InputError(
+            f"the function at hook point {name!r} returned a tensor of shape "
+            f"{tuple(out.shape)}, {out.dtype} on {out.device}, where the activation is "
+            f"{tuple(x.shape)}, {x.dtype} on {x.device}: a replacement must match it."
+        )
+
+
+_active = 0  # functions at hook points of any model, while their `hooked` blocks run
+
+
+def hooks_active() -> bool:
+    """Whether a function is at a hook point of any model (generation then decodes through
+    `forward`, so that the function sees every step)."""
+    return _active > 0
 
 
 def hook_names(module: nn.Module) -> list[str]:
@@ -60,15 +88,22 @@ def hook_names(module: nn.Module) -> list[str]:
 def hooked(module: nn.Module, fns: Mapping[str, HookFn]) -> Iterator[None]:
     """Run `fns[name]` at each named hook point of `module` while the block runs.
 
+    The functions leave with the block, also when it raises. Under `torch.compile` a new function
+    recompiles the forward (the compiled graph guards on them): hook the module itself, not its
+    compiled wrapper.
+
     Args:
         module: a model (or any module holding hook points; names are relative to it).
-        fns: hook point name -> function of the activation; a returned tensor replaces it.
+        fns: hook point name -> function of the activation; a returned tensor (of the
+            activation's shape, dtype and device) replaces it.
 
     Raises:
-        InputError: a name that is not a hook point of `module` (the message lists close ones).
+        InputError: a name that is not a hook point of `module` (the message lists close ones),
+            or a value that is not callable.
     """
+    global _active
     points = {name: m for name, m in module.named_modules() if isinstance(m, HookPoint)}
-    for name in fns:
+    for name, fn in fns.items():
         if name not in points:
             close = difflib.get_close_matches(name, list(points), n=3, cutoff=0.6)
             hint = f"did you mean {', '.join(close)}? " if close else ""
@@ -76,12 +111,17 @@ def hooked(module: nn.Module, fns: Mapping[str, HookFn]) -> Iterator[None]:
                 f"{name!r} is not a hook point of this model: {hint}`model.hook_names()` lists "
                 f"them all ({', '.join(list(points)[:4])}, ...)."
             )
+        if not callable(fn):
+            raise InputError(f"the hook for {name!r} is a {type(fn).__name__}, not a function.")
     added = []
     try:
         for name, fn in fns.items():
+            points[name].name = name
             points[name].fns.append(fn)
             added.append((points[name], fn))
+            _active += 1
         yield
     finally:
-        for point, fn in added:
-            point.fns.remove(fn)
+        for point, fn in reversed(added):  # by identity: equal functions may stand at one point
+            del point.fns[max(i for i, f in enumerate(point.fns) if f is fn)]
+            _active -= 1

@@ -9,12 +9,16 @@ not pass it again.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import Tensor, nn
 
 from llmcli.errors import InputError
 
 Views = tuple[Tensor, Tensor]  # a layer's keys and values at some positions
+MAX_KEPT_VIEWS = 16_384  # tensor views a cache keeps for steps that come back (see _views)
 
 
 class KVCache:
@@ -32,8 +36,8 @@ class KVCache:
     prefill the last window again (or `crop(n)` to go back to a shared prefix).
 
     Without autograd (generation), the views a step writes and reads are kept for the steps
-    that come back to the same positions (see `_views`): at most four per position and layer,
-    a few hundred bytes each.
+    that come back to the same positions (see `_views`): at most `MAX_KEPT_VIEWS` tensor views
+    (a few hundred bytes each, a few MB in all), not copies of the keys and values.
 
     Attributes:
         k, v: `(n_layer, B, nh, max_len, hs)`.
@@ -66,6 +70,7 @@ class KVCache:
         self.max_len = max_len
         self._lengths = [0] * n_layer  # Python ints: no host-device sync to read them
         self._kept: dict[tuple[int, int], tuple[tuple[Tensor, ...], ...]] = {}  # see _views
+        self._max_kept = MAX_KEPT_VIEWS // (4 * n_layer)  # entries hold 4 views per layer
 
     @classmethod
     def for_model(
@@ -153,11 +158,14 @@ class KVCache:
             return new, (k.narrow(2, 0, past + T), v.narrow(2, 0, past + T))
         views = self._kept.get((past, T))
         if views is None:
-            views = self._kept[(past, T)] = tuple(
+            views = tuple(
                 x.narrow(3, start, length).unbind(0)  # n_layer views (B, nh, length, hs)
                 for start, length in ((past, T), (0, past + T))
                 for x in (self.k, self.v)
             )
+            # Steps come back to one-token steps and prefills; other shapes rarely repeat.
+            if (T == 1 or past == 0) and len(self._kept) < self._max_kept:
+                self._kept[(past, T)] = views
         k_new, v_new, k_all, v_all = views
         return (k_new[layer_idx], v_new[layer_idx]), (k_all[layer_idx], v_all[layer_idx])
 
@@ -171,3 +179,14 @@ class KVCache:
         if n < 0:
             raise InputError(f"crop length must be >= 0, got {n}")
         self._lengths = [min(length, n) for length in self._lengths]
+
+    @contextmanager
+    def unchanged_on_error(self) -> Iterator[None]:
+        """Leave the cache as it was if the block raises (a hook function that fails, Ctrl-C in
+        the middle of the layers): some layers would hold the new positions and others not."""
+        lengths, has_padding = list(self._lengths), self.has_padding
+        try:
+            yield
+        except BaseException:
+            self._lengths, self.has_padding = lengths, has_padding
+            raise

@@ -173,10 +173,7 @@ def load_state(path: str | Path) -> dict[str, Any]:
     """
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(
-            f"no resume state '{path}': nothing to resume in '{path.parent}'. Start a new run "
-            "without --resume."
-        )
+        raise CheckpointError(f"no resume state '{path}'.")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:

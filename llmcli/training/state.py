@@ -188,6 +188,11 @@ class ResumeState:
                 (names the file and what is wrong).
         """
         path = run_dir / STATE_FILE
+        if not path.is_file():
+            raise CheckpointError(
+                f"no resume state '{path}': nothing to resume in '{run_dir}'. Start a new run "
+                "without --resume."
+            )
         return cls.from_dict(load_state(path), path)
 
     @classmethod
