@@ -211,6 +211,21 @@ PromptFileOption = Annotated[
         help="File of prompts, one per line or a JSON list; all run as one batch.", metavar="FILE"
     ),
 ]
+# The sample: settings (each defaults to the run's config).
+MaxNewTokensOption = Annotated[
+    Optional[int], typer.Option(help="Tokens to generate per sample (default: run config).")
+]
+TemperatureOption = Annotated[
+    Optional[float], typer.Option(help="Sampling temperature, >= 0; 0 is greedy.")
+]
+TopKOption = Annotated[
+    Optional[int],
+    typer.Option(help="Keep the k most likely tokens (>= 1; >= vocab size keeps all)."),
+]
+TopPOption = Annotated[
+    Optional[float], typer.Option(help="Nucleus sampling mass in (0, 1]; 1 keeps all.")
+]
+SeedOption = Annotated[Optional[int], typer.Option(help="Random seed; sample r uses seed + r.")]
 ContextPolicyOption = Annotated[
     Optional[str],
     typer.Option(
@@ -242,22 +257,11 @@ def sample_command(
     checkpoint: CheckpointOption = None,
     prompt: PromptOption = None,
     prompt_file: PromptFileOption = None,
-    max_new_tokens: Annotated[
-        Optional[int], typer.Option(help="Tokens to generate per sample (default: run config).")
-    ] = None,
-    temperature: Annotated[
-        Optional[float], typer.Option(help="Sampling temperature, >= 0; 0 is greedy.")
-    ] = None,
-    top_k: Annotated[
-        Optional[int],
-        typer.Option(help="Keep the k most likely tokens (>= 1; >= vocab size keeps all)."),
-    ] = None,
-    top_p: Annotated[
-        Optional[float], typer.Option(help="Nucleus sampling mass in (0, 1]; 1 keeps all.")
-    ] = None,
-    seed: Annotated[
-        Optional[int], typer.Option(help="Random seed; sample r uses seed + r.")
-    ] = None,
+    max_new_tokens: MaxNewTokensOption = None,
+    temperature: TemperatureOption = None,
+    top_k: TopKOption = None,
+    top_p: TopPOption = None,
+    seed: SeedOption = None,
     num_samples: Annotated[int, typer.Option(help="Samples per prompt, run as one batch.")] = 1,
     stop: Annotated[
         Optional[list[str]],

@@ -272,6 +272,19 @@ def _check_split(name: str, n: int, context_length: int, hint: str) -> None:
         )
 
 
+def _cache_folder(cache: Path) -> Path:
+    """`cache`, with its `tokens/` folder, made if missing."""
+    cache = cache.expanduser()
+    try:
+        (cache / "tokens").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(
+            f"cannot create the token cache folder {str(cache)!r} ({exc.strerror}): set "
+            "data.cache_dir or $LLMCLI_CACHE to a writable folder."
+        ) from None
+    return cache
+
+
 def prepare_data(
     data_cfg: DataConfig,
     context_length: int,
@@ -295,15 +308,7 @@ def prepare_data(
             shorter than `context_length + 1` tokens, `vocab_size` too small for BPE, a missing
             text column or split.
     """
-    cache = Path(cache_dir or data_cfg.cache_dir or default_cache_dir()).expanduser()
-    try:
-        cache.mkdir(parents=True, exist_ok=True)
-        (cache / "tokens").mkdir(exist_ok=True)
-    except OSError as exc:
-        raise InputError(
-            f"cannot create the token cache folder {str(cache)!r} ({exc.strerror}): set "
-            "data.cache_dir or $LLMCLI_CACHE to a writable folder."
-        ) from None
+    cache = _cache_folder(Path(cache_dir or data_cfg.cache_dir or default_cache_dir()))
     train_src, val_src = open_sources(data_cfg, cache)
     train_hash = train_src.content_hash()
     val_hash = val_src.content_hash() if val_src is not None else None

@@ -252,6 +252,37 @@ class InspectResult:
     ablation: HeadDeltas | None = None
 
 
+def _encode(
+    tokenizer: Any,
+    prompts: Sequence[str],
+    prompts_ids: Sequence[Sequence[int]] | None,
+    context_length: int,
+    truncate: bool,
+) -> list[tuple[list[int], bool]]:
+    """(token ids, whether they were cropped to the context) of every prompt; `prompts_ids`,
+    where given, are used as they are, once checked to fit."""
+    if prompts_ids is not None:
+        for ids in prompts_ids:
+            if not 0 < len(ids) <= context_length:
+                raise InputError(
+                    f"a prompt must be 1 to {context_length} tokens long, got {len(ids)}."
+                )
+        return [(list(ids), False) for ids in prompts_ids]
+    if not prompts:
+        raise InputError("no prompt given: pass --prompt TEXT or --prompt-file FILE.")
+    return [
+        encode_prompt(
+            tokenizer,
+            p,
+            context_length,
+            empty="error",
+            too_long="crop" if truncate else "error",
+            label=f"prompt #{i + 1}" if len(prompts) > 1 else "the prompt",
+        )
+        for i, p in enumerate(prompts)
+    ]
+
+
 def build_dumps(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -272,28 +303,9 @@ def build_dumps(
         prompts_ids: token ids to use directly (e.g. the default validation slice).
         meta: common metadata merged into every dump's meta.
     """
-    n_layer, n_head, ctx = model.n_layer, model.n_head, model.context_length
-    layer_sel = select_indices(options.layers, n_layer, "layer")
-    head_sel = select_indices(options.heads, n_head, "head")
-    if prompts_ids is None:
-        if not prompts:
-            raise InputError("no prompt given: pass --prompt TEXT or --prompt-file FILE.")
-        encoded = [
-            encode_prompt(
-                tokenizer,
-                p,
-                ctx,
-                empty="error",
-                too_long="crop" if options.truncate else "error",
-                label=f"prompt #{i + 1}" if len(prompts) > 1 else "the prompt",
-            )
-            for i, p in enumerate(prompts)
-        ]
-    else:
-        encoded = [(list(ids), False) for ids in prompts_ids]
-        for ids, _ in encoded:
-            if not 0 < len(ids) <= ctx:
-                raise InputError(f"a prompt must be 1 to {ctx} tokens long, got {len(ids)}.")
+    layer_sel = select_indices(options.layers, model.n_layer, "layer")
+    head_sel = select_indices(options.heads, model.n_head, "head")
+    encoded = _encode(tokenizer, prompts, prompts_ids, model.context_length, options.truncate)
     names = list(METRIC_NAMES)
     extra: dict[str, Any] = {}
     ind = None

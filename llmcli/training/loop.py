@@ -64,7 +64,7 @@ from llmcli.training.memory import out_of_memory_is_bad_input
 from llmcli.training.optim import apply_lr
 from llmcli.training.precision import Precision
 from llmcli.training.run import Run, build_run, eval_samplers, open_run_files
-from llmcli.training.state import ResumeState, rng_state
+from llmcli.training.state import rng_state
 
 logger = logging.getLogger(__name__)
 
@@ -431,7 +431,7 @@ def _save(run: Run, best: bool) -> None:
         save_checkpoint(
             run.run_dir,
             run.model,
-            ResumeState.capture(run, rngs_and_samplers).to_dict(),
+            run.resume_state(rngs_and_samplers).to_dict(),
             meta,
             best=best,
             previous_step=state.last_saved,

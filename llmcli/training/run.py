@@ -14,6 +14,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,10 +30,12 @@ from llmcli.model.gpt import Transformer
 from llmcli.progress import format_count
 from llmcli.runs.directory import (
     METRICS_FILE,
+    STATE_FILE,
     prepare_run_dir,
     resumes,
     write_config_and_tokenizer,
 )
+from llmcli.runs.formats import load_weights
 from llmcli.runs.loading import load_tokenizer_file
 from llmcli.runs.metrics import MetricsLog
 from llmcli.runs.trackers import open_trackers
@@ -40,7 +43,7 @@ from llmcli.training.distributed import DistInfo, agreed, gather
 from llmcli.training.memory import check_memory
 from llmcli.training.optim import build_optimizer
 from llmcli.training.precision import Precision
-from llmcli.training.state import ResumeState, TrainState, seed_everything
+from llmcli.training.state import ResumeState, TrainState, seed_everything, set_rng_state
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +85,56 @@ class Run:
         return (
             tc.batch_size * self.config.model.context_length * tc.grad_accum * self.info.world_size
         )
+
+    def resume_state(self, rngs_and_samplers: list[tuple[Any, Any]]) -> ResumeState:
+        """What a save writes: the counters, weights, optimizer and precision state, and every
+        rank's RNG and sampler states (`rngs_and_samplers`, gathered from the ranks in rank
+        order). Rank 0 saves: it holds the metrics log, whose size the state records."""
+        assert self.metrics is not None, "only rank 0, which writes metrics.jsonl, saves"
+        return ResumeState(
+            counters=self.state,
+            metrics_bytes=self.metrics.size,
+            vocab_size=int(self.tokenizer.vocab_size),
+            source_hash=self.data.source_hash,
+            config=self.config.to_dict(),
+            model=self.model.state_dict(),
+            optimizer=self.optimizer.state_dict(),
+            scaler=self.precision.state_dict(),
+            rng=[rng for rng, _ in rngs_and_samplers],
+            sampler=[sampler for _, sampler in rngs_and_samplers],
+        )
+
+    def restore(self, saved: ResumeState) -> None:
+        """Put a save back: weights, optimizer moments (with today's hyperparameters), precision
+        scaler, this rank's RNG and sampler states, counters.
+
+        Raises:
+            CheckpointError: a part that does not fit this run (a damaged or foreign file),
+                naming the file and the part.
+        """
+        load_weights(self.model, saved.model, saved.path or STATE_FILE)
+        # Moments and step counts from the save; hyperparameters from today's config.
+        optimizer = self.optimizer
+        fresh = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        saved.load_part("optimizer", lambda: optimizer.load_state_dict(saved.optimizer))
+        for group, values in zip(optimizer.param_groups, fresh, strict=True):
+            group.update(values)
+        saved.load_part("scaler", lambda: self.precision.load_state_dict(saved.scaler))
+        info, saved_world = self.info, len(saved.rng)
+        if saved_world != info.world_size and info.main:
+            logger.warning(
+                "resuming a %d-process run with %d processes: batches and random "
+                "numbers will differ from an uninterrupted run",
+                saved_world,
+                info.world_size,
+            )
+        own = min(info.rank, saved_world - 1)
+        saved.load_part("rng", lambda: set_rng_state(saved.rng[own], self.device))
+        saved.load_part("sampler", lambda: self.sampler.load_state_dict(saved.sampler[own]))
+        # The saved counters, with this session's time counted from its start.
+        self.state = dataclasses.replace(saved.counters, session_start=self.state.session_start)
+        self.resumed_from = self.state.step
+        self.metrics_bytes = saved.metrics_bytes
 
 
 def build_run(
@@ -138,7 +191,7 @@ def build_run(
     with agreed(info, device):
         eval_samplers(run)  # a corpus too small for the batch and context fails here, not later
     if saved is not None:
-        saved.restore(run)
+        run.restore(saved)
     run.forward = run.trainer = torch.compile(model) if tc.compile else model
     if info.enabled:
         device_ids = [device.index] if device.type == "cuda" else None

@@ -2,11 +2,11 @@
 
 `TrainState` holds the loop's counters during a session. `ResumeState` is what a save writes to
 `state.pt` and a resume reads back: the counters, the model, the optimizer, the precision scaler,
-and every rank's RNG and batch-sampler states. It owns what is taken from a run (`capture`), the
-file's keys (`to_dict`), the checks on reading them back (`load`), whether a run can continue
-from them (`check_fits`) and putting them back into a run (`restore`);
-`llmcli.runs.formats` writes and reads the file itself (`torch.save` to a temporary name renamed
-into place; `torch.load(weights_only=True)`).
+and every rank's RNG and batch-sampler states. It owns the file's keys (`to_dict`), the checks on
+reading them back (`load`), whether a run can continue from them (`check_fits`) and the message of
+a part that does not fit (`load_part`); a `Run` (`llmcli.training.run`) makes one at a save and
+puts one back on a resume. `llmcli.runs.formats` writes and reads the file itself (`torch.save`
+to a temporary name renamed into place; `torch.load(weights_only=True)`).
 
 Exact resume. A save records the model, the optimizer, the counters (the schedule is a function
 of the step), the torch / CUDA / NumPy / Python RNG states of every rank and the batch sampler's
@@ -17,7 +17,6 @@ random numbers and, on CPU, ends with bitwise-identical weights.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import random
@@ -25,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,10 +32,7 @@ import torch
 from llmcli.config import Config
 from llmcli.errors import CheckpointError, InputError
 from llmcli.runs.directory import CONFIG_FILE, STATE_FILE
-from llmcli.runs.formats import load_state, load_weights
-
-if TYPE_CHECKING:
-    from llmcli.training.run import Run
+from llmcli.runs.formats import load_state
 
 logger = logging.getLogger(__name__)
 
@@ -137,25 +133,6 @@ class ResumeState:
     rng: list[dict[str, Any]]
     sampler: list[dict[str, Any]]
     path: Path | None = field(default=None, compare=False)  # the file it was read from
-
-    @classmethod
-    def capture(cls, run: Run, rngs_and_samplers: list[tuple[Any, Any]]) -> ResumeState:
-        """What a save of `run` writes: its counters, weights, optimizer and precision state,
-        and every rank's RNG and sampler states (`rngs_and_samplers`, gathered from the ranks in
-        rank order). Rank 0 saves: it holds the metrics log, whose size the state records."""
-        assert run.metrics is not None, "only rank 0, which writes metrics.jsonl, saves"
-        return cls(
-            counters=run.state,
-            metrics_bytes=run.metrics.size,
-            vocab_size=int(run.tokenizer.vocab_size),
-            source_hash=run.data.source_hash,
-            config=run.config.to_dict(),
-            model=run.model.state_dict(),
-            optimizer=run.optimizer.state_dict(),
-            scaler=run.precision.state_dict(),
-            rng=[rng for rng, _ in rngs_and_samplers],
-            sampler=[sampler for _, sampler in rngs_and_samplers],
-        )
 
     def to_dict(self) -> dict[str, Any]:
         """What `state.pt` holds (`save_state` adds its format tag): tensors and plain data
@@ -259,39 +236,9 @@ class ResumeState:
                 f"model has {self.vocab_size}; the run's files come from different runs."
             )
 
-    def restore(self, run: Run) -> None:
-        """Put this state back into `run`: weights, optimizer moments (with today's
-        hyperparameters), precision scaler, this rank's RNG and sampler states, counters.
-
-        Raises:
-            CheckpointError: a part that does not fit the run (a damaged or foreign file),
-                naming the file and the part.
-        """
-        load_weights(run.model, self.model, self.path or STATE_FILE)
-        # Moments and step counts from the save; hyperparameters from today's config.
-        fresh = [{k: v for k, v in g.items() if k != "params"} for g in run.optimizer.param_groups]
-        self._part("optimizer", lambda: run.optimizer.load_state_dict(self.optimizer))
-        for group, values in zip(run.optimizer.param_groups, fresh, strict=True):
-            group.update(values)
-        self._part("scaler", lambda: run.precision.load_state_dict(self.scaler))
-        info, saved_world = run.info, len(self.rng)
-        if saved_world != info.world_size and info.main:
-            logger.warning(
-                "resuming a %d-process run with %d processes: batches and random "
-                "numbers will differ from an uninterrupted run",
-                saved_world,
-                info.world_size,
-            )
-        own = min(info.rank, saved_world - 1)
-        self._part("rng", lambda: set_rng_state(self.rng[own], run.device))
-        self._part("sampler", lambda: run.sampler.load_state_dict(self.sampler[own]))
-        # The saved counters, with this session's time counted from its start.
-        run.state = dataclasses.replace(self.counters, session_start=run.state.session_start)
-        run.resumed_from = run.state.step
-        run.metrics_bytes = self.metrics_bytes
-
-    def _part(self, part: str, load: Callable[[], Any]) -> None:
-        """Run `load`; what it raises on a malformed part is a `CheckpointError` naming it."""
+    def load_part(self, part: str, load: Callable[[], Any]) -> None:
+        """Run `load`, which puts one part of this state into a run; what it raises on a
+        malformed part is a `CheckpointError` naming the file and the part."""
         try:
             load()
         except (KeyError, IndexError, ValueError, TypeError, RuntimeError, InputError) as exc:
