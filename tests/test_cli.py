@@ -1,4 +1,4 @@
-"""The CLI shell: version, help, exit statuses and the `config` command (llmcli/cli.py)."""
+"""The CLI shell: version, help, exit statuses and the `config` command (llmcli/cli/)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,51 @@
+"""The `llmcli` command line: thin commands that parse options and call the library.
+
+`app` holds the Typer app; the commands sit in `training` (config, prepare-data, train, bench),
+`generation` (sample), `runs` (info, export, compare) and `inside` (inspect-attention, eval),
+their shared options in `options`. Heavy libraries (torch, numpy, datasets, matplotlib,
+transformers) are imported inside the commands that need them, so `llmcli --help` answers at once.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from llmcli.cli.app import app
+from llmcli.errors import InputError
+
+# Importing the command modules registers their commands, in the order `llmcli --help` lists them.
+# isort: off
+from llmcli.cli import training, generation, runs, inside  # noqa: F401
+# isort: on
+
+__all__ = ["app", "main"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: runs the app and maps errors to exit statuses (2 bad input, 130 Ctrl-C;
+    `train` exits 143 after SIGTERM)."""
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        code = app(args=args, prog_name="llmcli", standalone_mode=False)
+    except InputError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        typer.echo("interrupted", err=True)
+        sys.exit(130)
+    except BrokenPipeError:
+        sys.exit(0)
+    except Exception as exc:
+        # Typer ships its own copy of click, so match its exceptions by what they offer.
+        if hasattr(exc, "show") and hasattr(exc, "exit_code"):  # usage errors: exit 2
+            exc.show()
+            sys.exit(exc.exit_code)
+        if hasattr(exc, "exit_code"):  # typer.Exit
+            sys.exit(exc.exit_code)
+        if type(exc).__name__ == "Abort":
+            typer.echo("interrupted", err=True)
+            sys.exit(130)
+        raise
+    sys.exit(code if isinstance(code, int) else 0)

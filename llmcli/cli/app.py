@@ -1,0 +1,69 @@
+"""The `llmcli` Typer app and what its commands share: messages to stderr, streamed stdout.
+
+The commands are in the modules beside this one, by what they work on; `llmcli.cli` gathers them
+and holds `main`, which maps errors to exit statuses.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Annotated
+
+import typer
+
+from llmcli import __version__
+
+app = typer.Typer(
+    name="llmcli",
+    help="Train, sample and inspect small causal language models.",
+    context_settings={"help_option_names": ["-h", "--help"]},
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+
+def notify(line: str) -> None:
+    """Lines for the user that are not the command's result (which run, warnings) go to stderr."""
+    typer.echo(line, err=True)
+
+
+class ThrottledStdout:
+    """Writes to stdout, flushed at most every 50 ms: streamed text reaches the terminal
+    promptly without one flush per token (the caller flushes at the end)."""
+
+    def __init__(self, interval_s: float = 0.05) -> None:
+        self.interval_s = interval_s
+        self.flushed = 0.0
+
+    def __call__(self, text: str) -> None:
+        sys.stdout.write(text)
+        now = time.monotonic()
+        if now - self.flushed >= self.interval_s:
+            sys.stdout.flush()
+            self.flushed = now
+
+
+def log_to_stderr() -> None:
+    """Show the library's INFO messages (run notes, plain progress lines) on stderr."""
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"llmcli {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+    ] = False,
+) -> None:
+    """Train, sample and inspect small causal language models."""

@@ -1,0 +1,157 @@
+"""`llmcli inspect-attention` and `eval`: looking inside a trained run, and scoring it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from llmcli.cli.app import app, log_to_stderr, notify
+from llmcli.cli.options import (
+    AblationCommand,
+    CheckpointOption,
+    DeviceOption,
+    JsonOption,
+    WeightsOption,
+)
+
+
+@app.command("inspect-attention", cls=AblationCommand)
+def inspect_attention_command(
+    checkpoint: CheckpointOption = None,
+    prompt: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            help="Prompt text; repeatable, one dump per prompt (default: the start of the "
+            "run's validation text).",
+            metavar="TEXT",
+        ),
+    ] = None,
+    prompt_file: Annotated[
+        Optional[Path],
+        typer.Option(help="More prompts: one per line, or a JSON list of strings.", metavar="FILE"),
+    ] = None,
+    layer: Annotated[
+        Optional[list[int]],
+        typer.Option(
+            help="Keep only this layer (0-based); repeatable (default: all).", metavar="L"
+        ),
+    ] = None,
+    head: Annotated[
+        Optional[list[int]],
+        typer.Option(help="Keep only this head (0-based); repeatable (default: all).", metavar="H"),
+    ] = None,
+    out: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="Output folder (default: <run>/attention/); several prompts go to "
+            "prompt-000/, prompt-001/, ... inside it.",
+            metavar="DIR",
+        ),
+    ] = None,
+    format_: Annotated[
+        str, typer.Option("--format", help="Dump format: npz, safetensors or json.", metavar="FMT")
+    ] = "npz",
+    induction: Annotated[
+        bool,
+        typer.Option(help="Add an induction score per head (on a repeated random sequence)."),
+    ] = False,
+    truncate: Annotated[
+        bool,
+        typer.Option(help="Keep the last context_length tokens of a longer prompt."),
+    ] = False,
+    weights: WeightsOption = "best",
+    device: DeviceOption = "auto",
+    pictures: Annotated[
+        bool, typer.Option("--pictures/--no-pictures", help="Write one PNG per layer.")
+    ] = True,
+    ablation: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Add each head's loss increase when it is removed, measured on validation "
+            "batches: zero, mean or both (a metric column, ablation.png, the top heads).",
+            metavar="METHOD",
+        ),
+    ] = None,
+    ablation_steps: Annotated[
+        Optional[int],
+        typer.Option(help="Validation batches --ablation measures on (default: 20).", metavar="N"),
+    ] = None,
+) -> None:
+    """Dump every head's attention for a prompt, score each head, draw it, write a viewer."""
+    from llmcli.inspection.attention import InspectOptions, format_report, inspect_attention
+
+    options = InspectOptions(
+        layers=tuple(layer or ()),
+        heads=tuple(head or ()),
+        fmt=format_,
+        induction=induction,
+        truncate=truncate,
+        pictures=pictures,
+        ablation=ablation,
+        ablation_steps=ablation_steps,
+        weights=weights,
+        device=device,
+    )
+    result = inspect_attention(
+        checkpoint, prompt or [], options, prompt_file=prompt_file, out_dir=out, notify=notify
+    )
+    typer.echo(format_report(result), nl=False)
+
+
+@app.command("eval", cls=AblationCommand)
+def eval_command(
+    checkpoint: CheckpointOption = None,
+    data: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="A UTF-8 text file to score (default: the run's validation split).", metavar="PATH"
+        ),
+    ] = None,
+    steps: Annotated[
+        Optional[int],
+        typer.Option(help="Score only the first N batches (default: the whole text).", metavar="N"),
+    ] = None,
+    batch_size: Annotated[
+        Optional[int],
+        typer.Option(
+            help="Windows of context_length tokens per batch (default: the run's train.batch_size)."
+        ),
+    ] = None,
+    ablate: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            help="Remove a head: L.H (head H of layer L) or L (every head of layer L), 0-based; "
+            "repeatable.",
+            metavar="SPEC",
+        ),
+    ] = None,
+    ablation: Annotated[
+        Optional[str],
+        typer.Option(
+            help="How --ablate removes a head: zero (its output zeroed; the default) or mean "
+            "(replaced by its mean output over the scored text).",
+            metavar="METHOD",
+        ),
+    ] = None,
+    weights: WeightsOption = "best",
+    device: DeviceOption = "auto",
+    json_: JsonOption = False,
+) -> None:
+    """Mean loss, perplexity and bits per byte of a run on its validation split or a text."""
+    import json
+
+    from llmcli.inspection.evaluate import EvalOptions, evaluate_run, format_result
+
+    log_to_stderr()
+    options = EvalOptions(
+        steps=steps,
+        batch_size=batch_size,
+        ablate=tuple(ablate or ()),
+        ablation=ablation,
+        weights=weights,
+        device=device,
+    )
+    result = evaluate_run(checkpoint, data, options, progress=True, notify=notify)
+    typer.echo(json.dumps(result.to_dict()) if json_ else format_result(result))

@@ -1,0 +1,99 @@
+"""`llmcli info`, `export` and `compare`: a run's facts, its Hugging Face copy, runs compared."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from llmcli.cli.app import app, notify
+from llmcli.cli.options import CheckpointOption, JsonOption, WeightsOption
+
+
+@app.command("info")
+def info_command(
+    checkpoint: CheckpointOption = None,
+    weights: WeightsOption = "best",
+    json_: JsonOption = False,
+) -> None:
+    """Show a run: model size, training summary, recorded versions, generation defaults."""
+    import json
+
+    from llmcli.runs.info import format_info, run_info
+
+    info = run_info(checkpoint, weights=weights, notify=notify)
+    typer.echo(json.dumps(info, indent=2) if json_ else format_info(info))
+
+
+@app.command("export")
+def export_command(
+    out: Annotated[
+        Path, typer.Option(help="Folder to write (must be new or empty).", metavar="DIR")
+    ],
+    checkpoint: CheckpointOption = None,
+    format_: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            help="The transformers architecture: auto (the one that computes the run's model "
+            "exactly), gpt2, gpt-neox or arcee.",
+            metavar="ARCH",
+        ),
+    ] = "auto",
+    force: Annotated[
+        bool, typer.Option(help="Write into a non-empty --out, replacing a previous export.")
+    ] = False,
+    weights: WeightsOption = "best",
+) -> None:
+    """Export a run as a Hugging Face folder for transformers (no custom code needed)."""
+    from llmcli.hf.export import export_hf
+
+    result = export_hf(
+        checkpoint,
+        out,
+        fmt=format_,
+        force=force,
+        weights=weights,
+        notify=notify,
+    )
+    typer.echo(
+        f"exported {result.run_dir} as {result.architecture} (step {result.step}, "
+        f"{result.n_params:,} parameters, "
+        f"vocab {result.vocab_size}) to {result.out_dir}/: {', '.join(result.files)}"
+    )
+
+
+@app.command("compare")
+def compare_command(
+    runs: Annotated[
+        list[str],
+        typer.Argument(help="Run directories, or globs such as 'checkpoints/*'.", metavar="RUN..."),
+    ],
+    metric: Annotated[
+        str,
+        typer.Option(
+            help="What to draw: val_loss, val_ppl, train_loss, lr, grad_norm or tok_per_s.",
+            metavar="NAME",
+        ),
+    ] = "val_loss",
+    x: Annotated[
+        str, typer.Option("--x", help="Against: step, tokens or elapsed_s.", metavar="AXIS")
+    ] = "step",
+    out: Annotated[Path, typer.Option(help="The picture to write (PNG).", metavar="FILE")] = Path(
+        "compare.png"
+    ),
+    json_: JsonOption = False,
+) -> None:
+    """Compare runs: their curves in one PNG and a table (best val loss, steps, tokens, time,
+    tokens/s, and the config keys that differ)."""
+    import json
+
+    from llmcli.runs.compare import compare_runs, format_table
+
+    comparison = compare_runs(runs, metric=metric, x=x, out=out)
+    if json_:
+        typer.echo(json.dumps(comparison.to_dict()))
+        return
+    typer.echo(format_table(comparison))
+    typer.echo(f"wrote {comparison.picture}")
