@@ -95,12 +95,15 @@ def test_chunks_of_any_size_give_the_same_metrics() -> None:
     tok, model, metric, clean, corrupt = setup(2)
     names = [f"blocks.{i}.{p}" for i in range(2) for p in GRIDS.values()]
     acts, _ = record(model, clean, names)
+    streams, _ = record(model, corrupt, ["blocks.0.resid_pre", "blocks.1.resid_pre"])
     for grid in GRIDS:
-        sites = grid_sites(grid, model, clean.shape[1])
-        whole = patched_metrics(model, corrupt, acts, sites, metric)
-        for rows in (1, 3):
-            chunked = patched_metrics(model, corrupt, acts, sites, metric, rows=rows)
-            torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
+        for layer in range(2):
+            sites = grid_sites(grid, layer, model, clean.shape[1])
+            stream = streams[f"blocks.{layer}.resid_pre"]
+            whole = patched_metrics(model, stream, acts, sites, metric)
+            for rows in (1, 3):
+                chunked = patched_metrics(model, stream, acts, sites, metric, rows=rows)
+                torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
 
 
 def test_patching_the_last_stream_gives_one_and_nothing_gives_zero() -> None:
@@ -108,15 +111,16 @@ def test_patching_the_last_stream_gives_one_and_nothing_gives_zero() -> None:
     T = clean.shape[1]
     last = f"blocks.{model.n_layer - 1}.resid_post"
     acts, _ = record(model, clean, [last])
+    streams, _ = record(model, corrupt, ["blocks.0.resid_pre"])
     c = hand_metric(model, clean, metric.answer, metric.wrong)
     d = hand_metric(model, corrupt, metric.answer, metric.wrong)
     everything = torch.zeros(1, T, 1, dtype=torch.bool)
     everything[0, -1] = True  # every channel of the last position's final stream
     nothing = torch.zeros(1, T, 1, dtype=torch.bool)
-    values = patched_metrics(model, corrupt, acts, Sites({last: everything}), metric)
-    assert (values.item() - d) / (c - d) == pytest.approx(1.0, abs=1e-4)  # float32
-    values = patched_metrics(model, corrupt, acts, Sites({last: nothing}), metric)
-    assert (values.item() - d) / (c - d) == pytest.approx(0.0, abs=1e-4)
+    for mask, effect in ((everything, 1.0), (nothing, 0.0)):
+        sites = Sites({last: mask}, start=0)
+        value = patched_metrics(model, streams["blocks.0.resid_pre"], acts, sites, metric).item()
+        assert (value - d) / (c - d) == pytest.approx(effect, abs=1e-4)  # float32
 
 
 def test_a_head_that_writes_nothing_has_no_effect() -> None:

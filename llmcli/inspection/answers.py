@@ -26,7 +26,6 @@ from torch import Tensor
 from llmcli.device import resolve_device
 from llmcli.errors import InputError, describe_os_error
 from llmcli.generation.prompts import encode_prompt
-from llmcli.model.attention import AttentionContext
 from llmcli.runs.loading import LoadedRun, load_run
 
 
@@ -192,14 +191,6 @@ def record(
     with model.hooks({name: partial(_store, acts, name) for name in names}):
         logits, _ = model(ids)
     return acts, logits
-
-
-def last_logits(model: torch.nn.Module, ids: Tensor) -> Tensor:
-    """The forward of `ids` `(B, T)` with the LM head at the last position only: `(B, V)`
-    (the logits of every position of a large batch would cost `B * T * V` floats)."""
-    x = model.embedding(ids, AttentionContext.build(ids, model.context_length))  # (B, T, C)
-    x = model.run_blocks(x)  # (B, T, C)
-    return model.to_logits(x[:, -1:])[:, 0]  # (B, 1, C) -> (B, V)
 
 
 def output_folder(options: RunOptions, run: LoadedRun, name: str) -> Path:

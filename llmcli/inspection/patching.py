@@ -14,7 +14,9 @@ slice of `attn.z`, `head_out`, L x H), and the attention and MLP outputs at each
 
 Patching runs in batches: `Sites` stacks the corrupted prompt once per patched place, and one
 hook per hook point puts the clean activation into each row at that row's place (a boolean mask
-per row), so a whole grid takes one forward (or a few, as memory allows) instead of one per cell.
+per row), so a layer's row of a grid takes one forward (or a few, as memory allows) instead of
+one per cell. A patch in block l changes nothing below it, so those forwards start from the
+corrupted prompt's residual stream into block l (as `ablation.head_deltas` does).
 
 Shapes: `L` layers, `H` heads, `hs` head size, `T` tokens, `C` channels, `k` patched places.
 """
@@ -38,7 +40,6 @@ from llmcli.inspection.answers import (
     AnswerMetric,
     RunOptions,
     encode_text,
-    last_logits,
     model_device,
     open_run,
     output_folder,
@@ -70,35 +71,36 @@ class Sites:
         masks: hook point -> `(k, ...)` bool, broadcastable to the activation there with the batch
             dimension `k` (e.g. `(k, T, 1)` for one position of a `(k, T, C)` stream, or
             `(k, 1, H, 1)` for one head of a `(k, T, H, hs)` `attn.z`).
+        start: the first block any of the points is in: the blocks below it compute what the
+            corrupted prompt alone gives, so the rows run from the stream into this block.
     """
 
     masks: dict[str, Tensor] = field(default_factory=dict)
+    start: int = 0
 
     @property
     def rows(self) -> int:
         return next(iter(self.masks.values())).shape[0]
 
 
-def position_sites(point: str, n_layer: int, T: int) -> Sites:
-    """Each block's `point` (`resid_pre`, `attn_out`, `mlp_out`) at each position: row
-    `l * T + t` patches position t of block l."""
-    masks = {}
-    for layer in range(n_layer):
-        mask = torch.zeros(n_layer, T, T, 1, dtype=torch.bool)  # (L, T rows, T positions, 1)
-        mask[layer] = torch.eye(T, dtype=torch.bool)[..., None]
-        masks[f"blocks.{layer}.{point}"] = mask.view(n_layer * T, T, 1)
-    return Sites(masks)
+def position_sites(point: str, layer: int, T: int) -> Sites:
+    """Block `layer`'s `point` (`resid_pre`, `attn_out`, `mlp_out`): row t patches position t."""
+    mask = torch.eye(T, dtype=torch.bool)[..., None]  # (T rows, T positions, 1)
+    return Sites({f"blocks.{layer}.{point}": mask}, start=layer)
 
 
-def head_sites(n_layer: int, n_head: int) -> Sites:
-    """Each head's output (its slice of `attn.z`) at every position: row `l * H + h` patches
-    head h of block l."""
-    masks = {}
-    for layer in range(n_layer):
-        mask = torch.zeros(n_layer, n_head, 1, n_head, 1, dtype=torch.bool)  # (L, H, 1, H, 1)
-        mask[layer] = torch.eye(n_head, dtype=torch.bool)[:, None, :, None]
-        masks[f"blocks.{layer}.attn.z"] = mask.view(n_layer * n_head, 1, n_head, 1)
-    return Sites(masks)
+def head_sites(layer: int, n_head: int) -> Sites:
+    """Block `layer`'s heads (each one's slice of `attn.z`, at every position): row h patches
+    head h."""
+    mask = torch.eye(n_head, dtype=torch.bool)[:, None, :, None]  # (H rows, 1, H heads, 1)
+    return Sites({f"blocks.{layer}.attn.z": mask}, start=layer)
+
+
+def grid_sites(grid: str, layer: int, model: torch.nn.Module, T: int) -> Sites:
+    """One layer's row of one of `GRIDS`."""
+    if grid == "head_out":
+        return head_sites(layer, model.n_head)
+    return position_sites(GRIDS[grid], layer, T)
 
 
 def rows_per_pass(model: torch.nn.Module, T: int, budget: int = PATCH_BATCH_BYTES) -> int:
@@ -115,7 +117,7 @@ def _put(act: Tensor, mask: Tensor, clean: Tensor) -> Tensor:
 @torch.no_grad()
 def patched_metrics(
     model: torch.nn.Module,
-    corrupt: Tensor,
+    stream: Tensor,
     clean_acts: dict[str, Tensor],
     sites: Sites,
     metric: AnswerMetric,
@@ -125,7 +127,7 @@ def patched_metrics(
 
     Args:
         model: a `Transformer` in eval mode.
-        corrupt: `(1, T)` the corrupted prompt's ids.
+        stream: `(1, T, C)` the corrupted prompt's residual stream into block `sites.start`.
         clean_acts: hook point -> the clean prompt's activation there, `(1, ...)`.
         sites: where each row patches (every name must be in `clean_acts`).
         metric: read at the last position.
@@ -134,15 +136,15 @@ def patched_metrics(
     Returns:
         `(k,)` float32, one metric per row of `sites`.
     """
-    rows = rows or rows_per_pass(model, corrupt.shape[1])
-    device = corrupt.device
+    rows = rows or rows_per_pass(model, stream.shape[1])
     out = []
-    for start in range(0, sites.rows, rows):
-        chunk = {name: m[start : start + rows].to(device) for name, m in sites.masks.items()}
+    for first in range(0, sites.rows, rows):
+        chunk = {name: m[first : first + rows].to(stream.device) for name, m in sites.masks.items()}
         k = next(iter(chunk.values())).shape[0]
         hooks = {name: partial(_put, mask=m, clean=clean_acts[name]) for name, m in chunk.items()}
         with model.hooks(hooks):
-            out.append(metric(last_logits(model, corrupt.expand(k, -1))))  # (k,)
+            x = model.run_blocks(stream.expand(k, -1, -1), start=sites.start)  # (k, T, C)
+            out.append(metric(model.to_logits(x[:, -1])))  # (k,)
     return torch.cat(out).float().cpu()
 
 
@@ -181,13 +183,6 @@ class PatchResult:
         }
 
 
-def grid_sites(grid: str, model: torch.nn.Module, T: int) -> Sites:
-    """The sites of one of `GRIDS`."""
-    if grid == "head_out":
-        return head_sites(model.n_layer, model.n_head)
-    return position_sites(GRIDS[grid], model.n_layer, T)
-
-
 @torch.no_grad()
 def patch_grids(
     model: torch.nn.Module,
@@ -204,10 +199,12 @@ def patch_grids(
     Raises:
         InputError: the two prompts give the same metric (there is nothing to restore).
     """
-    names = [f"blocks.{i}.{p}" for i in range(model.n_layer) for p in GRIDS.values()]
+    L = model.n_layer
+    names = [f"blocks.{i}.{p}" for i in range(L) for p in GRIDS.values()]
     clean_acts, clean_logits = record(model, clean, names)
+    streams, corrupt_logits = record(model, corrupt, [f"blocks.{i}.resid_pre" for i in range(L)])
     clean_value = float(metric(clean_logits[:, -1])[0])
-    corrupt_value = float(metric(last_logits(model, corrupt))[0])
+    corrupt_value = float(metric(corrupt_logits[:, -1])[0])
     gap = clean_value - corrupt_value
     if abs(gap) < 1e-6:
         raise InputError(
@@ -217,10 +214,19 @@ def patch_grids(
         )
     T, grids = clean.shape[1], {}
     for grid in GRIDS:
-        sites = grid_sites(grid, model, T)
-        values = patched_metrics(model, corrupt, clean_acts, sites, metric, rows)
-        effect = (values.double() - corrupt_value) / gap  # (L * T,) or (L * H,)
-        grids[grid] = effect.view(model.n_layer, -1).numpy()
+        values = [
+            patched_metrics(
+                model,
+                streams[f"blocks.{i}.resid_pre"],
+                clean_acts,
+                grid_sites(grid, i, model, T),
+                metric,
+                rows,
+            )
+            for i in range(L)
+        ]
+        effect = (torch.stack(values).double() - corrupt_value) / gap  # (L, T) or (L, H)
+        grids[grid] = effect.numpy()
     return grids, clean_value, corrupt_value
 
 

@@ -244,5 +244,5 @@ def plot_grids(
     if title:
         fig.suptitle(title, fontsize=10)
     with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=100, format="png", bbox_inches="tight")
+        fig.savefig(tmp, dpi=100, format="png")  # constrained layout: nothing to trim
     return path
