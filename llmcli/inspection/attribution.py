@@ -180,7 +180,7 @@ def plot_attribution(result: Attribution, path: str | Path) -> Path:
     )
     title = (
         f"direct logit attribution of {result.metric.describe_linear()} = "
-        f"{result.logit_diff:.3f} (embed {result.embed:+.3f}, rest {result.rest:+.3f})"
+        f"{result.logit_diff:.3f}\n(embed {result.embed:+.3f}, rest {result.rest:+.3f})"
     )
     return plot_grids([grid], path, title=title, colour_label="direct contribution (logits)")
 

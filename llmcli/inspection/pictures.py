@@ -156,7 +156,7 @@ def _tick_labels(labels: Sequence[str]) -> tuple[list[int], list[str], int]:
     """(ticks, their labels, rotation): every `label_step`-th label, upright when all are short."""
     shown = [_short_label(token_label(t)) for t in labels]
     ticks = list(range(0, len(shown), label_step(len(shown))))
-    rotation = 0 if all(len(t) <= 2 for t in shown) else 90
+    rotation = 0 if all(len(t) <= 3 for t in shown) else 90
     return ticks, [shown[i] for i in ticks], rotation
 
 
@@ -224,7 +224,8 @@ def plot_grids(
     cell = 0.28  # inches per cell
     widest = max(len(g.cols) for g in grids)
     heights = [len(g.rows) * cell + 0.9 + (0.3 if g.top_cols is not None else 0) for g in grids]
-    width = max(widest * cell + 1.4, 3.5)
+    longest_title = max(len(line) for line in title.splitlines()) if title else 0
+    width = max(widest * cell + 1.4, 3.5, 0.075 * longest_title - 1.0)  # the title fits
     fig = Figure(figsize=(width + 1.2, sum(heights) + 0.4), layout="constrained")
     FigureCanvasAgg(fig)
     left, right = fig.subfigures(1, 2, width_ratios=[width, 1.2])
