@@ -20,3 +20,20 @@ def test_label_thinning() -> None:
     assert label_step(64) == 2
     assert label_step(256) == 8
     assert token_label(" \n") == "␣↵"
+
+
+def test_plot_grids_draws_labelled_panels_of_any_width(tmp_path) -> None:
+    import numpy as np
+    from matplotlib.image import imread
+
+    from llmcli.inspection.pictures import Grid, plot_grids
+
+    rng = np.random.default_rng(0)
+    wide = Grid(rng.normal(size=(3, 20)), ["a", "b", "c"], list("Speak, speak.\nAll: "), "wide")
+    narrow = Grid(rng.normal(size=(3, 4)), ["a", "b", "c"], ["0", "1", "2", "3"], "narrow")
+    one = plot_grids([wide], tmp_path / "one.png", centre=None)
+    two = plot_grids([wide, narrow], tmp_path / "two.png", title="t", colour_label="x")
+    h1, w1 = imread(one).shape[:2]
+    h2, w2 = imread(two).shape[:2]
+    assert h2 > 1.5 * h1  # a second panel below, cells of the same size
+    assert abs(w2 - w1) < 0.2 * w1

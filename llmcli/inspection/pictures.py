@@ -1,8 +1,12 @@
-"""Pictures of a dump: one PNG per layer, a heatmap per head plus the mean over the heads."""
+"""Pictures: of a dump, one PNG per layer (a heatmap per head plus the mean over the heads); of
+head ablation, a layer x head heat map; and labelled grids (`Grid`, `plot_grids`) for the logit
+lens, activation patching and attribution."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
@@ -125,4 +129,121 @@ def plot_head_deltas(delta: dict[str, np.ndarray], path: str | Path, title: str 
     fig.suptitle(title or "loss increase when one head is removed", fontsize=10)
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=100, format="png", bbox_inches="tight")
+    return path
+
+
+@dataclass
+class Grid:
+    """One panel of `plot_grids`: a matrix of values with a label for every row and column.
+
+    Attributes:
+        values: `(R, K)`.
+        rows, cols: `R` and `K` labels (token texts are made visible with `token_label`).
+        title, xlabel, ylabel: the panel's texts.
+        top_cols: `K` more column labels, drawn above the panel (e.g. each position's next token).
+    """
+
+    values: np.ndarray
+    rows: Sequence[str]
+    cols: Sequence[str]
+    title: str = ""
+    xlabel: str = ""
+    ylabel: str = ""
+    top_cols: Sequence[str] | None = None
+
+
+def _tick_labels(labels: Sequence[str]) -> tuple[list[int], list[str], int]:
+    """(ticks, their labels, rotation): every `label_step`-th label, upright when all are short."""
+    shown = [_short_label(token_label(t)) for t in labels]
+    ticks = list(range(0, len(shown), label_step(len(shown))))
+    rotation = 0 if all(len(t) <= 3 for t in shown) else 90
+    return ticks, [shown[i] for i in ticks], rotation
+
+
+def _draw_grid(ax, grid: Grid, cmap: str, vmin: float, vmax: float):
+    values = np.asarray(grid.values, dtype=np.float64)
+    im = ax.imshow(values, cmap=cmap, vmin=vmin, vmax=vmax, interpolation="nearest")
+    ticks, labels, rotation = _tick_labels(grid.cols)
+    ax.set_xticks(ticks, labels, rotation=rotation, fontsize=7)
+    ax.set_yticks(range(len(grid.rows)), [str(r) for r in grid.rows], fontsize=7)
+    ax.set_title(grid.title, fontsize=9)
+    ax.set_xlabel(grid.xlabel, fontsize=8)
+    ax.set_ylabel(grid.ylabel, fontsize=8)
+    if grid.top_cols is not None:
+        ticks, labels, rotation = _tick_labels(grid.top_cols)
+        top = ax.secondary_xaxis("top")
+        top.set_xticks(ticks, labels, rotation=rotation, fontsize=7)
+    if values.size <= 128 and values.shape[1] <= 16:  # room for a label in every cell
+        for (i, j), v in np.ndenumerate(values):
+            bright = abs(v - (vmin + vmax) / 2) > 0.3 * (vmax - vmin)
+            ax.text(
+                j,
+                i,
+                f"{v:.2f}",
+                ha="center",
+                va="center",
+                fontsize=6,
+                color="white" if bright else "black",
+            )
+    return im
+
+
+def plot_grids(
+    grids: Sequence[Grid],
+    path: str | Path,
+    *,
+    title: str = "",
+    colour_label: str = "",
+    centre: float | None = 0.0,
+) -> Path:
+    """Labelled heat maps, one panel per grid stacked top to bottom, on one colour scale.
+
+    Args:
+        grids: the panels.
+        path: the PNG to write.
+        title: the figure's title.
+        colour_label: what the colour bar measures.
+        centre: a diverging scale centred on this value (red above, blue below); None for a
+            sequential scale from the smallest value to the largest.
+
+    Returns:
+        `path`.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)  # callers may name a new folder
+    finite = [np.asarray(g.values, dtype=np.float64) for g in grids]
+    finite = np.concatenate([v[np.isfinite(v)] for v in finite] + [np.zeros(0)])
+    if centre is None:
+        cmap = "viridis"
+        vmin = float(finite.min()) if finite.size else 0.0
+        vmax = max(float(finite.max()) if finite.size else 1.0, vmin + 1e-9)
+    else:
+        cmap = "RdBu_r"
+        reach = max(float(np.abs(finite - centre).max()) if finite.size else 1.0, 1e-9)
+        vmin, vmax = centre - reach, centre + reach
+    cell = 0.28  # inches per cell
+    widest = max(len(g.cols) for g in grids)
+    heights = [len(g.rows) * cell + 0.9 + (0.3 if g.top_cols is not None else 0) for g in grids]
+    longest_title = max(len(line) for line in title.splitlines()) if title else 0
+    width = max(widest * cell + 1.4, 3.5, 0.075 * longest_title - 1.0)  # the title fits
+    fig = Figure(figsize=(width + 1.2, sum(heights) + 0.4), layout="constrained")
+    FigureCanvasAgg(fig)
+    left, right = fig.subfigures(1, 2, width_ratios=[width, 1.2])
+    panels = left.subfigures(len(grids), 1, height_ratios=heights, squeeze=False)[:, 0]
+    for panel, grid in zip(panels, grids, strict=True):
+        # A narrow grid (layer x head) keeps the cell size and sits on the left.
+        spare = widest - len(grid.cols)
+        if spare:
+            ax, blank = panel.subplots(1, 2, width_ratios=[len(grid.cols), spare])
+            blank.axis("off")
+        else:
+            ax = panel.subplots()
+        im = _draw_grid(ax, grid, cmap, vmin, vmax)
+    height = min(0.6, 3.0 / (sum(heights) + 0.4))
+    cax = right.add_axes((0.15, 0.5 - height / 2, 0.12, height))
+    fig.colorbar(im, cax=cax, label=colour_label)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")  # constrained layout: nothing to trim
     return path
