@@ -38,7 +38,7 @@ from llmcli.inspection.dump import FORMATS, AttentionDump, format_metrics_table,
 from llmcli.inspection.evaluate import eval_tokens, window_batches, window_starts
 from llmcli.inspection.metrics import INDUCTION, METRIC_NAMES, head_metrics
 from llmcli.inspection.pictures import plot_head_deltas, plot_layers
-from llmcli.inspection.viewer import write_viewer
+from llmcli.inspection.viewer import write_run_page, write_viewer
 from llmcli.runs.loading import load_run
 
 log = logging.getLogger(__name__)
@@ -369,9 +369,13 @@ def write_outputs(
     *,
     pictures: bool = True,
     viewer: bool = True,
+    run_dir: str | Path | None = None,
+    notify: Callable[[str], Any] = log.warning,
 ) -> list[Path]:
     """Write `attention.<fmt>`, `layer-<L>.png` per layer and `attention.html` into `out_dir`;
-    with a head ablation in the dump's meta, also its heat map `ablation.png`."""
+    with a head ablation in the dump's meta, also its heat map `ablation.png`. The page shows
+    the lens, patching and attribution results in `run_dir` too (`notify` hears of those it
+    skips)."""
     out_dir = Path(out_dir)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -396,7 +400,11 @@ def write_outputs(
             delta = {method: np.array(d) for method, d in note["delta"].items()}
             files.append(plot_head_deltas(delta, out_dir / "ablation.png", title))
         if viewer:
-            files.append(write_viewer(dump, out_dir / "attention.html"))
+            page = out_dir / "attention.html"
+            if run_dir is None:
+                files.append(write_viewer(dump, page))
+            else:
+                files.append(write_run_page(run_dir, page, dump, notify))
     except OSError as exc:  # every file is written atomically: earlier ones stay whole
         raise InputError(
             f"cannot write into {str(out_dir)!r}: {describe_os_error(exc)}; or choose --out DIR."
@@ -467,7 +475,13 @@ def inspect_attention(
         out_dirs.append(folder)
         files.append(
             write_outputs(
-                dump, folder, options.fmt, pictures=options.pictures, viewer=options.viewer
+                dump,
+                folder,
+                options.fmt,
+                pictures=options.pictures,
+                viewer=options.viewer,
+                run_dir=run.run_dir,
+                notify=notify,
             )
         )
     return InspectResult(Path(run.run_dir), dumps, out_dirs, files, ablation=deltas)
