@@ -557,6 +557,8 @@ def test_grid_panels_draw_the_runs_results_with_a_hover_read_out(browser, tmp_pa
     )
     assert _cell_colour(browser, canvas, *lo, 3, 4) == VIRIDIS_LOW
     assert _cell_colour(browser, canvas, *hi, 3, 4) == VIRIDIS_HIGH
+    assert lens_panel.find_element(By.CSS_SELECTOR, ".legend-title").text == "log-prob"
+    assert "from lens/lens.json" in lens_panel.find_element(By.CSS_SELECTOR, ".axes").text
     root = "#grid-lens .legend"
     assert _legend(browser, root)[0] == [
         f"{logprobs.min():.2f}",

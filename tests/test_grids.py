@@ -58,6 +58,7 @@ def test_each_result_file_becomes_its_grids(tmp_path: Path) -> None:
     assert lens["rows"] == ["embed", "0", "1"] and lens["cols"] == TOKENS[:-1]
     assert lens["row_names"] == ["embed", "after layer 0", "after layer 1"]
     assert lens["scale"] == "sequential" and lens["col_tokens"] is True
+    assert lens["value"] == "log-prob" and lens["source"] == "lens/lens.json"
     np.testing.assert_array_equal(lens["values"], sig6(data["logprobs"]))
     assert lens["values"][-1][0] == -0.0123457
     # Cell (boundary 1, position 2) predicts token 3 "M"; the lens's top token there is "M".

@@ -5,7 +5,7 @@
 more *grids*: plain JSON objects that the viewer draws with one generic panel (a heat map with
 row and column labels, a colour legend and a hover read-out):
 
-    {"id": str, "title": str, "note": str, "source": str,
+    {"id": str, "title": str, "note": str, "source": str, "value": str (what a cell holds),
      "row_title": str, "col_title": str, "rows": [R strs], "cols": [C strs],
      "values": [[C floats or null] x R], "scale": "sequential" | "diverging",
      "domain": [lo, hi] (optional: the data's range, or symmetric about 0 when diverging),
@@ -167,6 +167,7 @@ def lens_grids(data: dict[str, Any], source: str = "lens/lens.json") -> list[dic
             "title": "Logit lens: log-prob of the next token, read after each layer",
             "note": "" if prompt is None else f"prompt {_quoted(prompt)}",
             "source": source,
+            "value": "log-prob",
             "row_title": "after layer",
             "col_title": "position",
             "rows": layers,
@@ -217,6 +218,7 @@ def patch_grids(
                 "title": f"Activation patching: {key} ({what}), normalised effect",
                 "note": "" if grids else "; ".join(note),  # the first grid says it for all
                 "source": source,
+                "value": "normalised effect",
                 "row_title": "layer",
                 "col_title": "head" if key == "head_out" else "position",
                 "rows": [str(i) for i in range(len(values))],
@@ -263,6 +265,7 @@ def attribution_grids(
             "title": "Direct logit attribution: each head's and MLP's part of the logit difference",
             "note": "; ".join(note),
             "source": source,
+            "value": "direct effect on the logit difference",
             "row_title": "layer",
             "col_title": "head",
             "rows": [str(i) for i in range(n_layer)],
