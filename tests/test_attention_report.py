@@ -328,7 +328,7 @@ def test_command_bad_input_exits_2(run_dir, capsys, args, message) -> None:
         (
             {"ablation_data": "x.txt"},
             ["--data", "x.txt"],
-            "--data FILE is the text --ablation measures the heads on: give --ablation too",
+            "--data PATH is the text --ablation measures the heads on: give --ablation too",
         ),
     ],
 )

@@ -11,6 +11,7 @@ from llmcli.cli.app import app, log_to_stderr, notify
 from llmcli.cli.options import (
     AblationCommand,
     CheckpointOption,
+    DataOption,
     DeviceOption,
     JsonOption,
     WeightsOption,
@@ -69,9 +70,8 @@ def inspect_attention_command(
     ablation: Annotated[
         Optional[str],
         typer.Option(
-            help="Add each head's loss increase when it is removed, measured on validation "
-            "batches (or --data): zero, mean or both (a metric column, ablation.png, the top "
-            "heads).",
+            help="Add each head's loss increase when it is removed, measured on --data: zero, "
+            "mean or both (a metric column, ablation.png, the top heads).",
             metavar="METHOD",
         ),
     ] = None,
@@ -79,14 +79,7 @@ def inspect_attention_command(
         Optional[int],
         typer.Option(help="Batches --ablation measures on (default: 20).", metavar="N"),
     ] = None,
-    data: Annotated[
-        Optional[Path],
-        typer.Option(
-            help="A UTF-8 text file --ablation measures on, in eval's windows (default: the "
-            "run's validation split).",
-            metavar="FILE",
-        ),
-    ] = None,
+    data: DataOption = None,
 ) -> None:
     """Dump every head's attention for a prompt, score each head, draw it, write a viewer."""
     from llmcli.inspection.attention import InspectOptions, format_report, inspect_attention
@@ -113,12 +106,7 @@ def inspect_attention_command(
 @app.command("eval", cls=AblationCommand)
 def eval_command(
     checkpoint: CheckpointOption = None,
-    data: Annotated[
-        Optional[Path],
-        typer.Option(
-            help="A UTF-8 text file to score (default: the run's validation split).", metavar="PATH"
-        ),
-    ] = None,
+    data: DataOption = None,
     steps: Annotated[
         Optional[int],
         typer.Option(help="Score only the first N batches (default: the whole text).", metavar="N"),

@@ -154,7 +154,7 @@ def measure_heads(
         with `data`, the file's path under "data_file").
     """
     methods = ("zero", "mean") if ablation == "both" else (ablation,)
-    hint = "--ablation measures the heads on it; or pass --data FILE."
+    hint = "--ablation measures the heads on it; or pass --data PATH."
     tokens, label = eval_tokens(run, data, hint=hint)
     ctx, batch_size = run.config.model.context_length, run.config.train.batch_size
     starts = window_starts(len(tokens), ctx, batch_size, steps)
@@ -238,7 +238,7 @@ class InspectOptions:
             raise InputError(f"--ablation-steps ({steps}) must be a positive number.")
         if self.ablation_data is not None and self.ablation is None:
             raise InputError(
-                "--data FILE is the text --ablation measures the heads on: give --ablation too."
+                "--data PATH is the text --ablation measures the heads on: give --ablation too."
             )
 
 
