@@ -289,6 +289,7 @@ def test_command_several_prompts(run_dir, tmp_path, capsys) -> None:
         (["--ablation", "foo"], "--ablation 'foo' is not known: choose zero or mean or both"),
         (["--ablation", "zero", "--ablation-steps", "0"], r"--ablation-steps \(0\) must be"),
         (["--prompt", "ok", "--ablation-steps", "1"], "--ablation-steps .*give --ablation too"),
+        (["--prompt", "ok", "--ablation", "--data", "/no/such.txt"], "--data .*does not exist"),
     ],
 )
 def test_command_bad_input_exits_2(run_dir, capsys, args, message) -> None:
@@ -323,6 +324,11 @@ def test_command_bad_input_exits_2(run_dir, capsys, args, message) -> None:
             {"ablation_steps": 1},
             ["--ablation-steps", "1"],
             "--ablation-steps .*give --ablation too",
+        ),
+        (
+            {"ablation_data": "x.txt"},
+            ["--data", "x.txt"],
+            "--data PATH is the text --ablation measures the heads on: give --ablation too",
         ),
     ],
 )
@@ -425,6 +431,35 @@ def test_command_ablation_follows_the_selection(run_dir, tmp_path, capsys) -> No
     full = np.array(dump.meta["ablation"]["delta"]["zero"])  # every head, whatever the selection
     assert full.shape == (2, 4) and dump.metrics[0, 0, -1] == pytest.approx(full[1, 2])
     assert "dloss_mean" not in out and not (tmp_path / "ablation.png").exists()
+
+
+def test_ablation_on_a_data_file_equals_evals_loss_with_the_head_removed(
+    run_dir, tmp_path, capsys
+) -> None:
+    from llmcli.inspection.evaluate import EvalOptions, evaluate_run
+
+    # The corpus's characters in another order: 30 full windows (batches of 12, 12, 6) and a
+    # shorter last one, all within the default 20 batches.
+    text = tmp_path / "text.txt"
+    text.write_text("All:\nYou are all resolved rather to die?\nSpeak, speak.\n" * 9)
+    args = ["inspect-attention", "--checkpoint", str(run_dir), "--prompt", "Speak"]
+    args += ["--ablation", "both", "--data", str(text), "--no-pictures", "--out", str(tmp_path)]
+    code, out, err = cli(args, capsys)
+    assert code == 0, err
+    note = load_dump(tmp_path / "attention.npz").meta["ablation"]
+    assert note["data"] == note["data_file"] == str(text)
+    assert f"head ablation on 4 batches of {text} (494 tokens)" in out
+    plain = evaluate_run(run_dir, text, EvalOptions(device="cpu"))
+    assert note["base_loss"] == pytest.approx(plain.loss, rel=1e-6)
+    assert note["tokens"] == plain.tokens
+    for method, head in [("zero", "0.1"), ("mean", "1.3")]:
+        removed = evaluate_run(
+            run_dir, text, EvalOptions(ablate=[head], ablation=method, device="cpu")
+        )
+        layer, h = map(int, head.split("."))
+        delta = note["delta"][method][layer][h]
+        assert abs(delta) > 1e-4  # the head matters here, so the check says something
+        assert delta == pytest.approx(removed.loss - plain.loss, abs=1e-5)
 
 
 def test_the_heat_map_is_written_with_the_pictures(tmp_path) -> None:

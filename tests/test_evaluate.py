@@ -160,6 +160,27 @@ def test_bpe_bits_per_byte_counts_bytes_and_leaves_special_tokens_out(tmp_path: 
     )
 
 
+def test_per_token_losses_are_the_hand_computed_cross_entropies(
+    char_run: Path, text_file: Path
+) -> None:
+    tok = CharTokenizer.train([TEXT])
+    ids = tok.encode(TEXT)
+    nll = reference_nll(char_run, ids)
+    result = evaluate_run(char_run, text_file, EvalOptions(per_token=True, device="cpu"))
+    records = result.per_token
+    assert [r["window"] for r in records] == list(range(math.ceil((len(ids) - 1) / CTX)))
+    assert [r["start"] for r in records] == list(range(0, len(ids) - 1, CTX))
+    for r in records:
+        s = r["start"]
+        assert r["ids"] == ids[s + 1 : s + 1 + len(r["losses"])]
+        assert r["tokens"] == list(TEXT[s + 1 : s + 1 + len(r["losses"])])
+    losses = np.concatenate([r["losses"] for r in records])
+    np.testing.assert_allclose(losses, nll, atol=2e-6)  # rounded to 1e-6
+    assert result.loss == pytest.approx(nll.mean(), rel=1e-5)
+    assert "per_token" not in result.to_dict()
+    assert evaluate_run(char_run, text_file, EvalOptions(device="cpu")).per_token is None
+
+
 def cli(capsys, *args: str) -> tuple[int, str, str]:
     with pytest.raises(SystemExit) as exc:
         main(list(args))
@@ -197,6 +218,24 @@ def test_cli_json_and_text_output_and_the_latest_run_by_default(
         os.chdir(cwd)
     assert code == 0, err
     assert "checkpoints/latest" in out and "bits/byte" in out and "perplexity" in out
+
+
+def test_cli_per_token_prints_json_lines_and_the_summary_on_stderr(
+    capsys, char_run: Path, text_file: Path
+) -> None:
+    args = ["eval", "--checkpoint", str(char_run), "--data", str(text_file), "--device", "cpu"]
+    code, out, err = cli(capsys, *args, "--per-token", "--ablate", "1.0", "--json")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert len(lines) == math.ceil((len(TEXT) - 1) / CTX)
+    records = [json.loads(line) for line in lines]
+    expected = evaluate_run(
+        char_run, text_file, EvalOptions(ablate=["1.0"], per_token=True, device="cpu")
+    )
+    assert records == expected.per_token
+    assert "".join(t for r in records for t in r["tokens"]) == TEXT[1:]
+    summary = json.loads(err.strip().splitlines()[-1])
+    assert summary["loss"] == pytest.approx(expected.loss) and summary["ablate"] == ["1.0"]
 
 
 @pytest.mark.parametrize("case", ["missing", "binary", "empty", "unknown_chars", "steps", "no_run"])

@@ -11,6 +11,7 @@ from llmcli.cli.app import app, log_to_stderr, notify
 from llmcli.cli.options import (
     AblationCommand,
     CheckpointOption,
+    DataOption,
     DeviceOption,
     JsonOption,
     WeightsOption,
@@ -69,15 +70,16 @@ def inspect_attention_command(
     ablation: Annotated[
         Optional[str],
         typer.Option(
-            help="Add each head's loss increase when it is removed, measured on validation "
-            "batches: zero, mean or both (a metric column, ablation.png, the top heads).",
+            help="Add each head's loss increase when it is removed, measured on --data: zero, "
+            "mean or both (a metric column, ablation.png, the top heads).",
             metavar="METHOD",
         ),
     ] = None,
     ablation_steps: Annotated[
         Optional[int],
-        typer.Option(help="Validation batches --ablation measures on (default: 20).", metavar="N"),
+        typer.Option(help="Batches --ablation measures on (default: 20).", metavar="N"),
     ] = None,
+    data: DataOption = None,
 ) -> None:
     """Dump every head's attention for a prompt, score each head, draw it, write a viewer."""
     from llmcli.inspection.attention import InspectOptions, format_report, inspect_attention
@@ -91,6 +93,7 @@ def inspect_attention_command(
         pictures=pictures,
         ablation=ablation,
         ablation_steps=ablation_steps,
+        ablation_data=data,
         weights=weights,
         device=device,
     )
@@ -103,12 +106,7 @@ def inspect_attention_command(
 @app.command("eval", cls=AblationCommand)
 def eval_command(
     checkpoint: CheckpointOption = None,
-    data: Annotated[
-        Optional[Path],
-        typer.Option(
-            help="A UTF-8 text file to score (default: the run's validation split).", metavar="PATH"
-        ),
-    ] = None,
+    data: DataOption = None,
     steps: Annotated[
         Optional[int],
         typer.Option(help="Score only the first N batches (default: the whole text).", metavar="N"),
@@ -138,6 +136,16 @@ def eval_command(
     weights: WeightsOption = "best",
     device: DeviceOption = "auto",
     json_: JsonOption = False,
+    per_token: Annotated[
+        bool,
+        typer.Option(
+            "--per-token",
+            help="Print each scored token's loss as JSON lines, one object per window: "
+            '{"window": k, "start": s, "ids": [...], "tokens": [...], "losses": [...]}, '
+            "tokens[i] being token s+1+i of the text and losses[i] its loss in nats; the "
+            "summary goes to stderr (as JSON with --json).",
+        ),
+    ] = False,
 ) -> None:
     """Mean loss, perplexity and bits per byte of a run on its validation split or a text."""
     import json
@@ -152,6 +160,14 @@ def eval_command(
         ablation=ablation,
         weights=weights,
         device=device,
+        per_token=per_token,
     )
     result = evaluate_run(checkpoint, data, options, progress=True, notify=notify)
-    typer.echo(json.dumps(result.to_dict()) if json_ else format_result(result))
+    summary = json.dumps(result.to_dict()) if json_ else format_result(result)
+    if result.per_token is None:
+        typer.echo(summary)
+        return
+    # stdout carries only the JSON lines, so that `| jq` reads them whole.
+    for record in result.per_token:
+        typer.echo(json.dumps(record, ensure_ascii=False))
+    notify(summary)

@@ -48,6 +48,14 @@ WeightsOption = Annotated[
 ]
 DeviceOption = Annotated[str, typer.Option(help="auto, cpu, cuda or mps.", metavar="DEVICE")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
+DataOption = Annotated[
+    Optional[Path],
+    typer.Option(
+        help="A UTF-8 text file to measure on, in windows of context_length tokens (default: "
+        "the run's validation split).",
+        metavar="PATH",
+    ),
+]
 ProgressOption = Annotated[
     bool,
     typer.Option(help="Show progress: a bar on a terminal, plain lines in a log or pipe."),

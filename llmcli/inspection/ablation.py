@@ -408,10 +408,12 @@ def top_heads(delta: np.ndarray, k: int = 5) -> list[tuple[int, int, float]]:
     ]
 
 
-def format_top_heads(result: HeadDeltas, k: int = 5) -> str:
-    """Lines naming the top heads by Δloss for each method, with the median for scale."""
+def format_top_heads(result: HeadDeltas, k: int = 5, data: str | None = None) -> str:
+    """Lines naming the top heads by Δloss for each method, with the median for scale; `data`
+    names the text measured on (None: the validation split)."""
+    where = "validation batches" if data is None else f"batches of {data}"
     lines = [
-        f"head ablation on {result.batches} validation batches ({result.tokens:,} tokens): "
+        f"head ablation on {result.batches} {where} ({result.tokens:,} tokens): "
         f"clean loss {result.base_loss:.4f} nats/token"
     ]
     for method, delta in result.delta.items():

@@ -4,7 +4,8 @@
 captures and scores every head (`build_dumps`) and writes, for each prompt, the dump, one PNG
 per layer and the offline HTML viewer (`write_outputs`). With an ablation method, every head's
 loss increase when it is removed is measured on validation batches (`measure_heads`) and added as
-a metric column, drawn as a heat map (`ablation.png`) and listed, top heads first. The command's
+a metric column, drawn as a heat map (`ablation.png`) and listed, top heads first; with
+`ablation_data`, on a text file instead (read as `llmcli eval --data` reads it). The command's
 settings travel whole as one `InspectOptions`, checked as it is made.
 """
 
@@ -37,7 +38,7 @@ from llmcli.inspection.dump import FORMATS, AttentionDump, format_metrics_table,
 from llmcli.inspection.evaluate import eval_tokens, window_batches, window_starts
 from llmcli.inspection.metrics import INDUCTION, METRIC_NAMES, head_metrics
 from llmcli.inspection.pictures import plot_head_deltas, plot_layers
-from llmcli.inspection.viewer import write_viewer
+from llmcli.inspection.viewer import write_run_page, write_viewer
 from llmcli.runs.loading import load_run
 
 log = logging.getLogger(__name__)
@@ -132,26 +133,34 @@ def default_prompt_ids(run: Any, cache_dir: str | Path | None = None) -> tuple[l
 
 
 def measure_heads(
-    run: Any, ablation: str, steps: int, device: torch.device | str = "cpu"
+    run: Any,
+    ablation: str,
+    steps: int,
+    device: torch.device | str = "cpu",
+    data: str | Path | None = None,
 ) -> tuple[HeadDeltas, dict[str, Any]]:
-    """Every head's Δloss on the first `steps` batches of the run's validation split.
+    """Every head's Δloss on the first `steps` batches of a text: the run's validation split,
+    or the file `data`, in the windows `llmcli eval` scores.
 
     Args:
         run: a loaded run; its `train.batch_size` windows of `context_length` tokens per batch.
         ablation: "zero", "mean" or "both".
         steps: batches to measure on.
         device: where the model is.
+        data: a UTF-8 text file (None: the validation split; see `evaluate.eval_tokens`).
 
     Returns:
-        The `HeadDeltas` and a JSON-ready note for the dumps' meta (the result and its data).
+        The `HeadDeltas` and a JSON-ready note for the dumps' meta (the result, its data and,
+        with `data`, the file's path under "data_file").
     """
     methods = ("zero", "mean") if ablation == "both" else (ablation,)
-    hint = "--ablation measures the heads on it."
-    tokens, label = eval_tokens(run, hint=hint)
+    hint = "--ablation measures the heads on it; or pass --data PATH."
+    tokens, label = eval_tokens(run, data, hint=hint)
     ctx, batch_size = run.config.model.context_length, run.config.train.batch_size
     starts = window_starts(len(tokens), ctx, batch_size, steps)
     result = head_deltas(run.model, window_batches(tokens, ctx, starts, device), methods)
     note = {**result.to_dict(), "data": label, "steps": steps, "batch_size": batch_size}
+    note["data_file"] = None if data is None else str(data)
     return result, note
 
 
@@ -188,14 +197,15 @@ class InspectOptions:
         pictures, viewer: write the PNGs and the HTML viewer.
         ablation: "zero", "mean" or "both": add each head's Δloss (see `measure_heads`); None:
             no ablation.
-        ablation_steps: validation batches the ablation measures on (None: `ABLATION_STEPS`).
+        ablation_steps: batches the ablation measures on (None: `ABLATION_STEPS`).
+        ablation_data: a UTF-8 text file the ablation measures on (None: the validation split).
         weights: the weights `inspect_attention` loads, "best" or "last" (see
             `llmcli.runs.loading.load_run`).
         device: where `inspect_attention` runs the model: "cpu", "cuda", "mps" or "auto".
 
     Raises:
-        InputError: an unknown format or ablation method, `ablation_steps` without `ablation`
-            or < 1.
+        InputError: an unknown format or ablation method, `ablation_steps` or `ablation_data`
+            without `ablation`, `ablation_steps` < 1.
     """
 
     layers: Sequence[int] = ()
@@ -207,6 +217,7 @@ class InspectOptions:
     viewer: bool = True
     ablation: str | None = None
     ablation_steps: int | None = None
+    ablation_data: str | Path | None = None
     weights: str = "best"
     device: str = "cpu"
 
@@ -225,6 +236,10 @@ class InspectOptions:
             )
         if steps is not None and steps < 1:
             raise InputError(f"--ablation-steps ({steps}) must be a positive number.")
+        if self.ablation_data is not None and self.ablation is None:
+            raise InputError(
+                "--data PATH is the text --ablation measures the heads on: give --ablation too."
+            )
 
 
 def run_meta(run: Any) -> dict[str, Any]:
@@ -354,9 +369,13 @@ def write_outputs(
     *,
     pictures: bool = True,
     viewer: bool = True,
+    run_dir: str | Path | None = None,
+    notify: Callable[[str], Any] = log.warning,
 ) -> list[Path]:
     """Write `attention.<fmt>`, `layer-<L>.png` per layer and `attention.html` into `out_dir`;
-    with a head ablation in the dump's meta, also its heat map `ablation.png`."""
+    with a head ablation in the dump's meta, also its heat map `ablation.png`. The page shows
+    the lens, patching and attribution results in `run_dir` too (`notify` hears of those it
+    skips)."""
     out_dir = Path(out_dir)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -372,14 +391,20 @@ def write_outputs(
             files += plot_layers(dump, out_dir)
         if pictures and "ablation" in dump.meta:
             note = dump.meta["ablation"]
+            data_file = note.get("data_file")
+            where = f"tokens of {Path(data_file).name}" if data_file else "validation tokens"
             title = (
                 f"loss increase when one head is removed (clean loss {note['base_loss']:.3f}, "
-                f"{note['tokens']:,} validation tokens)"
+                f"{note['tokens']:,} {where})"
             )
             delta = {method: np.array(d) for method, d in note["delta"].items()}
             files.append(plot_head_deltas(delta, out_dir / "ablation.png", title))
         if viewer:
-            files.append(write_viewer(dump, out_dir / "attention.html"))
+            page = out_dir / "attention.html"
+            if run_dir is None:
+                files.append(write_viewer(dump, page))
+            else:
+                files.append(write_run_page(run_dir, page, dump, notify))
     except OSError as exc:  # every file is written atomically: earlier ones stay whole
         raise InputError(
             f"cannot write into {str(out_dir)!r}: {describe_os_error(exc)}; or choose --out DIR."
@@ -441,7 +466,7 @@ def inspect_attention(
     deltas = None
     if options.ablation is not None:
         steps = options.ablation_steps or ABLATION_STEPS
-        deltas, note = measure_heads(run, options.ablation, steps, device)
+        deltas, note = measure_heads(run, options.ablation, steps, device, options.ablation_data)
         add_ablation(dumps, deltas, note)
     root = Path(out_dir) if out_dir is not None else Path(run.run_dir) / "attention"
     out_dirs, files = [], []
@@ -450,7 +475,13 @@ def inspect_attention(
         out_dirs.append(folder)
         files.append(
             write_outputs(
-                dump, folder, options.fmt, pictures=options.pictures, viewer=options.viewer
+                dump,
+                folder,
+                options.fmt,
+                pictures=options.pictures,
+                viewer=options.viewer,
+                run_dir=run.run_dir,
+                notify=notify,
             )
         )
     return InspectResult(Path(run.run_dir), dumps, out_dirs, files, ablation=deltas)
@@ -470,5 +501,6 @@ def format_report(result: InspectResult) -> str:
         lines.append(f"wrote {folder}/: " + ", ".join(p.name for p in result.files[i]))
         lines.append("")
     if result.ablation is not None:
-        lines += [format_top_heads(result.ablation), ""]
+        data_file = result.dumps[0].meta["ablation"].get("data_file") if result.dumps else None
+        lines += [format_top_heads(result.ablation, data=data_file), ""]
     return "".join(f"{line}\n" for line in lines)

@@ -24,7 +24,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -65,9 +65,11 @@ class EvalResult:
     elapsed_s: float
     ablate: list[str] = field(default_factory=list)  # the `--ablate` specs: heads removed
     ablation: str | None = None  # how they were removed, with `ablate`
+    per_token: list[dict[str, Any]] | None = None  # with `--per-token`: `per_token_records`
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The summary (every field but `per_token`)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "per_token"}
 
 
 @dataclass
@@ -79,6 +81,7 @@ class Totals:
     text_nats: float = 0.0  # tokens that are text (not special tokens)
     bytes: int = 0
     windows: int = 0
+    losses: list[tuple[int, np.ndarray]] | None = None  # (window start, its (L,) losses)
 
 
 def read_text(path: str | Path) -> str:
@@ -144,26 +147,28 @@ def score_tokens(
     *,
     steps: int | None = None,
     special_id: int | None = None,
-    device: torch.device | str = "cpu",
     progress: bool = False,
+    per_token: bool = False,
 ) -> Totals:
     """Sum the model's negative log-likelihood over consecutive windows of `tokens`.
 
     Args:
-        model: a causal LM whose `forward(idx)` returns `(logits (B, T, V), _)`.
+        model: a causal LM whose `forward(idx)` returns `(logits (B, T, V), _)`; the windows
+            go to the device of its parameters.
         tokens: `(n,)` token ids, n >= 2.
         context_length: `T`, the window length.
         batch_size: windows per forward pass.
         steps: score only the first `steps` batches (None: the whole stream).
         special_id: a token id that is not text (left out of `text_nats`).
-        device: where to run the model.
         progress: show progress (a bar on a terminal, plain lines elsewhere).
+        per_token: also keep each window's losses, in `Totals.losses`.
 
     Returns:
         `Totals` (bytes left at 0: the caller counts them from the tokens scored).
     """
     starts = window_starts(len(tokens), context_length, batch_size, steps)
-    totals = Totals()
+    device = next(model.parameters()).device
+    totals = Totals(losses=[] if per_token else None)
     model.eval()
     bar = Progress(len(starts), desc="eval", unit="batch", enabled=progress, tenths=True)
     for (x, y), batch in zip(
@@ -173,6 +178,9 @@ def score_tokens(
         nll = F.cross_entropy(
             logits.float().flatten(0, 1), y.flatten(), reduction="none"
         )  # (B * L,)
+        if totals.losses is not None:
+            rows = nll.view(y.shape).cpu().numpy()  # (B, L)
+            totals.losses += [(start, row) for start, row in zip(batch, rows, strict=True)]
         totals.nats += nll.sum().item()
         totals.tokens += nll.numel()
         if special_id is not None:
@@ -182,6 +190,35 @@ def score_tokens(
         bar.update()
     bar.close()
     return totals
+
+
+def per_token_records(
+    tokenizer: Any, tokens: np.ndarray, losses: Sequence[tuple[int, np.ndarray]]
+) -> list[dict[str, Any]]:
+    """`eval --per-token`'s JSON lines: one object per window, in the order of the text.
+
+    Window k starting at token `s` predicts tokens `s + 1 .. s + L` of the text; its object is
+    `{"window": k, "start": s, "ids": [L ints], "tokens": [L strs], "losses": [L floats]}`:
+    `tokens[i]` (decoded alone) is predicted from tokens `s .. s + i` with loss `losses[i]`
+    (nats, rounded to 1e-6).
+    """
+    decoded: dict[int, str] = {}
+    records = []
+    for k, (start, row) in enumerate(losses):
+        ids = [int(i) for i in tokens[start + 1 : start + 1 + len(row)]]
+        for i in ids:
+            if i not in decoded:
+                decoded[i] = tokenizer.decode([i])
+        records.append(
+            {
+                "window": k,
+                "start": int(start),
+                "ids": ids,
+                "tokens": [decoded[i] for i in ids],
+                "losses": np.round(row.astype(np.float64), 6).tolist(),
+            }
+        )
+    return records
 
 
 def eval_tokens(
@@ -237,6 +274,7 @@ class EvalOptions:
             with `ablate`.
         weights: "best" or "last" weights of the run.
         device: "auto", "cpu", "cuda" or "mps".
+        per_token: also keep each scored token's loss (`EvalResult.per_token`).
 
     Raises:
         InputError: `steps` or `batch_size` below 1, an unknown `ablation`, or one without
@@ -249,6 +287,7 @@ class EvalOptions:
     ablation: str | None = None
     weights: str = "best"
     device: str = "auto"
+    per_token: bool = False
 
     def __post_init__(self) -> None:
         if self.steps is not None and self.steps < 1:
@@ -315,8 +354,8 @@ def evaluate_run(
             batch_size,
             steps=steps,
             special_id=getattr(run.tokenizer, "eot_id", None),
-            device=dev,
             progress=progress,
+            per_token=options.per_token,
         )
     scored = np.asarray(tokens[1 : 1 + totals.tokens], dtype=np.int64)  # the predicted tokens
     n_bytes = _text_bytes(run.tokenizer, scored)
@@ -336,6 +375,9 @@ def evaluate_run(
         elapsed_s=time.perf_counter() - t0,
         ablate=list(ablate),
         ablation=options.method,
+        per_token=None
+        if totals.losses is None
+        else per_token_records(run.tokenizer, tokens, totals.losses),
     )
 
 
