@@ -66,6 +66,10 @@ def test_lens(run_dir, capsys) -> None:
     assert json.loads((folder / "lens.json").read_text()) == data
     assert is_png(folder / "lens.png")
     assert f"wrote {folder}/: lens.json, lens.png" in err
+    # The run's viewer page is rewritten with the lens beside what it showed.
+    page = run_dir / "attention" / "attention.html"
+    assert f"updated the viewer: {page}" in err
+    assert '"id": "lens"' in page.read_text(encoding="utf-8")
     code, out, err = cli(["lens", "--checkpoint", str(run_dir), "--prompt", CLEAN], capsys)
     assert code == 0 and out.splitlines()[1].split()[:2] == ["layer", "loss"]
 
@@ -95,6 +99,7 @@ def test_patch(run_dir, tmp_path, capsys) -> None:
     assert json.loads((tmp_path / "p" / "patch.json").read_text()) == data
     assert is_png(tmp_path / "p" / "patch.png")
     assert not (run_dir / "patch").exists()  # --out, not the run's folder
+    assert "updated the viewer" not in err  # the run's page does not see a result elsewhere
 
 
 def test_attribute(run_dir, capsys) -> None:

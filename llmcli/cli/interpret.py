@@ -38,7 +38,12 @@ def _out_option(name: str) -> object:
 
 
 def _wrote(files: list[Path]) -> None:
-    notify(f"wrote {files[0].parent}/: " + ", ".join(p.name for p in files))
+    """The result's files, then the run's viewer pages that now show it."""
+    folder = files[0].parent
+    notify(f"wrote {folder}/: " + ", ".join(p.name for p in files if p.parent == folder))
+    pages = [str(p) for p in files if p.parent != folder]
+    if pages:
+        notify("updated the viewer: " + ", ".join(pages))
 
 
 @app.command("lens")

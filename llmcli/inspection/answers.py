@@ -198,6 +198,16 @@ def output_folder(options: RunOptions, run: LoadedRun, name: str) -> Path:
     return Path(options.out_dir) if options.out_dir is not None else Path(run.run_dir) / name
 
 
+def refresh_pages(options: RunOptions, run: LoadedRun, notify: Callable[[str], Any]) -> list[Path]:
+    """Rewrite the run's viewer pages with the result just written, where it went into the run
+    (with `--out` elsewhere the pages do not see it)."""
+    if options.out_dir is not None:
+        return []
+    from llmcli.inspection.viewer import refresh_run_pages
+
+    return refresh_run_pages(run.run_dir, notify=notify)
+
+
 @contextmanager
 def writing_into(folder: Path) -> Iterator[Path]:
     """Create `folder` and yield it; a failed write becomes an `InputError` naming it (files

@@ -41,6 +41,7 @@ from llmcli.inspection.answers import (
     open_run,
     output_folder,
     record,
+    refresh_pages,
     token_texts,
     writing_into,
 )
@@ -234,4 +235,5 @@ def run_attribution(
     with writing_into(output_folder(options, run, "attribute")) as folder:
         atomic_write_json(folder / "attribution.json", result.to_dict())
         files = [folder / "attribution.json", plot_attribution(result, folder / "attribution.png")]
+        files += refresh_pages(options, run, notify)
     return result, files

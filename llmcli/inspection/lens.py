@@ -30,6 +30,7 @@ from llmcli.inspection.answers import (
     open_run,
     output_folder,
     record,
+    refresh_pages,
     token_texts,
     writing_into,
 )
@@ -165,4 +166,5 @@ def run_lens(
     with writing_into(output_folder(options, run, "lens")) as folder:
         atomic_write_json(folder / "lens.json", result.to_dict())
         files = [folder / "lens.json", plot_lens(result, folder / "lens.png")]
+        files += refresh_pages(options, run, notify)
     return result, files

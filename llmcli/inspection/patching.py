@@ -44,6 +44,7 @@ from llmcli.inspection.answers import (
     open_run,
     output_folder,
     record,
+    refresh_pages,
     token_texts,
     writing_into,
 )
@@ -334,4 +335,5 @@ def run_patch(
     with writing_into(output_folder(options, run, "patch")) as folder:
         atomic_write_json(folder / "patch.json", result.to_dict())
         files = [folder / "patch.json", plot_patch(result, folder / "patch.png")]
+        files += refresh_pages(options, run, notify)
     return result, files
