@@ -215,3 +215,25 @@ def test_help_shows_the_options_that_may_be_bare(capsys) -> None:
         assert exc.value.code == 0
         out = " ".join(capsys.readouterr().out.split())  # the help as one line, unwrapped
         assert f"{option} {help_}" in out
+
+
+def test_a_closed_stdout_ends_quietly_with_status_0(tmp_path) -> None:
+    """`llmcli ... | head`: the reader leaves; no traceback, and not the status of a failure."""
+    import os
+    import subprocess
+    import sys
+
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the command writes
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "llmcli", "config", "tiny"],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            cwd=tmp_path,
+            timeout=120,
+        )
+    finally:
+        os.close(write)
+    assert (proc.returncode, proc.stderr) == (0, b"")

@@ -9,11 +9,12 @@ transformers) are imported inside the commands that need them, so `llmcli --help
 
 from __future__ import annotations
 
+import os
 import sys
 
 import typer
 
-from llmcli.cli.app import app
+from llmcli.cli.app import PipeClosed, app
 from llmcli.errors import InputError
 
 # Importing the command modules registers their commands, in the order `llmcli --help` lists them.
@@ -36,7 +37,13 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
         sys.exit(130)
-    except BrokenPipeError:
+    except (BrokenPipeError, PipeClosed):
+        # Nothing more can be written: point stdout at /dev/null so that the flush at exit
+        # does not fail again, and end as a pipe's reader expects, quietly.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # a stdout without a file descriptor (captured)
+            pass
         sys.exit(0)
     except Exception as exc:
         # Typer ships its own copy of click, so match its exceptions by what they offer.

@@ -11,11 +11,29 @@ import time
 from typing import Annotated
 
 import typer
+from typer.core import TyperGroup
 
 from llmcli import __version__
 
+
+class PipeClosed(Exception):
+    """The reader of stdout went away (`llmcli eval --per-token | head`)."""
+
+
+class _Commands(TyperGroup):
+    """The app's commands, with a closed stdout passed on as `PipeClosed`: Typer turns a
+    `BrokenPipeError` into exit status 1 itself, which `main` could not tell from a failure."""
+
+    def invoke(self, ctx: typer.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError as exc:
+            raise PipeClosed from exc
+
+
 app = typer.Typer(
     name="llmcli",
+    cls=_Commands,
     help="Train, sample and inspect small causal language models.",
     context_settings={"help_option_names": ["-h", "--help"]},
     no_args_is_help=True,
