@@ -56,7 +56,10 @@ def inspect_attention_command(
     ] = "npz",
     induction: Annotated[
         bool,
-        typer.Option(help="Add an induction score per head (on a repeated random sequence)."),
+        typer.Option(
+            help="Add two induction scores per head: on the prompt's own repeats (induction) "
+            "and on a fixed probe of repeated random tokens (probe_induction)."
+        ),
     ] = False,
     truncate: Annotated[
         bool,
