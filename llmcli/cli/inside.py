@@ -56,10 +56,7 @@ def inspect_attention_command(
     ] = "npz",
     induction: Annotated[
         bool,
-        typer.Option(
-            help="Add two induction scores per head: on the prompt's own repeats (induction) "
-            "and on a fixed probe of repeated random tokens (probe_induction)."
-        ),
+        typer.Option(help="Add induction scores: on the prompt's repeats, on a fixed probe."),
     ] = False,
     truncate: Annotated[
         bool,
