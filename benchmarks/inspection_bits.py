@@ -12,7 +12,8 @@ every value bit for bit:
   context, about half of it, 8 tokens and 1) captured together in one right-padded batch:
   `capture_prompts` (today `llmcli.inspection.capture`, baseline `attention.capture`): every
   logit and attention weight; and `build_dumps` (today `llmcli.inspection.attention`, baseline
-  `attention.report`) with the induction score: each dump's weights, metrics and tokens.
+  `attention.report`): each dump's weights, metrics and tokens (without the induction columns,
+  which issue 26 changed on purpose: the probe and the prompt's own repeats).
 - `ablation`: every head's Δloss, zero and mean ablation, on the first `--batches` validation
   batches of the run's batch size: `head_deltas` (the layer cache) and `head_deltas_full` (one
   full forward per head; today `llmcli.inspection.ablation`, baseline `ablation`); the base
@@ -122,10 +123,10 @@ def attention_dumps(today: Any, old: Any, baseline: dict, prompts: list) -> dict
     """Capture and dumps of `inspect-attention` for the prompts, both sides."""
     ours = capture.capture_prompts(today.model, prompts)
     theirs = baseline["attention.capture"].capture_prompts(old.model, prompts)
-    options = attention.InspectOptions(induction=True)
+    options = attention.InspectOptions()
     dumps = attention.build_dumps(today.model, today.tokenizer, [], options, prompts_ids=prompts)
     old_dumps = baseline["attention.report"].build_dumps(
-        old.model, old.tokenizer, [], prompts_ids=prompts, induction=True
+        old.model, old.tokenizer, [], prompts_ids=prompts, induction=False
     )
     return {
         "prompt_lengths": [len(ids) for ids in prompts],

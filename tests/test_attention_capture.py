@@ -1,21 +1,11 @@
-"""Tests for llmcli.inspection.capture: repeated sequences, and capture against plain PyTorch."""
+"""Tests for llmcli.inspection.capture: capture against plain PyTorch."""
 
 from __future__ import annotations
 
 import torch
 from attention_helpers import CTX, build_model
 
-from llmcli.inspection.capture import capture_attention, repeated_random_tokens
-
-
-def test_repeated_random_tokens() -> None:
-    g = torch.Generator().manual_seed(3)
-    x = repeated_random_tokens(vocab_size=20, period=6, batch=4, generator=g)
-    assert x.shape == (4, 12)
-    assert torch.equal(x[:, :6], x[:, 6:])
-    assert all(len(set(row[:6].tolist())) == 6 for row in x)  # distinct within a copy
-    y = repeated_random_tokens(20, 6, 4, torch.Generator().manual_seed(3))
-    assert torch.equal(x, y)
+from llmcli.inspection.capture import capture_attention
 
 
 def test_captured_logits_equal_normal_forward() -> None:

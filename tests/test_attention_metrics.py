@@ -11,6 +11,7 @@ import pytest
 
 from llmcli.inspection.metrics import (
     METRIC_NAMES,
+    duplicate_token_score,
     entropy_score,
     head_metrics,
     induction_score,
@@ -115,6 +116,11 @@ def test_single_token_scores_nan() -> None:
     assert np.isnan(head_metrics(np.ones((1, 1)))).all()
 
 
+def repeated(period: int) -> np.ndarray:
+    """Ids 0..period-1, then the same again: every second-copy token occurred once before."""
+    return np.tile(np.arange(period), 2)
+
+
 def induction_pattern(period: int) -> np.ndarray:
     """Second-copy queries attend to the token after the earlier occurrence; others to self."""
     a = np.eye(2 * period)
@@ -124,22 +130,66 @@ def induction_pattern(period: int) -> np.ndarray:
     return a
 
 
-def test_induction_score_patterns() -> None:
+def duplicate_pattern(period: int) -> np.ndarray:
+    """Second-copy queries attend to the earlier occurrence of their own token; others to self."""
+    a = np.eye(2 * period)
+    for q in range(period, 2 * period):
+        a[q, q], a[q, q - period] = 0.0, 1.0
+    return a
+
+
+def test_induction_and_duplicate_scores_of_hand_built_patterns() -> None:
     p = 5
-    assert induction_score(induction_pattern(p), p) == pytest.approx(1.0)
-    assert induction_score(previous(2 * p), p) == pytest.approx(0.0)
-    assert induction_score(uniform(2 * p), p) == pytest.approx(
-        np.mean([1 / (q + 1) for q in range(p, 2 * p)])
-    )
-    # A "duplicate token" head attends to the earlier occurrence itself, not the one after it.
-    dup = np.eye(2 * p)
-    for q in range(p, 2 * p):
-        dup[q, q], dup[q, q - p] = 0.0, 1.0
-    assert induction_score(dup, p) == pytest.approx(0.0)
+    ids = repeated(p)
+    for unique in (False, True):
+        assert induction_score(induction_pattern(p), ids, unique=unique) == pytest.approx(1.0)
+        assert duplicate_token_score(duplicate_pattern(p), ids, unique=unique) == pytest.approx(1)
+        assert induction_score(duplicate_pattern(p), ids, unique=unique) == pytest.approx(0.0)
+        assert duplicate_token_score(induction_pattern(p), ids, unique=unique) == 0.0
+        assert induction_score(previous(2 * p), ids, unique=unique) == pytest.approx(0.0)
+        # Uniform attention over q + 1 keys puts 1 / (q + 1) on the one target of each query.
+        expected = np.mean([1 / (q + 1) for q in range(p, 2 * p)])
+        assert induction_score(uniform(2 * p), ids, unique=unique) == pytest.approx(expected)
+        assert duplicate_token_score(uniform(2 * p), ids, unique=unique) == pytest.approx(expected)
     # Half of the second copy does it: score 1/2.
     half = induction_pattern(4)
     half[4:6] = np.eye(8)[4:6]
-    assert induction_score(half, 4) == pytest.approx(0.5)
+    assert induction_score(half, repeated(4)) == pytest.approx(0.5)
+    # Leading axes (layers, heads) are kept.
+    stack = np.stack([induction_pattern(p), uniform(2 * p)])[None]  # (1, 2, T, T)
+    assert induction_score(stack, ids).shape == (1, 2)
+
+
+def test_a_token_seen_several_times_counts_every_earlier_occurrence_unless_unique() -> None:
+    ids = np.array([0, 1, 0, 1, 0])  # query 4 saw token 0 at 0 and 2: targets 1 and 3
+    a = uniform(5)
+    # queries 2, 3, 4: weight on {1}, {2}, {1, 3}: 1/3, 1/4, 2/5
+    assert induction_score(a, ids) == pytest.approx(np.mean([1 / 3, 1 / 4, 2 / 5]))
+    assert induction_score(a, ids, unique=True) == pytest.approx(np.mean([1 / 3, 1 / 4]))
+    # duplicate: weight on {0}, {1}, {0, 2}
+    assert duplicate_token_score(a, ids) == pytest.approx(np.mean([1 / 3, 1 / 4, 2 / 5]))
+    ideal = np.eye(5)
+    ideal[2], ideal[3], ideal[4] = np.eye(5)[1], np.eye(5)[2], [0, 0.5, 0, 0.5, 0]
+    assert induction_score(ideal, ids) == pytest.approx(1.0)
+    # A vocabulary smaller than the period: the repeats inside a copy make most queries
+    # ambiguous; an ideal head that spreads over every target still scores 1.
+    ids = np.array([0, 1, 2, 0, 1, 2] * 2)
+    before = [[k for k in range(q) if ids[k] == ids[q]] for q in range(len(ids))]
+    ideal = np.eye(len(ids))
+    for q, ks in enumerate(before):
+        if ks:
+            ideal[q] = 0.0
+            ideal[q, [k + 1 for k in ks]] = 1 / len(ks)
+    assert induction_score(ideal, ids) == pytest.approx(1.0)
+    assert induction_score(ideal, ids, unique=True) == pytest.approx(1.0)  # queries 3, 4, 5
+
+
+def test_no_repeated_token_scores_nan() -> None:
+    ids = np.arange(6)
+    assert np.isnan(induction_score(uniform(6), ids))
+    assert np.isnan(duplicate_token_score(uniform(6), ids, unique=True))
+    with pytest.raises(ValueError, match="6 tokens|6 ids"):
+        induction_score(uniform(5), ids)
 
 
 def test_metrics_import_without_torch() -> None:

@@ -24,9 +24,10 @@ from llmcli.inspection.attention import (
     select_indices,
     sha256_file,
 )
-from llmcli.inspection.capture import capture_attention, repeated_random_tokens
+from llmcli.inspection.capture import capture_attention
 from llmcli.inspection.dump import format_metrics_table, load_dump
-from llmcli.inspection.metrics import INDUCTION, METRIC_NAMES, head_metrics
+from llmcli.inspection.metrics import INDUCTION, METRIC_NAMES, PROBE_INDUCTION, head_metrics
+from llmcli.inspection.probe import make_probe, probe_scores
 
 
 def test_select_indices() -> None:
@@ -100,29 +101,40 @@ def test_several_prompts_equal_each_alone_without_padding(loaded) -> None:
     assert [d.meta["prompt_index"] for d in together] == [0, 1, 2, 3]
 
 
-def test_induction_column(loaded) -> None:
-    (dump,) = build_dumps(loaded.model, loaded.tokenizer, ["Speak"], InspectOptions(induction=True))
-    assert dump.metric_names == [*METRIC_NAMES, INDUCTION]
-    info = dump.meta["induction"]
-    assert info["period"] == CTX // 2
-    g = torch.Generator().manual_seed(info["seed"])
-    idx = repeated_random_tokens(loaded.tokenizer.vocab_size, info["period"], info["sequences"], g)
-    _, attn = capture_attention(loaded.model, idx)  # (S, L, H, 2p, 2p)
-    p = info["period"]
-    expected = np.mean(
-        [
-            [
-                [
-                    np.mean([attn[s, li, h, q, q - p + 1].item() for q in range(p, 2 * p)])
-                    for h in range(4)
-                ]
-                for li in range(2)
+def test_induction_columns_score_the_prompt_and_the_labelled_probe(loaded, tmp_path) -> None:
+    prompts = ["Speak, speak.", "Spk,"]  # the second repeats no token
+    options = InspectOptions(induction=True)
+    dumps = build_dumps(loaded.model, loaded.tokenizer, prompts, options)
+    probe = make_probe(loaded.tokenizer, CTX)
+    on_probe = probe_scores(loaded.model, probe).induction  # (L, H)
+    for dump, text in zip(dumps, prompts, strict=True):
+        assert dump.metric_names == [*METRIC_NAMES, INDUCTION, PROBE_INDUCTION]
+        assert dump.meta["probe"] == probe.describe()
+        np.testing.assert_allclose(dump.metrics[..., -1], on_probe, rtol=1e-5)  # every prompt
+        # The prompt's own: each query whose token occurred before, its weight on the tokens
+        # after those occurrences, averaged (by hand, from a plain capture).
+        ids = loaded.tokenizer.encode(text)
+        _, attn = capture_attention(loaded.model, torch.tensor([ids]))  # (1, L, H, T, T)
+        queries = [q for q in range(len(ids)) if ids[q] in ids[:q]]
+        assert dump.meta["induction_queries"] == len(queries)
+        expected = np.full((2, 4), np.nan)
+        for layer, head in np.ndindex(2, 4):
+            weights = [
+                sum(attn[0, layer, head, q, k + 1].item() for k in range(q) if ids[k] == ids[q])
+                for q in queries
             ]
-            for s in range(len(idx))
-        ],
-        axis=0,
-    )
-    np.testing.assert_allclose(dump.metrics[..., -1], expected, rtol=1e-5)
+            expected[layer, head] = np.mean(weights) if weights else np.nan
+        np.testing.assert_allclose(dump.metrics[..., -2], expected, rtol=1e-5)
+    assert len(queries) == 0 and np.isnan(dumps[1].metrics[..., -2]).all()
+    folders = [tmp_path / "a", tmp_path / "b"]
+    text = format_report(InspectResult(tmp_path, dumps, folders, [[], []]))
+    assert "induction: on this prompt's own repeats (4 of its 13 tokens occurred before" in text
+    assert "- : no token of this prompt occurred before in it" in text
+    assert (
+        "probe_induction: on a fixed probe, the same for every prompt: 8 sequences of "
+        f"{probe.period} random tokens, each repeated once (seed 0, no whitespace or special "
+        "tokens)"
+    ) in text
 
 
 def test_prompt_errors(loaded) -> None:
@@ -204,13 +216,14 @@ def test_command_end_to_end(run_dir, tmp_path, capsys, monkeypatch) -> None:
     assert code == 0, err
     assert "checkpoint: checkpoints/tiny" in err
     table = [line.split() for line in out.splitlines()]
-    assert ["layer", "head", *METRIC_NAMES, "induction"] in table
+    assert ["layer", "head", *METRIC_NAMES, "induction", "probe_induction"] in table
+    assert "probe_induction: on a fixed probe, the same for every prompt" in out
     folder = run_dir / "attention"
     names = {p.name for p in folder.iterdir()}
     assert {"attention.npz", "layer-0.png", "layer-1.png", "attention.html"} <= names
     with np.load(folder / "attention.npz", allow_pickle=False) as z:
         assert z["attn"].shape == (2, 4, 13, 13)
-        assert z["metrics"].shape == (2, 4, 5)
+        assert z["metrics"].shape == (2, 4, 6)
         meta = json.loads(str(z["meta"]))
     assert meta["checkpoint"] == str(run_dir.resolve())
     assert meta["weights_sha256"] == sha256_file(run_dir / "best.safetensors")

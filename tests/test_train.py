@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import default_sigint
@@ -24,8 +25,10 @@ from conftest import default_sigint
 from llmcli import fileio
 from llmcli.config import Config, config_from_dict, dump_yaml
 from llmcli.errors import CheckpointError, InputError
+from llmcli.inspection.probe import make_probe, probe_scores
 from llmcli.runs.directory import STATE_FILE
 from llmcli.runs.formats import load_state, read_weights
+from llmcli.runs.head_metrics import read_head_metrics
 from llmcli.runs.loading import load_run
 from llmcli.runs.metrics import read_metrics
 from llmcli.training.loop import DivergenceError, train
@@ -146,6 +149,7 @@ def test_a_run_writes_its_directory_metrics_and_evaluations(reference: Path, cor
         "meta.json",
         "state.pt",
         "metrics.jsonl",
+        "head_metrics.jsonl",
         "loss.png",
     }
     assert (reference / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -193,6 +197,62 @@ def test_evaluation_does_not_move_the_training_stream(
     assert_same_weights(reference, tmp_path / "run")
 
 
+def test_head_metrics_equal_a_recomputation_from_the_saved_weights(
+    reference: Path, corpus: Path
+) -> None:
+    from llmcli.data.tokens import BatchSampler, prepare_data
+
+    evals = [r for r in read_metrics(reference / "metrics.jsonl") if r["kind"] == "eval"]
+    grids = read_head_metrics(reference / "head_metrics.jsonl")
+    assert [r["step"] for r in grids] == [r["step"] for r in evals] == [10, 20, 30]
+    # The last evaluation's weights are the saved model.safetensors.
+    run = load_run(reference, weights="last")
+    probe = make_probe(run.tokenizer, 8)
+    scores = probe_scores(run.model, probe)
+    last, grid = evals[-1], grids[-1]
+    assert last["induction_max"] == pytest.approx(scores.induction.max(), rel=1e-6)
+    assert last["prev_token_max"] == pytest.approx(scores.prev_token.max(), rel=1e-6)
+    assert grid["probe"] == probe.describe() and grid["tokens"] == last["tokens"]
+    for name in ("prev_token", "induction", "duplicate_token"):
+        np.testing.assert_allclose(grid[name], getattr(scores, name), rtol=1e-6)
+        assert np.shape(grid[name]) == (1, 2)  # n_layer x n_head
+    # The loss at each position of the same validation batches, by hand: with a context of 8,
+    # the in-context learning score is the loss at position 7 (the last 10%) minus position 0
+    # (around 10%).
+    data = prepare_data(make_config(corpus).data, 8)
+    sampler = BatchSampler(data.val, 4, 8, seed=7 + EVAL_SEED_OFFSET)
+    nll = []
+    with torch.no_grad():
+        for _ in range(2):
+            x, y = sampler.next()
+            logp = torch.log_softmax(run.model(x)[0], -1)  # (B, T, V)
+            nll.append(-logp.gather(-1, y[..., None])[..., 0])  # (B, T)
+    by_position = torch.cat(nll).mean(0).tolist()
+    np.testing.assert_allclose(grid["val_loss_by_position"], by_position, rtol=1e-5)
+    assert last["icl_score"] == grid["icl_score"]
+    assert last["icl_score"] == pytest.approx(by_position[7] - by_position[0], rel=1e-4)
+    assert np.mean(by_position) == pytest.approx(last["val_loss"], rel=1e-5)
+
+
+def test_head_metrics_off_writes_nothing_more_and_on_does_not_move_the_stream(
+    reference: Path, corpus: Path, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    train(make_config(corpus, head_metrics=False), out_dir=run_dir, progress=False)
+    assert not (run_dir / "head_metrics.jsonl").exists()
+    assert set(os.listdir(reference)) - set(os.listdir(run_dir)) == {"head_metrics.jsonl"}
+    added = {"induction_max", "prev_token_max", "icl_score"}
+    off = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "eval"]
+    assert off and not any(added & set(r) for r in off)
+    on = [r for r in read_metrics(reference / "metrics.jsonl") if r["kind"] == "eval"]
+    assert all(added <= set(r) for r in on)
+    # The same weights and losses: scoring the heads touches no random number generator.
+    assert_same_weights(reference, run_dir)
+    assert [{k: r[k] for k in ("step", "val_loss")} for r in on] == [
+        {k: r[k] for k in ("step", "val_loss")} for r in off
+    ]
+
+
 def test_gradient_accumulation_scales_the_loss(corpus: Path, tmp_path: Path) -> None:
     # Two micro-batches of 4 draw the same windows as one batch of 8 (one generator), so the
     # runs differ only by float rounding if the loss is divided by grad_accum.
@@ -238,10 +298,20 @@ def test_ctrl_c_saves_and_resume_is_bitwise_exact(
     assert load_run(run_dir).step in (10, 13)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
 
+    # As if the run had gone on to write step 20's grids and died before saving it, mid-line.
+    step_20 = (reference / "head_metrics.jsonl").read_bytes().splitlines(keepends=True)[1]
+    with open(run_dir / "head_metrics.jsonl", "ab") as f:
+        f.write(step_20 + b'{"step": 30, "induc')
+
     summary = train(make_config(corpus), out_dir=run_dir, resume=True, progress=False)
     assert summary.resumed_from == 13 and summary.step == 30
     assert_same_weights(reference, run_dir)
     assert stable_metrics(run_dir) == stable_metrics(reference)
+    lines = (run_dir / "head_metrics.jsonl").read_bytes().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [10, 20, 30]  # each step once
+    assert (run_dir / "head_metrics.jsonl").read_bytes() == (
+        reference / "head_metrics.jsonl"
+    ).read_bytes()
     elapsed = [r["elapsed_s"] for r in read_metrics(run_dir / "metrics.jsonl")]
     assert elapsed == sorted(elapsed)  # summed across the two sessions
 

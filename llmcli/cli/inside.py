@@ -56,7 +56,7 @@ def inspect_attention_command(
     ] = "npz",
     induction: Annotated[
         bool,
-        typer.Option(help="Add an induction score per head (on a repeated random sequence)."),
+        typer.Option(help="Add induction scores: on the prompt's repeats, on a fixed probe."),
     ] = False,
     truncate: Annotated[
         bool,

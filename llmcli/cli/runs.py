@@ -73,7 +73,8 @@ def compare_command(
     metric: Annotated[
         str,
         typer.Option(
-            help="What to draw: val_loss, val_ppl, train_loss, lr, grad_norm or tok_per_s.",
+            help="What to draw: val_loss, val_ppl, train_loss, lr, grad_norm, tok_per_s, or "
+            "(runs trained with train.head_metrics) induction_max, prev_token_max, icl_score.",
             metavar="NAME",
         ),
     ] = "val_loss",

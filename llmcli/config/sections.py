@@ -116,6 +116,10 @@ class TrainConfig:
     grad_clip: float = 1.0
     eval_interval: int = 250
     eval_steps: int = 20
+    # At every evaluation, each head's previous-token, induction and duplicate-token scores on a
+    # fixed probe of repeated random tokens, and the in-context learning score
+    # (llmcli.inspection.probe, llmcli.runs.head_metrics): about 0.1% of the tiny config's time.
+    head_metrics: bool = True
     log_interval: int = 10
     seed: int = 1337
     compile: bool = False

@@ -33,11 +33,19 @@ from llmcli.inspection.ablation import (
     format_top_heads,
     head_deltas,
 )
-from llmcli.inspection.capture import capture_prompts, induction_scores
+from llmcli.inspection.capture import capture_prompts
 from llmcli.inspection.dump import FORMATS, AttentionDump, format_metrics_table, save_dump
 from llmcli.inspection.evaluate import eval_tokens, window_batches, window_starts
-from llmcli.inspection.metrics import INDUCTION, METRIC_NAMES, head_metrics
+from llmcli.inspection.metrics import (
+    INDUCTION,
+    METRIC_NAMES,
+    PROBE_INDUCTION,
+    earlier_occurrences,
+    head_metrics,
+    induction_score,
+)
 from llmcli.inspection.pictures import plot_head_deltas, plot_layers
+from llmcli.inspection.probe import make_probe, probe_scores
 from llmcli.inspection.viewer import write_run_page, write_viewer
 from llmcli.runs.loading import load_run
 
@@ -191,8 +199,10 @@ class InspectOptions:
         layers, heads: the model indices to keep in the dumps (empty: all); metrics follow the
             selection.
         fmt: the dump's format: "npz", "safetensors" or "json".
-        induction: add the induction score column (the same for every prompt: it is measured on
-            a repeated random sequence, recorded in meta).
+        induction: add two induction score columns: `induction`, on the prompt's own repeats
+            (NaN for a prompt whose tokens never repeat), and `probe_induction`, on the fixed
+            probe of repeated random tokens (`llmcli.inspection.probe`; the same for every
+            prompt, described in meta).
         truncate: keep the last context_length tokens of a too-long prompt instead of failing.
         pictures, viewer: write the PNGs and the HTML viewer.
         ablation: "zero", "mean" or "both": add each head's Δloss (see `measure_heads`); None:
@@ -323,18 +333,23 @@ def build_dumps(
     encoded = _encode(tokenizer, prompts, prompts_ids, model.context_length, options.truncate)
     names = list(METRIC_NAMES)
     extra: dict[str, Any] = {}
-    ind = None
+    probe = None
     if options.induction:
-        ind, extra["induction"] = induction_scores(model, tokenizer.vocab_size)
-        names.append(INDUCTION)
+        names += [INDUCTION, PROBE_INDUCTION]
+        probe_def = make_probe(tokenizer, model.context_length)
+        probe = probe_scores(model, probe_def).induction  # (L, H)
+        extra["probe"] = probe_def.describe()
     captured = capture_prompts(model, [ids for ids, _ in encoded])
     li, hi = np.array(layer_sel), np.array(head_sel)
     dumps = []
     for i, ((ids, truncated), (_, attn_t)) in enumerate(zip(encoded, captured, strict=True)):
         attn = attn_t.numpy()  # (L, H, T, T)
         metrics = head_metrics(attn)  # (L, H, 4)
-        if ind is not None:
-            metrics = np.concatenate([metrics, ind[..., None]], axis=-1)  # (L, H, 5)
+        if probe is not None:
+            own = induction_score(attn, np.array(ids))  # (L, H), NaN without repeats
+            metrics = np.concatenate([metrics, own[..., None], probe[..., None]], axis=-1)
+            # How many of the prompt's tokens occurred before: the queries `induction` scores.
+            extra["induction_queries"] = int(earlier_occurrences(np.array(ids)).any(-1).sum())
         text = tokenizer.decode(ids)
         dump_meta = {
             **(meta or {}),
@@ -487,6 +502,23 @@ def inspect_attention(
     return InspectResult(Path(run.run_dir), dumps, out_dirs, files, ablation=deltas)
 
 
+def induction_note(meta: dict[str, Any]) -> str:
+    """What the two induction columns measured, under a prompt's table."""
+    probe, queries = meta["probe"], meta["induction_queries"]
+    own = (
+        f"on this prompt's own repeats ({queries} of its {meta['n_tokens']} tokens occurred "
+        "before: the weight on the tokens after their earlier occurrences)"
+        if queries
+        else "- : no token of this prompt occurred before in it"
+    )
+    return (
+        f"induction: {own}\n"
+        f"probe_induction: on a fixed probe, the same for every prompt: {probe['sequences']} "
+        f"sequences of {probe['period']} random tokens, each repeated once (seed "
+        f"{probe['seed']}, no whitespace or special tokens)"
+    )
+
+
 def format_report(result: InspectResult) -> str:
     """What `llmcli inspect-attention` prints: for each prompt, its length and (shortened) text,
     the head metrics table and the files written, then a blank line; every line ends in a newline.
@@ -498,6 +530,8 @@ def format_report(result: InspectResult) -> str:
         cut = ", truncated to the last tokens" if dump.meta["truncated"] else ""
         lines.append(f"prompt {i} ({len(dump.tokens)} tokens{cut}): {shown}")
         lines.append(format_metrics_table(dump))
+        if "probe" in dump.meta:
+            lines.append(induction_note(dump.meta))
         lines.append(f"wrote {folder}/: " + ", ".join(p.name for p in result.files[i]))
         lines.append("")
     if result.ablation is not None:

@@ -1,8 +1,8 @@
 """Capture attention: run a model and record the softmax weights of every layer and head.
 
-`capture_attention` reads every layer's `attn.pattern` hook point, `capture_prompts` runs
-prompts of different lengths through it in batches, and `induction_scores` measures every head
-on repeated random token sequences.
+`capture_attention` reads every layer's `attn.pattern` hook point, and `capture_prompts` runs
+prompts of different lengths through it in batches. (The repeated-random-token probe reads the
+same hook points on its own: `llmcli.inspection.probe`.)
 
 Several prompts are captured in one right-padded batch with a key padding mask. With right
 padding every real query sits before every pad key, so the causal mask alone already hides the
@@ -13,35 +13,11 @@ never appears in a dump (a test checks each dump equals the prompt run alone).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
-import numpy as np
 import torch
-
-from llmcli.inspection.metrics import induction_score
 
 #: How many prompts run through the model in one padded batch.
 BATCH_PROMPTS = 16
-#: Repeated random sequences averaged by the induction score.
-INDUCTION_SEQUENCES = 8
-
-
-def repeated_random_tokens(
-    vocab_size: int, period: int, batch: int, generator: torch.Generator
-) -> torch.Tensor:
-    """Random sequences of `period` tokens, each followed by itself: `(batch, 2 * period)` ids.
-
-    Tokens within one copy are distinct when the vocabulary allows it, so every token of the
-    second copy has exactly one earlier occurrence and the induction target is unambiguous.
-    """
-    rows = []
-    for _ in range(batch):
-        if vocab_size >= period:
-            row = torch.randperm(vocab_size, generator=generator)[:period]
-        else:
-            row = torch.randint(vocab_size, (period,), generator=generator)
-        rows.append(torch.cat([row, row]))
-    return torch.stack(rows)  # (batch, 2 * period)
 
 
 def capture_attention(
@@ -104,24 +80,3 @@ def capture_prompts(
             n = len(ids)
             out.append((logits[b, :n], attn[b, :, :, :n, :n]))  # (n, V), (L, H, n, n)
     return out
-
-
-def induction_scores(
-    model: torch.nn.Module,
-    vocab_size: int,
-    *,
-    sequences: int = INDUCTION_SEQUENCES,
-    seed: int = 0,
-) -> tuple[np.ndarray, dict[str, Any]]:
-    """Per-head induction scores `[L, H]` on repeated random sequences of context_length // 2.
-
-    Returns:
-        The scores and a description for the dump's meta (period, sequences, seed).
-    """
-    period = max(1, model.context_length // 2)
-    gen = torch.Generator().manual_seed(seed)
-    idx = repeated_random_tokens(vocab_size, period, sequences, gen)  # (S, 2 * period)
-    device = next(model.parameters()).device
-    _, attn = capture_attention(model, idx.to(device))  # (S, L, H, 2p, 2p)
-    scores = induction_score(attn.numpy(), period).mean(0)  # (S, L, H) -> (L, H)
-    return scores, {"period": period, "sequences": sequences, "seed": seed}

@@ -2,8 +2,8 @@
 
 Attention weights averaged over heads hide what the individual heads do (one head may follow the
 previous token while another rests on the first), so every score here is per map, per head:
-entropy, previous-token, first-token (attention sink), mean distance, and the induction score on
-a sequence that repeats itself.
+entropy, previous-token, first-token (attention sink), mean distance, and the scores that need
+the tokens too: induction and duplicate-token, on the repeats of a sequence.
 
 Shapes: an attention map is `[T, T]`, query x key, each row a probability distribution over the
 keys at or before the query (causal); leading axes (batch, layers, heads) are kept.
@@ -15,8 +15,10 @@ import numpy as np
 
 #: The per-head metrics computed on every prompt, in the order of the `metrics` array's last axis.
 METRIC_NAMES: tuple[str, ...] = ("entropy", "prev_token", "first_token", "mean_distance")
-#: The extra metric `--induction` appends (computed on a repeated random sequence, not the prompt).
+#: The metrics `--induction` appends: the induction score on the prompt's own repeats, and on the
+#: fixed probe of repeated random tokens (`llmcli.inspection.probe`, the same for every prompt).
 INDUCTION = "induction"
+PROBE_INDUCTION = "probe_induction"
 
 
 # --------------------------------------------------------------------------------------------
@@ -107,25 +109,68 @@ def mean_distance(attn: np.ndarray) -> np.ndarray:
     return (attn[..., 1:, :] * dist[1:]).sum(-1).mean(-1)  # (..., T-1) -> (...)
 
 
-def induction_score(attn: np.ndarray, period: int) -> np.ndarray:
-    """Induction score on a sequence that repeats itself after `period` tokens (Olsson et al. 2022).
-
-    For every query q in the second copy (period <= q < 2 * period), the same token occurred
-    earlier at q - period; an induction head attends to the token after that occurrence,
-    q - period + 1. The score is the mean of attn[q, q - period + 1] over those queries.
+def earlier_occurrences(ids: np.ndarray) -> np.ndarray:
+    """Where each token occurred before: `[T, T]` bool, True at (q, k) for k < q, ids[k] == ids[q].
 
     Args:
-        attn: attention maps `[..., T, T]` over the repeated sequence, T >= 2 * period.
-        period: the length of one copy.
+        ids: token ids `[T]`.
+    """
+    ids = np.asarray(ids).reshape(-1)
+    T = len(ids)
+    return (ids[:, None] == ids[None, :]) & np.tri(T, T, -1, dtype=bool)  # (T, T)
+
+
+def _repeat_score(attn: np.ndarray, targets: np.ndarray, queries: np.ndarray) -> np.ndarray:
+    """Mean over the chosen queries of the weight each puts on its target keys (NaN for none)."""
+    attn = _check_maps(attn)
+    if attn.shape[-1] != len(queries):
+        raise ValueError(f"attention maps of {attn.shape[-1]} tokens for {len(queries)} ids")
+    if not queries.any():
+        return np.full(attn.shape[:-2], np.nan)
+    weight = (attn * targets).sum(-1)  # (..., T): each query's weight on its targets
+    return weight[..., queries].mean(-1)
+
+
+def induction_score(attn: np.ndarray, ids: np.ndarray, *, unique: bool = False) -> np.ndarray:
+    """Induction score on a token sequence (Olsson et al. 2022's prefix matching).
+
+    An induction head at query q, whose token occurred earlier at k, attends to the token that
+    followed it, k + 1 (and then copies it). The score is the mean, over the queries whose
+    token occurred before, of the total weight on the tokens after its earlier occurrences:
+    1 for an ideal induction head. With `unique`, only queries whose token occurred exactly
+    once before are scored (an unambiguous target, as on the repeated-random-token probe).
+
+    Args:
+        attn: attention maps `[..., T, T]` over the sequence.
+        ids: the sequence's token ids `[T]`.
+        unique: score only queries with exactly one earlier occurrence.
 
     Returns:
-        `[...]` scores in [0, 1].
+        `[...]` scores in [0, 1] (NaN when no query qualifies).
     """
-    attn = _check_maps(attn)
-    if period < 1 or attn.shape[-1] < 2 * period:
-        raise ValueError(f"need T >= 2 * period, got T={attn.shape[-1]}, period={period}")
-    q = np.arange(period, 2 * period)
-    return attn[..., q, q - period + 1].mean(-1)  # (..., period) -> (...)
+    earlier = earlier_occurrences(ids)  # (T, T)
+    count = earlier.sum(-1)  # (T,)
+    targets = np.zeros_like(earlier)
+    targets[:, 1:] = earlier[:, :-1]  # (q, k + 1) for each earlier occurrence k; k + 1 <= q
+    return _repeat_score(attn, targets, count == 1 if unique else count >= 1)
+
+
+def duplicate_token_score(attn: np.ndarray, ids: np.ndarray, *, unique: bool = False) -> np.ndarray:
+    """Duplicate-token score: like `induction_score`, the weight on the earlier occurrences of
+    the query's own token themselves (not on the tokens after them). 1 for an ideal
+    duplicate-token head.
+
+    Args:
+        attn: attention maps `[..., T, T]` over the sequence.
+        ids: the sequence's token ids `[T]`.
+        unique: score only queries with exactly one earlier occurrence.
+
+    Returns:
+        `[...]` scores in [0, 1] (NaN when no query qualifies).
+    """
+    earlier = earlier_occurrences(ids)  # (T, T)
+    count = earlier.sum(-1)  # (T,)
+    return _repeat_score(attn, earlier, count == 1 if unique else count >= 1)
 
 
 def head_metrics(attn: np.ndarray) -> np.ndarray:

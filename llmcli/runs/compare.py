@@ -26,10 +26,15 @@ from llmcli.runs.loading import load_config_file
 from llmcli.runs.metrics import best_eval, read_metrics
 
 X_AXES = ("step", "tokens", "elapsed_s")
+# The metrics a run logs only with train.head_metrics.
+HEAD_METRICS = ("induction_max", "prev_token_max", "icl_score")
 # Each metric, and the kind of record that holds it.
 METRICS = {
     "val_loss": "eval",
     "val_ppl": "eval",
+    "induction_max": "eval",
+    "prev_token_max": "eval",
+    "icl_score": "eval",
     "train_loss": "train",
     "lr": "train",
     "grad_norm": "train",
@@ -146,8 +151,14 @@ def compare_runs(
     records = {run: read_metrics(run / METRICS_FILE) for run in runs}
     missing = [str(r) for r, recs in records.items() if not _points(recs, metric, x)]
     if missing:
+        hint = (
+            " (it is logged at evaluations with train.head_metrics: true)"
+            if metric in HEAD_METRICS
+            else ""
+        )
         raise InputError(
-            f"metric {metric!r} (against {x}) is not in the metrics.jsonl of: {', '.join(missing)}."
+            f"metric {metric!r} (against {x}) is not in the metrics.jsonl of: "
+            f"{', '.join(missing)}{hint}."
         )
     # Validated, with the defaults of any key an older run's config.yaml lacks.
     configs = {run: _flat(load_config_file(run).to_dict()) for run in runs}

@@ -12,6 +12,8 @@ A run directory (`checkpoints/<config name>/` by default) holds:
 | `state.pt` | every save, last | resume state: weights, optimizer, schedule step, RNG and |
 | | | batch-sampler states; read with `torch.load(weights_only=True)` |
 | `metrics.jsonl` | every log step | one JSON object per logged step and per evaluation |
+| `head_metrics.jsonl` | every evaluation | with `train.head_metrics`: each head's scores on the |
+| | | repeated-token probe, the loss by position (`llmcli.runs.head_metrics`) |
 | `loss.png` | every evaluation | train and val loss against steps |
 
 Every file is written to a temporary name in the same folder, flushed to disk (fsync) and renamed
@@ -43,6 +45,7 @@ BEST_FILE = "best.safetensors"
 META_FILE = "meta.json"
 STATE_FILE = "state.pt"
 METRICS_FILE = "metrics.jsonl"
+HEAD_METRICS_FILE = "head_metrics.jsonl"
 PLOT_FILE = "loss.png"
 
 
@@ -59,6 +62,7 @@ _RUN_FILES = (
     STATE_FILE,
     META_FILE,
     METRICS_FILE,
+    HEAD_METRICS_FILE,
     PLOT_FILE,
 )
 

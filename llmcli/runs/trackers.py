@@ -5,7 +5,8 @@ every record the training loop writes to `metrics.jsonl` (rank 0 only), with the
 
 - a train step: `train/loss`, `train/lr`, `train/grad_norm`, `train/tokens_per_s`,
   `progress/tokens`, `progress/elapsed_s`;
-- an evaluation: `eval/train_loss`, `eval/val_loss`, `eval/val_ppl`;
+- an evaluation: `eval/train_loss`, `eval/val_loss`, `eval/val_ppl`, and with
+  `train.head_metrics` `eval/icl_score`, `heads/induction_max`, `heads/prev_token_max`;
 
 (TensorBoard tags and W&B keys alike), at the record's step.
 
@@ -52,6 +53,9 @@ _EVAL_TAGS = {
     "train_loss": "eval/train_loss",
     "val_loss": "eval/val_loss",
     "val_ppl": "eval/val_ppl",
+    "icl_score": "eval/icl_score",
+    "induction_max": "heads/induction_max",
+    "prev_token_max": "heads/prev_token_max",
 }
 
 

@@ -1,16 +1,19 @@
 """The training loop's loss estimate, and perplexity.
 
 `evaluate_loss` is the estimate training logs at each evaluation: the mean loss over `eval_steps`
-random batches of each split (averaged over ranks under DDP). `llmcli eval`'s deterministic pass
-over a whole text is `llmcli.inspection.evaluate`.
+random batches of each split (averaged over ranks under DDP), and, for `train.head_metrics`, the
+loss at each position of the context, which `icl_score` turns into the in-context learning
+score. `llmcli eval`'s deterministic pass over a whole text is `llmcli.inspection.evaluate`.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from llmcli.training.distributed import DistInfo, mean_over_ranks
@@ -25,6 +28,15 @@ def perplexity(loss: float) -> float:
         return math.inf
 
 
+@dataclass
+class EvalLosses:
+    """What `evaluate_loss` measured: each split's mean loss and, when asked, its mean loss at
+    each position of the context (position t predicts token t + 1 from t + 1 tokens)."""
+
+    mean: dict[str, float]
+    by_position: dict[str, list[float]] = field(default_factory=dict)
+
+
 @torch.no_grad()
 def evaluate_loss(
     model: nn.Module,
@@ -32,7 +44,9 @@ def evaluate_loss(
     eval_steps: int,
     precision: Precision,
     info: DistInfo,
-) -> dict[str, float]:
+    *,
+    by_position: bool = False,
+) -> EvalLosses:
     """The training loop's estimate: mean loss over `eval_steps` batches of each sampler.
 
     Args:
@@ -41,20 +55,58 @@ def evaluate_loss(
         eval_steps: batches per split.
         precision: the autocast the training steps use.
         info: under DDP the means are averaged over the ranks.
+        by_position: also measure each split's mean loss at each position of the context, from
+            the same logits (for `icl_score`).
 
     Returns:
-        split name -> mean loss.
+        Each split's mean loss (and, with `by_position`, its loss by position).
     """
     was_training = model.training
     model.eval()
     totals = torch.zeros(len(samplers), device=precision.device)
+    positions: list[torch.Tensor] = []  # each split's summed loss at each position, (T,)
     for i, sampler in enumerate(samplers.values()):
+        position_sum = torch.zeros((), device=precision.device)
         for _ in range(eval_steps):
             x, y = sampler.next()  # (B, T), (B, T)
             with precision.autocast():
-                _, loss = model(x, y)
+                logits, loss = model(x, y)
             totals[i] += loss.float()
+            if by_position:
+                token_loss = F.cross_entropy(logits.float().transpose(1, 2), y, reduction="none")
+                position_sum = position_sum + token_loss.mean(0)  # (B, T) -> (T,)
+        positions.append(position_sum / eval_steps)
     totals /= eval_steps
+    by_split = torch.stack(positions) if by_position else None  # (splits, T)
     mean_over_ranks(totals, info)
+    if by_split is not None:
+        mean_over_ranks(by_split, info)
     model.train(was_training)
-    return dict(zip(samplers, totals.tolist(), strict=True))
+    mean = dict(zip(samplers, totals.tolist(), strict=True))
+    if by_split is None:
+        return EvalLosses(mean)
+    return EvalLosses(mean, dict(zip(samplers, by_split.tolist(), strict=True)))
+
+
+def icl_windows(context_length: int) -> tuple[range, range]:
+    """The positions `icl_score` compares: (early, late).
+
+    Olsson et al. (2022) take the loss at token 500 minus the loss at token 50 of a context of
+    thousands of tokens; here both are scaled to the model's context: early is the positions
+    from 5% to 15% of it (around 10%), late the last 10%, each at least one position.
+    """
+    T = context_length
+    lo = round(0.05 * T)
+    early = range(lo, max(lo + 1, round(0.15 * T)))
+    late = range(T - max(1, round(0.1 * T)), T)
+    return early, late
+
+
+def icl_score(by_position: list[float]) -> float:
+    """The in-context learning score: the mean loss late in the context minus early (see
+    `icl_windows`). Negative when later tokens, which see more context, are predicted better;
+    it falls when induction heads form (Olsson et al. 2022)."""
+    early, late = icl_windows(len(by_position))
+    late_loss = sum(by_position[t] for t in late) / len(late)
+    early_loss = sum(by_position[t] for t in early) / len(early)
+    return late_loss - early_loss

@@ -17,6 +17,11 @@ Saves: at every evaluation, every `train.save_interval` steps, and at the first 
 `train.save_interval_s` seconds after the last save, so that a kill loses bounded work; all ranks
 learn at the same step that a save (or a stop) is due, through the log step's all-reduce.
 
+Circuits during training: with `train.head_metrics`, each evaluation also scores every head on
+the fixed repeated-token probe (`llmcli.inspection.probe`) and takes the in-context learning
+score from the loss by position; the summaries go into the evaluation's record, the grids into
+`head_metrics.jsonl` (`llmcli.runs.head_metrics`). Scoring touches no random number generator.
+
 Exact resume: see `llmcli.training.state`. `metrics.jsonl` is cut back to what it held at the save
 a run resumes from, and the resumed run writes the same records again (only `elapsed_s` and
 `tok_per_s` differ).
@@ -46,6 +51,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from llmcli.config import Config, TrainConfig
 from llmcli.device import resolve_device
 from llmcli.errors import InputError, describe_os_error
+from llmcli.inspection.probe import probe_scores
 from llmcli.progress import Progress
 from llmcli.runs.directory import METRICS_FILE, PLOT_FILE, default_run_dir, save_checkpoint
 from llmcli.runs.metrics import plot_losses
@@ -58,7 +64,7 @@ from llmcli.training.distributed import (
     mean_over_ranks,
     process_group,
 )
-from llmcli.training.evaluate import evaluate_loss, perplexity
+from llmcli.training.evaluate import evaluate_loss, icl_score, perplexity
 from llmcli.training.interrupt import Preempted, StopRequest
 from llmcli.training.memory import out_of_memory_is_bad_input
 from llmcli.training.optim import apply_lr
@@ -194,6 +200,8 @@ def _loop(run: Run, progress: bool, on_step: Callable[[int], None] | None) -> Tr
         finally:
             if run.metrics is not None:
                 run.metrics.close()
+            if run.head_log is not None:
+                run.head_log.close()
     session_s = time.perf_counter() - loop_start
     steps = state.step - loop_step
     tok_rate = steps * run.tokens_per_step / session_s if session_s > 0 else None
@@ -355,33 +363,42 @@ def _log(
 
 
 def _evaluate(run: Run, lr: float) -> bool:
-    """Estimate the train and val loss, log them, redraw the curve; True for a new best."""
-    losses = evaluate_loss(
-        run.forward, eval_samplers(run), run.config.train.eval_steps, run.precision, run.info
+    """Estimate the train and val loss (with `train.head_metrics`, score the heads too), log
+    them, redraw the curve; True for a new best."""
+    tc = run.config.train
+    evaluation = evaluate_loss(
+        run.forward,
+        eval_samplers(run),
+        tc.eval_steps,
+        run.precision,
+        run.info,
+        by_position=tc.head_metrics,
     )
-    state, val = run.state, losses["val"]
+    state, losses = run.state, evaluation.mean
+    val = losses["val"]
     if not math.isfinite(val):
         raise _diverged(run, state.step, val)
     best = state.record_eval(losses)
     if run.metrics is not None:
-        run.metrics.write(
-            {
-                "kind": "eval",
-                "step": state.step,
-                "tokens": state.tokens,
-                "elapsed_s": round(state.elapsed, 3),
-                "lr": lr,
-                "train_loss": losses["train"],
-                "val_loss": val,
-                "val_ppl": perplexity(val),
-            }
-        )
+        record = {
+            "kind": "eval",
+            "step": state.step,
+            "tokens": state.tokens,
+            "elapsed_s": round(state.elapsed, 3),
+            "lr": lr,
+            "train_loss": losses["train"],
+            "val_loss": val,
+            "val_ppl": perplexity(val),
+        }
+        heads = _score_heads(run, evaluation.by_position["val"]) if run.probe is not None else {}
+        run.metrics.write({**record, **heads})
         logger.info(
-            "step %d: train loss %.4f, val loss %.4f (ppl %.2f)%s",
+            "step %d: train loss %.4f, val loss %.4f (ppl %.2f)%s%s",
             state.step,
             losses["train"],
             val,
             perplexity(val),
+            f", induction_max {heads['induction_max']:.3f}" if heads else "",
             ", best so far" if best else "",
         )
         try:
@@ -389,6 +406,25 @@ def _evaluate(run: Run, lr: float) -> bool:
         except OSError as exc:
             logger.warning("could not draw %s: %s", PLOT_FILE, describe_os_error(exc))
     return best
+
+
+def _score_heads(run: Run, val_by_position: list[float]) -> dict[str, float]:
+    """Rank 0: every head's scores on the probe and the in-context learning score; the grids go
+    to head_metrics.jsonl, the summaries (returned) to metrics.jsonl."""
+    assert run.probe is not None and run.head_log is not None
+    scores = probe_scores(run.model, run.probe)  # touches no RNG: the training stream stays
+    icl = icl_score(val_by_position)
+    run.head_log.write(
+        {
+            "step": run.state.step,
+            "tokens": run.state.tokens,
+            "probe": run.probe.describe(),
+            **scores.grids(),
+            "val_loss_by_position": val_by_position,
+            "icl_score": icl,
+        }
+    )
+    return {**scores.summary(), "icl_score": icl}
 
 
 def _stop(run: Run, preempted: bool) -> None:

@@ -5,7 +5,8 @@ the model, optimizer and batch sampler, loads the resume state into them when re
 the model for `train.compile` and DDP. Every rank checks each stage with the others (`agreed`)
 before going on, so that a bad input on one rank stops them all with its message.
 `open_run_files` then writes the run's config and tokenizer and opens `metrics.jsonl`, cut back to
-what it held at the save a run resumes from.
+what it held at the save a run resumes from (and, with `train.head_metrics`, `head_metrics.jsonl`
+and the probe its heads are scored on).
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ from llmcli.data.tokens import BatchSampler, TokenData, prepare_data
 from llmcli.errors import CheckpointError, describe_os_error
 from llmcli.fileio import remove_stale_temp_files
 from llmcli.hf.load import load_hf_weights, resolve_init_from
+from llmcli.inspection.probe import Probe, make_probe
 from llmcli.model.gpt import Transformer
 from llmcli.progress import format_count
 from llmcli.runs.directory import (
+    HEAD_METRICS_FILE,
     METRICS_FILE,
     STATE_FILE,
     prepare_run_dir,
@@ -36,6 +39,7 @@ from llmcli.runs.directory import (
     write_config_and_tokenizer,
 )
 from llmcli.runs.formats import load_weights
+from llmcli.runs.head_metrics import HeadMetricsLog
 from llmcli.runs.loading import load_tokenizer_file
 from llmcli.runs.metrics import MetricsLog
 from llmcli.runs.trackers import open_trackers
@@ -72,6 +76,8 @@ class Run:
     resumed_from: int | None = None  # the step a resumed run started from
     metrics_bytes: int | None = None  # metrics.jsonl's size at the save resumed from
     metrics: MetricsLog | None = None  # rank 0 only
+    probe: Probe | None = None  # with train.head_metrics, on rank 0: what each head is scored on
+    head_log: HeadMetricsLog | None = None  # ... and where the scores go
     saved_at: float = 0.0  # perf_counter() at the end of the last save (or the loop's start)
     save_seconds: list[float] = dataclasses.field(default_factory=list)  # this session's saves
 
@@ -270,7 +276,8 @@ def eval_samplers(run: Run) -> dict[str, BatchSampler]:
 
 
 def open_run_files(run: Run) -> None:
-    """Rank 0: write config.yaml and tokenizer.json, open metrics.jsonl, say what starts."""
+    """Rank 0: write config.yaml and tokenizer.json, open metrics.jsonl (and head_metrics.jsonl),
+    say what starts."""
     if not run.info.main:
         return
     tc, state, info = run.config.train, run.state, run.info
@@ -280,6 +287,9 @@ def open_run_files(run: Run) -> None:
         write_config_and_tokenizer(run.run_dir, run.config, run.tokenizer)
         trackers = open_trackers(run.config, run.run_dir, run.resumed_from)
         run.metrics = MetricsLog(run.run_dir / METRICS_FILE, keep, trackers)
+        if tc.head_metrics:
+            run.probe = make_probe(run.tokenizer, run.config.model.context_length)
+            run.head_log = HeadMetricsLog(run.run_dir / HEAD_METRICS_FILE, run.resumed_from)
     except OSError as exc:
         raise CheckpointError(
             f"cannot write the run files in '{run.run_dir}': {describe_os_error(exc)}. "
