@@ -17,32 +17,36 @@ from llmcli.cli.options import (
     WeightsOption,
 )
 
+# inspect-attention's prompts, and the layers and heads it keeps.
+PromptsOption = Annotated[
+    Optional[list[str]],
+    typer.Option(
+        help="Prompt text; repeatable, one dump per prompt (default: the start of the "
+        "run's validation text).",
+        metavar="TEXT",
+    ),
+]
+PromptFileOption = Annotated[
+    Optional[Path],
+    typer.Option(help="More prompts: one per line, or a JSON list of strings.", metavar="FILE"),
+]
+LayerOption = Annotated[
+    Optional[list[int]],
+    typer.Option(help="Keep only this layer (0-based); repeatable (default: all).", metavar="L"),
+]
+HeadOption = Annotated[
+    Optional[list[int]],
+    typer.Option(help="Keep only this head (0-based); repeatable (default: all).", metavar="H"),
+]
+
 
 @app.command("inspect-attention", cls=AblationCommand)
 def inspect_attention_command(
     checkpoint: CheckpointOption = None,
-    prompt: Annotated[
-        Optional[list[str]],
-        typer.Option(
-            help="Prompt text; repeatable, one dump per prompt (default: the start of the "
-            "run's validation text).",
-            metavar="TEXT",
-        ),
-    ] = None,
-    prompt_file: Annotated[
-        Optional[Path],
-        typer.Option(help="More prompts: one per line, or a JSON list of strings.", metavar="FILE"),
-    ] = None,
-    layer: Annotated[
-        Optional[list[int]],
-        typer.Option(
-            help="Keep only this layer (0-based); repeatable (default: all).", metavar="L"
-        ),
-    ] = None,
-    head: Annotated[
-        Optional[list[int]],
-        typer.Option(help="Keep only this head (0-based); repeatable (default: all).", metavar="H"),
-    ] = None,
+    prompt: PromptsOption = None,
+    prompt_file: PromptFileOption = None,
+    layer: LayerOption = None,
+    head: HeadOption = None,
     out: Annotated[
         Optional[Path],
         typer.Option(
