@@ -6,9 +6,9 @@
 (`TextSink`, `OrderedWriter` keeps samples generated together in order), stop strings and stop
 ids, multi-byte characters split over byte tokens, per-sample speed. `sample_batch` runs one
 batch of `SampleJob`s, each with its own seed (how `llmcli serve` batches requests from several
-clients). `sample_run` loads a run and
-applies the command line's settings to its `sample:` config; `read_prompts` and `unescape` turn
-the command line's options into prompts and stop strings.
+clients). `sample_run` loads a run and applies the command line's settings to its `sample:`
+config; `read_prompts` and `unescape` turn the command line's options into prompts and stop
+strings.
 """
 
 from __future__ import annotations
