@@ -265,21 +265,29 @@ class _Answer:
     async def collect(
         self, work: Work, disconnected: Callable[[], Awaitable[bool]]
     ) -> JSONResponse:
-        """Wait for every event, then answer in one JSON; a client gone cancels the work."""
+        """Wait for every event, then answer in one JSON; a client gone cancels the work.
+
+        The connection is checked every `DISCONNECT_POLL_S`, also while events keep coming.
+        """
+        loop = asyncio.get_running_loop()
+        next_check = loop.time() + DISCONNECT_POLL_S
         while True:
             try:
                 event = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
+                event = None
+            if loop.time() >= next_check:
+                next_check = loop.time() + DISCONNECT_POLL_S
                 if await disconnected():
                     work.cancel()
                     gone = APIError(499, "the client closed the connection.", code="client_gone")
                     return JSONResponse(gone.to_json(), status_code=499)
-                continue
             if isinstance(event, Done):
                 if event.failed is not None:
                     raise event.failed
                 return JSONResponse(self._completion())
-            self._record(event)
+            if event is not None:
+                self._record(event)
 
     def _record(self, event: Event) -> None:
         if isinstance(event, Text):

@@ -91,7 +91,8 @@ class Work:
 
 @dataclass
 class Stats:
-    """What the generation thread has done (`GET /health` shows it)."""
+    """What the generation thread has done (`GET /health` shows it): requests and rows run,
+    batches, new tokens, and requests whose client went away (`cancelled`)."""
 
     requests: int = 0
     batches: int = 0
@@ -217,6 +218,7 @@ class Batcher:
         self.stats.rows += len(rows.jobs)
         self.stats.largest_batch = max(self.stats.largest_batch, len(rows.jobs))
         self.stats.tokens += sum(s.tokens for s in samples)
+        self.stats.cancelled += sum(work.cancelled.is_set() for work in batch)
 
     def _echo_logprobs(self, work: Work) -> None:
         request = work.request
