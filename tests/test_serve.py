@@ -180,7 +180,7 @@ def test_requests_waiting_together_run_as_one_batch_per_setting(run) -> None:
         request = parse_completion(body, run.config.sample, LIMITS, "tiny")
         got: list = []
         events.append(got)
-        works.append(Work(request, [run.tokenizer.encode(prompt)], got.append))
+        works.append(Work(request, [run.tokenizer.encode(prompt)], got.extend))
     for work in works:  # all waiting before the thread starts
         batcher.submit(work)
     batcher.start()

@@ -208,13 +208,13 @@ def encode_prompts(run: LoadedRun, prompts: list[str]) -> list[list[int]]:
     return out
 
 
-def _deliver_to(events: asyncio.Queue[Event]) -> Callable[[Event], None]:
+def _deliver_to(events: asyncio.Queue[list[Event]]) -> Callable[[list[Event]], None]:
     """A thread-safe way for the generation thread to put events on this loop's queue."""
     loop = asyncio.get_running_loop()
 
-    def deliver(event: Event) -> None:
+    def deliver(batch: list[Event]) -> None:
         try:
-            loop.call_soon_threadsafe(events.put_nowait, event)
+            loop.call_soon_threadsafe(events.put_nowait, batch)
         except RuntimeError:  # the loop has closed: the server is shutting down
             pass
 
@@ -240,7 +240,7 @@ class _Answer:
 
     def __init__(self, request: CompletionRequest, ids: list[list[int]], model_id: str) -> None:
         self.request = request
-        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.queue: asyncio.Queue[list[Event]] = asyncio.Queue()
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model_id = model_id
@@ -273,20 +273,20 @@ class _Answer:
         next_check = loop.time() + DISCONNECT_POLL_S
         while True:
             try:
-                event = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
+                events = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
-                event = None
+                events = []
             if loop.time() >= next_check:
                 next_check = loop.time() + DISCONNECT_POLL_S
                 if await disconnected():
                     work.cancel()
                     gone = APIError(499, "the client closed the connection.", code="client_gone")
                     return JSONResponse(gone.to_json(), status_code=499)
-            if isinstance(event, Done):
-                if event.failed is not None:
-                    raise event.failed
-                return JSONResponse(self._completion())
-            if event is not None:
+            for event in events:
+                if isinstance(event, Done):
+                    if event.failed is not None:
+                        raise event.failed
+                    return JSONResponse(self._completion())
                 self._record(event)
 
     def _record(self, event: Event) -> None:
@@ -323,15 +323,17 @@ class _Answer:
                 for c in range(self.request.rows):
                     yield self._chunk([choice_json(c, self.prompt_of(c), None, None)])
             while not done:
-                event = await self.queue.get()
-                if isinstance(event, Done):
-                    done = True
-                    if event.failed is not None:
-                        yield _sse(event.failed.to_json())
-                elif isinstance(event, Text | End | Echo):
-                    self._record(event)
-                    for chunk in self._event_chunks(event):
-                        yield chunk
+                chunks = []
+                for event in await self.queue.get():
+                    if isinstance(event, Done):
+                        done = True
+                        if event.failed is not None:
+                            chunks.append(_sse(event.failed.to_json()))
+                    else:
+                        self._record(event)
+                        chunks.extend(self._event_chunks(event))
+                if chunks:
+                    yield "".join(chunks)
             if self.request.include_usage:
                 yield _sse(completion_json(self.id, self.created, self.model_id, [], self.usage()))
             yield "data: [DONE]\n\n"

@@ -76,12 +76,14 @@ class Work:
     Attributes:
         request: the checked request.
         ids: each prompt's token ids (they fit the context).
-        deliver: called on the generation thread with each `Event`; it must not block.
+        deliver: called on the generation thread with the next `Event`s, in order; it must not
+            block. A streaming request gets its events step by step, another one when all its
+            choices have ended.
     """
 
     request: CompletionRequest
     ids: list[list[int]]
-    deliver: Callable[[Event], Any]
+    deliver: Callable[[list[Event]], Any]
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
@@ -158,13 +160,13 @@ class Batcher:
             self.stats.cancelled += len(pending) - len(live)
             for work in pending:
                 if work.cancelled.is_set():
-                    work.deliver(Done())
+                    work.deliver([Done()])
             batch, pending = _take_batch(live, self.max_rows)
             if batch:
                 self._run(batch)
             if closing:
                 for work in pending:
-                    work.deliver(Done(APIError(503, "the server is shutting down.")))
+                    work.deliver([Done(APIError(503, "the server is shutting down."))])
                 return
 
     def _collect(self, pending: list[Work], deadline: float) -> bool:
@@ -190,10 +192,10 @@ class Batcher:
             logger.exception("generation failed")
             error = APIError(500, f"generation failed: {exc}", kind="server_error")
             for work in batch:
-                work.deliver(Done(error))
+                work.deliver([Done(error)])
             return
         for work in batch:
-            work.deliver(Done())
+            work.deliver([Done()])
 
     def _generate(self, batch: list[Work]) -> None:
         """Run `batch` (requests of one `batch_key`) as one padded batch."""
@@ -230,7 +232,7 @@ class Batcher:
                 if prompt == ""
                 else prompt_logprobs(self.model, self.tokenizer, ids, request.logprobs)
             )
-            work.deliver(Echo(i, entries))
+            work.deliver([Echo(i, entries)])
 
 
 def _take_batch(pending: list[Work], max_rows: int) -> tuple[list[Work], list[Work]]:
@@ -253,23 +255,25 @@ class _BatchRows:
     """The rows of one batch: who owns each, their log-probs, and the sink `sample_batch`
     sends their text to.
 
-    Row `r` is choice `choice[r]` of request `owner[r]`, and its generator is seeded with the
-    request's seed + that choice index, as `llmcli sample` seeds sample `r`.
+    Row `r` is choice `choice[r]` of request `batch[owner[r]]`, and its generator is seeded with
+    the request's seed + that choice index, as `llmcli sample` seeds sample `r`. Events wait in
+    an outbox per request, sent once per step (a stream) or when all its choices have ended.
     """
 
     def __init__(self, batch: list[Work], texts: TokenTexts) -> None:
+        self.batch = batch
         self.jobs: list[SampleJob] = []
-        self.owner: list[Work] = []
+        self.owner: list[int] = []
         self.choice: list[int] = []
         self.logprobs: list[RowLogprobs | None] = []
-        for work in batch:
+        for w, work in enumerate(batch):
             request = work.request
             for i, (prompt, ids) in enumerate(zip(request.prompts, work.ids, strict=True)):
                 for j in range(request.n):
                     c = i * request.n + j
                     seed = request.config.seed + c
                     self.jobs.append(SampleJob(len(self.jobs), i, j, prompt, ids, seed))
-                    self.owner.append(work)
+                    self.owner.append(w)
                     self.choice.append(c)
                     k = request.logprobs
                     self.logprobs.append(None if k is None else RowLogprobs(texts, k))
@@ -279,11 +283,14 @@ class _BatchRows:
         self.steps = 0
         self.max_steps = batch[0].request.config.max_new_tokens
         self.ended = [False] * len(self.jobs)
+        self.open = [work.request.rows for work in batch]  # choices not yet ended
+        self.outbox: list[list[Event]] = [[] for _ in batch]
 
     def live(self, r: int) -> bool:
-        return not self.owner[r].cancelled.is_set()
+        return not self.batch[self.owner[r]].cancelled.is_set()
 
     def observe(self, logits: Tensor, ids: Tensor) -> None:
+        self.flush()  # the previous step's events
         self.steps += 1
         if not self.wants_logprobs:
             return
@@ -293,11 +300,18 @@ class _BatchRows:
             if row is not None:
                 row.add(tokens[r], chosen[r], tops[r])
 
+    def flush(self) -> None:
+        """Send the events waiting for streams, and for requests whose choices all ended."""
+        for w, events in enumerate(self.outbox):
+            if events and (self.batch[w].request.stream or self.open[w] == 0):
+                self.batch[w].deliver(events)
+                self.outbox[w] = []
+
     def text(self, r: int, piece: str) -> None:
         self.lengths[r] += len(piece)
         row = self.logprobs[r]
         entries = None if row is None else row.release(self.lengths[r])
-        self.owner[r].deliver(Text(self.choice[r], piece, entries))
+        self.outbox[self.owner[r]].append(Text(self.choice[r], piece, entries))
 
     def end(self, r: int) -> None:
         # Before the last step only a stop ends a row; at the last step `finish` knows which.
@@ -306,15 +320,22 @@ class _BatchRows:
 
     def _end(self, r: int, reason: str, tokens: int) -> None:
         self.ended[r] = True
+        w = self.owner[r]
         row = self.logprobs[r]
         if row is not None:
             entries = row.finish(self.lengths[r])
             if entries:
-                self.owner[r].deliver(Text(self.choice[r], "", entries))
-        self.owner[r].deliver(End(self.choice[r], reason, tokens))
+                self.outbox[w].append(Text(self.choice[r], "", entries))
+        self.outbox[w].append(End(self.choice[r], reason, tokens))
+        self.open[w] -= 1
 
     def finish(self, samples: list[Sample]) -> None:
-        """End the rows still open when the batch is done, with their samples' reasons."""
+        """End the rows still open when the batch is done, with their samples' reasons, and
+        send every event left."""
         for r, sample in enumerate(samples):
             if not self.ended[r] and self.live(r):
                 self._end(r, sample.stop_reason, sample.tokens)
+        for w, events in enumerate(self.outbox):
+            if events:
+                self.batch[w].deliver(events)
+        self.outbox = [[] for _ in self.batch]
