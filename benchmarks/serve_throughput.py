@@ -41,7 +41,9 @@ def server(run: str, *extra: str):
     """`llmcli serve` on a free port in a child process; yields its base URL."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "llmcli", "serve", "--checkpoint", run, "--port", "0", *extra]
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT
+    )
     try:
         url = None
         for line in proc.stderr:
