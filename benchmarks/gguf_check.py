@@ -9,6 +9,11 @@ f32 KV cache, and compared with llmcli on one prompt:
 - greedy text: `--tokens` tokens chosen by argmax in llama.cpp against `llmcli sample
   --temperature 0` (the command itself, its text and, in process, its token ids).
 
+llama.cpp's `gpt2` and `gptneox` graphs compute GELU from a float16 table of its tanh
+approximation (`ggml_vec_gelu_f32` with `GGML_GELU_FP16`), where llmcli's is the exact erf GELU
+in float32. For those runs the logits are also compared with llmcli's model run with llama.cpp's
+GELU (`llama_cpp_gelu`), which tells that difference apart from the export's.
+
 The runs must be byte-level BPE runs whose context holds the prompt and the new tokens. Prints
 JSON, one object per run and precision.
 
@@ -35,6 +40,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 GGML_TYPE_F32 = 0
+TORCH_GELU = torch.nn.functional.gelu
 
 
 def llmcli(*args: str) -> str:
@@ -42,6 +48,14 @@ def llmcli(*args: str) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "llmcli", *args]
     return subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
+
+
+def llama_cpp_gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """GELU as llama.cpp's CPU backend computes it: the tanh approximation of the input rounded
+    to float16, rounded to float16 (its table), and x itself past +-10."""
+    x16 = x.half().float()
+    table = TORCH_GELU(x16, approximate="tanh").half().float()
+    return torch.where(x <= -10, torch.zeros_like(x), torch.where(x >= 10, x, table))
 
 
 def llmcli_side(run_dir: Path, prompt: str, n: int) -> dict:
@@ -54,6 +68,11 @@ def llmcli_side(run_dir: Path, prompt: str, n: int) -> dict:
     ids = run.tokenizer.encode(prompt)
     with torch.no_grad():
         logits, _ = run.model(torch.tensor([ids]))
+        torch.nn.functional.gelu = llama_cpp_gelu  # what llmcli's MLP calls, for this forward
+        try:
+            llama_gelu_logits, _ = run.model(torch.tensor([ids]))
+        finally:
+            torch.nn.functional.gelu = TORCH_GELU
     config = SampleConfig(max_new_tokens=n, temperature=0.0)
     [new] = generate_ids(run.model, [ids], config)
     eot = run.tokenizer.eot_id
@@ -66,6 +85,8 @@ def llmcli_side(run_dir: Path, prompt: str, n: int) -> dict:
     return {
         "ids": ids,
         "logits": logits[0].double().numpy(),
+        "logits_llama_gelu": llama_gelu_logits[0].double().numpy(),
+        "mlp": run.config.model.mlp,
         "greedy": new,
         "text": json.loads(sample)["completion"],
         "eot": eot,
@@ -123,6 +144,11 @@ def check(run_dir: Path, dtype: str, prompt: str, n: int, threads: int, ours: di
         "logits_max_abs_diff": float(diff.max()),
         "logits_max_abs": float(np.abs(ours["logits"]).max()),
         "logits_within_1e-3": bool(diff.max() <= 1e-3),
+        "logits_max_abs_diff_with_llama_cpp_gelu": (
+            float(np.abs(theirs["logits"] - ours["logits_llama_gelu"]).max())
+            if ours["mlp"] == "gelu"
+            else None
+        ),
         "greedy_tokens_llmcli": len(ours["greedy"]),
         "greedy_tokens_llama_cpp": len(theirs["greedy"]),
         "greedy_ids_equal": ours["greedy"] == theirs["greedy"],
