@@ -36,7 +36,7 @@ from llmcli.generation.generate import generate
 from llmcli.generation.prompts import encode_prompt, parse_prompts, read_prompt_file
 from llmcli.generation.sampling import make_generators
 from llmcli.generation.threads import decode_bound, sampling_threads, torch_threads
-from llmcli.runs.loading import load_run
+from llmcli.runs.loading import LoadedRun, load_run
 
 logger = logging.getLogger(__name__)
 
@@ -566,6 +566,24 @@ def sample_run(
     Returns:
         The samples, prompt by prompt.
     """
+    run, config, options = load_for_sampling(checkpoint, overrides, options, notify)
+    headers = [p for p in prompts for _ in range(options.num_samples)]
+    sink = None if write is None else OrderedWriter(write, headers)
+    with torch_threads(sample_threads(run.model, config, options)):
+        return sample_texts(
+            run.model, run.tokenizer, prompts, config, options, sink=sink, notify=notify
+        )
+
+
+def load_for_sampling(
+    checkpoint: str | Path | None,
+    overrides: Mapping[str, Any] | None,
+    options: SampleOptions,
+    notify: Callable[[str], Any] = logger.warning,
+) -> tuple[LoadedRun, SampleConfig, SampleOptions]:
+    """Load a run to sample from, as `sample_run` does: the run, its `sample:` config with
+    `overrides` applied (checked before the run loads, `context_keep` against its model), and
+    `options` with the run's end-of-text id added to the stop ids."""
     overrides = dict(overrides or {})
     SampleConfig(**overrides)  # a mistyped setting fails at once, before the run loads
     device = resolve_device(options.device, what="--device")
@@ -579,15 +597,14 @@ def sample_run(
     eot = run.tokenizer.eot_id
     if eot is not None:
         options = replace(options, stop_ids=(*options.stop_ids, eot))
-    threads = options.threads
-    if threads is None:
-        threads = threads_for(run.model, device, config)
-    headers = [p for p in prompts for _ in range(options.num_samples)]
-    sink = None if write is None else OrderedWriter(write, headers)
-    with torch_threads(threads):
-        return sample_texts(
-            run.model, run.tokenizer, prompts, config, options, sink=sink, notify=notify
-        )
+    return run, config, options
+
+
+def sample_threads(model: Any, config: SampleConfig, options: SampleOptions) -> int | None:
+    """The CPU threads to sample with: `options.threads`, else `threads_for`."""
+    if options.threads is not None:
+        return options.threads
+    return threads_for(model, next(model.parameters()).device, config)
 
 
 def threads_for(model: Any, device: torch.device, config: SampleConfig) -> int | None:
