@@ -43,6 +43,7 @@ from llmcli.runs.head_metrics import HeadMetricsLog
 from llmcli.runs.loading import load_tokenizer_file
 from llmcli.runs.metrics import MetricsLog
 from llmcli.runs.trackers import open_trackers
+from llmcli.training.batch import resolve_batch, with_micro_batch
 from llmcli.training.distributed import DistInfo, agreed, gather
 from llmcli.training.memory import check_memory
 from llmcli.training.optim import build_optimizer
@@ -78,6 +79,7 @@ class Run:
     metrics: MetricsLog | None = None  # rank 0 only
     probe: Probe | None = None  # with train.head_metrics, on rank 0: what each head is scored on
     head_log: HeadMetricsLog | None = None  # ... and where the scores go
+    auto_batch: bool = False  # train.batch_size was auto: running out of memory early shrinks it
     saved_at: float = 0.0  # perf_counter() at the end of the last save (or the loop's start)
     save_seconds: list[float] = dataclasses.field(default_factory=list)  # this session's saves
 
@@ -162,7 +164,20 @@ def build_run(
         config = resolve_init_from(config)
     saved, data = _prepare(config, info, device, run_dir, resume, overwrite)
     vocab = int(data.tokenizer.vocab_size)
-    check_memory(config, vocab, device)
+    auto_batch = tc.batch_size == "auto"
+    with agreed(info, device):  # a rank whose memory is too small stops them all
+        config = resolve_batch(
+            config,
+            vocab,
+            device,
+            precision.name,
+            info.world_size,
+            None if saved is None else saved.config,
+        )
+    if auto_batch and info.enabled:  # GPUs' free memory differs: all take the smallest choice
+        config = with_micro_batch(config, min(gather(config.train.batch_size, info)))
+    tc = config.train
+    check_memory(config, vocab, device, precision.name, info.world_size)
     model = Transformer(config.model, vocab, generator=torch.Generator().manual_seed(tc.seed))
     if tc.init_from and saved is None:  # a resumed run's weights come from its state
         load_hf_weights(model, tc.init_from)
@@ -193,6 +208,7 @@ def build_run(
         optimizer=optimizer,
         sampler=sampler,
         state=TrainState(session_start=session_start),
+        auto_batch=auto_batch,
     )
     with agreed(info, device):
         eval_samplers(run)  # a corpus too small for the batch and context fails here, not later
