@@ -81,11 +81,13 @@ def estimate_memory(
     """An estimate of the memory one training step needs, before allocating any of it.
 
     The parameters are counted on a model built on the meta device (no memory). Activations,
-    in values per token: `L (20 C + 2 C [dropout] + 5 nh T [attention weights kept]) + 4 C + 4 V`,
-    4 bytes each in fp32 and 2 under autocast (with the residual stream's 2 C per layer kept in
-    fp32). The attention weights `(B, nh, T, T)` are kept only where SDPA falls back to its
-    explicit path: on the CPU with dropout or in half precision, and on MPS. Fitted to and
-    checked against measured peaks within 25% (benchmarks/plan_memory.py).
+    in values per token: `L (20 C + 2 C [dropout]) + 4 C + 4 V`, 4 bytes each in fp32 and 2 under
+    autocast (whose residual stream, 2 C per layer, stays fp32), plus `5 L nh T` fp32 values
+    where SDPA falls back to its explicit path and keeps the attention weights `(B, nh, T, T)`:
+    on the CPU with dropout or in half precision, and on MPS (CUDA's fused kernels keep none).
+    Autocast also holds half-precision copies of the weights. About 30% above what autograd
+    saves, for the backward pass's temporaries; fitted to measured peaks and checked within 25%
+    (benchmarks/plan_memory.py).
 
     Args:
         config: the config; `train.batch_size` must be a number unless `batch_size` is given.
@@ -102,16 +104,19 @@ def estimate_memory(
     C, L, T, nh = m.n_embed, m.n_layer, m.context_length, m.n_head
     half = dtype in ("bfloat16", "float16")
     keeps_weights = device_type == "mps" or (device_type == "cpu" and (half or m.dropout > 0))
-    per_layer = 20 * C + (2 * C if m.dropout > 0 else 0) + (5 * nh * T if keeps_weights else 0)
-    per_token = L * per_layer + 4 * C + 4 * vocab_size
-    act_bytes = B * T * (2 * per_token + 2 * L * 2 * C if half else 4 * per_token)
+    values = L * (20 * C + (2 * C if m.dropout > 0 else 0)) + 4 * C + 4 * vocab_size
+    per_token = (2 if half else 4) * values
+    if half:  # the residual stream stays fp32: the norms keep their inputs in it
+        per_token += 2 * L * 2 * C
+    if keeps_weights:  # in fp32 also under autocast, which runs softmax in fp32
+        per_token += 4 * L * 5 * nh * T
     return MemoryEstimate(
         params=params,
         params_non_embedding=non_embedding,
         weights=4 * params + (2 * params if half else 0),
         grads=4 * params * (2 if world_size > 1 else 1),
         optimizer=4 * momenta,
-        activations=act_bytes,
+        activations=B * T * per_token,
         runtime=RUNTIME_BYTES.get(device_type, 0),
     )
 
