@@ -122,24 +122,31 @@ def estimate_memory(
 
 
 def _count_parameters(config: Config, vocab_size: int) -> tuple[int, int, int]:
-    """(parameters, non-embedding parameters, optimizer moment values) of the config's model,
-    built on the meta device, which allocates nothing."""
-    from llmcli.model.gpt import Transformer
-    from llmcli.training.optim import muon_param_groups
+    """(parameters, non-embedding parameters, optimizer moment values) of the config's model.
 
+    One `Block` and the final norm are built on the meta device, which allocates nothing (the
+    whole `Transformer` is not: initialising its embeddings there would import torch's compiler,
+    seconds); the embeddings are counted from their shapes.
+    """
+    from llmcli.model.gpt import Block
+    from llmcli.model.layers import make_norm
+
+    m = config.model
     with torch.device("meta"):
-        model = Transformer(config.model, vocab_size)
-    params = model.num_parameters()
+        block, final_norm = Block(m), make_norm(m)
+    per_block = sum(p.numel() for p in block.parameters())
+    matrices = m.n_layer * sum(p.numel() for p in block.parameters() if p.dim() == 2)
+    token = vocab_size * m.n_embed  # the token embedding, also the LM head when tied
+    position = m.context_length * m.n_embed if m.pos_emb == "learned" else 0
+    head = 0 if m.tie_embeddings else vocab_size * m.n_embed
+    body = m.n_layer * per_block + sum(p.numel() for p in final_norm.parameters())
+    params = body + token + position + head
+    # As `Transformer.num_parameters(non_embedding=True)`: a tied token embedding stays.
+    non_embedding = body + (token if m.tie_embeddings else head)
     momenta = 2 * params  # AdamW: exp_avg and exp_avg_sq
-    if config.train.optimizer == "muon":
-        muon = sum(
-            p.numel()
-            for g in muon_param_groups(model, config.train)
-            for p in g["params"]
-            if g["use_muon"]
-        )
-        momenta -= muon  # one momentum buffer per Muon matrix
-    return params, model.num_parameters(non_embedding=True), momenta
+    if config.train.optimizer == "muon":  # the blocks' matrices (see muon_param_groups)
+        momenta -= matrices  # one momentum buffer each, instead of two moments
+    return params, non_embedding, momenta
 
 
 def device_memory_bytes(device: torch.device) -> int | None:
