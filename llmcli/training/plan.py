@@ -285,7 +285,7 @@ def format_plan(plan: Plan) -> str:
         ),
         ("memory free", _fits_line(plan)),
         ("step time", _timing_line(plan)),
-        ("time to the end", _eta_line(plan)),
+        ("time to max_steps", _eta_line(plan)),
     ]
     if plan.missing:
         rows.append(("missing", plan.missing))
