@@ -261,3 +261,11 @@ def test_train_refuses_a_limit_smaller_than_the_model_with_exit_2(
     err = capsys.readouterr().err
     assert "train.memory_limit (1000) is 1,000 B, too little" in err
     assert "smallest limit that works is" in err and "Traceback" not in err
+
+
+def test_bench_asks_for_a_given_micro_batch(tmp_path: Path) -> None:
+    from llmcli.bench import BenchSettings, bench_and_report
+
+    config = _config(batch_size="auto", tokens_per_step=4 * 32)
+    with pytest.raises(InputError, match=r"--set train.batch_size=N \(`llmcli plan` says"):
+        bench_and_report(config, [2], [32], "cpu", tmp_path, BenchSettings(), isolate=False)

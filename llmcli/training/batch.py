@@ -141,7 +141,8 @@ def choose_micro_batch(
             f"{where} is {format_bytes(budget)}, too little for this model: one sequence per "
             f"micro-batch needs about {format_bytes(one.peak)} (weights "
             f"{format_bytes(one.weights)}, gradients {format_bytes(one.grads)}, optimizer "
-            f"{format_bytes(one.optimizer)}), plus {1 - AUTO_HEADROOM:.0%} headroom. The "
+            f"{format_bytes(one.optimizer)}, activations {format_bytes(one.activations)}, "
+            f"runtime {format_bytes(one.runtime)}), plus {1 - AUTO_HEADROOM:.0%} headroom. The "
             f"smallest limit that works is {smallest} bytes "
             f"(--set train.memory_limit={_round_up_mib(smallest)}MiB); or make the model smaller."
         )
