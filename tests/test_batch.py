@@ -219,7 +219,7 @@ def test_out_of_memory_in_the_first_steps_halves_an_automatic_micro_batch(
     small_corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog
 ) -> None:
     calls = _oom_above(monkeypatch, batch=2)
-    with caplog.at_level(logging.WARNING, logger="llmcli.training.batch"):
+    with caplog.at_level(logging.WARNING, logger="llmcli.training.run"):
         summary = train(
             config_from_dict(_auto_raw(small_corpus, 10**10)),
             out_dir=tmp_path / "r",

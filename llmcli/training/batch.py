@@ -12,7 +12,7 @@ recorded, whatever the memory free today, so that it goes on exactly.
 The estimate is within about 25% of what a step takes; should a fresh run with an automatic
 micro-batch still run out of memory in its first `OOM_RETRY_STEPS` steps (on CUDA, where running
 out is an exception and not the kernel's OOM killer), `smaller_micro_batch` gives the next size
-down and the loop goes on with it, the tokens per step unchanged.
+down and the loop goes on with it, the tokens per step unchanged (`Run.shrink_micro_batch`).
 """
 
 from __future__ import annotations
@@ -20,18 +20,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from llmcli.config import Config
 from llmcli.errors import InputError
 from llmcli.progress import format_bytes
-from llmcli.runs.directory import write_config_and_tokenizer
 from llmcli.training.memory import device_free_bytes, estimate_memory
-
-if TYPE_CHECKING:
-    from llmcli.training.run import Run
 
 logger = logging.getLogger(__name__)
 
@@ -156,44 +152,6 @@ def smaller_micro_batch(config: Config) -> int | None:
     assert isinstance(tc.batch_size, int)
     smaller = [d for d in _divisors(tc.batch_size * tc.grad_accum) if d <= tc.batch_size // 2]
     return max(smaller, default=None)
-
-
-def may_shrink(run: Run) -> bool:
-    """Whether running out of memory in this step may shrink the micro-batch: an automatic one,
-    in the first `OOM_RETRY_STEPS` steps of a fresh run in one process (under DDP one rank
-    alone cannot change the batch), and not yet down to one sequence."""
-    return (
-        run.auto_batch
-        and not run.info.enabled
-        and run.resumed_from is None
-        and run.state.step < OOM_RETRY_STEPS
-        and smaller_micro_batch(run.config) is not None
-    )
-
-
-def shrink_micro_batch(run: Run) -> None:
-    """Go on with a smaller micro-batch (`smaller_micro_batch`) and more accumulation, the
-    tokens per step unchanged: drop the failed step's gradients, tell the sampler, record the
-    numbers in config.yaml, and say so in one line."""
-    old = run.config.train
-    batch = smaller_micro_batch(run.config)
-    assert batch is not None and isinstance(old.batch_size, int)
-    run.optimizer.zero_grad(set_to_none=True)
-    if run.device.type == "cuda":
-        torch.cuda.empty_cache()  # give the failed step's blocks back before the smaller one
-    run.config = with_micro_batch(run.config, batch)
-    run.sampler.batch_size = batch
-    if run.info.main:
-        write_config_and_tokenizer(run.run_dir, run.config, run.tokenizer)
-    logger.warning(
-        "note: out of memory at step %d with %d sequences per micro-batch: going on with %d x "
-        "grad_accum %d (the same %d tokens per step)",
-        run.state.step + 1,
-        old.batch_size,
-        batch,
-        run.config.train.grad_accum,
-        run.tokens_per_step,
-    )
 
 
 def _accumulation(config: Config, batch: int, n_seqs: int) -> int:

@@ -57,7 +57,6 @@ from llmcli.runs.directory import METRICS_FILE, PLOT_FILE, default_run_dir, save
 from llmcli.runs.metrics import plot_losses
 from llmcli.runs.trackers import check_available
 from llmcli.runs.versions import record as record_versions
-from llmcli.training.batch import may_shrink, shrink_micro_batch
 from llmcli.training.distributed import (
     DistInfo,
     dist_from_env,
@@ -256,16 +255,16 @@ def _train_step(run: Run, losses: _LossBuffer, want_norm: bool) -> torch.Tensor 
 
 def _fitting_step(run: Run, losses: _LossBuffer, want_norm: bool) -> torch.Tensor | None:
     """`_train_step`; in a fresh run's first steps, an automatic micro-batch that runs out of
-    memory is made smaller and the step tried again (`llmcli.training.batch`)."""
+    memory is made smaller and the step tried again (`Run.shrink_micro_batch`)."""
     while True:
         try:
             return _train_step(run, losses, want_norm)
         except torch.OutOfMemoryError:
-            if not may_shrink(run):
+            if not run.can_shrink_batch():
                 raise
         # Outside the handler: the failed step's tensors are free by now.
         losses.discard_step()
-        shrink_micro_batch(run)
+        run.shrink_micro_batch()
 
 
 @dataclass(frozen=True)
