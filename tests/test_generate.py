@@ -163,3 +163,20 @@ def test_bad_prompts_raise_input_error() -> None:
         generate_ids(model, [[1], []], sample_config(2))
     with pytest.raises(InputError, match="outside the model's vocabulary"):
         generate_ids(model, [[1, 40]], sample_config(2))
+
+
+def test_observe_sees_each_steps_logits_and_the_ids_drawn() -> None:
+    model = make_model()
+    prompts = [[3, 4], [1, 2, 3, 4, 5]]
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    config = sample_config(3, temperature=1.0, seed=0)  # 5 + 3 tokens: inside the context
+    steps = list(generate(model, prompts, config, observe=lambda lg, ids: seen.append((lg, ids))))
+    assert len(seen) == 3
+    assert all(torch.equal(ids, step) for (_, ids), step in zip(seen, steps, strict=True))
+    for b, prompt in enumerate(prompts):  # a plain forward of the row alone, no cache
+        row = prompt + [int(s[b]) for s in steps]
+        with torch.no_grad():
+            logits, _ = model(torch.tensor([row]))
+        for t, (step_logits, _) in enumerate(seen):
+            want = logits[0, len(prompt) + t - 1]  # the logits the step drew row b's token from
+            torch.testing.assert_close(step_logits[b], want, atol=1e-5, rtol=1e-5)

@@ -238,8 +238,8 @@ def test_export_target_must_be_new_or_empty_unless_force(tmp_path, capsys):
     assert "is a file" in capsys.readouterr().err
     assert cli("export", "--checkpoint", tmp_path / "nope", "--out", tmp_path / "hf2") == 2
     assert "does not exist" in capsys.readouterr().err
-    assert cli("export", "--checkpoint", run, "--out", tmp_path / "hf3", "--format", "gguf") == 2
-    assert "--format 'gguf'" in capsys.readouterr().err
+    assert cli("export", "--checkpoint", run, "--out", tmp_path / "hf3", "--format", "ggml") == 2
+    assert "--format 'ggml'" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------

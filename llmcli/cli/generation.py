@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from llmcli.cli.app import ThrottledStdout, app, notify
 from llmcli.cli.options import CheckpointOption, DeviceOption, WeightsOption
+from llmcli.errors import InputError
+
+if TYPE_CHECKING:
+    from llmcli.generation.sample import SampleOptions
 
 # `llmcli sample`'s prompts and generation options.
 PromptOption = Annotated[
@@ -94,10 +98,20 @@ def sample_command(
     context_policy: ContextPolicyOption = None,
     context_keep: ContextKeepOption = None,
     threads: ThreadsOption = None,
+    interactive: Annotated[
+        bool,
+        typer.Option(
+            "--interactive",
+            "-i",
+            help="Keep the model loaded and answer prompts read line by line from stdin (a "
+            "terminal or a pipe), streamed; /temperature 0.5, /top_k 50, /seed 1... change the "
+            "settings, /help lists them; Ctrl-C stops an answer, Ctrl-D exits.",
+        ),
+    ] = False,
     weights: WeightsOption = "best",
     device: DeviceOption = "auto",
 ) -> None:
-    """Generate text from a trained run (KV-cached, batched)."""
+    """Generate text from a trained run (KV-cached, batched), or talk to it (--interactive)."""
     import json
 
     from llmcli.generation.sample import (
@@ -109,8 +123,6 @@ def sample_command(
     )
 
     write = ThrottledStdout()
-    streaming = (sys.stdout.isatty() if stream is None else stream) and not json_
-    prompts = read_prompts(prompt, prompt_file)
     options = SampleOptions(
         num_samples=num_samples,
         stop=tuple(unescape(text) for text in stop or []),
@@ -128,10 +140,20 @@ def sample_command(
         context_policy=context_policy,
         context_keep=context_keep,
     )
+    overrides = {key: value for key, value in settings.items() if value is not None}
+    if interactive:
+        if prompt_file is not None or json_:
+            raise InputError(
+                "--interactive reads its prompts from stdin: leave out --prompt-file and --json."
+            )
+        _interactive(checkpoint, prompt, overrides, options, write)
+        return
+    streaming = (sys.stdout.isatty() if stream is None else stream) and not json_
+    prompts = read_prompts(prompt, prompt_file)
     samples = sample_run(
         checkpoint,
         prompts,
-        {key: value for key, value in settings.items() if value is not None},
+        overrides,
         options,
         write=write if streaming else None,
         notify=notify,
@@ -141,4 +163,39 @@ def sample_command(
             typer.echo(json.dumps(sample.to_dict(), ensure_ascii=False))
     elif not streaming:
         write(format_samples(samples))
+    sys.stdout.flush()
+
+
+def _interactive(
+    checkpoint: Optional[Path],
+    prompt: Optional[str],
+    overrides: dict,
+    options: SampleOptions,
+    write: ThrottledStdout,
+) -> None:
+    """`sample --interactive`: load the run once, then answer stdin's lines (a first --prompt)."""
+    from llmcli.generation.interactive import interactive
+    from llmcli.generation.sample import load_for_sampling
+
+    run, config, options = load_for_sampling(checkpoint, overrides, options, notify)
+    tty = sys.stdin.isatty()
+    if tty:
+        import readline  # noqa: F401  (line editing and history for input())
+
+        notify(f"{run.run_dir}: type a prompt; /help lists the commands, Ctrl-D exits")
+    pending = [prompt] if prompt is not None else []
+
+    def read_line() -> str | None:
+        sys.stdout.flush()
+        if pending:
+            return pending.pop()
+        if tty:
+            try:
+                return input("> ")
+            except EOFError:
+                return None
+        line = sys.stdin.readline()
+        return line.rstrip("\r\n") if line else None
+
+    interactive(run, config, options, read_line, write, notify)
     sys.stdout.flush()

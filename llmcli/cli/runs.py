@@ -29,7 +29,11 @@ def info_command(
 @app.command("export")
 def export_command(
     out: Annotated[
-        Path, typer.Option(help="Folder to write (must be new or empty).", metavar="DIR")
+        Path,
+        typer.Option(
+            help="Folder to write (must be new or empty); with --format gguf, the file.",
+            metavar="PATH",
+        ),
     ],
     checkpoint: CheckpointOption = None,
     format_: Annotated[
@@ -37,18 +41,43 @@ def export_command(
         typer.Option(
             "--format",
             help="The transformers architecture: auto (the one that computes the run's model "
-            "exactly), gpt2, gpt-neox or arcee.",
-            metavar="ARCH",
+            "exactly), gpt2, gpt-neox or arcee; or gguf: one file for llama.cpp (byte-level "
+            "BPE runs).",
+            metavar="FORMAT",
         ),
     ] = "auto",
+    dtype: Annotated[
+        str,
+        typer.Option(
+            help="Precision of a GGUF file: f32, or f16 (matrices in float16, vectors float32). "
+            "Hugging Face folders are float32.",
+            metavar="DTYPE",
+        ),
+    ] = "f32",
     force: Annotated[
         bool, typer.Option(help="Write into a non-empty --out, replacing a previous export.")
     ] = False,
     weights: WeightsOption = "best",
 ) -> None:
-    """Export a run as a Hugging Face folder for transformers (no custom code needed)."""
+    """Export a run as a Hugging Face folder for transformers (no custom code needed), or as a
+    GGUF file for llama.cpp."""
+    if format_ == "gguf":
+        from llmcli.gguf.export import export_gguf
+
+        gguf = export_gguf(
+            checkpoint, out, dtype=dtype, force=force, weights=weights, notify=notify
+        )
+        typer.echo(
+            f"exported {gguf.run_dir} as GGUF {gguf.architecture} {gguf.dtype} (step "
+            f"{gguf.step}, {gguf.n_params:,} parameters, vocab {gguf.vocab_size}) to "
+            f"{gguf.path} ({gguf.n_bytes:,} bytes)"
+        )
+        return
+    from llmcli.errors import InputError
     from llmcli.hf.export import export_hf
 
+    if dtype != "f32":
+        raise InputError(f"--dtype {dtype} is for --format gguf; Hugging Face exports are f32.")
     result = export_hf(
         checkpoint,
         out,

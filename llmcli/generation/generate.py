@@ -15,7 +15,7 @@ them again and goes on with the cache. With or without the cache, a policy is th
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -57,6 +57,7 @@ def generate(
     generators: Sequence[torch.Generator] | None = None,
     use_cache: bool = True,
     vocab_size: int | None = None,
+    observe: Callable[[Tensor, Tensor], Any] | None = None,
 ) -> Iterator[Tensor]:
     """Generate for a batch of prompts, one step at a time.
 
@@ -81,6 +82,9 @@ def generate(
             window each step, the nanoGPT way; same tokens, slower).
         vocab_size: sample only among ids `< vocab_size` (a model's vocabulary may be padded
             beyond its tokenizer's).
+        observe: called at every step with the logits `(B, V)` the step drew from (cropped to
+            `vocab_size`) and the ids drawn `(B,)`, before they are yielded (the server's
+            log-probs); it must not change them.
 
     Yields:
         `(B,)` long tensors on the model's device: the new token of every row, step by step.
@@ -119,6 +123,8 @@ def generate(
                 logits, gens, config.temperature, config.top_k, config.top_p
             )  # (B,)
             window.append(next_ids)
+            if observe is not None:
+                observe(logits, next_ids)
         yield next_ids
 
 

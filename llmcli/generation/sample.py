@@ -4,9 +4,11 @@
 `options.num_samples` continuations of each in batches with the settings of a `SampleConfig`
 (`llmcli.generation.generate`), and turns the new tokens into text as they come: streaming
 (`TextSink`, `OrderedWriter` keeps samples generated together in order), stop strings and stop
-ids, multi-byte characters split over byte tokens, per-sample speed. `sample_run` loads a run and
-applies the command line's settings to its `sample:` config; `read_prompts` and `unescape` turn
-the command line's options into prompts and stop strings.
+ids, multi-byte characters split over byte tokens, per-sample speed. `sample_batch` runs one
+batch of `SampleJob`s, each with its own seed (how `llmcli serve` batches requests from several
+clients). `sample_run` loads a run and applies the command line's settings to its `sample:`
+config; `read_prompts` and `unescape` turn the command line's options into prompts and stop
+strings.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from llmcli.generation.generate import generate
 from llmcli.generation.prompts import encode_prompt, parse_prompts, read_prompt_file
 from llmcli.generation.sampling import make_generators
 from llmcli.generation.threads import decode_bound, sampling_threads, torch_threads
-from llmcli.runs.loading import load_run
+from llmcli.runs.loading import LoadedRun, load_run
 
 logger = logging.getLogger(__name__)
 
@@ -289,14 +291,16 @@ class SampleOptions:
             )
 
 
-class _Job(NamedTuple):
-    """Sample `r`: the `sample_index`-th continuation of prompt `prompt_index`."""
+class SampleJob(NamedTuple):
+    """Sample `r`: the `sample_index`-th continuation of prompt `prompt_index`, drawn from a
+    generator seeded `seed` (`sample_texts` seeds sample `r` with `config.seed + r`)."""
 
     r: int
     prompt_index: int
     sample_index: int
     prompt: str
     ids: list[int]  # the prompt's token ids, cropped to the context
+    seed: int
 
 
 def sample_texts(
@@ -338,15 +342,16 @@ def sample_texts(
     encoded = [encode_prompt(tokenizer, p, C) for p in prompts]
     cropped = [i for i, (_, was_cropped) in enumerate(encoded) if was_cropped]
     _notify_cropped(cropped, len(prompts), C, notify)
+    n = options.num_samples
     jobs = [
-        _Job(i * options.num_samples + j, i, j, prompts[i], encoded[i][0])
+        SampleJob(i * n + j, i, j, prompts[i], encoded[i][0], config.seed + i * n + j)
         for i in range(len(prompts))
-        for j in range(options.num_samples)
+        for j in range(n)
     ]
     samples: list[Sample] = []
     for first in range(0, len(jobs), options.batch_size):
         batch = jobs[first : first + options.batch_size]
-        samples.extend(_sample_batch(model, tokenizer, batch, config, options, sink))
+        samples.extend(sample_batch(model, tokenizer, batch, config, options, sink))
     return samples
 
 
@@ -367,15 +372,35 @@ def _notify_cropped(
         )
 
 
-def _sample_batch(
+def sample_batch(
     model: Any,
     tokenizer: Tokenizer,
-    batch: list[_Job],
+    batch: Sequence[SampleJob],
     config: SampleConfig,
     options: SampleOptions,
-    sink: TextSink | None,
+    sink: TextSink | None = None,
+    *,
+    live: Callable[[int], bool] | None = None,
+    observe: Callable[[Tensor, Tensor], Any] | None = None,
 ) -> list[Sample]:
-    """Run the samples `batch` as one batch, sending their text to `sink` as it becomes final."""
+    """Run the samples `batch` as one left-padded batch: what `sample_texts` runs per batch.
+
+    Each job draws from its own generator seeded `job.seed`, so it gets the text it gets alone
+    with that seed whatever else is in the batch (`llmcli serve` batches requests this way).
+
+    Args:
+        model, tokenizer: the run's.
+        batch: the samples; their prompts' ids already fit the context.
+        config: the settings they share (its `seed` is unused: each job has its own).
+        options: stop strings and ids, KV cache (`num_samples` and `batch_size` are unused).
+        sink: receives each sample's text as it becomes final, under `job.r`, then `end(job.r)`.
+        live: checked for every unfinished sample at every step with its `job.r`; a sample
+            for which it is False ends there, without more text or `end` (a client gone).
+        observe: see `llmcli.generation.generate.generate` (row `b` is `batch[b]`).
+
+    Returns:
+        The samples, in the order of `batch`.
+    """
     stop_ids = set(options.stop_ids)
     states = [_TextState(tokenizer, options.stop, stop_ids, job.ids) for job in batch]
     vocab = tokenizer.vocab_size if tokenizer.vocab_size < model.vocab_size else None
@@ -384,12 +409,14 @@ def _sample_batch(
         model,
         [job.ids for job in batch],
         config,
-        generators=make_generators(len(batch), config.seed + batch[0].r),
+        generators=[make_generators(1, job.seed)[0] for job in batch],
         use_cache=options.use_cache,
         vocab_size=vocab,
+        observe=observe,
     )
+    rows = _Rows(states, [job.r for job in batch], sink, live)
     with decode_kernels(model, config, len(batch)):
-        seconds = _stream(steps, states, [job.r for job in batch], sink, start)
+        seconds = _stream(steps, rows, start)
     return [
         Sample(
             prompt=job.prompt,
@@ -397,7 +424,7 @@ def _sample_batch(
             tokens=len(state.ids),
             seconds=seconds[b],
             stop_reason=state.stop_reason,
-            seed=config.seed + job.r,
+            seed=job.seed,
             prompt_index=job.prompt_index,
             sample_index=job.sample_index,
         )
@@ -405,37 +432,48 @@ def _sample_batch(
     ]
 
 
-def _stream(
-    steps: Generator[Tensor, None, None],
-    states: list[_TextState],
-    indices: list[int],
-    sink: TextSink | None,
-    start: float,
-) -> list[float]:
-    """Feed each step's tokens to the samples' text states until all are done or the steps
-    end, sending the text that becomes final to `sink` under the samples' `indices`.
+class _Rows(NamedTuple):
+    """The text states of a batch's rows, their indices for `sink`, and `live`."""
+
+    states: list[_TextState]
+    indices: list[int]
+    sink: TextSink | None
+    live: Callable[[int], bool] | None
+
+    def push(self, b: int, token: int) -> None:
+        """Row `b`'s new token: its text to the sink, or the row ended if it is no longer live."""
+        state, index, sink = self.states[b], self.indices[b], self.sink
+        if self.live is not None and not self.live(index):
+            state.done = True  # its reader is gone: no more text, no end
+            return
+        piece = state.push(token)
+        if sink is not None and piece:
+            sink.text(index, piece)
+        if state.done and sink is not None:
+            sink.end(index)
+
+
+def _stream(steps: Generator[Tensor, None, None], rows: _Rows, start: float) -> list[float]:
+    """Feed each step's tokens to the rows' text states until all are done or the steps end,
+    sending the text that becomes final to `rows.sink` under the rows' indices.
 
     Returns:
         The seconds from `start` (`time.perf_counter`) to the end of each sample.
     """
+    states, indices, sink = rows.states, rows.indices, rows.sink
     seconds = [0.0] * len(states)
-    live = len(states)
+    remaining = len(states)
     for step in steps:
         now = None
         for b, token in enumerate(step.tolist()):
-            state = states[b]
-            if state.done:
+            if states[b].done:
                 continue
-            piece = state.push(token)
-            if sink is not None and piece:
-                sink.text(indices[b], piece)
-            if state.done:
+            rows.push(b, token)
+            if states[b].done:
                 now = time.perf_counter() if now is None else now
                 seconds[b] = now - start
-                live -= 1
-                if sink is not None:
-                    sink.end(indices[b])
-        if live == 0:
+                remaining -= 1
+        if remaining == 0:
             break
     steps.close()
     end = time.perf_counter()
@@ -528,6 +566,24 @@ def sample_run(
     Returns:
         The samples, prompt by prompt.
     """
+    run, config, options = load_for_sampling(checkpoint, overrides, options, notify)
+    headers = [p for p in prompts for _ in range(options.num_samples)]
+    sink = None if write is None else OrderedWriter(write, headers)
+    with torch_threads(sample_threads(run.model, config, options)):
+        return sample_texts(
+            run.model, run.tokenizer, prompts, config, options, sink=sink, notify=notify
+        )
+
+
+def load_for_sampling(
+    checkpoint: str | Path | None,
+    overrides: Mapping[str, Any] | None,
+    options: SampleOptions,
+    notify: Callable[[str], Any] = logger.warning,
+) -> tuple[LoadedRun, SampleConfig, SampleOptions]:
+    """Load a run to sample from, as `sample_run` does: the run, its `sample:` config with
+    `overrides` applied (checked before the run loads, `context_keep` against its model), and
+    `options` with the run's end-of-text id added to the stop ids."""
     overrides = dict(overrides or {})
     SampleConfig(**overrides)  # a mistyped setting fails at once, before the run loads
     device = resolve_device(options.device, what="--device")
@@ -541,15 +597,14 @@ def sample_run(
     eot = run.tokenizer.eot_id
     if eot is not None:
         options = replace(options, stop_ids=(*options.stop_ids, eot))
-    threads = options.threads
-    if threads is None:
-        threads = threads_for(run.model, device, config)
-    headers = [p for p in prompts for _ in range(options.num_samples)]
-    sink = None if write is None else OrderedWriter(write, headers)
-    with torch_threads(threads):
-        return sample_texts(
-            run.model, run.tokenizer, prompts, config, options, sink=sink, notify=notify
-        )
+    return run, config, options
+
+
+def sample_threads(model: Any, config: SampleConfig, options: SampleOptions) -> int | None:
+    """The CPU threads to sample with: `options.threads`, else `threads_for`."""
+    if options.threads is not None:
+        return options.threads
+    return threads_for(model, next(model.parameters()).device, config)
 
 
 def threads_for(model: Any, device: torch.device, config: SampleConfig) -> int | None:

@@ -45,7 +45,8 @@ def choose(model_cfg: ModelConfig, fmt: str = "auto") -> ModuleType:
     """
     if fmt not in FORMATS:
         raise InputError(
-            f"--format {fmt!r} is not supported; the formats are {', '.join(FORMATS)}."
+            f"--format {fmt!r} is not supported; the formats are {', '.join(FORMATS)} "
+            "(Hugging Face folders) and gguf (a llama.cpp file)."
         )
     if fmt != "auto":
         found = ARCHITECTURES[fmt].problems(model_cfg)

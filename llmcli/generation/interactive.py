@@ -1,0 +1,156 @@
+"""`llmcli sample --interactive`: one loaded model, prompts read line by line, answers streamed.
+
+Each line read is a prompt (`\\n` and `\\t` in it are a newline and a tab, as in `--stop`),
+answered with `sample_texts`, the code `llmcli sample` runs, so an answer is exactly what
+`llmcli sample --prompt LINE` prints with the same settings: every answer draws from a generator
+seeded with the current `seed`. A line starting with `/` changes a setting instead
+(`/temperature 0.5`, `/top_k 50`, `/seed 1`, any `SampleConfig` key, its value a YAML scalar as
+in `--set`), checked by `SampleConfig` through `dataclasses.replace`: a bad value is reported and
+the previous one kept. `/settings` shows them, `/help` the commands. Ctrl-C (`KeyboardInterrupt`)
+during an answer stops that answer; the end of the input (Ctrl-D) ends the session.
+
+Answers go to `write` (stdout), everything else (settings, errors, help) to `notify` (stderr),
+so that the output of a piped session is the answers alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import yaml
+
+from llmcli.config import SampleConfig
+from llmcli.errors import InputError
+from llmcli.generation.sample import SampleOptions, sample_texts, sample_threads, unescape
+from llmcli.generation.threads import torch_threads
+from llmcli.runs.loading import LoadedRun
+
+logger = logging.getLogger(__name__)
+
+SETTINGS = tuple(f.name for f in fields(SampleConfig))
+HELP = (
+    "Type a prompt and press Enter: the answer is streamed (\\n in a prompt is a newline).\n"
+    "  /temperature 0.5   /top_k 50   /top_p 0.9   /seed 1   /max_new_tokens 200\n"
+    "  /context_policy shift|exact   /context_keep N   (null resets top_k / context_keep)\n"
+    "  /settings  show the settings    /help  this text\n"
+    "Ctrl-C stops the current answer; Ctrl-D (end of input) exits."
+)
+
+
+def format_settings(config: SampleConfig) -> str:
+    """The settings as one line: `temperature=0.8 top_k=200 ...`."""
+    return " ".join(f"{key}={getattr(config, key)}" for key in SETTINGS)
+
+
+def apply_command(config: SampleConfig, line: str, context_length: int) -> tuple[SampleConfig, str]:
+    """Run one `/command` line: the settings after it and the line to show.
+
+    Args:
+        config: the current settings.
+        line: `/help`, `/settings`, or `/KEY VALUE` with KEY a `SampleConfig` field (dashes
+            allowed) and VALUE a YAML scalar.
+        context_length: the model's, which `context_keep` must be below.
+
+    Raises:
+        InputError: an unknown command, a missing value, or a value `SampleConfig` refuses
+            (its message names the setting, the value and the rule).
+    """
+    name, _, raw = line[1:].strip().partition(" ")
+    key = name.replace("-", "_")
+    if key in ("help", "h", "?"):
+        return config, HELP
+    if key == "settings":
+        return config, format_settings(config)
+    if key not in SETTINGS:
+        raise InputError(
+            f"unknown command /{name}: the settings are /{', /'.join(SETTINGS)}; "
+            "/settings shows them, /help the commands."
+        )
+    if not raw.strip():
+        raise InputError(f"/{key} needs a value, e.g. /{key} {getattr(config, key)}")
+    new = replace(config, **{key: yaml.safe_load(raw)})
+    new.keep_for(context_length)
+    return new, f"{key} = {getattr(new, key)}"
+
+
+@dataclass
+class _Stream:
+    """The text sink of one answer: writes pieces as they come, remembers the last one."""
+
+    write: Callable[[str], Any]
+    last: str = "\n"
+
+    def text(self, index: int, piece: str) -> None:
+        # Set first: Ctrl-C may land inside `write`, after the piece is out.
+        self.last = piece[-1]
+        self.write(piece)
+
+    def end(self, index: int) -> None:
+        pass
+
+
+def answer(
+    run: LoadedRun,
+    prompt: str,
+    config: SampleConfig,
+    options: SampleOptions,
+    write: Callable[[str], Any],
+    notify: Callable[[str], Any] = logger.warning,
+) -> bool:
+    """Stream the answer to `prompt`, ending it with a newline; False when Ctrl-C stopped it."""
+    stream = _Stream(write)
+    stopped = False
+    try:
+        with torch_threads(sample_threads(run.model, config, options)):
+            sample_texts(
+                run.model, run.tokenizer, [prompt], config, options, sink=stream, notify=notify
+            )
+    except KeyboardInterrupt:
+        stopped = True
+    if stream.last != "\n":
+        write("\n")
+    if stopped:
+        notify("stopped (Ctrl-C); the next prompt, or Ctrl-D to exit")
+    return not stopped
+
+
+def interactive(
+    run: LoadedRun,
+    config: SampleConfig,
+    options: SampleOptions,
+    read_line: Callable[[], str | None],
+    write: Callable[[str], Any],
+    notify: Callable[[str], Any] = logger.warning,
+) -> int:
+    """Answer prompts until `read_line` returns None (end of input).
+
+    Args:
+        run: the loaded run (see `llmcli.generation.sample.load_for_sampling`).
+        config: the starting settings.
+        options: stop strings and ids, threads (`num_samples` must be 1).
+        read_line: the next line without its newline, or None at the end of the input.
+        write: receives the answers' text as it is generated (flushed by the caller's writer).
+        notify: receives settings, help and error lines.
+
+    Returns:
+        The number of prompts answered (to the end or stopped).
+    """
+    if options.num_samples != 1:
+        raise InputError("--interactive answers each prompt once: leave out --num-samples.")
+    answered = 0
+    while (line := read_line()) is not None:
+        if not line.strip():
+            continue
+        if line.startswith("/"):
+            try:
+                config, message = apply_command(config, line, run.model.context_length)
+            except InputError as exc:
+                message = f"error: {exc}"
+            notify(message)
+            continue
+        answer(run, unescape(line), config, options, write, notify)
+        answered += 1
+    return answered

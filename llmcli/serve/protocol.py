@@ -1,0 +1,390 @@
+"""OpenAI's completions protocol: a request body checked into a `CompletionRequest`, and the JSON
+of responses, stream chunks and errors.
+
+Plain Python (no FastAPI), so that every rule is reached without a server. A request's settings
+are the run's `sample:` config with the request's fields applied, as `llmcli sample`'s options are,
+except `seed`: an omitted seed is a fresh one per request (as OpenAI's), so that repeated requests
+differ. Errors are `APIError`s with OpenAI's status codes and error JSON
+(`{"error": {"message", "type", "param", "code"}}`).
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass, replace
+from typing import Any
+
+from llmcli.config import SampleConfig
+
+MAX_STOPS = 4  # OpenAI's limit on stop strings
+MAX_LOGPROBS = 5  # OpenAI's limit on the top log-probs of each token
+MAX_SEED = 2**63 - 1  # torch's seed range, as `llmcli sample --seed`
+
+
+class APIError(Exception):
+    """A request the server refuses, as OpenAI's error JSON with an HTTP status.
+
+    Args:
+        status: the HTTP status (400 bad request, 401, 404, 413, 499 client gone, 500).
+        message: what is wrong and what to send instead.
+        param: the request field at fault, if one is.
+        code: a short machine-readable reason (`"invalid_type"`, `"context_length_exceeded"`).
+        kind: OpenAI's error type.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.kind = kind
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask of the server.
+
+    Attributes:
+        max_tokens: the most new tokens of one choice (`max_tokens`).
+        max_rows: the most choices of one request (prompts x `n`); also the most rows the
+            server generates as one batch.
+        max_body_bytes: the largest request body.
+    """
+
+    max_tokens: int = 1024
+    max_rows: int = 64
+    max_body_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        for name in ("max_tokens", "max_rows", "max_body_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Limits.{name} ({value!r}) must be an integer >= 1")
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """A checked `POST /v1/completions` body.
+
+    Attributes:
+        prompts: the prompt texts (one for a string `prompt`).
+        config: the sampling settings: the run's `sample:` config with the request's
+            `max_tokens`, `temperature`, `top_p`, `top_k` and `seed` applied.
+        n: choices per prompt; choice `i * n + j` is the `j`-th of prompt `i` and draws from
+            a generator seeded `config.seed + i * n + j`, as `llmcli sample --num-samples n`.
+        stop: stop strings (not part of the text).
+        stream: answer as server-sent events.
+        include_usage: (stream) a last chunk holds the usage.
+        logprobs: how many most likely tokens to list at each position (0: only the chosen
+            token's log-prob), or None for no log-probs.
+        echo: each choice's text starts with its prompt.
+    """
+
+    prompts: list[str]
+    config: SampleConfig
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: int | None = None
+    echo: bool = False
+
+    @property
+    def rows(self) -> int:
+        return len(self.prompts) * self.n
+
+    def batch_key(self) -> tuple[Any, ...]:
+        """What requests batched together must share: every setting but the seed, and the
+        stop strings."""
+        return (replace(self.config, seed=0), self.stop)
+
+
+# OpenAI fields that are accepted only at the value that means "off".
+_OFF_VALUES = {
+    "suffix": (None,),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+}
+_FIELDS = {
+    "model",
+    "prompt",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "n",
+    "stop",
+    "seed",
+    "stream",
+    "stream_options",
+    "logprobs",
+    "echo",
+    "best_of",
+    "user",
+    *_OFF_VALUES,
+}
+
+
+def parse_completion(
+    body: Any, defaults: SampleConfig, limits: Limits, model_id: str
+) -> CompletionRequest:
+    """Check a `POST /v1/completions` body and turn it into a `CompletionRequest`.
+
+    Args:
+        body: the parsed JSON body.
+        defaults: the run's `sample:` config (what an omitted setting is).
+        limits: the server's limits.
+        model_id: the served model's id; a request naming another model is refused (404).
+
+    Raises:
+        APIError: 400 for an unknown field, a wrong type or a value outside its range (the
+            message names the field); 404 for another model.
+    """
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object.", code="invalid_type")
+    unknown = sorted(set(body) - _FIELDS)
+    if unknown:
+        raise APIError(
+            400,
+            f"unrecognized request argument supplied: {unknown[0]!r} (this server takes "
+            f"{', '.join(sorted(_FIELDS - set(_OFF_VALUES)))}).",
+            param=unknown[0],
+            code="unknown_parameter",
+        )
+    _check_model(body.get("model"), model_id)
+    _check_off_values(body)
+    prompts = _prompts(body.get("prompt"))
+    n = _integer(body, "n", 1, low=1, high=limits.max_rows)
+    if len(prompts) * n > limits.max_rows:
+        raise APIError(
+            400,
+            f"{len(prompts)} prompts x n={n} is {len(prompts) * n} choices; this server "
+            f"answers at most {limits.max_rows} per request: send fewer prompts or a smaller n.",
+            param="n",
+            code="invalid_value",
+        )
+    best_of = _integer(body, "best_of", n, low=1)
+    if best_of != n:
+        raise APIError(400, "best_of must equal n (or be left out).", param="best_of")
+    stream = _boolean(body, "stream")
+    return CompletionRequest(
+        prompts=prompts,
+        config=_sample_config(body, defaults, limits),
+        n=n,
+        stop=_stops(body.get("stop")),
+        stream=stream,
+        include_usage=_include_usage(body.get("stream_options"), stream),
+        logprobs=_optional_integer(body, "logprobs", 0, MAX_LOGPROBS),
+        echo=_boolean(body, "echo"),
+    )
+
+
+def _check_model(model: Any, model_id: str) -> None:
+    if model is None:
+        return
+    if not isinstance(model, str):
+        raise APIError(400, "model must be a string.", param="model", code="invalid_type")
+    if model != model_id:
+        raise APIError(
+            404,
+            f"the model {model!r} does not exist: this server serves {model_id!r} "
+            "(GET /v1/models lists it).",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _check_off_values(body: dict[str, Any]) -> None:
+    for name, off in _OFF_VALUES.items():
+        if name in body and not any(_same(body[name], value) for value in off):
+            raise APIError(
+                400,
+                f"{name} is not supported by this server: leave it out.",
+                param=name,
+                code="unsupported_parameter",
+            )
+
+
+def _same(a: Any, b: Any) -> bool:
+    return type(a) is type(b) and a == b
+
+
+def _prompts(prompt: Any) -> list[str]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    if prompt is None:
+        raise APIError(
+            400,
+            "prompt is missing: send a string or a list of strings.",
+            param="prompt",
+            code="missing_required_parameter",
+        )
+    raise _type_error("prompt", prompt, "a string or a non-empty list of strings")
+
+
+def _type_error(name: str, value: Any, wanted: str) -> APIError:
+    return APIError(
+        400,
+        f"{name} must be {wanted}, not {value!r} ({type(value).__name__}).",
+        param=name,
+        code="invalid_type",
+    )
+
+
+def _range_error(name: str, value: Any, rule: str) -> APIError:
+    return APIError(400, f"{name} ({value!r}) {rule}.", param=name, code="invalid_value")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _integer(
+    body: dict[str, Any], name: str, default: int, *, low: int, high: int | None = None
+) -> int:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_int(value):
+        raise _type_error(name, value, "an integer")
+    if value < low or (high is not None and value > high):
+        rule = f"must be >= {low}" if high is None else f"must be in {low}..{high}"
+        raise _range_error(name, value, rule)
+    return value
+
+
+def _optional_integer(body: dict[str, Any], name: str, low: int, high: int) -> int | None:
+    return None if body.get(name) is None else _integer(body, name, low, low=low, high=high)
+
+
+def _number(body: dict[str, Any], name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _type_error(name, value, "a finite number")
+    return float(value)
+
+
+def _boolean(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise _type_error(name, value, "true or false")
+    return value
+
+
+def _sample_config(body: dict[str, Any], defaults: SampleConfig, limits: Limits) -> SampleConfig:
+    """The run's settings with the request's; omitted `max_tokens` is the run's, within the
+    limit; omitted `seed` a fresh one."""
+    max_tokens = _integer(
+        body, "max_tokens", min(defaults.max_new_tokens, limits.max_tokens), low=1
+    )
+    if max_tokens > limits.max_tokens:
+        raise APIError(
+            400,
+            f"max_tokens ({max_tokens}) is more than this server allows: at most "
+            f"{limits.max_tokens} new tokens per choice (`llmcli serve --max-tokens` sets it).",
+            param="max_tokens",
+            code="invalid_value",
+        )
+    settings: dict[str, Any] = {"max_new_tokens": max_tokens}
+    temperature = _number(body, "temperature")
+    if temperature is not None:
+        if temperature < 0:
+            raise _range_error("temperature", temperature, "must be >= 0 (0 is greedy)")
+        settings["temperature"] = temperature
+    top_p = _number(body, "top_p")
+    if top_p is not None:
+        if not 0 < top_p <= 1:
+            raise _range_error("top_p", top_p, "must be in (0, 1]; 1 keeps every token")
+        settings["top_p"] = top_p
+    if "top_k" in body:  # null keeps every token
+        settings["top_k"] = _optional_integer(body, "top_k", 1, 2**31 - 1)
+    seed = _integer(body, "seed", -1, low=0, high=MAX_SEED)
+    settings["seed"] = secrets.randbelow(MAX_SEED) if seed < 0 else seed
+    return replace(defaults, **settings)
+
+
+def _stops(stop: Any) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise _type_error("stop", stop, "a string or a list of strings")
+    if len(stops) > MAX_STOPS:
+        raise _range_error("stop", stop, f"may hold at most {MAX_STOPS} strings")
+    return tuple(s for s in stops if s)
+
+
+def _include_usage(options: Any, stream: bool) -> bool:
+    if options is None:
+        return False
+    if not stream:
+        raise APIError(
+            400, "stream_options is only allowed with stream: true.", param="stream_options"
+        )
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise _type_error("stream_options", options, 'an object such as {"include_usage": true}')
+    return _boolean(options, "include_usage")
+
+
+# ----------------------------------------------------------------------------- responses
+
+
+def usage_json(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def choice_json(
+    index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None
+) -> dict[str, Any]:
+    return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_json(
+    completion_id: str,
+    created: int,
+    model_id: str,
+    choices: list[dict[str, Any]],
+    usage: dict[str, int] | None,
+) -> dict[str, Any]:
+    """A completion, or (with `usage` None, or empty `choices`) one chunk of a stream."""
+    out: dict[str, Any] = {
+        "id": completion_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model_id,
+        "choices": choices,
+    }
+    if usage is not None:
+        out["usage"] = usage
+    return out

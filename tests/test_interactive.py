@@ -1,0 +1,142 @@
+"""`llmcli sample --interactive`: answers to a scripted stdin equal `llmcli sample`'s."""
+
+from __future__ import annotations
+
+import io
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import default_sigint, save_tiny_run
+
+from llmcli.cli import main
+from llmcli.config import SampleConfig
+from llmcli.data.tokenizer import CharTokenizer
+from llmcli.errors import InputError
+from llmcli.generation.interactive import apply_command
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = "ROMEO: But soft, what light through yonder window breaks?\nJULIET: Ay me!\n"
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def make_run(run_dir: Path, tokenizer=None) -> Path:
+    raw = {
+        "model": {"n_layer": 2, "n_head": 2, "n_embed": 32, "context_length": 16},
+        "sample": {"max_new_tokens": 12, "temperature": 1.0, "top_k": 10, "seed": 3},
+    }
+    return save_tiny_run(
+        run_dir, tokenizer or CharTokenizer.train([TEXT]), raw, seed=0, sharpen=8.0
+    )
+
+
+def cli(capsys, *args: str, stdin: str | None = None, monkeypatch=None) -> tuple[int, str, str]:
+    if stdin is not None:
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    with pytest.raises(SystemExit) as exc:
+        main(list(args))
+    out = capsys.readouterr()
+    return exc.value.code, out.out, out.err
+
+
+def sampled(capsys, run_dir: Path, prompt: str, *settings: str) -> str:
+    """What `llmcli sample` generates after `prompt` with these options."""
+    args = ("sample", "--checkpoint", str(run_dir), "--prompt", prompt, "--json", *settings)
+    code, out, err = cli(capsys, *args)
+    assert code == 0, err
+    completion = json.loads(out)["completion"]
+    return completion if completion.endswith("\n") else completion + "\n"
+
+
+def test_answers_equal_llmcli_sample_and_settings_take_effect(tmp_path, capsys, monkeypatch):
+    run_dir = make_run(tmp_path / "run")
+    script = [
+        "ROMEO",
+        "/temperature 0.5",
+        "/top-k 5",
+        "ROMEO",
+        "/temperature -1",  # refused: the previous temperature stays
+        "/seed 11",
+        "",  # an empty line asks nothing
+        "ROMEO",
+        "/top_k null",
+        "JULIET:\\n",  # \n is a newline
+        "/settings",
+    ]
+    code, out, err = cli(
+        capsys,
+        "sample", "--checkpoint", str(run_dir), "--interactive", "--max-new-tokens", "15",
+        stdin="\n".join(script) + "\n", monkeypatch=monkeypatch,
+    )  # fmt: skip
+    assert code == 0, err
+    n = ("--max-new-tokens", "15")
+    answers = [
+        sampled(capsys, run_dir, "ROMEO", *n),
+        sampled(capsys, run_dir, "ROMEO", *n, "--temperature", "0.5", "--top-k", "5"),
+        sampled(capsys, run_dir, "ROMEO", *n, "--temperature", "0.5", "--top-k", "5", "--seed",
+                "11"),
+        # top_k null keeps every token, as a top_k above the vocabulary does.
+        sampled(capsys, run_dir, "JULIET:\n", *n, "--temperature", "0.5", "--seed", "11",
+                "--top-k", "1000"),
+    ]  # fmt: skip
+    assert out == "".join(answers)
+    assert len(set(answers[:3])) == 3  # each change gave another answer
+    assert "temperature = 0.5" in err and "top_k = 5" in err and "seed = 11" in err
+    assert "--temperature / sample.temperature (-1) must be a number >= 0" in err
+    assert "temperature=0.5 top_k=None top_p=1.0 seed=11" in err
+
+
+def test_commands_are_checked_by_sample_config():
+    config = SampleConfig()
+    new, message = apply_command(config, "/top_p 0.9", context_length=16)
+    assert new.top_p == 0.9 and new.temperature == config.temperature and "top_p" in message
+    assert apply_command(config, "/context_keep 8", 16)[0].context_keep == 8
+    for line, named in [
+        ("/context_keep 16", "context_keep"),  # must be below the context
+        ("/top_k 0", "top_k"),
+        ("/temprature 1", "unknown command /temprature"),
+        ("/seed", "needs a value"),
+    ]:
+        with pytest.raises(InputError, match=named):
+            apply_command(config, line, 16)
+    assert "/top_k 50" in apply_command(config, "/help", 16)[1]
+
+
+def test_interactive_refuses_options_it_cannot_use(tmp_path, capsys, monkeypatch):
+    run_dir = make_run(tmp_path / "run")
+    for extra in (("--json",), ("--num-samples", "2")):
+        code, _, err = cli(
+            capsys, "sample", "--checkpoint", str(run_dir), "--interactive", *extra,
+            stdin="R\n", monkeypatch=monkeypatch,
+        )  # fmt: skip
+        assert code == 2 and "--interactive" in err
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_answer_and_the_next_prompt_is_answered(tmp_path, capsys):
+    # No end-of-text token: the first answer cannot end by itself before SIGINT.
+    run_dir = make_run(tmp_path / "run", CharTokenizer(sorted(set(TEXT)), eot=None))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmcli", "sample", "--checkpoint", str(run_dir),
+         "--interactive", "--max-new-tokens", "1000000"],
+        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        preexec_fn=default_sigint,
+    )  # fmt: skip
+    try:
+        proc.stdin.write(b"ROMEO\n/max_new_tokens 9\nJULIET\n")
+        proc.stdin.close()  # the end of input (Ctrl-D) after the last prompt
+        proc.stdin = None  # (so that communicate does not flush it)
+        first = proc.stdout.read(1)  # the first answer is streaming
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert b"stopped (Ctrl-C)" in err and b"Traceback" not in err
+    expected = sampled(capsys, run_dir, "JULIET", "--max-new-tokens", "9")
+    assert (first + out).decode().endswith("\n" + expected)
