@@ -111,3 +111,11 @@ def format_count(n: int) -> str:
         if n >= scale:
             return f"{n / scale:,.1f}{unit}"
     return str(n)
+
+
+def format_bytes(n: float) -> str:
+    """A memory size in powers of 1024: 812 B, 3.4 MiB, 120 MiB, 1.2 GiB."""
+    units = ["B", "KiB", "MiB", "GiB", "TiB"]
+    while abs(n) >= 1024 and len(units) > 1:
+        n, units = n / 1024, units[1:]
+    return f"{n:,.0f} {units[0]}" if units[0] == "B" or abs(n) >= 100 else f"{n:.1f} {units[0]}"

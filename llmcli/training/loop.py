@@ -174,7 +174,7 @@ def _loop(run: Run, progress: bool, on_step: Callable[[int], None] | None) -> Tr
             while state.step < tc.max_steps:
                 lr = apply_lr(run.optimizer, state.step, tc)
                 due = _due(state.step + 1, tc)  # known before the step: a log step wants the norm
-                norm = _train_step(run, losses, want_norm=due.log)
+                norm = _fitting_step(run, losses, want_norm=due.log)
                 state.step += 1
                 state.tokens += run.tokens_per_step
                 bar.update(1)
@@ -253,6 +253,20 @@ def _train_step(run: Run, losses: _LossBuffer, want_norm: bool) -> torch.Tensor 
     return norm
 
 
+def _fitting_step(run: Run, losses: _LossBuffer, want_norm: bool) -> torch.Tensor | None:
+    """`_train_step`; in a fresh run's first steps, an automatic micro-batch that runs out of
+    memory is made smaller and the step tried again (`Run.shrink_micro_batch`)."""
+    while True:
+        try:
+            return _train_step(run, losses, want_norm)
+        except torch.OutOfMemoryError:
+            if not run.can_shrink_batch():
+                raise
+        # Outside the handler: the failed step's tensors are free by now.
+        losses.discard_step()
+        run.shrink_micro_batch()
+
+
 @dataclass(frozen=True)
 class _Flags:
     """What a rank asks of all of them when the loop reads the device; after `_LossBuffer.read`,
@@ -291,6 +305,10 @@ class _LossBuffer:
 
     def end_step(self) -> None:
         self.n += 1
+
+    def discard_step(self) -> None:
+        """Forget the current step's losses (a step that failed and is tried again)."""
+        self.values[self.n] = 0.0
 
     def read(self, flags: _Flags, info: DistInfo) -> tuple[list[float], _Flags]:
         """(the loss of each step since the last read, the flags any rank raised)."""
