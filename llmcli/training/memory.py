@@ -84,7 +84,8 @@ def estimate_memory(
     in values per token: `L (20 C + 2 C [dropout]) + 4 C + 4 V`, 4 bytes each in fp32 and 2 under
     autocast (whose residual stream, 2 C per layer, stays fp32), plus `5 L nh T` fp32 values
     where SDPA falls back to its explicit path and keeps the attention weights `(B, nh, T, T)`:
-    on the CPU with attention dropout or in half precision, and on MPS (CUDA's fused kernels keep none).
+    on the CPU with attention dropout or in half precision, and on MPS (CUDA's fused kernels
+    keep none).
     Autocast also holds half-precision copies of the weights. About 30% above what autograd
     saves, for the backward pass's temporaries; fitted to measured peaks and checked within 25%
     (benchmarks/plan_memory.py).
