@@ -2,9 +2,10 @@
 another exception.
 
 For each kind of file llmcli reads (a run's `meta.json`, `metrics.jsonl`, `config.yaml` and
-`state.pt`; a `tokenizer.json` in llmcli's old char format and in the Hugging Face format; a
-Hugging Face `config.json`), Hypothesis takes a valid file, puts a random JSON (or YAML, or
-tensor) value in one of its fields, and runs the reader and what uses its result. Informative
+`state.pt` and safetensors weights; a `tokenizer.json` in llmcli's old char format and in the
+Hugging Face format; a Hugging Face `config.json`), Hypothesis takes a valid file, puts a random
+JSON (or YAML, or tensor) value in one of its fields, and runs the reader and what uses its
+result. Informative
 files (`meta.json`, `metrics.jsonl`) must always succeed and show only values of the right type;
 the others must succeed or raise `InputError` naming the file. `test_readers.py` pins one case
 of each class by hand.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import copy
 import json
 import random
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +37,8 @@ from llmcli.hf.export import export_hf
 from llmcli.hf.load import resolve_init_from
 from llmcli.model.gpt import Transformer
 from llmcli.runs.compare import compare_runs, format_table
-from llmcli.runs.directory import CONFIG_FILE, META_FILE, METRICS_FILE, STATE_FILE
+from llmcli.runs.directory import CONFIG_FILE, META_FILE, METRICS_FILE, MODEL_FILE, STATE_FILE
+from llmcli.runs.formats import load_weights, read_weights
 from llmcli.runs.info import format_info, run_info
 from llmcli.runs.loading import load_config_file
 from llmcli.runs.metrics import NUMBER_FIELDS, plot_losses, read_metrics
@@ -348,3 +351,33 @@ def test_state_pt_any_value_in_any_field_restores_or_is_refused(resumable, data,
         torch.set_rng_state(rngs[0])
         np.random.set_state(rngs[1])
         random.setstate(rngs[2])
+
+
+# --- safetensors weights ------------------------------------------------------------------------
+
+
+def with_header(data: bytes, header: dict[str, Any]) -> bytes:
+    """`data` (a safetensors file) with its JSON header replaced by `header`."""
+    (n,) = struct.unpack("<Q", data[:8])
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + data[8 + n :]
+
+
+@FUZZ
+@given(data=st.data(), value=JSON)
+def test_weights_any_value_in_any_header_field_loads_or_is_refused(two_runs, data, value) -> None:
+    run, _ = two_runs
+    weights = (run / MODEL_FILE).read_bytes()
+    (n,) = struct.unpack("<Q", weights[:8])
+    header = json.loads(weights[8 : 8 + n])
+    path = data.draw(st.sampled_from(fields(header, depth=3)))
+    damaged = run.parent / "damaged.safetensors"
+    damaged.write_bytes(with_header(weights, replaced(header, path, value)))
+    model = Transformer(
+        config_from_dict({"model": MODEL}).model, CharTokenizer.train([TEXT]).vocab_size
+    )
+    try:
+        tensors, _ = read_weights(damaged)
+        load_weights(model, tensors, damaged)
+    except InputError as exc:
+        assert str(damaged) in str(exc), exc

@@ -446,6 +446,8 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         raise InputError(
             f"tokenizer file {str(p)!r} is not UTF-8 JSON (bad byte at offset {exc.start})."
         ) from None
+    except OSError as exc:
+        raise InputError(f"cannot read tokenizer file {str(p)!r}: {exc.strerror or exc}.") from None
     return tokenizer_from_json(text, repr(str(p)))
 
 

@@ -3,10 +3,11 @@
 `TrainState` holds the loop's counters during a session. `ResumeState` is what a save writes to
 `state.pt` and a resume reads back: the counters, the model, the optimizer, the precision scaler,
 and every rank's RNG and batch-sampler states. It owns the file's keys (`to_dict`), the checks on
-reading them back (`load`), whether a run can continue from them (`check_fits`) and the message of
-a part that does not fit (`load_part`); a `Run` (`llmcli.training.run`) makes one at a save and
-puts one back on a resume. `llmcli.runs.formats` writes and reads the file itself (`torch.save`
-to a temporary name renamed into place; `torch.load(weights_only=True)`).
+reading them back (`load`), whether a run can continue from them (`check_fits`, and before any
+part is loaded `check_parts`: the weights and optimizer state against the built run) and the
+message of a part that still does not fit (`load_part`); a `Run` (`llmcli.training.run`) makes
+one at a save and puts one back on a resume. `llmcli.runs.formats` writes and reads the file
+itself (`torch.save` to a temporary name renamed into place; `torch.load(weights_only=True)`).
 
 Exact resume. A save records the model, the optimizer, the counters (the schedule is a function
 of the step), the torch / CUDA / NumPy / Python RNG states of every rank and the batch sampler's
