@@ -58,8 +58,31 @@ class MetricsLog:
             self.trackers.close()
 
 
+# The fields of a record that llmcli reads, all numbers (NaN and infinities included: a
+# diverging loss is logged as it was).
+NUMBER_FIELDS = (
+    "tokens",
+    "elapsed_s",
+    "lr",
+    "train_loss",
+    "grad_norm",
+    "tok_per_s",
+    "val_loss",
+    "val_ppl",
+    "induction_max",
+    "prev_token_max",
+    "icl_score",
+)
+
+
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The records of a `metrics.jsonl` (a torn last line, from a crash, is skipped)."""
+    """The records of a `metrics.jsonl`, each with the types llmcli reads it as.
+
+    A record is kept when it is a JSON object with a non-negative integer `step`; within it, a
+    `kind` that is not a string or a field of `NUMBER_FIELDS` that is not a number is left out.
+    A line that is not JSON (a torn last line, from a crash) is skipped. The file is a log, so
+    nothing in it is an error: a reader shows what is right.
+    """
     records = []
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
@@ -70,16 +93,32 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
             record = json.loads(line)
         except ValueError:
             continue
-        if isinstance(record, dict):
-            records.append(record)
+        if isinstance(record, dict) and _is_count(record.get("step")):
+            records.append({k: v for k, v in record.items() if _field_ok(k, v)})
     return records
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _field_ok(key: str, value: Any) -> bool:
+    if key == "kind":
+        return isinstance(value, str)
+    if key in NUMBER_FIELDS:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return True
 
 
 def plot_losses(metrics_path: Path, out_path: Path) -> None:
     """Draw train and val loss against steps from `metrics.jsonl` into a PNG (atomically)."""
     records = read_metrics(metrics_path)
-    train = [(r["step"], r["train_loss"]) for r in records if r.get("kind") == "train"]
-    evals = [r for r in records if r.get("kind") == "eval"]
+    train = [
+        (r["step"], r["train_loss"])
+        for r in records
+        if r.get("kind") == "train" and "train_loss" in r
+    ]
+    evals = [r for r in records if r.get("kind") == "eval" and {"train_loss", "val_loss"} <= set(r)]
     fig = Figure(figsize=(7, 4.2), dpi=110)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)

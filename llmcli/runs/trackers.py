@@ -24,6 +24,7 @@ dropped: `metrics.jsonl` stays the record.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
 import shutil
@@ -39,8 +40,11 @@ logger = logging.getLogger(__name__)
 
 TENSORBOARD_DIR = "tensorboard"
 WANDB_ID_FILE = "wandb_run_id"
-# The package each tracker imports, and the extra that installs it.
-_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
+# The package each tracker needs, the module it imports, and the extra that installs it.
+_PACKAGES = {
+    "tensorboard": ("tensorboard", "torch.utils.tensorboard", "tensorboard"),
+    "wandb": ("wandb", "wandb", "wandb"),
+}
 _TRAIN_TAGS = {
     "train_loss": "train/loss",
     "lr": "train/lr",
@@ -70,18 +74,29 @@ def tags(record: dict[str, Any]) -> dict[str, float]:
 
 
 def check_available(names: list[str]) -> None:
-    """Refuse a tracker whose package is missing, naming the extra that installs it.
+    """Refuse a tracker whose package is missing or does not import, before anything is
+    written: it imports what the tracker imports, and names the extra that installs it.
 
     Raises:
-        InputError: `pip install 'llmcli[<extra>]'` is needed.
+        InputError: the package is not installed (`pip install 'llmcli[<extra>]'`), or it is
+            and importing it fails (the message gives the error).
     """
     for name in names:
-        module, extra = _PACKAGES[name]
-        if importlib.util.find_spec(module) is None:
+        package, module, extra = _PACKAGES[name]
+        if importlib.util.find_spec(package) is None:
             raise InputError(
-                f"train.logger {name!r} needs the {module} package, which is not installed: "
+                f"train.logger {name!r} needs the {package} package, which is not installed: "
                 f"pip install 'llmcli[{extra}]' (or set train.logger: none)."
             )
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # a broken install fails in its own ways (ImportError and more)
+            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+            raise InputError(
+                f"train.logger {name!r}: the {package} package is installed but `import "
+                f"{module}` fails ({type(exc).__name__}: {first}). Reinstall it (pip install "
+                f"--force-reinstall 'llmcli[{extra}]') or set train.logger: none."
+            ) from None
 
 
 class Tracker(Protocol):

@@ -162,6 +162,7 @@ class Run:
             CheckpointError: a part that does not fit this run (a damaged or foreign file),
                 naming the file and the part.
         """
+        saved.check_parts(self.model, self.optimizer)  # all of it, before any part is loaded
         load_weights(self.model, saved.model, saved.path or STATE_FILE)
         # Moments and step counts from the save; hyperparameters from today's config.
         optimizer = self.optimizer
