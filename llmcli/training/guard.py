@@ -166,7 +166,8 @@ class SpikeGuard:
             f"after {self.state.streak} rollback(s) in a row (train.spike_rollbacks = "
             f"{self.max_rollbacks})"
             if can_roll_back
-            else "and no checkpoint was saved before it to roll back to"
+            else "with no save yet to roll back to (the first comes at step train.eval_interval, "
+            "or train.save_interval)"
         )
         return (
             f"the spike guard skipped {len(self.state.skipped)} steps within "

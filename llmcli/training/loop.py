@@ -180,6 +180,7 @@ def _loop(run: Run, progress: bool, on_step: Callable[[int], None] | None) -> Tr
                 watch = LayerWatch(run.model) if tc.log_layers and due.log and info.main else None
                 norm, applied = _train_step(run, losses, due.log, watch)
                 if not applied:  # the spike guard skipped it, or rolled the run back
+                    speed.rewind(state.tokens)
                     continue
                 state.step += 1
                 state.tokens += run.tokens_per_step
@@ -264,7 +265,7 @@ def _train_step(
     norm = precision.clip(
         run.optimizer, run.params, tc.grad_clip, want_norm or bool(guard), inspect
     )
-    if guard is not None and not _guard(run, losses.current(), norm):
+    if guard is not None and not _guard(run, losses, norm):
         precision.finish(run.optimizer, apply=False)
         losses.drop_step()
         return norm, False
@@ -282,12 +283,13 @@ def _lr_scale(run: Run) -> float:
     return run.guard.lr_scale(run.state.step) if run.guard is not None else 1.0
 
 
-def _guard(run: Run, loss: torch.Tensor, norm: torch.Tensor | None) -> bool:
+def _guard(run: Run, losses: _LossBuffer, norm: torch.Tensor | None) -> bool:
     """The spike guard's verdict on the step just computed (`llmcli.training.guard`): True to
     apply it. A skip or a rollback is logged; a run that cannot recover raises
     `DivergenceError`. The loss and norm are read from the device (the mean over ranks: every
     rank decides alike)."""
     assert run.guard is not None
+    loss = losses.current()
     values = torch.stack([loss, norm if norm is not None else torch.zeros_like(loss)]).float()
     mean_over_ranks(values, run.info)
     loss_value, norm_value = values.tolist()
@@ -304,6 +306,7 @@ def _guard(run: Run, loss: torch.Tensor, norm: torch.Tensor | None) -> bool:
     can_roll_back = run.state.last_saved >= 0
     if verdict.action == "rollback" and can_roll_back:
         event = run.rollback(step, loss_value)
+        losses.clear()  # the losses of the steps undone are not logged
         _event(
             run,
             event,
@@ -365,6 +368,10 @@ class _LossBuffer:
         """The current step's loss so far (a 0-d view on the device)."""
         return self.values[self.n]
 
+    def clear(self) -> None:
+        self.values.zero_()
+        self.n = 0
+
     def drop_step(self) -> None:
         """Forget the current step's loss (a step the spike guard did not apply)."""
         self.values[self.n] = 0
@@ -394,6 +401,11 @@ class _TokenRate:
 
     def restart(self, tokens: int) -> None:
         self.start, self.tokens = time.perf_counter(), tokens
+
+    def rewind(self, tokens: int) -> None:
+        """After a rollback the count goes back: the rate counts from there (the time spent on
+        the steps undone counts against it)."""
+        self.tokens = min(self.tokens, tokens)
 
 
 def _check_finite(run: Run, step_losses: list[float]) -> None:

@@ -162,11 +162,9 @@ class Run:
         with agreed(self.info, self.device):
             saved = ResumeState.load(self.run_dir)
         self._restore_training(saved)
-        self.state = dataclasses.replace(
-            saved.counters,
-            elapsed_base=self.state.elapsed_base,
-            session_start=self.state.session_start,
-        )
+        for counter in dataclasses.fields(TrainState):  # in place: the loop holds `self.state`
+            if counter.name not in ("elapsed_base", "session_start"):  # the clock runs on
+                setattr(self.state, counter.name, getattr(saved.counters, counter.name))
         if self.metrics is not None:
             self.metrics.rewind(saved.metrics_bytes)
         guard, to_step, events = self.guard, self.state.step, []
