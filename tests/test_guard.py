@@ -286,7 +286,7 @@ def test_train_command_counts_the_events_in_its_summary(corpus, tmp_path, poison
         main(["train", str(config), "--out", str(tmp_path / "run"), "--no-progress"])
     assert exit_.value.code == 0
     out = capsys.readouterr().out
-    assert "spike guard: 1 steps skipped, 0 rollbacks" in out
+    assert "spike guard: 1 step skipped, 0 rollbacks" in out
 
 
 # --- train.log_layers ------------------------------------------------------------------------

@@ -116,7 +116,8 @@ def train_command(
     rate = f", {summary.tokens_per_s:,.0f} tokens/s" if summary.tokens_per_s else ""
     saves = f", {summary.saves} saves of at most {summary.save_s:.2f} s" if summary.saves else ""
     guard = (
-        f", spike guard: {summary.skipped} steps skipped, {summary.rollbacks} rollbacks"
+        f", spike guard: {summary.skipped} step{'s' * (summary.skipped != 1)} skipped, "
+        f"{summary.rollbacks} rollback{'s' * (summary.rollbacks != 1)}"
         if summary.skipped or summary.rollbacks
         else ""
     )
