@@ -338,3 +338,10 @@ def test_log_layers_match_a_hand_computation(corpus, tmp_path) -> None:
     assert total == pytest.approx(record["grad_norm"], rel=1e-5)
     assert tags(record)["layers/blocks.0/update_ratio"] == layers["blocks.0"]["update_ratio"]
     assert json.dumps(record)  # plain JSON
+
+
+def test_events_reach_the_trackers_under_their_own_tags() -> None:
+    skipped = {"kind": "event", "event": "skipped", "step": 15, "loss": 301.5, "grad_norm": 9.0}
+    rollback = {"kind": "event", "event": "rollback", "step": 15, "loss": 250.0, "rollback": 2}
+    assert tags(skipped) == {"guard/skipped_loss": 301.5}  # not train/grad_norm: no step was made
+    assert tags(rollback) == {"guard/rollback_loss": 250.0, "guard/rollbacks": 2.0}

@@ -26,7 +26,9 @@ the counts) is saved with the resume state. What a rollback keeps (the sampler, 
 counts) is a function of the save it goes back to and the steps replayed since, so a run killed
 after a rollback and resumed ends with the same weights as one never stopped.
 
-Cost: two numbers read from the device per step (`benchmarks/spike_guard_cost.py`).
+Cost: two numbers read from the device per step and a median of `spike_window` floats
+(`benchmarks/spike_guard_cost.py`); with `train.grad_clip` 0 the norm is computed for the guard,
+one more pass over the gradients.
 """
 
 from __future__ import annotations
