@@ -36,6 +36,7 @@ KEYS = [
     "scaler",
     "rng",
     "sampler",
+    "guard",
 ]
 
 
@@ -82,12 +83,13 @@ def test_the_file_holds_the_keys_earlier_versions_wrote_and_reads_back(tmp_path:
 
 def test_keys_a_state_may_lack_take_their_defaults(tmp_path: Path) -> None:
     saved = make_state().to_dict()
-    for key in ("best_val_loss", "best_step", "last_eval", "vocab_size", "source_hash", "scaler"):
+    optional = ("best_val_loss", "best_step", "last_eval", "vocab_size", "source_hash", "scaler")
+    for key in (*optional, "guard"):
         del saved[key]
     state = ResumeState.from_dict(saved, tmp_path / STATE_FILE)
     assert state.counters.best_val_loss == math.inf and state.counters.best_step is None
     assert state.counters.last_eval == {} and state.scaler == {}
-    assert state.vocab_size is None and state.source_hash is None
+    assert state.vocab_size is None and state.source_hash is None and state.guard is None
 
 
 @pytest.mark.parametrize(
@@ -99,6 +101,7 @@ def test_keys_a_state_may_lack_take_their_defaults(tmp_path: Path) -> None:
         ("last_eval", "1.5"),  # a key a state may lack, present with the wrong type
         ("best_val_loss", "low"),
         ("scaler", [0]),
+        ("guard", [0.5]),
         ("step", True),  # a bool is no step count
         ("step", -5),
         ("metrics_bytes", -1),

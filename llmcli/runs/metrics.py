@@ -1,7 +1,8 @@
 """The training log: `metrics.jsonl`, reading it back, and the loss-curve picture.
 
-Rank 0 appends one JSON object per logged step (`"kind": "train"`) and per evaluation (`"kind":
-"eval"`), and hands each to the run's experiment trackers (`llmcli.runs.trackers`). A resumed run
+Rank 0 appends one JSON object per logged step (`"kind": "train"`), per evaluation (`"kind":
+"eval"`) and per spike-guard event (`"kind": "event"`, `llmcli.training.guard`), and hands each to
+the run's experiment trackers (`llmcli.runs.trackers`). A resumed run
 first cuts the file back to its size at the save it resumes from, so the records after that save are
 written again rather than twice. `loss.png` is redrawn from the file at every evaluation.
 """
@@ -52,6 +53,17 @@ class MetricsLog:
         if self.trackers is not None:
             self.trackers.log(record)
 
+    def rewind(self, size: int) -> None:
+        """Cut the file back to `size` bytes (the save a spike-guard rollback goes back to),
+        keeping the event records written after it: what was skipped stays on record, and the
+        steps the run does again are written again."""
+        self._fh.close()
+        data = self.path.read_bytes()
+        events = [line for line in data[size:].splitlines(keepends=True) if _is_event(line)]
+        atomic_write_bytes(self.path, data[:size] + b"".join(events))
+        self._fh = open(self.path, "ab")  # noqa: SIM115 - closed by close()
+        self.size = self._fh.tell()
+
     def close(self) -> None:
         self._fh.close()
         if self.trackers is not None:
@@ -73,6 +85,14 @@ NUMBER_FIELDS = (
     "prev_token_max",
     "icl_score",
 )
+
+
+def _is_event(line: bytes) -> bool:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(record, dict) and record.get("kind") == "event"
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

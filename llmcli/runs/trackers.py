@@ -8,7 +8,13 @@ every record the training loop writes to `metrics.jsonl` (rank 0 only), with the
 - an evaluation: `eval/train_loss`, `eval/val_loss`, `eval/val_ppl`, and with
   `train.head_metrics` `eval/icl_score`, `heads/induction_max`, `heads/prev_token_max`;
 
-(TensorBoard tags and W&B keys alike), at the record's step.
+- with `train.log_layers`, a train step also: `layers/<group>/grad_norm`,
+  `layers/<group>/update_ratio` (`llmcli.training.layers`);
+- a spike-guard event (`llmcli.training.guard`): `guard/skipped_loss`, or `guard/rollback_loss`
+  and `guard/rollbacks`;
+
+(TensorBoard tags and W&B keys alike), at the record's step. After a rollback the steps run
+again are logged again at the same steps.
 
 - TensorBoard writes event files into `<run>/tensorboard/` through
   `torch.utils.tensorboard.SummaryWriter`. A resumed run purges the steps after the one it
@@ -65,12 +71,21 @@ _EVAL_TAGS = {
 
 def tags(record: dict[str, Any]) -> dict[str, float]:
     """The scalars of a `metrics.jsonl` record under their tracker tags (step and kind aside)."""
-    names = _EVAL_TAGS if record.get("kind") == "eval" else _TRAIN_TAGS
-    return {
-        tag: float(record[key])
-        for key, tag in names.items()
-        if isinstance(record.get(key), (int, float)) and not isinstance(record.get(key), bool)
-    }
+    kind = record.get("kind")
+    if kind == "event":  # a spike-guard event: its loss, and a rollback's count
+        names = {"loss": f"guard/{record.get('event')}_loss", "rollback": "guard/rollbacks"}
+    else:
+        names = _EVAL_TAGS if kind == "eval" else _TRAIN_TAGS
+    scalars = {tag: float(record[key]) for key, tag in names.items() if _is_number(record.get(key))}
+    for group, values in (record.get("layers") or {}).items():  # train.log_layers
+        for key, value in values.items():
+            if _is_number(value):
+                scalars[f"layers/{group}/{key}"] = float(value)
+    return scalars
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def check_available(names: list[str]) -> None:

@@ -2,12 +2,13 @@
 
 `TrainState` holds the loop's counters during a session. `ResumeState` is what a save writes to
 `state.pt` and a resume reads back: the counters, the model, the optimizer, the precision scaler,
-and every rank's RNG and batch-sampler states. It owns the file's keys (`to_dict`), the checks on
-reading them back (`load`), whether a run can continue from them (`check_fits`, and before any
-part is loaded `check_parts`: the weights and optimizer state against the built run) and the
-message of a part that still does not fit (`load_part`); a `Run` (`llmcli.training.run`) makes
-one at a save and puts one back on a resume. `llmcli.runs.formats` writes and reads the file
-itself (`torch.save` to a temporary name renamed into place; `torch.load(weights_only=True)`).
+every rank's RNG and batch-sampler states, and the spike guard's state. It owns the file's keys
+(`to_dict`), the checks on reading them back (`load`), whether a run can continue from them
+(`check_fits`, and before any part is loaded `check_parts`: the weights and optimizer state
+against the built run) and the message of a part that still does not fit (`load_part`); a `Run`
+(`llmcli.training.run`) makes one at a save and puts one back on a resume.
+`llmcli.runs.formats` writes and reads the file itself (`torch.save` to a temporary name renamed
+into place; `torch.load(weights_only=True)`).
 
 Exact resume. A save records the model, the optimizer, the counters (the schedule is a function
 of the step), the torch / CUDA / NumPy / Python RNG states of every rank and the batch sampler's
@@ -99,6 +100,7 @@ _OPTIONAL: dict[str, type | tuple[type, ...]] = {
     "vocab_size": (int, type(None)),
     "source_hash": (str, type(None)),
     "scaler": (dict, type(None)),
+    "guard": (dict, type(None)),
 }
 
 
@@ -122,6 +124,7 @@ class ResumeState:
         scaler: the precision's state dict (the GradScaler's; {} without one).
         rng: every rank's RNG states (`rng_state`), in rank order.
         sampler: every rank's batch-sampler state, in rank order.
+        guard: the spike guard's state (`llmcli.training.guard`; None without the guard).
     """
 
     counters: TrainState
@@ -134,6 +137,7 @@ class ResumeState:
     scaler: dict[str, Any]
     rng: list[dict[str, Any]]
     sampler: list[dict[str, Any]]
+    guard: dict[str, Any] | None = None
     path: Path | None = field(default=None, compare=False)  # the file it was read from
 
     def to_dict(self) -> dict[str, Any]:
@@ -156,6 +160,7 @@ class ResumeState:
             "scaler": self.scaler,
             "rng": self.rng,
             "sampler": self.sampler,
+            "guard": self.guard,
         }
 
     @classmethod
@@ -202,6 +207,7 @@ class ResumeState:
             scaler=saved.get("scaler") or {},
             rng=saved["rng"],
             sampler=saved["sampler"],
+            guard=saved.get("guard"),
             path=path,
         )
 
