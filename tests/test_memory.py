@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -104,3 +107,24 @@ def test_check_memory_refuses_what_cannot_fit_and_honours_memory_limit() -> None
     huge = _config({"n_embed": 1_000_000, "n_head": 1}, batch_size=4)
     with pytest.raises(InputError, match=r"needs about [\d,.]+ [KMGT]?i?B .* lower model.n_embed"):
         check_memory(huge, 50, torch.device("cpu"), "float32")
+
+
+def test_estimating_a_rotary_model_does_not_import_torch_compiler() -> None:
+    # The estimate runs at the start of every `train` and `plan`: building the rotary embedding on
+    # the meta device would import torch._dynamo (most of a second). The count must still equal
+    # the built model's.
+    code = (
+        "import sys\n"
+        "from llmcli.config import Config, ModelConfig\n"
+        "from llmcli.model.gpt import Transformer\n"
+        "from llmcli.training.memory import estimate_memory\n"
+        "c = Config(model=ModelConfig(n_layer=2, n_embed=32, pos_emb='rope', norm='rmsnorm'))\n"
+        "est = estimate_memory(c, 65)\n"
+        "print('DYNAMO', 'torch._dynamo' in sys.modules)\n"
+        "print('PARAMS', est.params, sum(p.numel() for p in Transformer(c.model, 65).parameters()))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "DYNAMO False" in out.stdout
+    params = next(line for line in out.stdout.splitlines() if line.startswith("PARAMS")).split()
+    assert params[1] == params[2]

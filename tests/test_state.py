@@ -36,6 +36,7 @@ KEYS = [
     "scaler",
     "rng",
     "sampler",
+    "guard",
 ]
 
 
@@ -58,7 +59,7 @@ def make_state() -> ResumeState:
         optimizer={"state": {}, "param_groups": [{"lr": 1e-3, "params": [0]}]},
         scaler={},
         rng=[rng_state(torch.device("cpu"))] * 2,
-        sampler=[{"batches": 20}, {"batches": 20}],
+        sampler=[{"rng_state": torch.Generator().get_state(), "batches": 20}] * 2,
     )
 
 
@@ -76,17 +77,19 @@ def test_the_file_holds_the_keys_earlier_versions_wrote_and_reads_back(tmp_path:
     assert torch.equal(back.model["w"], state.model["w"])
     assert (back.metrics_bytes, back.vocab_size, back.source_hash) == (1234, 65, "ab" * 32)
     assert (back.config, back.optimizer, back.scaler) == (state.config, state.optimizer, {})
-    assert back.sampler == state.sampler and len(back.rng) == 2
+    assert [s["batches"] for s in back.sampler] == [20, 20] and len(back.rng) == 2
+    assert all(torch.equal(s["rng_state"], state.sampler[0]["rng_state"]) for s in back.sampler)
 
 
 def test_keys_a_state_may_lack_take_their_defaults(tmp_path: Path) -> None:
     saved = make_state().to_dict()
-    for key in ("best_val_loss", "best_step", "last_eval", "vocab_size", "source_hash", "scaler"):
+    optional = ("best_val_loss", "best_step", "last_eval", "vocab_size", "source_hash", "scaler")
+    for key in (*optional, "guard"):
         del saved[key]
     state = ResumeState.from_dict(saved, tmp_path / STATE_FILE)
     assert state.counters.best_val_loss == math.inf and state.counters.best_step is None
     assert state.counters.last_eval == {} and state.scaler == {}
-    assert state.vocab_size is None and state.source_hash is None
+    assert state.vocab_size is None and state.source_hash is None and state.guard is None
 
 
 @pytest.mark.parametrize(
@@ -98,6 +101,7 @@ def test_keys_a_state_may_lack_take_their_defaults(tmp_path: Path) -> None:
         ("last_eval", "1.5"),  # a key a state may lack, present with the wrong type
         ("best_val_loss", "low"),
         ("scaler", [0]),
+        ("guard", [0.5]),
         ("step", True),  # a bool is no step count
         ("step", -5),
         ("metrics_bytes", -1),

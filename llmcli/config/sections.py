@@ -166,6 +166,20 @@ class TrainConfig:
     # false: start (a run already there is an error); true: continue the run there; auto:
     # continue it if there is one, else start (one command for a first start and a restart).
     resume: bool | Literal["auto"] = False
+    # The spike guard (llmcli.training.guard): a step whose loss or gradient is not finite, or
+    # whose loss is above spike_factor x the median of the last spike_window losses, is not
+    # applied; spike_skips of them within spike_window steps roll the run back to its last save,
+    # with the lr times spike_lr_factor for spike_lr_steps steps; after spike_rollbacks
+    # rollbacks in a row the run stops. Its cost: benchmarks/RESULTS.md (spike_guard_cost.py).
+    spike_guard: bool = True
+    spike_factor: float = 2.0
+    spike_window: int = 50
+    spike_skips: int = 3
+    spike_lr_factor: float = 0.5
+    spike_lr_steps: int = 100
+    spike_rollbacks: int = 3
+    # At log steps, each layer's gradient norm and update-to-weight ratio (llmcli.training.layers).
+    log_layers: bool = False
 
     @property
     def loggers(self) -> list[str]:
@@ -238,6 +252,31 @@ class TrainConfig:
                 "must be positive, or null to save only at evaluations",
             )
         self._validate_loggers()
+        self._validate_guard()
+
+    def _validate_guard(self) -> None:
+        for key, ok, rule in (
+            (
+                "spike_factor",
+                math.isfinite(self.spike_factor) and self.spike_factor > 1,
+                "must be a number > 1: a step is skipped when its loss is above spike_factor "
+                "x the median of recent losses",
+            ),
+            ("spike_window", self.spike_window >= 1, "must be >= 1 (steps)"),
+            ("spike_skips", self.spike_skips >= 1, "must be >= 1 (skipped steps)"),
+            (
+                "spike_lr_factor",
+                0 < self.spike_lr_factor <= 1,
+                "must be in (0, 1]: the learning rate is multiplied by it after a rollback",
+            ),
+            ("spike_lr_steps", self.spike_lr_steps >= 0, "must be >= 0 (steps)"),
+            (
+                "spike_rollbacks",
+                self.spike_rollbacks >= 0,
+                "must be >= 0 (0: stop instead of rolling back)",
+            ),
+        ):
+            _require(ok, "train", key, getattr(self, key), rule)
 
     def _validate_batch(self) -> None:
         if self.batch_size == "auto":

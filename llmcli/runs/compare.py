@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import io
+import logging
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,7 +26,12 @@ from llmcli.runs.formats import read_meta
 from llmcli.runs.loading import load_config_file
 from llmcli.runs.metrics import best_eval, read_metrics
 
+logger = logging.getLogger(__name__)
+
 X_AXES = ("step", "tokens", "elapsed_s")
+# The largest magnitude drawn: matplotlib's axis limits overflow a float between two values
+# near the largest float (1.8e308).
+DRAWABLE = 1e300
 # The metrics a run logs only with train.head_metrics.
 HEAD_METRICS = ("induction_max", "prev_token_max", "icl_score")
 # Each metric, and the kind of record that holds it.
@@ -197,8 +203,18 @@ def _plot(records: dict[Path, list[dict[str, Any]]], metric: str, x: str) -> byt
     ax = fig.add_subplot(1, 1, 1)
     marker = "o-" if METRICS[metric] == "eval" else "-"
     for run, recs in records.items():
-        xs, ys = zip(*_points(recs, metric, x), strict=True)
-        ax.plot(xs, ys, marker, ms=3, lw=1.2, label=run.name)
+        points = _points(recs, metric, x)
+        drawn = [(px, py) for px, py in points if max(abs(px), abs(py)) <= DRAWABLE]
+        if len(drawn) < len(points):
+            logger.warning(
+                "%s: %d point(s) of %s beyond +-%g are left out of the picture",
+                run,
+                len(points) - len(drawn),
+                metric,
+                DRAWABLE,
+            )
+        if drawn:
+            ax.plot(*zip(*drawn, strict=True), marker, ms=3, lw=1.2, label=run.name)
     ax.set_xlabel({"step": "step", "tokens": "tokens", "elapsed_s": "seconds of training"}[x])
     ax.set_ylabel(metric)
     ax.grid(alpha=0.3)

@@ -10,6 +10,7 @@ says what to lower.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -127,16 +128,18 @@ def estimate_memory(
 def _count_parameters(config: Config, vocab_size: int) -> tuple[int, int, int]:
     """(parameters, non-embedding parameters, optimizer moment values) of the config's model.
 
-    One `Block` and the final norm are built on the meta device, which allocates nothing (the
-    whole `Transformer` is not: initialising its embeddings there would import torch's compiler,
-    seconds); the embeddings are counted from their shapes.
+    One `Block` and the final norm are built on the meta device, which allocates nothing; the
+    embeddings are counted from their shapes. Neither the whole `Transformer` nor the rotary
+    embedding (buffers, no parameters) is built there: their `arange`s on the meta device import
+    torch's compiler, most of a second of every `train` and `plan`.
     """
     from llmcli.model.gpt import Block
     from llmcli.model.layers import make_norm
 
     m = config.model
     with torch.device("meta"):
-        block, final_norm = Block(m), make_norm(m)
+        block = Block(dataclasses.replace(m, pos_emb="learned"))  # no parameters in the rotation
+        final_norm = make_norm(m)
     per_block = sum(p.numel() for p in block.parameters())
     matrices = m.n_layer * sum(p.numel() for p in block.parameters() if p.dim() == 2)
     token = vocab_size * m.n_embed  # the token embedding, also the LM head when tied

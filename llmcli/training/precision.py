@@ -9,7 +9,8 @@ and the unscale / clip / step / zero sequence. The training loop, `llmcli eval` 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -65,6 +66,7 @@ class Precision:
     device: torch.device
     autocast_dtype: torch.dtype | None
     scaler: torch.amp.GradScaler | None
+    _unscaled: bool = field(default=False, repr=False)  # `clip` unscaled this step's gradients
 
     @classmethod
     def resolve(cls, device: torch.device, dtype: str) -> Precision:
@@ -97,22 +99,53 @@ class Precision:
             back, so no synchronisation): always when clipping (it comes free), else only with
             `want_norm`; otherwise None.
         """
+        norm = self.clip(optimizer, params, grad_clip, want_norm)
+        self.finish(optimizer)
+        return norm
+
+    def clip(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: list[Any],
+        grad_clip: float,
+        want_norm: bool = False,
+        inspect: Callable[[], None] | None = None,
+    ) -> torch.Tensor | None:
+        """The first half of `step`: unscale the gradients (fp16) and clip their global norm.
+
+        `inspect` is called with the true (unscaled, unclipped) gradients in place, for
+        measurements that must see them. Returns the norm as `step` does.
+        """
         norm = None
-        if grad_clip > 0 or want_norm:
+        self._unscaled = False
+        if grad_clip > 0 or want_norm or inspect is not None:
             if self.scaler is not None:
                 self.scaler.unscale_(optimizer)  # the norm of the true gradients
+                self._unscaled = True
+            if inspect is not None:
+                inspect()
             if grad_clip > 0:
                 norm = nn.utils.clip_grad_norm_(params, grad_clip, foreach=True)
-            else:
+            elif want_norm:
                 grads = [p.grad for p in params if p.grad is not None]
                 norm = nn.utils.get_total_norm(grads, foreach=True)  # what clipping measures
-        if self.scaler is not None:
+        return norm
+
+    def finish(self, optimizer: torch.optim.Optimizer, apply: bool = True) -> None:
+        """The second half of `step`: step with the gradients (`apply`) or drop them; zero them.
+
+        A dropped step leaves the weights and the optimizer's moments and step count as they
+        were; with a GradScaler that unscaled this step, its scale is updated as after a step
+        it skipped itself.
+        """
+        if apply and self.scaler is not None:
             self.scaler.step(optimizer)
             self.scaler.update()
-        else:
+        elif apply:
             optimizer.step()
+        elif self.scaler is not None and self._unscaled:
+            self.scaler.update()  # clears the step's recorded inf checks, else unscale_ refuses
         optimizer.zero_grad(set_to_none=True)
-        return norm
 
     def state_dict(self) -> dict[str, Any]:
         return self.scaler.state_dict() if self.scaler is not None else {}

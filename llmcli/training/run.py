@@ -51,6 +51,7 @@ from llmcli.training.batch import (
     with_micro_batch,
 )
 from llmcli.training.distributed import DistInfo, agreed, gather
+from llmcli.training.guard import SpikeGuard
 from llmcli.training.memory import check_memory
 from llmcli.training.optim import build_optimizer
 from llmcli.training.precision import Precision
@@ -86,6 +87,7 @@ class Run:
     probe: Probe | None = None  # with train.head_metrics, on rank 0: what each head is scored on
     head_log: HeadMetricsLog | None = None  # ... and where the scores go
     auto_batch: bool = False  # train.batch_size was auto: running out of memory early shrinks it
+    guard: SpikeGuard | None = None  # with train.spike_guard
     saved_at: float = 0.0  # perf_counter() at the end of the last save (or the loop's start)
     save_seconds: list[float] = dataclasses.field(default_factory=list)  # this session's saves
 
@@ -152,6 +154,7 @@ class Run:
             scaler=self.precision.state_dict(),
             rng=[rng for rng, _ in rngs_and_samplers],
             sampler=[sampler for _, sampler in rngs_and_samplers],
+            guard=self.guard.state_dict() if self.guard is not None else None,
         )
 
     def restore(self, saved: ResumeState) -> None:
@@ -162,14 +165,11 @@ class Run:
             CheckpointError: a part that does not fit this run (a damaged or foreign file),
                 naming the file and the part.
         """
-        load_weights(self.model, saved.model, saved.path or STATE_FILE)
-        # Moments and step counts from the save; hyperparameters from today's config.
-        optimizer = self.optimizer
-        fresh = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        saved.load_part("optimizer", lambda: optimizer.load_state_dict(saved.optimizer))
-        for group, values in zip(optimizer.param_groups, fresh, strict=True):
-            group.update(values)
-        saved.load_part("scaler", lambda: self.precision.load_state_dict(saved.scaler))
+        saved.check_parts(self.model, self.optimizer)  # all of it, before any part is loaded
+        self._restore_training(saved)
+        guard = self.guard
+        if guard is not None and saved.guard is not None:  # else a fresh guard: an empty window
+            saved.load_part("guard", lambda: guard.load_state_dict(saved.guard))
         info, saved_world = self.info, len(saved.rng)
         if saved_world != info.world_size and info.main:
             logger.warning(
@@ -185,6 +185,38 @@ class Run:
         self.state = dataclasses.replace(saved.counters, session_start=self.state.session_start)
         self.resumed_from = self.state.step
         self.metrics_bytes = saved.metrics_bytes
+
+    def _restore_training(self, saved: ResumeState) -> None:
+        """Put back what a step changes: the weights, the optimizer's moments and step counts
+        (with today's hyperparameters) and the precision scaler."""
+        load_weights(self.model, saved.model, saved.path or STATE_FILE)
+        optimizer = self.optimizer
+        fresh = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        saved.load_part("optimizer", lambda: optimizer.load_state_dict(saved.optimizer))
+        for group, values in zip(optimizer.param_groups, fresh, strict=True):
+            group.update(values)
+        saved.load_part("scaler", lambda: self.precision.load_state_dict(saved.scaler))
+
+    def rollback(self, step: int, loss: float) -> dict[str, Any]:
+        """The spike guard's rollback (`llmcli.training.guard`) at step `step`: back to the last
+        save, read as a resume reads it, with the sampler and the random streams left where they
+        are (past the batches that caused it) and the clock still running; `metrics.jsonl` is
+        cut back to the save, keeping its event records. Returns the rollback's event record.
+        """
+        assert self.guard is not None
+        with agreed(self.info, self.device):
+            saved = ResumeState.load(self.run_dir)
+        self._restore_training(saved)
+        for counter in dataclasses.fields(TrainState):  # in place: the loop holds `self.state`
+            if counter.name not in ("elapsed_base", "session_start"):  # the clock runs on
+                setattr(self.state, counter.name, getattr(saved.counters, counter.name))
+        if self.metrics is not None:
+            self.metrics.rewind(saved.metrics_bytes)
+        guard, to_step, events = self.guard, self.state.step, []
+        saved.load_part(
+            "guard", lambda: events.append(guard.rolled_back(step, to_step, loss, saved.guard))
+        )
+        return events[0]
 
 
 def build_run(
@@ -241,6 +273,7 @@ def build_run(
         sampler=sampler,
         state=TrainState(session_start=session_start),
         auto_batch=auto_batch,
+        guard=SpikeGuard(tc) if tc.spike_guard else None,
     )
     with agreed(info, device):
         eval_samplers(run)  # a corpus too small for the batch and context fails here, not later
