@@ -121,7 +121,8 @@ def test_estimating_a_rotary_model_does_not_import_torch_compiler() -> None:
         "c = Config(model=ModelConfig(n_layer=2, n_embed=32, pos_emb='rope', norm='rmsnorm'))\n"
         "est = estimate_memory(c, 65)\n"
         "print('DYNAMO', 'torch._dynamo' in sys.modules)\n"
-        "print('PARAMS', est.params, sum(p.numel() for p in Transformer(c.model, 65).parameters()))\n"
+        "built = sum(p.numel() for p in Transformer(c.model, 65).parameters())\n"
+        "print('PARAMS', est.params, built)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
