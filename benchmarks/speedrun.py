@@ -508,7 +508,10 @@ def main() -> None:
             report["machine"] = {**machine(), "threads": args.threads or "default"}
             if args.write:
                 write_records(report, args)
-            print(json.dumps(report, indent=1))
+            text = json.dumps(report, indent=1)
+            if args.out:
+                Path(args.out).write_text(text + "\n")
+            print(text)
             print(records_table(load_records()), file=sys.stderr)
             return
         recipes = {n: run_recipe(n, RECIPES[n], [], args, sys.stderr) for n in names}
