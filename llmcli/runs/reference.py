@@ -25,6 +25,7 @@ from llmcli.config import config_from_dict, shipped_configs, shipped_dir
 from llmcli.errors import InputError
 from llmcli.runs.directory import META_FILE, METRICS_FILE
 from llmcli.runs.formats import read_meta
+from llmcli.runs.loading import load_config_file
 from llmcli.runs.metrics import read_metrics
 
 FORMAT = 1
@@ -286,8 +287,6 @@ def reference_from_run(
     Raises:
         InputError: `run_dir` has no evaluation with a finite val loss.
     """
-    from llmcli.runs.loading import load_config_file
-
     run_dir = Path(run_dir)
     config = load_config_file(run_dir).to_dict()
     for key in ("path", "val_path"):
@@ -327,12 +326,12 @@ def describe(check: ReferenceCheck) -> list[tuple[str, str]]:
     rows = [
         (
             "reference",
-            f"{check.name} ({m.get('device')}, {m.get('dtype')}, seed {m.get('seed')}, "
-            f"{m.get('steps'):,} steps, measured {m.get('date')} at {m.get('commit')}; "
-            f"matched by {check.matched_by})",
+            f"{check.name} ({m.get('steps')} steps on {m.get('device')}, {m.get('dtype')}, seed "
+            f"{m.get('seed')}, measured {m.get('date')} at {m.get('commit')}; matched by "
+            f"{check.matched_by})",
         )
     ]
-    assert check.offset is not None and check.relative is not None
+    assert check.offset is not None and check.relative is not None  # set where missing is not
     side = "above" if check.offset > 0 else "below" if check.offset < 0 else "level with"
     how_far = f"{abs(check.offset):.4f} ({abs(check.relative):.1%}) " if check.offset else ""
     rows.append(
