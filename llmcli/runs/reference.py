@@ -123,11 +123,11 @@ def load_reference(name: str) -> Reference | None:
         return None
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
-        points = sorted(raw["points"], key=lambda p: p["tokens"])
-        if raw.get("format") != FORMAT or not all(
-            isinstance(p["tokens"], int) and math.isfinite(p["val_loss"]) for p in points
-        ):
+        if raw.get("format") != FORMAT:
             raise ValueError(f"format {raw.get('format')!r}, expected {FORMAT}")
+        points = sorted(raw["points"], key=lambda p: p["tokens"])
+        if not all(isinstance(p["tokens"], int) and math.isfinite(p["val_loss"]) for p in points):
+            raise ValueError("a point without whole tokens or a finite val_loss")
         return Reference(name, path, points, raw["config"], raw["measured"], raw.get("note"))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise InputError(
