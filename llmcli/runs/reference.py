@@ -323,10 +323,11 @@ def describe(check: ReferenceCheck) -> list[tuple[str, str]]:
     if check.missing is not None:
         return [("reference", f"none: {check.missing}")]
     m = check.measured
+    steps = f"{m['steps']:,}" if isinstance(m.get("steps"), int) else "?"
     rows = [
         (
             "reference",
-            f"{check.name} ({m.get('steps')} steps on {m.get('device')}, {m.get('dtype')}, seed "
+            f"{check.name} ({steps} steps on {m.get('device')}, {m.get('dtype')}, seed "
             f"{m.get('seed')}, measured {m.get('date')} at {m.get('commit')}; matched by "
             f"{check.matched_by})",
         )
