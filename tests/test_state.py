@@ -16,7 +16,7 @@ import torch
 from llmcli.errors import CheckpointError
 from llmcli.runs.directory import STATE_FILE
 from llmcli.runs.formats import WEIGHTS_FORMAT, load_state, save_state
-from llmcli.training.state import ResumeState, TrainState, rng_state
+from llmcli.training.state import ResumeState, TrainState, rng_state, set_rng_state
 
 # The keys of `state.pt`, in the order every llmcli so far has written them.
 KEYS = [
@@ -183,3 +183,15 @@ def test_a_state_that_loads_but_does_not_fit_is_refused_with_exit_2(
     err = capsys.readouterr().err
     assert exit_info.value.code == 2, err
     assert str(run / STATE_FILE) in err and "Traceback" not in err
+
+
+def test_the_rng_state_on_mps_holds_and_restores_the_mps_generator(monkeypatch) -> None:
+    generator = {"state": torch.arange(8, dtype=torch.uint8)}  # an MPS generator, mocked
+    monkeypatch.setattr(torch.mps, "get_rng_state", lambda: generator["state"].clone())
+    monkeypatch.setattr(torch.mps, "set_rng_state", lambda s: generator.update(state=s.clone()))
+    saved = rng_state(torch.device("mps"))
+    assert torch.equal(saved["mps"], torch.arange(8, dtype=torch.uint8))
+    assert "mps" not in rng_state(torch.device("cpu"))
+    generator["state"] = torch.zeros(8, dtype=torch.uint8)
+    set_rng_state(saved, torch.device("mps"))
+    assert torch.equal(generator["state"], torch.arange(8, dtype=torch.uint8))

@@ -58,6 +58,9 @@ def installed(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     (wheel,) = (tmp / "dist").glob("llmcli-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     shipped = {f"llmcli/configs/{p.name}" for p in (ROOT / "configs").glob("*.yaml")}
+    shipped |= {
+        f"llmcli/configs/references/{p.stem}.json" for p in (ROOT / "configs").glob("*.yaml")
+    }
     corpora = {f"llmcli/corpora/{p.name}" for p in (ROOT / "data").glob("*.txt")}
     assert shipped | corpora <= names
     run([sys.executable, "-m", "venv", tmp / "venv"], tmp, env)
@@ -107,6 +110,12 @@ def test_the_quick_start_runs_from_an_empty_folder(installed, tmp_path: Path) ->
     assert "\r" not in trained.stderr and "train 30/30" in trained.stderr  # plain lines
     assert "warmup_steps (100) is longer than the run" in trained.stderr
     sampled = run([llmcli, "sample", "--prompt", "ROMEO:", "--max-new-tokens", "40"], tmp_path, env)
+    # the reference curve ships too: 30 steps differ from it in max_steps and end before it starts
+    reference = json.loads(run([llmcli, "info", "--json"], tmp_path, env).stdout)["reference"]
+    assert reference["name"] == "tiny" and reference["differs"] == {"train.max_steps": [30, 2000]}
+    assert Path(reference["path"]).parts[-4:] == ("llmcli", "configs", "references", "tiny.json")
+    assert "venv" in reference["path"]  # the installed copy, not this checkout's
+    assert "do not reach the reference's" in reference["missing"]
     assert sampled.stdout.startswith("ROMEO:") and len(sampled.stdout) > len("ROMEO:")
     run([llmcli, "train", "speedrun-cpu", "--set", "train.max_steps=40"], tmp_path, env)
     assert (tmp_path / "checkpoints" / "speedrun-cpu" / "best.safetensors").is_file()

@@ -29,6 +29,11 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point: runs the app and maps errors to exit statuses (2 bad input, 130 Ctrl-C;
     `train` exits 143 after SIGTERM)."""
     args = sys.argv[1:] if argv is None else argv
+    if sys.platform == "darwin":
+        # Apple's MPS backend lacks some operations; with this set, they run on the CPU instead
+        # of failing. torch reads it once, when it loads, so it is set before any command
+        # imports torch; a value the user set wins.
+        os.environ.setdefault("PYTORCH_ENABLE_MPS_FALLBACK", "1")
     try:
         code = app(args=args, prog_name="llmcli", standalone_mode=False)
     except InputError as exc:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -108,20 +108,35 @@ def compare_command(
         ),
     ] = "val_loss",
     x: Annotated[
-        str, typer.Option("--x", help="Against: step, tokens or elapsed_s.", metavar="AXIS")
-    ] = "step",
+        Optional[str],
+        typer.Option(
+            "--x",
+            help="Against: step, tokens or elapsed_s (default: step; tokens with --reference).",
+            metavar="AXIS",
+        ),
+    ] = None,
     out: Annotated[Path, typer.Option(help="The picture to write (PNG).", metavar="FILE")] = Path(
         "compare.png"
     ),
+    reference: Annotated[
+        bool,
+        typer.Option(
+            "--reference",
+            help="Also draw each run's shipped config's reference curve, and say how far above "
+            "or below it the run's last evaluation is and which keys that change the curve "
+            "differ (one run is then enough).",
+        ),
+    ] = False,
     json_: JsonOption = False,
 ) -> None:
     """Compare runs: their curves in one PNG and a table (best val loss, steps, tokens, time,
-    tokens/s, and the config keys that differ)."""
+    tokens/s, and the config keys that differ); with --reference, against the reference curve."""
     import json
 
     from llmcli.runs.compare import compare_runs, format_table
 
-    comparison = compare_runs(runs, metric=metric, x=x, out=out)
+    axis = x or ("tokens" if reference else "step")
+    comparison = compare_runs(runs, metric=metric, x=axis, out=out, reference=reference)
     if json_:
         typer.echo(json.dumps(comparison.to_dict()))
         return

@@ -580,6 +580,8 @@ def _save(run: Run, best: bool) -> None:
             "dtype": run.precision.name,
             "world_size": info.world_size,
             "versions": record_versions(),
+            # the shipped config's name finds the run's reference curve (llmcli.runs.reference)
+            "config_name": run.config.name,
         }
         save_checkpoint(
             run.run_dir,

@@ -23,7 +23,9 @@ def resolve_precision(device: torch.device, dtype: str) -> tuple[str, torch.dtyp
     """The precision to train in: (name, autocast dtype or None for fp32, use a GradScaler).
 
     "auto" is fp32 on CPU and MPS; on CUDA, bf16 autocast where the GPU supports it, else fp16
-    autocast with a GradScaler. The weights and the optimizer stay fp32 in every case.
+    autocast with a GradScaler. bf16 autocast is also there on the CPU, and on MPS where the
+    installed torch and macOS support it (`mps_bf16_supported`). The weights and the optimizer
+    stay fp32 in every case.
 
     Raises:
         InputError: a precision the device cannot train in.
@@ -42,13 +44,35 @@ def resolve_precision(device: torch.device, dtype: str) -> tuple[str, torch.dtyp
                 "--set train.dtype=float16 (or auto)."
             )
         return dtype, getattr(torch, dtype), dtype == "float16"
-    if device.type == "cpu" and dtype == "bfloat16":
+    if dtype == "bfloat16" and (
+        device.type == "cpu" or (device.type == "mps" and mps_bf16_supported())
+    ):
         return dtype, torch.bfloat16, False
+    if device.type == "mps":
+        raise InputError(
+            f"train.dtype ({dtype!r}) is not supported on mps here: use float32 or auto"
+            + (
+                " (bfloat16 needs macOS 14 or newer and a torch with autocast on MPS; this is "
+                f"torch {torch.__version__})."
+                if dtype == "bfloat16"
+                else ", or bfloat16 on macOS 14 or newer (float16 would need loss scaling)."
+            )
+        )
     raise InputError(
         f"train.dtype ({dtype!r}) is not supported on {device.type}: use float32 or auto"
         + (" (or bfloat16)" if device.type == "cpu" else "")
         + "."
     )
+
+
+def mps_bf16_supported() -> bool:
+    """Whether bf16 autocast can train on Apple's MPS here: the installed torch has autocast for
+    MPS, and macOS is 14 (Sonoma) or newer, where Metal has bf16 arithmetic."""
+    mps = getattr(torch.backends, "mps", None)
+    if mps is None or not mps.is_available() or not torch.amp.is_autocast_available("mps"):
+        return False
+    newer = getattr(mps, "is_macos_or_newer", None)  # torch >= 2.2
+    return bool(newer is not None and newer(14, 0))
 
 
 @dataclass

@@ -444,6 +444,8 @@ def rng_state(device: torch.device) -> dict[str, Any]:
     }
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
+    if device.type == "mps":  # dropout on MPS draws from its own generator
+        state["mps"] = torch.mps.get_rng_state()
     return state
 
 
@@ -456,3 +458,5 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     random.setstate((version, tuple(internal), gauss))
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
+    if device.type == "mps" and "mps" in state:
+        torch.mps.set_rng_state(state["mps"])
