@@ -262,11 +262,19 @@ class BPETokenizer:
     @classmethod
     def from_json(cls, text: str, source: str = "tokenizer.json") -> BPETokenizer:
         try:
-            return cls(HFTokenizer.from_str(text))
+            tokenizer = cls(HFTokenizer.from_str(text))
         except Exception as exc:  # tokenizers raises plain Exception for a malformed file
             raise InputError(
                 f"{source} is not a valid Hugging Face tokenizer.json ({exc})."
             ) from None
+        # The model's embedding has one row per id: the ids must be 0..vocab_size - 1, each once.
+        ids = sorted(tokenizer.hf.get_vocab(with_added_tokens=True).values())
+        if ids != list(range(tokenizer.vocab_size)):
+            raise InputError(
+                f"{source}: its vocabulary's ids are not 0..{tokenizer.vocab_size - 1}, each "
+                "once (an id is repeated or skipped): the file is damaged."
+            )
+        return tokenizer
 
     def encode(self, text: str) -> list[int]:
         """The ids of `text`.

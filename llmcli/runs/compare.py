@@ -126,7 +126,9 @@ def _summary(run: Path, records: list[dict[str, Any]]) -> RunSummary:
     meta = read_meta(run / META_FILE)
     best, best_step = best_eval(records)
     last = records[-1] if records else {}
-    tokens, elapsed = meta.get("tokens", last.get("tokens")), meta.get("elapsed_s")
+    tokens, elapsed = meta.get("tokens"), meta.get("elapsed_s")
+    if tokens is None:  # not recorded (or left out as malformed): the metrics' own figure
+        tokens = last.get("tokens")
     if elapsed is None:
         elapsed = last.get("elapsed_s")
     return RunSummary(

@@ -296,6 +296,16 @@ def _is(value: Any, kind: type | tuple[type, ...]) -> bool:
     return isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
 
 
+SECTIONS_SAVED = ("model", "data", "train", "sample")
+
+
+def _plain(value: Any) -> bool:
+    """Whether `value` is YAML data: None, a bool, number or string, or a list of them."""
+    if isinstance(value, list):
+        return all(_plain(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
 def _malformed(saved: dict[str, Any]) -> list[str]:
     """The keys of a state of the right types whose insides are wrong: negative counters, a
     config without its sections, an optimizer state without its parts, RNG states that lack one
@@ -305,6 +315,8 @@ def _malformed(saved: dict[str, Any]) -> list[str]:
     sections_ok = all(isinstance(config.get(s), dict) for s in ("model", "train"))
     if not (sections_ok and all(isinstance(config.get(s, {}), dict) for s in ("data", "sample"))):
         bad.append("config")
+    elif not all(_plain(v) for s in SECTIONS_SAVED for v in config.get(s, {}).values()):
+        bad.append("config")  # a config is YAML data: no tensors or other objects in it
     optimizer = saved["optimizer"]
     if not (
         isinstance(optimizer.get("state"), dict) and isinstance(optimizer.get("param_groups"), list)
