@@ -1,7 +1,12 @@
 """Where the model runs: `resolve_device` turns "auto" / "cpu" / "cuda" / "mps" into a torch
-device, for every command."""
+device, for every command; `torch_threads` runs a block on a number of CPU threads, and
+`check_threads` checks a `--threads` option."""
 
 from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
 
 import torch
 
@@ -48,3 +53,32 @@ def resolve_device(name: str, local_rank: int = 0, *, what: str = "train.device"
             )
         return torch.device("mps")
     return torch.device("cpu")
+
+
+def check_threads(n: int | None, what: str = "--threads") -> int | None:
+    """A thread count asked for on the command line, checked against this machine's CPUs.
+
+    Raises:
+        InputError: `n` outside 1..the number of CPUs (torch crashes on absurd counts).
+    """
+    cpus = os.cpu_count() or 1
+    if n is not None and not 1 <= n <= cpus:
+        raise InputError(f"{what} ({n}) must be in 1..{cpus} (this machine's CPUs).")
+    return n
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """Run the block on `n` CPU threads (None: as it is), then restore the previous count.
+
+    A count above this machine's CPUs (a config written on a bigger one) is cut to them.
+    """
+    if n is None:
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(max(1, min(n, os.cpu_count() or 1)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)

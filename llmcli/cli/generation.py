@@ -98,6 +98,14 @@ def sample_command(
     context_policy: ContextPolicyOption = None,
     context_keep: ContextKeepOption = None,
     threads: ThreadsOption = None,
+    ignore_eos: Annotated[
+        Optional[bool],
+        typer.Option(
+            "--ignore-eos/--stop-at-eos",
+            help="Go on past the end-of-text token (shown as <|endoftext|>) to --max-new-tokens; "
+            "by default a sample ends there (default: run config's sample.ignore_eos).",
+        ),
+    ] = None,
     interactive: Annotated[
         bool,
         typer.Option(
@@ -139,6 +147,7 @@ def sample_command(
         seed=seed,
         context_policy=context_policy,
         context_keep=context_keep,
+        ignore_eos=ignore_eos,
     )
     overrides = {key: value for key, value in settings.items() if value is not None}
     if interactive:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
 from llmcli.cli.app import app, notify
-from llmcli.cli.options import CheckpointOption, JsonOption, WeightsOption
+from llmcli.cli.options import CheckpointOption, JsonOption, UsageCommand, WeightsOption
 
 
 @app.command("info")
@@ -93,7 +93,7 @@ def export_command(
     )
 
 
-@app.command("compare")
+@app.command("compare", cls=UsageCommand)
 def compare_command(
     runs: Annotated[
         list[str],
@@ -110,9 +110,14 @@ def compare_command(
     x: Annotated[
         str, typer.Option("--x", help="Against: step, tokens or elapsed_s.", metavar="AXIS")
     ] = "step",
-    out: Annotated[Path, typer.Option(help="The picture to write (PNG).", metavar="FILE")] = Path(
-        "compare.png"
-    ),
+    out: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="The picture to write (PNG; default: compare.png in the current folder, none "
+            "with --json). A file already there is replaced, and stderr says so.",
+            metavar="FILE",
+        ),
+    ] = None,
     json_: JsonOption = False,
 ) -> None:
     """Compare runs: their curves in one PNG and a table (best val loss, steps, tokens, time,
@@ -121,7 +126,11 @@ def compare_command(
 
     from llmcli.runs.compare import compare_runs, format_table
 
+    if out is None and not json_:
+        out = Path("compare.png")
     comparison = compare_runs(runs, metric=metric, x=x, out=out)
+    if comparison.replaced:
+        notify(f"note: {comparison.picture} was there already: replaced it")
     if json_:
         typer.echo(json.dumps(comparison.to_dict()))
         return

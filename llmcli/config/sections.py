@@ -103,6 +103,9 @@ class TrainConfig:
     """The optimisation, evaluation and checkpointing schedule."""
 
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
+    # CPU threads for training, and for `eval` and `inspect-attention` on the run (null: torch's
+    # own count, one per core). See THREADS_NOTE for why the default.
+    threads: int | None = 1
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     batch_size: int = 12
     grad_accum: int = 1
@@ -203,6 +206,13 @@ class TrainConfig:
             self.seed,
             "must be in 0..2**63-1 (torch's seed range)",
         )
+        _require(
+            self.threads is None or self.threads >= 1,
+            "train",
+            "threads",
+            self.threads,
+            "must be a number of CPU threads >= 1, or null for torch's own count",
+        )
         for key in ("save_interval", "save_interval_s"):
             value = getattr(self, key)
             _require(
@@ -284,6 +294,9 @@ class SampleConfig:
     # Sampling).
     context_policy: Literal["exact", "shift"] = "shift"
     context_keep: int | None = None
+    # A sample ends at the end-of-text token unless this is true (then it goes on past it to
+    # max_new_tokens, and the token shows in the text as <|endoftext|>).
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -333,6 +346,12 @@ class SampleConfig:
                 f"must be one of {', '.join(CONTEXT_POLICIES)}: exact recomputes the last "
                 "context_length tokens every step past the context, shift keeps the last tokens "
                 "and goes on with the KV cache",
+            ),
+            (
+                "ignore_eos",
+                isinstance(self.ignore_eos, bool),
+                "must be true or false: false ends a sample at the end-of-text token, true "
+                "generates past it",
             ),
             (
                 "context_keep",

@@ -26,6 +26,8 @@ from llmcli.runs.loading import load_config_file
 from llmcli.runs.metrics import best_eval, read_metrics
 
 X_AXES = ("step", "tokens", "elapsed_s")
+# Curves of fewer points than this get a marker at each (a line alone would hide them).
+MARKERS_BELOW = 50
 # The metrics a run logs only with train.head_metrics.
 HEAD_METRICS = ("induction_max", "prev_token_max", "icl_score")
 # Each metric, and the kind of record that holds it.
@@ -65,6 +67,7 @@ class Comparison:
     metric: str
     x: str
     picture: Path | None
+    replaced: bool = False  # the picture took the place of a file already there
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -138,7 +141,8 @@ def compare_runs(
         specs: run directories or globs.
         metric: one of `METRICS`.
         x: one of `X_AXES`.
-        out: where to write the PNG (None: no picture).
+        out: where to write the PNG (None: no picture); a file already there is replaced,
+            which `Comparison.replaced` says.
 
     Raises:
         InputError: a bad run, metric or axis; a metric no run recorded; an unwritable `out`.
@@ -169,14 +173,15 @@ def compare_runs(
         summary = _summary(run, records[run])
         summary.differs = {k: configs[run].get(k) for k in differing}
         summaries.append(summary)
-    picture = None
+    picture, replaced = None, False
     if out is not None:
         picture = Path(out)
+        replaced = picture.exists()
         try:
             atomic_write_bytes(picture, _plot(records, metric, x))
         except OSError as exc:
             raise InputError(f"cannot write '{picture}': {describe_os_error(exc)}.") from None
-    return Comparison(summaries, differing, metric, x, picture)
+    return Comparison(summaries, differing, metric, x, picture, replaced)
 
 
 def _points(records: list[dict[str, Any]], metric: str, x: str) -> list[tuple[float, float]]:
@@ -192,21 +197,28 @@ def _points(records: list[dict[str, Any]], metric: str, x: str) -> list[tuple[fl
 
 
 def _plot(records: dict[Path, list[dict[str, Any]]], metric: str, x: str) -> bytes:
+    """The picture as PNG bytes."""
+    buffer = io.BytesIO()
+    curves_figure(records, metric, x).savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+def curves_figure(records: dict[Path, list[dict[str, Any]]], metric: str, x: str) -> Figure:
+    """`metric` against `x`, one curve per run (its records), named by its folder."""
     fig = Figure(figsize=(7.5, 4.5), dpi=110)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    marker = "o-" if METRICS[metric] == "eval" else "-"
     for run, recs in records.items():
         xs, ys = zip(*_points(recs, metric, x), strict=True)
-        ax.plot(xs, ys, marker, ms=3, lw=1.2, label=run.name)
+        # Markers on evaluations and on short curves: a run of one point has no line to show.
+        marker = "o" if METRICS[metric] == "eval" or len(xs) < MARKERS_BELOW else None
+        ax.plot(xs, ys, marker=marker, ms=3, lw=1.2, label=run.name)
     ax.set_xlabel({"step": "step", "tokens": "tokens", "elapsed_s": "seconds of training"}[x])
     ax.set_ylabel(metric)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    return buffer.getvalue()
+    return fig
 
 
 def format_table(comparison: Comparison) -> str:
