@@ -70,7 +70,32 @@ def code_blocks(text: str) -> list[Block]:
     return blocks
 
 
-def command_lines(block: Block) -> list[str]:
+@dataclasses.dataclass
+class Command:
+    """One command of a shell block.
+
+    Attributes:
+        words: its words as the shell splits them (`|`, `>` kept as words of their own).
+        line: the block's line it is on (its continuation lines joined), comment included.
+    """
+
+    words: list[str]
+    line: str
+
+    @property
+    def shell(self) -> str:
+        """The command as a line for `bash -c`."""
+        return " ".join(w if w in _OPERATORS else shlex.quote(w) for w in self.words)
+
+    def before_pipe(self) -> list[str]:
+        """Its words up to a `|`: what runs first."""
+        return self.words[: self.words.index("|")] if "|" in self.words else self.words
+
+
+_OPERATORS = {"|", ">", ">>", "<", ";"}
+
+
+def command_lines(block: Block) -> list[Command]:
     """A shell block's commands: continuation lines joined, comments and blank lines left out,
     `a && b` split into `a` and `b`."""
     joined, pending = [], ""
@@ -82,14 +107,11 @@ def command_lines(block: Block) -> list[str]:
         pending = ""
     commands = []
     for line in joined:
-        words = shell_words(line)
-        if not words:
-            continue
         part: list[str] = []
-        for word in [*words, "&&"]:
+        for word in [*shell_words(line), "&&"]:
             if word == "&&":
                 if part:
-                    commands.append(shlex.join(part))
+                    commands.append(Command(part, line))
                 part = []
             else:
                 part.append(word)
@@ -122,7 +144,7 @@ NOTES = {
     "data.vocab_size": "BPE",
     "data.cache_dir": "default `$LLMCLI_CACHE`, else `~/.cache/llmcli`",
     "train.threads": "CPU threads, also for `eval` and `inspect-attention` on the run; default 1, "
-    "null: torch's own count; see Quick start",
+    "null: torch's own count; see Threads, under Quick start",
     "train.dtype": "`auto`: fp32 on CPU, bf16 autocast on CUDA where supported, else fp16 with a "
     "GradScaler",
     "train.head_metrics": "each head's scores on the repeated-token probe and the in-context "

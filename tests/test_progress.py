@@ -128,3 +128,11 @@ def test_piped_train_log_has_no_carriage_returns(tmp_path: Path) -> None:
     plain = [line for line in out.stderr.splitlines() if line.startswith("train ")]
     assert [line.split(",")[0] for line in plain] == [f"train {n}/40" for n in (10, 20, 30, 40)]
     assert all(" loss " in line and " lr " in line and " tok/s " in line for line in plain)
+
+
+def test_format_fixed_drops_the_sign_of_a_value_that_rounds_to_zero() -> None:
+    assert progress.format_fixed(-0.0001, ".3f") == "0.000" != format(-0.0001, ".3f")
+    assert progress.format_fixed(-0.0, ">7.3f") == "  0.000"
+    assert progress.format_fixed(-4e-5, "+.4f") == "+0.0000"
+    assert progress.format_fixed(-0.0006, ".3f") == "-0.001" == format(-0.0006, ".3f")
+    assert progress.format_fixed(0.25, "+.2f") == "+0.25"

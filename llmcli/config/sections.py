@@ -104,7 +104,9 @@ class TrainConfig:
 
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
     # CPU threads for training, and for `eval` and `inspect-attention` on the run (null: torch's
-    # own count, one per core). See THREADS_NOTE for why the default.
+    # own count, one per core). 1 because a shared machine punishes more: 30 steps of `tiny` on
+    # 2 cores other work was using took 9-10 s on 1 thread and 61-88 s on 2 (28 and 122 s with
+    # a busy torch process beside; README, "Threads").
     threads: int | None = 1
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     batch_size: int = 12
