@@ -116,7 +116,10 @@ SKIP = {
 }
 # What makes a command cheap, appended to its words (a repeated option's last value wins).
 CHEAP = {
-    "train": ["--set", "train.max_steps=2", "--set", "train.eval_steps=1", "--no-progress"],
+    "train": [
+        *("--set", "train.max_steps=2", "--set", "train.eval_steps=1"),
+        *("--set", "train.log_interval=1", "--no-progress"),
+    ],
     "sample": ["--max-new-tokens", "24"],
     "eval": ["--steps", "2", "--no-progress"],
     "inspect-attention": ["--ablation-steps", "1", "--no-pictures", "--no-progress"],

@@ -59,8 +59,8 @@ DataOption = Annotated[
 RunThreadsOption = Annotated[
     Optional[int],
     typer.Option(
-        help="CPU threads (default: the run's train.threads); lower it on a machine that is "
-        "busy with other work.",
+        help="CPU threads (default: the run's train.threads); more pays only on cores that "
+        "nothing else uses.",
         metavar="N",
     ),
 ]
