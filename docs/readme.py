@@ -4,11 +4,12 @@
   it (`llmcli config` prints the same keys), its choices read from the class, and a note per key
   held here in `NOTES`. A key added to a config class appears with no note until one is written.
 - The outputs shown under commands: the fenced block after a line
-  `<!-- output: COMMAND [| from "TEXT"] [| until "TEXT"] -->` is what COMMAND prints on stdout,
+  `<!-- output: COMMAND [| from "TEXT"] [| until "TEXT"] [| drop "TEXT"] -->` is what COMMAND
+  prints on stdout,
   run from a folder that holds only the trained run `checkpoints/tiny` (README's figures come
   from `llmcli train tiny` run to its 2,000 steps on the bundled corpus; `--run DIR` gives it).
   `from` starts the shown part at the first line starting with TEXT, `until` ends it before the
-  next line starting with TEXT.
+  next line starting with TEXT, `drop` leaves out the lines starting with TEXT.
 
     python docs/readme.py                         # check both: exit 1 naming what differs
     python docs/readme.py --write                 # rewrite what differs
@@ -238,6 +239,7 @@ class Shown:
     start: str | None
     until: str | None
     block: Block
+    drop: str | None = None
 
 
 def shown_outputs(text: str) -> list[Shown]:
@@ -250,11 +252,13 @@ def shown_outputs(text: str) -> list[Shown]:
         if not m:
             continue
         command, *filters = [part.strip() for part in m[1].split(" | ")]
-        options = dict(re.fullmatch(r'(from|until) "(.*)"', f).groups() for f in filters)
+        options = dict(re.fullmatch(r'(from|until|drop) "(.*)"', f).groups() for f in filters)
         block = blocks.get(i + 1)
         if block is None:
             raise ValueError(f"README line {i + 1}: no code block right after {line!r}")
-        shown.append(Shown(command, options.get("from"), options.get("until"), block))
+        shown.append(
+            Shown(command, options.get("from"), options.get("until"), block, options.get("drop"))
+        )
     return shown
 
 
@@ -267,6 +271,8 @@ def select(output: str, shown: Shown) -> list[str]:
     if shown.until is not None:
         end = next((i for i, line in enumerate(lines) if line.startswith(shown.until)), None)
         lines = lines if end is None else lines[:end]
+    if shown.drop is not None:
+        lines = [line for line in lines if not line.startswith(shown.drop)]
     while lines and not lines[-1]:
         lines.pop()
     return lines

@@ -97,6 +97,8 @@ def test_a_shown_output_is_rewritten_to_what_its_command_prints(tmp_path) -> Non
     assert readme.with_outputs(new, run) == (new, [])
     part = readme.Shown(command, "b", "d", readme.Block("", 0, []))
     assert readme.select("a\nb 1\nc  \nd\ne\n", part) == ["b 1", "c"]
+    part = readme.Shown(command, None, None, readme.Block("", 0, []), drop="wrote")
+    assert readme.select("t 1\nt 2\nwrote x\n\nh 1\n\n", part) == ["t 1", "t 2", "", "h 1"]
 
 
 # --- every cheap command, from an empty folder -----------------------------------------------
