@@ -5,9 +5,9 @@
   held here in `NOTES`. A key added to a config class appears with no note until one is written.
 - The outputs shown under commands: the fenced block after a line
   `<!-- output: COMMAND [| from "TEXT"] [| until "TEXT"] [| drop "TEXT"] -->` is what COMMAND
-  prints on stdout,
-  run from a folder that holds only the trained run `checkpoints/tiny` (README's figures come
-  from `llmcli train tiny` run to its 2,000 steps on the bundled corpus; `--run DIR` gives it).
+  prints on stdout, run from a folder that holds only the trained run `checkpoints/tiny`
+  (README's figures come from `llmcli train tiny` run to its 2,000 steps on the bundled corpus;
+  `--run DIR` gives another).
   `from` starts the shown part at the first line starting with TEXT, `until` ends it before the
   next line starting with TEXT, `drop` leaves out the lines starting with TEXT.
 
