@@ -146,8 +146,20 @@ NOTES = {
     "data.cache_dir": "default `$LLMCLI_CACHE`, else `~/.cache/llmcli`",
     "train.threads": "CPU threads, also for `eval` and `inspect-attention` on the run; default 1, "
     "null: torch's own count; see Threads, under Quick start",
-    "train.dtype": "`auto`: fp32 on CPU, bf16 autocast on CUDA where supported, else fp16 with a "
-    "GradScaler",
+    "train.dtype": "`auto`: fp32 on CPU and MPS, bf16 autocast on CUDA where supported, else fp16 "
+    "with a GradScaler; `bfloat16` also on the CPU, and on MPS with macOS 14+",
+    "train.batch_size": "a number, or `auto`: the largest micro-batch that fits",
+    "train.tokens_per_step": "tokens per optimizer step: needed by `batch_size: auto`, sets "
+    "`grad_accum` otherwise",
+    "train.memory_limit": "bytes or a size such as `4GB`; null: the device's free memory",
+    "train.spike_guard": "default true",
+    "train.spike_factor": "2.0",
+    "train.spike_window": "50",
+    "train.spike_skips": "3",
+    "train.spike_lr_factor": "0.5",
+    "train.spike_lr_steps": "100",
+    "train.spike_rollbacks": "3",
+    "train.log_layers": 'default false; see "Is it healthy?"',
     "train.head_metrics": "each head's scores on the repeated-token probe and the in-context "
     "learning score at every evaluation; default true",
     "train.muon_lr": "Muon's rate for the matrices",

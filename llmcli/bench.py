@@ -559,6 +559,11 @@ def bench_and_report(
     """
     settings = settings or BenchSettings()
     device = device or config.train.device
+    if config.train.batch_size == "auto":
+        raise InputError(
+            "llmcli bench measures at a given micro-batch: set one with --set "
+            "train.batch_size=N (`llmcli plan` says which one auto would choose)."
+        )
     results = run_bench(config, heads, seqs, device, settings, isolate=isolate, progress=progress)
     out = Path(out_dir) if out_dir is not None else Path("checkpoints") / "bench" / config.name
     meta = {

@@ -142,6 +142,14 @@ def format_count(n: int) -> str:
     return str(n)
 
 
+def format_bytes(n: float) -> str:
+    """A memory size in powers of 1024: 812 B, 3.4 MiB, 120 MiB, 1.2 GiB."""
+    units = ["B", "KiB", "MiB", "GiB", "TiB"]
+    while abs(n) >= 1024 and len(units) > 1:
+        n, units = n / 1024, units[1:]
+    return f"{n:,.0f} {units[0]}" if units[0] == "B" or abs(n) >= 100 else f"{n:.1f} {units[0]}"
+
+
 def format_fixed(value: float, spec: str) -> str:
     """`format(value, spec)`, but a value that rounds to zero has no minus sign: -0.0001 with
     ".3f" is "0.000", not "-0.000" (Python 3.11's "z" option, for Python 3.10 too)."""

@@ -18,11 +18,11 @@ first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 if kill_at and first_attempt and os.environ.get("RANK") == os.environ.get("KILL_RANK", "1"):
     real_step = T._train_step
 
-    def step_then_die(run, losses, want_norm):
-        norm = real_step(run, losses, want_norm)
+    def step_then_die(run, *args):
+        result = real_step(run, *args)
         if run.state.step + 1 == kill_at:  # the loop counts the step after this returns
             os.kill(os.getpid(), signal.SIGKILL)
-        return norm
+        return result
 
     T._train_step = step_then_die
 

@@ -70,3 +70,35 @@ def test_bf16_autocast_on_cpu_runs_matmuls_in_bf16() -> None:
     with precision.autocast():
         out = nn.Linear(4, 4)(torch.randn(2, 4))
     assert out.dtype == torch.bfloat16 and precision.scaler is None
+
+
+@pytest.fixture()
+def mps_here(monkeypatch):
+    """An MPS device as torch would report one: `mps_here(macos_14=...)`."""
+
+    def set_macos(macos_14: bool) -> None:
+        monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+        monkeypatch.setattr(torch.amp, "is_autocast_available", lambda device: device == "mps")
+        monkeypatch.setattr(
+            torch.backends.mps, "is_macos_or_newer", lambda major, minor: macos_14 or major < 14
+        )
+
+    return set_macos
+
+
+def test_mps_trains_in_fp32_by_default_and_in_bf16_autocast_where_supported(mps_here) -> None:
+    mps = torch.device("mps")
+    mps_here(macos_14=True)
+    assert resolve_precision(mps, "auto") == ("float32", None, False)
+    assert resolve_precision(mps, "float32") == ("float32", None, False)
+    assert resolve_precision(mps, "bfloat16") == ("bfloat16", torch.bfloat16, False)
+    precision = Precision.resolve(mps, "bfloat16")
+    assert precision.scaler is None
+    autocast = precision.autocast()  # not entered: there is no MPS device here
+    assert (autocast.device, autocast.fast_dtype) == ("mps", torch.bfloat16)
+    with pytest.raises(InputError, match=r"'float16'.*not supported on mps.*or bfloat16 on macOS"):
+        resolve_precision(mps, "float16")
+    mps_here(macos_14=False)
+    assert resolve_precision(mps, "auto") == ("float32", None, False)
+    with pytest.raises(InputError, match=r"'bfloat16'.*on mps.*needs macOS 14 or newer"):
+        resolve_precision(mps, "bfloat16")

@@ -16,7 +16,7 @@ import torch
 from llmcli.errors import CheckpointError
 from llmcli.runs.directory import STATE_FILE
 from llmcli.runs.formats import WEIGHTS_FORMAT, load_state, save_state
-from llmcli.training.state import ResumeState, TrainState, rng_state
+from llmcli.training.state import ResumeState, TrainState, rng_state, set_rng_state
 
 # The keys of `state.pt`, in the order every llmcli so far has written them.
 KEYS = [
@@ -36,6 +36,7 @@ KEYS = [
     "scaler",
     "rng",
     "sampler",
+    "guard",
 ]
 
 
@@ -58,7 +59,7 @@ def make_state() -> ResumeState:
         optimizer={"state": {}, "param_groups": [{"lr": 1e-3, "params": [0]}]},
         scaler={},
         rng=[rng_state(torch.device("cpu"))] * 2,
-        sampler=[{"batches": 20}, {"batches": 20}],
+        sampler=[{"rng_state": torch.Generator().get_state(), "batches": 20}] * 2,
     )
 
 
@@ -76,17 +77,19 @@ def test_the_file_holds_the_keys_earlier_versions_wrote_and_reads_back(tmp_path:
     assert torch.equal(back.model["w"], state.model["w"])
     assert (back.metrics_bytes, back.vocab_size, back.source_hash) == (1234, 65, "ab" * 32)
     assert (back.config, back.optimizer, back.scaler) == (state.config, state.optimizer, {})
-    assert back.sampler == state.sampler and len(back.rng) == 2
+    assert [s["batches"] for s in back.sampler] == [20, 20] and len(back.rng) == 2
+    assert all(torch.equal(s["rng_state"], state.sampler[0]["rng_state"]) for s in back.sampler)
 
 
 def test_keys_a_state_may_lack_take_their_defaults(tmp_path: Path) -> None:
     saved = make_state().to_dict()
-    for key in ("best_val_loss", "best_step", "last_eval", "vocab_size", "source_hash", "scaler"):
+    optional = ("best_val_loss", "best_step", "last_eval", "vocab_size", "source_hash", "scaler")
+    for key in (*optional, "guard"):
         del saved[key]
     state = ResumeState.from_dict(saved, tmp_path / STATE_FILE)
     assert state.counters.best_val_loss == math.inf and state.counters.best_step is None
     assert state.counters.last_eval == {} and state.scaler == {}
-    assert state.vocab_size is None and state.source_hash is None
+    assert state.vocab_size is None and state.source_hash is None and state.guard is None
 
 
 @pytest.mark.parametrize(
@@ -98,6 +101,7 @@ def test_keys_a_state_may_lack_take_their_defaults(tmp_path: Path) -> None:
         ("last_eval", "1.5"),  # a key a state may lack, present with the wrong type
         ("best_val_loss", "low"),
         ("scaler", [0]),
+        ("guard", [0.5]),
         ("step", True),  # a bool is no step count
         ("step", -5),
         ("metrics_bytes", -1),
@@ -179,3 +183,15 @@ def test_a_state_that_loads_but_does_not_fit_is_refused_with_exit_2(
     err = capsys.readouterr().err
     assert exit_info.value.code == 2, err
     assert str(run / STATE_FILE) in err and "Traceback" not in err
+
+
+def test_the_rng_state_on_mps_holds_and_restores_the_mps_generator(monkeypatch) -> None:
+    generator = {"state": torch.arange(8, dtype=torch.uint8)}  # an MPS generator, mocked
+    monkeypatch.setattr(torch.mps, "get_rng_state", lambda: generator["state"].clone())
+    monkeypatch.setattr(torch.mps, "set_rng_state", lambda s: generator.update(state=s.clone()))
+    saved = rng_state(torch.device("mps"))
+    assert torch.equal(saved["mps"], torch.arange(8, dtype=torch.uint8))
+    assert "mps" not in rng_state(torch.device("cpu"))
+    generator["state"] = torch.zeros(8, dtype=torch.uint8)
+    set_rng_state(saved, torch.device("mps"))
+    assert torch.equal(generator["state"], torch.arange(8, dtype=torch.uint8))

@@ -3,12 +3,14 @@
 A user who runs `pip install llmcli` has no `configs/` and no `data/` beside them: the wheel
 must carry the shipped configs and the bundled corpora, and shipped names must work from an
 empty folder. This builds the wheel (offline, no build isolation), installs it into a fresh
-virtual environment (which reuses this interpreter's torch and other dependencies), and runs the
-quick-start commands there, with piped output: no carriage-return bar may reach the log.
+virtual environment (which sees this interpreter's torch and other dependencies, see
+`see_this_environment`), and runs the quick-start commands there, with piped output: no
+carriage-return bar may reach the log.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -56,14 +58,39 @@ def installed(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     (wheel,) = (tmp / "dist").glob("llmcli-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     shipped = {f"llmcli/configs/{p.name}" for p in (ROOT / "configs").glob("*.yaml")}
+    shipped |= {
+        f"llmcli/configs/references/{p.stem}.json" for p in (ROOT / "configs").glob("*.yaml")
+    }
     corpora = {f"llmcli/corpora/{p.name}" for p in (ROOT / "data").glob("*.txt")}
     assert shipped | corpora <= names
-    run([sys.executable, "-m", "venv", "--system-site-packages", tmp / "venv"], tmp, env)
+    run([sys.executable, "-m", "venv", tmp / "venv"], tmp, env)
     bin_dir = tmp / "venv" / "bin"
+    see_this_environment(bin_dir / "python", tmp, env)
     run([bin_dir / "python", "-m", "pip", "install", "--no-deps", "-q", wheel], tmp, env)
     where = run([bin_dir / "python", "-c", "import llmcli; print(llmcli.__file__)"], tmp, env)
     assert where.stdout.startswith(str(tmp / "venv")), where.stdout  # not this checkout
     return bin_dir, env
+
+
+def see_this_environment(python: Path, cwd: Path, env: dict[str, str]) -> None:
+    """Let the venv of `python` import the packages this interpreter imports (the wheel's
+    dependencies), wherever they are installed: the system's site-packages (CI) or an outer
+    virtual environment (a user's `.venv`), which `venv --system-site-packages` would not see
+    (it sees the base interpreter's). A `.pth` file in the venv's site-packages lists this
+    interpreter's path entries that the venv lacks, after its own site-packages, so the wheel
+    installed there is the llmcli it imports; entries holding an llmcli package (this
+    checkout, an editable install) are left out."""
+    probe = (
+        "import json, sys, sysconfig; "
+        "print(json.dumps([sysconfig.get_paths()['purelib'], sys.path]))"
+    )
+    purelib, own = json.loads(run([python, "-c", probe], cwd, env).stdout)
+    extra = [
+        p
+        for p in sys.path
+        if p and p not in own and Path(p).is_dir() and not (Path(p) / "llmcli").exists()
+    ]
+    Path(purelib, "outer-environment.pth").write_text("\n".join(extra) + "\n", encoding="utf-8")
 
 
 def test_the_quick_start_runs_from_an_empty_folder(installed, tmp_path: Path) -> None:
@@ -83,6 +110,12 @@ def test_the_quick_start_runs_from_an_empty_folder(installed, tmp_path: Path) ->
     assert "\r" not in trained.stderr and "train 30/30" in trained.stderr  # plain lines
     assert "warmup_steps (100) is longer than the run" in trained.stderr
     sampled = run([llmcli, "sample", "--prompt", "ROMEO:", "--max-new-tokens", "40"], tmp_path, env)
+    # the reference curve ships too: 30 steps differ from it in max_steps and end before it starts
+    reference = json.loads(run([llmcli, "info", "--json"], tmp_path, env).stdout)["reference"]
+    assert reference["name"] == "tiny" and reference["differs"] == {"train.max_steps": [30, 2000]}
+    assert Path(reference["path"]).parts[-4:] == ("llmcli", "configs", "references", "tiny.json")
+    assert "venv" in reference["path"]  # the installed copy, not this checkout's
+    assert "do not reach the reference's" in reference["missing"]
     assert sampled.stdout.startswith("ROMEO:") and len(sampled.stdout) > len("ROMEO:")
     run([llmcli, "train", "speedrun-cpu", "--set", "train.max_steps=40"], tmp_path, env)
     assert (tmp_path / "checkpoints" / "speedrun-cpu" / "best.safetensors").is_file()

@@ -1,8 +1,8 @@
 """The `llmcli` command line: thin commands that parse options and call the library.
 
 `app` holds the Typer app; the commands sit in `training` (config, prepare-data, train, bench),
-`generation` (sample), `runs` (info, export, compare), `inside` (inspect-attention, eval) and
-`interpret` (lens, patch, attribute) and `serve` (serve),
+`plan` (plan), `generation` (sample), `runs` (info, export, compare), `inside`
+(inspect-attention, eval), `interpret` (lens, patch, attribute) and `serve` (serve),
 their shared options in `options`. Heavy libraries (torch, numpy, datasets, matplotlib,
 transformers) are imported inside the commands that need them, so `llmcli --help` answers at once.
 """
@@ -19,7 +19,7 @@ from llmcli.errors import InputError
 
 # Importing the command modules registers their commands, in the order `llmcli --help` lists them.
 # isort: off
-from llmcli.cli import training, generation, runs, inside, interpret, serve  # noqa: F401
+from llmcli.cli import training, plan, generation, runs, inside, interpret, serve  # noqa: F401
 # isort: on
 
 __all__ = ["app", "main"]
@@ -29,6 +29,11 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point: runs the app and maps errors to exit statuses (2 bad input, 130 Ctrl-C;
     `train` exits 143 after SIGTERM)."""
     args = sys.argv[1:] if argv is None else argv
+    if sys.platform == "darwin":
+        # Apple's MPS backend lacks some operations; with this set, they run on the CPU instead
+        # of failing. torch reads it once, when it loads, so it is set before any command
+        # imports torch; a value the user set wins.
+        os.environ.setdefault("PYTORCH_ENABLE_MPS_FALLBACK", "1")
     try:
         code = app(args=args, prog_name="llmcli", standalone_mode=False)
     except InputError as exc:

@@ -108,8 +108,13 @@ def compare_command(
         ),
     ] = "val_loss",
     x: Annotated[
-        str, typer.Option("--x", help="Against: step, tokens or elapsed_s.", metavar="AXIS")
-    ] = "step",
+        Optional[str],
+        typer.Option(
+            "--x",
+            help="Against: step, tokens or elapsed_s (default: step; tokens with --reference).",
+            metavar="AXIS",
+        ),
+    ] = None,
     out: Annotated[
         Optional[Path],
         typer.Option(
@@ -118,17 +123,27 @@ def compare_command(
             metavar="FILE",
         ),
     ] = None,
+    reference: Annotated[
+        bool,
+        typer.Option(
+            "--reference",
+            help="Also draw each run's shipped config's reference curve, and say how far above "
+            "or below it the run's last evaluation is and which keys that change the curve "
+            "differ (one run is then enough).",
+        ),
+    ] = False,
     json_: JsonOption = False,
 ) -> None:
     """Compare runs: their curves in one PNG and a table (best val loss, steps, tokens, time,
-    tokens/s, and the config keys that differ)."""
+    tokens/s, and the config keys that differ); with --reference, against the reference curve."""
     import json
 
     from llmcli.runs.compare import compare_runs, format_table
 
     if out is None and not json_:
         out = Path("compare.png")
-    comparison = compare_runs(runs, metric=metric, x=x, out=out)
+    axis = x or ("tokens" if reference else "step")
+    comparison = compare_runs(runs, metric=metric, x=axis, out=out, reference=reference)
     if comparison.replaced:
         notify(f"note: {comparison.picture} was there already: replaced it")
     if json_:

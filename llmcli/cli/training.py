@@ -133,9 +133,15 @@ def train_command(
         return
     rate = f", {summary.tokens_per_s:,.0f} tokens/s" if summary.tokens_per_s else ""
     saves = f", {summary.saves} saves of at most {summary.save_s:.2f} s" if summary.saves else ""
+    guard = (
+        f", spike guard: {summary.skipped} step{'s' * (summary.skipped != 1)} skipped, "
+        f"{summary.rollbacks} rollback{'s' * (summary.rollbacks != 1)}"
+        if summary.skipped or summary.rollbacks
+        else ""
+    )
     typer.echo(
         f"run {summary.run_dir}: step {summary.step}/{summary.max_steps}, "
-        f"{summary.tokens:,} tokens, {summary.elapsed_s:.0f} s{rate}{saves}"
+        f"{summary.tokens:,} tokens, {summary.elapsed_s:.0f} s{rate}{saves}{guard}"
     )
     if summary.val_loss is not None:
         typer.echo(

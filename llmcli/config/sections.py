@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -109,8 +110,16 @@ class TrainConfig:
     # a busy torch process beside; README, "Threads").
     threads: int | None = 1
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    batch_size: int = 12
+    # Sequences per micro-batch, or "auto": the largest that fits the memory (`memory_limit`,
+    # else the device's free memory) with headroom, and the grad_accum that reaches
+    # `tokens_per_step` (llmcli.training.batch). A run's config.yaml records the numbers chosen.
+    batch_size: int | Literal["auto"] = 12
     grad_accum: int = 1
+    # Tokens per optimizer step over all ranks (batch_size x context_length x grad_accum x
+    # ranks): needed by batch_size: auto; with a number as batch_size it sets grad_accum.
+    tokens_per_step: int | None = None
+    # The memory a run may use, in bytes or as a size ("4GB", "512MiB"); null: the device's.
+    memory_limit: int | str | None = None
     max_steps: int = 2000
     lr: float = 1e-3
     min_lr: float = 1e-4
@@ -146,6 +155,20 @@ class TrainConfig:
     # false: start (a run already there is an error); true: continue the run there; auto:
     # continue it if there is one, else start (one command for a first start and a restart).
     resume: bool | Literal["auto"] = False
+    # The spike guard (llmcli.training.guard): a step whose loss or gradient is not finite, or
+    # whose loss is above spike_factor x the median of the last spike_window losses, is not
+    # applied; spike_skips of them within spike_window steps roll the run back to its last save,
+    # with the lr times spike_lr_factor for spike_lr_steps steps; after spike_rollbacks
+    # rollbacks in a row the run stops. Its cost: benchmarks/RESULTS.md (spike_guard_cost.py).
+    spike_guard: bool = True
+    spike_factor: float = 2.0
+    spike_window: int = 50
+    spike_skips: int = 3
+    spike_lr_factor: float = 0.5
+    spike_lr_steps: int = 100
+    spike_rollbacks: int = 3
+    # At log steps, each layer's gradient norm and update-to-weight ratio (llmcli.training.layers).
+    log_layers: bool = False
 
     @property
     def loggers(self) -> list[str]:
@@ -158,7 +181,6 @@ class TrainConfig:
 
     def validate(self) -> None:
         for key in (
-            "batch_size",
             "grad_accum",
             "max_steps",
             "eval_interval",
@@ -166,6 +188,7 @@ class TrainConfig:
             "log_interval",
         ):
             _require(getattr(self, key) > 0, "train", key, getattr(self, key), "must be positive")
+        self._validate_batch()
         _require(self.lr > 0, "train", "lr", self.lr, "must be > 0")
         _require(self.muon_lr > 0, "train", "muon_lr", self.muon_lr, "must be > 0")
         _require(
@@ -225,6 +248,69 @@ class TrainConfig:
                 "must be positive, or null to save only at evaluations",
             )
         self._validate_loggers()
+        self._validate_guard()
+
+    def _validate_guard(self) -> None:
+        for key, ok, rule in (
+            (
+                "spike_factor",
+                math.isfinite(self.spike_factor) and self.spike_factor > 1,
+                "must be a number > 1: a step is skipped when its loss is above spike_factor "
+                "x the median of recent losses",
+            ),
+            ("spike_window", self.spike_window >= 1, "must be >= 1 (steps)"),
+            ("spike_skips", self.spike_skips >= 1, "must be >= 1 (skipped steps)"),
+            (
+                "spike_lr_factor",
+                0 < self.spike_lr_factor <= 1,
+                "must be in (0, 1]: the learning rate is multiplied by it after a rollback",
+            ),
+            ("spike_lr_steps", self.spike_lr_steps >= 0, "must be >= 0 (steps)"),
+            (
+                "spike_rollbacks",
+                self.spike_rollbacks >= 0,
+                "must be >= 0 (0: stop instead of rolling back)",
+            ),
+        ):
+            _require(ok, "train", key, getattr(self, key), rule)
+
+    def _validate_batch(self) -> None:
+        if self.batch_size == "auto":
+            _require(
+                self.tokens_per_step is not None,
+                "train",
+                "batch_size",
+                "auto",
+                "needs train.tokens_per_step, the tokens per optimizer step to reach (a "
+                "multiple of model.context_length; for example --set train.tokens_per_step=49152)",
+            )
+        else:
+            _require(
+                self.batch_size > 0, "train", "batch_size", self.batch_size, "must be positive"
+            )
+        _require(
+            self.tokens_per_step is None or self.tokens_per_step > 0,
+            "train",
+            "tokens_per_step",
+            self.tokens_per_step,
+            "must be positive, or null",
+        )
+        limit = self.memory_limit_bytes
+        _require(
+            self.memory_limit is None or (limit is not None and limit > 0),
+            "train",
+            "memory_limit",
+            self.memory_limit,
+            'must be a positive number of bytes or a size such as "4GB", "512MiB" or "1.5G" '
+            "(powers of 1024), or null for the device's memory",
+        )
+
+    @property
+    def memory_limit_bytes(self) -> int | None:
+        """`memory_limit` in bytes; None for the device's memory (or a string that is not a
+        size, which `validate` refuses)."""
+        limit = self.memory_limit
+        return parse_size(limit) if isinstance(limit, str) else limit
 
     def _validate_loggers(self) -> None:
         unknown = [n for n in self._logger_names() if n not in TRACKERS]
@@ -254,6 +340,19 @@ class TrainConfig:
                 f"({self.max_steps} steps): it evaluates and saves once, at the last step."
             )
         return notes
+
+
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(?:i?b)?\s*", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int | None:
+    """A memory size as bytes: "4GB", "4G" and "4GiB" are all 4 * 1024**3, as memory is sold and
+    reported in powers of 1024; a bare number is bytes. None if `text` is not a size."""
+    match = _SIZE_RE.fullmatch(text)
+    if match is None:
+        return None
+    number, unit = match.groups()
+    return int(float(number) * 1024 ** " kmgt".index(unit.lower() or " "))
 
 
 CONTEXT_POLICIES = ("exact", "shift")
@@ -413,6 +512,13 @@ class Config:
         for section in (self.model, self.data, self.train):
             section.validate()
         self.sample.keep_for(self.model.context_length)
+        tokens, T = self.train.tokens_per_step, self.model.context_length
+        if tokens is not None and tokens % T:
+            raise ConfigError(
+                f"train.tokens_per_step ({tokens}) must be a multiple of model.context_length "
+                f"({T}): a step is whole sequences; for example {max(T, tokens // T * T)} or "
+                f"{(tokens // T + 1) * T}."
+            )
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """The fully resolved config as plain data (what `config.yaml` in a run holds)."""

@@ -47,19 +47,20 @@ def find_config(spec: str | Path) -> tuple[Path, bool]:
     """The config file `spec` names, and whether it is a shipped one.
 
     `spec` is a path to a YAML file, or the name of a shipped config (`tiny`, `tiny.yaml`).
-    A file that exists wins over a shipped name.
+    A file that exists wins over a shipped name; a folder does not (`llmcli train tiny --out
+    tiny` makes a folder `tiny`, and the same command must still find the config to resume).
 
     Raises:
         ConfigError: `spec` is neither; the message lists the shipped names.
     """
     path = Path(spec)
     shipped = shipped_configs()
+    name = path.name[: -len(".yaml")] if path.name.endswith(".yaml") else path.name
+    if len(path.parts) == 1 and name in shipped and not path.is_file():
+        return shipped[name], True
     if path.exists():
         folder = shipped_dir("configs").resolve()
         return path, path.is_file() and path.resolve().parent == folder
-    name = path.name[: -len(".yaml")] if path.name.endswith(".yaml") else path.name
-    if len(path.parts) == 1 and name in shipped:
-        return shipped[name], True
     names = ", ".join(shipped) or "none (this installation lacks its configs: reinstall llmcli)"
     raise ConfigError(
         f"config {str(spec)!r} does not exist, as a file or as a shipped config: check the path, "

@@ -269,14 +269,24 @@ class BPETokenizer:
             ) from None
 
     def encode(self, text: str) -> list[int]:
+        """The ids of `text`.
+
+        Raises:
+            InputError: the tokenizer's model fails on the text (for example a `WordLevel`
+                model whose unknown token is not in its vocabulary meets an unknown word).
+        """
         try:
             return self.hf.encode(text, add_special_tokens=False).ids
-        except Exception as exc:  # a WordLevel model without an unknown token meets a new word
-            raise InputError(f"the tokenizer cannot encode this text ({exc}).") from None
+        except Exception as exc:  # tokenizers raises plain Exceptions from its model
+            raise _cannot_encode(exc) from None
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """Encode many texts in parallel (Rust threads); same ids as `encode` on each."""
-        return [e.ids for e in self.hf.encode_batch_fast(texts, add_special_tokens=False)]
+        """Encode many texts in parallel (Rust threads); same ids, and errors, as `encode`."""
+        try:
+            encodings = self.hf.encode_batch_fast(texts, add_special_tokens=False)
+        except Exception as exc:  # as in `encode`
+            raise _cannot_encode(exc) from None
+        return [e.ids for e in encodings]
 
     def decode(self, ids: Iterable[int]) -> str:
         ids = _checked_ids(ids, self.vocab_size, "vocabulary")
@@ -290,6 +300,13 @@ class BPETokenizer:
 
     def __repr__(self) -> str:
         return f"BPETokenizer(vocab_size={self.vocab_size}, eot_id={self.eot_id})"
+
+
+def _cannot_encode(exc: Exception) -> InputError:
+    return InputError(
+        f"the tokenizer cannot encode this text ({exc}); its tokenizer.json is damaged or its "
+        "model has no usable unknown token: use another data.tokenizer."
+    )
 
 
 def _lines_in_batches(texts: Iterable[str], lines_per_batch: int = 1000) -> Iterator[list[str]]:
@@ -335,7 +352,10 @@ def _char_tokenizer_from_hf(data: dict[str, Any]) -> CharTokenizer | None:
     n = len(chars)
     if not chars or any(len(c) != 1 for c in chars) or chars != sorted(chars):
         return None
-    if [vocab[c] for c in chars] != list(range(n)) or model.get("unk_token") in vocab:
+    unk = model.get("unk_token")  # a CharTokenizer has none in its vocabulary
+    if [vocab[c] for c in chars] != list(range(n)) or not isinstance(unk, (str, type(None))):
+        return None
+    if unk in vocab:
         return None
     if eot is not None and not (added[0].get("id") == vocab.get(eot, n) == n):
         return None
@@ -353,6 +373,38 @@ def _is_plain_special(token: Any) -> bool:
     )
 
 
+def _char_tokenizer_from_llmcli(data: dict[str, Any], source: str) -> CharTokenizer:
+    """llmcli's own char format: `version` 1 or 2 (absent: 1), `chars` a list of single
+    characters, and in version 2 `eot`, the end-of-text token's text.
+
+    Raises:
+        InputError: a field missing or of the wrong type, naming `source` and the field.
+    """
+    version = data.get("version", 1)
+    if type(version) is not int or version not in (1, 2):
+        raise InputError(
+            f"{source}: 'version' ({version!r}) of an llmcli char tokenizer must be 1 or 2 "
+            "(the integer)."
+        )
+    chars = data.get("chars")
+    if not (
+        isinstance(chars, list) and chars and all(isinstance(c, str) and len(c) == 1 for c in chars)
+    ):
+        raise InputError(
+            f"{source}: 'chars' of an llmcli char tokenizer must be a non-empty list of single "
+            "characters."
+        )
+    if version == 1:
+        return CharTokenizer(chars, eot=None)
+    eot = data.get("eot")
+    if not (isinstance(eot, str) and len(eot) > 1):
+        raise InputError(
+            f"{source}: 'eot' of a version 2 llmcli char tokenizer must be the end-of-text "
+            f"token's text, a string of more than one character (such as {EOT!r})."
+        )
+    return CharTokenizer(chars, eot=eot)
+
+
 def tokenizer_from_json(text: str, source: str = "tokenizer.json") -> Tokenizer:
     """Rebuild a tokenizer from the text of a `tokenizer.json`: a `CharTokenizer` from one that
     `CharTokenizer.to_json` wrote or from llmcli's own char format (versions 1 and 2), else a
@@ -366,13 +418,7 @@ def tokenizer_from_json(text: str, source: str = "tokenizer.json") -> Tokenizer:
     if not isinstance(data, dict):
         raise InputError(f"{source} is not a tokenizer: it holds a JSON {type(data).__name__}.")
     if data.get("kind") == CHAR_KIND:
-        chars = data.get("chars")
-        if not isinstance(chars, list) or not all(isinstance(c, str) for c in chars):
-            raise InputError(f"{source}: a char tokenizer needs 'chars', a list of strings.")
-        eot = data.get("eot")
-        if data.get("version", 1) >= 2 and not (isinstance(eot, str) and eot):
-            raise InputError(f"{source}: a version 2 char tokenizer needs 'eot', a string.")
-        return CharTokenizer(chars, eot=eot if data.get("version", 1) >= 2 else None)
+        return _char_tokenizer_from_llmcli(data, source)
     if "model" not in data:
         raise InputError(
             f"{source} is neither an llmcli char tokenizer (kind {CHAR_KIND!r}) nor a Hugging "
@@ -400,6 +446,8 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         raise InputError(
             f"tokenizer file {str(p)!r} is not UTF-8 JSON (bad byte at offset {exc.start})."
         ) from None
+    except OSError as exc:
+        raise InputError(f"cannot read tokenizer file {str(p)!r}: {exc.strerror or exc}.") from None
     return tokenizer_from_json(text, repr(str(p)))
 
 

@@ -32,6 +32,7 @@ from llmcli.hf.common import (
     Problem,
     activation,
     cpu,
+    field,
     leftovers,
     mismatches,
     model_shape,
@@ -121,17 +122,19 @@ def model_config(hf_cfg: dict[str, Any], base: ModelConfig, source: str) -> Mode
     shape = model_shape(hf_cfg, source)
     n_embed, n_head = shape["n_embed"], shape["n_head"]
     refused = []
-    kv_heads = hf_cfg.get("num_key_value_heads") or n_head
+    kv_heads = field(hf_cfg, source, "num_key_value_heads", int) or n_head
     if kv_heads != n_head:
         refused.append(f"grouped-query attention ({kv_heads} key/value heads for {n_head})")
-    if hf_cfg.get("head_dim", n_embed // n_head) != n_embed // n_head:
-        refused.append(f"head_dim {hf_cfg.get('head_dim')} (llmcli: hidden_size / heads)")
-    if hf_cfg.get("intermediate_size", 4 * n_embed) != 4 * n_embed:
-        refused.append(f"intermediate_size {hf_cfg.get('intermediate_size')} (llmcli: 4 * hidden)")
-    bias = bool(hf_cfg.get("attention_bias", False))
-    if bias != bool(hf_cfg.get("mlp_bias", False)):
+    head_dim = field(hf_cfg, source, "head_dim", int, n_embed // n_head)
+    if head_dim != n_embed // n_head:
+        refused.append(f"head_dim {head_dim} (llmcli: hidden_size / heads)")
+    inner = field(hf_cfg, source, "intermediate_size", int, 4 * n_embed)
+    if inner != 4 * n_embed:
+        refused.append(f"intermediate_size {inner} (llmcli: 4 * hidden)")
+    bias = field(hf_cfg, source, "attention_bias", bool, False)
+    if bias != field(hf_cfg, source, "mlp_bias", bool, False):
         refused.append("attention_bias and mlp_bias differ (llmcli has one bias setting)")
-    rope = rope_parameters(hf_cfg)
+    rope = rope_parameters(hf_cfg, source)
     if rope["rope_type"] != "default" or rope["partial_rotary_factor"] != 1.0:
         refused.append(f"rope scaling {rope['rope_type']!r} (llmcli: plain rotary, whole heads)")
     mlp = activation(hf_cfg, "hidden_act", "relu2", source)
@@ -144,11 +147,11 @@ def model_config(hf_cfg: dict[str, Any], base: ModelConfig, source: str) -> Mode
         **shape,
         bias=bias,
         pos_emb="rope",
-        rope_base=float(rope["rope_theta"]),
+        rope_base=rope["rope_theta"],
         norm="rmsnorm",
         qk_norm=False,
         mlp=mlp,
-        tie_embeddings=bool(hf_cfg.get("tie_word_embeddings", False)),
+        tie_embeddings=field(hf_cfg, source, "tie_word_embeddings", bool, False),
     )
 
 

@@ -85,9 +85,15 @@ def for_model_type(model_type: object, source: str) -> ModuleType:
     Raises:
         InputError: a model type llmcli cannot hold (naming what is in the way where known).
     """
+    if not isinstance(model_type, str):
+        shown = "missing" if model_type is None else f"{model_type!r}, not a string"
+        raise InputError(
+            f"{source}: model_type is {shown}: it names the architecture, one of "
+            f"{', '.join(repr(t) for t in BY_MODEL_TYPE)}."
+        )
     if model_type in BY_MODEL_TYPE:
         return BY_MODEL_TYPE[model_type]
-    why = _UNSUPPORTED.get(str(model_type))
+    why = _UNSUPPORTED.get(model_type)
     supported = ", ".join(repr(t) for t in BY_MODEL_TYPE)
     raise InputError(
         f"{source}: model_type is {model_type!r}, which llmcli's model cannot hold"

@@ -105,17 +105,56 @@ def positive_int(hf_cfg: dict[str, Any], source: str, *keys: str) -> int:
         InputError: none of the keys is there, or the value is not a positive integer.
     """
     for key in keys:
-        value = hf_cfg.get(key)
+        value = field(hf_cfg, source, key, int)
         if value is not None:
-            if type(value) is not int or value <= 0:
+            if value <= 0:
                 raise InputError(f"{source}: {key} ({value!r}) must be a positive integer.")
             return value
     raise InputError(f"{source} lacks {keys[0]}: it is not a complete model config.")
 
 
+# What each kind of `config.json` value must be, as a message says it.
+_KINDS: dict[type, str] = {
+    str: "a string",
+    int: "an integer",
+    float: "a finite number",
+    bool: "true or false",
+    dict: "a mapping (a JSON object)",
+}
+
+
+def field(hf_cfg: dict[str, Any], source: str, key: str, kind: type, default: Any = None) -> Any:
+    """`hf_cfg[key]` checked to be of `kind` (str, int, float, bool or dict), or `default` when
+    it is absent or null (as `transformers` reads a null: the class default). A float field
+    takes any finite JSON number and returns a float; no field takes a bool but a bool field.
+    Every value llmcli reads from a `config.json` goes through here, so a wrong type is a
+    message naming the file and the key, never an exception further on.
+
+    Raises:
+        InputError: naming `source`, the key, its value and what it must be.
+    """
+    value = hf_cfg.get(key)
+    if value is None:
+        return default
+    if kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = ok and math.isfinite(value)
+    else:
+        ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+    if not ok:
+        shown = repr(value)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise InputError(f"{source}: {key} ({shown}) must be {_KINDS[kind]}.")
+    return float(value) if kind is float else value
+
+
 def activation(hf_cfg: dict[str, Any], key: str, default: str, source: str) -> str | None:
-    """llmcli's `model.mlp` for the config's activation, or None when llmcli has none like it."""
-    name = hf_cfg.get(key, default)
+    """llmcli's `model.mlp` for the config's activation, or None when llmcli has none like it.
+
+    Raises:
+        InputError: the activation is not a string.
+    """
+    name = field(hf_cfg, source, key, str, default)
     if name in EXACT_ACTIVATIONS:
         return EXACT_ACTIVATIONS[name]
     if name in APPROX_GELUS:
@@ -131,9 +170,13 @@ def activation(hf_cfg: dict[str, Any], key: str, default: str, source: str) -> s
 
 
 def warn_eps(hf_cfg: dict[str, Any], key: str, source: str) -> None:
-    """Warn when a config's norm epsilon differs from llmcli's (loaded with llmcli's)."""
-    eps = hf_cfg.get(key, NORM_EPS)
-    if not isinstance(eps, (int, float)) or not math.isclose(eps, NORM_EPS):
+    """Warn when a config's norm epsilon differs from llmcli's (loaded with llmcli's).
+
+    Raises:
+        InputError: the epsilon is not a finite number.
+    """
+    eps = field(hf_cfg, source, key, float, NORM_EPS)
+    if not math.isclose(eps, NORM_EPS):
         logger.warning(
             "%s: %s %r is loaded with llmcli's %g; logits differ slightly",
             source,
@@ -143,14 +186,38 @@ def warn_eps(hf_cfg: dict[str, Any], key: str, source: str) -> None:
         )
 
 
-def rope_parameters(hf_cfg: dict[str, Any], partial_default: float = 1.0) -> dict[str, Any]:
+def rope_parameters(
+    hf_cfg: dict[str, Any], source: str, partial_default: float = 1.0
+) -> dict[str, Any]:
     """The rotary settings of a config written by transformers 4.x or 5.x, as 5.x names them
-    (`rope_type`, `rope_theta`, `partial_rotary_factor`)."""
-    params = dict(hf_cfg.get("rope_parameters") or hf_cfg.get("rope_scaling") or {})
-    params.setdefault("rope_type", params.pop("type", "default"))
-    params.setdefault("rope_theta", hf_cfg.get("rope_theta", hf_cfg.get("rotary_emb_base", 1e4)))
-    params.setdefault("partial_rotary_factor", hf_cfg.get("rotary_pct", partial_default))
-    return params
+    (`rope_type`, `rope_theta`, `partial_rotary_factor`). 5.x's `rope_parameters` wins over
+    4.x's `rope_scaling`, `rope_theta` (or GPT-NeoX's `rotary_emb_base`) and `rotary_pct`;
+    every one present is checked, whichever wins.
+
+    Raises:
+        InputError: a setting of the wrong type, or a `rope_theta` that is not positive.
+    """
+    found: dict[str, Any] = {}
+    for key in ("rope_scaling", "rope_parameters"):  # the later wins
+        params = field(hf_cfg, source, key, dict, {})
+        where = f"{source}: {key}"
+        values = {
+            "rope_type": field(params, where, "rope_type", str)
+            or field(params, where, "type", str),
+            "rope_theta": field(params, where, "rope_theta", float),
+            "partial_rotary_factor": field(params, where, "partial_rotary_factor", float),
+        }
+        found.update({k: v for k, v in values.items() if v is not None})
+    theta = field(hf_cfg, source, "rotary_emb_base", float, 1e4)
+    theta = found.get("rope_theta", field(hf_cfg, source, "rope_theta", float, theta))
+    if theta <= 0:
+        raise InputError(f"{source}: rope_theta ({theta!r}) must be a positive number.")
+    partial = field(hf_cfg, source, "rotary_pct", float, partial_default)
+    return {
+        "rope_type": found.get("rope_type", "default"),
+        "rope_theta": theta,
+        "partial_rotary_factor": found.get("partial_rotary_factor", partial),
+    }
 
 
 def refuse(source: str, refused: list[str], what: str) -> None:

@@ -37,6 +37,7 @@ from llmcli.hf.common import (
     NORM_EPS,
     Problem,
     activation,
+    field,
     mismatches,
     model_shape,
     refuse,
@@ -227,14 +228,14 @@ def model_config(hf_cfg: dict[str, Any], base: ModelConfig, source: str) -> Mode
     )
     n_embed = shape["n_embed"]
     refused = []
-    n_inner = hf_cfg.get("n_inner")
+    n_inner = field(hf_cfg, source, "n_inner", int)
     if n_inner is not None and n_inner != 4 * n_embed:
         refused.append(f"n_inner ({n_inner}; llmcli's MLP is 4 * n_embd = {4 * n_embed})")
-    if not hf_cfg.get("scale_attn_weights", True):
+    if not field(hf_cfg, source, "scale_attn_weights", bool, True):
         refused.append("scale_attn_weights (false; llmcli scales by 1/sqrt(head size))")
-    if hf_cfg.get("scale_attn_by_inverse_layer_idx", False):
+    if field(hf_cfg, source, "scale_attn_by_inverse_layer_idx", bool, False):
         refused.append("scale_attn_by_inverse_layer_idx (true)")
-    if hf_cfg.get("add_cross_attention", False):
+    if field(hf_cfg, source, "add_cross_attention", bool, False):
         refused.append("add_cross_attention (true)")
     mlp = activation(hf_cfg, "activation_function", "gelu_new", source)
     if mlp is None:
@@ -252,5 +253,5 @@ def model_config(hf_cfg: dict[str, Any], base: ModelConfig, source: str) -> Mode
         norm="layernorm",
         qk_norm=False,
         mlp=mlp,
-        tie_embeddings=bool(hf_cfg.get("tie_word_embeddings", True)),
+        tie_embeddings=field(hf_cfg, source, "tie_word_embeddings", bool, True),
     )

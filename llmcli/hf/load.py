@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,10 +28,11 @@ from llmcli.hf.common import (
     HF_TORCH_WEIGHTS,
     HF_WEIGHTS_FILE,
     HF_WEIGHTS_INDEX,
+    positive_int,
 )
 from llmcli.hub import resolve_pretrained, split_hub_name
 from llmcli.model.gpt import Transformer
-from llmcli.runs.formats import load_weights
+from llmcli.runs.formats import load_weights, torch_load_safely
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +61,17 @@ def _weights_files(folder: Path) -> list[Path]:
     index = folder / HF_WEIGHTS_INDEX
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            shards = sorted(set(weight_map.values()))
-        except (ValueError, KeyError, TypeError, AttributeError):
+            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+        except (ValueError, OSError, AttributeError):
+            weight_map = None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(s, str) for s in weight_map.values()
+        ):
             raise CheckpointError(
-                f"'{index}' is not a safetensors index (no weight_map)."
-            ) from None
+                f"'{index}' is not a safetensors index: it needs weight_map, a mapping of "
+                "tensor names to shard file names."
+            )
+        shards = sorted(set(weight_map.values()))
         missing = [s for s in shards if not (folder / s).is_file()]
         if missing:
             raise CheckpointError(
@@ -134,9 +139,10 @@ def check_hf_folder(path: str | Path) -> tuple[Path, dict[str, Any]]:
 
 def _load_folder_tokenizer(folder: Path, hf_cfg: dict[str, Any]) -> Tokenizer:
     tokenizer = load_tokenizer(folder / HF_TOKENIZER_FILE)
-    vocab, model_vocab = tokenizer.vocab_size, hf_cfg.get("vocab_size")
+    source = str(folder / HF_CONFIG_FILE)
+    vocab, model_vocab = tokenizer.vocab_size, positive_int(hf_cfg, source, "vocab_size")
     if model_vocab != vocab:
-        relation = "larger" if isinstance(model_vocab, int) and model_vocab > vocab else "smaller"
+        relation = "larger" if model_vocab > vocab else "smaller"
         raise InputError(
             f"'{folder / HF_CONFIG_FILE}' has vocab_size {model_vocab!r}, {relation} than its "
             f"tokenizer's {vocab} tokens ('{folder / HF_TOKENIZER_FILE}'); llmcli needs them "
@@ -156,19 +162,23 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"'{folder}' has no weights ({HF_WEIGHTS_FILE}).")
     tensors: dict[str, torch.Tensor] = {}
     for path in files:
-        try:
-            if path.suffix == ".safetensors":
-                tensors.update(load_file(path, device="cpu"))
-            else:
-                tensors.update(torch.load(path, map_location="cpu", weights_only=True))
-        except pickle.UnpicklingError as exc:
-            if "Unsupported global" in str(exc):  # a pickled class or function
+        if path.suffix != ".safetensors":
+            loaded = torch_load_safely(
+                path,
+                "weights file",
+                unsafe="Convert it to model.safetensors.",
+                corrupt="Download it again, or convert it to model.safetensors.",
+            )
+            if not isinstance(loaded, dict):
                 raise CheckpointError(
-                    f"'{path}' holds Python objects other than tensors; it was refused unread "
-                    "(loading it could run code). Convert it to model.safetensors."
-                ) from None
-            raise CheckpointError(f"'{path}' is corrupt or not a weights file.") from None
-        except Exception as exc:  # safetensors and torch raise many error types on bad files
+                    f"weights file '{path}' holds a {type(loaded).__name__}, not a mapping of "
+                    "tensor names to tensors."
+                )
+            tensors.update(loaded)
+            continue
+        try:
+            tensors.update(load_file(path, device="cpu"))
+        except Exception as exc:  # safetensors raises its own error types on bad files
             raise CheckpointError(f"'{path}' is corrupt or not a weights file ({exc}).") from None
     bad = [k for k, v in tensors.items() if not isinstance(v, torch.Tensor)]
     if bad:

@@ -30,6 +30,7 @@ from llmcli.hf.common import (
     activation,
     bias_or_zeros,
     cpu,
+    field,
     leftovers,
     mismatches,
     model_shape,
@@ -138,11 +139,12 @@ def model_config(hf_cfg: dict[str, Any], base: ModelConfig, source: str) -> Mode
     shape = model_shape(hf_cfg, source)
     n_embed = shape["n_embed"]
     refused = []
-    if hf_cfg.get("intermediate_size", 4 * n_embed) != 4 * n_embed:
-        refused.append(f"intermediate_size {hf_cfg.get('intermediate_size')} (llmcli: 4 * hidden)")
-    if hf_cfg.get("use_parallel_residual", True):
+    inner = field(hf_cfg, source, "intermediate_size", int, 4 * n_embed)
+    if inner != 4 * n_embed:
+        refused.append(f"intermediate_size {inner} (llmcli: 4 * hidden)")
+    if field(hf_cfg, source, "use_parallel_residual", bool, True):
         refused.append("use_parallel_residual (llmcli's block is sequential)")
-    rope = rope_parameters(hf_cfg, partial_default=0.25)
+    rope = rope_parameters(hf_cfg, source, partial_default=0.25)
     if rope["partial_rotary_factor"] != 1.0:
         refused.append(f"rotary_pct {rope['partial_rotary_factor']} (llmcli rotates whole heads)")
     if rope["rope_type"] != "default":
@@ -157,11 +159,11 @@ def model_config(hf_cfg: dict[str, Any], base: ModelConfig, source: str) -> Mode
         **shape,
         bias=True,  # its LayerNorms and MLP always have biases
         pos_emb="rope",
-        rope_base=float(rope["rope_theta"]),
+        rope_base=rope["rope_theta"],
         norm="layernorm",
         qk_norm=False,
         mlp=mlp,
-        tie_embeddings=bool(hf_cfg.get("tie_word_embeddings", False)),
+        tie_embeddings=field(hf_cfg, source, "tie_word_embeddings", bool, False),
     )
 
 

@@ -3,13 +3,15 @@
 It reads only what any run directory holds (`metrics.jsonl`, `config.yaml`, `meta.json`), so it
 works on runs trained anywhere. The table gives each run's best val loss and its step, steps,
 tokens, training time and tokens per second of it, and the config keys whose values differ
-between the runs (only those).
+between the runs (only those). With `reference`, each run's shipped config's reference curve
+(`llmcli.runs.reference`) is drawn too, and each run is placed against it.
 """
 
 from __future__ import annotations
 
 import glob
 import io
+import logging
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,10 +26,24 @@ from llmcli.runs.directory import CONFIG_FILE, META_FILE, METRICS_FILE
 from llmcli.runs.formats import read_meta
 from llmcli.runs.loading import load_config_file
 from llmcli.runs.metrics import best_eval, read_metrics
+from llmcli.runs.reference import (
+    ReferenceCheck,
+    check_run,
+    describe,
+    flat_config,
+    load_reference,
+)
+
+logger = logging.getLogger(__name__)
 
 X_AXES = ("step", "tokens", "elapsed_s")
 # Curves of fewer points than this get a marker at each (a line alone would hide them).
 MARKERS_BELOW = 50
+# The largest magnitude drawn: matplotlib's axis limits overflow a float between two values
+# near the largest float (1.8e308).
+DRAWABLE = 1e300
+# The metrics a reference curve gives (it holds val_loss; val_ppl is its exponential).
+REFERENCE_METRICS = ("val_loss", "val_ppl")
 # The metrics a run logs only with train.head_metrics.
 HEAD_METRICS = ("induction_max", "prev_token_max", "icl_score")
 # Each metric, and the kind of record that holds it.
@@ -56,6 +72,7 @@ class RunSummary:
     elapsed_s: float | None
     tokens_per_s: float | None
     differs: dict[str, Any] = field(default_factory=dict)
+    reference: ReferenceCheck | None = None
 
 
 @dataclass
@@ -79,11 +96,12 @@ class Comparison:
         }
 
 
-def expand_runs(specs: list[str]) -> list[Path]:
+def expand_runs(specs: list[str], minimum: int = 2) -> list[Path]:
     """Run directories from paths and globs (`checkpoints/*`), in the order given.
 
     Raises:
-        InputError: a spec matching nothing, a folder that is not a run, fewer than two runs.
+        InputError: a spec matching nothing, a folder that is not a run, fewer than `minimum`
+            runs.
     """
     runs: list[Path] = []
     for spec in specs:
@@ -100,18 +118,11 @@ def expand_runs(specs: list[str]) -> list[Path]:
                     f"{CONFIG_FILE} (give folders that `llmcli train` wrote)."
                 )
             runs.append(path)
-    if len(runs) < 2:
-        raise InputError(f"compare needs at least two runs; got {len(runs)}: {specs}.")
+    if len(runs) < minimum:
+        raise InputError(
+            f"compare needs at least two runs (or one with --reference); got {len(runs)}: {specs}."
+        )
     return runs
-
-
-def _flat(config: dict[str, Any]) -> dict[str, Any]:
-    return {
-        f"{section}.{key}": value
-        for section, values in config.items()
-        if isinstance(values, dict)
-        for key, value in values.items()
-    }
 
 
 def _summary(run: Path, records: list[dict[str, Any]]) -> RunSummary:
@@ -133,7 +144,12 @@ def _summary(run: Path, records: list[dict[str, Any]]) -> RunSummary:
 
 
 def compare_runs(
-    specs: list[str], *, metric: str = "val_loss", x: str = "step", out: str | Path | None = None
+    specs: list[str],
+    *,
+    metric: str = "val_loss",
+    x: str = "step",
+    out: str | Path | None = None,
+    reference: bool = False,
 ) -> Comparison:
     """Compare runs: a PNG of `metric` against `x` for each run (to `out`) and the table.
 
@@ -143,6 +159,8 @@ def compare_runs(
         x: one of `X_AXES`.
         out: where to write the PNG (None: no picture); a file already there is replaced,
             which `Comparison.replaced` says.
+        reference: also draw each run's reference curve and place each run against it (then
+            one run is enough, and the metric is val_loss or val_ppl).
 
     Raises:
         InputError: a bad run, metric or axis; a metric no run recorded; an unwritable `out`.
@@ -151,8 +169,40 @@ def compare_runs(
         raise InputError(f"--metric {metric!r} is not one of {', '.join(METRICS)}.")
     if x not in X_AXES:
         raise InputError(f"--x {x!r} is not one of {', '.join(X_AXES)}.")
-    runs = expand_runs(specs)
+    if reference and metric not in REFERENCE_METRICS:
+        raise InputError(
+            f"--reference draws the reference runs' validation loss: use --metric val_loss or "
+            f"val_ppl with it, not {metric!r}."
+        )
+    runs = expand_runs(specs, minimum=1 if reference else 2)
     records = {run: read_metrics(run / METRICS_FILE) for run in runs}
+    _check_recorded(records, metric, x)
+    # Validated, with the defaults of any key an older run's config.yaml lacks.
+    nested = {run: load_config_file(run).to_dict() for run in runs}
+    configs = {run: flat_config(config) for run, config in nested.items()}
+    keys = sorted({k for c in configs.values() for k in c})
+    differing = [k for k in keys if len({repr(c.get(k)) for c in configs.values()}) > 1]
+    summaries = []
+    for run in runs:
+        summary = _summary(run, records[run])
+        summary.differs = {k: configs[run].get(k) for k in differing}
+        if reference:
+            summary.reference = check_run(run, nested[run])
+        summaries.append(summary)
+    picture, replaced = None, False
+    if out is not None:
+        picture = Path(out)
+        replaced = picture.exists()
+        curves = _reference_curves(summaries)
+        try:
+            atomic_write_bytes(picture, _plot(records, metric, x, curves))
+        except OSError as exc:
+            raise InputError(f"cannot write '{picture}': {describe_os_error(exc)}.") from None
+    return Comparison(summaries, differing, metric, x, picture, replaced)
+
+
+def _check_recorded(records: dict[Path, list[dict[str, Any]]], metric: str, x: str) -> None:
+    """Raise an `InputError` naming the runs whose metrics.jsonl lacks `metric` against `x`."""
     missing = [str(r) for r, recs in records.items() if not _points(recs, metric, x)]
     if missing:
         hint = (
@@ -164,24 +214,17 @@ def compare_runs(
             f"metric {metric!r} (against {x}) is not in the metrics.jsonl of: "
             f"{', '.join(missing)}{hint}."
         )
-    # Validated, with the defaults of any key an older run's config.yaml lacks.
-    configs = {run: _flat(load_config_file(run).to_dict()) for run in runs}
-    keys = sorted({k for c in configs.values() for k in c})
-    differing = [k for k in keys if len({repr(c.get(k)) for c in configs.values()}) > 1]
-    summaries = []
-    for run in runs:
-        summary = _summary(run, records[run])
-        summary.differs = {k: configs[run].get(k) for k in differing}
-        summaries.append(summary)
-    picture, replaced = None, False
-    if out is not None:
-        picture = Path(out)
-        replaced = picture.exists()
-        try:
-            atomic_write_bytes(picture, _plot(records, metric, x))
-        except OSError as exc:
-            raise InputError(f"cannot write '{picture}': {describe_os_error(exc)}.") from None
-    return Comparison(summaries, differing, metric, x, picture, replaced)
+
+
+def _reference_curves(summaries: list[RunSummary]) -> dict[str, list[dict[str, Any]]]:
+    """Each reference the runs were placed against, by name: its points."""
+    names = [s.reference.name for s in summaries if s.reference and s.reference.path]
+    curves = {}
+    for name in dict.fromkeys(names):
+        loaded = load_reference(name)
+        if loaded is not None:
+            curves[name] = loaded.points
+    return curves
 
 
 def _points(records: list[dict[str, Any]], metric: str, x: str) -> list[tuple[float, float]]:
@@ -196,23 +239,50 @@ def _points(records: list[dict[str, Any]], metric: str, x: str) -> list[tuple[fl
     ]
 
 
-def _plot(records: dict[Path, list[dict[str, Any]]], metric: str, x: str) -> bytes:
+def _plot(
+    records: dict[Path, list[dict[str, Any]]],
+    metric: str,
+    x: str,
+    references: dict[str, list[dict[str, Any]]] | None = None,
+) -> bytes:
     """The picture as PNG bytes."""
     buffer = io.BytesIO()
-    curves_figure(records, metric, x).savefig(buffer, format="png")
+    curves_figure(records, metric, x, references).savefig(buffer, format="png")
     return buffer.getvalue()
 
 
-def curves_figure(records: dict[Path, list[dict[str, Any]]], metric: str, x: str) -> Figure:
-    """`metric` against `x`, one curve per run (its records), named by its folder."""
+def curves_figure(
+    records: dict[Path, list[dict[str, Any]]],
+    metric: str,
+    x: str,
+    references: dict[str, list[dict[str, Any]]] | None = None,
+) -> Figure:
+    """The runs' curves of `metric` against `x`, one per run (its records) named by its folder,
+    and each reference's dashed."""
     fig = Figure(figsize=(7.5, 4.5), dpi=110)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     for run, recs in records.items():
-        xs, ys = zip(*_points(recs, metric, x), strict=True)
+        points = _points(recs, metric, x)
+        drawn = [(px, py) for px, py in points if max(abs(px), abs(py)) <= DRAWABLE]
+        if len(drawn) < len(points):
+            logger.warning(
+                "%s: %d point(s) of %s beyond +-%g are left out of the picture",
+                run,
+                len(points) - len(drawn),
+                metric,
+                DRAWABLE,
+            )
         # Markers on evaluations and on short curves: a run of one point has no line to show.
-        marker = "o" if METRICS[metric] == "eval" or len(xs) < MARKERS_BELOW else None
-        ax.plot(xs, ys, marker=marker, ms=3, lw=1.2, label=run.name)
+        marker = "o" if METRICS[metric] == "eval" or len(drawn) < MARKERS_BELOW else None
+        if drawn:
+            ax.plot(*zip(*drawn, strict=True), marker=marker, ms=3, lw=1.2, label=run.name)
+    for name, points in (references or {}).items():
+        drawn = [p for p in points if isinstance(p.get(x), (int, float))]
+        values = [p["val_loss"] if metric == "val_loss" else math.exp(p["val_loss"]) for p in drawn]
+        ax.plot(
+            [p[x] for p in drawn], values, "--", color="0.3", lw=1.2, label=f"reference: {name}"
+        )
     ax.set_xlabel({"step": "step", "tokens": "tokens", "elapsed_s": "seconds of training"}[x])
     ax.set_ylabel(metric)
     ax.grid(alpha=0.3)
@@ -244,6 +314,11 @@ def format_table(comparison: Comparison) -> str:
         keys = [["config keys that differ", *(Path(r.run).name for r in runs)]]
         keys += [[k, *(str(r.differs.get(k)) for r in runs)] for k in comparison.differing_keys]
         text += "\n\n" + _aligned(keys)
+    checks = [(Path(r.run).name, r.reference) for r in runs if r.reference is not None]
+    if checks:
+        text += "\n\n" + "\n".join(
+            f"{run}: {label}: {value}" for run, check in checks for label, value in describe(check)
+        )
     return text
 
 

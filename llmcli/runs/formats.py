@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import io
 import json
+import logging
+import math
 import pickle
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,8 @@ from safetensors.torch import load, save
 
 from llmcli.errors import CheckpointError
 from llmcli.fileio import atomic_write_bytes
+
+logger = logging.getLogger(__name__)
 
 WEIGHTS_FORMAT = "llmcli-1"
 
@@ -100,10 +105,12 @@ def _safetensors_header(path: Path, data: bytes) -> dict[str, Any]:
         raise CheckpointError(not_st) from None
     if not isinstance(header, dict):
         raise CheckpointError(not_st)
+    # Only well-formed offsets are compared with the size here; safetensors refuses the rest.
+    offsets = [v.get("data_offsets") for k, v in header.items() if isinstance(v, dict)]
     ends = [
-        v["data_offsets"][1]
-        for k, v in header.items()
-        if k != "__metadata__" and isinstance(v, dict) and "data_offsets" in v
+        o[1]
+        for o in offsets
+        if isinstance(o, list) and len(o) == 2 and all(type(x) is int and x >= 0 for x in o)
     ]
     if ends and 8 + n + max(ends) > len(data):
         raise CheckpointError(
@@ -118,18 +125,39 @@ def load_weights(model: Any, tensors: dict[str, Any], path: str | Path) -> None:
     Raises:
         CheckpointError: a tensor is missing, unexpected or of the wrong shape (names it).
     """
+    check_weights(model, tensors, path)
+    with torch.no_grad():
+        model.load_state_dict(tensors, strict=False)
+
+
+def check_weights(
+    model: Any, tensors: dict[str, Any], path: str | Path, what: str = "weights file"
+) -> None:
+    """Check that `tensors` fit `model` exactly, without loading them: every name, and each a
+    floating-point tensor of the model's shape; a tied alias (sharing storage with a tensor
+    that is present) may be absent.
+
+    Raises:
+        CheckpointError: naming `what` and `path` and the tensors that do not fit.
+    """
     path = Path(path)
     expected = model.state_dict()
-    unexpected = sorted(set(tensors) - set(expected))
+    unexpected = sorted(map(str, set(tensors) - set(expected)))
     if unexpected:
         raise CheckpointError(
-            f"weights file '{path}' has tensors the model does not: {', '.join(unexpected[:5])}"
+            f"{what} '{path}' has tensors the model does not: {', '.join(unexpected[:5])}"
             f"{' ...' if len(unexpected) > 5 else ''}; the weights do not match config.yaml."
         )
     for name, tensor in tensors.items():
+        if not (isinstance(tensor, torch.Tensor) and tensor.is_floating_point()):
+            raise CheckpointError(
+                f"{what} '{path}': '{name}' is a {type(tensor).__name__}"
+                f"{f' of {tensor.dtype}' if isinstance(tensor, torch.Tensor) else ''}, not a "
+                "floating-point tensor."
+            )
         if tuple(tensor.shape) != tuple(expected[name].shape):
             raise CheckpointError(
-                f"weights file '{path}': tensor '{name}' has shape {tuple(tensor.shape)} but "
+                f"{what} '{path}': tensor '{name}' has shape {tuple(tensor.shape)} but "
                 f"the model in config.yaml needs {tuple(expected[name].shape)}."
             )
     # A name may be missing only if it aliases (shares storage with) a tensor that is present.
@@ -144,11 +172,9 @@ def load_weights(model: Any, tensors: dict[str, Any], path: str | Path) -> None:
     ]
     if missing:
         raise CheckpointError(
-            f"weights file '{path}' lacks tensors {', '.join(missing[:5])}"
+            f"{what} '{path}' lacks tensors {', '.join(missing[:5])}"
             f"{' ...' if len(missing) > 5 else ''}; it is incomplete or from another model."
         )
-    with torch.no_grad():
-        model.load_state_dict(tensors, strict=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,23 +200,12 @@ def load_state(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"no resume state '{path}'.")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        if "weights_only" in str(exc) or "Unsupported global" in str(exc):
-            raise CheckpointError(
-                f"resume state '{path}' holds Python objects other than tensors and plain "
-                "data; it was refused unread (loading it could run code). It was not written "
-                "by llmcli: remove it to start afresh."
-            ) from None
-        raise CheckpointError(f"resume state '{path}' is corrupt or truncated ({exc}).") from None
-    except Exception as exc:  # a damaged file fails in many ways (zip, pickle, EOF, storage)
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        size = path.stat().st_size
-        raise CheckpointError(
-            f"resume state '{path}' is corrupt or truncated ({size} bytes; {reason}). Remove "
-            "it to start afresh, or restore it from a backup."
-        ) from None
+    state = torch_load_safely(
+        path,
+        "resume state",
+        unsafe="It was not written by llmcli: remove it to start afresh.",
+        corrupt="Remove it to start afresh, or restore it from a backup.",
+    )
     if not isinstance(state, dict) or state.get("format") != WEIGHTS_FORMAT:
         raise CheckpointError(
             f"resume state '{path}' is not an llmcli resume state (format "
@@ -199,15 +214,101 @@ def load_state(path: str | Path) -> dict[str, Any]:
     return state
 
 
+def torch_load_safely(path: Path, what: str, *, unsafe: str, corrupt: str) -> Any:
+    """`torch.load(path, weights_only=True)` on the CPU: no code from the file runs.
+
+    Args:
+        path: the file.
+        what: how messages name it ("resume state").
+        unsafe: what to do about a file that holds pickled Python objects (refused unread).
+        corrupt: what to do about a truncated or corrupt file.
+
+    Raises:
+        CheckpointError: the file holds objects other than tensors and plain data (torch's
+            weights-only unpickler refuses a pickled global unread), or cannot be read.
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        # torch words it "Unsupported global" (before 2.6) or "unsupported GLOBAL" (since):
+        # either way no object was built.
+        if "global" in str(exc).lower():
+            raise CheckpointError(
+                f"{what} '{path}' holds Python objects other than tensors and plain data; it "
+                f"was refused unread (loading it could run code). {unsafe}"
+            ) from None
+        reason = _first_line(exc)
+    except Exception as exc:  # a damaged file fails in many ways (zip, pickle, EOF, storage)
+        reason = _first_line(exc)
+    size = path.stat().st_size
+    raise CheckpointError(
+        f"{what} '{path}' is corrupt or truncated ({size} bytes; {reason}). {corrupt}"
+    ) from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
+
+
 # ---------------------------------------------------------------------------------------------
 # Metadata
 # ---------------------------------------------------------------------------------------------
 
 
+def _count(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# What each field of `meta.json` that llmcli reads must be: anything else is left out.
+_META_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "step": _count,
+    "tokens": _count,
+    "max_steps": _count,
+    "vocab_size": _count,
+    "n_params": _count,
+    "world_size": _count,
+    "elapsed_s": lambda v: _number(v) and v >= 0,
+    "best_val_loss": _number,
+    "best_step": _count,
+    "device": lambda v: isinstance(v, str),
+    "dtype": lambda v: isinstance(v, str),
+    "last_eval": lambda v: isinstance(v, dict) and all(map(_number, v.values())),
+    "versions": lambda v: (
+        isinstance(v, dict) and all(isinstance(x, (str, type(None))) for x in v.values())
+    ),
+}
+
+
 def read_meta(path: str | Path) -> dict[str, Any]:
-    """A run's `meta.json` as a dict ({} when absent or unreadable: it is informative only)."""
+    """A run's `meta.json` as a dict whose fields have the types llmcli reads them as.
+
+    It is informative only, so nothing here is an error: an absent or unreadable file gives {},
+    and a field of the wrong type (`"tokens": "many"`) is left out with a warning, so that what
+    is right can still be shown. A null field is kept: it means "none yet" (`best_val_loss`
+    before the first evaluation).
+    """
+    path = Path(path)
     try:
-        meta = json.loads(Path(path).read_text(encoding="utf-8"))
+        meta = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
-    return meta if isinstance(meta, dict) else {}
+    if not isinstance(meta, dict):
+        return {}
+    bad = [k for k, ok in _META_FIELDS.items() if meta.get(k) is not None and not ok(meta[k])]
+    if bad:
+        logger.warning(
+            "%s: left out %s (not of the type llmcli writes)",
+            path,
+            ", ".join(f"{k} ({_shown(meta[k])})" for k in bad),
+        )
+    return {k: v for k, v in meta.items() if k not in bad}
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."

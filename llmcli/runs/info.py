@@ -1,7 +1,8 @@
 """What a run is: its model size, training summary, recorded versions and generation defaults.
 
 `llmcli info` prints `run_info()`; the versions recorded at training time are compared with the
-installed ones (see `llmcli.runs.versions`).
+installed ones (see `llmcli.runs.versions`), and the run is placed against its shipped config's
+reference curve (see `llmcli.runs.reference`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 from llmcli.runs.directory import METRICS_FILE
 from llmcli.runs.loading import load_run
 from llmcli.runs.metrics import best_eval, read_metrics
+from llmcli.runs.reference import ReferenceCheck, check_run, describe
 from llmcli.runs.versions import record, warnings_for
 
 
@@ -29,7 +31,9 @@ def run_info(
     Returns:
         A JSON-ready dict with `run_dir`, `weights`, `model` (config and parameter counts),
         `training` (steps, tokens, elapsed, best val loss), `versions` (recorded and installed),
-        `version_warnings`, `generation` (the `sample:` defaults) and `tokenizer`.
+        `version_warnings`, `generation` (the `sample:` defaults), `tokenizer` and `reference`
+        (`ReferenceCheck.to_dict()`: the offset from the reference curve at the last
+        evaluation and the differing curve keys, or `missing` saying why there is none).
     """
     run = load_run(checkpoint, weights=weights, notify=notify)
     meta = run.meta
@@ -61,6 +65,7 @@ def run_info(
         "generation": config["sample"],
         "versions": {"recorded": meta.get("versions"), "installed": record()},
         "version_warnings": warnings_for(meta.get("versions")),
+        "reference": check_run(run.run_dir, config).to_dict(),
     }
 
 
@@ -102,6 +107,7 @@ def format_info(info: dict[str, Any]) -> str:
             else "no evaluation yet",
         ),
         ("generation", ", ".join(f"{k}={v}" for k, v in info["generation"].items())),
+        *describe(ReferenceCheck(**info["reference"])),
     ]
     for name in sorted(set(recorded) | set(installed)):
         rows.append(

@@ -1,7 +1,8 @@
 """The training log: `metrics.jsonl`, reading it back, and the loss-curve picture.
 
-Rank 0 appends one JSON object per logged step (`"kind": "train"`) and per evaluation (`"kind":
-"eval"`), and hands each to the run's experiment trackers (`llmcli.runs.trackers`). A resumed run
+Rank 0 appends one JSON object per logged step (`"kind": "train"`), per evaluation (`"kind":
+"eval"`) and per spike-guard event (`"kind": "event"`, `llmcli.training.guard`), and hands each to
+the run's experiment trackers (`llmcli.runs.trackers`). A resumed run
 first cuts the file back to its size at the save it resumes from, so the records after that save are
 written again rather than twice. `loss.png` is redrawn from the file at every evaluation.
 """
@@ -52,14 +53,56 @@ class MetricsLog:
         if self.trackers is not None:
             self.trackers.log(record)
 
+    def rewind(self, size: int) -> None:
+        """Cut the file back to `size` bytes (the save a spike-guard rollback goes back to),
+        keeping the event records written after it: what was skipped stays on record, and the
+        steps the run does again are written again."""
+        self._fh.close()
+        data = self.path.read_bytes()
+        events = [line for line in data[size:].splitlines(keepends=True) if _is_event(line)]
+        atomic_write_bytes(self.path, data[:size] + b"".join(events))
+        self._fh = open(self.path, "ab")  # noqa: SIM115 - closed by close()
+        self.size = self._fh.tell()
+
     def close(self) -> None:
         self._fh.close()
         if self.trackers is not None:
             self.trackers.close()
 
 
+# The fields of a record that llmcli reads, all numbers (NaN and infinities included: a
+# diverging loss is logged as it was).
+NUMBER_FIELDS = (
+    "tokens",
+    "elapsed_s",
+    "lr",
+    "train_loss",
+    "grad_norm",
+    "tok_per_s",
+    "val_loss",
+    "val_ppl",
+    "induction_max",
+    "prev_token_max",
+    "icl_score",
+)
+
+
+def _is_event(line: bytes) -> bool:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(record, dict) and record.get("kind") == "event"
+
+
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The records of a `metrics.jsonl` (a torn last line, from a crash, is skipped)."""
+    """The records of a `metrics.jsonl`, each with the types llmcli reads it as.
+
+    A record is kept when it is a JSON object with a non-negative integer `step`; within it, a
+    `kind` that is not a string or a field of `NUMBER_FIELDS` that is not a number is left out.
+    A line that is not JSON (a torn last line, from a crash) is skipped. The file is a log, so
+    nothing in it is an error: a reader shows what is right.
+    """
     records = []
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
@@ -70,16 +113,32 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
             record = json.loads(line)
         except ValueError:
             continue
-        if isinstance(record, dict):
-            records.append(record)
+        if isinstance(record, dict) and _is_count(record.get("step")):
+            records.append({k: v for k, v in record.items() if _field_ok(k, v)})
     return records
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _field_ok(key: str, value: Any) -> bool:
+    if key == "kind":
+        return isinstance(value, str)
+    if key in NUMBER_FIELDS:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return True
 
 
 def plot_losses(metrics_path: Path, out_path: Path) -> None:
     """Draw train and val loss against steps from `metrics.jsonl` into a PNG (atomically)."""
     records = read_metrics(metrics_path)
-    train = [(r["step"], r["train_loss"]) for r in records if r.get("kind") == "train"]
-    evals = [r for r in records if r.get("kind") == "eval"]
+    train = [
+        (r["step"], r["train_loss"])
+        for r in records
+        if r.get("kind") == "train" and "train_loss" in r
+    ]
+    evals = [r for r in records if r.get("kind") == "eval" and {"train_loss", "val_loss"} <= set(r)]
     fig = Figure(figsize=(7, 4.2), dpi=110)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)

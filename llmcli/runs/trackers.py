@@ -8,7 +8,13 @@ every record the training loop writes to `metrics.jsonl` (rank 0 only), with the
 - an evaluation: `eval/train_loss`, `eval/val_loss`, `eval/val_ppl`, and with
   `train.head_metrics` `eval/icl_score`, `heads/induction_max`, `heads/prev_token_max`;
 
-(TensorBoard tags and W&B keys alike), at the record's step.
+- with `train.log_layers`, a train step also: `layers/<group>/grad_norm`,
+  `layers/<group>/update_ratio` (`llmcli.training.layers`);
+- a spike-guard event (`llmcli.training.guard`): `guard/skipped_loss`, or `guard/rollback_loss`
+  and `guard/rollbacks`;
+
+(TensorBoard tags and W&B keys alike), at the record's step. After a rollback the steps run
+again are logged again at the same steps.
 
 - TensorBoard writes event files into `<run>/tensorboard/` through
   `torch.utils.tensorboard.SummaryWriter`. A resumed run purges the steps after the one it
@@ -24,6 +30,7 @@ dropped: `metrics.jsonl` stays the record.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
 import shutil
@@ -39,8 +46,11 @@ logger = logging.getLogger(__name__)
 
 TENSORBOARD_DIR = "tensorboard"
 WANDB_ID_FILE = "wandb_run_id"
-# The package each tracker imports, and the extra that installs it.
-_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
+# The package each tracker needs, the module it imports, and the extra that installs it.
+_PACKAGES = {
+    "tensorboard": ("tensorboard", "torch.utils.tensorboard", "tensorboard"),
+    "wandb": ("wandb", "wandb", "wandb"),
+}
 _TRAIN_TAGS = {
     "train_loss": "train/loss",
     "lr": "train/lr",
@@ -61,27 +71,47 @@ _EVAL_TAGS = {
 
 def tags(record: dict[str, Any]) -> dict[str, float]:
     """The scalars of a `metrics.jsonl` record under their tracker tags (step and kind aside)."""
-    names = _EVAL_TAGS if record.get("kind") == "eval" else _TRAIN_TAGS
-    return {
-        tag: float(record[key])
-        for key, tag in names.items()
-        if isinstance(record.get(key), (int, float)) and not isinstance(record.get(key), bool)
-    }
+    kind = record.get("kind")
+    if kind == "event":  # a spike-guard event: its loss, and a rollback's count
+        names = {"loss": f"guard/{record.get('event')}_loss", "rollback": "guard/rollbacks"}
+    else:
+        names = _EVAL_TAGS if kind == "eval" else _TRAIN_TAGS
+    scalars = {tag: float(record[key]) for key, tag in names.items() if _is_number(record.get(key))}
+    for group, values in (record.get("layers") or {}).items():  # train.log_layers
+        for key, value in values.items():
+            if _is_number(value):
+                scalars[f"layers/{group}/{key}"] = float(value)
+    return scalars
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def check_available(names: list[str]) -> None:
-    """Refuse a tracker whose package is missing, naming the extra that installs it.
+    """Refuse a tracker whose package is missing or does not import, before anything is
+    written: it imports what the tracker imports, and names the extra that installs it.
 
     Raises:
-        InputError: `pip install 'llmcli[<extra>]'` is needed.
+        InputError: the package is not installed (`pip install 'llmcli[<extra>]'`), or it is
+            and importing it fails (the message gives the error).
     """
     for name in names:
-        module, extra = _PACKAGES[name]
-        if importlib.util.find_spec(module) is None:
+        package, module, extra = _PACKAGES[name]
+        if importlib.util.find_spec(package) is None:
             raise InputError(
-                f"train.logger {name!r} needs the {module} package, which is not installed: "
+                f"train.logger {name!r} needs the {package} package, which is not installed: "
                 f"pip install 'llmcli[{extra}]' (or set train.logger: none)."
             )
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # a broken install fails in its own ways (ImportError and more)
+            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+            raise InputError(
+                f"train.logger {name!r}: the {package} package is installed but `import "
+                f"{module}` fails ({type(exc).__name__}: {first}). Reinstall it (pip install "
+                f"--force-reinstall 'llmcli[{extra}]') or set train.logger: none."
+            ) from None
 
 
 class Tracker(Protocol):

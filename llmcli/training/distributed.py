@@ -84,7 +84,13 @@ def dist_from_env(env: dict[str, str] | None = None) -> DistInfo:
 
 @contextlib.contextmanager
 def process_group(info: DistInfo, device: torch.device) -> Iterator[None]:
-    """Join the job's process group (nccl on CUDA, gloo on the CPU) for the block, if any."""
+    """Join the job's process group (nccl on CUDA, gloo on the CPU) for the block, if any.
+
+    Raises:
+        InputError: a bad $LLMCLI_DIST_JOIN_TIMEOUT, in a 1-process run too (a typo shows up
+            before a torchrun job meets it), or distributed training on MPS.
+    """
+    timeout = join_timeout()
     if not info.enabled or dist.is_initialized():
         yield
         return
@@ -93,7 +99,7 @@ def process_group(info: DistInfo, device: torch.device) -> Iterator[None]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    with _exit_if_stuck(join_timeout(), info):
+    with _exit_if_stuck(timeout, info):
         dist.init_process_group(
             backend, store=_attempt_store(info), rank=info.rank, world_size=info.world_size
         )

@@ -66,6 +66,7 @@ from llmcli.training.distributed import (
 )
 from llmcli.training.evaluate import evaluate_loss, icl_score, perplexity
 from llmcli.training.interrupt import Preempted, StopRequest
+from llmcli.training.layers import LayerWatch
 from llmcli.training.memory import out_of_memory_is_bad_input
 from llmcli.training.optim import apply_lr
 from llmcli.training.precision import Precision
@@ -101,6 +102,8 @@ class TrainSummary:
     resumed_from: int | None
     saves: int = 0  # checkpoints written in this session
     save_s: float | None = None  # the longest of them, seconds (what a preemption must allow)
+    skipped: int = 0  # steps the spike guard skipped, in the whole run
+    rollbacks: int = 0  # ... and its rollbacks
 
 
 def train(
@@ -176,9 +179,13 @@ def _loop(run: Run, progress: bool, on_step: Callable[[int], None] | None) -> Tr
     with StopRequest(escalate=not info.enabled) as stop, logging_redirect_tqdm(), bar:
         try:
             while state.step < tc.max_steps:
-                lr = apply_lr(run.optimizer, state.step, tc)
+                lr = apply_lr(run.optimizer, state.step, tc, _lr_scale(run))
                 due = _due(state.step + 1, tc)  # known before the step: a log step wants the norm
-                norm = _train_step(run, losses, want_norm=due.log)
+                watch = LayerWatch(run.model) if tc.log_layers and due.log and info.main else None
+                norm, applied = _fitting_step(run, losses, due.log, watch)
+                if not applied:  # the spike guard skipped it, or rolled the run back
+                    speed.rewind(state.tokens)
+                    continue
                 state.step += 1
                 state.tokens += run.tokens_per_step
                 bar.update(1)
@@ -194,7 +201,7 @@ def _loop(run: Run, progress: bool, on_step: Callable[[int], None] | None) -> Tr
                 _check_finite(run, step_losses)
                 tok_s = speed.read(state.tokens)
                 if due.log:  # (a stop between log steps writes no record)
-                    _log(run, bar, lr, step_losses[-1], tok_s, norm)
+                    _log(run, bar, lr, step_losses[-1], tok_s, norm, watch)
                 if due.evaluate or due.save or flags.timed_save:
                     best = _evaluate(run, lr) if due.evaluate else False  # each evaluation saves
                     _save(run, best)
@@ -237,10 +244,15 @@ def _due(step: int, tc: TrainConfig) -> _Due:
     )
 
 
-def _train_step(run: Run, losses: _LossBuffer, want_norm: bool) -> torch.Tensor | None:
+def _train_step(
+    run: Run, losses: _LossBuffer, want_norm: bool, watch: LayerWatch | None
+) -> tuple[torch.Tensor | None, bool]:
     """One optimizer step over `grad_accum` micro-batches; their mean loss goes to `losses`.
+    With the spike guard, the step is applied only if the guard lets it (`_guard`); `watch`
+    (`train.log_layers`) measures each layer's gradients and update.
 
-    Returns the global gradient norm before clipping (see `Precision.step`), on the device.
+    Returns the global gradient norm before clipping (see `Precision.step`), on the device, and
+    whether the step was applied.
     """
     tc = run.config.train
     for micro in range(tc.grad_accum):
@@ -252,9 +264,85 @@ def _train_step(run: Run, losses: _LossBuffer, want_norm: bool) -> torch.Tensor 
             loss = loss / tc.grad_accum  # the micro-batches' mean, summed below
             run.precision.backward(loss)
         losses.add(loss.detach())
-    norm = run.precision.step(run.optimizer, run.params, tc.grad_clip, want_norm)
+    precision, guard = run.precision, run.guard
+    inspect = watch.read_grads if watch is not None else None
+    norm = precision.clip(
+        run.optimizer, run.params, tc.grad_clip, want_norm or bool(guard), inspect
+    )
+    if guard is not None and not _guard(run, losses, norm):
+        precision.finish(run.optimizer, apply=False)
+        losses.drop_step()
+        return norm, False
+    if watch is not None:
+        watch.before_step()
+    precision.finish(run.optimizer)
+    if watch is not None:
+        watch.after_step()
     losses.end_step()
-    return norm
+    return norm, True
+
+
+def _lr_scale(run: Run) -> float:
+    """The spike guard's factor on the learning rate (lowered for a while after a rollback)."""
+    return run.guard.lr_scale(run.state.step) if run.guard is not None else 1.0
+
+
+def _guard(run: Run, losses: _LossBuffer, norm: torch.Tensor | None) -> bool:
+    """The spike guard's verdict on the step just computed (`llmcli.training.guard`): True to
+    apply it. A skip or a rollback is logged; a run that cannot recover raises
+    `DivergenceError`. The loss and norm are read from the device (the mean over ranks: every
+    rank decides alike)."""
+    assert run.guard is not None
+    loss = losses.current()
+    values = torch.stack([loss, norm if norm is not None else torch.zeros_like(loss)]).float()
+    mean_over_ranks(values, run.info)
+    loss_value, norm_value = values.tolist()
+    judged_norm = norm_value if norm is not None and run.precision.scaler is None else None
+    step = run.state.step + 1
+    verdict = run.guard.check(step, loss_value, judged_norm)
+    if verdict.event is None:
+        return True
+    _event(
+        run,
+        verdict.event,
+        f"step {step} skipped ({verdict.event['reason']}, loss {loss_value:.4g})",
+    )
+    can_roll_back = run.state.last_saved >= 0
+    if verdict.action == "rollback" and can_roll_back:
+        event = run.rollback(step, loss_value)
+        losses.clear()  # the losses of the steps undone are not logged
+        _event(
+            run,
+            event,
+            f"rolled back to step {event['to_step']} (rollback {event['rollback']}): learning "
+            f"rate x {event['lr_factor']:g} until step {event['lr_until_step']}, on new batches",
+        )
+    elif verdict.action != "skip":
+        raise _diverged(run, step, loss_value, run.guard.stop_advice(verdict.event, can_roll_back))
+    return False
+
+
+def _event(run: Run, record: dict, message: str) -> None:
+    """Rank 0: a spike-guard event into metrics.jsonl (and the trackers), and a warning."""
+    if run.metrics is not None:
+        run.metrics.write(record)
+        logger.warning("spike guard: %s", message)
+
+
+def _fitting_step(
+    run: Run, losses: _LossBuffer, want_norm: bool, watch: LayerWatch | None
+) -> tuple[torch.Tensor | None, bool]:
+    """`_train_step`; in a fresh run's first steps, an automatic micro-batch that runs out of
+    memory is made smaller and the step tried again (`Run.shrink_micro_batch`)."""
+    while True:
+        try:
+            return _train_step(run, losses, want_norm, watch)
+        except torch.OutOfMemoryError:
+            if not run.can_shrink_batch():
+                raise
+        # Outside the handler: the failed step's tensors are free by now.
+        losses.drop_step()
+        run.shrink_micro_batch()
 
 
 @dataclass(frozen=True)
@@ -296,6 +384,19 @@ class _LossBuffer:
     def end_step(self) -> None:
         self.n += 1
 
+    def current(self) -> torch.Tensor:
+        """The current step's loss so far (a 0-d view on the device)."""
+        return self.values[self.n]
+
+    def clear(self) -> None:
+        self.values.zero_()
+        self.n = 0
+
+    def drop_step(self) -> None:
+        """Forget the current step's loss: a step the spike guard did not apply, or one that
+        ran out of memory and is tried again."""
+        self.values[self.n] = 0
+
     def read(self, flags: _Flags, info: DistInfo) -> tuple[list[float], _Flags]:
         """(the loss of each step since the last read, the flags any rank raised)."""
         self.values[-self.N_FLAGS :] = torch.tensor(dataclasses.astuple(flags), dtype=torch.float)
@@ -322,6 +423,11 @@ class _TokenRate:
     def restart(self, tokens: int) -> None:
         self.start, self.tokens = time.perf_counter(), tokens
 
+    def rewind(self, tokens: int) -> None:
+        """After a rollback the count goes back: the rate counts from there (the time spent on
+        the steps undone counts against it)."""
+        self.tokens = min(self.tokens, tokens)
+
 
 def _check_finite(run: Run, step_losses: list[float]) -> None:
     first = run.state.step - len(step_losses) + 1
@@ -330,22 +436,31 @@ def _check_finite(run: Run, step_losses: list[float]) -> None:
             raise _diverged(run, first + offset, value)
 
 
-def _diverged(run: Run, step: int, value: float) -> DivergenceError:
+def _diverged(run: Run, step: int, value: float, what: str | None = None) -> DivergenceError:
+    """The message of a diverged run: `what` happened (default: the loss became `value` at
+    `step`), the last good checkpoint, and what to change."""
     lr, saved = run.config.train.lr, run.state.last_saved
     kept = (
         f"the last good checkpoint (step {saved}) in '{run.run_dir}' is intact"
         if saved >= 0
         else "no checkpoint was saved before it"
     )
+    what = what or f"the loss became {value} at step {step}: training diverged"
     return DivergenceError(
-        f"the loss became {value} at step {step}: training diverged, {kept}. Lower "
-        f"the learning rate (train.lr = {lr:g}; try --set train.lr={lr / 3:.3g}), "
-        "or raise train.warmup_steps or lower train.grad_clip."
+        f"{what}, {kept}. Lower the learning rate (train.lr = {lr:g}; try --set "
+        f"train.lr={lr / 3:.3g}), or raise train.warmup_steps or lower train.grad_clip"
+        + (", and check the data around this step." if run.guard is not None else ".")
     )
 
 
 def _log(
-    run: Run, bar: Progress, lr: float, loss: float, tok_s: float, norm: torch.Tensor | None
+    run: Run,
+    bar: Progress,
+    lr: float,
+    loss: float,
+    tok_s: float,
+    norm: torch.Tensor | None,
+    watch: LayerWatch | None,
 ) -> None:
     """Rank 0: one `metrics.jsonl` record, and the figures beside the bar (or a plain line)."""
     if run.metrics is None:
@@ -362,6 +477,8 @@ def _log(
     }
     if norm is not None:
         record["grad_norm"] = norm.item()  # the gradient norm of this step, before clipping
+    if watch is not None:
+        record["layers"] = watch.record()
     run.metrics.write(record)
     bar.report({"loss": f"{loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tok_s:,.0f}"})
 
@@ -467,6 +584,8 @@ def _save(run: Run, best: bool) -> None:
             "dtype": run.precision.name,
             "world_size": info.world_size,
             "versions": record_versions(),
+            # the shipped config's name finds the run's reference curve (llmcli.runs.reference)
+            "config_name": run.config.name,
         }
         save_checkpoint(
             run.run_dir,
@@ -507,4 +626,6 @@ def _summary(run: Run, elapsed_s: float, tok_rate: float | None) -> TrainSummary
         resumed_from=run.resumed_from,
         saves=len(run.save_seconds),
         save_s=max(run.save_seconds, default=None),
+        skipped=run.guard.state.skips if run.guard is not None else 0,
+        rollbacks=run.guard.state.rollbacks if run.guard is not None else 0,
     )

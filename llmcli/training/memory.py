@@ -1,7 +1,8 @@
 """Memory: refuse a model and batch that cannot fit, and explain running out of memory.
 
-`check_memory` compares an estimate of what one training step needs (`estimate_training_bytes`)
-with the device's memory (`device_memory_bytes`) before anything is allocated;
+`estimate_memory` says what one training step needs (weights, gradients, optimizer state,
+activations); `check_memory` compares it with the device's memory (`device_memory_bytes`) or
+`train.memory_limit` before anything is allocated, and `device_free_bytes` says what is free now;
 `out_of_memory_is_bad_input` turns an out-of-memory error during training into a message that
 says what to lower.
 """
@@ -9,37 +10,146 @@ says what to lower.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from llmcli.errors import InputError
-from llmcli.progress import format_count
+from llmcli.progress import format_bytes, format_count
 
 if TYPE_CHECKING:
     from llmcli.config import Config
 
 
-def estimate_training_bytes(config: Config, vocab_size: int) -> tuple[int, int]:
-    """An estimate of the memory one training step needs: (parameters, bytes).
+# The framework's own working memory on the first training steps, beyond the tensors below:
+# on the CPU, the allocator's cached pages, oneDNN's kernels and scratch (60-90 MiB measured on
+# the tiny and small configs, benchmarks/plan_memory.py); on CUDA, cuBLAS's workspaces.
+RUNTIME_BYTES = {"cpu": 80 * 2**20, "cuda": 32 * 2**20}
 
-    Weights, gradients and two AdamW moments (16 bytes per fp32 parameter), plus fp32
-    activations kept for the backward pass, about `B T (L (18 C + 3 nh T) + 3 V)` floats
-    (after Korthikanti et al., 2022). Used only to refuse what cannot fit before allocating it.
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """The bytes one training step needs, by what holds them.
+
+    Attributes:
+        params: the model's parameters (a tied weight counts once).
+        params_non_embedding: without position embeddings, and without the token embedding
+            unless it is tied to the LM head (as `Transformer.num_parameters` counts).
+        weights: fp32 weights, plus autocast's half-precision copies of them.
+        grads: fp32 gradients (twice under DDP, whose buckets hold a copy).
+        optimizer: the optimizer's state (AdamW: two moments; Muon: one momentum per matrix).
+        activations: what the forward keeps for the backward pass, at the micro-batch.
+        runtime: the framework's own working memory (`RUNTIME_BYTES`).
+    """
+
+    params: int
+    params_non_embedding: int
+    weights: int
+    grads: int
+    optimizer: int
+    activations: int
+    runtime: int
+
+    @property
+    def peak(self) -> int:
+        """All of it at once: what a micro-step of accumulation holds at its forward's end."""
+        return self.weights + self.grads + self.optimizer + self.activations + self.runtime
+
+    def as_dict(self) -> dict[str, int]:
+        """The parts `llmcli plan --json` prints, in bytes."""
+        return {
+            "weights": self.weights,
+            "grads": self.grads,
+            "optimizer": self.optimizer,
+            "activations": self.activations,
+            "peak": self.peak,
+        }
+
+
+def estimate_memory(
+    config: Config,
+    vocab_size: int,
+    device_type: str = "cpu",
+    dtype: str = "float32",
+    world_size: int = 1,
+    batch_size: int | None = None,
+) -> MemoryEstimate:
+    """An estimate of the memory one training step needs, before allocating any of it.
+
+    The parameters are counted on a model built on the meta device (no memory). Activations,
+    in values per token: `L (20 C + 2 C [dropout]) + 4 C + 4 V`, 4 bytes each in fp32 and 2 under
+    autocast (whose residual stream, 2 C per layer, stays fp32), plus `5 L nh T` fp32 values
+    where SDPA falls back to its explicit path and keeps the attention weights `(B, nh, T, T)`:
+    on the CPU with dropout or in half precision, and on MPS (CUDA's fused kernels keep none).
+    Autocast also holds half-precision copies of the weights. About 30% above what autograd
+    saves, for the backward pass's temporaries; fitted to measured peaks and checked within 25%
+    (benchmarks/plan_memory.py).
+
+    Args:
+        config: the config; `train.batch_size` must be a number unless `batch_size` is given.
+        vocab_size: the tokenizer's vocabulary.
+        device_type: "cpu", "cuda" or "mps".
+        dtype: the precision the step computes in (`Precision.name`).
+        world_size: DDP processes.
+        batch_size: the micro-batch (default: `train.batch_size`).
     """
     m, tc = config.model, config.train
+    B = tc.batch_size if batch_size is None else batch_size
+    assert isinstance(B, int), "resolve train.batch_size: auto first (llmcli.training.batch)"
+    params, non_embedding, momenta = _count_parameters(config, vocab_size)
     C, L, T, nh = m.n_embed, m.n_layer, m.context_length, m.n_head
-    n_params = (
-        L * (12 * C * C + 13 * C)
-        + vocab_size * C * (1 if m.tie_embeddings else 2)
-        + (T * C if m.pos_emb == "learned" else 0)
-        + 2 * C
+    half = dtype in ("bfloat16", "float16")
+    keeps_weights = device_type == "mps" or (device_type == "cpu" and (half or m.dropout > 0))
+    values = L * (20 * C + (2 * C if m.dropout > 0 else 0)) + 4 * C + 4 * vocab_size
+    per_token = (2 if half else 4) * values
+    if half:  # the residual stream stays fp32: the norms keep their inputs in it
+        per_token += 2 * L * 2 * C
+    if keeps_weights:  # in fp32 also under autocast, which runs softmax in fp32
+        per_token += 4 * L * 5 * nh * T
+    return MemoryEstimate(
+        params=params,
+        params_non_embedding=non_embedding,
+        weights=4 * params + (2 * params if half else 0),
+        grads=4 * params * (2 if world_size > 1 else 1),
+        optimizer=4 * momenta,
+        activations=B * T * per_token,
+        runtime=RUNTIME_BYTES.get(device_type, 0),
     )
-    activations = tc.batch_size * T * (L * (18 * C + 3 * nh * T) + 3 * vocab_size)
-    return n_params, 16 * n_params + 4 * activations
+
+
+def _count_parameters(config: Config, vocab_size: int) -> tuple[int, int, int]:
+    """(parameters, non-embedding parameters, optimizer moment values) of the config's model.
+
+    One `Block` and the final norm are built on the meta device, which allocates nothing; the
+    embeddings are counted from their shapes. Neither the whole `Transformer` nor the rotary
+    embedding (buffers, no parameters) is built there: their `arange`s on the meta device import
+    torch's compiler, most of a second of every `train` and `plan`.
+    """
+    from llmcli.model.gpt import Block
+    from llmcli.model.layers import make_norm
+
+    m = config.model
+    with torch.device("meta"):
+        block = Block(dataclasses.replace(m, pos_emb="learned"))  # no parameters in the rotation
+        final_norm = make_norm(m)
+    per_block = sum(p.numel() for p in block.parameters())
+    matrices = m.n_layer * sum(p.numel() for p in block.parameters() if p.dim() == 2)
+    token = vocab_size * m.n_embed  # the token embedding, also the LM head when tied
+    position = m.context_length * m.n_embed if m.pos_emb == "learned" else 0
+    head = 0 if m.tie_embeddings else vocab_size * m.n_embed
+    body = m.n_layer * per_block + sum(p.numel() for p in final_norm.parameters())
+    params = body + token + position + head
+    # As `Transformer.num_parameters(non_embedding=True)`: a tied token embedding stays.
+    non_embedding = body + (token if m.tie_embeddings else head)
+    momenta = 2 * params  # AdamW: exp_avg and exp_avg_sq
+    if config.train.optimizer == "muon":  # the blocks' matrices (see muon_param_groups)
+        momenta -= matrices  # one momentum buffer each, instead of two moments
+    return params, non_embedding, momenta
 
 
 def device_memory_bytes(device: torch.device) -> int | None:
@@ -52,32 +162,77 @@ def device_memory_bytes(device: torch.device) -> int | None:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
-    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+    limit = _cgroup_limit()
+    return total if limit is None else min(total, limit[0])
+
+
+def device_free_bytes(device: torch.device) -> int | None:
+    """Memory a run can take now: free GPU memory; for the CPU, the kernel's MemAvailable
+    (within a cgroup limit); for MPS, Metal's recommended working set less what is in use;
+    None if unknown."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type == "mps":
+        mps = getattr(torch, "mps", None)
+        if mps is None or not hasattr(mps, "recommended_max_memory"):
+            return None
+        return max(0, int(mps.recommended_max_memory()) - int(mps.driver_allocated_memory()))
+    free = _mem_available()
+    limit = _cgroup_limit()
+    if limit is not None:
+        room = limit[0] - limit[1]
+        free = room if free is None else min(free, room)
+    return free if free is not None else device_memory_bytes(device)
+
+
+def _mem_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _cgroup_limit() -> tuple[int, int] | None:
+    """(this cgroup's memory limit, its usage now), or None where there is no limit."""
+    for folder, limit_name, usage_name in (
+        ("/sys/fs/cgroup", "memory.max", "memory.current"),
+        ("/sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes"),
+    ):
         try:
-            text = Path(limit_file).read_text().strip()
+            limit = (Path(folder) / limit_name).read_text().strip()
+            usage = (Path(folder) / usage_name).read_text().strip()
         except OSError:
             continue
-        if text.isdigit():
-            total = min(total, int(text))
-    return total
+        if limit.isdigit() and usage.isdigit():
+            return int(limit), int(usage)
+    return None
 
 
-def check_memory(config: Config, vocab_size: int, device: torch.device) -> None:
-    """Refuse a model and batch that cannot fit in the device's memory, before allocating.
+def check_memory(
+    config: Config, vocab_size: int, device: torch.device, dtype: str, world_size: int = 1
+) -> None:
+    """Refuse a model and batch that cannot fit in the device's memory (or
+    `train.memory_limit`), before allocating.
 
     Raises:
-        InputError: the estimate exceeds the device's total memory.
+        InputError: the estimate exceeds the memory.
     """
-    n_params, need = estimate_training_bytes(config, vocab_size)
-    have = device_memory_bytes(device)
+    estimate = estimate_memory(config, vocab_size, device.type, dtype, world_size)
+    limit = config.train.memory_limit_bytes
+    have = limit if limit is not None else device_memory_bytes(device)
+    need = estimate.peak
     if have is None or need <= have:
         return
-    gib = 2**30
+    where = "train.memory_limit allows" if limit is not None else f"the {device.type} has"
     raise InputError(
-        f"training this model needs about {need / gib:,.1f} GiB ({format_count(n_params)} "
+        f"training this model needs about {format_bytes(need)} ({format_count(estimate.params)} "
         f"parameters, batches of {config.train.batch_size} x {config.model.context_length} "
-        f"tokens) but the {device.type} has {have / gib:,.1f} GiB: lower model.n_embed, "
-        "model.n_layer or train.batch_size (raise train.grad_accum to keep the tokens per step)."
+        f"tokens) but {where} {format_bytes(have)}: lower model.n_embed, model.n_layer or "
+        "train.batch_size (raise train.grad_accum to keep the tokens per step), or use "
+        "train.batch_size: auto with train.tokens_per_step."
     )
 
 

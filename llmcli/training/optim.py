@@ -171,10 +171,13 @@ def lr_at(step: int, train: TrainConfig) -> float:
     )
 
 
-def apply_lr(optimizer: torch.optim.Optimizer, step: int, train: TrainConfig) -> float:
-    """Set every group's lr for `step` (its `base_lr` times the schedule's factor); returns the
-    rate of the base schedule (`lr_at(step)`)."""
-    lr = lr_at(step, train)
+def apply_lr(
+    optimizer: torch.optim.Optimizer, step: int, train: TrainConfig, scale: float = 1.0
+) -> float:
+    """Set every group's lr for `step` (its `base_lr` times the schedule's factor, times
+    `scale`: the spike guard's lowering after a rollback); returns the rate of the base
+    schedule (`lr_at(step) * scale`)."""
+    lr = lr_at(step, train) * scale
     factor = lr / train.lr
     for group in optimizer.param_groups:
         group["lr"] = group.get("base_lr", train.lr) * factor

@@ -1,8 +1,9 @@
 """A run: what the training loop works with, and how it is built, or restored from a save.
 
-`build_run` makes the run directory ready (a fresh start or a resume), tokenizes the corpus, builds
-the model, optimizer and batch sampler, loads the resume state into them when resuming, and wraps
-the model for `train.compile` and DDP. Every rank checks each stage with the others (`agreed`)
+`build_run` makes the run directory ready (a fresh start or a resume), tokenizes the corpus, settles
+the micro-batch (`train.batch_size: auto`, `llmcli.training.batch`), builds the model, optimizer
+and batch sampler, loads the resume state into them when resuming, and wraps the model for
+`train.compile` and DDP. Every rank checks each stage with the others (`agreed`)
 before going on, so that a bad input on one rank stops them all with its message.
 `open_run_files` then writes the run's config and tokenizer and opens `metrics.jsonl`, cut back to
 what it held at the save a run resumes from (and, with `train.head_metrics`, `head_metrics.jsonl`
@@ -43,7 +44,14 @@ from llmcli.runs.head_metrics import HeadMetricsLog
 from llmcli.runs.loading import load_tokenizer_file
 from llmcli.runs.metrics import MetricsLog
 from llmcli.runs.trackers import open_trackers
+from llmcli.training.batch import (
+    OOM_RETRY_STEPS,
+    resolve_batch,
+    smaller_micro_batch,
+    with_micro_batch,
+)
 from llmcli.training.distributed import DistInfo, agreed, gather
+from llmcli.training.guard import SpikeGuard
 from llmcli.training.memory import check_memory
 from llmcli.training.optim import build_optimizer
 from llmcli.training.precision import Precision
@@ -78,6 +86,8 @@ class Run:
     metrics: MetricsLog | None = None  # rank 0 only
     probe: Probe | None = None  # with train.head_metrics, on rank 0: what each head is scored on
     head_log: HeadMetricsLog | None = None  # ... and where the scores go
+    auto_batch: bool = False  # train.batch_size was auto: running out of memory early shrinks it
+    guard: SpikeGuard | None = None  # with train.spike_guard
     saved_at: float = 0.0  # perf_counter() at the end of the last save (or the loop's start)
     save_seconds: list[float] = dataclasses.field(default_factory=list)  # this session's saves
 
@@ -90,6 +100,42 @@ class Run:
         tc = self.config.train
         return (
             tc.batch_size * self.config.model.context_length * tc.grad_accum * self.info.world_size
+        )
+
+    def can_shrink_batch(self) -> bool:
+        """Whether running out of memory in this step may shrink the micro-batch: an automatic
+        one, in the first `OOM_RETRY_STEPS` steps of a fresh run in one process (under DDP one
+        rank alone cannot change the batch), and not yet down to one sequence."""
+        return (
+            self.auto_batch
+            and not self.info.enabled
+            and self.resumed_from is None
+            and self.state.step < OOM_RETRY_STEPS
+            and smaller_micro_batch(self.config) is not None
+        )
+
+    def shrink_micro_batch(self) -> None:
+        """Go on with a smaller micro-batch (`smaller_micro_batch`) and more accumulation, the
+        tokens per step unchanged: drop the failed step's gradients, tell the sampler, record
+        the numbers in config.yaml, and say so in one line."""
+        old = self.config.train.batch_size
+        batch = smaller_micro_batch(self.config)
+        assert batch is not None
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # give the failed step's blocks back before the smaller one
+        self.config = with_micro_batch(self.config, batch)
+        self.sampler.batch_size = batch
+        if self.info.main:
+            write_config_and_tokenizer(self.run_dir, self.config, self.tokenizer)
+        logger.warning(
+            "note: out of memory at step %d with %d sequences per micro-batch: going on with %d "
+            "x grad_accum %d (the same %d tokens per step)",
+            self.state.step + 1,
+            old,
+            batch,
+            self.config.train.grad_accum,
+            self.tokens_per_step,
         )
 
     def resume_state(self, rngs_and_samplers: list[tuple[Any, Any]]) -> ResumeState:
@@ -108,6 +154,7 @@ class Run:
             scaler=self.precision.state_dict(),
             rng=[rng for rng, _ in rngs_and_samplers],
             sampler=[sampler for _, sampler in rngs_and_samplers],
+            guard=self.guard.state_dict() if self.guard is not None else None,
         )
 
     def restore(self, saved: ResumeState) -> None:
@@ -118,14 +165,11 @@ class Run:
             CheckpointError: a part that does not fit this run (a damaged or foreign file),
                 naming the file and the part.
         """
-        load_weights(self.model, saved.model, saved.path or STATE_FILE)
-        # Moments and step counts from the save; hyperparameters from today's config.
-        optimizer = self.optimizer
-        fresh = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        saved.load_part("optimizer", lambda: optimizer.load_state_dict(saved.optimizer))
-        for group, values in zip(optimizer.param_groups, fresh, strict=True):
-            group.update(values)
-        saved.load_part("scaler", lambda: self.precision.load_state_dict(saved.scaler))
+        saved.check_parts(self.model, self.optimizer)  # all of it, before any part is loaded
+        self._restore_training(saved)
+        guard = self.guard
+        if guard is not None and saved.guard is not None:  # else a fresh guard: an empty window
+            saved.load_part("guard", lambda: guard.load_state_dict(saved.guard))
         info, saved_world = self.info, len(saved.rng)
         if saved_world != info.world_size and info.main:
             logger.warning(
@@ -141,6 +185,38 @@ class Run:
         self.state = dataclasses.replace(saved.counters, session_start=self.state.session_start)
         self.resumed_from = self.state.step
         self.metrics_bytes = saved.metrics_bytes
+
+    def _restore_training(self, saved: ResumeState) -> None:
+        """Put back what a step changes: the weights, the optimizer's moments and step counts
+        (with today's hyperparameters) and the precision scaler."""
+        load_weights(self.model, saved.model, saved.path or STATE_FILE)
+        optimizer = self.optimizer
+        fresh = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        saved.load_part("optimizer", lambda: optimizer.load_state_dict(saved.optimizer))
+        for group, values in zip(optimizer.param_groups, fresh, strict=True):
+            group.update(values)
+        saved.load_part("scaler", lambda: self.precision.load_state_dict(saved.scaler))
+
+    def rollback(self, step: int, loss: float) -> dict[str, Any]:
+        """The spike guard's rollback (`llmcli.training.guard`) at step `step`: back to the last
+        save, read as a resume reads it, with the sampler and the random streams left where they
+        are (past the batches that caused it) and the clock still running; `metrics.jsonl` is
+        cut back to the save, keeping its event records. Returns the rollback's event record.
+        """
+        assert self.guard is not None
+        with agreed(self.info, self.device):
+            saved = ResumeState.load(self.run_dir)
+        self._restore_training(saved)
+        for counter in dataclasses.fields(TrainState):  # in place: the loop holds `self.state`
+            if counter.name not in ("elapsed_base", "session_start"):  # the clock runs on
+                setattr(self.state, counter.name, getattr(saved.counters, counter.name))
+        if self.metrics is not None:
+            self.metrics.rewind(saved.metrics_bytes)
+        guard, to_step, events = self.guard, self.state.step, []
+        saved.load_part(
+            "guard", lambda: events.append(guard.rolled_back(step, to_step, loss, saved.guard))
+        )
+        return events[0]
 
 
 def build_run(
@@ -162,7 +238,10 @@ def build_run(
         config = resolve_init_from(config)
     saved, data = _prepare(config, info, device, run_dir, resume, overwrite)
     vocab = int(data.tokenizer.vocab_size)
-    check_memory(config, vocab, device)
+    auto_batch = tc.batch_size == "auto"
+    config = _resolve_batch(config, vocab, precision, info, saved)
+    tc = config.train
+    check_memory(config, vocab, device, precision.name, info.world_size)
     model = Transformer(config.model, vocab, generator=torch.Generator().manual_seed(tc.seed))
     if tc.init_from and saved is None:  # a resumed run's weights come from its state
         load_hf_weights(model, tc.init_from)
@@ -193,6 +272,8 @@ def build_run(
         optimizer=optimizer,
         sampler=sampler,
         state=TrainState(session_start=session_start),
+        auto_batch=auto_batch,
+        guard=SpikeGuard(tc) if tc.spike_guard else None,
     )
     with agreed(info, device):
         eval_samplers(run)  # a corpus too small for the batch and context fails here, not later
@@ -206,6 +287,26 @@ def build_run(
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     return run
+
+
+def _resolve_batch(
+    config: Config, vocab: int, precision: Precision, info: DistInfo, saved: ResumeState | None
+) -> Config:
+    """The config with the micro-batch and accumulation the run trains with (see
+    `llmcli.training.batch.resolve_batch`), the same on every rank."""
+    auto = config.train.batch_size == "auto"
+    with agreed(info, precision.device):  # a rank whose memory is too small stops them all
+        config = resolve_batch(
+            config,
+            vocab,
+            precision.device,
+            precision.name,
+            info.world_size,
+            None if saved is None else saved.config,
+        )
+    if auto and info.enabled:  # GPUs' free memory differs: all take the smallest choice
+        config = with_micro_batch(config, min(gather(config.train.batch_size, info)))
+    return config
 
 
 def _prepare(

@@ -2,11 +2,13 @@
 
 `TrainState` holds the loop's counters during a session. `ResumeState` is what a save writes to
 `state.pt` and a resume reads back: the counters, the model, the optimizer, the precision scaler,
-and every rank's RNG and batch-sampler states. It owns the file's keys (`to_dict`), the checks on
-reading them back (`load`), whether a run can continue from them (`check_fits`) and the message of
-a part that does not fit (`load_part`); a `Run` (`llmcli.training.run`) makes one at a save and
-puts one back on a resume. `llmcli.runs.formats` writes and reads the file itself (`torch.save`
-to a temporary name renamed into place; `torch.load(weights_only=True)`).
+every rank's RNG and batch-sampler states, and the spike guard's state. It owns the file's keys
+(`to_dict`), the checks on reading them back (`load`), whether a run can continue from them
+(`check_fits`, and before any part is loaded `check_parts`: the weights and optimizer state
+against the built run) and the message of a part that still does not fit (`load_part`); a `Run`
+(`llmcli.training.run`) makes one at a save and puts one back on a resume.
+`llmcli.runs.formats` writes and reads the file itself (`torch.save` to a temporary name renamed
+into place; `torch.load(weights_only=True)`).
 
 Exact resume. A save records the model, the optimizer, the counters (the schedule is a function
 of the step), the torch / CUDA / NumPy / Python RNG states of every rank and the batch sampler's
@@ -28,11 +30,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from llmcli.config import Config
 from llmcli.errors import CheckpointError, InputError
 from llmcli.runs.directory import CONFIG_FILE, STATE_FILE
-from llmcli.runs.formats import load_state
+from llmcli.runs.formats import check_weights, load_state
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +100,7 @@ _OPTIONAL: dict[str, type | tuple[type, ...]] = {
     "vocab_size": (int, type(None)),
     "source_hash": (str, type(None)),
     "scaler": (dict, type(None)),
+    "guard": (dict, type(None)),
 }
 
 
@@ -120,6 +124,7 @@ class ResumeState:
         scaler: the precision's state dict (the GradScaler's; {} without one).
         rng: every rank's RNG states (`rng_state`), in rank order.
         sampler: every rank's batch-sampler state, in rank order.
+        guard: the spike guard's state (`llmcli.training.guard`; None without the guard).
     """
 
     counters: TrainState
@@ -132,6 +137,7 @@ class ResumeState:
     scaler: dict[str, Any]
     rng: list[dict[str, Any]]
     sampler: list[dict[str, Any]]
+    guard: dict[str, Any] | None = None
     path: Path | None = field(default=None, compare=False)  # the file it was read from
 
     def to_dict(self) -> dict[str, Any]:
@@ -154,6 +160,7 @@ class ResumeState:
             "scaler": self.scaler,
             "rng": self.rng,
             "sampler": self.sampler,
+            "guard": self.guard,
         }
 
     @classmethod
@@ -200,6 +207,7 @@ class ResumeState:
             scaler=saved.get("scaler") or {},
             rng=saved["rng"],
             sampler=saved["sampler"],
+            guard=saved.get("guard"),
             path=path,
         )
 
@@ -234,6 +242,23 @@ class ResumeState:
             raise CheckpointError(
                 f"cannot resume '{run_dir}': its tokenizer has {vocab} tokens but the saved "
                 f"model has {self.vocab_size}; the run's files come from different runs."
+            )
+
+    def check_parts(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Check the saved weights and optimizer state against the run they go into, before
+        any part is loaded: every weight's name and shape, the optimizer's groups, their
+        parameters, and each parameter's moments (of its shape, the same ones in a group).
+
+        Raises:
+            CheckpointError: naming the file, the part and what does not fit.
+        """
+        check_weights(model, self.model, self.path or STATE_FILE, what="resume state")
+        problem = _optimizer_problem(self.optimizer, optimizer)
+        if problem:
+            raise CheckpointError(
+                f"resume state '{self.path}': its optimizer state does not fit this run "
+                f"({problem}); it is damaged or was not written by this version of llmcli. "
+                "Remove it to start afresh, or restore it from a backup."
             )
 
     def load_part(self, part: str, load: Callable[[], Any]) -> None:
@@ -277,7 +302,8 @@ def _malformed(saved: dict[str, Any]) -> list[str]:
     of the generators, ranks whose RNG and sampler states do not pair up."""
     bad = [k for k in ("step", "tokens", "metrics_bytes") if saved[k] < 0]
     config = saved["config"]
-    if not all(isinstance(config.get(s), dict) for s in ("model", "train")):
+    sections_ok = all(isinstance(config.get(s), dict) for s in ("model", "train"))
+    if not (sections_ok and all(isinstance(config.get(s, {}), dict) for s in ("data", "sample"))):
         bad.append("config")
     optimizer = saved["optimizer"]
     if not (
@@ -289,20 +315,110 @@ def _malformed(saved: dict[str, Any]) -> list[str]:
         return [*bad, "rng", "sampler"]
     if not all(_rng_ok(x) for x in rng):
         bad.append("rng")
+    if not all(
+        _generator_state_ok(x.get("rng_state")) and _is_count(x.get("batches", 0)) for x in sampler
+    ):
+        bad.append("sampler")
     return bad
 
 
+# The sizes of a CPU generator's state and of the Mersenne Twister's (NumPy's key and Python's
+# internal state, whose last entry is the position in the key).
+_TORCH_STATE_BYTES = torch.Generator().get_state().numel()
+_MT_WORDS = 624
+
+
 def _rng_ok(state: dict[str, Any]) -> bool:
-    """Whether `state` has what `set_rng_state` reads: torch's, NumPy's (5 parts), Python's (3)."""
+    """Whether `state` is what `rng_state` returns, each part of the form `set_rng_state`
+    reads: torch's state (and CUDA's, if any) as bytes, NumPy's 5 parts (the MT19937 key of
+    624 words), Python's 3 (625 words, the last the position)."""
     numpy_state, python_state = state.get("numpy"), state.get("python")
-    return (
-        isinstance(state.get("torch"), torch.Tensor)
+    if not (
+        _generator_state_ok(state.get("torch"))
+        and isinstance(state.get("cuda", torch.zeros(0, dtype=torch.uint8)), torch.Tensor)
         and isinstance(numpy_state, (tuple, list))
         and len(numpy_state) == 5
-        and isinstance(numpy_state[1], torch.Tensor)
         and isinstance(python_state, (tuple, list))
         and len(python_state) == 3
+    ):
+        return False
+    name, keys, pos, has_gauss, cached = numpy_state
+    version, internal, gauss = python_state
+    return (
+        name == "MT19937"
+        and isinstance(keys, torch.Tensor)
+        and keys.shape == (_MT_WORDS,)
+        and not keys.is_floating_point()
+        and type(pos) is int
+        and 0 <= pos <= _MT_WORDS
+        and type(has_gauss) is int
+        and isinstance(cached, (int, float))
+        and type(version) is int
+        and isinstance(internal, (tuple, list))
+        and len(internal) == _MT_WORDS + 1
+        and all(type(w) is int and 0 <= w < 2**32 for w in internal)
+        and internal[-1] <= _MT_WORDS
+        and (gauss is None or isinstance(gauss, float))
     )
+
+
+def _generator_state_ok(value: Any) -> bool:
+    """A torch generator's state: the bytes `torch.Generator.get_state` returns."""
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dtype == torch.uint8
+        and value.shape == (_TORCH_STATE_BYTES,)
+    )
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _optimizer_problem(saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> str | None:
+    """What keeps `saved` (an optimizer's `state_dict()`) from `optimizer`, or None: the number
+    of groups and of parameters in each, and every parameter's state (see `_state_problem`)."""
+    groups, live = saved["param_groups"], optimizer.param_groups
+    if len(groups) != len(live):
+        return f"{len(groups)} parameter groups, the run has {len(live)}"
+    shapes: dict[int, tuple[int, ...]] = {}  # parameter id -> the run's parameter's shape
+    group_of: dict[int, int] = {}
+    for i, (group, ours) in enumerate(zip(groups, live, strict=True)):
+        ids = group.get("params") if isinstance(group, dict) else None
+        if not (isinstance(ids, list) and all(_is_count(x) for x in ids)):
+            return f"parameter group {i} has no list of parameter ids"
+        if len(ids) != len(ours["params"]):
+            return f"parameter group {i} has {len(ids)} parameters, the run's {len(ours['params'])}"
+        shapes.update(zip(ids, (tuple(p.shape) for p in ours["params"]), strict=True))
+        group_of.update(dict.fromkeys(ids, i))
+    if len(shapes) != sum(len(g["params"]) for g in groups):
+        return "a parameter id appears twice"
+    return _state_problem(saved["state"], shapes, group_of)
+
+
+def _state_problem(
+    state: dict[Any, Any], shapes: dict[int, tuple[int, ...]], group_of: dict[int, int]
+) -> str | None:
+    """What is wrong with an optimizer's per-parameter state, or None: each entry belongs to a
+    parameter and holds tensors of its shape, scalar tensors or numbers, under the same keys
+    as the other parameters of its group that have state (a step would miss a moment)."""
+    keys: dict[int, set[str]] = {}
+    for pid, entry in state.items():
+        if pid not in shapes or not isinstance(entry, dict):
+            return f"the state of parameter {pid!r} is not a mapping of a parameter it has"
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.ndim and value.shape != shapes[pid]:
+                return (
+                    f"parameter {pid}'s {key!r} has shape {tuple(value.shape)}, not {shapes[pid]}"
+                )
+            if not isinstance(value, (torch.Tensor, int, float)) or isinstance(value, bool):
+                return f"parameter {pid}'s {key!r} is a {type(value).__name__}"
+        others = keys.setdefault(group_of[pid], set(entry))
+        if others != set(entry):
+            return (
+                f"parameter {pid} has state {sorted(entry)}, others of its group {sorted(others)}"
+            )
+    return None
 
 
 def seed_everything(seed: int) -> None:
@@ -328,6 +444,8 @@ def rng_state(device: torch.device) -> dict[str, Any]:
     }
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
+    if device.type == "mps":  # dropout on MPS draws from its own generator
+        state["mps"] = torch.mps.get_rng_state()
     return state
 
 
@@ -340,3 +458,5 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     random.setstate((version, tuple(internal), gauss))
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
+    if device.type == "mps" and "mps" in state:
+        torch.mps.set_rng_state(state["mps"])

@@ -1,0 +1,335 @@
+"""`llmcli plan`: what a config's training run needs and how long it takes, before it starts.
+
+`make_plan` counts the parameters (on the meta device), the FLOPs per token, the tokens per
+optimizer step and the memory a step needs (`llmcli.training.memory.estimate_memory`) at the
+micro-batch the run would train with (`train.batch_size: auto` resolved as `train` resolves it),
+compares it with the free memory, and times a few warm training steps of the real model and
+optimizer on random tokens (`measure_step`, at most `MEASURE_S` seconds). A config whose data is
+missing is still planned: the vocabulary then comes from the tokenizer's settings, or is
+assumed, and the plan says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from llmcli.config import Config
+from llmcli.data.tokenizer import load_tokenizer
+from llmcli.data.tokens import prepare_data
+from llmcli.device import resolve_device
+from llmcli.errors import InputError
+from llmcli.hf.load import resolve_init_from
+from llmcli.model.gpt import Transformer
+from llmcli.progress import format_bytes, format_count
+from llmcli.training.batch import resolve_batch
+from llmcli.training.distributed import dist_from_env
+from llmcli.training.memory import MemoryEstimate, device_free_bytes, estimate_memory
+from llmcli.training.optim import build_optimizer
+from llmcli.training.precision import Precision
+
+logger = logging.getLogger(__name__)
+
+MEASURE_S = 10.0  # the most seconds `plan` spends timing steps
+TIMED_STEPS = 5  # timed steps after the warm-up one, when they fit in MEASURE_S
+ASSUMED_VOCAB = 256  # a character vocabulary whose corpus cannot be read: one per byte value
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """Seconds per training step, measured on warm steps.
+
+    Attributes:
+        step_s: one optimizer step at the run's micro-batch and accumulation.
+        forward_s: one evaluation forward (no gradients) at the run's micro-batch.
+        steps: timed steps (0: only the cold warm-up step was measured, an overestimate).
+        batch: the micro-batch measured; a smaller one than the run's when a step of the
+            run's would not fit `MEASURE_S` (times are scaled up by the ratio).
+        seconds: time spent measuring, warm-up included.
+    """
+
+    step_s: float
+    forward_s: float
+    steps: int
+    batch: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What `llmcli plan` reports (`to_json` for the issue's fields, `format_plan` for people)."""
+
+    config: Config  # with the micro-batch and accumulation the run would train with
+    device: str
+    dtype: str
+    world_size: int
+    vocab_size: int
+    missing: str | None  # what could not be read (the data), and what was assumed instead
+    memory: MemoryEstimate
+    device_free: int | None  # train.memory_limit, else the device's free memory; None: unknown
+    timing: StepTiming | None  # None: not measured (the run does not fit)
+
+    @property
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token, `6 N + 12 L T C` (N: non-embedding parameters;
+        Kaplan et al. 2020, PaLM's appendix B)."""
+        m = self.config.model
+        return 6 * self.memory.params_non_embedding + 12 * m.n_layer * m.context_length * m.n_embed
+
+    @property
+    def tokens_per_step(self) -> int:
+        tc = self.config.train
+        assert isinstance(tc.batch_size, int)
+        return tc.batch_size * self.config.model.context_length * tc.grad_accum * self.world_size
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.device_free is None else self.memory.peak <= self.device_free
+
+    @property
+    def evaluations(self) -> int:
+        """Evaluations in a run from step 0: every `eval_interval` steps and at the end."""
+        tc = self.config.train
+        return math.ceil(tc.max_steps / tc.eval_interval)
+
+    @property
+    def eval_s(self) -> float | None:
+        """Seconds the evaluations take: `eval_steps` forwards on each of the two splits."""
+        if self.timing is None:
+            return None
+        return self.evaluations * 2 * self.config.train.eval_steps * self.timing.forward_s
+
+    @property
+    def eta_s(self) -> float | None:
+        """Seconds from step 0 to `max_steps`, evaluations included."""
+        if self.timing is None or self.eval_s is None:
+            return None
+        return self.timing.step_s * self.config.train.max_steps + self.eval_s
+
+    def to_json(self) -> dict[str, Any]:
+        """The fields of `llmcli plan --json` (memory in bytes, times in seconds)."""
+        return {
+            "params": self.memory.params,
+            "params_non_embedding": self.memory.params_non_embedding,
+            "flops_per_token": self.flops_per_token,
+            "tokens_per_step": self.tokens_per_step,
+            "memory": self.memory.as_dict(),
+            "device_free": self.device_free,
+            "fits": self.fits,
+            "step_s": None if self.timing is None else round(self.timing.step_s, 6),
+            "eta_s": None if self.eta_s is None else round(self.eta_s, 3),
+        }
+
+
+def make_plan(config: Config, device_name: str | None = None, measure_s: float = MEASURE_S) -> Plan:
+    """Plan `config`'s training run on `device_name` (default: `train.device`).
+
+    Raises:
+        InputError: an unavailable device or precision, or a `batch_size: auto` that cannot
+            fit (as `train` would refuse them). Missing data is not an error (see `Plan.missing`).
+    """
+    info = dist_from_env()
+    what = "train.device" if device_name is None else "--device"
+    device = resolve_device(device_name or config.train.device, info.local_rank, what=what)
+    precision = Precision.resolve(device, config.train.dtype)
+    if config.train.init_from:  # a Hugging Face folder sets the model's shape and the tokenizer
+        config = resolve_init_from(config)
+    vocab, missing = plan_vocab(config)
+    config = resolve_batch(config, vocab, device, precision.name, info.world_size)
+    memory = estimate_memory(config, vocab, device.type, precision.name, info.world_size)
+    limit = config.train.memory_limit_bytes
+    free = limit if limit is not None else device_free_bytes(device)
+    timing = None
+    if free is None or memory.peak <= free:
+        timing = measure_step(config, vocab, precision, measure_s)
+    return Plan(
+        config=config,
+        device=str(device),
+        dtype=precision.name,
+        world_size=info.world_size,
+        vocab_size=vocab,
+        missing=missing,
+        memory=memory,
+        device_free=free,
+        timing=timing,
+    )
+
+
+def plan_vocab(config: Config) -> tuple[int, str | None]:
+    """(the vocabulary, None) from the data as `train` prepares it (tokenized into the cache,
+    which `train` then reuses); or, when the data cannot be read, (the vocabulary the tokenizer's
+    settings give or an assumed one, a note saying what is missing and what was assumed)."""
+    try:
+        data = prepare_data(config.data, config.model.context_length)
+        return int(data.tokenizer.vocab_size), None
+    except InputError as exc:
+        missing = f"the data: {exc}"
+    tokenizer = config.data.tokenizer
+    if tokenizer == "bpe":
+        return config.data.vocab_size, f"{missing} Vocabulary: data.vocab_size."
+    if tokenizer != "char":
+        try:
+            return int(load_tokenizer(tokenizer).vocab_size), f"{missing} Vocabulary: {tokenizer}."
+        except InputError:
+            pass
+    return ASSUMED_VOCAB, f"{missing} Vocabulary assumed: {ASSUMED_VOCAB} tokens."
+
+
+def measure_step(
+    config: Config, vocab_size: int, precision: Precision, budget_s: float = MEASURE_S
+) -> StepTiming:
+    """Time training steps of the config's model and optimizer on random tokens.
+
+    A warm-up step at one sequence comes first (kernels chosen, optimizer state allocated); its
+    time per sequence picks the micro-batch measured: the run's, unless a step of it would take
+    more than a quarter of `budget_s`. Then up to `TIMED_STEPS` steps while the time spent stays
+    within `budget_s`; medians, scaled to the run's micro-batch and `grad_accum`.
+    """
+    tc, T, device = config.train, config.model.context_length, precision.device
+    assert isinstance(tc.batch_size, int)
+    start = time.perf_counter()
+    gen = torch.Generator().manual_seed(tc.seed)
+    model = Transformer(config.model, vocab_size, generator=gen).to(device)
+    optimizer = build_optimizer(model, tc, device.type)
+    params = list(model.parameters())
+    tokens = torch.randint(0, vocab_size, (tc.batch_size, T + 1), generator=gen).to(device)
+
+    def micro(batch: int) -> None:
+        with precision.autocast():
+            _, loss = model(tokens[:batch, :-1], tokens[:batch, 1:])  # (B, T) inputs, targets
+        precision.backward(loss / tc.grad_accum)
+
+    def step() -> None:
+        precision.step(optimizer, params, tc.grad_clip)
+
+    cold = _timed(lambda: micro(1), device)
+    step_times = [_timed(step, device)]
+    batch = max(1, min(tc.batch_size, math.floor(budget_s / 4 / max(cold, 1e-9))))
+    micro_times = [cold * batch]  # the cold step, as if at `batch`: used if none is timed
+    timed = 0
+    while timed < TIMED_STEPS:
+        spent, last = time.perf_counter() - start, micro_times[-1] + step_times[-1]
+        if spent + last > budget_s:
+            break
+        micro_times.append(_timed(lambda: micro(batch), device))
+        step_times.append(_timed(step, device))
+        timed += 1
+    model.eval()
+    with torch.no_grad():
+        forward_s = _timed(lambda: micro_forward(model, tokens[:batch], precision), device)
+    scale = tc.batch_size / batch
+    warm_micro = micro_times[1:] or micro_times
+    warm_step = step_times[1:] or step_times
+    return StepTiming(
+        step_s=tc.grad_accum * statistics.median(warm_micro) * scale + statistics.median(warm_step),
+        forward_s=forward_s * scale,
+        steps=timed,
+        batch=batch,
+        seconds=time.perf_counter() - start,
+    )
+
+
+def micro_forward(model: Transformer, tokens: torch.Tensor, precision: Precision) -> None:
+    """One evaluation forward: the loss of `tokens` `(B, T + 1)`."""
+    with precision.autocast():
+        model(tokens[:, :-1], tokens[:, 1:])
+
+
+def _timed(fn: Callable[[], None], device: torch.device) -> float:
+    """Seconds `fn` takes on `device` (waiting for a GPU's queued work before and after)."""
+    _synchronize(device)
+    t = time.perf_counter()
+    fn()
+    _synchronize(device)
+    return time.perf_counter() - t
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as a table for people."""
+    tc, m, mem = plan.config.train, plan.config.model, plan.memory
+    ranks = f" x {plan.world_size} processes" if plan.world_size > 1 else ""
+    rows = [
+        ("run", f"{plan.config.name} on {plan.device}, {plan.dtype}{ranks}"),
+        (
+            "parameters",
+            f"{mem.params:,} ({mem.params_non_embedding:,} without embeddings; "
+            f"vocabulary {plan.vocab_size:,})",
+        ),
+        ("FLOPs per token", f"{format_count(plan.flops_per_token)} (6 N + 12 L T C)"),
+        (
+            "tokens per step",
+            f"{plan.tokens_per_step:,} ({tc.batch_size} sequences x {m.context_length} tokens "
+            f"x grad_accum {tc.grad_accum}{ranks})",
+        ),
+        ("memory per step", f"{format_bytes(mem.peak)} at most, of which"),
+        (
+            "",
+            f"weights {format_bytes(mem.weights)}, gradients {format_bytes(mem.grads)}, "
+            f"optimizer {format_bytes(mem.optimizer)}, activations "
+            f"{format_bytes(mem.activations)}, runtime {format_bytes(mem.runtime)}",
+        ),
+        ("memory free", _fits_line(plan)),
+        ("step time", _timing_line(plan)),
+        ("time to max_steps", _eta_line(plan)),
+    ]
+    if plan.missing:
+        rows.append(("missing", plan.missing))
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _fits_line(plan: Plan) -> str:
+    source = "train.memory_limit" if plan.config.train.memory_limit is not None else "free"
+    if plan.device_free is None:
+        return f"unknown on {plan.device} (set train.memory_limit)"
+    verdict = "fits" if plan.fits else "does NOT fit: lower train.batch_size or the model"
+    return f"{format_bytes(plan.device_free)} ({source}): {verdict}"
+
+
+def _timing_line(plan: Plan) -> str:
+    timing = plan.timing
+    if timing is None:
+        return "not measured (the step does not fit)"
+    how = (
+        f"median of {timing.steps} warm steps"
+        if timing.steps
+        else "one cold step (an overestimate)"
+    )
+    if timing.batch != plan.config.train.batch_size:
+        how += f" at {timing.batch} sequences, scaled"
+    return f"{timing.step_s:.3g} s ({how}; {timing.seconds:.1f} s spent measuring)"
+
+
+def _eta_line(plan: Plan) -> str:
+    if plan.eta_s is None or plan.timing is None or plan.eval_s is None:
+        return "unknown"
+    steps = plan.config.train.max_steps
+    return (
+        f"{_duration(plan.eta_s)} ({steps:,} steps {_duration(plan.timing.step_s * steps)} + "
+        f"{plan.evaluations} evaluations {_duration(plan.eval_s)})"
+    )
+
+
+def _duration(seconds: float) -> str:
+    """3 s, 4 min 10 s, 2 h 5 min."""
+    if seconds < 60:
+        return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s"
+    minutes, s = divmod(round(seconds), 60)
+    if minutes < 60:
+        return f"{minutes} min {s} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes} min"
