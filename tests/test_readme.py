@@ -212,4 +212,5 @@ def test_every_cheap_readme_command_runs_from_an_empty_folder(
                 failures.append(f"{' '.join(words)} exited {code}: {err.strip()[-600:]}")
     assert not failures, "\n\n".join(failures)
     assert len(ran) >= 20, ran
-    assert {reason for _, reason in skipped} <= {*SKIP.values(), CLONE, NO_TENSORBOARD, NO_CUDA}
+    known = {*SKIP.values(), CLONE, NO_TENSORBOARD, NO_CUDA, OTHER}
+    assert {reason for _, reason in skipped} <= known, skipped
