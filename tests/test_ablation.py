@@ -273,6 +273,6 @@ def test_the_passes_report_progress_each_tenth_once(monkeypatch, caplog) -> None
         quiet = head_deltas(model, data, ("zero", "mean"))
         shown = head_deltas(model, data, ("zero", "mean"), progress=True)
     np.testing.assert_array_equal(shown.delta["mean"], quiet.delta["mean"])
-    lines = [r.getMessage().split(",")[0] for r in caplog.records]
+    lines = [r.getMessage().split(",")[0] for r in caplog.records if r.name == "llmcli.progress"]
     tenths = sorted({-(-k * 13 // 10) for k in range(1, 11)})  # ceil(k * 13 / 10)
     assert lines == [f"head means {n}/13" for n in tenths] + [f"ablation {n}/13" for n in tenths]

@@ -432,7 +432,7 @@ def test_mean_ablation_shows_its_first_pass_and_the_scoring_pass(
     options = EvalOptions(ablate=("0.1",), ablation="mean")
     with caplog.at_level(logging.INFO, logger="llmcli.progress"):
         evaluate_run(run, tmp_path / "t.txt", options, progress=True)
-    lines = [r.getMessage().split(",")[0] for r in caplog.records]
+    lines = [r.getMessage().split(",")[0] for r in caplog.records if r.name == "llmcli.progress"]
     tenths = sorted({-(-k * batches // 10) for k in range(1, 11)})  # ceil(k * n / 10)
     assert lines == [f"head means {n}/{batches}" for n in tenths] + [
         f"eval {n}/{batches}" for n in tenths
