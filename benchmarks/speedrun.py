@@ -254,6 +254,169 @@ def _seed_figures(runs: list[dict[str, Any]], bases: list[dict[str, Any]]) -> di
     }
 
 
+# The laptop tracks (2 CPU cores, fp32, char-level tinyshakespeare, its last 10% as validation).
+# A track's score is the whole validation split's loss of the final weights (`llmcli eval`) and
+# the wall time of the `llmcli train` process, start-up, tokenization (a warm token cache: one
+# untimed run fills it first), evaluations and checkpoint saves included.
+TRACKS: dict[str, dict[str, Any]] = {
+    # Reach val <= 1.88 in at most 15 s; a record is faster on every seed.
+    "1.88": {"config": "speedrun-cpu", "target": 1.88, "budget_s": 15.0, "better": "wall_s"},
+    # The lowest val within 600 s, at most 1.50; a record is lower on every seed.
+    "10min": {"config": "speedrun-cpu-600s", "target": 1.50, "budget_s": 600.0, "better": "val"},
+}
+RECORDS = ROOT / "benchmarks" / "records.json"
+SNAPSHOTS = ROOT / "benchmarks" / "records"
+
+
+def git_commit() -> str:
+    """The checkout's commit (with `+dirty` when tracked files differ from it)."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    except OSError:
+        return "unknown"
+    return (head or "unknown") + ("+dirty" if dirty else "")
+
+
+def load_records() -> list[dict[str, Any]]:
+    return json.loads(RECORDS.read_text()) if RECORDS.exists() else []
+
+
+def previous_record(track: str) -> dict[str, Any] | None:
+    rows = [r for r in load_records() if r["track"] == track]
+    return rows[-1] if rows else None
+
+
+def run_track_entry(label: str, config: Path, seed: int, args: argparse.Namespace) -> dict:
+    """One timed `llmcli train` of `config` with `seed`, scored on the whole validation split."""
+    result = run_recipe(f"{label} seed {seed}", config, [f"train.seed={seed}"], args, sys.stderr)
+    return {
+        "seed": seed,
+        "wall_s": result["process_wall_s"],
+        "val": result["full_val_loss"],
+        "steps": result["steps"],
+        "load_avg_1min": result["load_avg_1min"],
+    }
+
+
+def run_tracks(args: argparse.Namespace) -> dict[str, Any]:
+    """Each track's config against its previous record, seed by seed, interleaved (the order
+    alternates per seed), so that both see the same machine; then nanoGPT's recipe once."""
+    warm = Path(args.workdir) / "warm-token-cache"
+    subprocess.run(
+        [sys.executable, "-m", "llmcli", "train", "speedrun-cpu", "--out", str(warm)]
+        + ["--overwrite", "--no-progress", "--set", "train.max_steps=1"]
+        + ["--set", f"data.path={args.data}"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    )
+    tracks = {}
+    for name in args.tracks:
+        track = TRACKS[name]
+        candidate = ROOT / "configs" / f"{track['config']}.yaml"
+        previous = previous_record(name)
+        entries: dict[str, list[dict[str, Any]]] = {"candidate": [], "previous": []}
+        for i, seed in enumerate(args.seeds):
+            order = ["candidate", "previous"] if i % 2 == 0 else ["previous", "candidate"]
+            for who in order:
+                if who == "previous" and previous is None:
+                    continue
+                config = candidate if who == "candidate" else ROOT / previous["snapshot"]
+                entries[who].append(run_track_entry(f"{name} {who}", config, seed, args))
+        tracks[name] = judge(name, track, candidate, entries, previous)
+    reference = run_recipe("nanoGPT reference", RECIPES["baseline"], [], args, sys.stderr)
+    return {"tracks": tracks, "reference": {k: v for k, v in reference.items() if k != "curve"}}
+
+
+def judge(
+    name: str,
+    track: dict[str, Any],
+    candidate: Path,
+    entries: dict[str, list[dict[str, Any]]],
+    previous: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """Whether the candidate meets the track on every seed, and beats the previous record on
+    every seed (a record cannot be made by noise)."""
+    new, old = entries["candidate"], entries["previous"]
+    meets = all(e["val"] <= track["target"] and e["wall_s"] <= track["budget_s"] for e in new)
+    key = track["better"]
+    beats = previous is None or all(n[key] < o[key] for n, o in zip(new, old, strict=True))
+    return {
+        "config": str(candidate.relative_to(ROOT)),
+        "target_val": track["target"],
+        "budget_s": track["budget_s"],
+        "candidate": summarize(new),
+        "previous": {"record": previous, **summarize(old)} if previous else None,
+        "meets_track_on_every_seed": meets,
+        "beats_previous_on_every_seed": beats,
+        "record": meets and beats,
+    }
+
+
+def summarize(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    if not entries:
+        return {"runs": []}
+    return {
+        "runs": entries,
+        "wall_s_median": round(statistics.median(e["wall_s"] for e in entries), 2),
+        "val_median": round(statistics.median(e["val"] for e in entries), 4),
+    }
+
+
+def write_records(report: dict[str, Any], args: argparse.Namespace) -> None:
+    """Append each new record (a snapshot of its config under benchmarks/records/)."""
+    rows = load_records()
+    day = time.strftime("%Y-%m-%d")
+    for name, result in report["tracks"].items():
+        if not result["record"]:
+            continue
+        config = ROOT / result["config"]
+        snapshot = SNAPSHOTS / f"{day}-{name}-{config.stem}.yaml"
+        SNAPSHOTS.mkdir(exist_ok=True)
+        shutil.copyfile(config, snapshot)
+        runs = result["candidate"]["runs"]
+        rows.append(
+            {
+                "date": day,
+                "track": name,
+                "config": result["config"],
+                "snapshot": str(snapshot.relative_to(ROOT)),
+                "commit": report["commit"],
+                "seeds": [r["seed"] for r in runs],
+                "wall_s": [r["wall_s"] for r in runs],
+                "wall_s_median": result["candidate"]["wall_s_median"],
+                "val": [r["val"] for r in runs],
+                "command": f"llmcli train {config.stem}",
+            }
+        )
+    RECORDS.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+def records_table(rows: list[dict[str, Any]]) -> str:
+    """The records as a Markdown table (README and benchmarks/RESULTS.md)."""
+    lines = [
+        "| date | track | config | wall time: median (each seed) | whole-split val loss, each"
+        " seed | commit | command |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        walls = ", ".join(f"{w:.1f}" for w in r["wall_s"])
+        vals = " / ".join(f"{v:.3f}" for v in r["val"])
+        lines.append(
+            f"| {r['date']} | {r['track']} | `{r['config']}` | {r['wall_s_median']:.1f} s "
+            f"({walls}) | {vals} | {r['commit']} | `{r['command']}` |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data", default=str(DEFAULT_DATA), help="the corpus (a text file)")
@@ -288,14 +451,35 @@ def main() -> None:
         default=None,
         help="OMP_NUM_THREADS for the runs (default: torch's, the cores)",
     )
+    parser.add_argument(
+        "--records",
+        action="store_true",
+        help="the laptop tracks: each track's config against its previous record, 3 seeds",
+    )
+    parser.add_argument(
+        "--tracks", default=",".join(TRACKS), help=f"with --records, among {', '.join(TRACKS)}"
+    )
+    parser.add_argument(
+        "--write",
+        action="store_true",
+        help="with --records, append each new record to benchmarks/records.json",
+    )
+    parser.add_argument(
+        "--table", action="store_true", help="print the records table (Markdown) and exit"
+    )
     parser.add_argument("--workdir", default=None, help="run directories (default: a temp dir)")
     parser.add_argument("--out", default=None, help="also write the JSON to this file")
     args = parser.parse_args()
+    if args.table:
+        print(records_table(load_records()))
+        return
     args.scale = args.scale if args.scale is not None else (0.1 if args.quick else 1.0)
     args.data = str(Path(args.data).resolve())
     if not Path(args.data).is_file():
         raise SystemExit(f"--data {args.data!r} is not a file")
     recipe_seed = load_config(RECIPES["speedrun"]).train.seed
+    if args.records and not args.seeds:
+        args.seeds = "1337,1,2"
     try:
         args.seeds = (
             [int(x) for x in args.seeds.split(",") if x.strip()] if args.seeds else [recipe_seed]
@@ -304,6 +488,9 @@ def main() -> None:
         raise SystemExit(f"--seeds {args.seeds!r}: give integers separated by commas") from None
     if not args.seeds:
         raise SystemExit("--seeds: give at least one seed")
+    args.tracks = [n.strip() for n in args.tracks.split(",") if n.strip()]
+    if unknown := [n for n in args.tracks if n not in TRACKS]:
+        raise SystemExit(f"unknown track(s) {unknown}: choose among {list(TRACKS)}")
     names = [n.strip() for n in args.recipes.split(",") if n.strip()]
     unknown = [n for n in names if n not in RECIPES]
     if unknown:
@@ -315,6 +502,18 @@ def main() -> None:
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     load_start = os.getloadavg()
     try:
+        if args.records:
+            report = {"benchmark": "speedrun records", "started": started, "commit": git_commit()}
+            report |= run_tracks(args)
+            report["machine"] = {**machine(), "threads": args.threads or "default"}
+            if args.write:
+                write_records(report, args)
+            text = json.dumps(report, indent=1)
+            if args.out:
+                Path(args.out).write_text(text + "\n")
+            print(text)
+            print(records_table(load_records()), file=sys.stderr)
+            return
         recipes = {n: run_recipe(n, RECIPES[n], [], args, sys.stderr) for n in names}
         ablations = []
         if args.ablations:

@@ -144,8 +144,10 @@ NOTES = {
     "data.tokenizer": "`char`, `bpe`, a `tokenizer.json` or a folder holding one, or a Hub name",
     "data.vocab_size": "BPE",
     "data.cache_dir": "default `$LLMCLI_CACHE`, else `~/.cache/llmcli`",
-    "train.threads": "CPU threads, also for `eval` and `inspect-attention` on the run; default 1, "
-    "null: torch's own count; see Threads, under Quick start",
+    "train.threads": "CPU threads, also for `eval` and `inspect-attention` on the run; default "
+    "`auto`: the CPUs nothing else is using; null: torch's own count; see Threads, under Quick "
+    "start",
+    "model.attn_dropout": "the rate on the attention weights; null: `dropout`",
     "train.dtype": "`auto`: fp32 on CPU and MPS, bf16 autocast on CUDA where supported, else fp16 "
     "with a GradScaler; `bfloat16` also on the CPU, and on MPS with macOS 14+",
     "train.batch_size": "a number, or `auto`: the largest micro-batch that fits",

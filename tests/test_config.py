@@ -116,6 +116,11 @@ def test_yaml_11_exponent_without_dot_is_a_number(tmp_path: Path) -> None:
         ("train: {batch_size: 0}\n", [], r"train.batch_size \(0\) must be positive"),
         ("model: {dropout: 1.0}\n", [], r"model.dropout \(1.0\) must be in \[0, 1\)"),
         ("model: {dropout: -0.1}\n", [], r"model.dropout \(-0.1\) must be in \[0, 1\)"),
+        (
+            "model: {attn_dropout: 1.0}\n",
+            [],
+            r"model.attn_dropout \(1.0\) must be in \[0, 1\), or null for model.dropout",
+        ),
         ("train: {lr: 0}\n", [], r"train.lr \(0.0\) must be > 0"),
         (
             "train: {lr: 0.001, min_lr: 0.01}\n",

@@ -536,3 +536,26 @@ def test_padded_batch_gradients_equal_separate_sequences():
         F.cross_entropy(logits[0, :-1], s[1:], reduction="sum").backward()
     for i, (a, p) in enumerate(zip(padded_grads, model.parameters(), strict=True)):
         assert_close(a, p.grad, f"padded batch grad vs separate, param {i}", atol=1e-5, rtol=1e-4)
+
+
+def test_attn_dropout_sets_the_rate_on_the_attention_weights_only():
+    # dropout 0.1 with attn_dropout 0: the residual output is dropped, the weights are not, so
+    # the forward equals fused attention without dropout, `proj`, then F.dropout at 0.1, drawn
+    # from the same generator state.
+    config = ModelConfig(n_head=2, n_embed=8, context_length=6, dropout=0.1, attn_dropout=0.0)
+    attn = MultiHeadAttention(config).train()
+    randomize_(attn, seed=3)
+    x = torch.randn(2, 6, 8, generator=gen(4))
+    torch.manual_seed(0)
+    y = attn(x)
+    q, k, v = attn.qkv(x).view(2, 6, 3, 2, 4).unbind(2)  # each (B, T, nh, hs)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+    z = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+    torch.manual_seed(0)
+    expected = F.dropout(attn.proj(z.transpose(1, 2).reshape(2, 6, 8)), 0.1)
+    assert_close(y, expected, "attn_dropout 0: only the residual dropout")
+    # Left null it follows `dropout`, as before; `Head` takes the same rate.
+    assert ModelConfig(dropout=0.2).attention_dropout == 0.2
+    assert ModelConfig(dropout=0.2, attn_dropout=0.05).attention_dropout == 0.05
+    assert Head(config).dropout.p == 0.0
+    assert Head(ModelConfig(n_head=2, n_embed=8, dropout=0.3)).dropout.p == 0.3

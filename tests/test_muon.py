@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -245,3 +248,28 @@ def test_state_dict_round_trip_continues_exactly() -> None:
 
     for a, b in zip(run(False), run(True), strict=True):
         assert torch.equal(a, b)
+
+
+def test_muon_never_imports_torch_dynamo() -> None:
+    # torch._dynamo costs about 1 s of start-up; torch's Optimizer methods import it on their
+    # first call, so Muon calls them unwrapped (llmcli.training.muon): a step, zero_grad and a
+    # state_dict round trip must leave it unloaded, and the round trip must keep the state.
+    code = (
+        "import sys, torch\n"
+        "from llmcli.config import TrainConfig\n"
+        "from llmcli.model.gpt import Transformer\n"
+        "from llmcli.config import ModelConfig\n"
+        "from llmcli.training.optim import build_optimizer\n"
+        "model = Transformer(ModelConfig(n_layer=1, n_head=2, n_embed=8, context_length=4), 5)\n"
+        "opt = build_optimizer(model, TrainConfig(optimizer='muon'), 'cpu')\n"
+        "x = torch.zeros(2, 4, dtype=torch.long)\n"
+        "model(x, x)[1].backward()\n"
+        "opt.step(); opt.zero_grad(set_to_none=True)\n"
+        "first = opt.param_groups[0]['params'][0]  # a Muon matrix, index 0 in the state\n"
+        "kept = opt.state[first]['momentum_buffer'].clone()\n"
+        "opt.load_state_dict(opt.state_dict())\n"
+        "assert kept.abs().sum() > 0 and torch.equal(opt.state[first]['momentum_buffer'], kept)\n"
+        "print('DYNAMO', 'torch._dynamo' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "DYNAMO False" in out.stdout, out.stdout + out.stderr

@@ -25,6 +25,10 @@ class ModelConfig:
     n_embed: int = 128
     context_length: int = 64
     dropout: float = 0.0
+    # Dropout on the attention weights; null: `dropout`. On the CPU, attention with dropout
+    # leaves the fused kernel for one that writes out the weights (about 2.5x its time), so a
+    # recipe can keep dropout on the residual stream and turn this one off.
+    attn_dropout: float | None = None
     bias: bool = True
     # Recipe options (all off by default, so the default model is GPT-2's architecture).
     pos_emb: Literal["learned", "rope"] = "learned"
@@ -33,6 +37,11 @@ class ModelConfig:
     qk_norm: bool = False
     mlp: Literal["gelu", "relu2"] = "gelu"
     tie_embeddings: bool = True
+
+    @property
+    def attention_dropout(self) -> float:
+        """The dropout on the attention weights: `attn_dropout`, else `dropout`."""
+        return self.dropout if self.attn_dropout is None else self.attn_dropout
 
     def validate(self) -> None:
         for key in ("n_layer", "n_head", "n_embed", "context_length"):
@@ -44,6 +53,13 @@ class ModelConfig:
                 f"or change n_embed."
             )
         _require(0 <= self.dropout < 1, "model", "dropout", self.dropout, "must be in [0, 1)")
+        _require(
+            self.attn_dropout is None or 0 <= self.attn_dropout < 1,
+            "model",
+            "attn_dropout",
+            self.attn_dropout,
+            "must be in [0, 1), or null for model.dropout",
+        )
         _require(self.rope_base > 0, "model", "rope_base", self.rope_base, "must be positive")
         if self.pos_emb == "rope":
             head_size = self.n_embed // self.n_head
@@ -104,11 +120,12 @@ class TrainConfig:
     """The optimisation, evaluation and checkpointing schedule."""
 
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
-    # CPU threads for training, and for `eval` and `inspect-attention` on the run (null: torch's
-    # own count, one per core). 1 because a shared machine punishes more: 30 steps of `tiny` on
-    # 2 cores other work was using took 9-10 s on 1 thread and 61-88 s on 2 (28 and 122 s with
-    # a busy torch process beside; README, "Threads").
-    threads: int | None = 1
+    # CPU threads for training, and for `eval` and `inspect-attention` on the run: a number,
+    # "auto" (the CPUs nothing else is using when the run starts; torch's count where
+    # OMP_NUM_THREADS is set) or null (torch's own count, one per core). Threads on a busy core
+    # cost far more than they bring: 30 steps of `tiny` on 2 shared cores took 9-10 s on 1
+    # thread and 61-88 s on 2; on 2 idle cores 2 threads are faster (README, "Threads").
+    threads: int | Literal["auto"] | None = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # Sequences per micro-batch, or "auto": the largest that fits the memory (`memory_limit`,
     # else the device's free memory) with headroom, and the grad_accum that reaches
@@ -232,11 +249,15 @@ class TrainConfig:
             "must be in 0..2**63-1 (torch's seed range)",
         )
         _require(
-            self.threads is None or self.threads >= 1,
+            self.threads is None
+            or self.threads == "auto"
+            or (isinstance(self.threads, int) and not isinstance(self.threads, bool))
+            and self.threads >= 1,
             "train",
             "threads",
             self.threads,
-            "must be a number of CPU threads >= 1, or null for torch's own count",
+            "must be a number of CPU threads >= 1, auto (the CPUs nothing else is using) or null "
+            "for torch's own count",
         )
         for key in ("save_interval", "save_interval_s"):
             value = getattr(self, key)

@@ -82,7 +82,8 @@ class _Attention(_Twin):
     def __init__(self, attn: MultiHeadAttention) -> None:
         self.config, self.layer_idx = attn.config, attn.layer_idx
         self.n_head, self.head_size = attn.n_head, attn.head_size
-        self.dropout, self.qk_norm, self.rotary = attn.dropout, attn.qk_norm, attn.rotary
+        self.dropout, self.attn_dropout = attn.dropout, attn.attn_dropout
+        self.qk_norm, self.rotary = attn.qk_norm, attn.rotary
         self.qkv, self.proj = _linear(attn.qkv), _linear(attn.proj)
         self.pattern, self.z = _Silent(), _same
 

@@ -78,7 +78,7 @@ def hf_config(
         "rope_scaling": None,
         "attention_bias": model_cfg.bias,
         "mlp_bias": model_cfg.bias,
-        "attention_dropout": model_cfg.dropout,
+        "attention_dropout": model_cfg.attention_dropout,
         "initializer_range": 0.02,
         "use_cache": True,
         "bos_token_id": eot_id,

@@ -197,7 +197,7 @@ def hf_config(
         "activation_function": model_cfg.mlp,  # "gelu" (exact, erf) or "relu2"
         "resid_pdrop": model_cfg.dropout,
         "embd_pdrop": model_cfg.dropout,
-        "attn_pdrop": model_cfg.dropout,
+        "attn_pdrop": model_cfg.attention_dropout,
         "layer_norm_epsilon": eps,
         "initializer_range": 0.02,
         "scale_attn_weights": True,

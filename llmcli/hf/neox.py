@@ -78,7 +78,7 @@ def hf_config(
         },
         "rotary_pct": 1.0,
         "rotary_emb_base": model_cfg.rope_base,
-        "attention_dropout": model_cfg.dropout,
+        "attention_dropout": model_cfg.attention_dropout,
         "hidden_dropout": model_cfg.dropout,
         "initializer_range": 0.02,
         "use_cache": True,

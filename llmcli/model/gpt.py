@@ -77,7 +77,7 @@ class Head(nn.Module):
         self.register_buffer(
             "tril", torch.tril(torch.ones(L, L, dtype=torch.bool)), persistent=False
         )
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = nn.Dropout(config.attention_dropout)  # on the attention weights
         self.rotary = RotaryEmbedding(config) if config.pos_emb == "rope" else None
 
     def forward(self, x: Tensor, ctx: AttentionContext | None = None) -> Tensor:
@@ -131,7 +131,7 @@ class MultiHeadAttention(nn.Module):
         self.config = config = model_config(config, kwargs)
         self.layer_idx = layer_idx
         self.n_head, self.head_size = config.n_head, config.n_embed // config.n_head
-        self.dropout = config.dropout
+        self.dropout, self.attn_dropout = config.dropout, config.attention_dropout
         self.qk_norm = config.qk_norm
         self.qkv = nn.Linear(config.n_embed, 3 * config.n_embed, bias=config.bias)
         self.proj = nn.Linear(config.n_embed, config.n_embed, bias=config.bias)
@@ -172,18 +172,18 @@ class MultiHeadAttention(nn.Module):
             q, k = rotate(q, rotation), rotate(k, rotation)
         if ctx.cache is not None:
             k, v = ctx.cache.update(self.layer_idx, k, v)  # each (B, nh, past + T, hs)
-        dropout_p = self.dropout if self.training else 0.0
+        attn_p = self.attn_dropout if self.training else 0.0
         if self.pattern.active:  # read or replaced by a caller: computed explicitly
             wei = self.pattern(attention_weights(q, k, ctx))  # (B, nh, T, T_k)
-            if dropout_p > 0.0:
-                wei = F.dropout(wei, dropout_p)
+            if attn_p > 0.0:
+                wei = F.dropout(wei, attn_p)
             y = wei @ v  # (B, nh, T, T_k) @ (B, nh, T_k, hs) -> (B, nh, T, hs)
         else:
-            y = attend(q, k, v, ctx, dropout_p)  # (B, nh, T, hs)
+            y = attend(q, k, v, ctx, attn_p)  # (B, nh, T, hs)
         y = self.z(y.transpose(1, 2))  # (B, T, nh, hs)
         y = self.proj(y.reshape(x.shape))  # (B, T, C) or (B, C)
-        if dropout_p > 0.0:
-            y = F.dropout(y, dropout_p)
+        if self.training and self.dropout > 0.0:
+            y = F.dropout(y, self.dropout)
         return y
 
     @classmethod

@@ -85,7 +85,8 @@ def estimate_memory(
     in values per token: `L (20 C + 2 C [dropout]) + 4 C + 4 V`, 4 bytes each in fp32 and 2 under
     autocast (whose residual stream, 2 C per layer, stays fp32), plus `5 L nh T` fp32 values
     where SDPA falls back to its explicit path and keeps the attention weights `(B, nh, T, T)`:
-    on the CPU with dropout or in half precision, and on MPS (CUDA's fused kernels keep none).
+    on the CPU with attention dropout or in half precision, and on MPS (CUDA's fused kernels
+    keep none).
     Autocast also holds half-precision copies of the weights. About 30% above what autograd
     saves, for the backward pass's temporaries; fitted to measured peaks and checked within 25%
     (benchmarks/plan_memory.py).
@@ -104,7 +105,9 @@ def estimate_memory(
     params, non_embedding, momenta = _count_parameters(config, vocab_size)
     C, L, T, nh = m.n_embed, m.n_layer, m.context_length, m.n_head
     half = dtype in ("bfloat16", "float16")
-    keeps_weights = device_type == "mps" or (device_type == "cpu" and (half or m.dropout > 0))
+    keeps_weights = device_type == "mps" or (
+        device_type == "cpu" and (half or m.attention_dropout > 0)
+    )
     values = L * (20 * C + (2 * C if m.dropout > 0 else 0)) + 4 * C + 4 * vocab_size
     per_token = (2 if half else 4) * values
     if half:  # the residual stream stays fp32: the norms keep their inputs in it

@@ -94,6 +94,11 @@ def newton_schulz(G: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
     return X.to(G.dtype)
 
 
+def _without_dynamo_guard(method: Any) -> Any:
+    """A `torch.optim.Optimizer` method without its `torch._disable_dynamo` wrapper (see `Muon`)."""
+    return getattr(method, "__wrapped__", method)
+
+
 @dataclass(frozen=True)
 class AdamWDefaults:
     """What a `Muon` AdamW group (`use_muon=False`) uses where it sets no value of its own.
@@ -173,6 +178,15 @@ class Muon(torch.optim.Optimizer):
                 ):
                     group.setdefault(key, value)
         super().__init__(groups, {})
+
+    # torch wraps these methods in `torch._disable_dynamo`, whose first call imports
+    # torch._dynamo: about 1 s, a tenth of a 15 s speedrun, for a compiler that never runs here
+    # (`train.compile` compiles the model, not the optimizer). Muon calls the methods themselves;
+    # outside a compiled region the wrapper only forwards the call, so nothing else changes.
+    add_param_group = _without_dynamo_guard(torch.optim.Optimizer.add_param_group)
+    zero_grad = _without_dynamo_guard(torch.optim.Optimizer.zero_grad)
+    state_dict = _without_dynamo_guard(torch.optim.Optimizer.state_dict)
+    load_state_dict = _without_dynamo_guard(torch.optim.Optimizer.load_state_dict)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
