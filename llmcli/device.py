@@ -1,7 +1,13 @@
 """Where the model runs: `resolve_device` turns "auto" / "cpu" / "cuda" / "mps" into a torch
-device, for every command."""
+device, for every command; `torch_threads` runs a block on a number of CPU threads, and
+`check_threads` checks a `--threads` option."""
 
 from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
 
 import torch
 
@@ -48,3 +54,75 @@ def resolve_device(name: str, local_rank: int = 0, *, what: str = "train.device"
             )
         return torch.device("mps")
     return torch.device("cpu")
+
+
+def check_threads(n: int | None, what: str = "--threads") -> int | None:
+    """A thread count asked for on the command line, checked against this machine's CPUs.
+
+    Raises:
+        InputError: `n` outside 1..the number of CPUs (torch crashes on absurd counts).
+    """
+    cpus = os.cpu_count() or 1
+    if n is not None and not 1 <= n <= cpus:
+        raise InputError(f"{what} ({n}) must be in 1..{cpus} (this machine's CPUs).")
+    return n
+
+
+def free_cpus(window_s: float = 0.05) -> int | None:
+    """How many CPUs nothing else is using: the idle share of all CPUs over `window_s` seconds
+    (/proc/stat, Linux), rounded, at least 1; None where that cannot be read.
+
+    The caller sleeps through the window, so its own work does not count as busy.
+    """
+    first = _cpu_times()
+    if first is None:
+        return None
+    time.sleep(window_s)
+    second = _cpu_times()
+    if second is None:
+        return None
+    total, idle = second[0] - first[0], second[1] - first[1]
+    cpus = os.cpu_count() or 1
+    return max(1, round(cpus * idle / total)) if total > 0 else cpus
+
+
+def _cpu_times() -> tuple[int, int] | None:
+    """(all jiffies, idle jiffies) of every CPU together, from /proc/stat's first line."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    if len(fields) < 4:
+        return None
+    return sum(fields), fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+
+
+def resolve_threads(n: int | str | None) -> int | None:
+    """The CPU threads `train.threads` asks for: a number as it is; "auto": as many as the CPUs
+    nothing else is using (`free_cpus`), or None (torch's own count) where OMP_NUM_THREADS is set
+    (a torchrun or a user's choice) or the load cannot be read; None: torch's own count."""
+    if n != "auto":
+        return n if isinstance(n, int) else None
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    return free_cpus()
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | str | None) -> Iterator[None]:
+    """Run the block on `n` CPU threads (`resolve_threads`: a number, "auto" or None, which leaves
+    the count as it is), then restore the previous count.
+
+    A count above this machine's CPUs (a config written on a bigger one) is cut to them.
+    """
+    n = resolve_threads(n)
+    if n is None:
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(max(1, min(n, os.cpu_count() or 1)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)

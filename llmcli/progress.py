@@ -2,14 +2,18 @@
 
 A bar redraws itself with carriage returns many times a second, which reads well on a terminal
 and fills a log file (CI, `nohup`, `2> train.log`) with thousands of lines. So a `Progress`
-draws the bar only when stderr is a terminal; otherwise it logs one plain line (logger
-`llmcli.progress`, INFO) at each `report` and, for counted work, at every tenth of the total.
-`format_count` writes the large counts such lines and other messages show (1.2K, 3.4M).
+draws the bar only when stderr is a terminal wide enough for one; otherwise it logs one plain
+line (logger `llmcli.progress`, INFO) at each `report` and, for counted work, at every tenth of
+the total.
+`format_count` writes the large counts such lines and other messages show (1.2K, 3.4M), and
+`format_fixed` the figures of printed tables (never `-0.000`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import os
 import sys
 import time
 from typing import Any
@@ -19,12 +23,28 @@ from tqdm.auto import tqdm
 logger = logging.getLogger(__name__)
 
 
+# Narrower than this, tqdm trims the bar to nothing (a pty whose size was never set, as in
+# `docker run -t`, reports 0 columns): plain lines are shown instead.
+MIN_BAR_COLUMNS = 10
+
+
 def stderr_is_terminal() -> bool:
     """True when stderr is an interactive terminal (where a bar can redraw in place)."""
     try:
         return sys.stderr.isatty()
     except (AttributeError, ValueError):  # replaced or closed stream
         return False
+
+
+def stderr_bar_fits() -> bool:
+    """True when stderr is a terminal wide enough for a bar (or of unknown width)."""
+    if not stderr_is_terminal():
+        return False
+    try:
+        columns = os.get_terminal_size(sys.stderr.fileno()).columns
+    except (AttributeError, ValueError, OSError):  # no descriptor: the width is unknown
+        return True
+    return columns >= MIN_BAR_COLUMNS
 
 
 class Progress:
@@ -53,10 +73,11 @@ class Progress:
         **bar_options: Any,
     ) -> None:
         self.total, self.desc, self.n = total, desc, initial
-        self.live = enabled and stderr_is_terminal()
+        self.live = enabled and stderr_bar_fits()
         self.plain = enabled and not self.live
         self._tenths = tenths and bool(total)
-        self._next_tenth = self._tenth_after(initial)
+        self._tenths_done = 0
+        self._pass_tenths(initial)
         self._start = time.perf_counter()
         self.bar = tqdm(
             total=total,
@@ -68,18 +89,26 @@ class Progress:
             **bar_options,
         )
 
-    def _tenth_after(self, n: int) -> int:
-        if not self._tenths:
-            return 0
+    def _tenth(self, k: int) -> int:
+        """The count at which tenth `k` (1..10) is reached: ceil(k * total / 10)."""
         assert self.total is not None
-        return (n * 10 // self.total + 1) * self.total // 10 or 1
+        return -(-k * self.total // 10)
+
+    def _pass_tenths(self, n: int) -> bool:
+        """Count the tenths that `n` units reach; True if any was new. A total under 10 has
+        tenths that fall on the same count, which reach it together: one line, not several."""
+        if not self._tenths:
+            return False
+        before = self._tenths_done
+        while self._tenths_done < 10 and self._tenth(self._tenths_done + 1) <= n:
+            self._tenths_done += 1
+        return self._tenths_done > before
 
     def update(self, n: int = 1) -> None:
         """Count `n` more units done."""
         self.n += n
         self.bar.update(n)
-        if self.plain and self._tenths and self.n >= self._next_tenth:
-            self._next_tenth = self._tenth_after(self.n)
+        if self._pass_tenths(self.n) and self.plain:
             self._line({})
 
     def report(self, fields: dict[str, str]) -> None:
@@ -119,3 +148,17 @@ def format_bytes(n: float) -> str:
     while abs(n) >= 1024 and len(units) > 1:
         n, units = n / 1024, units[1:]
     return f"{n:,.0f} {units[0]}" if units[0] == "B" or abs(n) >= 100 else f"{n:.1f} {units[0]}"
+
+
+def format_fixed(value: float, spec: str) -> str:
+    """`format(value, spec)`, but a value that rounds to zero has no minus sign: -0.0001 with
+    ".3f" is "0.000", not "-0.000" (Python 3.11's "z" option, for Python 3.10 too)."""
+    text = format(value, spec)
+    if math.copysign(1.0, value) < 0 and "-" in text:
+        try:
+            rounds_to_zero = float(text) == 0.0
+        except ValueError:  # a spec with grouping or a unit: leave it as it is
+            rounds_to_zero = False
+        if rounds_to_zero:
+            text = format(0.0, spec)
+    return text

@@ -216,8 +216,10 @@ def test_top_heads_and_their_summary():
         "top heads by dloss_zero (layer.head, nats/token; median +0.0750): 0.1 +0.5000, "
         "1.2 +0.3000",
         "top heads by dloss_mean (layer.head, nats/token; median -0.0750): 0.2 +0.2000, "
-        "1.1 -0.0000",
+        "1.1 +0.0000",  # -0.0 rounds to no sign
     ]
+    near_zero = HeadDeltas(2.5, {"zero": np.array([[-4e-5, -3e-5]])}, batches=1, tokens=8)
+    assert "median +0.0000): 0.1 +0.0000, 0.0 +0.0000" in format_top_heads(near_zero)
 
 
 # ----------------------------------------------------------------------------- options
@@ -258,3 +260,19 @@ def test_check_method():
         check_method("foo")
     with pytest.raises(InputError, match=r"zero or mean or both"):
         check_method("all", ("zero", "mean", "both"))
+
+
+def test_the_passes_report_progress_each_tenth_once(monkeypatch, caplog) -> None:
+    import io
+    import logging
+    import sys
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a terminal: plain lines
+    model, data = sharp_model(0), random_batches(n=13)
+    with caplog.at_level(logging.INFO, logger="llmcli.progress"):
+        quiet = head_deltas(model, data, ("zero", "mean"))
+        shown = head_deltas(model, data, ("zero", "mean"), progress=True)
+    np.testing.assert_array_equal(shown.delta["mean"], quiet.delta["mean"])
+    lines = [r.getMessage().split(",")[0] for r in caplog.records if r.name == "llmcli.progress"]
+    tenths = sorted({-(-k * 13 // 10) for k in range(1, 11)})  # ceil(k * 13 / 10)
+    assert lines == [f"head means {n}/13" for n in tenths] + [f"ablation {n}/13" for n in tenths]

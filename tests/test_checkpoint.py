@@ -112,7 +112,7 @@ def test_save_and_load_round_trip(tmp_path: Path, tie: bool) -> None:
 
 
 def test_find_latest_run_picks_the_newest_weights(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match="llmcli train configs/tiny.yaml"):
+    with pytest.raises(CheckpointError, match="llmcli train tiny"):
         find_latest_run(tmp_path)
     make_run(tmp_path / "a")
     make_run(tmp_path / "b")

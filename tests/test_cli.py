@@ -217,6 +217,22 @@ def test_help_shows_the_options_that_may_be_bare(capsys) -> None:
         assert f"{option} {help_}" in out
 
 
+def test_usage_lines_name_the_arguments_without_braces(capsys) -> None:
+    from llmcli.cli import main
+
+    for command, usage in (
+        ("train", "train [OPTIONS] CONFIG"),
+        ("prepare-data", "prepare-data [OPTIONS] CONFIG"),
+        ("bench", "bench [OPTIONS] CONFIG"),
+        ("config", "config [OPTIONS] [CONFIG]"),
+        ("compare", "compare [OPTIONS] RUN..."),
+        ("eval", "eval [OPTIONS]"),
+    ):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert capsys.readouterr().out.splitlines()[0] == f"Usage: llmcli {usage}"
+
+
 def test_a_closed_stdout_ends_quietly_with_status_0(tmp_path) -> None:
     """`llmcli ... | head`: the reader leaves; no traceback, and not the status of a failure."""
     import os

@@ -11,7 +11,7 @@ from conftest import small_run_config
 from llmcli.cli import main
 from llmcli.config import config_from_dict
 from llmcli.errors import InputError
-from llmcli.runs.compare import compare_runs, format_table
+from llmcli.runs.compare import compare_runs, curves_figure, format_table
 from llmcli.runs.metrics import best_eval, read_metrics
 from llmcli.training.loop import train
 
@@ -90,3 +90,35 @@ def test_a_metric_a_run_never_recorded_is_named(runs, tmp_path) -> None:
     (old / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     with pytest.raises(InputError, match=r"metric 'grad_norm' .* of: .*old"):
         compare_runs([str(runs / "heads-2"), str(old)], metric="grad_norm")
+
+
+def test_a_picture_only_when_asked_and_a_replaced_one_is_named(
+    runs, tmp_path, monkeypatch, capsys
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, out, err = cli(capsys, "compare", runs / "heads-*", "--json")
+    assert code == 0 and json.loads(out)["picture"] is None
+    assert list(tmp_path.iterdir()) == []  # --json without --out draws nothing
+    code, out, err = cli(capsys, "compare", runs / "heads-*")
+    assert code == 0 and out.splitlines()[-1] == "wrote compare.png" and "replaced" not in err
+    first = (tmp_path / "compare.png").read_bytes()
+    assert first[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "compare.png").write_bytes(b"an earlier picture")
+    code, out, err = cli(capsys, "compare", runs / "heads-*", "--json", "--out", "compare.png")
+    assert code == 0 and json.loads(out)["picture"] == "compare.png"
+    assert "compare.png was there already: replaced it" in err
+    assert (tmp_path / "compare.png").read_bytes()[:8] == first[:8]
+
+
+def test_a_run_of_one_point_is_drawn_with_a_marker(runs, tmp_path) -> None:
+    records = read_metrics(runs / "heads-2" / "metrics.jsonl")
+    train = [r for r in records if r.get("kind") == "train"]
+    many = [dict(train[0], step=s, train_loss=3.0 - s / 100) for s in range(1, 121)]
+    curves = {tmp_path / "one": train[:1], tmp_path / "many": many}
+    lines = curves_figure(curves, "train_loss", "step").axes[0].lines
+    one, long = lines
+    assert list(one.get_xdata()) == [train[0]["step"]]
+    assert list(one.get_ydata()) == [train[0]["train_loss"]]
+    assert one.get_marker() == "o" and one.get_markersize() > 0  # visible without a line
+    assert long.get_marker() in ("None", None, "")  # a long curve is a plain line
+    assert len(long.get_xdata()) == 120

@@ -390,3 +390,50 @@ def test_options_are_checked_as_they_are_made_before_a_run_loads(
     code, out, err = cli(capsys, "eval", "--checkpoint", str(tmp_path / "none"), *argv)
     assert code == 2 and out == "" and err.startswith("error: ")
     assert re.search(message, err.replace("\n", " ")), err
+
+
+def test_eval_runs_on_the_threads_asked_for_else_the_runs_own(tmp_path, monkeypatch) -> None:
+    import llmcli.inspection.evaluate as evaluate
+
+    model = {"n_layer": 2, "n_head": 2, "n_embed": 32, "context_length": CTX}
+    raw = {"model": model, "train": {"batch_size": BATCH, "threads": 2}}
+    run = save_tiny_run(tmp_path / "run", CharTokenizer.train([TEXT]), raw, sharpen=6.0)
+    (tmp_path / "t.txt").write_text(TEXT)
+    seen = []
+    real = evaluate.score_tokens
+
+    def recording(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(evaluate, "score_tokens", recording)
+    before = torch.get_num_threads()
+    own = evaluate_run(run, tmp_path / "t.txt")
+    one = evaluate_run(run, tmp_path / "t.txt", EvalOptions(threads=1))
+    assert seen == [min(2, os.cpu_count() or 1), 1]  # the run's train.threads, then --threads
+    assert torch.get_num_threads() == before  # put back after
+    assert one.loss == pytest.approx(own.loss, rel=1e-6)
+    with pytest.raises(InputError, match=r"--threads \(0\) must be in 1\.\."):
+        EvalOptions(threads=0)
+
+
+def test_mean_ablation_shows_its_first_pass_and_the_scoring_pass(
+    tmp_path, monkeypatch, caplog
+) -> None:
+    import io
+    import logging
+    import sys
+
+    tokenizer = CharTokenizer.train([TEXT])
+    run = make_run(tmp_path / "run", tokenizer)
+    (tmp_path / "t.txt").write_text(TEXT)
+    batches = len(window_starts(len(tokenizer.encode(TEXT)), CTX, BATCH))
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a terminal: plain lines
+    options = EvalOptions(ablate=("0.1",), ablation="mean")
+    with caplog.at_level(logging.INFO, logger="llmcli.progress"):
+        evaluate_run(run, tmp_path / "t.txt", options, progress=True)
+    lines = [r.getMessage().split(",")[0] for r in caplog.records if r.name == "llmcli.progress"]
+    tenths = sorted({-(-k * batches // 10) for k in range(1, 11)})  # ceil(k * n / 10)
+    assert lines == [f"head means {n}/{batches}" for n in tenths] + [
+        f"eval {n}/{batches}" for n in tenths
+    ]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import logging
+import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +37,51 @@ def test_off_a_terminal_report_and_tenths_are_plain_lines(monkeypatch, caplog) -
         f"tokenizing x {n}/50" for n in range(5, 51, 5)
     ]
     assert lines[-1].startswith("tokenizing x 50/50, loss 1.2345, ")
+
+
+@pytest.mark.parametrize("total", [25, 632, 10, 7, 3, 1])
+def test_tenths_log_each_tenth_once(monkeypatch, caplog, total: int) -> None:
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    with caplog.at_level(logging.INFO, logger="llmcli.progress"):
+        with Progress(total, desc="eval", tenths=True) as bar:
+            for _ in range(total):
+                bar.update(1)
+    counts = [int(r.getMessage().split()[1].split("/")[0]) for r in caplog.records]
+    # Tenth k is reached at ceil(k * total / 10); tenths on the same count share one line.
+    expected = sorted({math.ceil(k * total / 10) for k in range(1, 11)})
+    assert counts == expected
+    assert len(counts) == min(total, 10)
+
+
+def test_tenths_after_a_resume_start_past_the_initial_count(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    with caplog.at_level(logging.INFO, logger="llmcli.progress"):
+        with Progress(25, desc="x", initial=12, tenths=True) as bar:
+            bar.update(1)  # 13: the tenth at 12.5
+            bar.update(12)  # 25: every tenth left, one line
+    assert [r.getMessage().split(",")[0] for r in caplog.records] == ["x 13/25", "x 25/25"]
+
+
+class ZeroWidthTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return 2
+
+
+def test_a_terminal_of_zero_columns_gets_plain_lines(monkeypatch, caplog) -> None:
+    term = ZeroWidthTerminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    monkeypatch.setattr(progress.os, "get_terminal_size", lambda fd: os.terminal_size((0, 0)))
+    with caplog.at_level(logging.INFO, logger="llmcli.progress"):
+        with Progress(20, desc="train", unit="step") as bar:
+            bar.update(10)
+            bar.report({"loss": "2.0"})
+    assert term.getvalue() == ""
+    assert [r.getMessage().split(",")[0] for r in caplog.records] == ["train 10/20"]
+    monkeypatch.setattr(progress.os, "get_terminal_size", lambda fd: os.terminal_size((80, 24)))
+    assert progress.stderr_bar_fits() is True
 
 
 def test_on_a_terminal_the_bar_redraws_and_nothing_is_logged(monkeypatch, caplog) -> None:
@@ -81,3 +128,11 @@ def test_piped_train_log_has_no_carriage_returns(tmp_path: Path) -> None:
     plain = [line for line in out.stderr.splitlines() if line.startswith("train ")]
     assert [line.split(",")[0] for line in plain] == [f"train {n}/40" for n in (10, 20, 30, 40)]
     assert all(" loss " in line and " lr " in line and " tok/s " in line for line in plain)
+
+
+def test_format_fixed_drops_the_sign_of_a_value_that_rounds_to_zero() -> None:
+    assert progress.format_fixed(-0.0001, ".3f") == "0.000" != format(-0.0001, ".3f")
+    assert progress.format_fixed(-0.0, ">7.3f") == "  0.000"
+    assert progress.format_fixed(-4e-5, "+.4f") == "+0.0000"
+    assert progress.format_fixed(-0.0006, ".3f") == "-0.001" == format(-0.0006, ".3f")
+    assert progress.format_fixed(0.25, "+.2f") == "+0.25"

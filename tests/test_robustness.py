@@ -712,7 +712,7 @@ def test_no_run_at_all_names_how_to_train_one(tmp_path: Path, capsys, monkeypatc
         code, out, err = run_main(command, capsys)
         assert code == 2, command
         assert "no trained run found under 'checkpoints/'" in err
-        assert "llmcli train configs/tiny.yaml" in err and "Traceback" not in out + err
+        assert "llmcli train tiny" in err and "Traceback" not in out + err
 
 
 def test_a_failed_input_leaves_a_run_untouched(

@@ -8,11 +8,12 @@ import json
 import logging
 
 import pytest
+from conftest import save_tiny_run
 from test_generate import make_model
 
 from llmcli.config import SampleConfig
 from llmcli.data.tokenizer import BPETokenizer, CharTokenizer
-from llmcli.errors import InputError
+from llmcli.errors import ConfigError, InputError
 from llmcli.generation.generate import generate_ids
 from llmcli.generation.sample import (
     OrderedWriter,
@@ -20,6 +21,7 @@ from llmcli.generation.sample import (
     _TextState,
     format_samples,
     read_prompts,
+    sample_run,
     sample_texts,
     unescape,
 )
@@ -236,3 +238,22 @@ def test_sample_options_refuse_a_batch_of_no_samples() -> None:
     for bad in (0, -2, True):
         with pytest.raises(InputError, match=rf"batch_size \({bad}\) must be an integer >= 1"):
             SampleOptions(batch_size=bad)
+
+
+def test_a_sample_ends_at_the_end_of_text_token_unless_ignore_eos(tmp_path) -> None:
+    tokenizer = CharTokenizer("ab \n")  # 5 ids: the end-of-text token is 1 in 5 at random
+    raw = {"model": {"n_layer": 1, "n_head": 2, "n_embed": 16, "context_length": 16}}
+    run = save_tiny_run(tmp_path / "run", tokenizer, raw)
+    for seed in range(20):
+        settings = {"seed": seed, "max_new_tokens": 30, "temperature": 1.0, "top_k": None}
+        (stopped,) = sample_run(run, ["a"], settings)
+        (going,) = sample_run(run, ["a"], {**settings, "ignore_eos": True})
+        assert going.stop_reason == "length" and going.tokens == 30
+        if stopped.stop_reason == "stop":  # the model wrote the token: the rows part there
+            assert stopped.tokens < 30 and tokenizer.eot not in stopped.completion
+            assert going.completion.startswith(stopped.completion + tokenizer.eot)
+            break
+    else:
+        pytest.fail("no seed of 20 drew the end-of-text token")
+    with pytest.raises(ConfigError, match=r"--ignore-eos / sample.ignore_eos \('yes'\)"):
+        sample_run(run, ["a"], {"ignore_eos": "yes"})

@@ -315,7 +315,7 @@ def test_bpe_run_starts_empty_prompt_at_end_of_text(capsys, tmp_path) -> None:
 def test_latest_run_is_used_and_named(capsys, tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     code, _, err = cli(capsys, "sample", "--prompt", "ROMEO:")
-    assert code == 2 and "llmcli train configs/tiny.yaml" in err
+    assert code == 2 and "llmcli train tiny" in err
     make_run(tmp_path / "checkpoints" / "old", CharTokenizer.train([TEXT]), seed=1)
     newest = make_run(tmp_path / "checkpoints" / "new", CharTokenizer.train([TEXT]))
     os.utime(tmp_path / "checkpoints" / "old" / "model.safetensors", (1, 1))

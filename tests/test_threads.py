@@ -59,3 +59,35 @@ def test_decode_bound_generations_get_the_small_gelu_kernel_and_others_torchs() 
             assert torch.backends.mkldnn.enabled
     finally:
         torch.backends.mkldnn.enabled = before
+
+
+@pytest.mark.parametrize(
+    ("busy_share", "cpus", "expected"),
+    [(0.0, 2, 2), (0.5, 2, 1), (1.0, 2, 1), (0.25, 8, 6), (0.9, 8, 1)],
+)
+def test_auto_threads_are_the_cpus_nothing_else_uses(
+    monkeypatch: pytest.MonkeyPatch, busy_share: float, cpus: int, expected: int
+) -> None:
+    # Two readings of /proc/stat 1,000 jiffies apart, `busy_share` of them busy: "auto" takes
+    # the idle share of the CPUs, rounded, at least one.
+    import llmcli.device as device
+
+    readings = iter([(10_000, 4_000), (11_000, 4_000 + round(1_000 * (1 - busy_share)))])
+    monkeypatch.setattr(device, "_cpu_times", lambda: next(readings))
+    monkeypatch.setattr(device.os, "cpu_count", lambda: cpus)
+    monkeypatch.setattr(device.time, "sleep", lambda s: None)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert device.resolve_threads("auto") == expected
+
+
+def test_auto_threads_leave_omp_num_threads_and_unreadable_load_to_torch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import llmcli.device as device
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # torchrun's or the user's choice stands
+    assert device.resolve_threads("auto") is None
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr(device, "_cpu_times", lambda: None)  # no /proc/stat (macOS, Windows)
+    assert device.resolve_threads("auto") is None
+    assert device.resolve_threads(2) == 2 and device.resolve_threads(None) is None

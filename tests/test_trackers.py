@@ -163,8 +163,9 @@ def test_wandb_that_cannot_start_is_bad_input(small_corpus, tmp_path, monkeypatc
 
     monkeypatch.setattr(wandb, "init", no_key)
     config = config_from_dict(raw_config(small_corpus, logger="wandb"))
-    with pytest.raises(InputError, match=r"W&B could not start a run: No API key.*WANDB_MODE"):
+    with pytest.raises(InputError, match=r"W&B could not start a run: No API key.*WANDB_MODE") as e:
         train(config, out_dir=tmp_path / "run", progress=False)
+    assert "to log in. Log in" in str(e.value) and ".." not in str(e.value)  # one period
 
 
 def test_a_failing_tracker_warns_once_and_training_goes_on(

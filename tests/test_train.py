@@ -558,3 +558,26 @@ def test_ddp_two_processes_match_one_process_with_the_union_of_their_batches(
     assert_close_weights(ddp_dir, tmp_path / "one", atol=1e-5)
     state = load_state(ddp_dir / STATE_FILE)
     assert state["step"] == 20 and len(state["rng"]) == 2
+
+
+def test_training_runs_on_train_threads_and_puts_the_count_back(small_corpus, tmp_path) -> None:
+    from conftest import small_run_config
+
+    from llmcli.training.loop import train
+
+    before = torch.get_num_threads()
+    seen: list[int] = []
+    for threads in (2, 1, None):
+        raw = small_run_config(small_corpus, max_steps=2, eval_steps=1, threads=threads)
+        seen.clear()
+        train(
+            config_from_dict(raw),
+            out_dir=tmp_path / f"t{threads}",
+            progress=False,
+            on_step=lambda _: seen.append(torch.get_num_threads()),
+        )
+        expected = before if threads is None else min(threads, os.cpu_count() or 1)
+        assert seen == [expected, expected]
+        assert torch.get_num_threads() == before
+    with pytest.raises(InputError, match=r"train.threads \(0\) must be a number of CPU threads"):
+        config_from_dict(small_run_config(small_corpus, threads=0))

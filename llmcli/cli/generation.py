@@ -68,6 +68,41 @@ ThreadsOption = Annotated[
     ),
 ]
 
+NumSamplesOption = Annotated[int, typer.Option(help="Samples per prompt, run as one batch.")]
+StopOption = Annotated[
+    Optional[list[str]],
+    typer.Option(
+        help="End a sample when this text appears (not printed; \\n, \\t work); repeatable.",
+        metavar="TEXT",
+    ),
+]
+StreamOption = Annotated[
+    Optional[bool],
+    typer.Option("--stream/--no-stream", help="Print tokens as they come (default: on a TTY)."),
+]
+JsonOption = Annotated[
+    bool,
+    typer.Option("--json", help="One JSON object per sample (prompt, completion, tokens...)."),
+]
+IgnoreEosOption = Annotated[
+    Optional[bool],
+    typer.Option(
+        "--ignore-eos/--stop-at-eos",
+        help="Go on past the end-of-text token (shown as <|endoftext|>) to --max-new-tokens; "
+        "by default a sample ends there (default: run config's sample.ignore_eos).",
+    ),
+]
+InteractiveOption = Annotated[
+    bool,
+    typer.Option(
+        "--interactive",
+        "-i",
+        help="Keep the model loaded and answer prompts read line by line from stdin (a "
+        "terminal or a pipe), streamed; /temperature 0.5, /top_k 50, /seed 1... change the "
+        "settings, /help lists them; Ctrl-C stops an answer, Ctrl-D exits.",
+    ),
+]
+
 
 @app.command("sample")
 def sample_command(
@@ -79,35 +114,15 @@ def sample_command(
     top_k: TopKOption = None,
     top_p: TopPOption = None,
     seed: SeedOption = None,
-    num_samples: Annotated[int, typer.Option(help="Samples per prompt, run as one batch.")] = 1,
-    stop: Annotated[
-        Optional[list[str]],
-        typer.Option(
-            help="End a sample when this text appears (not printed; \\n, \\t work); repeatable.",
-            metavar="TEXT",
-        ),
-    ] = None,
-    stream: Annotated[
-        Optional[bool],
-        typer.Option("--stream/--no-stream", help="Print tokens as they come (default: on a TTY)."),
-    ] = None,
-    json_: Annotated[
-        bool,
-        typer.Option("--json", help="One JSON object per sample (prompt, completion, tokens...)."),
-    ] = False,
+    num_samples: NumSamplesOption = 1,
+    stop: StopOption = None,
+    stream: StreamOption = None,
+    json_: JsonOption = False,
     context_policy: ContextPolicyOption = None,
     context_keep: ContextKeepOption = None,
     threads: ThreadsOption = None,
-    interactive: Annotated[
-        bool,
-        typer.Option(
-            "--interactive",
-            "-i",
-            help="Keep the model loaded and answer prompts read line by line from stdin (a "
-            "terminal or a pipe), streamed; /temperature 0.5, /top_k 50, /seed 1... change the "
-            "settings, /help lists them; Ctrl-C stops an answer, Ctrl-D exits.",
-        ),
-    ] = False,
+    ignore_eos: IgnoreEosOption = None,
+    interactive: InteractiveOption = False,
     weights: WeightsOption = "best",
     device: DeviceOption = "auto",
 ) -> None:
@@ -139,6 +154,7 @@ def sample_command(
         seed=seed,
         context_policy=context_policy,
         context_keep=context_keep,
+        ignore_eos=ignore_eos,
     )
     overrides = {key: value for key, value in settings.items() if value is not None}
     if interactive:

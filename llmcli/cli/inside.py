@@ -14,6 +14,8 @@ from llmcli.cli.options import (
     DataOption,
     DeviceOption,
     JsonOption,
+    ProgressOption,
+    RunThreadsOption,
     WeightsOption,
 )
 
@@ -84,9 +86,13 @@ def inspect_attention_command(
         typer.Option(help="Batches --ablation measures on (default: 20).", metavar="N"),
     ] = None,
     data: DataOption = None,
+    threads: RunThreadsOption = None,
+    progress: ProgressOption = True,
 ) -> None:
     """Dump every head's attention for a prompt, score each head, draw it, write a viewer."""
     from llmcli.inspection.attention import InspectOptions, format_report, inspect_attention
+
+    log_to_stderr()
 
     options = InspectOptions(
         layers=tuple(layer or ()),
@@ -100,9 +106,16 @@ def inspect_attention_command(
         ablation_data=data,
         weights=weights,
         device=device,
+        threads=threads,
     )
     result = inspect_attention(
-        checkpoint, prompt or [], options, prompt_file=prompt_file, out_dir=out, notify=notify
+        checkpoint,
+        prompt or [],
+        options,
+        prompt_file=prompt_file,
+        out_dir=out,
+        notify=notify,
+        progress=progress,
     )
     typer.echo(format_report(result), nl=False)
 
@@ -113,7 +126,11 @@ def eval_command(
     data: DataOption = None,
     steps: Annotated[
         Optional[int],
-        typer.Option(help="Score only the first N batches (default: the whole text).", metavar="N"),
+        typer.Option(
+            help="Score only the first N batches (default: the whole text; --steps 20 takes "
+            "seconds on the tiny run).",
+            metavar="N",
+        ),
     ] = None,
     batch_size: Annotated[
         Optional[int],
@@ -150,6 +167,8 @@ def eval_command(
             "summary goes to stderr (as JSON with --json).",
         ),
     ] = False,
+    threads: RunThreadsOption = None,
+    progress: ProgressOption = True,
 ) -> None:
     """Mean loss, perplexity and bits per byte of a run on its validation split or a text."""
     import json
@@ -165,8 +184,9 @@ def eval_command(
         weights=weights,
         device=device,
         per_token=per_token,
+        threads=threads,
     )
-    result = evaluate_run(checkpoint, data, options, progress=True, notify=notify)
+    result = evaluate_run(checkpoint, data, options, progress=progress, notify=notify)
     summary = json.dumps(result.to_dict()) if json_ else format_result(result)
     if result.per_token is None:
         typer.echo(summary)

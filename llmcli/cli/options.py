@@ -56,10 +56,35 @@ DataOption = Annotated[
         metavar="PATH",
     ),
 ]
+RunThreadsOption = Annotated[
+    Optional[int],
+    typer.Option(
+        help="CPU threads (default: the run's train.threads); more pays only on cores that "
+        "nothing else uses.",
+        metavar="N",
+    ),
+]
 ProgressOption = Annotated[
     bool,
     typer.Option(help="Show progress: a bar on a terminal, plain lines in a log or pipe."),
 ]
+
+
+class UsageCommand(TyperCommand):
+    """A command whose usage line names its arguments as click does: `CONFIG`, `[CONFIG]`,
+    `RUN...`. Typer writes a required one in braces (`{CONFIG}`), which reads as if the braces
+    were to be typed."""
+
+    def collect_usage_pieces(self, ctx: typer.Context) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if param.param_type_name != "argument":
+                continue
+            name = param.metavar or (param.name or "").upper()
+            if param.nargs != 1 and not name.endswith("..."):
+                name += "..."
+            pieces.append(name if param.required else f"[{name}]")
+        return pieces
 
 
 # Options whose value may be left out: `train --resume` (strict) or `--resume auto`, and
@@ -84,7 +109,7 @@ class _Bare:
         return self.values is not None and token not in self.values
 
 
-class OptionalValueCommand(TyperCommand):
+class OptionalValueCommand(UsageCommand):
     """A command whose options in `bare` may be given without a value.
 
     Typer has no options with an optional value (it ignores click's `is_flag=False,

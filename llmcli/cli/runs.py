@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from llmcli.cli.app import app, notify
-from llmcli.cli.options import CheckpointOption, JsonOption, WeightsOption
+from llmcli.cli.options import CheckpointOption, JsonOption, UsageCommand, WeightsOption
 
 
 @app.command("info")
@@ -93,7 +93,7 @@ def export_command(
     )
 
 
-@app.command("compare")
+@app.command("compare", cls=UsageCommand)
 def compare_command(
     runs: Annotated[
         list[str],
@@ -115,9 +115,14 @@ def compare_command(
             metavar="AXIS",
         ),
     ] = None,
-    out: Annotated[Path, typer.Option(help="The picture to write (PNG).", metavar="FILE")] = Path(
-        "compare.png"
-    ),
+    out: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="The picture to write (PNG; default: compare.png in the current folder, none "
+            "with --json). A file already there is replaced, and stderr says so.",
+            metavar="FILE",
+        ),
+    ] = None,
     reference: Annotated[
         bool,
         typer.Option(
@@ -135,8 +140,12 @@ def compare_command(
 
     from llmcli.runs.compare import compare_runs, format_table
 
+    if out is None and not json_:
+        out = Path("compare.png")
     axis = x or ("tokens" if reference else "step")
     comparison = compare_runs(runs, metric=metric, x=axis, out=out, reference=reference)
+    if comparison.replaced:
+        notify(f"note: {comparison.picture} was there already: replaced it")
     if json_:
         typer.echo(json.dumps(comparison.to_dict()))
         return

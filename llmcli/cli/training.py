@@ -8,11 +8,18 @@ from typing import Annotated, Optional
 import typer
 
 from llmcli.cli.app import app, log_to_stderr
-from llmcli.cli.options import RESUME_VALUES, ConfigArg, ProgressOption, SetOption, TrainCommand
+from llmcli.cli.options import (
+    RESUME_VALUES,
+    ConfigArg,
+    ProgressOption,
+    SetOption,
+    TrainCommand,
+    UsageCommand,
+)
 from llmcli.errors import InputError
 
 
-@app.command("config")
+@app.command("config", cls=UsageCommand)
 def config_command(
     config: Annotated[
         Optional[Path],
@@ -37,7 +44,7 @@ def config_command(
     typer.echo(dump_yaml(load_config(config, set_ or [])), nl=False)
 
 
-@app.command("prepare-data")
+@app.command("prepare-data", cls=UsageCommand)
 def prepare_data_command(
     config: ConfigArg,
     set_: SetOption = None,
@@ -86,10 +93,19 @@ def train_command(
     overwrite: Annotated[
         bool, typer.Option(help="Start afresh even if the run directory holds a run.")
     ] = False,
+    threads: Annotated[
+        Optional[int],
+        typer.Option(
+            help="CPU threads (default: train.threads, 1); more pays only on cores that "
+            "nothing else uses.",
+            metavar="N",
+        ),
+    ] = None,
     progress: ProgressOption = True,
 ) -> None:
     """Train a model (Ctrl-C saves and stops; under torchrun, trains with DDP)."""
     from llmcli.config import load_config
+    from llmcli.device import check_threads
     from llmcli.training.interrupt import EXIT_TERMINATED, Preempted
     from llmcli.training.loop import train
 
@@ -97,6 +113,8 @@ def train_command(
     if resume is not None and resume not in RESUME_VALUES:
         raise InputError(f"--resume takes no value, or 'auto'; got {resume!r}.")
     cfg = load_config(config, set_ or [])
+    if threads is not None:
+        cfg.train.threads = check_threads(threads)
     if resume is None:  # the config's train.resume, unless --overwrite asks for a fresh start
         resume_ = False if overwrite else cfg.train.resume
     else:
@@ -133,7 +151,7 @@ def train_command(
         )
 
 
-@app.command("bench")
+@app.command("bench", cls=UsageCommand)
 def bench_command(
     config: ConfigArg,
     set_: SetOption = None,

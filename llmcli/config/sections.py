@@ -120,6 +120,12 @@ class TrainConfig:
     """The optimisation, evaluation and checkpointing schedule."""
 
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
+    # CPU threads for training, and for `eval` and `inspect-attention` on the run: a number,
+    # "auto" (the CPUs nothing else is using when the run starts; torch's count where
+    # OMP_NUM_THREADS is set) or null (torch's own count, one per core). Threads on a busy core
+    # cost far more than they bring: 30 steps of `tiny` on 2 shared cores took 9-10 s on 1
+    # thread and 61-88 s on 2; on 2 idle cores 2 threads are faster (README, "Threads").
+    threads: int | Literal["auto"] | None = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # Sequences per micro-batch, or "auto": the largest that fits the memory (`memory_limit`,
     # else the device's free memory) with headroom, and the grad_accum that reaches
@@ -241,6 +247,17 @@ class TrainConfig:
             "seed",
             self.seed,
             "must be in 0..2**63-1 (torch's seed range)",
+        )
+        _require(
+            self.threads is None
+            or self.threads == "auto"
+            or (isinstance(self.threads, int) and not isinstance(self.threads, bool))
+            and self.threads >= 1,
+            "train",
+            "threads",
+            self.threads,
+            "must be a number of CPU threads >= 1, auto (the CPUs nothing else is using) or null "
+            "for torch's own count",
         )
         for key in ("save_interval", "save_interval_s"):
             value = getattr(self, key)
@@ -399,6 +416,9 @@ class SampleConfig:
     # Sampling).
     context_policy: Literal["exact", "shift"] = "shift"
     context_keep: int | None = None
+    # A sample ends at the end-of-text token unless this is true (then it goes on past it to
+    # max_new_tokens, and the token shows in the text as <|endoftext|>).
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -448,6 +468,12 @@ class SampleConfig:
                 f"must be one of {', '.join(CONTEXT_POLICIES)}: exact recomputes the last "
                 "context_length tokens every step past the context, shift keeps the last tokens "
                 "and goes on with the KV cache",
+            ),
+            (
+                "ignore_eos",
+                isinstance(self.ignore_eos, bool),
+                "must be true or false: false ends a sample at the end-of-text token, true "
+                "generates past it",
             ),
             (
                 "context_keep",

@@ -35,6 +35,7 @@ HELP = (
     "Type a prompt and press Enter: the answer is streamed (\\n in a prompt is a newline).\n"
     "  /temperature 0.5   /top_k 50   /top_p 0.9   /seed 1   /max_new_tokens 200\n"
     "  /context_policy shift|exact   /context_keep N   (null resets top_k / context_keep)\n"
+    "  /ignore_eos true|false   (go on past the end-of-text token)\n"
     "  /settings  show the settings    /help  this text\n"
     "Ctrl-C stops the current answer; Ctrl-D (end of input) exits."
 )

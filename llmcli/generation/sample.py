@@ -14,7 +14,6 @@ strings.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import sys
 import time
@@ -29,7 +28,7 @@ from torch import Tensor
 
 from llmcli.config import SampleConfig
 from llmcli.data.tokenizer import CharTokenizer, Tokenizer
-from llmcli.device import resolve_device
+from llmcli.device import check_threads, resolve_device
 from llmcli.errors import InputError
 from llmcli.generation.decode import small_gelu
 from llmcli.generation.generate import generate
@@ -283,12 +282,7 @@ class SampleOptions:
         b = self.batch_size
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
             raise InputError(f"batch_size ({b}) must be an integer >= 1: the most samples at once.")
-        cpus = os.cpu_count() or 1
-        # torch crashes on absurd thread counts.
-        if self.threads is not None and not 1 <= self.threads <= cpus:
-            raise InputError(
-                f"--threads ({self.threads}) must be in 1..{cpus} (this machine's CPUs)."
-            )
+        check_threads(self.threads)
 
 
 class SampleJob(NamedTuple):
@@ -402,6 +396,8 @@ def sample_batch(
         The samples, in the order of `batch`.
     """
     stop_ids = set(options.stop_ids)
+    if config.ignore_eos:  # generate past the end-of-text token, which then shows in the text
+        stop_ids.discard(getattr(tokenizer, "eot_id", None))
     states = [_TextState(tokenizer, options.stop, stop_ids, job.ids) for job in batch]
     vocab = tokenizer.vocab_size if tokenizer.vocab_size < model.vocab_size else None
     start = time.perf_counter()
@@ -549,8 +545,8 @@ def sample_run(
     """Load a run and sample from it: what `llmcli sample` does.
 
     The sampling settings are the run's `sample:` config with `overrides` applied by
-    `dataclasses.replace`, which checks them. A BPE run's samples also end at the end-of-text
-    token.
+    `dataclasses.replace`, which checks them. A sample also ends at the end-of-text token,
+    unless `sample.ignore_eos` is set.
 
     Args:
         checkpoint: a run directory (or a weights file in one); None = the latest run under

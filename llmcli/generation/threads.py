@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 from torch import nn
 
 from llmcli.config import SampleConfig
+from llmcli.device import torch_threads as torch_threads  # where it is, for generation's users
 
 # Up to this many non-embedding parameters a one-token decode step ran faster on one thread than
 # on two (2-core VM, torch 2.13: 4L/128 0.70 vs 0.92 ms, 4L/192 1.56 vs 1.76, 4L/256 2.43 vs
@@ -31,17 +29,3 @@ def sampling_threads(model: nn.Module, device: torch.device, decode_bound: bool)
         return None
     n_params = model.num_parameters(non_embedding=True)  # type: ignore[operator]
     return 1 if n_params <= ONE_THREAD_DECODE_PARAMS else None
-
-
-@contextlib.contextmanager
-def torch_threads(n: int | None) -> Iterator[None]:
-    """Run the block on `n` CPU threads (None: as it is), then restore the previous count."""
-    if n is None:
-        yield
-        return
-    previous = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)

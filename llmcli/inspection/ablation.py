@@ -20,7 +20,7 @@ Shapes: `L` layers, `H` heads, `hs` head size; batches are `(x, y)` long `(B, T)
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence, Sized
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -33,6 +33,7 @@ from torch import Tensor
 
 from llmcli.errors import InputError
 from llmcli.model.hooks import HookFn
+from llmcli.progress import Progress, format_fixed
 
 #: How a removed head is replaced: by zeros, or by its mean output.
 METHODS: tuple[str, ...] = ("zero", "mean")
@@ -176,8 +177,21 @@ def _nats(logits: Tensor, y: Tensor, copies: int = 1) -> Tensor:
 
 
 @torch.no_grad()
-def head_means(model: torch.nn.Module, batches: Iterable[Batch]) -> Tensor:
+def head_means(
+    model: torch.nn.Module,
+    batches: Iterable[Batch],
+    *,
+    progress: bool = False,
+    total: int | None = None,
+) -> Tensor:
     """Every head's mean output (`attn.z`) over every position of `batches`, no head removed.
+
+    Args:
+        model: a `Transformer`.
+        batches: `(x, y)` pairs, each `(B, T)` long.
+        progress: show progress (a bar on a terminal, plain lines elsewhere), one unit a batch.
+        total: how many batches there are, for the progress (None: `len(batches)` if it has
+            one).
 
     Returns:
         `(L, H, hs)`, in the model's dtype and on its device.
@@ -197,10 +211,14 @@ def head_means(model: torch.nn.Module, batches: Iterable[Batch]) -> Tensor:
 
     positions = 0
     hooks = {f"blocks.{i}.attn.z": summing(i) for i in range(n_layer)}
-    with _eval_mode(model), model.hooks(hooks):
+    if total is None and isinstance(batches, Sized):
+        total = len(batches)
+    bar = Progress(total, desc="head means", unit="batch", enabled=progress, tenths=True)
+    with _eval_mode(model), model.hooks(hooks), bar:
         for x, _ in batches:
             model(x)
             positions += x.numel()
+            bar.update()
     if positions == 0:
         raise InputError("no batches to average the heads' outputs over.")
     means = sums / positions  # (L, C)
@@ -277,6 +295,7 @@ def _prepare(
     batches: Iterable[Batch],
     methods: Sequence[str],
     means: Tensor | None,
+    progress: bool = False,
 ) -> tuple[list[Batch], tuple[str, ...], Tensor | None]:
     """The batches as a list, the methods checked and each once, the means "mean" needs."""
     batches = list(batches)
@@ -284,7 +303,7 @@ def _prepare(
         raise InputError("no batches to measure the heads on.")
     methods = tuple(dict.fromkeys(check_method(method) for method in methods))
     if "mean" in methods and means is None:
-        means = head_means(model, batches)
+        means = head_means(model, batches, progress=progress)
     return batches, methods, means
 
 
@@ -296,6 +315,7 @@ def head_deltas(
     *,
     means: Tensor | None = None,
     heads_per_pass: int | None = None,
+    progress: bool = False,
 ) -> HeadDeltas:
     """Δloss of every head, each removed alone, with the layer cache (see the module doc).
 
@@ -305,17 +325,20 @@ def head_deltas(
         methods: any of `METHODS`.
         means: `(L, H, hs)` mean head outputs for "mean" (None: `head_means` of `batches`).
         heads_per_pass: heads of one layer removed in one pass (None: `head_batch`).
+        progress: show progress (a bar on a terminal, plain lines elsewhere), one unit a batch;
+            the mean outputs "mean" needs are a first pass with its own.
 
     Returns:
         `HeadDeltas`, token-weighted over the batches.
     """
     if heads_per_pass is not None and heads_per_pass < 1:
         raise InputError(f"heads_per_pass ({heads_per_pass}) must be at least 1.")
-    batches, methods, means = _prepare(model, batches, methods, means)
+    batches, methods, means = _prepare(model, batches, methods, means, progress)
     n_layer, n_head = model.n_layer, model.n_head
     nats = {method: np.zeros((n_layer, n_head)) for method in methods}
     clean, tokens = 0.0, 0
-    with _eval_mode(model):
+    bar = Progress(len(batches), desc="ablation", unit="batch", enabled=progress, tenths=True)
+    with _eval_mode(model), bar:
         for x, y in batches:
             streams, logits = _residual_streams(model, x)  # [(B, T, C)] * L, (B, T, V)
             clean_nats = _nats(logits, y).item()
@@ -328,6 +351,7 @@ def head_deltas(
                         heads = list(range(first, min(first + k, n_head)))
                         removed = _remove_heads(model, layer, streams[layer], y, heads, mean)
                         nats[method][layer, heads] += removed - clean_nats
+            bar.update()
     return HeadDeltas(
         base_loss=clean / tokens,
         delta={method: d / tokens for method, d in nats.items()},
@@ -417,9 +441,11 @@ def format_top_heads(result: HeadDeltas, k: int = 5, data: str | None = None) ->
         f"clean loss {result.base_loss:.4f} nats/token"
     ]
     for method, delta in result.delta.items():
-        tops = ", ".join(f"{layer}.{head} {d:+.4f}" for layer, head, d in top_heads(delta, k))
+        tops = ", ".join(
+            f"{layer}.{head} {format_fixed(d, '+.4f')}" for layer, head, d in top_heads(delta, k)
+        )
         lines.append(
             f"top heads by dloss_{method} (layer.head, nats/token; median "
-            f"{float(np.median(delta)):+.4f}): {tops}"
+            f"{format_fixed(float(np.median(delta)), '+.4f')}): {tops}"
         )
     return "\n".join(lines)

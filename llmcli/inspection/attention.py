@@ -23,7 +23,7 @@ import torch
 
 from llmcli import __version__
 from llmcli.data.tokens import prepare_data
-from llmcli.device import resolve_device
+from llmcli.device import check_threads, resolve_device, torch_threads
 from llmcli.errors import InputError, describe_os_error
 from llmcli.generation.prompts import encode_prompt, read_prompt_file
 from llmcli.inspection.ablation import (
@@ -146,6 +146,7 @@ def measure_heads(
     steps: int,
     device: torch.device | str = "cpu",
     data: str | Path | None = None,
+    progress: bool = False,
 ) -> tuple[HeadDeltas, dict[str, Any]]:
     """Every head's Δloss on the first `steps` batches of a text: the run's validation split,
     or the file `data`, in the windows `llmcli eval` scores.
@@ -156,6 +157,7 @@ def measure_heads(
         steps: batches to measure on.
         device: where the model is.
         data: a UTF-8 text file (None: the validation split; see `evaluate.eval_tokens`).
+        progress: show progress (a bar on a terminal, plain lines elsewhere).
 
     Returns:
         The `HeadDeltas` and a JSON-ready note for the dumps' meta (the result, its data and,
@@ -166,7 +168,8 @@ def measure_heads(
     tokens, label = eval_tokens(run, data, hint=hint)
     ctx, batch_size = run.config.model.context_length, run.config.train.batch_size
     starts = window_starts(len(tokens), ctx, batch_size, steps)
-    result = head_deltas(run.model, window_batches(tokens, ctx, starts, device), methods)
+    batches = window_batches(tokens, ctx, starts, device)
+    result = head_deltas(run.model, batches, methods, progress=progress)
     note = {**result.to_dict(), "data": label, "steps": steps, "batch_size": batch_size}
     note["data_file"] = None if data is None else str(data)
     return result, note
@@ -212,10 +215,11 @@ class InspectOptions:
         weights: the weights `inspect_attention` loads, "best" or "last" (see
             `llmcli.runs.loading.load_run`).
         device: where `inspect_attention` runs the model: "cpu", "cuda", "mps" or "auto".
+        threads: CPU threads (None: the run's `train.threads`).
 
     Raises:
         InputError: an unknown format or ablation method, `ablation_steps` or `ablation_data`
-            without `ablation`, `ablation_steps` < 1.
+            without `ablation`, `ablation_steps` < 1, `threads` outside 1..the CPUs.
     """
 
     layers: Sequence[int] = ()
@@ -230,8 +234,10 @@ class InspectOptions:
     ablation_data: str | Path | None = None
     weights: str = "best"
     device: str = "cpu"
+    threads: int | None = None
 
     def __post_init__(self) -> None:
+        check_threads(self.threads)
         if self.fmt not in FORMATS:
             raise InputError(
                 f"--format {self.fmt!r} is not known: choose one of {', '.join(FORMATS)}."
@@ -441,6 +447,7 @@ def inspect_attention(
     prompt_file: str | Path | None = None,
     out_dir: str | Path | None = None,
     notify: Callable[[str], Any] = log.warning,
+    progress: bool = False,
 ) -> InspectResult:
     """`llmcli inspect-attention`: load a run, capture each prompt, write dumps, PNGs, viewer.
 
@@ -455,6 +462,8 @@ def inspect_attention(
             `prompt-000/`, `prompt-001/`, ... (see `prompt_dir`).
         notify: receives one-line notices as they come (the run used, version differences,
             the default prompt).
+        progress: show the progress of the ablation's passes (a bar on a terminal, plain
+            lines elsewhere).
 
     Raises:
         InputError: no run, bad prompt, layer or head out of range.
@@ -477,12 +486,17 @@ def inspect_attention(
     meta = run_meta(run)
     if prompts_ids is not None:
         meta["default_prompt"] = default_note
-    dumps = build_dumps(model, run.tokenizer, prompts, options, prompts_ids=prompts_ids, meta=meta)
-    deltas = None
-    if options.ablation is not None:
-        steps = options.ablation_steps or ABLATION_STEPS
-        deltas, note = measure_heads(run, options.ablation, steps, device, options.ablation_data)
-        add_ablation(dumps, deltas, note)
+    with torch_threads(options.threads or run.config.train.threads):
+        dumps = build_dumps(
+            model, run.tokenizer, prompts, options, prompts_ids=prompts_ids, meta=meta
+        )
+        deltas = None
+        if options.ablation is not None:
+            steps = options.ablation_steps or ABLATION_STEPS
+            deltas, note = measure_heads(
+                run, options.ablation, steps, device, options.ablation_data, progress=progress
+            )
+            add_ablation(dumps, deltas, note)
     root = Path(out_dir) if out_dir is not None else Path(run.run_dir) / "attention"
     out_dirs, files = [], []
     for i, dump in enumerate(dumps):

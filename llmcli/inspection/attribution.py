@@ -47,6 +47,7 @@ from llmcli.inspection.answers import (
 )
 from llmcli.inspection.pictures import Grid, plot_grids
 from llmcli.model.layers import RMSNorm
+from llmcli.progress import format_fixed
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +199,7 @@ def format_attribution(result: Attribution) -> str:
         "layer " + " ".join(f"{'head ' + str(h):>8}" for h in range(H)) + f" {'mlp':>8}",
     ]
     for i, row in enumerate(result.heads):
-        cells = " ".join(f"{v:>+8.4f}" for v in [*row, result.mlp[i]])
+        cells = " ".join(format_fixed(v, ">+8.4f") for v in [*row, result.mlp[i]])
         lines.append(f"{i:>5} {cells}")
     lines += [
         f"rest  {result.rest:+.4f} (final norm bias, attention output biases)",

@@ -19,6 +19,7 @@ from safetensors.numpy import load_file, save_file
 
 from llmcli.errors import InputError
 from llmcli.fileio import atomic_path, atomic_write_text
+from llmcli.progress import format_fixed
 
 #: Dump formats and their file suffixes.
 FORMATS: dict[str, str] = {"npz": ".npz", "safetensors": ".safetensors", "json": ".json"}
@@ -155,7 +156,7 @@ def format_metrics_table(dump: AttentionDump) -> str:
     for i, layer in enumerate(dump.layers):
         for j, head in enumerate(dump.heads):
             cells = "  ".join(
-                f"{'-':>{width}}" if math.isnan(v) else f"{v:>{width}.3f}"
+                f"{'-':>{width}}" if math.isnan(v) else format_fixed(v, f">{width}.3f")
                 for v in dump.metrics[i, j].tolist()
             )
             lines.append(f"{layer:>5} {head:>4}  {cells}")

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from llmcli.data.tokens import prepare_data
-from llmcli.device import resolve_device
+from llmcli.device import check_threads, resolve_device, torch_threads
 from llmcli.errors import InputError
 from llmcli.fileio import read_user_text
 from llmcli.inspection.ablation import ablation_hooks, check_method, head_means, parse_ablate
@@ -275,10 +275,11 @@ class EvalOptions:
         weights: "best" or "last" weights of the run.
         device: "auto", "cpu", "cuda" or "mps".
         per_token: also keep each scored token's loss (`EvalResult.per_token`).
+        threads: CPU threads (None: the run's `train.threads`).
 
     Raises:
         InputError: `steps` or `batch_size` below 1, an unknown `ablation`, or one without
-            `ablate`.
+            `ablate`; `threads` outside 1..this machine's CPUs.
     """
 
     steps: int | None = None
@@ -288,8 +289,10 @@ class EvalOptions:
     weights: str = "best"
     device: str = "auto"
     per_token: bool = False
+    threads: int | None = None
 
     def __post_init__(self) -> None:
+        check_threads(self.threads)
         if self.steps is not None and self.steps < 1:
             raise InputError(f"--steps ({self.steps}) must be a positive number of batches.")
         if self.batch_size is not None and self.batch_size < 1:
@@ -324,7 +327,8 @@ def evaluate_run(
         data: a UTF-8 text file to score (None: the run's validation split, see `eval_tokens`).
         options: how many batches of what size, the heads to remove and how, which weights and
             the device (see `EvalOptions`, checked as it was made).
-        progress: show progress (a bar on a terminal, plain lines elsewhere).
+        progress: show progress (a bar on a terminal, plain lines elsewhere): of the scoring
+            pass, and of the first pass that mean ablation needs.
         notify: called with one line per warning (installed versions differ from the run's).
 
     Raises:
@@ -334,6 +338,15 @@ def evaluate_run(
     t0 = time.perf_counter()
     dev = resolve_device(options.device, what="--device")
     run = load_run(checkpoint, weights=options.weights, device=dev, notify=notify)
+    with torch_threads(options.threads or run.config.train.threads):
+        return _evaluate(run, data, options, t0, progress=progress)
+
+
+def _evaluate(
+    run: Any, data: str | Path | None, options: EvalOptions, t0: float, *, progress: bool
+) -> EvalResult:
+    """`evaluate_run` on a loaded run; `t0` is when the command began."""
+    dev = next(run.model.parameters()).device
     ablate, steps = options.ablate, options.steps
     head_mask = None
     if ablate:
@@ -344,7 +357,8 @@ def evaluate_run(
     head_mean = None
     if options.method == "mean":
         starts = window_starts(len(tokens), ctx, batch_size, steps)
-        head_mean = head_means(run.model, window_batches(tokens, ctx, starts, dev))
+        batches = window_batches(tokens, ctx, starts, dev)
+        head_mean = head_means(run.model, batches, progress=progress, total=len(starts))
     hooks = {} if head_mask is None else ablation_hooks(head_mask, head_mean)
     with run.model.hooks(hooks):
         totals = score_tokens(

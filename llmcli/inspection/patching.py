@@ -49,6 +49,7 @@ from llmcli.inspection.answers import (
     writing_into,
 )
 from llmcli.inspection.pictures import Grid, plot_grids, token_label
+from llmcli.progress import format_fixed
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +280,7 @@ def format_patch(result: PatchResult) -> str:
         "head_out  layer " + " ".join(f"{'head ' + str(h):>7}" for h in range(heads.shape[1]))
     )
     for layer, row in enumerate(heads):
-        lines.append(f"          {layer:>5} " + " ".join(f"{v:>7.3f}" for v in row))
+        lines.append(f"          {layer:>5} " + " ".join(format_fixed(v, ">7.3f") for v in row))
     return "".join(f"{text}\n" for text in lines)
 
 

@@ -37,6 +37,8 @@ from llmcli.runs.reference import (
 logger = logging.getLogger(__name__)
 
 X_AXES = ("step", "tokens", "elapsed_s")
+# Curves of fewer points than this get a marker at each (a line alone would hide them).
+MARKERS_BELOW = 50
 # The largest magnitude drawn: matplotlib's axis limits overflow a float between two values
 # near the largest float (1.8e308).
 DRAWABLE = 1e300
@@ -82,6 +84,7 @@ class Comparison:
     metric: str
     x: str
     picture: Path | None
+    replaced: bool = False  # the picture took the place of a file already there
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -156,7 +159,8 @@ def compare_runs(
         specs: run directories or globs.
         metric: one of `METRICS`.
         x: one of `X_AXES`.
-        out: where to write the PNG (None: no picture).
+        out: where to write the PNG (None: no picture); a file already there is replaced,
+            which `Comparison.replaced` says.
         reference: also draw each run's reference curve and place each run against it (then
             one run is enough, and the metric is val_loss or val_ppl).
 
@@ -187,15 +191,16 @@ def compare_runs(
         if reference:
             summary.reference = check_run(run, nested[run])
         summaries.append(summary)
-    picture = None
+    picture, replaced = None, False
     if out is not None:
         picture = Path(out)
+        replaced = picture.exists()
         curves = _reference_curves(summaries)
         try:
             atomic_write_bytes(picture, _plot(records, metric, x, curves))
         except OSError as exc:
             raise InputError(f"cannot write '{picture}': {describe_os_error(exc)}.") from None
-    return Comparison(summaries, differing, metric, x, picture)
+    return Comparison(summaries, differing, metric, x, picture, replaced)
 
 
 def _check_recorded(records: dict[Path, list[dict[str, Any]]], metric: str, x: str) -> None:
@@ -242,11 +247,23 @@ def _plot(
     x: str,
     references: dict[str, list[dict[str, Any]]] | None = None,
 ) -> bytes:
-    """The runs' curves of `metric` against `x`, and each reference's dashed (PNG bytes)."""
+    """The picture as PNG bytes."""
+    buffer = io.BytesIO()
+    curves_figure(records, metric, x, references).savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+def curves_figure(
+    records: dict[Path, list[dict[str, Any]]],
+    metric: str,
+    x: str,
+    references: dict[str, list[dict[str, Any]]] | None = None,
+) -> Figure:
+    """The runs' curves of `metric` against `x`, one per run (its records) named by its folder,
+    and each reference's dashed."""
     fig = Figure(figsize=(7.5, 4.5), dpi=110)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    marker = "o-" if METRICS[metric] == "eval" else "-"
     for run, recs in records.items():
         points = _points(recs, metric, x)
         drawn = [(px, py) for px, py in points if max(abs(px), abs(py)) <= DRAWABLE]
@@ -258,8 +275,10 @@ def _plot(
                 metric,
                 DRAWABLE,
             )
+        # Markers on evaluations and on short curves: a run of one point has no line to show.
+        marker = "o" if METRICS[metric] == "eval" or len(drawn) < MARKERS_BELOW else None
         if drawn:
-            ax.plot(*zip(*drawn, strict=True), marker, ms=3, lw=1.2, label=run.name)
+            ax.plot(*zip(*drawn, strict=True), marker=marker, ms=3, lw=1.2, label=run.name)
     for name, points in (references or {}).items():
         drawn = [p for p in points if isinstance(p.get(x), (int, float))]
         values = [p["val_loss"] if metric == "val_loss" else math.exp(p["val_loss"]) for p in drawn]
@@ -271,9 +290,7 @@ def _plot(
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    return buffer.getvalue()
+    return fig
 
 
 def format_table(comparison: Comparison) -> str:

@@ -22,7 +22,7 @@ from llmcli.runs import versions
 from llmcli.runs.directory import BEST_FILE, CONFIG_FILE, META_FILE, MODEL_FILE, TOKENIZER_FILE
 from llmcli.runs.formats import load_weights, read_meta, read_weights
 
-TRAIN_HINT = "train one first with `llmcli train configs/tiny.yaml` (or `llmcli train tiny`)"
+TRAIN_HINT = "train one first with `llmcli train tiny` (a shipped config)"
 
 
 @dataclass

@@ -174,8 +174,9 @@ class WandbTracker:
             )
         except wandb.errors.Error as exc:  # no API key, no network, a bad project name...
             raise InputError(
-                f"W&B could not start a run: {exc}. Log in (`wandb login` or WANDB_API_KEY), "
-                "set WANDB_MODE=offline to log locally, or choose another train.logger."
+                f"W&B could not start a run: {str(exc).rstrip('. ')}. Log in (`wandb login` or "
+                "WANDB_API_KEY), set WANDB_MODE=offline to log locally, or choose another "
+                "train.logger."
             ) from None
         if not resume:
             atomic_write_text(id_file, run_id + "\n")

@@ -49,7 +49,7 @@ import torch
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from llmcli.config import Config, TrainConfig
-from llmcli.device import resolve_device
+from llmcli.device import resolve_device, torch_threads
 from llmcli.errors import InputError, describe_os_error
 from llmcli.inspection.probe import probe_scores
 from llmcli.progress import Progress
@@ -146,7 +146,11 @@ def train(
     device = resolve_device(config.train.device, info.local_rank)
     precision = Precision.resolve(device, config.train.dtype)
     run_dir = Path(out_dir) if out_dir is not None else default_run_dir(config)
-    with process_group(info, device), out_of_memory_is_bad_input(device, run_dir):
+    with (
+        torch_threads(config.train.threads),
+        process_group(info, device),
+        out_of_memory_is_bad_input(device, run_dir),
+    ):
         run = build_run(config, info, precision, run_dir, resume, overwrite, session_start)
         if run.state.step >= config.train.max_steps:
             if info.main:
