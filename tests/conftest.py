@@ -19,6 +19,14 @@ from llmcli.runs.directory import save_model_run
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def fixed_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`train.threads: auto` counts the CPUs other work leaves free, which changes with the
+    machine's load, and a run's floating-point sums with it: with OMP_NUM_THREADS set, auto
+    keeps torch's count, so runs compared bit for bit (in this process or a child) agree."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models run fastest on one thread (and the CI machine's 2 cores are shared).
