@@ -99,13 +99,14 @@ def _cpu_times() -> tuple[int, int] | None:
 
 
 def resolve_threads(n: int | str | None) -> int | None:
-    """The CPU threads `train.threads` asks for: a number as it is; "auto": as many as the CPUs
-    nothing else is using (`free_cpus`), or None (torch's own count) where OMP_NUM_THREADS is set
-    (a torchrun or a user's choice) or the load cannot be read; None: torch's own count."""
+    """The CPU threads `train.threads` asks for: a number as it is; "auto": OMP_NUM_THREADS where
+    it is set (torchrun's or the user's choice), else as many as the CPUs nothing else is using
+    (`free_cpus`; None, torch's own count, where the load cannot be read); None: torch's count."""
     if n != "auto":
         return n if isinstance(n, int) else None
-    if os.environ.get("OMP_NUM_THREADS"):
-        return None
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if omp:
+        return int(omp) if omp.isdigit() and int(omp) > 0 else None
     return free_cpus()
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +21,19 @@ from llmcli.runs.directory import save_model_run
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def fixed_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture(scope="session", autouse=True)
+def fixed_threads() -> Iterator[None]:
     """`train.threads: auto` counts the CPUs other work leaves free, which changes with the
     machine's load, and a run's floating-point sums with it: with OMP_NUM_THREADS set, auto
-    keeps torch's count, so runs compared bit for bit (in this process or a child) agree."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    takes that count, so runs compared bit for bit (in this process or a child, in a module's
+    fixture or a test) agree. Session-wide, so that it is set before any other fixture."""
+    before = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    yield
+    if before is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = before
 
 
 @pytest.fixture(scope="module")

@@ -86,6 +86,8 @@ def test_auto_threads_leave_omp_num_threads_and_unreadable_load_to_torch(
     import llmcli.device as device
 
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # torchrun's or the user's choice stands
+    assert device.resolve_threads("auto") == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "many")  # not a count: torch's own
     assert device.resolve_threads("auto") is None
     monkeypatch.delenv("OMP_NUM_THREADS")
     monkeypatch.setattr(device, "_cpu_times", lambda: None)  # no /proc/stat (macOS, Windows)
