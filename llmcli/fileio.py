@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from llmcli.errors import InputError
+from llmcli.errors import CheckpointError, InputError, describe_os_error
 
 TMP_MARK = ".tmp-"  # in the name of every temporary file (see `remove_stale_temp_files`)
 
@@ -83,6 +83,25 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 def atomic_write_json(path: str | Path, obj: Any) -> None:
     """`atomic_write_bytes` for a JSON document (indented, sorted keys, trailing newline)."""
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def append_json_line(fh: Any, path: Path, record: dict[str, Any]) -> int:
+    """Append `record` as one flushed JSON line to the open binary file `fh` (a log such as
+    `metrics.jsonl`: a crash can only leave a torn last line); the bytes written.
+
+    Raises:
+        CheckpointError: the write failed (a full disk, say), naming `path`.
+    """
+    line = (json.dumps(record, allow_nan=True) + "\n").encode("utf-8")
+    try:
+        fh.write(line)
+        fh.flush()
+    except OSError as exc:
+        raise CheckpointError(
+            f"cannot write '{path}': {describe_os_error(exc)}. The last saved "
+            "checkpoint is intact: fix the problem and continue with --resume."
+        ) from None
+    return len(line)
 
 
 def remove_stale_temp_files(folder: Path) -> None:

@@ -16,8 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from llmcli.errors import CheckpointError, describe_os_error
-from llmcli.fileio import atomic_write_bytes
+from llmcli.fileio import append_json_line, atomic_write_bytes
 
 
 def _records(data: bytes) -> list[tuple[bytes, dict[str, Any]]]:
@@ -52,15 +51,7 @@ class HeadMetricsLog:
         self._fh = open(path, "ab")  # noqa: SIM115 - closed by close()
 
     def write(self, record: dict[str, Any]) -> None:
-        line = (json.dumps(record, allow_nan=True) + "\n").encode("utf-8")
-        try:
-            self._fh.write(line)
-            self._fh.flush()
-        except OSError as exc:
-            raise CheckpointError(
-                f"cannot write '{self.path}': {describe_os_error(exc)}. The last saved "
-                "checkpoint is intact: fix the problem and continue with --resume."
-            ) from None
+        append_json_line(self._fh, self.path, record)
 
     def close(self) -> None:
         self._fh.close()

@@ -18,8 +18,7 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from llmcli.errors import CheckpointError, describe_os_error
-from llmcli.fileio import atomic_write_bytes
+from llmcli.fileio import append_json_line, atomic_write_bytes
 from llmcli.runs.trackers import Trackers
 
 
@@ -40,16 +39,7 @@ class MetricsLog:
         self.size = self._fh.tell()
 
     def write(self, record: dict[str, Any]) -> None:
-        line = (json.dumps(record, allow_nan=True) + "\n").encode("utf-8")
-        try:
-            self._fh.write(line)
-            self._fh.flush()
-        except OSError as exc:
-            raise CheckpointError(
-                f"cannot write '{self.path}': {describe_os_error(exc)}. The last saved "
-                "checkpoint is intact: fix the problem and continue with --resume."
-            ) from None
-        self.size += len(line)
+        self.size += append_json_line(self._fh, self.path, record)
         if self.trackers is not None:
             self.trackers.log(record)
 
