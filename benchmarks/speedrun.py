@@ -371,7 +371,7 @@ def summarize(entries: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def write_records(report: dict[str, Any], args: argparse.Namespace) -> None:
+def write_records(report: dict[str, Any]) -> None:
     """Append each new record (a snapshot of its config under benchmarks/records/)."""
     rows = load_records()
     day = time.strftime("%Y-%m-%d")
@@ -392,7 +392,6 @@ def write_records(report: dict[str, Any], args: argparse.Namespace) -> None:
                 "commit": report["commit"],
                 "seeds": [r["seed"] for r in runs],
                 "wall_s": [r["wall_s"] for r in runs],
-                "wall_s_median": result["candidate"]["wall_s_median"],
                 "val": [r["val"] for r in runs],
                 "command": f"llmcli train {config.stem}",
             }
@@ -410,8 +409,9 @@ def records_table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         walls = ", ".join(f"{w:.1f}" for w in r["wall_s"])
         vals = " / ".join(f"{v:.3f}" for v in r["val"])
+        median = statistics.median(r["wall_s"])
         lines.append(
-            f"| {r['date']} | {r['track']} | `{r['config']}` | {r['wall_s_median']:.1f} s "
+            f"| {r['date']} | {r['track']} | `{r['config']}` | {median:.1f} s "
             f"({walls}) | {vals} | {r['commit']} | `{r['command']}` |"
         )
     return "\n".join(lines)
@@ -507,7 +507,7 @@ def main() -> None:
             report |= run_tracks(args)
             report["machine"] = {**machine(), "threads": args.threads or "default"}
             if args.write:
-                write_records(report, args)
+                write_records(report)
             text = json.dumps(report, indent=1)
             if args.out:
                 Path(args.out).write_text(text + "\n")
