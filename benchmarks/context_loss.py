@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmcli.config import default_keep  # noqa: E402
 from llmcli.data.tokens import prepare_data  # noqa: E402
-from llmcli.inspection.evaluate import window_batches, window_starts  # noqa: E402
+from llmcli.evaluation.text import window_batches, window_starts  # noqa: E402
 from llmcli.runs.loading import load_run  # noqa: E402
 
 

@@ -4,7 +4,7 @@
 
 With `train.head_metrics`, each evaluation also measures the validation loss at each position
 (from the logits the loss estimate computes anyway) and runs the model once on the probe of
-repeated random tokens, scoring every head (`llmcli.inspection.probe`). This times, on the
+repeated random tokens, scoring every head (`llmcli.evaluation.probe`). This times, on the
 config's model (initialised with its seed; speed does not depend on the weights) and batches of
 random tokens, in interleaved rounds so that a busy machine slows all alike:
 
@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from llmcli.config import load_config  # noqa: E402
 from llmcli.data.tokenizer import CharTokenizer  # noqa: E402
-from llmcli.inspection.probe import make_probe, probe_scores  # noqa: E402
+from llmcli.evaluation.probe import make_probe, probe_scores  # noqa: E402
 from llmcli.model.gpt import Transformer  # noqa: E402
 from llmcli.training.distributed import DistInfo  # noqa: E402
 from llmcli.training.evaluate import evaluate_loss  # noqa: E402

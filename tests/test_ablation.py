@@ -16,17 +16,19 @@ import torch.nn.functional as F
 from model_helpers import assert_close, gen, randomize_, tiny_model
 
 from llmcli.errors import InputError
-from llmcli.inspection.ablation import (
-    HeadDeltas,
+from llmcli.evaluation.heads import (
     ablation_hooks,
     check_method,
+    head_means,
+    mask_heads,
+    parse_ablate,
+)
+from llmcli.inspection.ablation import (
+    HeadDeltas,
     format_top_heads,
     head_batch,
     head_deltas,
     head_deltas_full,
-    head_means,
-    mask_heads,
-    parse_ablate,
     top_heads,
 )
 from llmcli.model import MultiHeadAttention, hooked

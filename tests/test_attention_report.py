@@ -10,6 +10,7 @@ import torch
 from attention_helpers import CORPUS, CTX, build_model, make_dump
 
 from llmcli.errors import InputError
+from llmcli.evaluation.probe import make_probe, probe_scores
 from llmcli.generation import prompts
 from llmcli.inspection import attention as report
 from llmcli.inspection.attention import (
@@ -27,7 +28,6 @@ from llmcli.inspection.attention import (
 from llmcli.inspection.capture import capture_attention
 from llmcli.inspection.dump import format_metrics_table, load_dump
 from llmcli.inspection.metrics import INDUCTION, METRIC_NAMES, PROBE_INDUCTION, head_metrics
-from llmcli.inspection.probe import make_probe, probe_scores
 
 
 def test_select_indices() -> None:
@@ -400,8 +400,8 @@ def test_format_report_one_block_per_prompt(tmp_path) -> None:
 
 def reference_deltas(run_dir, steps: int):
     """Every head's Δloss the plain way (one full forward per head) on the same batches."""
+    from llmcli.evaluation.text import eval_tokens, window_batches, window_starts
     from llmcli.inspection.ablation import head_deltas_full
-    from llmcli.inspection.evaluate import eval_tokens, window_batches, window_starts
     from llmcli.runs.loading import load_run
 
     run = load_run(run_dir)
@@ -449,7 +449,7 @@ def test_command_ablation_follows_the_selection(run_dir, tmp_path, capsys) -> No
 def test_ablation_on_a_data_file_equals_evals_loss_with_the_head_removed(
     run_dir, tmp_path, capsys
 ) -> None:
-    from llmcli.inspection.evaluate import EvalOptions, evaluate_run
+    from llmcli.evaluation.run import EvalOptions, evaluate_run
 
     # The corpus's characters in another order: 30 full windows (batches of 12, 12, 6) and a
     # shorter last one, all within the default 20 batches.

@@ -91,9 +91,9 @@ class Called(Exception):
 def received(monkeypatch) -> dict[str, Any]:
     """What the commands passed to the library: the stand-ins record it and stop the command."""
     import llmcli.config
+    import llmcli.evaluation.run
     import llmcli.generation.sample
     import llmcli.inspection.attention
-    import llmcli.inspection.evaluate
     import llmcli.training.loop
 
     calls: dict[str, Any] = {}
@@ -113,7 +113,7 @@ def received(monkeypatch) -> dict[str, Any]:
     monkeypatch.setattr(llmcli.config, "load_config", load_config)
     monkeypatch.setattr(llmcli.training.loop, "train", stand_in("train"))
     # eval's values are checked as its options are made, before evaluate_run: record them there.
-    monkeypatch.setattr(llmcli.inspection.evaluate, "EvalOptions", stand_in("eval"))
+    monkeypatch.setattr(llmcli.evaluation.run, "EvalOptions", stand_in("eval"))
     monkeypatch.setattr(llmcli.inspection.attention, "inspect_attention", stand_in("inspect"))
     monkeypatch.setattr(llmcli.generation.sample, "sample_run", stand_in("sample"))
     return calls

@@ -1,5 +1,5 @@
-"""`llmcli eval` (llmcli/inspection/evaluate.py): loss, perplexity and bits per byte against hand
-sums."""
+"""`llmcli eval` (llmcli/evaluation/run.py, text.py): loss, perplexity and bits per byte
+against hand sums."""
 
 from __future__ import annotations
 
@@ -17,13 +17,8 @@ from conftest import save_tiny_run
 from llmcli.cli import main
 from llmcli.data.tokenizer import BPETokenizer, CharTokenizer
 from llmcli.errors import InputError
-from llmcli.inspection.evaluate import (
-    EvalOptions,
-    evaluate_run,
-    score_tokens,
-    window_batches,
-    window_starts,
-)
+from llmcli.evaluation.run import EvalOptions, evaluate_run
+from llmcli.evaluation.text import score_tokens, window_batches, window_starts
 
 CTX, BATCH = 16, 3
 # Multi-byte characters (é: 2 bytes, —: 3 bytes) make bytes differ from characters.
@@ -273,7 +268,7 @@ def test_bad_input_exits_2_with_a_message(
 
 
 def test_a_mask_of_ones_scores_bit_for_bit_as_plain_eval(char_run: Path) -> None:
-    from llmcli.inspection.ablation import head_means, mask_heads
+    from llmcli.evaluation.heads import head_means, mask_heads
     from llmcli.runs.loading import load_run
 
     model = load_run(char_run).model
@@ -295,7 +290,7 @@ def test_a_mask_of_ones_scores_bit_for_bit_as_plain_eval(char_run: Path) -> None
 
 
 def test_ablate_removes_heads_zero_and_mean(char_run: Path, text_file: Path) -> None:
-    from llmcli.inspection.ablation import head_means
+    from llmcli.evaluation.heads import head_means
 
     plain = evaluate_run(char_run, text_file, EvalOptions(device="cpu"))
     ids = CharTokenizer.train([TEXT]).encode(TEXT)
@@ -393,7 +388,7 @@ def test_options_are_checked_as_they_are_made_before_a_run_loads(
 
 
 def test_eval_runs_on_the_threads_asked_for_else_the_runs_own(tmp_path, monkeypatch) -> None:
-    import llmcli.inspection.evaluate as evaluate
+    import llmcli.evaluation.run as evaluate
 
     model = {"n_layer": 2, "n_head": 2, "n_embed": 32, "context_length": CTX}
     raw = {"model": model, "train": {"batch_size": BATCH, "threads": 2}}

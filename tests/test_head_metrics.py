@@ -16,13 +16,14 @@ from conftest import small_run_config
 from llmcli.cli import main
 from llmcli.config import config_from_dict
 from llmcli.errors import ConfigError, InputError
+from llmcli.evaluation.metrics import icl_score, icl_windows
 from llmcli.model.gpt import Transformer
 from llmcli.runs.compare import compare_runs
 from llmcli.runs.head_metrics import HeadMetricsLog, read_head_metrics
 from llmcli.runs.metrics import read_metrics
 from llmcli.runs.trackers import tags
 from llmcli.training.distributed import DistInfo
-from llmcli.training.evaluate import evaluate_loss, icl_score, icl_windows
+from llmcli.training.evaluate import evaluate_loss
 from llmcli.training.loop import train
 from llmcli.training.precision import Precision
 

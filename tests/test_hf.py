@@ -137,7 +137,7 @@ def test_export_meets_the_evaluation_harness_contract(tmp_path, kind):
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from llmcli.inspection.evaluate import EvalOptions, evaluate_run
+    from llmcli.evaluation.run import EvalOptions, evaluate_run
 
     run, out, text_file = make_run(tmp_path / "run", kind), tmp_path / "hf", tmp_path / "t.txt"
     text_file.write_text(TEXT * 32)

@@ -17,9 +17,9 @@ import llmcli.model.gpt
 from llmcli.config import SampleConfig
 from llmcli.data.tokenizer import CharTokenizer
 from llmcli.errors import InputError
+from llmcli.evaluation.run import EvalOptions, evaluate_run
 from llmcli.generation.generate import generate
 from llmcli.inspection.attention import build_dumps
-from llmcli.inspection.evaluate import EvalOptions, evaluate_run
 from llmcli.model import MultiHeadAttention
 from llmcli.model.hooks import hooks_active
 

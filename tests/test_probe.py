@@ -1,4 +1,4 @@
-"""The repeated-random-token probe (llmcli/inspection/probe.py): what it is made of, and every
+"""The repeated-random-token probe (llmcli/evaluation/probe.py): what it is made of, and every
 head's previous-token, induction and duplicate-token scores on it, against hand-built patterns
 and against the NumPy formulas of llmcli/inspection/metrics.py on captured weights."""
 
@@ -10,13 +10,7 @@ import torch
 from attention_helpers import CORPUS, CTX, build_model
 
 from llmcli.data.tokenizer import BPETokenizer, CharTokenizer
-from llmcli.inspection.capture import capture_attention
-from llmcli.inspection.metrics import (
-    duplicate_token_score,
-    induction_score,
-    prev_token_score,
-)
-from llmcli.inspection.probe import (
+from llmcli.evaluation.probe import (
     PROBE_MAX_PERIOD,
     PROBE_SEQUENCES,
     make_probe,
@@ -24,6 +18,12 @@ from llmcli.inspection.probe import (
     probe_token_ids,
     repeated_random_tokens,
     score_patterns,
+)
+from llmcli.inspection.capture import capture_attention
+from llmcli.inspection.metrics import (
+    duplicate_token_score,
+    induction_score,
+    prev_token_score,
 )
 
 # --- what the probe is made of ----------------------------------------------------------------

@@ -25,7 +25,7 @@ from conftest import default_sigint
 from llmcli import fileio
 from llmcli.config import Config, config_from_dict, dump_yaml
 from llmcli.errors import CheckpointError, InputError
-from llmcli.inspection.probe import make_probe, probe_scores
+from llmcli.evaluation.probe import make_probe, probe_scores
 from llmcli.runs.directory import STATE_FILE
 from llmcli.runs.formats import load_state, read_weights
 from llmcli.runs.head_metrics import read_head_metrics

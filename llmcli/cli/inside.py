@@ -173,7 +173,7 @@ def eval_command(
     """Mean loss, perplexity and bits per byte of a run on its validation split or a text."""
     import json
 
-    from llmcli.inspection.evaluate import EvalOptions, evaluate_run, format_result
+    from llmcli.evaluation.run import EvalOptions, evaluate_run, format_result
 
     log_to_stderr()
     options = EvalOptions(

@@ -1,11 +1,13 @@
-"""The run configuration: the typed, validated sections and `Config` (`sections`), reading YAML
-and `--set` overrides into them and writing them back (`loading`), and the configs shipped with
+"""The run configuration: one typed, validated section per module (`model`, `data`, `train`,
+`sample`) and the whole `Config` (`sections`), with the rules they share (`rules`); reading YAML
+and `--set` overrides into them and writing them back (`loading`); and the configs shipped with
 llmcli with the corpora they train on (`shipped`).
 
 `from llmcli.config import ...` is how the rest of llmcli, the tests and the benchmarks reach
-every name below; inside, `loading` imports `sections` and `shipped`, which import neither.
+every name below.
 """
 
+from llmcli.config.data import DataConfig
 from llmcli.config.loading import (
     apply_overrides,
     config_from_dict,
@@ -14,19 +16,11 @@ from llmcli.config.loading import (
     parse_override,
     read_yaml,
 )
-from llmcli.config.sections import (
-    CONTEXT_POLICIES,
-    SECTIONS,
-    TRACKERS,
-    Config,
-    DataConfig,
-    ModelConfig,
-    SampleConfig,
-    TrainConfig,
-    default_keep,
-    keep_range,
-)
+from llmcli.config.model import ModelConfig
+from llmcli.config.sample import CONTEXT_POLICIES, SampleConfig, default_keep, keep_range
+from llmcli.config.sections import SECTIONS, Config
 from llmcli.config.shipped import describe_shipped, find_config, shipped_configs, shipped_dir
+from llmcli.config.train import TRACKERS, TrainConfig
 
 __all__ = [
     "CONTEXT_POLICIES",

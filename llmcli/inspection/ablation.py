@@ -1,12 +1,9 @@
 """Head ablation: which heads matter, measured as the rise in loss when a head is removed.
 
 Removing a head and measuring how much the loss rises is the usual test of whether it matters
-(Michel et al. 2019, "Are Sixteen Heads Really Better than One?"). A removed head's output is
-zeroed before its layer's output projection (zero ablation), or replaced by its mean output over
-reference positions (mean ablation: the head then carries no information about the input, but
-the layers above still see its average contribution). A head is removed at the model's
-`blocks.{l}.attn.z` hook point (`ablation_hooks`, `mask_heads`); this module also parses
-`--ablate` specs, computes the mean head outputs and measures every head's Δloss.
+(Michel et al. 2019, "Are Sixteen Heads Really Better than One?"). How a head is removed (zero
+or mean ablation, at the model's `blocks.{l}.attn.z` hook point) is `llmcli.evaluation.heads`,
+which `llmcli eval --ablate` uses too; this module measures every head's Δloss.
 
 `head_deltas` is the fast way. Removing a head of layer l changes nothing below l, so each
 batch's residual stream is computed once, and for each head only layers l.. run again; the heads
@@ -19,210 +16,30 @@ Shapes: `L` layers, `H` heads, `hs` head size; batches are `(x, y)` long `(B, T)
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable, Iterator, Sequence, Sized
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from llmcli.errors import InputError
-from llmcli.model.hooks import HookFn
+from llmcli.evaluation.heads import (
+    ablation_hooks,
+    check_method,
+    eval_mode,
+    head_means,
+    mask_heads,
+    summed_nats,
+)
 from llmcli.progress import Progress, format_fixed
 
-#: How a removed head is replaced: by zeros, or by its mean output.
-METHODS: tuple[str, ...] = ("zero", "mean")
-#: What `inspect-attention --ablation` takes: one method or both.
-INSPECT_METHODS: tuple[str, ...] = ("zero", "mean", "both")
 #: Activation memory for the copies of one batch run at once (one copy per removed head).
 HEAD_BATCH_BYTES = 256 << 20
 
-# ASCII digits (`\d` takes any script's), at most 9 (more is past any layer; `int` refuses more
-# than 4,300 digits).
-_SPEC = re.compile(r"([0-9]{1,9})(?:\.([0-9]{1,9}))?")
-
 Batch = tuple[Tensor, Tensor]
-
-
-# --------------------------------------------------------------------------------------------
-# Options: `--ablate L.H|L` and `--ablation zero|mean|both`.
-# --------------------------------------------------------------------------------------------
-
-
-def _spec_forms(n_layer: int, n_head: int) -> str:
-    return (
-        f"write L.H for head H of layer L, or L for every head of layer L, with L from 0 to "
-        f"{n_layer - 1} and H from 0 to {n_head - 1} (this model has {n_layer} layers of "
-        f"{n_head} heads), e.g. --ablate {n_layer - 1}.0"
-    )
-
-
-def parse_ablate(specs: Sequence[str], n_layer: int, n_head: int) -> Tensor:
-    """`--ablate` specs to a head mask.
-
-    Args:
-        specs: each `"L.H"` (head H of layer L) or `"L"` (every head of layer L), 0-based.
-        n_layer, n_head: the model's sizes.
-
-    Returns:
-        float32 `(n_layer, n_head)`: 1 keeps a head, 0 removes it.
-
-    Raises:
-        InputError: a spec of another form, or past the last layer or head; the message names
-            the forms and the valid ranges.
-    """
-    mask = torch.ones(n_layer, n_head)
-    for spec in specs:
-        match = _SPEC.fullmatch(spec.strip())
-        if match is None:
-            raise InputError(
-                f"--ablate {spec!r} is not a head or a layer: {_spec_forms(n_layer, n_head)}."
-            )
-        layer, head = int(match[1]), None if match[2] is None else int(match[2])
-        if layer >= n_layer:
-            raise InputError(
-                f"--ablate {spec}: layer {layer} is past the last layer "
-                f"({n_layer - 1}): {_spec_forms(n_layer, n_head)}."
-            )
-        if head is not None and head >= n_head:
-            raise InputError(
-                f"--ablate {spec}: head {head} is past the last head "
-                f"({n_head - 1}): {_spec_forms(n_layer, n_head)}."
-            )
-        mask[layer, slice(None) if head is None else head] = 0.0
-    return mask
-
-
-def check_method(method: str, choices: Sequence[str] = METHODS) -> str:
-    """`--ablation` checked against `choices`; returns it.
-
-    Raises:
-        InputError: not one of `choices` (the message lists them).
-    """
-    if method not in choices:
-        raise InputError(
-            f"--ablation {method!r} is not known: choose {' or '.join(choices)} (zero: a removed "
-            "head outputs zeros; mean: its mean output over the scored positions)."
-        )
-    return method
-
-
-# --------------------------------------------------------------------------------------------
-# Removing heads, and the model's pieces, through its hook points.
-# --------------------------------------------------------------------------------------------
-
-
-def mask_heads(z: Tensor, keep: Tensor, mean: Tensor | None = None) -> Tensor:
-    """Keep (1) or remove (0) each head's output; a removed head outputs zeros, or its `mean`.
-
-    With a mask of ones the values of `z` come back unchanged, bit for bit (`z * 1`, `+ 0 *
-    mean`).
-
-    Shape:
-        z `(B, T, nh, hs)` (the `attn.z` hook point); keep `(nh,)` or, one mask per batch row,
-        `(B, nh)`; mean `(nh, hs)` -> `(B, T, nh, hs)`.
-    """
-    m = keep.to(z.dtype)
-    m = m[:, None, :, None] if m.ndim == 2 else m[:, None]  # (B, 1, nh, 1) or (nh, 1)
-    z = z * m  # (B, T, nh, hs)
-    if mean is not None:
-        z = z + (1 - m) * mean.to(z.dtype)  # (B, T, nh, hs) + (nh, hs)
-    return z
-
-
-def ablation_hooks(mask: Tensor, means: Tensor | None = None) -> dict[str, HookFn]:
-    """Hook functions that remove the heads `mask` marks, for `Transformer.hooks`.
-
-    Args:
-        mask: `(L, H)`: 1 keeps a head, 0 removes it.
-        means: `(L, H, hs)`: what removed heads output instead of zeros (mean ablation).
-
-    Returns:
-        `blocks.{l}.attn.z` -> a function, for each layer with a head removed.
-    """
-    return {
-        f"blocks.{layer}.attn.z": partial(
-            mask_heads, keep=mask[layer], mean=None if means is None else means[layer]
-        )
-        for layer in range(mask.shape[0])
-        if bool((mask[layer] != 1).any())
-    }
-
-
-@contextmanager
-def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
-    """Dropout off while measuring; the model's mode is restored after."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
-
-
-def _nats(logits: Tensor, y: Tensor, copies: int = 1) -> Tensor:
-    """Summed cross-entropy of each of `copies` stacked copies of a batch, in float64.
-
-    Shape:
-        logits `(copies * B, T, V)`, y `(B, T)` -> `(copies,)`
-    """
-    targets = y.repeat(copies, 1).flatten()  # (copies * B * T,)
-    nll = F.cross_entropy(logits.float().flatten(0, 1), targets, reduction="none")
-    return nll.double().view(copies, -1).sum(1)  # (copies,)
-
-
-@torch.no_grad()
-def head_means(
-    model: torch.nn.Module,
-    batches: Iterable[Batch],
-    *,
-    progress: bool = False,
-    total: int | None = None,
-) -> Tensor:
-    """Every head's mean output (`attn.z`) over every position of `batches`, no head removed.
-
-    Args:
-        model: a `Transformer`.
-        batches: `(x, y)` pairs, each `(B, T)` long.
-        progress: show progress (a bar on a terminal, plain lines elsewhere), one unit a batch.
-        total: how many batches there are, for the progress (None: `len(batches)` if it has
-            one).
-
-    Returns:
-        `(L, H, hs)`, in the model's dtype and on its device.
-
-    Raises:
-        InputError: `batches` is empty.
-    """
-    n_layer, n_head, n_embed = model.n_layer, model.n_head, model.n_embed
-    weight = next(model.parameters())
-    sums = torch.zeros(n_layer, n_embed, dtype=torch.float64, device=weight.device)
-
-    def summing(layer: int) -> HookFn:
-        def add(z: Tensor) -> None:  # (B, T, nh, hs): heads side by side, as `proj` reads them
-            sums[layer] += z.reshape(-1, n_embed).sum(0, dtype=torch.float64)  # (C,)
-
-        return add
-
-    positions = 0
-    hooks = {f"blocks.{i}.attn.z": summing(i) for i in range(n_layer)}
-    if total is None and isinstance(batches, Sized):
-        total = len(batches)
-    bar = Progress(total, desc="head means", unit="batch", enabled=progress, tenths=True)
-    with _eval_mode(model), model.hooks(hooks), bar:
-        for x, _ in batches:
-            model(x)
-            positions += x.numel()
-            bar.update()
-    if positions == 0:
-        raise InputError("no batches to average the heads' outputs over.")
-    means = sums / positions  # (L, C)
-    return means.view(n_layer, n_head, n_embed // n_head).to(weight.dtype)  # (L, H, hs)
 
 
 def _residual_streams(model: torch.nn.Module, x: Tensor) -> tuple[list[Tensor], Tensor]:
@@ -338,10 +155,10 @@ def head_deltas(
     nats = {method: np.zeros((n_layer, n_head)) for method in methods}
     clean, tokens = 0.0, 0
     bar = Progress(len(batches), desc="ablation", unit="batch", enabled=progress, tenths=True)
-    with _eval_mode(model), bar:
+    with eval_mode(model), bar:
         for x, y in batches:
             streams, logits = _residual_streams(model, x)  # [(B, T, C)] * L, (B, T, V)
-            clean_nats = _nats(logits, y).item()
+            clean_nats = summed_nats(logits, y).item()
             clean, tokens = clean + clean_nats, tokens + y.numel()
             k = heads_per_pass or head_batch(model, x.numel())
             for method in methods:
@@ -379,7 +196,7 @@ def _remove_heads(
         mask[j, :, head] = 0.0  # copy j removes head heads[j]
     hk = h.repeat(k, 1, 1)  # (k * B, T, C)
     logits = _rerun_from(model, layer, hk, mask.view(k * B, -1), head_mean)  # (k * B, T, V)
-    return _nats(logits, y, k).cpu().numpy()
+    return summed_nats(logits, y, k).cpu().numpy()
 
 
 @torch.no_grad()
@@ -398,9 +215,9 @@ def head_deltas_full(
     n_layer, n_head = model.n_layer, model.n_head
     nats = {method: np.zeros((n_layer, n_head)) for method in methods}
     clean, tokens = 0.0, 0
-    with _eval_mode(model):
+    with eval_mode(model):
         for x, y in batches:
-            clean_nats = _nats(model(x)[0], y).item()
+            clean_nats = summed_nats(model(x)[0], y).item()
             clean, tokens = clean + clean_nats, tokens + y.numel()
             for method in methods:
                 head_mean = means if method == "mean" else None  # (L, H, hs)
@@ -410,7 +227,7 @@ def head_deltas_full(
                         mask[layer, head] = 0.0
                         with model.hooks(ablation_hooks(mask, head_mean)):
                             logits, _ = model(x)
-                        nats[method][layer, head] += _nats(logits, y).item() - clean_nats
+                        nats[method][layer, head] += summed_nats(logits, y).item() - clean_nats
     return HeadDeltas(
         base_loss=clean / tokens,
         delta={method: d / tokens for method, d in nats.items()},

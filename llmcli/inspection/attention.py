@@ -25,27 +25,22 @@ from llmcli import __version__
 from llmcli.data.tokens import prepare_data
 from llmcli.device import check_threads, resolve_device, torch_threads
 from llmcli.errors import InputError, describe_os_error
+from llmcli.evaluation.heads import INSPECT_METHODS, check_method
+from llmcli.evaluation.probe import make_probe, probe_scores
+from llmcli.evaluation.repeats import earlier_occurrences
+from llmcli.evaluation.text import eval_tokens, window_batches, window_starts
 from llmcli.generation.prompts import encode_prompt, read_prompt_file
-from llmcli.inspection.ablation import (
-    INSPECT_METHODS,
-    HeadDeltas,
-    check_method,
-    format_top_heads,
-    head_deltas,
-)
+from llmcli.inspection.ablation import HeadDeltas, format_top_heads, head_deltas
 from llmcli.inspection.capture import capture_prompts
 from llmcli.inspection.dump import FORMATS, AttentionDump, format_metrics_table, save_dump
-from llmcli.inspection.evaluate import eval_tokens, window_batches, window_starts
 from llmcli.inspection.metrics import (
     INDUCTION,
     METRIC_NAMES,
     PROBE_INDUCTION,
-    earlier_occurrences,
     head_metrics,
     induction_score,
 )
 from llmcli.inspection.pictures import plot_head_deltas, plot_layers
-from llmcli.inspection.probe import make_probe, probe_scores
 from llmcli.inspection.viewer import write_run_page, write_viewer
 from llmcli.runs.loading import load_run
 
@@ -204,7 +199,7 @@ class InspectOptions:
         fmt: the dump's format: "npz", "safetensors" or "json".
         induction: add two induction score columns: `induction`, on the prompt's own repeats
             (NaN for a prompt whose tokens never repeat), and `probe_induction`, on the fixed
-            probe of repeated random tokens (`llmcli.inspection.probe`; the same for every
+            probe of repeated random tokens (`llmcli.evaluation.probe`; the same for every
             prompt, described in meta).
         truncate: keep the last context_length tokens of a too-long prompt instead of failing.
         pictures, viewer: write the PNGs and the HTML viewer.

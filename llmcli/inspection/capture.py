@@ -2,7 +2,7 @@
 
 `capture_attention` reads every layer's `attn.pattern` hook point, and `capture_prompts` runs
 prompts of different lengths through it in batches. (The repeated-random-token probe reads the
-same hook points on its own: `llmcli.inspection.probe`.)
+same hook points on its own: `llmcli.evaluation.probe`.)
 
 Several prompts are captured in one right-padded batch with a key padding mask. With right
 padding every real query sits before every pad key, so the causal mask alone already hides the

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from llmcli.evaluation.repeats import earlier_occurrences
+
 #: The per-head metrics computed on every prompt, in the order of the `metrics` array's last axis.
 METRIC_NAMES: tuple[str, ...] = ("entropy", "prev_token", "first_token", "mean_distance")
 #: The metrics `--induction` appends: the induction score on the prompt's own repeats, and on the
-#: fixed probe of repeated random tokens (`llmcli.inspection.probe`, the same for every prompt).
+#: fixed probe of repeated random tokens (`llmcli.evaluation.probe`, the same for every prompt).
 INDUCTION = "induction"
 PROBE_INDUCTION = "probe_induction"
 
@@ -107,17 +109,6 @@ def mean_distance(attn: np.ndarray) -> np.ndarray:
     pos = np.arange(T)
     dist = np.abs(pos[:, None] - pos[None, :])  # (T, T)
     return (attn[..., 1:, :] * dist[1:]).sum(-1).mean(-1)  # (..., T-1) -> (...)
-
-
-def earlier_occurrences(ids: np.ndarray) -> np.ndarray:
-    """Where each token occurred before: `[T, T]` bool, True at (q, k) for k < q, ids[k] == ids[q].
-
-    Args:
-        ids: token ids `[T]`.
-    """
-    ids = np.asarray(ids).reshape(-1)
-    T = len(ids)
-    return (ids[:, None] == ids[None, :]) & np.tri(T, T, -1, dtype=bool)  # (T, T)
 
 
 def _repeat_score(attn: np.ndarray, targets: np.ndarray, queries: np.ndarray) -> np.ndarray:

@@ -1,7 +1,7 @@
 """The per-head grids of every evaluation: `head_metrics.jsonl`, written and read back.
 
 With `train.head_metrics`, rank 0 appends one JSON object per evaluation: `step`, `tokens`, the
-probe it scored on (`llmcli.inspection.probe`), each head's score of each kind as an `n_layer x
+probe it scored on (`llmcli.evaluation.probe`), each head's score of each kind as an `n_layer x
 n_head` grid (`prev_token`, `induction`, `duplicate_token`), the validation loss at each
 position of the context (`val_loss_by_position`) and the `icl_score` taken from it. Each record
 is one write of one line, flushed, so a crash can only leave a torn last line, which readers

@@ -1,14 +1,14 @@
-"""The training loop's loss estimate, and perplexity.
+"""The training loop's loss estimate.
 
 `evaluate_loss` is the estimate training logs at each evaluation: the mean loss over `eval_steps`
 random batches of each split (averaged over ranks under DDP), and, for `train.head_metrics`, the
-loss at each position of the context, which `icl_score` turns into the in-context learning
-score. `llmcli eval`'s deterministic pass over a whole text is `llmcli.inspection.evaluate`.
+loss at each position of the context, which `llmcli.evaluation.metrics.icl_score` turns into the
+in-context learning score. `llmcli eval`'s deterministic pass over a whole text is
+`llmcli.evaluation.run`.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,14 +18,6 @@ from torch import nn
 
 from llmcli.training.distributed import DistInfo, mean_over_ranks
 from llmcli.training.precision import Precision
-
-
-def perplexity(loss: float) -> float:
-    """`exp(loss)`, infinite where that overflows."""
-    try:
-        return math.exp(loss)
-    except OverflowError:
-        return math.inf
 
 
 @dataclass
@@ -86,27 +78,3 @@ def evaluate_loss(
     if by_split is None:
         return EvalLosses(mean)
     return EvalLosses(mean, dict(zip(samplers, by_split.tolist(), strict=True)))
-
-
-def icl_windows(context_length: int) -> tuple[range, range]:
-    """The positions `icl_score` compares: (early, late).
-
-    Olsson et al. (2022) take the loss at token 500 minus the loss at token 50 of a context of
-    thousands of tokens; here both are scaled to the model's context: early is the positions
-    from 5% to 15% of it (around 10%), late the last 10%, each at least one position.
-    """
-    T = context_length
-    lo = round(0.05 * T)
-    early = range(lo, max(lo + 1, round(0.15 * T)))
-    late = range(T - max(1, round(0.1 * T)), T)
-    return early, late
-
-
-def icl_score(by_position: list[float]) -> float:
-    """The in-context learning score: the mean loss late in the context minus early (see
-    `icl_windows`). Negative when later tokens, which see more context, are predicted better;
-    it falls when induction heads form (Olsson et al. 2022)."""
-    early, late = icl_windows(len(by_position))
-    late_loss = sum(by_position[t] for t in late) / len(late)
-    early_loss = sum(by_position[t] for t in early) / len(early)
-    return late_loss - early_loss

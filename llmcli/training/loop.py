@@ -18,7 +18,7 @@ Saves: at every evaluation, every `train.save_interval` steps, and at the first 
 learn at the same step that a save (or a stop) is due, through the log step's all-reduce.
 
 Circuits during training: with `train.head_metrics`, each evaluation also scores every head on
-the fixed repeated-token probe (`llmcli.inspection.probe`) and takes the in-context learning
+the fixed repeated-token probe (`llmcli.evaluation.probe`) and takes the in-context learning
 score from the loss by position; the summaries go into the evaluation's record, the grids into
 `head_metrics.jsonl` (`llmcli.runs.head_metrics`). Scoring touches no random number generator.
 
@@ -51,7 +51,8 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from llmcli.config import Config, TrainConfig
 from llmcli.device import resolve_device, torch_threads
 from llmcli.errors import InputError, describe_os_error
-from llmcli.inspection.probe import probe_scores
+from llmcli.evaluation.metrics import icl_score, perplexity
+from llmcli.evaluation.probe import probe_scores
 from llmcli.progress import Progress
 from llmcli.runs.directory import METRICS_FILE, PLOT_FILE, default_run_dir, save_checkpoint
 from llmcli.runs.metrics import plot_losses
@@ -64,7 +65,7 @@ from llmcli.training.distributed import (
     mean_over_ranks,
     process_group,
 )
-from llmcli.training.evaluate import evaluate_loss, icl_score, perplexity
+from llmcli.training.evaluate import evaluate_loss
 from llmcli.training.interrupt import Preempted, StopRequest
 from llmcli.training.layers import LayerWatch
 from llmcli.training.memory import out_of_memory_is_bad_input

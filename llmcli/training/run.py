@@ -26,9 +26,9 @@ from llmcli.config import Config
 from llmcli.data.tokenizer import Tokenizer
 from llmcli.data.tokens import BatchSampler, TokenData, prepare_data
 from llmcli.errors import CheckpointError, describe_os_error
+from llmcli.evaluation.probe import Probe, make_probe
 from llmcli.fileio import remove_stale_temp_files
 from llmcli.hf.load import load_hf_weights, resolve_init_from
-from llmcli.inspection.probe import Probe, make_probe
 from llmcli.model.gpt import Transformer
 from llmcli.progress import format_count
 from llmcli.runs.directory import (

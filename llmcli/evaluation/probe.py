@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from llmcli.inspection.metrics import earlier_occurrences
+from llmcli.evaluation.repeats import earlier_occurrences
 
 #: Repeated random sequences in the probe.
 PROBE_SEQUENCES = 8

@@ -1,0 +1,51 @@
+"""The `data:` section: where the text comes from and how it becomes tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmcli.config.rules import require
+from llmcli.errors import ConfigError
+
+
+@dataclass
+class DataConfig:
+    """Where the text comes from and how it becomes tokens."""
+
+    path: str | None = "data/shakespeare.txt"
+    val_path: str | None = None
+    dataset: str | None = None
+    split: str = "train"
+    val_split: str | None = None
+    text_column: str = "text"
+    tokenizer: str = "char"
+    vocab_size: int = 1024
+    val_fraction: float = 0.1
+    cache_dir: str | None = None
+
+    def validate(self) -> None:
+        if self.path is None and self.dataset is None:
+            raise ConfigError(
+                "data: give either data.path (a file, folder or glob of text) or data.dataset "
+                "(a Hugging Face datasets name or local json/csv/parquet files); both are empty."
+            )
+        if self.path is not None and self.dataset is not None:
+            raise ConfigError(
+                f"data: data.path ({self.path!r}) and data.dataset ({self.dataset!r}) are both "
+                "set; keep one of them (set the other to null)."
+            )
+        require(self.vocab_size > 0, "data", "vocab_size", self.vocab_size, "must be positive")
+        require(
+            0 < self.val_fraction < 1,
+            "data",
+            "val_fraction",
+            self.val_fraction,
+            "must be between 0 and 1 (exclusive)",
+        )
+        require(
+            self.tokenizer != "",
+            "data",
+            "tokenizer",
+            self.tokenizer,
+            "must be 'char', 'bpe', a tokenizer.json (or a folder holding one) or a Hub name",
+        )

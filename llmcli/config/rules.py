@@ -1,0 +1,52 @@
+"""How a config section states a broken rule: one message naming the key, the value and the rule.
+
+Every section (`model`, `data`, `train`, `sample`) checks its values with these, so that a
+message reads the same wherever it comes from: `model.n_head (3) must be positive.`
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, Literal
+
+from llmcli.errors import ConfigError
+
+
+def require(ok: bool, section: str, key: str, value: Any, rule: str) -> None:
+    """Raise `ConfigError` "`section.key (value) rule.`" unless `ok`."""
+    if not ok:
+        raise ConfigError(f"{section}.{key} ({value!r}) {rule}.")
+
+
+def check_choices(section: str, values: Any) -> None:
+    """Raise `ConfigError` for a field whose annotation is a `Literal` (possibly among other
+    types) and whose value is a string outside its choices: the check a YAML file gets when it
+    is read, here for a section built in Python."""
+    hints = typing.get_type_hints(type(values))
+    for f in dataclasses.fields(values):
+        choices = _literal_choices(hints[f.name])
+        value = getattr(values, f.name)
+        if choices and isinstance(value, str) and value not in choices:
+            require(False, section, f.name, value, f"must be one of {', '.join(choices)}")
+
+
+def _literal_choices(tp: Any) -> tuple[str, ...]:
+    if typing.get_origin(tp) is Literal:
+        return typing.get_args(tp)
+    return tuple(c for arg in typing.get_args(tp) for c in _literal_choices(arg))
+
+
+def is_int(value: Any) -> bool:
+    """An integer, not a bool (YAML's `true` is not a count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """An int or a float, not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def divisors(n: int, limit: int = 64) -> list[int]:
+    """The divisors of `n` up to `limit`, for a message that suggests one."""
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]

@@ -1,0 +1,274 @@
+"""The `train:` section: the optimisation, evaluation and checkpointing schedule."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from llmcli.config.rules import check_choices, require
+from llmcli.errors import ConfigError
+
+# The experiment trackers train.logger may name (llmcli.runs.trackers runs them).
+TRACKERS = ("none", "tensorboard", "wandb")
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation, evaluation and checkpointing schedule."""
+
+    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
+    # CPU threads for training, and for `eval` and `inspect-attention` on the run: a number,
+    # "auto" (the CPUs nothing else is using when the run starts; torch's count where
+    # OMP_NUM_THREADS is set) or null (torch's own count, one per core). Threads on a busy core
+    # cost far more than they bring: 30 steps of `tiny` on 2 shared cores took 9-10 s on 1
+    # thread and 61-88 s on 2; on 2 idle cores 2 threads are faster (README, "Threads").
+    threads: int | Literal["auto"] | None = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # Sequences per micro-batch, or "auto": the largest that fits the memory (`memory_limit`,
+    # else the device's free memory) with headroom, and the grad_accum that reaches
+    # `tokens_per_step` (llmcli.training.batch). A run's config.yaml records the numbers chosen.
+    batch_size: int | Literal["auto"] = 12
+    grad_accum: int = 1
+    # Tokens per optimizer step over all ranks (batch_size x context_length x grad_accum x
+    # ranks): needed by batch_size: auto; with a number as batch_size it sets grad_accum.
+    tokens_per_step: int | None = None
+    # The memory a run may use, in bytes or as a size ("4GB", "512MiB"); null: the device's.
+    memory_limit: int | str | None = None
+    max_steps: int = 2000
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0
+    eval_interval: int = 250
+    eval_steps: int = 20
+    # At every evaluation, each head's previous-token, induction and duplicate-token scores on a
+    # fixed probe of repeated random tokens, and the in-context learning score
+    # (llmcli.evaluation.probe, llmcli.runs.head_metrics): about 0.1% of the tiny config's time.
+    head_metrics: bool = True
+    log_interval: int = 10
+    seed: int = 1337
+    compile: bool = False
+    out_dir: str | None = None
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
+    schedule: Literal["cosine", "wsd"] = "cosine"
+    decay_fraction: float = 0.2
+    init_from: str | None = None
+    # Experiment trackers besides metrics.jsonl: none, tensorboard, wandb, or a list of them.
+    logger: str | list[str] = "none"
+    wandb_project: str | None = None  # default: the config's name
+    wandb_name: str | None = None  # default: the run directory's name
+    # Resume state also between evaluations, so that a kill loses little work: every
+    # `save_interval` steps and/or once `save_interval_s` seconds passed since the last save.
+    save_interval: int | None = None
+    save_interval_s: float | None = 300.0
+    # false: start (a run already there is an error); true: continue the run there; auto:
+    # continue it if there is one, else start (one command for a first start and a restart).
+    resume: bool | Literal["auto"] = False
+    # The spike guard (llmcli.training.guard): a step whose loss or gradient is not finite, or
+    # whose loss is above spike_factor x the median of the last spike_window losses, is not
+    # applied; spike_skips of them within spike_window steps roll the run back to its last save,
+    # with the lr times spike_lr_factor for spike_lr_steps steps; after spike_rollbacks
+    # rollbacks in a row the run stops. Its cost: benchmarks/RESULTS.md (spike_guard_cost.py).
+    spike_guard: bool = True
+    spike_factor: float = 2.0
+    spike_window: int = 50
+    spike_skips: int = 3
+    spike_lr_factor: float = 0.5
+    spike_lr_steps: int = 100
+    spike_rollbacks: int = 3
+    # At log steps, each layer's gradient norm and update-to-weight ratio (llmcli.training.layers).
+    log_layers: bool = False
+
+    @property
+    def loggers(self) -> list[str]:
+        """The trackers `logger` names, in order, without "none" and repeats."""
+        return list(dict.fromkeys(n for n in self._logger_names() if n != "none"))
+
+    def _logger_names(self) -> list[str]:
+        names = self.logger if isinstance(self.logger, list) else self.logger.split(",")
+        return [n.strip() for n in names if n.strip()]
+
+    def validate(self) -> None:
+        check_choices("train", self)
+        for key in (
+            "grad_accum",
+            "max_steps",
+            "eval_interval",
+            "eval_steps",
+            "log_interval",
+        ):
+            require(getattr(self, key) > 0, "train", key, getattr(self, key), "must be positive")
+        self._validate_batch()
+        require(self.lr > 0, "train", "lr", self.lr, "must be > 0")
+        require(self.muon_lr > 0, "train", "muon_lr", self.muon_lr, "must be > 0")
+        require(
+            0 <= self.muon_momentum < 1,
+            "train",
+            "muon_momentum",
+            self.muon_momentum,
+            "must be in [0, 1)",
+        )
+        require(self.min_lr >= 0, "train", "min_lr", self.min_lr, "must be >= 0")
+        if self.min_lr > self.lr:
+            raise ConfigError(
+                f"train.min_lr ({self.min_lr}) must be <= train.lr ({self.lr}): the schedule "
+                "decays from lr down to min_lr."
+            )
+        require(self.warmup_steps >= 0, "train", "warmup_steps", self.warmup_steps, "must be >= 0")
+        require(self.weight_decay >= 0, "train", "weight_decay", self.weight_decay, "must be >= 0")
+        for key in ("beta1", "beta2"):
+            require(
+                0 <= getattr(self, key) < 1, "train", key, getattr(self, key), "must be in [0, 1)"
+            )
+        require(
+            self.grad_clip >= 0,
+            "train",
+            "grad_clip",
+            self.grad_clip,
+            "must be >= 0 (0 turns clipping off)",
+        )
+        require(
+            0 < self.decay_fraction <= 1,
+            "train",
+            "decay_fraction",
+            self.decay_fraction,
+            "must be in (0, 1]",
+        )
+        require(
+            0 <= self.seed < 2**63,
+            "train",
+            "seed",
+            self.seed,
+            "must be in 0..2**63-1 (torch's seed range)",
+        )
+        require(
+            self.threads is None
+            or self.threads == "auto"
+            or (isinstance(self.threads, int) and not isinstance(self.threads, bool))
+            and self.threads >= 1,
+            "train",
+            "threads",
+            self.threads,
+            "must be a number of CPU threads >= 1, auto (the CPUs nothing else is using) or null "
+            "for torch's own count",
+        )
+        for key in ("save_interval", "save_interval_s"):
+            value = getattr(self, key)
+            require(
+                value is None or value > 0,
+                "train",
+                key,
+                value,
+                "must be positive, or null to save only at evaluations",
+            )
+        self._validate_loggers()
+        self._validate_guard()
+
+    def _validate_guard(self) -> None:
+        for key, ok, rule in (
+            (
+                "spike_factor",
+                math.isfinite(self.spike_factor) and self.spike_factor > 1,
+                "must be a number > 1: a step is skipped when its loss is above spike_factor "
+                "x the median of recent losses",
+            ),
+            ("spike_window", self.spike_window >= 1, "must be >= 1 (steps)"),
+            ("spike_skips", self.spike_skips >= 1, "must be >= 1 (skipped steps)"),
+            (
+                "spike_lr_factor",
+                0 < self.spike_lr_factor <= 1,
+                "must be in (0, 1]: the learning rate is multiplied by it after a rollback",
+            ),
+            ("spike_lr_steps", self.spike_lr_steps >= 0, "must be >= 0 (steps)"),
+            (
+                "spike_rollbacks",
+                self.spike_rollbacks >= 0,
+                "must be >= 0 (0: stop instead of rolling back)",
+            ),
+        ):
+            require(ok, "train", key, getattr(self, key), rule)
+
+    def _validate_batch(self) -> None:
+        if self.batch_size == "auto":
+            require(
+                self.tokens_per_step is not None,
+                "train",
+                "batch_size",
+                "auto",
+                "needs train.tokens_per_step, the tokens per optimizer step to reach (a "
+                "multiple of model.context_length; for example --set train.tokens_per_step=49152)",
+            )
+        else:
+            require(self.batch_size > 0, "train", "batch_size", self.batch_size, "must be positive")
+        require(
+            self.tokens_per_step is None or self.tokens_per_step > 0,
+            "train",
+            "tokens_per_step",
+            self.tokens_per_step,
+            "must be positive, or null",
+        )
+        limit = self.memory_limit_bytes
+        require(
+            self.memory_limit is None or (limit is not None and limit > 0),
+            "train",
+            "memory_limit",
+            self.memory_limit,
+            'must be a positive number of bytes or a size such as "4GB", "512MiB" or "1.5G" '
+            "(powers of 1024), or null for the device's memory",
+        )
+
+    @property
+    def memory_limit_bytes(self) -> int | None:
+        """`memory_limit` in bytes; None for the device's memory (or a string that is not a
+        size, which `validate` refuses)."""
+        limit = self.memory_limit
+        return parse_size(limit) if isinstance(limit, str) else limit
+
+    def _validate_loggers(self) -> None:
+        unknown = [n for n in self._logger_names() if n not in TRACKERS]
+        if unknown:
+            raise ConfigError(
+                f"train.logger ({self.logger!r}): {', '.join(map(repr, unknown))} is not a "
+                f"tracker; the choices are {', '.join(TRACKERS)}, or a list of them."
+            )
+
+    @property
+    def warmup(self) -> int:
+        """The warmup the schedule uses: `warmup_steps`, cut to the run's length."""
+        return min(self.warmup_steps, self.max_steps)
+
+    def short_run_notes(self) -> list[str]:
+        """One line per setting a short run (small `max_steps`) changes or skips."""
+        notes = []
+        if self.warmup_steps > self.max_steps:
+            notes.append(
+                f"note: train.warmup_steps ({self.warmup_steps}) is longer than the run "
+                f"({self.max_steps} steps): the rate warms up over all {self.max_steps} steps "
+                "and reaches train.lr only at the last one."
+            )
+        if self.eval_interval > self.max_steps:
+            notes.append(
+                f"note: train.eval_interval ({self.eval_interval}) is longer than the run "
+                f"({self.max_steps} steps): it evaluates and saves once, at the last step."
+            )
+        return notes
+
+
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(?:i?b)?\s*", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int | None:
+    """A memory size as bytes: "4GB", "4G" and "4GiB" are all 4 * 1024**3, as memory is sold and
+    reported in powers of 1024; a bare number is bytes. None if `text` is not a size."""
+    match = _SIZE_RE.fullmatch(text)
+    if match is None:
+        return None
+    number, unit = match.groups()
+    return int(float(number) * 1024 ** " kmgt".index(unit.lower() or " "))

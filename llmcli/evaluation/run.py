@@ -1,0 +1,220 @@
+"""`llmcli eval`: a run's loss, perplexity and bits per byte on a whole text.
+
+`evaluate_run` scores a run's model on its own validation split (the same split training reports,
+rebuilt from the run's config and tokenizer) or on any UTF-8 text file. Unlike the training loop's
+estimate (`llmcli.training.evaluate`), which averages `eval_steps` random batches, this is a
+deterministic pass over consecutive windows in which every token after the first is predicted
+exactly once (`llmcli.evaluation.text`). The command's settings travel whole as one
+`EvalOptions`, checked as it is made: with `steps=N` only the first `N` batches of `batch_size`
+windows are scored; `ablate` scores the model with heads removed (`llmcli.evaluation.heads`).
+
+Figures, over the predicted tokens:
+- `loss`: mean cross-entropy in nats per token; `perplexity = exp(loss)`;
+- `bits_per_byte`: total nats / ln 2 / total UTF-8 bytes of the predicted text. Unlike the
+  loss, it does not depend on the tokenizer, so a char run and a BPE run compare. Special tokens
+  (a BPE run's end-of-text separator) are no text: they are left out of both sums, as in
+  nanochat's `evaluate_bpb`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from llmcli.device import check_threads, resolve_device, torch_threads
+from llmcli.errors import InputError
+from llmcli.evaluation.heads import ablation_hooks, check_method, head_means, parse_ablate
+from llmcli.evaluation.metrics import perplexity
+from llmcli.evaluation.text import (
+    eval_tokens,
+    per_token_records,
+    score_tokens,
+    text_bytes,
+    window_batches,
+    window_starts,
+)
+from llmcli.runs.loading import load_run
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalResult:
+    """What `evaluate_run` measured (JSON-ready through `to_dict`)."""
+
+    run_dir: str
+    weights: str
+    step: int
+    data: str
+    tokens: int
+    bytes: int
+    windows: int
+    loss: float
+    perplexity: float
+    bits_per_token: float
+    bits_per_byte: float
+    elapsed_s: float
+    ablate: list[str] = field(default_factory=list)  # the `--ablate` specs: heads removed
+    ablation: str | None = None  # how they were removed, with `ablate`
+    per_token: list[dict[str, Any]] | None = None  # with `--per-token`: `per_token_records`
+
+    def to_dict(self) -> dict[str, Any]:
+        """The summary (every field but `per_token`)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "per_token"}
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    """What `llmcli eval` scores, with which heads removed, and which weights it loads where.
+    Checked as it is made, where a check needs no run (the heads in `ablate` are checked against
+    the model by `ablation.parse_ablate`).
+
+    Attributes:
+        steps: score only the first `steps` batches (None: all of the text).
+        batch_size: windows per batch (None: the run's `train.batch_size`).
+        ablate: heads to remove, `"L.H"` or `"L"` each (see `ablation.parse_ablate`).
+        ablation: "zero" (None means it too) or "mean": a removed head outputs zeros, or its
+            mean output over the scored batches (computed in a first pass over them); only
+            with `ablate`.
+        weights: "best" or "last" weights of the run.
+        device: "auto", "cpu", "cuda" or "mps".
+        per_token: also keep each scored token's loss (`EvalResult.per_token`).
+        threads: CPU threads (None: the run's `train.threads`).
+
+    Raises:
+        InputError: `steps` or `batch_size` below 1, an unknown `ablation`, or one without
+            `ablate`; `threads` outside 1..this machine's CPUs.
+    """
+
+    steps: int | None = None
+    batch_size: int | None = None
+    ablate: Sequence[str] = ()
+    ablation: str | None = None
+    weights: str = "best"
+    device: str = "auto"
+    per_token: bool = False
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        check_threads(self.threads)
+        if self.steps is not None and self.steps < 1:
+            raise InputError(f"--steps ({self.steps}) must be a positive number of batches.")
+        if self.batch_size is not None and self.batch_size < 1:
+            raise InputError(f"--batch-size ({self.batch_size}) must be positive.")
+        if self.ablation is not None:
+            check_method(self.ablation)
+        if self.ablation is not None and not self.ablate:
+            raise InputError(
+                f"--ablation {self.ablation} says how --ablate removes heads: give --ablate L.H "
+                "(or L) too."
+            )
+
+    @property
+    def method(self) -> str | None:
+        """How the heads in `ablate` are removed ("zero" unless `ablation` says "mean"); None
+        when no head is."""
+        return (self.ablation or "zero") if self.ablate else None
+
+
+def evaluate_run(
+    checkpoint: str | Path | None = None,
+    data: str | Path | None = None,
+    options: EvalOptions = EvalOptions(),
+    *,
+    progress: bool = False,
+    notify: Callable[[str], None] | None = None,
+) -> EvalResult:
+    """Mean loss, perplexity and bits per byte of a run's model on a text.
+
+    Args:
+        checkpoint: a run directory (None: the latest run under `checkpoints/`).
+        data: a UTF-8 text file to score (None: the run's validation split, see `eval_tokens`).
+        options: how many batches of what size, the heads to remove and how, which weights and
+            the device (see `EvalOptions`, checked as it was made).
+        progress: show progress (a bar on a terminal, plain lines elsewhere): of the scoring
+            pass, and of the first pass that mean ablation needs.
+        notify: called with one line per warning (installed versions differ from the run's).
+
+    Raises:
+        InputError: a bad run directory or data file, a head of `options.ablate` the model does
+            not have (see `eval_tokens`, `ablation.parse_ablate`).
+    """
+    t0 = time.perf_counter()
+    dev = resolve_device(options.device, what="--device")
+    run = load_run(checkpoint, weights=options.weights, device=dev, notify=notify)
+    with torch_threads(options.threads or run.config.train.threads):
+        return _evaluate(run, data, options, t0, progress=progress)
+
+
+def _evaluate(
+    run: Any, data: str | Path | None, options: EvalOptions, t0: float, *, progress: bool
+) -> EvalResult:
+    """`evaluate_run` on a loaded run; `t0` is when the command began."""
+    dev = next(run.model.parameters()).device
+    ablate, steps = options.ablate, options.steps
+    head_mask = None
+    if ablate:
+        head_mask = parse_ablate(ablate, run.model.n_layer, run.model.n_head).to(dev)
+    tokens, label = eval_tokens(run, data)
+    ctx = run.config.model.context_length
+    batch_size = options.batch_size or run.config.train.batch_size
+    head_mean = None
+    if options.method == "mean":
+        starts = window_starts(len(tokens), ctx, batch_size, steps)
+        batches = window_batches(tokens, ctx, starts, dev)
+        head_mean = head_means(run.model, batches, progress=progress, total=len(starts))
+    hooks = {} if head_mask is None else ablation_hooks(head_mask, head_mean)
+    with run.model.hooks(hooks):
+        totals = score_tokens(
+            run.model,
+            tokens,
+            ctx,
+            batch_size,
+            steps=steps,
+            special_id=getattr(run.tokenizer, "eot_id", None),
+            progress=progress,
+            per_token=options.per_token,
+        )
+    scored = np.asarray(tokens[1 : 1 + totals.tokens], dtype=np.int64)  # the predicted tokens
+    n_bytes = text_bytes(run.tokenizer, scored)
+    loss = totals.nats / totals.tokens
+    return EvalResult(
+        run_dir=str(run.run_dir),
+        weights=str(run.weights_path),
+        step=run.step,
+        data=label,
+        tokens=totals.tokens,
+        bytes=n_bytes,
+        windows=totals.windows,
+        loss=loss,
+        perplexity=perplexity(loss),
+        bits_per_token=loss / math.log(2),
+        bits_per_byte=totals.text_nats / math.log(2) / n_bytes if n_bytes else math.nan,
+        elapsed_s=time.perf_counter() - t0,
+        ablate=list(ablate),
+        ablation=options.method,
+        per_token=None
+        if totals.losses is None
+        else per_token_records(run.tokenizer, tokens, totals.losses),
+    )
+
+
+def format_result(result: EvalResult) -> str:
+    """A few human-readable lines."""
+    text = (
+        f"run {result.run_dir} (step {result.step}, {Path(result.weights).name})\n"
+        f"data: {result.data}: {result.tokens:,} tokens predicted, {result.bytes:,} bytes, "
+        f"{result.windows:,} windows\n"
+        f"loss {result.loss:.4f} nats/token, perplexity {result.perplexity:.3f}, "
+        f"{result.bits_per_token:.4f} bits/token, {result.bits_per_byte:.4f} bits/byte"
+    )
+    if result.ablate:
+        text += f"\nheads removed ({result.ablation} ablation): {', '.join(result.ablate)}"
+    return text
