@@ -19,6 +19,7 @@ from llmcli.config import (
     shipped_configs,
 )
 from llmcli.config import shipped as shipped_module
+from llmcli.config.sample import SETTING_KEYS, option_name, setting_info
 from llmcli.errors import ConfigError
 from llmcli.training.optim import lr_at
 
@@ -218,6 +219,56 @@ def test_sample_config_is_checked_as_it_is_made_and_replaced() -> None:
     with pytest.raises(ConfigError, match=r"sample.seed \(1.5\) must be an integer in 0..2\*\*63"):
         SampleConfig(seed=1.5)
     assert SampleConfig(seed=2**63 - 1).seed == 2**63 - 1
+
+
+# A value each setting's rule refuses. A field added to SampleConfig fails the test below until it
+# has one here, and until the server takes it (SAMPLE_FIELDS) or it is named here as the run's.
+REFUSED = {
+    "max_new_tokens": 0,
+    "temperature": -0.5,
+    "top_k": 0,
+    "top_p": 1.5,
+    "seed": -1,
+    "context_policy": "slide",
+    "context_keep": 1.5,
+    "ignore_eos": "yes",
+}
+NOT_REQUEST_FIELDS = {"context_policy", "context_keep", "ignore_eos"}  # the run's config sets them
+
+
+def test_every_sample_setting_makes_its_option_and_request_field_with_its_help_and_rule(
+    capsys,
+) -> None:
+    from typer.main import get_command
+
+    from llmcli.cli import app, main
+    from llmcli.serve.protocol import SAMPLE_FIELDS, APIError, Limits, parse_completion
+
+    assert set(REFUSED) == set(SETTING_KEYS)
+    request_field = {key: name for name, key in SAMPLE_FIELDS.items()}
+    assert set(request_field) == set(SETTING_KEYS) - NOT_REQUEST_FIELDS
+    sample = get_command(app).commands["sample"]
+    options = {opt: param for param in sample.params for opt in param.opts}
+    with pytest.raises(SystemExit):
+        main(["sample", "--help"])
+    shown = capsys.readouterr().out
+    for key, bad in REFUSED.items():
+        info = setting_info(key)
+        option = options[option_name(key)]  # llmcli sample's option, with the field's help
+        assert info["help"].removesuffix(".") in option.help and option_name(key) in shown
+        assert option.default is None  # not given: the run's value
+        with pytest.raises(ConfigError) as exc:
+            SampleConfig(**{key: bad})
+        assert str(exc.value) == f"{option_name(key)} / sample.{key} ({bad!r}) {info['rule']}."
+        name = request_field.get(key, key)
+        with pytest.raises(APIError) as refused:
+            parse_completion({"prompt": "a", name: bad}, SampleConfig(), Limits(), "tiny")
+        error = refused.value
+        if key in NOT_REQUEST_FIELDS:
+            assert (error.status, error.code) == (400, "unknown_parameter")
+        else:  # the server's message names its field and SampleConfig's rule
+            assert (error.status, error.param, error.code) == (400, name, "invalid_value")
+            assert error.message == f"{name} ({bad!r}) {info['rule']}."
 
 
 def test_config_error_is_a_value_error() -> None:

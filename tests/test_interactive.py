@@ -7,6 +7,7 @@ import json
 import signal
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from conftest import default_sigint, save_tiny_run
 
 from llmcli.cli import main
 from llmcli.config import SampleConfig
+from llmcli.config.sample import SETTING_KEYS, setting_info
 from llmcli.data.tokenizer import CharTokenizer
 from llmcli.errors import InputError
 from llmcli.generation.interactive import apply_command
@@ -103,7 +105,12 @@ def test_commands_are_checked_by_sample_config():
     ]:
         with pytest.raises(InputError, match=named):
             apply_command(config, line, 16)
-    assert "/top_k 50" in apply_command(config, "/help", 16)[1]
+    # /help lists every setting with its current value and its help from SampleConfig's field.
+    help_ = " ".join(apply_command(replace(config, top_k=50), "/help", 16)[1].split())
+    assert "/top_k 50 Keep the k most likely tokens" in help_
+    for key in SETTING_KEYS:
+        assert f"/{key} " in help_ and " ".join(setting_info(key)["help"].split()) in help_
+    assert "/settings" in help_ and "Ctrl-C" in help_ and "Ctrl-D" in help_ and "\\n" in help_
 
 
 def test_interactive_refuses_options_it_cannot_use(tmp_path, capsys, monkeypatch):

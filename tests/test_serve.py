@@ -272,8 +272,14 @@ def test_models_and_health(run, url, client) -> None:
         ({}, 400, "prompt", "missing_required_parameter"),
         ({"prompt": "a", "max_tokens": "9"}, 400, "max_tokens", "invalid_type"),
         ({"prompt": "a", "max_tokens": 100_001}, 400, "max_tokens", "invalid_value"),
+        ({"prompt": "a", "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
         ({"prompt": "a", "temperature": -1}, 400, "temperature", "invalid_value"),
+        ({"prompt": "a", "temperature": True}, 400, "temperature", "invalid_type"),
         ({"prompt": "a", "top_p": 0}, 400, "top_p", "invalid_value"),
+        ({"prompt": "a", "top_k": 0}, 400, "top_k", "invalid_value"),
+        ({"prompt": "a", "top_k": 2.5}, 400, "top_k", "invalid_type"),
+        ({"prompt": "a", "seed": 2**63}, 400, "seed", "invalid_value"),
+        ({"prompt": "a", "context_policy": "exact"}, 400, "context_policy", "unknown_parameter"),
         ({"prompt": "a", "stream": "yes"}, 400, "stream", "invalid_type"),
         ({"prompt": "a", "n": 17}, 400, "n", "invalid_value"),
         ({"prompt": ["a"] * 9, "n": 2}, 400, "n", "invalid_value"),
@@ -399,3 +405,8 @@ def test_protocol_errors_are_api_errors_without_a_server(run) -> None:
     other = parse_completion({"prompt": "a"}, run.config.sample, LIMITS, "tiny")
     assert request.config.seed != other.config.seed  # no seed: a fresh one per request
     assert request.batch_key() == other.batch_key()
+    body = {"prompt": "a", "top_k": None, "temperature": None, "seed": None}
+    nulls = parse_completion(body, run.config.sample, LIMITS, "tiny").config
+    assert nulls.top_k is None and nulls.temperature == 1.0  # top_k null keeps every token
+    with pytest.raises(APIError, match=r"temperature \(-1.0\) must be a number >= 0: 0 is greedy"):
+        parse_completion({"prompt": "a", "temperature": -1}, run.config.sample, LIMITS, "tiny")

@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import sys
+import typing
+from collections.abc import Callable
+from inspect import Parameter, Signature, signature
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional
 
 import typer
 
 from llmcli.cli.app import ThrottledStdout, app, notify
 from llmcli.cli.options import CheckpointOption, DeviceOption, WeightsOption
+from llmcli.config.sample import SETTING_KEYS, SampleConfig, option_name, setting_info
 from llmcli.errors import InputError
 
 if TYPE_CHECKING:
     from llmcli.generation.sample import SampleOptions
 
-# `llmcli sample`'s prompts and generation options.
+# `llmcli sample`'s prompts and generation options; the sampling settings' options are made from
+# `SampleConfig`'s fields (`sample_setting_options`).
 PromptOption = Annotated[
     Optional[str],
     typer.Option(
@@ -26,37 +31,6 @@ PromptFileOption = Annotated[
     Optional[Path],
     typer.Option(
         help="File of prompts, one per line or a JSON list; all run as one batch.", metavar="FILE"
-    ),
-]
-# The sample: settings (each defaults to the run's config).
-MaxNewTokensOption = Annotated[
-    Optional[int], typer.Option(help="Tokens to generate per sample (default: run config).")
-]
-TemperatureOption = Annotated[
-    Optional[float], typer.Option(help="Sampling temperature, >= 0; 0 is greedy.")
-]
-TopKOption = Annotated[
-    Optional[int],
-    typer.Option(help="Keep the k most likely tokens (>= 1; >= vocab size keeps all)."),
-]
-TopPOption = Annotated[
-    Optional[float], typer.Option(help="Nucleus sampling mass in (0, 1]; 1 keeps all.")
-]
-SeedOption = Annotated[Optional[int], typer.Option(help="Random seed; sample r uses seed + r.")]
-ContextPolicyOption = Annotated[
-    Optional[str],
-    typer.Option(
-        help="Past the context: exact (the last context_length tokens, recomputed each step) "
-        "or shift (keep the last tokens, go on with the KV cache) (default: run config).",
-        metavar="POLICY",
-    ),
-]
-ContextKeepOption = Annotated[
-    Optional[int],
-    typer.Option(
-        help="Tokens shift keeps when the context is full, 1..context_length-1 (default: run "
-        "config, else context_length // 2).",
-        metavar="N",
     ),
 ]
 ThreadsOption = Annotated[
@@ -84,14 +58,6 @@ JsonOption = Annotated[
     bool,
     typer.Option("--json", help="One JSON object per sample (prompt, completion, tokens...)."),
 ]
-IgnoreEosOption = Annotated[
-    Optional[bool],
-    typer.Option(
-        "--ignore-eos/--stop-at-eos",
-        help="Go on past the end-of-text token (shown as <|endoftext|>) to --max-new-tokens; "
-        "by default a sample ends there (default: run config's sample.ignore_eos).",
-    ),
-]
 InteractiveOption = Annotated[
     bool,
     typer.Option(
@@ -104,27 +70,64 @@ InteractiveOption = Annotated[
 ]
 
 
+def sample_setting_options(after: str) -> Callable[[Callable], Callable]:
+    """Give a command an option for every `SampleConfig` setting, after its parameter `after`.
+
+    Each option is made from the setting's field: its name (`--max-new-tokens`), type, help and
+    metavar (`llmcli.config.sample.setting_info`); not given, it is None (the run's value).
+    Typer reads a command's options from its signature: the command's `__signature__` becomes
+    its own parameters with these inserted, and the command takes them as `**settings`.
+    """
+
+    def decorate(command: Callable) -> Callable:
+        hints = typing.get_type_hints(SampleConfig)
+        own = [
+            p.replace(kind=Parameter.KEYWORD_ONLY)
+            for p in signature(command, eval_str=True).parameters.values()
+            if p.kind is not Parameter.VAR_KEYWORD
+        ]
+        at = [p.name for p in own].index(after) + 1
+        settings = [_setting_parameter(key, hints[key]) for key in SETTING_KEYS]
+        command.__signature__ = Signature(own[:at] + settings + own[at:])  # type: ignore[attr-defined]
+        return command
+
+    return decorate
+
+
+def _setting_parameter(key: str, annotation: Any) -> Parameter:
+    """The Typer option of the setting `key` (declared `annotation`), None when not given."""
+    info = setting_info(key)
+    flags = [f"{option_name(key)}/{info['off_option']}"] if info["off_option"] else []
+    help_ = info["help"].removesuffix(".") + f" (default: the run's sample.{key})."
+    option = typer.Option(*flags, help=help_, metavar=info["metavar"])
+    typed = Annotated[Optional[_option_type(annotation)], option]
+    return Parameter(key, Parameter.KEYWORD_ONLY, default=None, annotation=typed)
+
+
+def _option_type(annotation: Any) -> type:
+    """The command-line type of a setting: `int | None` -> int; a `Literal` of strings -> str
+    (`SampleConfig` checks the choice, and its message names the choices)."""
+    if typing.get_origin(annotation) is Literal:
+        return type(typing.get_args(annotation)[0])
+    args = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+    return _option_type(args[0]) if args else annotation
+
+
 @app.command("sample")
+@sample_setting_options(after="prompt_file")
 def sample_command(
     checkpoint: CheckpointOption = None,
     prompt: PromptOption = None,
     prompt_file: PromptFileOption = None,
-    max_new_tokens: MaxNewTokensOption = None,
-    temperature: TemperatureOption = None,
-    top_k: TopKOption = None,
-    top_p: TopPOption = None,
-    seed: SeedOption = None,
     num_samples: NumSamplesOption = 1,
     stop: StopOption = None,
     stream: StreamOption = None,
     json_: JsonOption = False,
-    context_policy: ContextPolicyOption = None,
-    context_keep: ContextKeepOption = None,
     threads: ThreadsOption = None,
-    ignore_eos: IgnoreEosOption = None,
     interactive: InteractiveOption = False,
     weights: WeightsOption = "best",
     device: DeviceOption = "auto",
+    **settings: Any,
 ) -> None:
     """Generate text from a trained run (KV-cached, batched), or talk to it (--interactive)."""
     import json
@@ -146,16 +149,6 @@ def sample_command(
         device=device,
     )
     # The run's sample: config, changed by the options given (None: not given).
-    settings = dict(
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        seed=seed,
-        context_policy=context_policy,
-        context_keep=context_keep,
-        ignore_eos=ignore_eos,
-    )
     overrides = {key: value for key, value in settings.items() if value is not None}
     if interactive:
         if prompt_file is not None or json_:

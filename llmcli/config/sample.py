@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from llmcli.config.rules import is_int, is_number
@@ -25,6 +26,31 @@ def default_keep(context_length: int) -> int:
     return max(1, context_length // 2)
 
 
+def _setting(
+    default: Any,
+    *,
+    help: str,
+    check: Callable[[Any], bool],
+    rule: str,
+    metavar: str | None = None,
+    off_option: str | None = None,
+) -> Any:
+    """A `SampleConfig` field, with what each surface that sets it takes from it (`setting_info`).
+
+    Args:
+        default: the value when neither the config nor an option gives one.
+        help: what it does, one sentence: `llmcli sample`'s option help and the interactive
+            prompt's `/help`.
+        check: whether a value keeps the rule.
+        rule: the rule ("must be ..."), after `key (value)` in every message that refuses a value:
+            the config's, `llmcli sample`'s, the server's and the interactive prompt's.
+        metavar: the option's value in `llmcli sample --help` (default: its type).
+        off_option: a switch's option that sets it to false (default: `--no-<key>`).
+    """
+    metadata = dict(help=help, check=check, rule=rule, metavar=metavar, off_option=off_option)
+    return field(default=default, metadata=metadata)
+
+
 @dataclass(frozen=True)
 class SampleConfig:
     """Generation settings: a run's `sample:` section, with `llmcli sample`'s options applied by
@@ -34,85 +60,89 @@ class SampleConfig:
     `SampleConfig` holds valid settings; `context_keep` also depends on the model's context and
     is checked against it by `keep_for`. A message names the value, the rule, and both the
     command-line option and the config key that set it.
+
+    Each field is declared once, with its help and its rule (`_setting`): `llmcli sample`'s
+    options, the server's request fields and the interactive prompt's `/` commands are made from
+    these fields (`llmcli.cli.generation`, `llmcli.serve.protocol`,
+    `llmcli.generation.interactive`).
     """
 
-    max_new_tokens: int = 500
-    temperature: float = 0.8
-    top_k: int | None = 200
-    top_p: float = 1.0
-    seed: int = 1337
-    # Past model.context_length: "shift" keeps the last context_keep tokens (null:
-    # context_length // 2) and goes on with the KV cache; "exact" recomputes the last
-    # context_length tokens every step (see llmcli.generation.context_window; why shift: README,
+    max_new_tokens: int = _setting(
+        500,
+        help="Tokens to generate per sample.",
+        check=lambda n: is_int(n) and n >= 1,
+        rule="must be an integer >= 1: the most tokens each sample generates",
+    )
+    temperature: float = _setting(
+        0.8,
+        help="Sampling temperature, >= 0; 0 is greedy.",
+        check=lambda t: is_number(t) and math.isfinite(t) and t >= 0,
+        rule="must be a number >= 0: 0 is greedy decoding, 1 samples from the model's "
+        "distribution, higher is more random",
+    )
+    top_k: int | None = _setting(
+        200,
+        help="Keep the k most likely tokens (>= 1; >= vocab size keeps all).",
+        check=lambda k: k is None or (is_int(k) and k >= 1),
+        rule="must be an integer >= 1 (the number of most likely tokens kept); null, or a "
+        "value >= the vocabulary size, keeps every token",
+    )
+    top_p: float = _setting(
+        1.0,
+        help="Nucleus sampling mass in (0, 1]; 1 keeps all.",
+        check=lambda p: is_number(p) and 0 < p <= 1,
+        rule="must be in (0, 1]: the probability mass of the most likely tokens kept "
+        "(nucleus sampling); 1 keeps every token",
+    )
+    seed: int = _setting(
+        1337,
+        help="Random seed; sample r uses seed + r.",
+        check=lambda s: is_int(s) and 0 <= s < 2**63,
+        rule="must be an integer in 0..2**63-1 (torch's seed range; row b of a batch is "
+        "seeded seed + b)",
+    )
+    # Past model.context_length (see llmcli.generation.context_window; why shift: README,
     # Sampling).
-    context_policy: Literal["exact", "shift"] = "shift"
-    context_keep: int | None = None
-    # A sample ends at the end-of-text token unless this is true (then it goes on past it to
-    # max_new_tokens, and the token shows in the text as <|endoftext|>).
-    ignore_eos: bool = False
+    context_policy: Literal["exact", "shift"] = _setting(
+        "shift",
+        help="Past the context: exact (the last context_length tokens, recomputed each step) "
+        "or shift (keep the last tokens, go on with the KV cache).",
+        check=lambda policy: policy in CONTEXT_POLICIES,
+        rule=f"must be one of {', '.join(CONTEXT_POLICIES)}: exact recomputes the last "
+        "context_length tokens every step past the context, shift keeps the last tokens and "
+        "goes on with the KV cache",
+        metavar="POLICY",
+    )
+    # Its range depends on the model: `keep_for` checks it against model.context_length.
+    context_keep: int | None = _setting(
+        None,
+        help="Tokens shift keeps when the context is full, 1..context_length-1; null keeps half "
+        "the context.",
+        check=lambda keep: keep is None or is_int(keep),
+        rule="must be an integer (the tokens shift keeps when the context is full), or null "
+        "for context_length // 2",
+        metavar="N",
+    )
+    ignore_eos: bool = _setting(
+        False,
+        help="Go on past the end-of-text token (shown as <|endoftext|>) to max_new_tokens; by "
+        "default a sample ends there.",
+        check=lambda value: isinstance(value, bool),
+        rule="must be true or false: false ends a sample at the end-of-text token, true "
+        "generates past it",
+        off_option="--stop-at-eos",
+    )
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
         """Raise `ConfigError` for a setting outside its range (`context_keep`: `keep_for`)."""
-        for key, ok, rule in self._rules():
-            if not ok:
-                raise _sample_error(key, getattr(self, key), rule)
-
-    def _rules(self) -> list[tuple[str, bool, str]]:
-        """(key, whether its value keeps the rule, the rule) for every setting."""
-        t, k, p, keep = self.temperature, self.top_k, self.top_p, self.context_keep
-        return [
-            (
-                "max_new_tokens",
-                is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
-                "must be an integer >= 1: the most tokens each sample generates",
-            ),
-            (
-                "temperature",
-                is_number(t) and math.isfinite(t) and t >= 0,
-                "must be a number >= 0: 0 is greedy decoding, 1 samples from the model's "
-                "distribution, higher is more random",
-            ),
-            (
-                "top_k",
-                k is None or (is_int(k) and k >= 1),
-                "must be an integer >= 1 (the number of most likely tokens kept); null in a "
-                "config, or a value >= the vocabulary size, keeps every token",
-            ),
-            (
-                "top_p",
-                is_number(p) and 0 < p <= 1,
-                "must be in (0, 1]: the probability mass of the most likely tokens kept "
-                "(nucleus sampling); 1 keeps every token",
-            ),
-            (
-                "seed",
-                is_int(self.seed) and 0 <= self.seed < 2**63,
-                "must be an integer in 0..2**63-1 (torch's seed range; row b of a batch is "
-                "seeded seed + b)",
-            ),
-            (
-                "context_policy",
-                self.context_policy in CONTEXT_POLICIES,
-                f"must be one of {', '.join(CONTEXT_POLICIES)}: exact recomputes the last "
-                "context_length tokens every step past the context, shift keeps the last tokens "
-                "and goes on with the KV cache",
-            ),
-            (
-                "ignore_eos",
-                isinstance(self.ignore_eos, bool),
-                "must be true or false: false ends a sample at the end-of-text token, true "
-                "generates past it",
-            ),
-            (
-                "context_keep",
-                keep is None or is_int(keep),
-                "must be an integer (the tokens shift keeps when the context is full), or null "
-                "for context_length // 2",
-            ),
-        ]
+        for key in SETTING_KEYS:
+            value = getattr(self, key)
+            rule = broken_rule(key, value)
+            if rule is not None:
+                raise _sample_error(key, value, rule)
 
     def keep_for(self, context_length: int) -> int:
         """The tokens `shift` keeps with a model of `context_length`: `context_keep`, or half the
@@ -134,7 +164,32 @@ class SampleConfig:
         return self.context_keep
 
 
+# The settings in their order, each a field of `SampleConfig` made by `_setting`.
+SETTING_KEYS = tuple(f.name for f in fields(SampleConfig))
+_FIELDS = {f.name: f for f in fields(SampleConfig)}
+
+
+def setting_info(key: str) -> Mapping[str, Any]:
+    """What `_setting` holds for the setting `key`: `help`, `check`, `rule`, `metavar`,
+    `off_option`."""
+    return _FIELDS[key].metadata
+
+
+def broken_rule(key: str, value: Any) -> str | None:
+    """The rule of setting `key` that `value` breaks ("must be ..."), or None if it keeps it.
+
+    What `SampleConfig` checks as it is made, for a caller that names the value its own way
+    (the server: a request's field).
+    """
+    info = setting_info(key)
+    return None if info["check"](value) else info["rule"]
+
+
+def option_name(key: str) -> str:
+    """`llmcli sample`'s option for the setting `key`: `--max-new-tokens`."""
+    return "--" + key.replace("_", "-")
+
+
 def _sample_error(key: str, value: Any, rule: str) -> ConfigError:
     """A broken rule of `sample.<key>`, named as `llmcli sample`'s option and as the key."""
-    option = "--" + key.replace("_", "-")
-    return ConfigError(f"{option} / sample.{key} ({value!r}) {rule}.")
+    return ConfigError(f"{option_name(key)} / sample.{key} ({value!r}) {rule}.")

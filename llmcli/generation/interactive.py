@@ -6,8 +6,9 @@ answered with `sample_texts`, the code `llmcli sample` runs, so an answer is exa
 seeded with the current `seed`. A line starting with `/` changes a setting instead
 (`/temperature 0.5`, `/top_k 50`, `/seed 1`, any `SampleConfig` key, its value a YAML scalar as
 in `--set`), checked by `SampleConfig` through `dataclasses.replace`: a bad value is reported and
-the previous one kept. `/settings` shows them, `/help` the commands. Ctrl-C (`KeyboardInterrupt`)
-during an answer stops that answer; the end of the input (Ctrl-D) ends the session.
+the previous one kept. `/settings` shows them, `/help` the commands with each setting's help
+from `SampleConfig`. Ctrl-C (`KeyboardInterrupt`) during an answer stops that answer; the end of
+the input (Ctrl-D) ends the session.
 
 Answers go to `write` (stdout), everything else (settings, errors, help) to `notify` (stderr),
 so that the output of a piped session is the answers alone.
@@ -16,13 +17,15 @@ so that the output of a piped session is the answers alone.
 from __future__ import annotations
 
 import logging
+import textwrap
 from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import yaml
 
 from llmcli.config import SampleConfig
+from llmcli.config.sample import SETTING_KEYS, broken_rule, setting_info
 from llmcli.errors import InputError
 from llmcli.generation.sample import SampleOptions, sample_texts, sample_threads, unescape
 from llmcli.generation.threads import torch_threads
@@ -30,20 +33,45 @@ from llmcli.runs.loading import LoadedRun
 
 logger = logging.getLogger(__name__)
 
-SETTINGS = tuple(f.name for f in fields(SampleConfig))
-HELP = (
-    "Type a prompt and press Enter: the answer is streamed (\\n in a prompt is a newline).\n"
-    "  /temperature 0.5   /top_k 50   /top_p 0.9   /seed 1   /max_new_tokens 200\n"
-    "  /context_policy shift|exact   /context_keep N   (null resets top_k / context_keep)\n"
-    "  /ignore_eos true|false   (go on past the end-of-text token)\n"
-    "  /settings  show the settings    /help  this text\n"
-    "Ctrl-C stops the current answer; Ctrl-D (end of input) exits."
-)
+_WIDTH = 79  # of /help's lines
+
+
+def help_text(config: SampleConfig) -> str:
+    """`/help`: a command per setting, with its current value and its help from `SampleConfig`."""
+    commands = {f"/{key} {_scalar(getattr(config, key))}": key for key in SETTING_KEYS}
+    width = max(map(len, commands)) + 4  # the column of the help texts
+    nullable = " and ".join(key for key in SETTING_KEYS if broken_rule(key, None) is None)
+    changing = (
+        f"/KEY VALUE changes a setting; VALUE is a YAML scalar as in --set ({nullable} take "
+        "null). The settings, as they are now:"
+    )
+    return "\n".join(
+        [
+            "Type a prompt and press Enter: the answer is streamed (\\n in a prompt is a newline).",
+            textwrap.fill(changing, _WIDTH),
+            *(
+                textwrap.fill(
+                    setting_info(key)["help"],
+                    _WIDTH,
+                    initial_indent=f"  {command:<{width - 2}}",
+                    subsequent_indent=" " * width,
+                )
+                for command, key in commands.items()
+            ),
+            "  /settings  show the settings    /help  this text",
+            "Ctrl-C stops the current answer; Ctrl-D (end of input) exits.",
+        ]
+    )
+
+
+def _scalar(value: Any) -> str:
+    """A setting's value as YAML writes it: `null`, `true`, `0.8`."""
+    return yaml.safe_dump(value, default_flow_style=True).removesuffix("\n...\n").strip()
 
 
 def format_settings(config: SampleConfig) -> str:
     """The settings as one line: `temperature=0.8 top_k=200 ...`."""
-    return " ".join(f"{key}={getattr(config, key)}" for key in SETTINGS)
+    return " ".join(f"{key}={getattr(config, key)}" for key in SETTING_KEYS)
 
 
 def apply_command(config: SampleConfig, line: str, context_length: int) -> tuple[SampleConfig, str]:
@@ -62,12 +90,12 @@ def apply_command(config: SampleConfig, line: str, context_length: int) -> tuple
     name, _, raw = line[1:].strip().partition(" ")
     key = name.replace("-", "_")
     if key in ("help", "h", "?"):
-        return config, HELP
+        return config, help_text(config)
     if key == "settings":
         return config, format_settings(config)
-    if key not in SETTINGS:
+    if key not in SETTING_KEYS:
         raise InputError(
-            f"unknown command /{name}: the settings are /{', /'.join(SETTINGS)}; "
+            f"unknown command /{name}: the settings are /{', /'.join(SETTING_KEYS)}; "
             "/settings shows them, /help the commands."
         )
     if not raw.strip():

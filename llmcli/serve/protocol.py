@@ -16,10 +16,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from llmcli.config import SampleConfig
+from llmcli.config.sample import broken_rule
 
 MAX_STOPS = 4  # OpenAI's limit on stop strings
 MAX_LOGPROBS = 5  # OpenAI's limit on the top log-probs of each token
-MAX_SEED = 2**63 - 1  # torch's seed range, as `llmcli sample --seed`
+MAX_SEED = 2**63 - 1  # the largest seed `SampleConfig` takes: a fresh seed is below it
 
 
 class APIError(Exception):
@@ -126,16 +127,22 @@ _OFF_VALUES = {
     "frequency_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}),
 }
+# The request fields that set a `SampleConfig` setting, each checked by the setting's rule: OpenAI's
+# names, and top_k (vLLM's and llama.cpp's). The run's config sets the others.
+SAMPLE_FIELDS = {
+    "max_tokens": "max_new_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "seed": "seed",
+}
+_NUMBER_FIELDS = {"temperature", "top_p"}  # JSON numbers; the other settings' are integers
 _FIELDS = {
     "model",
     "prompt",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
+    *SAMPLE_FIELDS,
     "n",
     "stop",
-    "seed",
     "stream",
     "stream_options",
     "logprobs",
@@ -299,34 +306,35 @@ def _boolean(body: dict[str, Any], name: str) -> bool:
 
 
 def _sample_config(body: dict[str, Any], defaults: SampleConfig, limits: Limits) -> SampleConfig:
-    """The run's settings with the request's; omitted `max_tokens` is the run's, within the
-    limit; omitted `seed` a fresh one."""
-    max_tokens = _integer(
-        body, "max_tokens", min(defaults.max_new_tokens, limits.max_tokens), low=1
-    )
-    if max_tokens > limits.max_tokens:
+    """The run's settings with the request's, each checked by `SampleConfig`'s rule for it;
+    omitted `max_tokens` is the run's, within the limit; omitted `seed` a fresh one."""
+    settings: dict[str, Any] = {
+        "max_new_tokens": min(defaults.max_new_tokens, limits.max_tokens),
+        "seed": secrets.randbelow(MAX_SEED),
+    }
+    for name, key in SAMPLE_FIELDS.items():
+        value = body.get(name)
+        if value is None:
+            if name == "top_k" and name in body:  # null keeps every token
+                settings[key] = None
+            continue
+        if name in _NUMBER_FIELDS:
+            value = _number(body, name)
+        elif not _is_int(value):
+            raise _type_error(name, value, "an integer")
+        rule = broken_rule(key, value)
+        if rule is not None:
+            raise _range_error(name, value, rule)
+        settings[key] = value
+    if settings["max_new_tokens"] > limits.max_tokens:
         raise APIError(
             400,
-            f"max_tokens ({max_tokens}) is more than this server allows: at most "
-            f"{limits.max_tokens} new tokens per choice (`llmcli serve --max-tokens` sets it).",
+            f"max_tokens ({settings['max_new_tokens']}) is more than this server allows: at "
+            f"most {limits.max_tokens} new tokens per choice (`llmcli serve --max-tokens` sets "
+            "it).",
             param="max_tokens",
             code="invalid_value",
         )
-    settings: dict[str, Any] = {"max_new_tokens": max_tokens}
-    temperature = _number(body, "temperature")
-    if temperature is not None:
-        if temperature < 0:
-            raise _range_error("temperature", temperature, "must be >= 0 (0 is greedy)")
-        settings["temperature"] = temperature
-    top_p = _number(body, "top_p")
-    if top_p is not None:
-        if not 0 < top_p <= 1:
-            raise _range_error("top_p", top_p, "must be in (0, 1]; 1 keeps every token")
-        settings["top_p"] = top_p
-    if "top_k" in body:  # null keeps every token
-        settings["top_k"] = _optional_integer(body, "top_k", 1, 2**31 - 1)
-    seed = _integer(body, "seed", -1, low=0, high=MAX_SEED)
-    settings["seed"] = secrets.randbelow(MAX_SEED) if seed < 0 else seed
     return replace(defaults, **settings)
 
 
