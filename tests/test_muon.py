@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from llmcli.config import ModelConfig, TrainConfig, config_from_dict
+from llmcli.config import ModelConfig, TrainConfig, config_from_dict, load_config
 from llmcli.errors import ConfigError
 from llmcli.model.gpt import Transformer
 from llmcli.training.muon import NS_COEFFS, AdamWDefaults, Muon, newton_schulz
@@ -75,13 +76,14 @@ def test_newton_schulz_keeps_zero_and_dtype() -> None:
 
 
 def reference_muon(
-    W: np.ndarray, grads: list[np.ndarray], lr: float, mu: float, wd: float, nesterov: bool
+    W: np.ndarray, grads: list[np.ndarray], lrs: list[float], mu: float, wd: float, nesterov: bool
 ) -> np.ndarray:
-    """Muon's update rule by hand (the llmcli.training.muon docstring), float64."""
+    """Muon's update rule by hand (the llmcli.training.muon docstring), float64; `lrs[k]` is
+    step k's learning rate."""
     W = W.astype(np.float64).copy()
     M = np.zeros_like(W)
     rows, cols = W.shape
-    for G in grads:
+    for G, lr in zip(grads, lrs, strict=True):
         M = mu * M + (1 - mu) * G
         U = (1 - mu) * G + mu * M if nesterov else M
         W = W * (1 - lr * wd) - lr * np.sqrt(max(1.0, rows / cols)) * reference_newton_schulz(U)
@@ -107,7 +109,7 @@ def test_muon_steps_match_a_hand_computation(nesterov: bool) -> None:
             p.grad = torch.tensor(g[k], dtype=torch.float32)
         opt.step()
     for p, w, g in zip(params, weights, grads, strict=True):
-        expected = reference_muon(w, g, lr=0.05, mu=0.9, wd=0.1, nesterov=nesterov)
+        expected = reference_muon(w, g, [0.05] * 3, mu=0.9, wd=0.1, nesterov=nesterov)
         np.testing.assert_allclose(p.detach().numpy(), expected, atol=1e-5)
 
 
@@ -121,7 +123,8 @@ def test_muon_update_has_unit_singular_values_times_lr() -> None:
     assert sv.min() > 0.6 and sv.max() < 1.25
 
 
-def test_adamw_groups_match_torch_adamw() -> None:
+@pytest.mark.parametrize("fused", [True, False])
+def test_adamw_groups_are_torch_adamw_bit_for_bit(fused: bool) -> None:
     torch.manual_seed(0)
     shapes = [(5, 3), (7,), (4, 4)]
     a = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
@@ -131,7 +134,7 @@ def test_adamw_groups_match_torch_adamw() -> None:
             {"params": a[:2], "use_muon": False, "weight_decay": 0.1},
             {"params": a[2:], "use_muon": False, "weight_decay": 0.0, "lr": 3e-3},
         ],
-        adamw=AdamWDefaults(lr=1e-2, betas=(0.8, 0.95), eps=1e-8),
+        adamw=AdamWDefaults(lr=1e-2, betas=(0.8, 0.95), eps=1e-8, fused=fused),
     )
     ref = torch.optim.AdamW(
         [
@@ -141,7 +144,7 @@ def test_adamw_groups_match_torch_adamw() -> None:
         lr=1e-2,
         betas=(0.8, 0.95),
         eps=1e-8,
-        foreach=False,
+        **({"fused": True} if fused else {"foreach": True}),
     )
     for _ in range(5):
         grads = [torch.randn(s) for s in shapes]
@@ -150,7 +153,95 @@ def test_adamw_groups_match_torch_adamw() -> None:
         ours.step()
         ref.step()
     for p, q in zip(a, b, strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+        assert torch.equal(p, q)
+        assert ours.state[p].keys() == ref.state[q].keys() == {"step", "exp_avg", "exp_avg_sq"}
+        for key, value in ours.state[p].items():
+            assert torch.equal(value, ref.state[q][key]) and value.dtype == ref.state[q][key].dtype
+
+
+def test_a_save_with_int_adamw_steps_continues_as_one_with_tensor_steps() -> None:
+    # Up to 5b00014 the AdamW groups kept `step` as an int and had no `fused` key; such a save
+    # loads (the foreach kernel, step counts as tensors) and, once a resume has put today's
+    # hyperparameters back (llmcli.training.run), continues as a save of today's does.
+    def trained(params: list[torch.nn.Parameter]) -> Muon:
+        return Muon([{"params": params, "use_muon": False}], adamw=AdamWDefaults(lr=1e-2))
+
+    torch.manual_seed(0)
+    p = [torch.nn.Parameter(torch.randn(4, 3))]
+    opt = trained(p)
+    grads = [torch.randn(4, 3) for _ in range(4)]
+    for g in grads[:2]:
+        p[0].grad = g.clone()
+        opt.step()
+    state = opt.state_dict()
+    old = {
+        "state": {k: {**v, "step": int(v["step"])} for k, v in state["state"].items()},
+        "param_groups": [
+            {k: v for k, v in g.items() if k != "fused"} for g in state["param_groups"]
+        ],
+    }
+    runs = []
+    for saved in (state, old):
+        q = [torch.nn.Parameter(p[0].detach().clone())]
+        resumed = trained(q)
+        resumed.load_state_dict(copy.deepcopy(saved))  # a copy, as from disk
+        group = resumed.param_groups[0]
+        assert group["fused"] is (saved is state)
+        assert resumed.state[q[0]]["step"].dtype == torch.float32
+        assert resumed.state[q[0]]["step"].item() == 2
+        group["fused"] = True  # today's hyperparameters, as a resume puts them back
+        for g in grads[2:]:
+            q[0].grad = g.clone()
+            resumed.step()
+        runs.append(q[0].detach())
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_the_speedrun_recipes_first_steps_follow_the_muon_formula_and_torch_adamw() -> None:
+    # configs/speedrun-cpu.yaml as shipped (Muon 0.01 at momentum 0.85 with Nesterov, AdamW 3e-2,
+    # rotary, ReLU², RMSNorm, tied head, WSD with warmup, clipping at 1.0), narrower so the
+    # test takes a second. Hidden matrices must follow the update rule written out in float64
+    # NumPy (`reference_muon`), every other parameter `torch.optim.AdamW` bit for bit.
+    cfg = load_config("speedrun-cpu", ["model.n_embed=32", "model.context_length=16"])
+    train, T, V = cfg.train, cfg.model.context_length, 11
+    model = Transformer(cfg.model, V, generator=torch.Generator().manual_seed(0))
+    opt = build_optimizer(model, train, "cpu")
+    hidden, *rest = muon_param_groups(model, train)
+    assert opt.param_groups[0]["params"] == hidden["params"] and len(hidden["params"]) == 8
+    start = [p.detach().double().numpy().copy() for p in hidden["params"]]
+    copies = {p: torch.nn.Parameter(p.detach().clone()) for g in rest for p in g["params"]}
+    ref = torch.optim.AdamW(
+        [{**g, "params": [copies[p] for p in g["params"]]} for g in rest],
+        betas=(train.beta1, train.beta2),
+        eps=1e-8,
+        fused=True,
+    )
+    gen = torch.Generator().manual_seed(1)
+    grads: list[list[np.ndarray]] = [[] for _ in hidden["params"]]
+    lrs = []
+    for step in range(5):
+        lrs.append(apply_lr(opt, step, train) * train.muon_lr / train.lr)
+        apply_lr(ref, step, train)
+        tokens = torch.randint(0, V, (train.batch_size, T + 1), generator=gen)  # (B, T + 1)
+        _, loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
+        for p, g in zip(hidden["params"], grads, strict=True):
+            g.append(p.grad.double().numpy().copy())
+        for p, q in copies.items():
+            q.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+        opt.zero_grad(set_to_none=True)
+        for p, q in copies.items():
+            assert torch.equal(p, q)
+    mu = train.muon_momentum
+    for p, w0, g in zip(hidden["params"], start, grads, strict=True):
+        moved = reference_muon(w0, g, lrs, mu=mu, wd=0.0, nesterov=True) - w0
+        # The float32 iteration against float64: within 0.1% of the largest move.
+        np.testing.assert_allclose(
+            p.detach().double().numpy() - w0, moved, rtol=0, atol=1e-3 * np.abs(moved).max()
+        )
 
 
 def test_muon_groups_refuse_vectors_and_need_use_muon() -> None:

@@ -1,4 +1,4 @@
-"""Muon: momentum orthogonalised by Newton-Schulz, with AdamW for the parameters it must not touch.
+"""Muon for the hidden matrices and torch's AdamW for the rest, in one optimizer.
 
 Muon (Keller Jordan, 2024; https://kellerjordan.github.io/posts/muon/, the optimizer of the
 KellerJordan/modded-nanogpt and karpathy/nanochat speedruns) runs SGD with Nesterov momentum on
@@ -24,8 +24,19 @@ Update of a Muon group with learning rate `lr`, momentum `mu`, weight decay `wd`
     W <- W * (1 - lr * wd) - lr * sqrt(max(1, rows / cols)) * NS(U)
 
 The `sqrt(max(1, rows/cols))` factor keeps the per-element size of tall updates (a `(4C, C)` MLP
-input, a `(3C, C)` fused QKV) in line with square ones (modded-nanogpt). AdamW groups follow
-`torch.optim.AdamW` exactly (decoupled weight decay, bias-corrected moments).
+input, a `(3C, C)` fused QKV) in line with square ones (modded-nanogpt).
+
+What is here and what is torch's. `torch.optim.Muon` (torch >= 2.9) has the same update with
+`adjust_lr_fn="original"`, but its Newton-Schulz casts each update to bfloat16 and runs one
+matrix at a time. On the speedrun-cpu model, without native bf16 matmuls (the AVX2 CPUs of
+benchmarks/RESULTS.md) its Muon step is 20-24x slower than this float32 iteration on stacks of
+same-shaped matrices; with them it is 5-8% faster, but bf16 moves each update by about 10%
+(benchmarks/muon_check.py). So the Muon update stays here. The AdamW groups are torch's AdamW:
+the function `torch.optim.AdamW.step` runs (`torch.optim.adamw.adamw`, its fused kernel on CPU
+and CUDA), on state laid out as `torch.optim.AdamW` lays it out, so they step bit for bit as
+`torch.optim.AdamW` does. The function rather than an inner `torch.optim.AdamW` object: that
+class's methods import torch._dynamo (about 1.4 s, see `Muon`), and one optimizer needs one
+state dict.
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.optim.adamw import adamw
 
 # Quintic Newton-Schulz coefficients of KellerJordan/modded-nanogpt: the largest slope at 0
 # that still keeps every singular value within about [0.7, 1.2] after 5 steps.
@@ -107,11 +119,13 @@ class AdamWDefaults:
         lr: learning rate (`train.lr`).
         betas: `(beta1, beta2)`.
         eps: added to the denominator.
+        fused: torch's fused AdamW kernel (CPU and CUDA have it); else its foreach kernel.
     """
 
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
+    fused: bool = True
 
 
 class Muon(torch.optim.Optimizer):
@@ -121,12 +135,14 @@ class Muon(torch.optim.Optimizer):
     ones take the constructor's defaults):
     - Muon groups (`use_muon=True`, 2-D parameters only): `lr`, `momentum`, `nesterov`,
       `ns_steps`, `weight_decay`;
-    - AdamW groups: `lr`, `betas`, `eps`, `weight_decay`.
+    - AdamW groups: `lr`, `betas`, `eps`, `weight_decay`, `fused`.
     Extra keys (`names`, `base_lr`) are kept, as in any torch optimizer.
 
     Muon groups update same-shaped matrices together: their updates are stacked and
     orthogonalised in one batched Newton-Schulz call, which on small models saves most of the
-    per-matrix overhead. AdamW groups use the multi-tensor (`torch._foreach_*`) kernels.
+    per-matrix overhead. AdamW groups are stepped by torch's AdamW (the module docstring):
+    their state is `torch.optim.AdamW`'s (`step`, a 0-d tensor, `exp_avg`, `exp_avg_sq`), so
+    `load_state_dict` puts `step` where the fused kernel needs it, as for `torch.optim.AdamW`.
 
     Args:
         params: the param groups (dicts as above).
@@ -175,6 +191,7 @@ class Muon(torch.optim.Optimizer):
                     ("betas", adamw.betas),
                     ("eps", adamw.eps),
                     ("weight_decay", weight_decay),
+                    ("fused", adamw.fused),
                 ):
                     group.setdefault(key, value)
         super().__init__(groups, {})
@@ -232,29 +249,49 @@ class Muon(torch.optim.Optimizer):
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
             return
+        states = [self._adamw_state(p, group["fused"]) for p in params]
         beta1, beta2 = group["betas"]
-        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-        by_step: dict[int, list[Tensor]] = defaultdict(list)
-        for p in params:
-            state = self.state[p]
-            if "step" not in state:
-                state["step"] = 0
-                state["exp_avg"] = torch.zeros_like(p)
-                state["exp_avg_sq"] = torch.zeros_like(p)
-            state["step"] += 1
-            by_step[state["step"]].append(p)  # one bucket, unless some params missed steps
-        if wd:
-            torch._foreach_mul_(params, 1 - lr * wd)
-        for step, ps in by_step.items():
-            grads = [p.grad for p in ps]
-            exp_avgs = [self.state[p]["exp_avg"] for p in ps]
-            exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in ps]
-            torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-            torch._foreach_mul_(exp_avg_sqs, beta2)
-            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-            bias1 = 1 - beta1**step
-            bias2_sqrt = math.sqrt(1 - beta2**step)
-            denom = torch._foreach_sqrt(exp_avg_sqs)
-            torch._foreach_div_(denom, bias2_sqrt)
-            torch._foreach_add_(denom, eps)
-            torch._foreach_addcdiv_(ps, exp_avgs, denom, value=-lr / bias1)
+        adamw(
+            params,
+            [p.grad for p in params],
+            [state["exp_avg"] for state in states],
+            [state["exp_avg_sq"] for state in states],
+            [],  # max_exp_avg_sqs: amsgrad is off
+            [state["step"] for state in states],
+            foreach=not group["fused"],
+            fused=group["fused"],
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )
+
+    def _adamw_state(self, p: Tensor, fused: bool) -> dict[str, Any]:
+        """`p`'s AdamW state as `torch.optim.AdamW` makes it: zero moments, and the step count a
+        float32 0-d tensor, on `p`'s device for the fused kernel, else on the CPU."""
+        state = self.state[p]
+        if "step" not in state:
+            device = p.device if fused else torch.device("cpu")
+            state["step"] = torch.tensor(0.0, dtype=torch.float32, device=device)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """What `load_state_dict` ends with; as `torch.optim.AdamW`'s, it brings older state
+        dicts up to date. Saves of llmcli up to 5b00014 have AdamW groups without `fused` (then
+        the foreach kernel, until a resume puts today's hyperparameters back) and int step
+        counts (then float32 0-d tensors on the parameter's device, which both kernels take)."""
+        super().__setstate__(state)
+        for group in self.param_groups:
+            if group["use_muon"]:
+                continue
+            group.setdefault("fused", False)
+            for p in group["params"]:
+                p_state = self.state.get(p, {})
+                if "step" in p_state and not isinstance(p_state["step"], Tensor):
+                    step = float(p_state["step"])
+                    p_state["step"] = torch.tensor(step, dtype=torch.float32, device=p.device)
