@@ -52,8 +52,8 @@ from llmcli.data.tokenizer import load_tokenizer
 from llmcli.device import resolve_device
 from llmcli.errors import ConfigError, InputError, describe_os_error
 from llmcli.fileio import atomic_write_bytes, atomic_write_json
+from llmcli.generation.fast_decode import FastDecoder
 from llmcli.generation.generate import generate
-from llmcli.generation.sample import decode_kernels
 from llmcli.model.gpt import Transformer
 from llmcli.progress import Progress
 from llmcli.training.optim import build_optimizer
@@ -298,12 +298,12 @@ def _sampling_rate(
     model: Transformer, first: int, n_new: int, precision: Precision, seed: int
 ) -> float:
     """New tokens per second when sampling `n_new` tokens after the one token `first`, with the
-    kernels `llmcli sample` would use."""
+    decode step `llmcli sample` would use."""
     config = SampleConfig(max_new_tokens=n_new, temperature=1.0, top_k=None, seed=seed)
     _sync(precision.device)
     start = time.perf_counter()
-    with precision.autocast(), decode_kernels(model, config, batch_size=1):
-        for _ in generate(model, [[first]], config):
+    with precision.autocast():
+        for _ in generate(model, [[first]], config, decode=FastDecoder.for_model(model)):
             pass
     _sync(precision.device)
     return n_new / (time.perf_counter() - start)

@@ -8,7 +8,6 @@ from attention_helpers import CORPUS
 from model_helpers import randomize_, tiny_model
 
 from llmcli.data.tokenizer import CharTokenizer
-from llmcli.model import AttentionContext
 
 #: Every architecture option llmcli trains, one at a time and all together.
 ARCHS = {
@@ -44,7 +43,7 @@ def ids_of(tok, text: str) -> torch.Tensor:
 def hand_stream(model, idx: torch.Tensor, k: int) -> torch.Tensor:
     """The residual stream after the first `k` blocks, the blocks called one by one with no
     function at any hook point: `(B, T, C)`."""
-    x = model.embedding(idx, AttentionContext.build(idx, model.context_length))
+    x = model.embedding(idx)  # (B, T, C)
     for block in model.blocks[:k]:
         x = block(x)
     return x

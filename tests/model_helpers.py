@@ -1,6 +1,6 @@
 """Shared by the model tests: comparisons that print their difference, seeded generators,
-randomised parameters, a tiny model, the rotary formula in NumPy, and an attention layer run
-with a context or with its weights read."""
+randomised parameters, a tiny model, the rotary formula in NumPy, left-padded batches, and an
+attention layer run with its weights read."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from llmcli.config import ModelConfig
-from llmcli.model import AttentionContext, Transformer, hooked
+from llmcli.model import Transformer, hooked
 
 
 def assert_close(actual, expected, name: str, atol: float = 1e-5, rtol: float = 1e-5) -> None:
@@ -52,15 +52,20 @@ def numpy_rope(x: np.ndarray, positions: np.ndarray, base: float = 10000.0) -> n
     )
 
 
-def context(module: nn.Module, x: torch.Tensor, **inputs) -> AttentionContext:
-    """The attention context of one forward of `module` over `x` (`key_padding_mask=`,
-    `position_ids=`, `kv_cache=`), as `Transformer.forward` builds it."""
-    return AttentionContext.build(x, module.config.context_length, **inputs)
+def left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows of different lengths as one left-padded batch: `(idx (B, T), pads (B,))`,
+    padding columns holding token 0 and every row ending at column `T - 1`."""
+    T = max(len(r) for r in rows)
+    idx = torch.zeros(len(rows), T, dtype=torch.long)
+    for b, row in enumerate(rows):
+        idx[b, T - len(row) :] = row
+    return idx, torch.tensor([T - len(r) for r in rows])
 
 
-def with_weights(mha: nn.Module, x: torch.Tensor, ctx: AttentionContext | None = None):
-    """`mha(x, ctx)` and its attention weights `(B, nh, T, T_k)`, read at its `pattern` hook."""
+def with_weights(mha: nn.Module, x: torch.Tensor, mask=None, input_pos=None, kv_cache=None):
+    """`mha(x, mask, input_pos, kv_cache)` and its attention weights `(B, nh, T, T_k)`, read at
+    its `pattern` hook (which makes it compute them explicitly)."""
     weights = []
     with hooked(mha, {"pattern": weights.append}):
-        y = mha(x, ctx)
+        y = mha(x, mask, input_pos, kv_cache)
     return y, weights[0]

@@ -1,11 +1,12 @@
-"""Tests for llmcli.inspection.capture: capture against plain PyTorch."""
+"""Tests for llmcli.inspection.capture: capture against plain PyTorch, and prompts captured in
+right-padded batches against each prompt alone."""
 
 from __future__ import annotations
 
 import torch
 from attention_helpers import CTX, build_model
 
-from llmcli.inspection.capture import capture_attention
+from llmcli.inspection.capture import capture_attention, capture_prompts
 
 
 def test_captured_logits_equal_normal_forward() -> None:
@@ -54,3 +55,18 @@ def test_weights_equal_torch_multihead_attention() -> None:
         torch.testing.assert_close(attn[:, layer].mean(1), averaged, rtol=1e-5, atol=1e-6)
         # The heads really differ: the average hides something.
         assert (attn[:, layer] - attn[:, layer].mean(1, keepdim=True)).abs().max() > 0.05
+
+
+def test_prompts_in_right_padded_batches_equal_each_alone() -> None:
+    """Right padding needs no mask: every pad key comes after every real query, so the causal
+    mask hides it, and a prompt's positions are those it has alone."""
+    _, tok, model = build_model()
+    prompts = [tok.encode(p) for p in ("Speak", "Before we procee", "All:\nRes", "Y")]
+    captured = capture_prompts(model, prompts, batch_size=3)  # batches of 3 and 1
+    assert len(captured) == len(prompts)
+    for ids, (logits, attn) in zip(prompts, captured, strict=True):
+        alone_logits, alone_attn = capture_attention(model, torch.tensor([ids]))
+        assert logits.shape == (len(ids), tok.vocab_size)
+        assert attn.shape == (2, 4, len(ids), len(ids))
+        torch.testing.assert_close(logits, alone_logits[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(attn, alone_attn[0], rtol=1e-5, atol=1e-6)

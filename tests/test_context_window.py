@@ -1,7 +1,7 @@
 """The context policies past context_length (llmcli/generation/context_window.py): `exact` against
 a plain crop-and-recompute loop and against tokens of the code before `shift` existed, `shift`
-against a plain keep-and-recompute loop, padded batches against each prompt alone, and the
-checks."""
+against a plain keep-and-recompute loop, padded batches against each prompt alone, the window's
+model inputs (the mask and positions of llmcli/generation/padding.py), and the checks."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from llmcli.config import SampleConfig
 from llmcli.errors import InputError
 from llmcli.generation.context_window import ContextWindow
 from llmcli.generation.generate import generate_ids
+from llmcli.generation.padding import padded_mask, padded_positions
 from llmcli.generation.sampling import sample_next
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -149,13 +150,36 @@ def test_keep_last_keeps_full_rows_last_tokens_and_shorter_rows_whole() -> None:
     window.keep_last(2)
     assert window.end == 4 and window.pads == [2, 1, 0]
     idx, mask, pos = window.inputs(0)
-    real = [row[~m].tolist() for row, m in zip(idx, mask, strict=True)]
-    assert real == [[4, 10], [5, 6, 11], [7, 8, 9, 12]]
-    assert [p[~m].tolist() for p, m in zip(pos, mask, strict=True)] == [
+    assert torch.equal(mask, padded_mask(torch.tensor([2, 1, 0]), 4, 4))
+    real = mask[:, 0, -1]  # (B, T): the keys the newest (real) token sees
+    assert [row[r].tolist() for row, r in zip(idx, real, strict=True)] == [
+        [4, 10],
+        [5, 6, 11],
+        [7, 8, 9, 12],
+    ]
+    assert [p[r].tolist() for p, r in zip(pos, real, strict=True)] == [
         [0, 1],
         [0, 1, 2],
         [0, 1, 2, 3],
     ]
+
+
+def test_inputs_are_the_padded_mask_and_positions_and_none_without_padding() -> None:
+    window = ContextWindow([[1, 2, 3], [4]], 10, 8, torch.device("cpu"))  # pads 0, 2
+    idx, mask, pos = window.inputs(0)
+    assert idx.tolist() == [[1, 2, 3], [0, 0, 4]]
+    pads = torch.tensor([0, 2])
+    assert torch.equal(mask, padded_mask(pads, 3, 3))
+    assert torch.equal(pos, padded_positions(pads, 3, 3))
+    window.append(torch.tensor([5, 6]))
+    idx, mask, pos = window.newest_inputs()  # the decode column after 3 cached ones
+    assert idx.tolist() == [[5], [6]]
+    assert torch.equal(mask, padded_mask(pads, 1, 4)) and mask.shape == (2, 1, 1, 4)
+    assert pos.tolist() == [[3], [1]]
+    idx, mask, pos = window.inputs(2)  # from column 2, past every padding column: as alone
+    assert idx.tolist() == [[3, 5], [4, 6]] and mask is None and pos is None
+    alone = ContextWindow([[1, 2, 3]], 10, 8, torch.device("cpu"))
+    assert alone.inputs(0)[1:] == (None, None) and alone.newest_inputs()[1:] == (None, None)
 
 
 # ----------------------------------------------------------------------------- checks

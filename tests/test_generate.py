@@ -1,5 +1,6 @@
 """Generation (llmcli/generation/generate.py): seeds, validation, the KV cache's steps, padded
-batches against prompts alone. The context policies past context_length: test_context_window.py."""
+batches against prompts alone. The context policies past context_length: test_context_window.py;
+the opt-in `decode` step: test_fast_decode.py."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 
 from llmcli.config import ModelConfig, SampleConfig
 from llmcli.errors import InputError
-from llmcli.generation.decode import Decoder
+from llmcli.generation.fast_decode import FastDecoder
 from llmcli.generation.generate import generate, generate_ids
 from llmcli.generation.sampling import sample_next
 from llmcli.model.gpt import Transformer
@@ -110,24 +111,30 @@ SETTINGS = [
 ]
 
 
-def test_cache_feeds_one_token_per_step_until_the_window_slides(monkeypatch) -> None:
+def test_cache_feeds_one_token_per_step_until_the_window_slides() -> None:
     model = make_model()
     lengths = []
-    forward, decode = model.forward, Decoder.__call__
+    forward = model.forward
 
     def spy(idx, *args, **kwargs):
         lengths.append((idx.shape[1], kwargs.get("kv_cache") is not None))
         return forward(idx, *args, **kwargs)
 
-    def decode_spy(self, idx, cache, position_ids):  # one-token steps skip `forward`
-        lengths.append((1, True))
-        return decode(self, idx, cache, position_ids)
-
     model.forward = spy
-    monkeypatch.setattr(Decoder, "__call__", decode_spy)
-    generate_ids(model, [[1, 2, 3]], sample_config(10, temperature=0.0, context_policy="exact"))
+    config = sample_config(10, temperature=0.0, context_policy="exact")
+    plain = generate_ids(model, [[1, 2, 3]], config)
     # prefill 3, five single tokens (sequence reaches 8 = context), then the sliding window.
     assert lengths == [(3, True)] + [(1, True)] * 5 + [(8, False)] * 4
+    # With a `decode` step the single tokens go through it instead of `forward`.
+    lengths.clear()
+    decoder = FastDecoder.for_model(model)
+
+    def decode(idx, cache, mask, input_pos):
+        lengths.append(("decode", cache.length))
+        return decoder(idx, cache, mask, input_pos)
+
+    assert generate_ids(model, [[1, 2, 3]], config, decode=decode) == plain
+    assert lengths == [(3, True)] + [("decode", n) for n in range(3, 8)] + [(8, False)] * 4
 
 
 # ----------------------------------------------------------------------------- batches

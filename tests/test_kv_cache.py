@@ -1,12 +1,15 @@
-"""Tests of the generation cache: cached decoding equals the full forward, with padding too."""
+"""Tests of the generation cache (llmcli/model/kv_cache.py): cached decoding equals the full
+forward, with left padding too (the mask and positions of `llmcli.generation.padding`, and the
+same built by hand), and the cache's own bookkeeping."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from model_helpers import assert_close, context, gen, randomize_, tiny_model, with_weights
+from model_helpers import assert_close, gen, left_padded, randomize_, tiny_model, with_weights
 
 from llmcli.errors import InputError
+from llmcli.generation.padding import padded_mask, padded_positions
 from llmcli.model.gpt import MultiHeadAttention
 from llmcli.model.kv_cache import KVCache
 
@@ -52,43 +55,56 @@ def test_kv_cache_decode_and_chunked_prefill_equal_full_forward(opts):
     assert_close(logits, full[:, :3], f"kv cache after reset [{tag}]")
 
 
+def hand_mask(pads: torch.Tensor, T: int, T_k: int) -> torch.Tensor:
+    """`padded_mask` built another way: a key padding mask (True = padding) combined with the
+    causal one, padding queries opened on their own column. `(B, 1, T, T_k)`."""
+    pad = torch.arange(T_k)[None, :] < pads[:, None]  # (B, T_k)
+    causal = torch.ones(T, T_k, dtype=torch.bool).tril(T_k - T)  # (T, T_k)
+    own = torch.zeros(T, T_k, dtype=torch.bool)
+    own[:, T_k - T :] = torch.eye(T, dtype=torch.bool)
+    return (causal & ~pad[:, None, :] | own)[:, None]
+
+
 @pytest.mark.parametrize("opts", MODEL_OPTIONS.values(), ids=MODEL_OPTIONS.keys())
 def test_kv_cache_left_padded_batch_equals_each_prompt_alone(opts):
     model = tiny_model(**opts)
     prompts = [torch.randint(37, (n,), generator=gen(n)) for n in (3, 7, 5)]
     continuation = torch.randint(37, (3, 6), generator=gen(9))
-    width = max(len(p) for p in prompts)
-    idx = torch.zeros(3, width, dtype=torch.long)
-    kpm = torch.ones(3, width, dtype=torch.bool)
-    for i, p in enumerate(prompts):
-        idx[i, width - len(p) :] = p
-        kpm[i, width - len(p) :] = False
+    idx, pads = left_padded(prompts)
+    W = idx.shape[1]
     tag = ",".join(opts) or "default"
-    for explicit_positions in (False, True):
+    for by_hand in (False, True):
+        # The mask and positions from llmcli.generation.padding, or built here by hand (the
+        # positions: real tokens before each, as `(~pad).cumsum - 1`, then the prompt length on).
+        make_mask = hand_mask if by_hand else padded_mask
         cache = model.new_kv_cache(3)
-        if explicit_positions:
-            pos = ((~kpm).cumsum(1) - 1).clamp(min=0)
-            prefill, _ = model(idx, key_padding_mask=kpm, position_ids=pos, kv_cache=cache)
+        if by_hand:
+            real = torch.arange(W)[None, :] >= pads[:, None]  # (B, W)
+            pos = (real.cumsum(1) - 1).clamp(min=0)
         else:
-            prefill, _ = model(idx, key_padding_mask=kpm, kv_cache=cache)
+            pos = padded_positions(pads, W, W)
+        prefill, _ = model(idx, mask=make_mask(pads, W, W), input_pos=pos, kv_cache=cache)
         steps = []
         for t in range(continuation.shape[1]):
-            pos = None
-            if explicit_positions:
+            T_k = W + t + 1
+            if by_hand:
                 pos = torch.tensor([[len(p) + t] for p in prompts])
-            logits, _ = model(continuation[:, t : t + 1], position_ids=pos, kv_cache=cache)
+            else:
+                pos = padded_positions(pads, 1, T_k)
+            mask = make_mask(pads, 1, T_k)
+            logits, _ = model(continuation[:, t : t + 1], mask=mask, input_pos=pos, kv_cache=cache)
             steps.append(logits)
+        assert cache.length == W + 6
         steps = torch.cat(steps, dim=1)  # (3, 6, V)
         for i, p in enumerate(prompts):
             alone, _ = model(torch.cat([p, continuation[i]])[None])
-            name = f"left-padded cached vs alone, prompt {i} [{tag}, pos={explicit_positions}]"
-            assert_close(torch.cat([prefill[i, width - len(p) :], steps[i]]), alone[0], name)
+            name = f"left-padded cached vs alone, prompt {i} [{tag}, by_hand={by_hand}]"
+            assert_close(torch.cat([prefill[i, W - len(p) :], steps[i]]), alone[0], name)
     # And equals the full padded forward without cache.
-    full, _ = model(
-        torch.cat([idx, continuation], 1),
-        key_padding_mask=torch.cat([kpm, torch.zeros(3, 6, dtype=torch.bool)], 1),
-    )
-    real = torch.cat([~kpm, torch.ones(3, 6, dtype=torch.bool)], 1)
+    full_idx = torch.cat([idx, continuation], 1)
+    T = W + 6
+    full, _ = model(full_idx, mask=padded_mask(pads, T, T), input_pos=padded_positions(pads, T, T))
+    real = torch.arange(T)[None, :] >= pads[:, None]  # (B, T)
     cached = torch.cat([prefill, steps], dim=1)
     assert_close(cached[real], full[real], f"cached vs full padded forward [{tag}]")
 
@@ -104,7 +120,26 @@ def test_kv_cache_errors():
     with pytest.raises(InputError, match="batch size"):
         model(torch.zeros(2, 1, dtype=torch.long), kv_cache=cache)
     assert cache.length == 6  # failed calls left the cache as it was
-    assert isinstance(cache, KVCache) and cache.k.shape == (2, 1, 4, 8, 8)
+    assert isinstance(cache, KVCache) and cache.k.shape == cache.v.shape == (2, 1, 4, 8, 8)
+    assert (cache.batch_size, cache.max_len) == (1, 8)
+    with pytest.raises(InputError, match="crop length"):
+        cache.crop(-1)
+    cache.crop(9)  # more than is cached: no-op
+    assert cache.length == 6
+
+
+def test_update_writes_after_the_cached_positions_and_returns_them_all():
+    cache = KVCache(2, 1, 2, 3, 5)  # 2 layers, B 1, 2 heads, hs 3, 5 positions
+    k1, v1 = torch.randn(1, 2, 2, 3, generator=gen(1)), torch.randn(1, 2, 2, 3, generator=gen(2))
+    k_all, v_all = cache.update(1, k1, v1)  # nothing cached yet
+    assert torch.equal(k_all, k1) and torch.equal(v_all, v1)
+    assert cache.length == 0  # the caller (Transformer.forward) counts the positions
+    cache.length = 2
+    k2, v2 = torch.randn(1, 2, 1, 3, generator=gen(3)), torch.randn(1, 2, 1, 3, generator=gen(4))
+    k_all, v_all = cache.update(1, k2, v2)
+    assert torch.equal(k_all, torch.cat([k1, k2], 2)) and torch.equal(v_all, torch.cat([v1, v2], 2))
+    assert k_all.data_ptr() == cache.k[1].data_ptr()  # views of the cache, no copy
+    assert (cache.k[0] == 0).all() and (cache.k[1, :, :, 3:] == 0).all()  # nothing else written
 
 
 def test_mha_standalone_kv_cache():
@@ -112,14 +147,14 @@ def test_mha_standalone_kv_cache():
     mha.eval()
     x = torch.randn(2, 8, 32, generator=gen(1))
     cache = KVCache(1, 2, 4, 8, 8)
-    parts = [
-        mha(x[:, :3], context(mha, x[:, :3], kv_cache=cache)),
-        mha(x[:, 3:4], context(mha, x[:, 3:4], kv_cache=cache)),
-        mha(x[:, 4:], context(mha, x[:, 4:], kv_cache=cache)),
-    ]
+    parts = []
+    for start, end in ((0, 3), (3, 4), (4, 8)):
+        parts.append(mha(x[:, start:end], kv_cache=cache))
+        cache.length = end  # a layer alone: the caller counts, as Transformer.forward does
     assert_close(torch.cat(parts, 1), mha(x), "standalone mha kv cache")
     cache.reset()
-    y, w = with_weights(mha, x[:, :5], context(mha, x[:, :5], kv_cache=cache))
-    y2, w2 = with_weights(mha, x[:, 5:], context(mha, x[:, 5:], kv_cache=cache))
+    with_weights(mha, x[:, :5], kv_cache=cache)
+    cache.length = 5
+    y2, w2 = with_weights(mha, x[:, 5:], kv_cache=cache)
     assert w2.shape == (2, 4, 3, 8)
     assert_close(w2, with_weights(mha, x)[1][:, :, 5:], "cached explicit weights")

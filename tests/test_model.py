@@ -1,7 +1,8 @@
 """Tests that pin the model's maths against references.
 
 References: a NumPy float64 implementation of the per-head formula, a stack of `Head`s,
-`torch.nn.MultiheadAttention`, and Hugging Face `GPT2LMHeadModel`. Everything runs in fp32 at tiny
+`torch.nn.MultiheadAttention`, and Hugging Face `GPT2LMHeadModel`, each also under an attention
+mask built for padding (`llmcli.generation.padding`, or by hand). Everything runs in fp32 at tiny
 sizes. Each comparison prints its max abs difference (`pytest -s` shows them).
 """
 
@@ -15,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from model_helpers import (
     assert_close,
-    context,
     gen,
+    left_padded,
     numpy_rope,
     randomize_,
     tiny_model,
@@ -26,7 +27,8 @@ from torch import nn
 
 from llmcli.config import ModelConfig
 from llmcli.errors import InputError
-from llmcli.model import MLP, Block, Head, MultiHeadAttention, Transformer
+from llmcli.generation.padding import padded_mask, padded_positions
+from llmcli.model import MLP, Block, Head, MultiHeadAttention, Transformer, causal_mask
 from llmcli.model.layers import RMSNorm
 
 OPTIONS = {
@@ -36,11 +38,22 @@ OPTIONS = {
 SHAPE = {"n_head": 4, "n_embed": 32, "context_length": 8}  # the seed's example layer
 
 
+def padding_mask(padding: list[list[bool]]) -> torch.Tensor:
+    """The attention mask of rows whose keys `padding` marks (True = padding), by hand:
+    `(B, 1, T, T)` bool, True = may attend; causal, no padding key, a padding query on itself
+    (so no row is empty: the model needs every query to see a key)."""
+    pad = torch.tensor(padding)  # (B, T)
+    T = pad.shape[1]
+    allowed = causal_mask(T, T) & ~pad[:, None, :] | torch.eye(T, dtype=torch.bool)  # (B, T, T)
+    return allowed[:, None]  # (B, 1, T, T)
+
+
 # ----------------------------------------------------------------------------- NumPy reference
 
 
-def numpy_mha(x, mha: MultiHeadAttention, pos_emb="learned", qk_norm=False):
-    """The per-head formula in float64: softmax(QK^T/sqrt(hs)) causal, @V, cat, proj."""
+def numpy_mha(x, mha: MultiHeadAttention, pos_emb="learned", qk_norm=False, mask=None, pos=None):
+    """The per-head formula in float64: softmax(QK^T/sqrt(hs)) under `mask` `(B, 1, T, T)` (None:
+    causal), @V, cat, proj; rotary positions `pos` `(B, T)` (None: 0 .. T - 1)."""
     x = x.detach().double().numpy()
     W = mha.qkv.weight.detach().double().numpy()
     b = mha.qkv.bias.detach().double().numpy()
@@ -50,7 +63,8 @@ def numpy_mha(x, mha: MultiHeadAttention, pos_emb="learned", qk_norm=False):
     nh = mha.n_head
     hs = C // nh
     qkv = x @ W.T + b  # (B, T, 3C)
-    mask = np.tril(np.ones((T, T), dtype=bool))
+    mask = np.tril(np.ones((1, T, T), dtype=bool)) if mask is None else mask[:, 0].numpy()
+    pos = np.tile(np.arange(T), (B, 1)) if pos is None else pos.numpy()
     outs, weights = [], []
     for h in range(nh):
         q = qkv[..., h * hs : (h + 1) * hs]
@@ -59,8 +73,9 @@ def numpy_mha(x, mha: MultiHeadAttention, pos_emb="learned", qk_norm=False):
         if qk_norm:
             q = q / np.sqrt((q**2).mean(-1, keepdims=True) + 1e-5)
             k = k / np.sqrt((k**2).mean(-1, keepdims=True) + 1e-5)
-        if pos_emb == "rope":
-            q, k = numpy_rope(q, np.arange(T)), numpy_rope(k, np.arange(T))
+        if pos_emb == "rope":  # each row rotated by its own positions
+            q = np.stack([numpy_rope(q[b], pos[b]) for b in range(B)])
+            k = np.stack([numpy_rope(k[b], pos[b]) for b in range(B)])
         s = q @ k.transpose(0, 2, 1) / np.sqrt(hs)
         s = np.where(mask, s, -np.inf)
         e = np.exp(s - s.max(-1, keepdims=True))
@@ -91,6 +106,14 @@ def test_mha_equals_numpy_per_head_formula(opts):
     y, w = with_weights(mha, x)
     assert_close(y, y_ref, f"mha explicit vs numpy [{tag}]")
     assert_close(w, w_ref, f"mha weights vs numpy [{tag}]")
+    # Left padding, as generation builds it: the mask and the positions of real tokens.
+    pads = torch.tensor([3, 0])
+    mask, pos = padded_mask(pads, 8, 8), padded_positions(pads, 8, 8)
+    y_ref, w_ref = numpy_mha(x, mha, **opts, mask=mask, pos=pos)
+    assert_close(mha(x, mask, pos), y_ref, f"mha fused vs numpy, left padded [{tag}]")
+    y, w = with_weights(mha, x, mask, pos)
+    assert_close(y, y_ref, f"mha explicit vs numpy, left padded [{tag}]")
+    assert_close(w, w_ref, f"mha weights vs numpy, left padded [{tag}]")
 
 
 @pytest.mark.parametrize("opts", OPTIONS.values(), ids=OPTIONS.keys())
@@ -111,15 +134,14 @@ def test_heads_equal_fused_layer(opts):
     heads = mha.heads()
     assert len(heads) == 4 and all(isinstance(h, Head) for h in heads)
     x = torch.randn(2, 8, 32, generator=gen(1))
-    kpm = torch.tensor(
-        [[True, True, False, False, False, False, False, False], [False] * 6 + [True, True]]
-    )
+    # Padding at the start of row 0 and at the end of row 1 (a mask built by hand).
+    mask = padding_mask([[True, True] + [False] * 6, [False] * 6 + [True, True]])
     tag = "+".join(opts) or "default"
     ref = mha.proj(torch.cat([h(x) for h in heads], dim=-1))
     assert_close(mha(x), ref, f"heads() stack vs fused [{tag}]")
-    ctx = context(mha, x, key_padding_mask=kpm)
-    ref = mha.proj(torch.cat([h(x, ctx) for h in heads], dim=-1))
-    assert_close(mha(x, ctx), ref, f"heads() stack vs fused, padded [{tag}]")
+    ref = mha.proj(torch.cat([h(x, mask) for h in heads], dim=-1))
+    assert_close(mha(x, mask), ref, f"heads() stack vs fused, padded [{tag}]")
+    assert not torch.allclose(mha(x, mask), mha(x))  # the mask did change the result
     # The heads hold copies: changing one leaves the layer untouched.
     with torch.no_grad():
         heads[0].query.weight.zero_()
@@ -150,31 +172,42 @@ def test_mha_equals_torch_multihead_attention(padding):
     mha = randomize_(MultiHeadAttention(**SHAPE)).eval()
     ref = _torch_mha(mha)
     x = torch.randn(2, 8, 32, generator=gen(1))
-    kpm = None if PADDINGS[padding] is None else torch.tensor(PADDINGS[padding])
-    causal = torch.ones(8, 8, dtype=torch.bool).triu(1)  # torch's convention: True = blocked
+    if PADDINGS[padding] is None:
+        mask = None  # the model's own causal mask
+        blocked = torch.ones(8, 8, dtype=torch.bool).triu(1)  # torch's convention: True = blocked
+    else:
+        mask = padding_mask(PADDINGS[padding])  # (B, 1, T, T), True = may attend
+        blocked = ~mask.expand(-1, 4, -1, -1).reshape(2 * 4, 8, 8)  # (B * nh, T, T)
     y_ref, w_ref = ref(
+        x, x, x, attn_mask=blocked, need_weights=True, average_attn_weights=False
+    )  # (B, T, C), (B, nh, T, T)
+    assert torch.isfinite(y_ref).all()  # every query sees a key: no NaN row in torch either
+    y_fused = mha(x, mask)
+    y_expl, w = with_weights(mha, x, mask)
+    assert_close(y_fused, y_ref, f"mha fused vs torch MHA [{padding} padding]")
+    assert_close(y_expl, y_ref, f"mha explicit vs torch MHA [{padding} padding]")
+    assert_close(w, w_ref, f"mha weights vs torch MHA [{padding} padding]")
+    if padding == "none":
+        return
+    # Torch's own padding: its key_padding_mask beside the causal mask. Real queries see what
+    # they see under our mask (a padding query differs: ours sees itself, torch's its past).
+    pad = torch.tensor(PADDINGS[padding])  # (B, T), True = padding
+    causal_blocked = torch.ones(8, 8, dtype=torch.bool).triu(1)
+    y_kpm, w_kpm = ref(
         x,
         x,
         x,
-        key_padding_mask=kpm,
-        attn_mask=causal,
+        key_padding_mask=pad,
+        attn_mask=causal_blocked,
         need_weights=True,
         average_attn_weights=False,
     )
-    # Rows whose keys are all masked are NaN in torch; ours are defined (checked below).
-    rows = ~torch.isnan(y_ref).any(-1)  # (B, T)
-    ctx = context(mha, x, key_padding_mask=kpm)
-    y_fused = mha(x, ctx)
-    y_expl, w = with_weights(mha, x, ctx)
-    assert_close(y_fused[rows], y_ref[rows], f"mha fused vs torch MHA [{padding} padding]")
-    assert_close(y_expl[rows], y_ref[rows], f"mha explicit vs torch MHA [{padding} padding]")
-    w_rows = rows[:, None, :].expand(-1, 4, -1)  # (B, nh, T)
-    assert_close(w[w_rows], w_ref[w_rows], f"mha weights vs torch MHA [{padding} padding]")
-    if padding == "left":
-        assert not rows.all()  # the comparison did skip torch's NaN rows
-        assert_close(
-            y_fused[~rows], mha.proj.bias.expand(int((~rows).sum()), -1), "empty rows == proj.bias"
-        )
+    real = ~pad
+    assert_close(y_fused[real], y_kpm[real], f"mha vs torch MHA key_padding_mask [{padding}]")
+    w_real = real[:, None, :].expand(-1, 4, -1)  # (B, nh, T)
+    assert_close(w[w_real], w_kpm[w_real], f"weights vs torch key_padding_mask [{padding}]")
+    if padding == "left":  # the hand-built mask is the one generation builds
+        assert torch.equal(mask, padded_mask(torch.tensor([3, 0]), 8, 8))
 
 
 @pytest.mark.parametrize("padded", [False, True])
@@ -183,13 +216,14 @@ def test_fused_equals_explicit_outputs_and_gradients(opts, padded):
     mha = randomize_(MultiHeadAttention(**SHAPE, **opts))
     x = torch.randn(2, 8, 32, generator=gen(1))
     g = torch.randn(2, 8, 32, generator=gen(2))
-    kpm = torch.tensor(PADDINGS["left"]) if padded else None
+    pads = torch.tensor([3, 0])
+    mask = padded_mask(pads, 8, 8) if padded else None
+    pos = padded_positions(pads, 8, 8) if padded else None
     results = []
     for explicit in (False, True):
         mha.zero_grad()
         xi = x.clone().requires_grad_(True)
-        ctx = context(mha, xi, key_padding_mask=kpm)
-        y = with_weights(mha, xi, ctx)[0] if explicit else mha(xi, ctx)
+        y = with_weights(mha, xi, mask, pos)[0] if explicit else mha(xi, mask, pos)
         (y * g).sum().backward()
         grads = [p.grad.clone() for p in mha.parameters()] + [xi.grad.clone()]
         results.append((y.detach(), grads))
@@ -200,59 +234,74 @@ def test_fused_equals_explicit_outputs_and_gradients(opts, padded):
         assert_close(g0, g1, f"fused vs explicit grad {i} [{tag}]", atol=1e-4, rtol=1e-4)
 
 
-def test_all_masked_rows_are_zero_not_nan():
+def test_a_padding_query_attends_to_itself_alone_so_nothing_is_nan():
+    """A padding query has no real key at or before it; `padded_mask` lets it see itself, so its
+    softmax row is one-hot, not empty (which would be NaN): its output is its own value through
+    `proj`, finite, and so are the gradients. Row 1 is padding throughout."""
     mha = randomize_(MultiHeadAttention(**SHAPE))
     x = torch.randn(2, 8, 32, generator=gen(1), requires_grad=True)
-    kpm = torch.tensor([[True] * 3 + [False] * 5, [True] * 8])  # row 1: everything padding
-    ctx = context(mha, x, key_padding_mask=kpm)
+    mask = padded_mask(torch.tensor([3, 8]), 8, 8)
+    pad = torch.tensor([[True] * 3 + [False] * 5, [True] * 8])  # (B, T) the padding queries
+    own_value = mha.proj(mha.qkv(x)[..., 64:])  # (B, T, C): attending to itself alone
     for explicit in (False, True):
-        y, w = with_weights(mha, x, ctx) if explicit else (mha(x, ctx), None)
+        y, w = with_weights(mha, x, mask) if explicit else (mha(x, mask), None)
         assert torch.isfinite(y).all()
-        empty = torch.tensor([[True] * 3 + [False] * 5, [True] * 8])
-        assert_close(
-            y[empty],
-            mha.proj.bias.expand(int(empty.sum()), -1),
-            f"empty rows == proj.bias [{'explicit' if explicit else 'fused'}]",
-            atol=0,
-            rtol=0,
-        )
+        name = f"padding query == its own value [{'explicit' if explicit else 'fused'}]"
+        assert_close(y[pad], own_value[pad], name)
         if explicit:
-            assert (w[0, :, :3] == 0).all() and (w[1] == 0).all()
+            eye = torch.eye(8).expand(4, -1, -1)  # (nh, T, T)
+            assert torch.equal(w[1], eye) and torch.equal(w[0, :, :3], eye[:, :3])
         x.grad = None
         y.sum().backward()
         assert torch.isfinite(x.grad).all()
-        assert (x.grad[1] == 0).all()  # a fully padded sequence passes no gradient
     head = mha.heads()[0]
-    assert (head(x, ctx)[empty] == 0).all()
+    assert_close(head(x, mask)[pad], head.value(x)[pad], "Head: padding query == its value")
+    model = randomize_(tiny_model())  # the whole model on a row of padding only
+    idx = torch.randint(37, (2, 16), generator=gen(2))
+    pads = torch.tensor([16, 5])
+    logits, _ = model(idx, mask=padded_mask(pads, 16, 16), input_pos=padded_positions(pads, 16, 16))
+    assert torch.isfinite(logits).all()
 
 
 def test_padded_keys_receive_no_gradient_from_real_rows():
     mha = randomize_(MultiHeadAttention(**SHAPE))
     x = torch.randn(2, 8, 32, generator=gen(1), requires_grad=True)
-    kpm = torch.tensor(PADDINGS["middle"])
-    y = mha(x, context(mha, x, key_padding_mask=kpm))
-    y[~kpm].sum().backward()  # loss on real positions only
-    assert (x.grad[kpm] == 0).all()
-    assert (x.grad[~kpm] != 0).any(dim=-1).all()
+    pad = torch.tensor(PADDINGS["middle"])
+    y = mha(x, padding_mask(PADDINGS["middle"]))
+    y[~pad].sum().backward()  # loss on real positions only
+    assert (x.grad[pad] == 0).all()
+    assert (x.grad[~pad] != 0).any(dim=-1).all()
 
 
 def test_input_longer_than_context_raises():
-    x = torch.randn(1, 9, 32)
-    for layer in (MultiHeadAttention(**SHAPE), Block(**SHAPE), Head(**SHAPE)):
-        with pytest.raises(ValueError, match=r"T = 9 .*context_length is 8"):
-            layer(x)
     model = tiny_model()
-    with pytest.raises(ValueError, match=r"T = 17 .*context_length is 16"):
+    with pytest.raises(InputError, match=r"T = 17 .*context_length is 16"):
         model(torch.zeros(1, 17, dtype=torch.long))
+    cache = model.new_kv_cache(1)
+    model(torch.zeros(1, 10, dtype=torch.long), kv_cache=cache)
+    with pytest.raises(InputError, match=r"T = 7 positions after 10 cached .*last 6 tokens"):
+        model(torch.zeros(1, 7, dtype=torch.long), kv_cache=cache)
+    assert cache.length == 10
 
 
-def test_bad_masks_raise_input_error():
-    mha = MultiHeadAttention(**SHAPE)
-    x = torch.randn(2, 8, 32)
-    with pytest.raises(InputError, match="bool"):
-        context(mha, x, key_padding_mask=torch.ones(2, 8, dtype=torch.long))
-    with pytest.raises(InputError, match="shape"):
-        context(mha, x, key_padding_mask=torch.zeros(2, 7, dtype=torch.bool))
+def test_a_rotary_layer_alone_refuses_positions_past_its_context():
+    # The layers have no length check of their own; rotary tables end at context_length.
+    mha = MultiHeadAttention(n_head=4, n_embed=32, context_length=8, pos_emb="rope")
+    with pytest.raises(InputError, match=r"rotary positions 0\.\.8 .*context_length \(8\)"):
+        mha(torch.randn(1, 9, 32))
+
+
+def test_an_integer_mask_is_refused_not_read_as_bool():
+    """A 0/1 integer mask (Hugging Face's `attention_mask`, 1 = keep) is refused on both paths,
+    never silently taken for the bool mask; the bool mask means True = may attend (SDPA's)."""
+    mha = randomize_(MultiHeadAttention(**SHAPE)).eval()
+    x = torch.randn(2, 8, 32, generator=gen(1))
+    ones = torch.ones(8, 8, dtype=torch.long).tril()
+    with pytest.raises(RuntimeError, match="attn_mask dtype"):
+        mha(x, ones)
+    with pytest.raises(RuntimeError, match="boolean masks"):
+        with_weights(mha, x, ones)
+    assert_close(mha(x, ones.bool()), mha(x), "the bool causal mask == the default")
 
 
 # ----------------------------------------------------------------------------- recipe options
@@ -265,7 +314,9 @@ def test_rope_model_has_no_position_embedding_and_is_shift_invariant():
     idx = torch.randint(37, (2, 8), generator=gen(1))
     logits, _ = model(idx)
     # Only relative positions matter: starting at position 5 gives the same logits.
-    shifted, _ = model(idx, position_ids=torch.arange(5, 13).expand(2, -1))
+    shifted, _ = model(idx, input_pos=torch.arange(5, 13).expand(2, -1))
+    assert_close(shifted, logits, "rope model shifted positions", atol=1e-4, rtol=1e-4)
+    shifted, _ = model(idx, input_pos=torch.arange(5, 13))  # (T,): the same for every row
     assert_close(shifted, logits, "rope model shifted positions", atol=1e-4, rtol=1e-4)
 
 
@@ -373,14 +424,16 @@ def test_matches_hf_gpt2():
         out = hf(idx, labels=idx)
     assert_close(logits, out.logits, "Transformer vs HF GPT2LMHeadModel logits")
     assert_close(loss, out.loss, "Transformer vs HF GPT2LMHeadModel loss")
-    # Left padding: HF's attention_mask (1 = keep) and explicit positions.
-    kpm = torch.zeros(2, 16, dtype=torch.bool)
-    kpm[0, :5] = True
-    pos = ((~kpm).cumsum(1) - 1).clamp(min=0)
-    logits, _ = model(idx, key_padding_mask=kpm)
+    # Left padding: our mask and positions against HF's attention_mask (1 = keep) and
+    # position_ids, counted by hand.
+    pads = torch.tensor([5, 0])
+    real = torch.arange(16)[None, :] >= pads[:, None]  # (B, T)
+    pos = (real.cumsum(1) - 1).clamp(min=0)  # (B, T)
+    assert torch.equal(padded_positions(pads, 16, 16), pos)
+    logits, _ = model(idx, mask=padded_mask(pads, 16, 16), input_pos=pos)
     with torch.no_grad():
-        out = hf(idx, attention_mask=(~kpm).long(), position_ids=pos)
-    assert_close(logits[~kpm], out.logits[~kpm], "Transformer vs HF GPT2 logits, left padded")
+        out = hf(idx, attention_mask=real.long(), position_ids=pos)
+    assert_close(logits[real], out.logits[real], "Transformer vs HF GPT2 logits, left padded")
 
 
 def test_causality_later_tokens_do_not_change_earlier_logits():
@@ -517,15 +570,12 @@ def test_built_from_its_config():
 def test_padded_batch_gradients_equal_separate_sequences():
     model = tiny_model(dropout=0.0).train()
     seqs = [torch.randint(37, (n,), generator=gen(n)) for n in (5, 9)]
-    idx = torch.zeros(2, 9, dtype=torch.long)
-    kpm = torch.ones(2, 9, dtype=torch.bool)
-    for i, s in enumerate(seqs):
-        idx[i, 9 - len(s) :] = s
-        kpm[i, 9 - len(s) :] = False
-    targets = torch.where(kpm, -1, torch.roll(idx, -1, dims=1))
+    idx, pads = left_padded(seqs)
+    pad = torch.arange(9)[None, :] < pads[:, None]  # (B, T)
+    targets = torch.where(pad, -1, torch.roll(idx, -1, dims=1))
     targets[:, -1] = -1
     model.zero_grad()
-    logits, _ = model(idx, key_padding_mask=kpm)
+    logits, _ = model(idx, mask=padded_mask(pads, 9, 9), input_pos=padded_positions(pads, 9, 9))
     F.cross_entropy(
         logits.reshape(-1, 37), targets.reshape(-1), ignore_index=-1, reduction="sum"
     ).backward()

@@ -1,12 +1,18 @@
-"""CPU threads for generation (llmcli/generation/threads.py)."""
+"""CPU threads for generation (llmcli/generation/threads.py): which generations are bound by
+one-token steps, the thread count they run on, and the `auto` count (llmcli/device.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from llmcli.config import ModelConfig
-from llmcli.generation.threads import ONE_THREAD_DECODE_PARAMS, sampling_threads, torch_threads
+from llmcli.config import ModelConfig, SampleConfig
+from llmcli.generation.threads import (
+    ONE_THREAD_DECODE_PARAMS,
+    decode_bound,
+    sampling_threads,
+    torch_threads,
+)
 from llmcli.model.gpt import Transformer
 
 
@@ -37,11 +43,7 @@ def test_torch_threads_sets_and_restores_the_count() -> None:
         assert torch.get_num_threads() == before
 
 
-def test_decode_bound_generations_get_the_small_gelu_kernel_and_others_torchs() -> None:
-    from llmcli.config import SampleConfig
-    from llmcli.generation.sample import decode_kernels
-    from llmcli.generation.threads import decode_bound
-
+def test_decode_bound_generations_are_those_of_one_token_steps() -> None:
     shift, short_exact, long_exact = (
         SampleConfig(max_new_tokens=100),
         SampleConfig(max_new_tokens=10, context_policy="exact"),
@@ -49,16 +51,7 @@ def test_decode_bound_generations_get_the_small_gelu_kernel_and_others_torchs() 
     )
     assert decode_bound(shift, 16) and decode_bound(short_exact, 16)
     assert not decode_bound(long_exact, 16)  # past the context each step recomputes the window
-    model = Transformer(ModelConfig(n_layer=1, n_head=2, n_embed=16, context_length=16), 11)
-    before = torch.backends.mkldnn.enabled
-    torch.backends.mkldnn.enabled = True
-    try:
-        for config, aten in ((shift, True), (short_exact, True), (long_exact, False)):
-            with decode_kernels(model, config, 1):
-                assert torch.backends.mkldnn.enabled is not aten
-            assert torch.backends.mkldnn.enabled
-    finally:
-        torch.backends.mkldnn.enabled = before
+    assert not decode_bound(SampleConfig(max_new_tokens=16, context_policy="exact"), 16)
 
 
 @pytest.mark.parametrize(

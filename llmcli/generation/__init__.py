@@ -1,3 +1,3 @@
-"""Generation: sampling maths (`sampling`), the batched loop (`generate`) with its context window
-(`context_window`) and one-token step (`decode`), the text around it (`prompts`, `sample`), and
-CPU threads (`threads`)."""
+"""Generation: sampling maths (`sampling`), the batched loop (`generate`) over its context window
+(`context_window`, left `padding`), an opt-in faster one-token step (`fast_decode`), the text
+around it (`prompts`, `sample`, `interactive`), and CPU threads (`threads`)."""

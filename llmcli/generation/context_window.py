@@ -1,19 +1,19 @@
-"""What the model sees at each generation step: the token window of a left-padded batch and
+"""What the model sees at each generation step: the token window of a left-padded batch, and
 the two context policies past `context_length`.
 
 `ContextWindow` holds the prompts and new tokens of a batch, left-padded so that all rows end
-at one column, and gives the model its inputs (token ids, key padding mask, positions that skip
-the padding) for a step. Inside the context both policies prefill the KV cache once and then
-feed one token per step. Past it:
+at one column (`llmcli.generation.padding`), and gives the model its inputs for a step (token
+ids, attention mask, positions). Inside the context both policies prefill the KV cache once and
+then feed one token per step (`next_logits`). Past it:
 
-- `exact` (`next_logits`): the model sees the last `context_length` tokens, recomputed every
-  step (nanoGPT's semantics). Positions are absolute (learned, or rotary from 0 at the window's
-  start), so once the window slides every cached key is stale.
-- `shift` (`shift_logits`): when the cache is full, the last `keep` tokens are prefilled again in
-  one forward pass at positions `0 .. keep - 1` and decoding goes on one token per step with the
-  cache (llama.cpp's context shift for models whose positions cannot be moved in place). The
-  model then sees between `keep` and `context_length` tokens, and each step is a decode step
-  except one re-prefill every `context_length - keep + 1` steps.
+- `exact`: the model sees the last `context_length` tokens, recomputed every step (nanoGPT's
+  semantics). Positions are absolute (learned, or rotary from 0 at the window's start), so once
+  the window slides every cached key is stale.
+- `shift`: when the cache is full, the last `keep` tokens are prefilled again in one forward pass
+  at positions `0 .. keep - 1` and decoding goes on one token per step with the cache (llama.cpp's
+  context shift for models whose positions cannot be moved in place). The model then sees between
+  `keep` and `context_length` tokens, and each step is a decode step except one re-prefill every
+  `context_length - keep + 1` steps.
 
 Rotary keys could instead be rotated in place to their new positions, which equals the
 re-prefill in the first layer only (deeper layers' keys also hold what the dropped tokens
@@ -23,13 +23,18 @@ the tests check against a plain loop.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from llmcli.generation.decode import Decoder
+from llmcli.generation.padding import padded_mask, padded_positions
 from llmcli.model.kv_cache import KVCache
+
+#: A faster stand-in for the model's forward on one new token per row (`FastDecoder`):
+#: `(idx (B,), cache, mask, input_pos) -> logits (B, V)`, or None where it does not apply now.
+DecodeStep = Callable[[Tensor, KVCache, Tensor | None, Tensor | None], Tensor | None]
 
 
 class ContextWindow:
@@ -55,28 +60,29 @@ class ContextWindow:
         for b, row in enumerate(rows):
             tokens[b, self.pads[b] : P] = torch.tensor(row, dtype=torch.long)
         self.tokens = tokens.to(device)
-        self.cols = torch.arange(capacity, device=device)  # (capacity,)
         self.pads_t = torch.tensor(self.pads, device=device)  # (B,)
         self.end = P  # columns filled
         self.cached = 0  # columns whose keys/values are in the KV cache
-        self.newest: Tensor | None = None  # (B,) the column appended last
 
     def inputs(self, start: int) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """`(idx, key_padding_mask, position_ids)` for the columns `start .. end - 1`, as a
-        window of its own: position 0 at its first real token, earlier columns masked."""
+        """`(idx, mask, input_pos)` for the columns `start .. end - 1`, as a window of its own:
+        position 0 at each row's first real token, earlier columns masked (None, None without
+        padding in the window: the model's causal defaults)."""
         idx = self.tokens[:, start : self.end]  # (B, W)
-        if self.max_pad <= start:  # no padding left in the window: the model's defaults
+        if self.max_pad <= start:
             return idx, None, None
         W = self.end - start
-        pads = (self.pads_t - start).clamp(min=0)[:, None]  # (B, 1) padding columns in window
-        cols = self.cols[:W][None, :]  # (1, W)
-        return idx, cols < pads, (cols - pads).clamp(min=0)  # (B, W) each
+        pads = (self.pads_t - start).clamp(min=0)  # (B,) padding columns in the window
+        return idx, padded_mask(pads, W, W), padded_positions(pads, W, W)
 
-    def last_position(self) -> Tensor | None:
-        """`(B, 1)` position of column `end - 1` (None without padding: the cache length)."""
+    def newest_inputs(self) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """`(idx (B, 1), mask, input_pos)` of column `end - 1` after the cached columns before
+        it (None, None without padding)."""
+        idx = self.tokens[:, self.end - 1 : self.end]  # (B, 1)
         if self.max_pad == 0:
-            return None
-        return (self.end - 1 - self.pads_t).clamp(min=0)[:, None]  # (B, 1)
+            return idx, None, None
+        pads = self.pads_t
+        return idx, padded_mask(pads, 1, self.end), padded_positions(pads, 1, self.end)
 
     def keep_last(self, keep: int) -> None:
         """Start the window again from each row's last tokens, as `shift` does when it is full.
@@ -107,67 +113,41 @@ class ContextWindow:
             self.pads_t = (self.pads_t - shift).clamp(min=0)
             self.end = self.context_length
         self.tokens[:, self.end] = next_ids  # (B,)
-        self.newest = next_ids
         self.end += 1
 
 
-def _cached_logits(
-    model: Any, window: ContextWindow, cache: KVCache, decoder: Decoder | None
-) -> Tensor:
-    """Logits `(B, V)`: the whole window into an empty cache, else its last column.
-
-    A decode step goes through `decoder` where there is one and it applies now (see
-    `Decoder.applies`): the same logits as the model's `forward`, without its per-step
-    overhead.
-    """
-    end = window.end
-    if window.cached == 0:  # prefill the prompts (with their padding mask)
-        idx, mask, pos = window.inputs(0)
-        logits, _ = model(idx, key_padding_mask=mask, position_ids=pos, kv_cache=cache)
-        logits = logits[:, -1, :]  # (B, T, V) -> (B, V)
-    elif decoder is not None and decoder.applies():
-        logits = decoder(window.newest, cache, window.last_position())  # (B, V)
-    else:  # decode one column; the cache remembers the padding
-        idx, pos = window.tokens[:, end - 1 : end], window.last_position()
-        logits, _ = model(idx, position_ids=pos, kv_cache=cache)
-        logits = logits[:, -1, :]  # (B, 1, V) -> (B, V)
-    window.cached = end
-    return logits
-
-
 def next_logits(
-    model: Any, window: ContextWindow, cache: KVCache | None, decoder: Decoder | None = None
-) -> Tensor:
-    """`exact`: logits `(B, V)` of the token after column `end - 1`."""
-    C = model.context_length
-    end = window.end
-    if cache is not None and end <= C:
-        return _cached_logits(model, window, cache, decoder)
-    # No cache, or past the context: the model sees the last C columns, recomputed.
-    idx, mask, pos = window.inputs(max(0, end - C))
-    logits, _ = model(idx, key_padding_mask=mask, position_ids=pos)
-    return logits[:, -1, :]  # (B, T, V) -> (B, V)
-
-
-def shift_logits(
     model: Any,
     window: ContextWindow,
     cache: KVCache | None,
+    shift: bool,
     keep: int,
-    decoder: Decoder | None = None,
+    decode: DecodeStep | None = None,
 ) -> Tensor:
-    """`shift`: logits `(B, V)` of the token after column `end - 1`.
+    """Logits `(B, V)` of the token after column `end - 1`, under the context policy (`shift`,
+    keeping the last `keep` tokens when the context is full, or `exact`).
 
-    When the newest column does not fit in the context, the window starts again from the rows'
-    last tokens (`ContextWindow.keep_last`) and the cache is emptied, so this step prefills the
-    kept tokens. Without a cache the same window is recomputed every step (same tokens, slower).
+    With a cache, inside the context: the whole window into an empty cache, then one column per
+    step, through `decode` where it applies (the same logits, faster). Without a cache, or
+    `exact` past the context: the last `context_length` columns recomputed.
     """
-    if window.end > model.context_length:
-        window.keep_last(keep)
+    C = model.context_length
+    if shift and window.end > C:
+        window.keep_last(keep)  # start again from each row's last tokens
         if cache is not None:
             cache.reset()
-    if cache is not None:
-        return _cached_logits(model, window, cache, decoder)
-    idx, mask, pos = window.inputs(0)
-    logits, _ = model(idx, key_padding_mask=mask, position_ids=pos)
-    return logits[:, -1, :]  # (B, T, V) -> (B, V)
+    if cache is None or window.end > C:
+        idx, mask, pos = window.inputs(max(0, window.end - C))
+        logits, _ = model(idx, mask=mask, input_pos=pos)
+        return logits[:, -1]  # (B, T, V) -> (B, V)
+    if window.cached == 0:  # prefill the prompts
+        idx, mask, pos = window.inputs(0)
+    else:  # the newest column; the cache holds the ones before it
+        idx, mask, pos = window.newest_inputs()
+        logits = None if decode is None else decode(idx[:, 0], cache, mask, pos)
+        if logits is not None:
+            window.cached = window.end
+            return logits
+    logits, _ = model(idx, mask=mask, input_pos=pos, kv_cache=cache)
+    window.cached = window.end
+    return logits[:, -1]  # (B, T, V) -> (B, V)

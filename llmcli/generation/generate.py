@@ -1,11 +1,12 @@
 """Batched autoregressive generation with a KV cache: token ids in, new token ids out.
 
 `generate(model, prompts_ids, config)` is an iterator that yields the `(B,)` new ids of each step,
-drawn with the settings of a `llmcli.config.SampleConfig`. Prompts of different lengths run as
-one left-padded batch (a key padding mask hides the padding, positions count real tokens only)
-and each row draws from its own `torch.Generator` (see `llmcli.generation.sampling`), so every
-prompt gets exactly what it would get alone with the same seed. The KV cache is prefilled with
-the prompts, then fed one token per step.
+drawn with the settings of a `llmcli.config.SampleConfig`. The KV cache is prefilled with the
+prompts, then fed one token per step, through the model's own forward (or an opt-in faster
+step, `decode`). Prompts of different lengths run as one left-padded batch (the attention mask
+hides the padding and positions count real tokens only: `llmcli.generation.padding`) and each
+row draws from its own `torch.Generator` (`llmcli.generation.sampling`), so every prompt gets
+exactly what it would get alone with the same seed.
 
 Past `context_length` a context policy says what the model sees
 (`llmcli.generation.context_window`): `exact` recomputes the last `context_length` tokens every
@@ -23,8 +24,7 @@ from torch import Tensor
 
 from llmcli.config import SampleConfig
 from llmcli.errors import InputError
-from llmcli.generation.context_window import ContextWindow, next_logits, shift_logits
-from llmcli.generation.decode import decoder_for
+from llmcli.generation.context_window import ContextWindow, DecodeStep, next_logits
 from llmcli.generation.sampling import GeneratorArg, make_generators, sample_next
 
 
@@ -58,6 +58,7 @@ def generate(
     use_cache: bool = True,
     vocab_size: int | None = None,
     observe: Callable[[Tensor, Tensor], Any] | None = None,
+    decode: DecodeStep | None = None,
 ) -> Iterator[Tensor]:
     """Generate for a batch of prompts, one step at a time.
 
@@ -85,13 +86,12 @@ def generate(
         observe: called at every step with the logits `(B, V)` the step drew from (cropped to
             `vocab_size`) and the ids drawn `(B,)`, before they are yielded (the server's
             log-probs); it must not change them.
+        decode: runs the one-token steps in the model's place where it applies (a
+            `llmcli.generation.fast_decode.FastDecoder`: the same logits, faster on a small
+            model); None: every step is the model's forward.
 
     Yields:
         `(B,)` long tensors on the model's device: the new token of every row, step by step.
-
-    On the CPU `llmcli sample` runs this inside `llmcli.generation.sample.decode_kernels`
-    (ATen's GELU for small decode steps, faster there than oneDNN's); a library caller after
-    the same speed wraps its loop the same way.
 
     Raises:
         InputError: (at the first step) a `context_keep` outside `1 .. context_length - 1`,
@@ -104,19 +104,14 @@ def generate(
     gens = _row_generators(config, generators, B)
     device = next(model.parameters()).device
     n = config.max_new_tokens
+    shift = config.context_policy == "shift"
     with torch.inference_mode():
         window = ContextWindow(rows, n, C, device)
-        shift = config.context_policy == "shift"
         # exact: a prompt that fills the context slides the window at the first step already.
-        fits = shift or window.end < C
-        cache = model.new_kv_cache(B) if use_cache and fits else None
-        decoder = None if cache is None else decoder_for(model)
+        cache = model.new_kv_cache(B) if use_cache and (shift or window.end < C) else None
     for _ in range(n):
         with torch.inference_mode():
-            if shift:
-                logits = shift_logits(model, window, cache, keep, decoder)  # (B, V)
-            else:
-                logits = next_logits(model, window, cache, decoder)  # (B, V)
+            logits = next_logits(model, window, cache, shift, keep, decode)  # (B, V)
             if vocab_size is not None:
                 logits = logits[:, :vocab_size]  # (B, vocab_size)
             next_ids = sample_next(

@@ -18,7 +18,6 @@ import re
 import sys
 import time
 from collections.abc import Callable, Generator, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any, Literal, NamedTuple, Protocol
@@ -30,7 +29,7 @@ from llmcli.config import SampleConfig
 from llmcli.data.tokenizer import CharTokenizer, Tokenizer
 from llmcli.device import check_threads, resolve_device
 from llmcli.errors import InputError
-from llmcli.generation.decode import small_gelu
+from llmcli.generation.fast_decode import FastDecoder
 from llmcli.generation.generate import generate
 from llmcli.generation.prompts import encode_prompt, parse_prompts, read_prompt_file
 from llmcli.generation.sampling import make_generators
@@ -409,10 +408,10 @@ def sample_batch(
         use_cache=options.use_cache,
         vocab_size=vocab,
         observe=observe,
+        decode=FastDecoder.for_model(model),
     )
     rows = _Rows(states, [job.r for job in batch], sink, live)
-    with decode_kernels(model, config, len(batch)):
-        seconds = _stream(steps, rows, start)
+    seconds = _stream(steps, rows, start)
     return [
         Sample(
             prompt=job.prompt,
@@ -607,12 +606,3 @@ def threads_for(model: Any, device: torch.device, config: SampleConfig) -> int |
     """CPU threads for a sample (`threads.sampling_threads`): 1 for a small model whose steps
     are mostly decode steps (`threads.decode_bound`), else torch's own count."""
     return sampling_threads(model, device, decode_bound(config, model.context_length))
-
-
-def decode_kernels(model: Any, config: SampleConfig, batch_size: int) -> AbstractContextManager:
-    """The GELU kernel a batch of samples runs with: ATen's where its steps are mostly small
-    decode steps (`decode.small_gelu`), else torch's own choice (full-window recomputes past
-    the context run large GELUs, on which oneDNN is faster)."""
-    if decode_bound(config, model.context_length):
-        return small_gelu(model, batch_size)
-    return nullcontext()

@@ -4,10 +4,10 @@
 prompts of different lengths through it in batches. (The repeated-random-token probe reads the
 same hook points on its own: `llmcli.evaluation.probe`.)
 
-Several prompts are captured in one right-padded batch with a key padding mask. With right
-padding every real query sits before every pad key, so the causal mask alone already hides the
-padding from real tokens; each result is then sliced to its own prompt's length, so padding
-never appears in a dump (a test checks each dump equals the prompt run alone).
+Several prompts are captured in one right-padded batch. With right padding every real query sits
+before every pad key, so the causal mask alone hides the padding from real tokens, and their
+positions are those they have alone; each result is then sliced to its own prompt's length, so
+padding never appears in a dump (a test checks each dump equals the prompt run alone).
 """
 
 from __future__ import annotations
@@ -21,9 +21,7 @@ BATCH_PROMPTS = 16
 
 
 def capture_attention(
-    model: torch.nn.Module,
-    idx: torch.Tensor,
-    key_padding_mask: torch.Tensor | None = None,
+    model: torch.nn.Module, idx: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the model in eval mode (dropout off) and record every layer's per-head weights.
 
@@ -34,7 +32,6 @@ def capture_attention(
     Args:
         model: a `llmcli.model.gpt.Transformer`.
         idx: token ids `(B, T)`, T <= context_length.
-        key_padding_mask: optional `(B, T)` bool, True where a key is padding.
 
     Returns:
         logits `(B, T, vocab)` and attention `(B, L, H, T, T)` (query x key), both float32 CPU.
@@ -45,7 +42,7 @@ def capture_attention(
     model.eval()
     try:
         with torch.no_grad(), model.hooks(patterns):
-            logits, _ = model(idx, key_padding_mask=key_padding_mask)
+            logits, _ = model(idx)
     finally:
         model.train(was_training)
     attn = torch.stack(weights, dim=1)  # L x (B, H, T, T) -> (B, L, H, T, T)
@@ -58,8 +55,8 @@ def capture_prompts(
     """Capture prompts of different lengths in right-padded batches; return each unpadded.
 
     Right padding puts every pad after every real token, so under the causal mask no real query
-    can see a pad key; the key padding mask is passed anyway (it also keeps the positions of a
-    prompt those it has alone). Each result is sliced back to its own length.
+    can see a pad key, and a prompt's positions are those it has alone. Each result is sliced
+    back to its own length.
 
     Returns:
         For each prompt, `(logits (T, V), attn (L, H, T, T))` with T its own length.
@@ -70,12 +67,9 @@ def capture_prompts(
         chunk = prompts_ids[start : start + batch_size]
         T = max(len(ids) for ids in chunk)
         idx = torch.zeros(len(chunk), T, dtype=torch.long)  # (B, T), pads are token 0
-        pad = torch.ones(len(chunk), T, dtype=torch.bool)  # (B, T), True = padding
         for b, ids in enumerate(chunk):
             idx[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            pad[b, : len(ids)] = False
-        mask = pad.to(device) if bool(pad.any()) else None
-        logits, attn = capture_attention(model, idx.to(device), key_padding_mask=mask)
+        logits, attn = capture_attention(model, idx.to(device))
         for b, ids in enumerate(chunk):
             n = len(ids)
             out.append((logits[b, :n], attn[b, :, :, :n, :n]))  # (n, V), (L, H, n, n)

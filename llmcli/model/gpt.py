@@ -1,22 +1,27 @@
 """The GPT-style causal language model: Head -> MultiHeadAttention -> MLP -> Block -> Transformer.
 
 Shapes: `B` batch, `T` time (<= `context_length`), `C` channels (`n_embed`), `nh` heads, `hs`
-head size (`C // nh`), `V` vocabulary. `Head` is a single attention head written out literally;
-`MultiHeadAttention` computes `nh` such heads at once (one fused QKV projection,
-`F.scaled_dot_product_attention`) and equals a stack of `Head`s with the same weights.
+head size (`C // nh`), `V` vocabulary; `T_k` keys (`past + T` with a KV cache holding `past`).
+`Head` is one attention head written out literally; `MultiHeadAttention` computes `nh` such heads
+at once (one fused QKV projection, `F.scaled_dot_product_attention`) and equals a stack of
+`Head`s with the same weights.
 
-Every module is built from a `ModelConfig`, as nanoGPT's and litgpt's are (`Block(config)`);
-keyword arguments build one (`MultiHeadAttention(n_head=4, n_embed=32, context_length=8)`).
+Every module is built from a `ModelConfig` (`Block(config)`), which checked itself when it was
+made; keyword arguments build one (`MultiHeadAttention(n_head=4, n_embed=32, context_length=8)`).
 Recipe options (all off by default, so the default model is GPT-2's architecture): rotary
-position embeddings (`pos_emb: rope`), RMSNorm, QK-norm (their layers are in
-`llmcli.model.layers`), a ReLU² MLP and an untied LM head. The masks a forward attends under,
-and attention computed fused or with its weights, are in `llmcli.model.attention`.
+position embeddings (`pos_emb: rope`), RMSNorm and QK-norm (their layers: `llmcli.model.layers`),
+a ReLU² MLP and an untied LM head.
 
-Hook points (`llmcli.model.hooks`) name what a reader may want to see or change, with these
-shapes: `embed` (B, T, C); per block `l`: `blocks.{l}.resid_pre`, `blocks.{l}.resid_mid`,
-`blocks.{l}.resid_post` (B, T, C), `blocks.{l}.attn.pattern` (B, nh, T, T_k),
-`blocks.{l}.attn.z` (B, T, nh, hs), `blocks.{l}.attn_out`, `blocks.{l}.mlp_out` (B, T, C); then
-`final_norm` (B, T, C). `Transformer.hooks` runs functions at them.
+A forward is the maths on `(B, T, C)`. What a caller builds goes in beside it: an attention
+`mask` (bool, True = may attend; default causal), the positions `input_pos` of the new tokens
+(default `past .. past + T - 1`) and a `KVCache` (`llmcli.model.kv_cache`). Generation builds
+them for left-padded batches (`llmcli.generation.padding`).
+
+Hook points (`llmcli.model.hooks`) name what a reader may want to see or change: `embed`
+(B, T, C); per block `l`: `blocks.{l}.resid_pre`, `blocks.{l}.resid_mid`, `blocks.{l}.resid_post`
+(B, T, C), `blocks.{l}.attn.pattern` (B, nh, T, T_k), `blocks.{l}.attn.z` (B, T, nh, hs),
+`blocks.{l}.attn_out`, `blocks.{l}.mlp_out` (B, T, C); then `final_norm` (B, T, C).
+`Transformer.hooks` runs functions at them.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from itertools import islice
 from typing import Any
 
@@ -34,24 +39,38 @@ from torch import Tensor, nn
 
 from llmcli.config import ModelConfig
 from llmcli.errors import InputError
-from llmcli.model.attention import AttentionContext, attend, attention_weights
 from llmcli.model.hooks import HookFn, HookPoint, hook_names, hooked
 from llmcli.model.kv_cache import KVCache
 from llmcli.model.layers import RotaryEmbedding, make_norm, qk_rms_norm, rotate
 
-MLPS = ("gelu", "relu2")
-POS_EMBS = ("learned", "rope")
-
 
 def model_config(config: ModelConfig | None, overrides: Mapping[str, Any]) -> ModelConfig:
-    """The validated config a module is built from: `config`, or one that keyword arguments build
-    (the other settings keep `ModelConfig`'s defaults)."""
+    """The config a module is built from: `config`, or one that keyword arguments build (the
+    other settings keep `ModelConfig`'s defaults; it checks them as it is made)."""
     if config is None:
-        config = ModelConfig(**overrides)
-    elif overrides:
+        return ModelConfig(**overrides)
+    if overrides:
         raise TypeError(f"give a ModelConfig or keyword arguments, not both: {sorted(overrides)}")
-    config.validate()
     return config
+
+
+def causal_mask(T: int, T_k: int, device: torch.device | str | None = None) -> Tensor:
+    """`(T, T_k)` bool, True where query i (at position `T_k - T + i`) may attend key j."""
+    return torch.ones(T, T_k, dtype=torch.bool, device=device).tril(T_k - T)
+
+
+def attention_weights(q: Tensor, k: Tensor, mask: Tensor | None) -> Tensor:
+    """`softmax(Q K^T / sqrt(hs))` under `mask` (None: causal), written out.
+
+    Shape:
+        q `(..., T, hs)`, k `(..., T_k, hs)`, mask `(T, T_k)` or `(B, 1, T, T_k)` ->
+        `(..., T, T_k)`; every query must be allowed at least one key.
+    """
+    T, T_k, hs = q.shape[-2], k.shape[-2], q.shape[-1]
+    mask = causal_mask(T, T_k, q.device) if mask is None else mask
+    wei = q @ k.transpose(-2, -1) * hs**-0.5  # (..., T, hs) @ (..., hs, T_k) -> (..., T, T_k)
+    wei = wei.masked_fill(~mask, float("-inf"))  # (..., T, T_k)
+    return F.softmax(wei, dim=-1)  # (..., T, T_k)
 
 
 class Head(nn.Module):
@@ -63,43 +82,35 @@ class Head(nn.Module):
     the fused layer (`MultiHeadAttention.heads`), so it takes no KV cache.
 
     Shape:
-        x `(B, T, C)` -> `(B, T, hs)`. A query whose keys are all padding outputs zeros.
+        x `(B, T, C)`, mask `(T, T)` or `(B, 1, T, T)` bool (default causal) -> `(B, T, hs)`
     """
 
     def __init__(self, config: ModelConfig | None = None, **kwargs: Any) -> None:
         super().__init__()
         self.config = config = model_config(config, kwargs)
-        C, hs = config.n_embed, config.n_embed // config.n_head
+        C, hs = config.n_embed, config.head_size
         self.key = nn.Linear(C, hs, bias=config.bias)
         self.query = nn.Linear(C, hs, bias=config.bias)
         self.value = nn.Linear(C, hs, bias=config.bias)
-        L = config.context_length
-        self.register_buffer(
-            "tril", torch.tril(torch.ones(L, L, dtype=torch.bool)), persistent=False
-        )
         self.dropout = nn.Dropout(config.attention_dropout)  # on the attention weights
         self.rotary = RotaryEmbedding(config) if config.pos_emb == "rope" else None
 
-    def forward(self, x: Tensor, ctx: AttentionContext | None = None) -> Tensor:
-        """Attend causally over `x`; `ctx` adds padding and positions (see `AttentionContext`)."""
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         B, T, C = x.shape
-        ctx = AttentionContext.build(x, self.config.context_length) if ctx is None else ctx
         k = self.key(x)  # (B, T, hs)
         q = self.query(x)  # (B, T, hs)
         if self.config.qk_norm:
             q, k = qk_rms_norm(q), qk_rms_norm(k)
         if self.rotary is not None:
-            rotation = self.rotary.angles(T, ctx.position_ids, ctx.past)
+            rotation = self.rotary.angles(T)
             q, k = rotate(q, rotation), rotate(k, rotation)
         hs = k.shape[-1]
         wei = q @ k.transpose(-2, -1) * hs**-0.5  # (B, T, hs) @ (B, hs, T) -> (B, T, T)
-        allowed = self.tril[:T, :T] if ctx.mask is None else ctx.mask  # (T, T) or (B, 1, T, T)
+        allowed = causal_mask(T, T, x.device) if mask is None else mask  # (T, T) or (B,1,T,T)
         if allowed.ndim == 4:
             allowed = allowed[:, 0]  # (B, T, T)
         wei = wei.masked_fill(~allowed, float("-inf"))  # (B, T, T)
         wei = F.softmax(wei, dim=-1)  # (B, T, T)
-        if ctx.empty_rows is not None:
-            wei = wei.masked_fill(ctx.empty_rows[:, 0], 0.0)  # rows with no key attend to nothing
         wei = self.dropout(wei)
         v = self.value(x)  # (B, T, hs)
         return wei @ v  # (B, T, T) @ (B, T, hs) -> (B, T, hs)
@@ -118,10 +129,6 @@ class MultiHeadAttention(nn.Module):
         config: the model's config (`n_head`, `n_embed`, `context_length`, `dropout`, `bias`,
             `pos_emb`, `rope_base`, `qk_norm`); or keyword arguments that build one.
         layer_idx: this layer's index in a KV cache.
-
-    Shape:
-        x `(B, T, C)` -> `(B, T, C)`. A query whose keys are all masked gets zero weights and a
-        zero head output, so the layer returns `proj.bias` there (never NaN).
     """
 
     def __init__(
@@ -130,7 +137,7 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         self.config = config = model_config(config, kwargs)
         self.layer_idx = layer_idx
-        self.n_head, self.head_size = config.n_head, config.n_embed // config.n_head
+        self.n_head, self.head_size = config.n_head, config.head_size
         self.dropout, self.attn_dropout = config.dropout, config.attention_dropout
         self.qk_norm = config.qk_norm
         self.qkv = nn.Linear(config.n_embed, 3 * config.n_embed, bias=config.bias)
@@ -139,49 +146,54 @@ class MultiHeadAttention(nn.Module):
         self.pattern = HookPoint()  # (B, nh, T, T_k): the softmax weights
         self.z = HookPoint()  # (B, T, nh, hs): each head's output, before `proj`
 
-    def forward(self, x: Tensor, ctx: AttentionContext | None = None) -> Tensor:
-        """Attend causally over `x`, and over the cached keys with `ctx.cache`.
+    def forward(
+        self,
+        x: Tensor,
+        mask: Tensor | None = None,
+        input_pos: Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> Tensor:
+        """Attend over `x`, and over the keys a `kv_cache` holds.
 
         Args:
-            x: `(B, T, C)`; or, in a decode step (`AttentionContext.decode_step`), `(B, C)`,
-                one new token per row, which spares the step the time dimension's reshapes.
-            ctx: the forward's masks, positions and cache (`AttentionContext.build`); None for
-                plain causal attention over `x`.
+            x: `(B, T, C)`.
+            mask: bool, True = may attend: `(T, T_k)` or `(B, 1, T, T_k)`; None for causal
+                attention (the new tokens see every cached key and the new ones up to their own).
+            input_pos: `(T,)` or `(B, T)` long positions of the new tokens, for rotary
+                embeddings; None for `past .. past + T - 1`.
+            kv_cache: where the new keys and values go, at positions `past .. past + T - 1`.
 
         Returns:
-            The shape of `x`.
+            `(B, T, C)`.
         """
+        B, T, C = x.shape
         nh, hs = self.n_head, self.head_size
-        if x.ndim == 3:
-            B, T, C = x.shape
-            # view + unbind + transpose (not a 5-D permute): SDPA's backward hands back gradients
-            # whose memory is (B, T, nh, hs), so the backward of this is one stack, no extra copy.
-            q, k, v = self.qkv(x).view(B, T, 3, nh, hs).unbind(2)  # each (B, T, nh, hs)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, hs)
-        elif x.ndim == 2 and ctx is not None and ctx.decode:  # one token per row, no time dim
-            (B, C), T = x.shape, 1
-            q, k, v = self.qkv(x).view(B, 3, nh, 1, hs).unbind(1)  # each (B, nh, 1, hs)
-        else:
-            raise InputError(f"x must have shape (B, T, C), got {tuple(x.shape)}")
-        if ctx is None:
-            ctx = AttentionContext.build(x.view(B, T, C), self.config.context_length)
+        # view + unbind + transpose (not a 5-D permute): SDPA's backward hands back gradients
+        # whose memory is (B, T, nh, hs), so the backward of this is one stack, no extra copy.
+        q, k, v = self.qkv(x).view(B, T, 3, nh, hs).unbind(2)  # each (B, T, nh, hs)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # each (B, nh, T, hs)
         if self.qk_norm:
             q, k = qk_rms_norm(q), qk_rms_norm(k)
         if self.rotary is not None:
-            rotation = self.rotary.angles(T, ctx.position_ids, ctx.past)
+            past = 0 if kv_cache is None else kv_cache.length
+            rotation = self.rotary.angles(T, input_pos, past)
             q, k = rotate(q, rotation), rotate(k, rotation)
-        if ctx.cache is not None:
-            k, v = ctx.cache.update(self.layer_idx, k, v)  # each (B, nh, past + T, hs)
-        attn_p = self.attn_dropout if self.training else 0.0
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_idx, k, v)  # each (B, nh, T_k, hs)
+        T_k = k.shape[2]
+        if mask is None and 1 < T < T_k:  # new tokens after cached ones: SDPA's is_causal
+            mask = causal_mask(T, T_k, x.device)  # aligns to the top left, this to the end
+        dropout_p = self.attn_dropout if self.training else 0.0
         if self.pattern.active:  # read or replaced by a caller: computed explicitly
-            wei = self.pattern(attention_weights(q, k, ctx))  # (B, nh, T, T_k)
-            if attn_p > 0.0:
-                wei = F.dropout(wei, attn_p)
+            wei = self.pattern(attention_weights(q, k, mask))  # (B, nh, T, T_k)
+            if dropout_p > 0.0:
+                wei = F.dropout(wei, dropout_p)
             y = wei @ v  # (B, nh, T, T_k) @ (B, nh, T_k, hs) -> (B, nh, T, hs)
         else:
-            y = attend(q, k, v, ctx, attn_p)  # (B, nh, T, hs)
+            is_causal = mask is None and T > 1
+            y = F.scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal)  # (B,nh,T,hs)
         y = self.z(y.transpose(1, 2))  # (B, T, nh, hs)
-        y = self.proj(y.reshape(x.shape))  # (B, T, C) or (B, C)
+        y = self.proj(y.reshape(B, T, C))  # (B, T, C)
         if self.training and self.dropout > 0.0:
             y = F.dropout(y, self.dropout)
         return y
@@ -250,8 +262,6 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig | None = None, **kwargs: Any) -> None:
         super().__init__()
         config = model_config(config, kwargs)
-        if config.mlp not in MLPS:
-            raise InputError(f"mlp activation must be one of {MLPS}, got {config.mlp!r}")
         self.activation = config.mlp
         self.dropout = config.dropout
         self.fc = nn.Linear(config.n_embed, 4 * config.n_embed, bias=config.bias)
@@ -294,10 +304,17 @@ class Block(nn.Module):
         self.mlp_out = HookPoint()
         self.resid_post = HookPoint()
 
-    def forward(self, x: Tensor, ctx: AttentionContext | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        mask: Tensor | None = None,
+        input_pos: Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> Tensor:
         """See `MultiHeadAttention.forward`: `(B, T, C)` -> `(B, T, C)`."""
         x = self.resid_pre(x)
-        x = self.resid_mid(x + self.attn_out(self.attn(self.ln1(x), ctx)))  # (B, T, C)
+        attn = self.attn(self.ln1(x), mask, input_pos, kv_cache)  # (B, T, C)
+        x = self.resid_mid(x + self.attn_out(attn))  # (B, T, C)
         x = self.resid_post(x + self.mlp_out(self.mlp(self.ln2(x))))  # (B, T, C)
         return x
 
@@ -320,9 +337,7 @@ class Transformer(nn.Module):
         self, config: ModelConfig, vocab_size: int, *, generator: torch.Generator | None = None
     ) -> None:
         super().__init__()
-        self.config = config = model_config(config, {})
-        if config.pos_emb not in POS_EMBS:
-            raise InputError(f"pos_emb must be one of {POS_EMBS}, got {config.pos_emb!r}")
+        self.config = config
         self.vocab_size, self.dropout = vocab_size, config.dropout
         C = config.n_embed
         self.wte = nn.Embedding(vocab_size, C)
@@ -412,8 +427,8 @@ class Transformer(nn.Module):
         idx: Tensor,
         targets: Tensor | None = None,
         *,
-        key_padding_mask: Tensor | None = None,
-        position_ids: Tensor | None = None,
+        mask: Tensor | None = None,
+        input_pos: Tensor | None = None,
         kv_cache: KVCache | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Next-token logits, and the mean cross-entropy when `targets` are given.
@@ -421,62 +436,63 @@ class Transformer(nn.Module):
         Args:
             idx: `(B, T)` long token ids.
             targets: `(B, T)` long next-token ids; `-1` marks positions left out of the loss.
-            key_padding_mask: bool, True = padding; `(B, T)`, or with a `kv_cache` either
-                `(B, past + T)` (every key) or `(B, T)` (the new tokens; the cache remembers the
-                earlier ones). Padding positions get no attention from the other positions.
-            position_ids: `(B, T)` long positions (must be < `context_length`). Default:
-                with padding, the count of real tokens before each one (so a left-padded prompt
-                starts at 0 at its first real token, as if it were alone); without, `past + t`.
-            kv_cache: from `new_kv_cache`; the new tokens' keys/values are appended and attention
-                runs over every cached position (causal among the new ones).
+            mask: bool attention mask, True = may attend, `(T, T_k)` or `(B, 1, T, T_k)` with
+                `T_k = past + T`; every query must be allowed at least one key. None: causal.
+            input_pos: `(T,)` or `(B, T)` long positions of the new tokens (< `context_length`);
+                None: `past .. past + T - 1`.
+            kv_cache: from `new_kv_cache`; the new tokens' keys and values are appended after
+                the `past` it holds, and attention runs over all of them.
 
         Returns:
             `(logits (B, T, V), loss)`; `loss` is None without `targets`.
         """
-        if idx.ndim != 2:
-            raise InputError(f"idx must have shape (B, T), got {tuple(idx.shape)}")
-        with nullcontext() if kv_cache is None else kv_cache.unchanged_on_error():
-            ctx = AttentionContext.build(
-                idx,
-                self.context_length,
-                key_padding_mask=key_padding_mask,
-                position_ids=position_ids,
-                kv_cache=kv_cache,
+        B, T = idx.shape
+        past = 0 if kv_cache is None else kv_cache.length
+        if past + T > self.context_length:
+            cached = f" after {past} cached positions" if past else ""
+            raise InputError(
+                f"input has T = {T} positions{cached} but the model's context_length is "
+                f"{self.context_length}: crop the input to its last "
+                f"{self.context_length - past} tokens"
             )
-            x = self.embedding(idx, ctx)  # (B, T, C)
-            x = self.run_blocks(x, ctx)  # (B, T, C)
-            logits = self.to_logits(x)  # (B, T, V)
+        if kv_cache is not None:
+            kv_cache.check_room(B, T)  # before any layer writes
+        x = self.embedding(idx, input_pos, past)  # (B, T, C)
+        for block in self.blocks:
+            x = block(x, mask, input_pos, kv_cache)  # (B, T, C)
+        logits = self.to_logits(x)  # (B, T, V)
+        if kv_cache is not None:
+            kv_cache.length += T  # every layer has written its new keys and values
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
         return logits, loss
 
-    def embedding(self, idx: Tensor, ctx: AttentionContext) -> Tensor:
+    def embedding(self, idx: Tensor, input_pos: Tensor | None = None, past: int = 0) -> Tensor:
         """Token embeddings, plus learned position embeddings (none with rope), then dropout.
 
         Shape:
-            idx `(B, T)` long -> `(B, T, C)`; positions are `ctx.position_ids`, else
-            `ctx.past .. ctx.past + T - 1`.
+            idx `(B, T)` long -> `(B, T, C)`; positions `input_pos`, else `past .. past + T - 1`.
         """
         x = self.wte(idx)  # (B, T, C)
         if self.wpe is not None:
-            if ctx.position_ids is None:
+            if input_pos is None:
                 # A slice costs a copy in backward; the whole table (the usual training case) not.
-                wpe, T, past = self.wpe.weight, idx.shape[1], ctx.past
+                wpe, T = self.wpe.weight, idx.shape[1]
                 pos = wpe if past == 0 and T == wpe.shape[0] else wpe[past : past + T]  # (T, C)
                 x = x + pos  # (B, T, C) + (T, C)
             else:
-                x = x + self.wpe(ctx.position_ids)  # (B, T, C)
+                x = x + self.wpe(input_pos)  # (B, T, C)
         x = self.embed(x)
         if self.training and self.dropout > 0.0:
             x = F.dropout(x, self.dropout)
         return x
 
-    def run_blocks(self, x: Tensor, ctx: AttentionContext | None = None, start: int = 0) -> Tensor:
-        """Blocks `start`.. on the residual stream `x` `(B, T, C)`: all of them in `forward`, the
-        upper ones to run a forward on from the middle (ctx None: plain causal attention)."""
+    def run_blocks(self, x: Tensor, start: int = 0) -> Tensor:
+        """Blocks `start`.. on the residual stream `x` `(B, T, C)`, causally: a forward from the
+        middle, for callers that change one layer's input and run the rest."""
         for block in islice(self.blocks, start, None):
-            x = block(x, ctx)  # (B, T, C)
+            x = block(x)  # (B, T, C)
         return x
 
     def to_logits(self, x: Tensor) -> Tensor:

@@ -70,15 +70,6 @@ def _check_replacement(name: str, x: Tensor, out: object) -> None:
         )
 
 
-_active = 0  # functions at hook points of any model, while their `hooked` blocks run
-
-
-def hooks_active() -> bool:
-    """Whether a function is at a hook point of any model (generation then decodes through
-    `forward`, so that the function sees every step)."""
-    return _active > 0
-
-
 def hook_names(module: nn.Module) -> list[str]:
     """The names of every hook point in `module`, in the order the forward meets them."""
     return [name for name, m in module.named_modules() if isinstance(m, HookPoint)]
@@ -101,7 +92,6 @@ def hooked(module: nn.Module, fns: Mapping[str, HookFn]) -> Iterator[None]:
         InputError: a name that is not a hook point of `module` (the message lists close ones),
             or a value that is not callable.
     """
-    global _active
     points = {name: m for name, m in module.named_modules() if isinstance(m, HookPoint)}
     for name, fn in fns.items():
         if name not in points:
@@ -119,9 +109,7 @@ def hooked(module: nn.Module, fns: Mapping[str, HookFn]) -> Iterator[None]:
             points[name].name = name
             points[name].fns.append(fn)
             added.append((points[name], fn))
-            _active += 1
         yield
     finally:
         for point, fn in reversed(added):  # by identity: equal functions may stand at one point
             del point.fns[max(i for i, f in enumerate(point.fns) if f is fn)]
-            _active -= 1

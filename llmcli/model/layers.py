@@ -1,7 +1,8 @@
 """Building blocks that the model's recipe options add: RMSNorm, QK-norm, rotary embeddings.
 
 All are off by default; `llmcli.model.gpt` uses them for `norm: rmsnorm`, `qk_norm: true` and
-`pos_emb: rope`.
+`pos_emb: rope`. The choices were checked by `ModelConfig` (an even head size for rope, one of
+the norms), so the layers do not check them again.
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ if TYPE_CHECKING:
     from llmcli.config import ModelConfig
 
 Rotation = tuple[Tensor, Tensor]  # (cos, sin) of RotaryEmbedding.angles
-
-NORMS = ("layernorm", "rmsnorm")
 
 
 class RMSNorm(nn.Module):
@@ -71,8 +70,6 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         head_size, base = config.n_embed // config.n_head, config.rope_base
         context_length = config.context_length
-        if head_size % 2 != 0:
-            raise InputError(f"rotary embeddings need an even head size, got {head_size}")
         exponent = torch.arange(0, head_size, 2, dtype=torch.float64) / head_size  # (hs/2,)
         inv_freq = base**-exponent  # (hs/2,)
         positions = torch.arange(context_length, dtype=torch.float64)  # (L,)
@@ -91,6 +88,12 @@ class RotaryEmbedding(nn.Module):
             `(cos, sin)`, each `(T, hs)`, or `(B, T, hs)` with `position_ids`.
         """
         if position_ids is None:
+            if offset + T > len(self.cos):
+                raise InputError(
+                    f"rotary positions {offset}..{offset + T - 1} are past the model's "
+                    f"context_length ({len(self.cos)}): give at most {len(self.cos) - offset} "
+                    "positions"
+                )
             return self.cos[offset : offset + T], self.sin[offset : offset + T]  # (T, hs) each
         return self.cos[position_ids], self.sin[position_ids]  # (B, T, hs) each
 
@@ -117,8 +120,6 @@ def rotate(x: Tensor, rotation: Rotation) -> Tensor:
 def make_norm(config: ModelConfig) -> nn.Module:
     """The normalisation layer `config.norm` names ("layernorm" or "rmsnorm") over `n_embed`
     channels; `config.bias` applies to LayerNorm only (RMSNorm has none)."""
-    if config.norm == "layernorm":
-        return nn.LayerNorm(config.n_embed, bias=config.bias)
     if config.norm == "rmsnorm":
         return RMSNorm(config.n_embed)
-    raise InputError(f"norm must be one of {NORMS}, got {config.norm!r}")
+    return nn.LayerNorm(config.n_embed, bias=config.bias)
