@@ -7,9 +7,10 @@ With the guard, every step reads its loss and gradient norm from the device (one
 two numbers; on the CPU, where the step has already run, nothing waits) and the guard checks them
 against the median of its window (a sort of `spike_window` floats), before the optimizer step.
 This builds the config's run (its corpus, model and optimizer, in a temporary folder) and times
-the loop's own step (`llmcli.training.loop._train_step`: forward, backward, clip, optimizer
-step) with `run.guard` off and on, in interleaved rounds (the order alternating) so that a busy
-machine slows both alike:
+the loop's own step (`llmcli.training.step.train_step`: forward, backward, clip, optimizer
+step), without the guard and with the loop's check before the update
+(`llmcli.training.loop._BeforeUpdate`, which asks the guard), in interleaved rounds (the order
+alternating) so that a busy machine slows both alike:
 
 - `step_off_s` / `step_on_s`: the median step time of each (the median over the rounds of each
   round's median), and `cost_step`, the median over the rounds of on / off - 1: a whole-step
@@ -42,21 +43,22 @@ from llmcli.config import load_config  # noqa: E402
 from llmcli.device import resolve_device  # noqa: E402
 from llmcli.training.distributed import DistInfo  # noqa: E402
 from llmcli.training.guard import SpikeGuard  # noqa: E402
-from llmcli.training.loop import _LossBuffer, _train_step  # noqa: E402
+from llmcli.training.loop import _BeforeUpdate  # noqa: E402
 from llmcli.training.precision import Precision  # noqa: E402
 from llmcli.training.run import build_run  # noqa: E402
+from llmcli.training.step import train_step  # noqa: E402
 
 
-def timed_steps(run, losses: _LossBuffer, n: int) -> float:
-    """The median time of `n` steps of the loop."""
+def timed_steps(run, n: int) -> float:
+    """The median time of `n` steps of the loop (with the guard's check if `run.guard`)."""
     times = []
     for _ in range(n):
         start = time.perf_counter()
-        _train_step(run, losses, want_norm=False, watch=None)
+        check = _BeforeUpdate(run, None) if run.guard is not None else None
+        train_step(run.trainer, check)
         if run.device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-        losses.clear()
     return statistics.median(times)
 
 
@@ -92,14 +94,13 @@ def main() -> None:
             config, DistInfo(), precision, Path(folder) / "run", False, True, time.perf_counter()
         )
         guard = run.guard or SpikeGuard(config.train)
-        losses = _LossBuffer(config.train.log_interval, run.device)
         run.guard = None
-        timed_steps(run, losses, 3)  # warm-up
+        timed_steps(run, 3)  # warm-up
         times: dict[str, list[float]] = {"off": [], "on": []}
         for r in range(args.rounds):
             for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
                 run.guard = guard if mode == "on" else None
-                times[mode].append(timed_steps(run, losses, args.steps))
+                times[mode].append(timed_steps(run, args.steps))
         work = guard_work(run, 20_000)
     off, on = statistics.median(times["off"]), statistics.median(times["on"])
     ratios = [b / a - 1 for a, b in zip(times["off"], times["on"], strict=True)]

@@ -57,7 +57,9 @@ from llmcli.generation.generate import generate
 from llmcli.model.gpt import Transformer
 from llmcli.progress import Progress
 from llmcli.training.optim import build_optimizer
+from llmcli.training.plan import SameBatch
 from llmcli.training.precision import Precision
+from llmcli.training.step import Trainer, train_step
 
 logger = logging.getLogger(__name__)
 
@@ -261,20 +263,24 @@ def _time_training(
     precision: Precision,
     steps: int,
 ) -> float:
-    """Seconds per training step (forward, backward, clip, optimizer), after one warm-up."""
+    """Seconds per training step (`train_step` on `x`, `y`, one micro-batch), after one
+    warm-up."""
     tc = config.train
-    optimizer = build_optimizer(model, tc, precision.device.type)
-    params = list(model.parameters())
-    forward = torch.compile(model) if tc.compile else model
+    trainer = Trainer(
+        model=torch.compile(model) if tc.compile else model,
+        params=list(model.parameters()),
+        optimizer=build_optimizer(model, tc, precision.device.type),
+        precision=precision,
+        batches=SameBatch(x, y),
+        grad_accum=1,
+        grad_clip=tc.grad_clip,
+    )
     model.train()
     for i in range(steps + 1):  # step 0 warms up (and compiles, with train.compile)
         if i == 1:
             _sync(precision.device)
             start = time.perf_counter()
-        with precision.autocast():
-            _, loss = forward(x, y)
-        precision.backward(loss)
-        precision.step(optimizer, params, tc.grad_clip)
+        train_step(trainer)
     _sync(precision.device)
     return (time.perf_counter() - start) / steps
 

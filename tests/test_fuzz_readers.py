@@ -49,6 +49,7 @@ from llmcli.training.optim import build_optimizer
 from llmcli.training.precision import Precision
 from llmcli.training.run import Run
 from llmcli.training.state import ResumeState, TrainState
+from llmcli.training.step import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -316,19 +317,24 @@ def resumable(small_corpus) -> dict[str, Any]:
     model = Transformer(config.model, vocab)
     device = torch.device("cpu")
     tokens = np.arange(200, dtype=np.int64) % vocab
+    trainer = Trainer(
+        model=model,
+        params=list(model.parameters()),
+        optimizer=build_optimizer(model, config.train, "cpu"),
+        precision=Precision.resolve(device, "float32"),
+        batches=BatchSampler(tokens, 4, 16, seed=0),
+        grad_accum=1,
+        grad_clip=1.0,
+    )
     run = Run(
         config=config,
         info=DistInfo(),
         run_dir=run_dir,
-        precision=Precision.resolve(device, "float32"),
         data=None,
         tokenizer=None,
         model=model,
-        forward=model,
-        trainer=model,
-        params=list(model.parameters()),
-        optimizer=build_optimizer(model, config.train, "cpu"),
-        sampler=BatchSampler(tokens, 4, 16, seed=0),
+        evaluated=model,
+        trainer=trainer,
         state=TrainState(),
     )
     saved = torch.load(run_dir / STATE_FILE, weights_only=True)

@@ -1,21 +1,24 @@
 """The training loop: build a run, then step, log, evaluate and save.
 
 `train(config)` trains the model `config.model` describes on the corpus `config.data` names and
-writes a run directory (layout in `llmcli.runs.directory`). One optimizer step is `grad_accum`
-micro-batches of `batch_size` sequences of `context_length` tokens on every rank. Everything the
-loop works with is built first (`llmcli.training.run`); `_loop` is the whole loop, as in nanoGPT;
-what keeps a run safe sits beside it as named helpers: the resume state
-(`llmcli.training.state`), atomic saves (`llmcli.runs.directory`), precision
-(`llmcli.training.precision`), agreement between ranks (`llmcli.training.distributed`) and Ctrl-C
-(`llmcli.training.interrupt`).
+writes a run directory (layout in `llmcli.runs.directory`). Everything the loop works with is
+built first (`llmcli.training.run`); `fit` is the loop, as in nanoGPT: set the learning rate,
+take one step (`llmcli.training.step.train_step`: `grad_accum` micro-batches of `batch_size`
+sequences of `context_length` tokens on every rank), then log, evaluate and save when due. What
+keeps a run safe sits beside it as named helpers: the out-of-memory retry (`_fitting_step`), the
+spike guard (`_judge`, `_refused`; `llmcli.training.guard`), the resume state
+(`llmcli.training.state`), atomic saves (`llmcli.runs.directory`), agreement between ranks
+(`llmcli.training.distributed`) and Ctrl-C (`llmcli.training.interrupt`).
 
-What a step does not do: read a value back from the device. Losses go into a small on-device
-buffer that is read once per log step (every `log_interval` steps), where a NaN or inf is found
-and named by its step; nothing else synchronises the host with the device between log steps.
+Reading the device. Each step's loss stays on the device until a log step (every
+`log_interval` steps) reads them all at once, where a NaN or inf is found and named by its
+step; with the spike guard on (the default) each step also reads its loss and gradient norm,
+two numbers, for the guard's verdict.
 
 Saves: at every evaluation, every `train.save_interval` steps, and at the first log step
 `train.save_interval_s` seconds after the last save, so that a kill loses bounded work; all ranks
-learn at the same step that a save (or a stop) is due, through the log step's all-reduce.
+learn at the same step that a save (or a stop) is due, through an all-reduce of the flags at
+the log step.
 
 Circuits during training: with `train.head_metrics`, each evaluation also scores every head on
 the fixed repeated-token probe (`llmcli.evaluation.probe`) and takes the in-context learning
@@ -36,7 +39,6 @@ bar; logged losses are averaged over ranks.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 import signal
@@ -66,6 +68,7 @@ from llmcli.training.distributed import (
     process_group,
 )
 from llmcli.training.evaluate import evaluate_loss
+from llmcli.training.guard import Verdict
 from llmcli.training.interrupt import Preempted, StopRequest
 from llmcli.training.layers import LayerWatch
 from llmcli.training.memory import out_of_memory_is_bad_input
@@ -73,6 +76,7 @@ from llmcli.training.optim import apply_lr
 from llmcli.training.precision import Precision
 from llmcli.training.run import Run, build_run, eval_samplers, open_run_files
 from llmcli.training.state import rng_state
+from llmcli.training.step import train_step
 
 logger = logging.getLogger(__name__)
 
@@ -164,56 +168,52 @@ def train(
                 )
             return _summary(run, run.state.elapsed_base, None)
         open_run_files(run)
-        return _loop(run, progress, on_step)
+        return fit(run, progress, on_step)
 
 
-def _loop(run: Run, progress: bool, on_step: Callable[[int], None] | None) -> TrainSummary:
+def fit(run: Run, progress: bool, on_step: Callable[[int], None] | None = None) -> TrainSummary:
     """Step, log, evaluate, save: until `max_steps`, a divergence or Ctrl-C."""
     tc, state, info = run.config.train, run.state, run.info
-    losses = _LossBuffer(tc.log_interval, run.device)
     bar = Progress(
         tc.max_steps, desc="train", unit="step", initial=state.step, enabled=progress and info.main
     )
-    loop_start, loop_step = time.perf_counter(), state.step
+    losses, loop_start, loop_step = _Losses(), time.perf_counter(), state.step
     speed = _TokenRate(loop_start, state.tokens)
     run.saved_at = loop_start
-    with StopRequest(escalate=not info.enabled) as stop, logging_redirect_tqdm(), bar:
-        try:
-            while state.step < tc.max_steps:
-                lr = apply_lr(run.optimizer, state.step, tc, _lr_scale(run))
-                due = _due(state.step + 1, tc)  # known before the step: a log step wants the norm
-                watch = LayerWatch(run.model) if tc.log_layers and due.log and info.main else None
-                norm, applied = _fitting_step(run, losses, due.log, watch)
-                if not applied:  # the spike guard skipped it, or rolled the run back
-                    speed.rewind(state.tokens)
-                    continue
-                state.step += 1
-                state.tokens += run.tokens_per_step
-                bar.update(1)
-                if on_step is not None:
-                    on_step(state.step)
+    files = run.log if run.log is not None else contextlib.nullcontext()
+    with StopRequest(escalate=not info.enabled) as stop, logging_redirect_tqdm(), bar, files:
+        while state.step < tc.max_steps:
+            lr = apply_lr(run.trainer.optimizer, state.step, tc, _lr_scale(run))
+            due = _due(state.step + 1, tc)  # known before the step: a log step wants the norm
+            check = _BeforeUpdate(run, LayerWatch(run.model) if _watch(run, due) else None)
+            loss, norm = _fitting_step(run, check)
+            if check.verdict is not None:  # the spike guard skipped the step, or rolled back
+                _refused(run, check.verdict, losses)
+                speed.rewind(state.tokens)
+                continue
+            losses.add(loss)
+            state.step += 1
+            state.tokens += run.tokens_per_step
+            bar.update(1)
+            if on_step is not None:
+                on_step(state.step)
 
-                # Alone, a stop acts at once; under DDP, every rank stops at the next log step.
-                stop_now = stop.requested and not info.enabled
-                if not (due.log or due.save or stop_now):
-                    continue
-                # The one place the host reads the device: losses, and every rank's flags.
-                step_losses, flags = losses.read(_flags(run, stop), info)
-                _check_finite(run, step_losses)
-                tok_s = speed.read(state.tokens)
-                if due.log:  # (a stop between log steps writes no record)
-                    _log(run, bar, lr, step_losses[-1], tok_s, norm, watch)
-                if due.evaluate or due.save or flags.timed_save:
-                    best = _evaluate(run, lr) if due.evaluate else False  # each evaluation saves
-                    _save(run, best)
-                    speed.restart(state.tokens)  # tokens/s leaves evaluations and saves out
-                if flags.stop:
-                    _stop(run, preempted=flags.terminated)
-        finally:
-            if run.metrics is not None:
-                run.metrics.close()
-            if run.head_log is not None:
-                run.head_log.close()
+            # Alone, a stop acts at once; under DDP, every rank stops at the next log step.
+            if not (due.log or due.save or (stop.requested and not info.enabled)):
+                continue
+            # The one place the host reads the device: the losses, and every rank's flags.
+            step_losses = losses.read(info)
+            _check_finite(run, step_losses)
+            flags = _agreed_flags(run, stop)
+            tok_s = speed.read(state.tokens)
+            if due.log:  # (a stop between log steps writes no record)
+                _log(run, bar, lr, step_losses[-1], tok_s, norm, check.watch)
+            if due.evaluate or due.save or flags.timed_save:
+                best = _evaluate(run, lr) if due.evaluate else False  # each evaluation saves
+                _save(run, best)
+                speed.restart(state.tokens)  # tokens/s leaves evaluations and saves out
+            if flags.stop:
+                _stop(run, preempted=flags.terminated)
     session_s = time.perf_counter() - loop_start
     steps = state.step - loop_step
     tok_rate = steps * run.tokens_per_step / session_s if session_s > 0 else None
@@ -221,7 +221,7 @@ def _loop(run: Run, progress: bool, on_step: Callable[[int], None] | None) -> Tr
 
 
 # ---------------------------------------------------------------------------------------------
-# One step, and what the loop does at log, evaluation and stop steps
+# Around the step: the schedule, the out-of-memory retry, the layer watch and the spike guard
 # ---------------------------------------------------------------------------------------------
 
 
@@ -245,42 +245,9 @@ def _due(step: int, tc: TrainConfig) -> _Due:
     )
 
 
-def _train_step(
-    run: Run, losses: _LossBuffer, want_norm: bool, watch: LayerWatch | None
-) -> tuple[torch.Tensor | None, bool]:
-    """One optimizer step over `grad_accum` micro-batches; their mean loss goes to `losses`.
-    With the spike guard, the step is applied only if the guard lets it (`_guard`); `watch`
-    (`train.log_layers`) measures each layer's gradients and update.
-
-    Returns the global gradient norm before clipping (see `Precision.step`), on the device, and
-    whether the step was applied.
-    """
-    tc = run.config.train
-    for micro in range(tc.grad_accum):
-        x, y = run.sampler.next()  # (B, T), (B, T) on device
-        skip_sync = run.info.enabled and micro < tc.grad_accum - 1
-        with run.trainer.no_sync() if skip_sync else contextlib.nullcontext():
-            with run.precision.autocast():
-                _, loss = run.trainer(x, y)
-            loss = loss / tc.grad_accum  # the micro-batches' mean, summed below
-            run.precision.backward(loss)
-        losses.add(loss.detach())
-    precision, guard = run.precision, run.guard
-    inspect = watch.read_grads if watch is not None else None
-    norm = precision.clip(
-        run.optimizer, run.params, tc.grad_clip, want_norm or bool(guard), inspect
-    )
-    if guard is not None and not _guard(run, losses, norm):
-        precision.finish(run.optimizer, apply=False)
-        losses.drop_step()
-        return norm, False
-    if watch is not None:
-        watch.before_step()
-    precision.finish(run.optimizer)
-    if watch is not None:
-        watch.after_step()
-    losses.end_step()
-    return norm, True
+def _watch(run: Run, due: _Due) -> bool:
+    """Whether this step's layers are measured (`train.log_layers`, rank 0, log steps)."""
+    return run.config.train.log_layers and due.log and run.info.main
 
 
 def _lr_scale(run: Run) -> float:
@@ -288,29 +255,66 @@ def _lr_scale(run: Run) -> float:
     return run.guard.lr_scale(run.state.step) if run.guard is not None else 1.0
 
 
-def _guard(run: Run, losses: _LossBuffer, norm: torch.Tensor | None) -> bool:
-    """The spike guard's verdict on the step just computed (`llmcli.training.guard`): True to
-    apply it. A skip or a rollback is logged; a run that cannot recover raises
-    `DivergenceError`. The loss and norm are read from the device (the mean over ranks: every
-    rank decides alike)."""
+def _fitting_step(run: Run, check: _BeforeUpdate) -> tuple[torch.Tensor, torch.Tensor]:
+    """`train_step`; in a fresh run's first steps, an automatic micro-batch that runs out of
+    memory is made smaller and the step tried again (`Run.shrink_micro_batch`)."""
+    while True:
+        try:
+            loss, norm, applied = train_step(run.trainer, check)
+            break
+        except torch.OutOfMemoryError:
+            if not run.can_shrink_batch():
+                raise
+        # Outside the handler: the failed step's tensors are free by now.
+        run.shrink_micro_batch()
+    if applied and check.watch is not None:
+        check.watch.after_step()
+    return loss, norm
+
+
+class _BeforeUpdate:
+    """What looks at a step's gradients before the weights change: the layer watch
+    (`train.log_layers`: each layer's gradient norm, and the weights before the update) and the
+    spike guard, whose verdict on a step it refuses is kept for the loop (`verdict`)."""
+
+    def __init__(self, run: Run, watch: LayerWatch | None) -> None:
+        self.run, self.watch = run, watch
+        self.verdict: Verdict | None = None
+
+    def __call__(self, loss: torch.Tensor, norm: torch.Tensor) -> bool:
+        if self.watch is not None:
+            self.watch.read_grads()  # unscaled, before clipping
+        if self.run.guard is not None:
+            verdict = _judge(self.run, loss, norm)
+            if verdict.event is not None:
+                self.verdict = verdict
+                return False
+        if self.watch is not None:
+            self.watch.before_step()
+        return True
+
+
+def _judge(run: Run, loss: torch.Tensor, norm: torch.Tensor) -> Verdict:
+    """The spike guard's verdict on the step just computed (`llmcli.training.guard`), from its
+    loss and gradient norm read from the device (the means over ranks: every rank decides
+    alike); under fp16 the norm is the GradScaler's to judge."""
     assert run.guard is not None
-    loss = losses.current()
-    values = torch.stack([loss, norm if norm is not None else torch.zeros_like(loss)]).float()
+    values = torch.stack([loss, norm]).float()
     mean_over_ranks(values, run.info)
     loss_value, norm_value = values.tolist()
-    judged_norm = norm_value if norm is not None and run.precision.scaler is None else None
-    step = run.state.step + 1
-    verdict = run.guard.check(step, loss_value, judged_norm)
-    if verdict.event is None:
-        return True
-    _event(
-        run,
-        verdict.event,
-        f"step {step} skipped ({verdict.event['reason']}, loss {loss_value:.4g})",
-    )
+    judged_norm = None if run.precision.scales_loss else norm_value
+    return run.guard.check(run.state.step + 1, loss_value, judged_norm)
+
+
+def _refused(run: Run, verdict: Verdict, losses: _Losses) -> None:
+    """After the spike guard refused a step: log the skip, roll the run back to its last save
+    when the guard says so, or stop it (`DivergenceError`) when it cannot recover."""
+    assert run.guard is not None and verdict.event is not None
+    step, loss = verdict.event["step"], verdict.event["loss"]
+    _event(run, verdict.event, f"step {step} skipped ({verdict.event['reason']}, loss {loss:.4g})")
     can_roll_back = run.state.last_saved >= 0
     if verdict.action == "rollback" and can_roll_back:
-        event = run.rollback(step, loss_value)
+        event = run.rollback(step, loss)
         losses.clear()  # the losses of the steps undone are not logged
         _event(
             run,
@@ -319,93 +323,65 @@ def _guard(run: Run, losses: _LossBuffer, norm: torch.Tensor | None) -> bool:
             f"rate x {event['lr_factor']:g} until step {event['lr_until_step']}, on new batches",
         )
     elif verdict.action != "skip":
-        raise _diverged(run, step, loss_value, run.guard.stop_advice(verdict.event, can_roll_back))
-    return False
+        raise _diverged(run, step, loss, run.guard.stop_advice(verdict.event, can_roll_back))
 
 
 def _event(run: Run, record: dict, message: str) -> None:
     """Rank 0: a spike-guard event into metrics.jsonl (and the trackers), and a warning."""
-    if run.metrics is not None:
-        run.metrics.write(record)
+    if run.log is not None:
+        run.log.metrics.write(record)
         logger.warning("spike guard: %s", message)
 
 
-def _fitting_step(
-    run: Run, losses: _LossBuffer, want_norm: bool, watch: LayerWatch | None
-) -> tuple[torch.Tensor | None, bool]:
-    """`_train_step`; in a fresh run's first steps, an automatic micro-batch that runs out of
-    memory is made smaller and the step tried again (`Run.shrink_micro_batch`)."""
-    while True:
-        try:
-            return _train_step(run, losses, want_norm, watch)
-        except torch.OutOfMemoryError:
-            if not run.can_shrink_batch():
-                raise
-        # Outside the handler: the failed step's tensors are free by now.
-        losses.drop_step()
-        run.shrink_micro_batch()
+# ---------------------------------------------------------------------------------------------
+# What the loop reads from the device at log steps
+# ---------------------------------------------------------------------------------------------
+
+
+class _Losses:
+    """Each applied step's loss, kept on the device until the loop reads them all at once."""
+
+    def __init__(self) -> None:
+        self.pending: list[torch.Tensor] = []
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.pending.append(loss)
+
+    def clear(self) -> None:
+        self.pending = []
+
+    def read(self, info: DistInfo) -> list[float]:
+        """The loss of each step since the last read (under DDP the mean over ranks, which
+        step alike)."""
+        values = torch.stack(self.pending)
+        mean_over_ranks(values, info)
+        self.pending = []
+        return values.tolist()
 
 
 @dataclass(frozen=True)
 class _Flags:
-    """What a rank asks of all of them when the loop reads the device; after `_LossBuffer.read`,
-    what any rank asked."""
+    """What any rank asks of all of them when the loop reads the device."""
 
     stop: bool = False  # Ctrl-C or SIGTERM: save and stop
     terminated: bool = False  # ... by SIGTERM (a scheduler's preemption): exit status 143
     timed_save: bool = False  # `train.save_interval_s` passed since the last save
 
 
-def _flags(run: Run, stop: StopRequest) -> _Flags:
+def _agreed_flags(run: Run, stop: StopRequest) -> _Flags:
+    """This rank's flags, raised on every rank if any rank raised them (one all-reduce under
+    DDP), so that all learn at the same step that one of them was asked to stop or to save."""
     interval = run.config.train.save_interval_s
-    return _Flags(
-        stop=stop.requested,
-        terminated=stop.signum == signal.SIGTERM,
-        timed_save=interval is not None and time.perf_counter() - run.saved_at >= interval,
+    flags = (
+        stop.requested,
+        stop.signum == signal.SIGTERM,
+        interval is not None and time.perf_counter() - run.saved_at >= interval,
     )
-
-
-class _LossBuffer:
-    """Per-step losses kept on the device between log steps; the host reads them at once.
-
-    Extra slots at the end carry this rank's `_Flags` through the same all-reduce, so that under
-    DDP every rank learns at the same step that one of them was asked to stop or to save.
-    """
-
-    N_FLAGS = len(dataclasses.fields(_Flags))
-
-    def __init__(self, log_interval: int, device: torch.device) -> None:
-        self.values = torch.zeros(log_interval + self.N_FLAGS, device=device)
-        self.n = 0
-
-    def add(self, loss: torch.Tensor) -> None:
-        """Add a micro-batch's share of the current step's loss."""
-        self.values[self.n] += loss
-
-    def end_step(self) -> None:
-        self.n += 1
-
-    def current(self) -> torch.Tensor:
-        """The current step's loss so far (a 0-d view on the device)."""
-        return self.values[self.n]
-
-    def clear(self) -> None:
-        self.values.zero_()
-        self.n = 0
-
-    def drop_step(self) -> None:
-        """Forget the current step's loss: a step the spike guard did not apply, or one that
-        ran out of memory and is tried again."""
-        self.values[self.n] = 0
-
-    def read(self, flags: _Flags, info: DistInfo) -> tuple[list[float], _Flags]:
-        """(the loss of each step since the last read, the flags any rank raised)."""
-        self.values[-self.N_FLAGS :] = torch.tensor(dataclasses.astuple(flags), dtype=torch.float)
-        mean_over_ranks(self.values, info)
-        values = self.values.tolist()
-        self.values.zero_()
-        losses, self.n = values[: self.n], 0
-        return losses, _Flags(*(v > 0 for v in values[-self.N_FLAGS :]))
+    if run.info.enabled:
+        raised = torch.tensor(flags, dtype=torch.float, device=run.device)
+        mean_over_ranks(raised, run.info)
+        flags = tuple(v > 0 for v in raised.tolist())
+    return _Flags(*flags)
 
 
 class _TokenRate:
@@ -464,7 +440,7 @@ def _log(
     watch: LayerWatch | None,
 ) -> None:
     """Rank 0: one `metrics.jsonl` record, and the figures beside the bar (or a plain line)."""
-    if run.metrics is None:
+    if run.log is None:
         return
     state = run.state
     record = {
@@ -480,7 +456,7 @@ def _log(
         record["grad_norm"] = norm.item()  # the gradient norm of this step, before clipping
     if watch is not None:
         record["layers"] = watch.record()
-    run.metrics.write(record)
+    run.log.metrics.write(record)
     bar.report({"loss": f"{loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tok_s:,.0f}"})
 
 
@@ -489,7 +465,7 @@ def _evaluate(run: Run, lr: float) -> bool:
     them, redraw the curve; True for a new best."""
     tc = run.config.train
     evaluation = evaluate_loss(
-        run.forward,
+        run.evaluated,
         eval_samplers(run),
         tc.eval_steps,
         run.precision,
@@ -501,7 +477,7 @@ def _evaluate(run: Run, lr: float) -> bool:
     if not math.isfinite(val):
         raise _diverged(run, state.step, val)
     best = state.record_eval(losses)
-    if run.metrics is not None:
+    if run.log is not None:
         record = {
             "kind": "eval",
             "step": state.step,
@@ -512,8 +488,9 @@ def _evaluate(run: Run, lr: float) -> bool:
             "val_loss": val,
             "val_ppl": perplexity(val),
         }
-        heads = _score_heads(run, evaluation.by_position["val"]) if run.probe is not None else {}
-        run.metrics.write({**record, **heads})
+        probe = run.log.probe
+        heads = _score_heads(run, evaluation.by_position["val"]) if probe is not None else {}
+        run.log.metrics.write({**record, **heads})
         logger.info(
             "step %d: train loss %.4f, val loss %.4f (ppl %.2f)%s%s",
             state.step,
@@ -533,14 +510,15 @@ def _evaluate(run: Run, lr: float) -> bool:
 def _score_heads(run: Run, val_by_position: list[float]) -> dict[str, float]:
     """Rank 0: every head's scores on the probe and the in-context learning score; the grids go
     to head_metrics.jsonl, the summaries (returned) to metrics.jsonl."""
-    assert run.probe is not None and run.head_log is not None
-    scores = probe_scores(run.model, run.probe)  # touches no RNG: the training stream stays
+    assert run.log is not None and run.log.probe is not None and run.log.head_log is not None
+    probe = run.log.probe
+    scores = probe_scores(run.model, probe)  # touches no RNG: the training stream stays
     icl = icl_score(val_by_position)
-    run.head_log.write(
+    run.log.head_log.write(
         {
             "step": run.state.step,
             "tokens": run.state.tokens,
-            "probe": run.probe.describe(),
+            "probe": probe.describe(),
             **scores.grids(),
             "val_loss_by_position": val_by_position,
             "icl_score": icl,
@@ -568,8 +546,8 @@ def _save(run: Run, best: bool) -> None:
     """Write a checkpoint of this step (rank 0), with every rank's RNG and sampler state."""
     state, info = run.state, run.info
     start = time.perf_counter()
-    rngs_and_samplers = gather((rng_state(run.device), run.sampler.state_dict()), info)
-    if run.metrics is not None:
+    rngs_and_samplers = gather((rng_state(run.device), run.trainer.batches.state_dict()), info)
+    if run.log is not None:
         vocab = int(run.tokenizer.vocab_size)
         meta = {
             "step": state.step,

@@ -34,6 +34,7 @@ from llmcli.training.distributed import dist_from_env
 from llmcli.training.memory import MemoryEstimate, device_free_bytes, estimate_memory
 from llmcli.training.optim import build_optimizer
 from llmcli.training.precision import Precision
+from llmcli.training.step import Trainer, train_step
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,8 @@ class StepTiming:
     """Seconds per training step, measured on warm steps.
 
     Attributes:
-        step_s: one optimizer step at the run's micro-batch and accumulation.
+        step_s: one optimizer step at the run's micro-batch and accumulation (a smaller
+            micro-batch's, scaled up, optimizer update included).
         forward_s: one evaluation forward (no gradients) at the run's micro-batch.
         steps: timed steps (0: only the cold warm-up step was measured, an overestimate).
         batch: the micro-batch measured; a smaller one than the run's when a step of the
@@ -185,55 +187,60 @@ def plan_vocab(config: Config) -> tuple[int, str | None]:
 def measure_step(
     config: Config, vocab_size: int, precision: Precision, budget_s: float = MEASURE_S
 ) -> StepTiming:
-    """Time training steps of the config's model and optimizer on random tokens.
+    """Time training steps (`llmcli.training.step.train_step`) of the config's model and
+    optimizer on random tokens.
 
-    A warm-up step at one sequence comes first (kernels chosen, optimizer state allocated); its
-    time per sequence picks the micro-batch measured: the run's, unless a step of it would take
-    more than a quarter of `budget_s`. Then up to `TIMED_STEPS` steps while the time spent stays
-    within `budget_s`; medians, scaled to the run's micro-batch and `grad_accum`.
+    A warm-up step of one sequence per micro-batch comes first (kernels chosen, optimizer state
+    allocated); its time per sequence picks the micro-batch measured: the run's, unless a step of
+    it would take more than a quarter of `budget_s`. Then up to `TIMED_STEPS` steps while the
+    time spent stays within `budget_s`; the median, scaled to the run's micro-batch.
     """
     tc, T, device = config.train, config.model.context_length, precision.device
     assert isinstance(tc.batch_size, int)
     start = time.perf_counter()
     gen = torch.Generator().manual_seed(tc.seed)
     model = Transformer(config.model, vocab_size, generator=gen).to(device)
-    optimizer = build_optimizer(model, tc, device.type)
-    params = list(model.parameters())
     tokens = torch.randint(0, vocab_size, (tc.batch_size, T + 1), generator=gen).to(device)
-
-    def micro(batch: int) -> None:
-        with precision.autocast():
-            _, loss = model(tokens[:batch, :-1], tokens[:batch, 1:])  # (B, T) inputs, targets
-        precision.backward(loss / tc.grad_accum)
-
-    def step() -> None:
-        precision.step(optimizer, params, tc.grad_clip)
-
-    cold = _timed(lambda: micro(1), device)
-    step_times = [_timed(step, device)]
-    batch = max(1, min(tc.batch_size, math.floor(budget_s / 4 / max(cold, 1e-9))))
-    micro_times = [cold * batch]  # the cold step, as if at `batch`: used if none is timed
+    batches = SameBatch(tokens[:1, :-1], tokens[:1, 1:])  # (1, T) inputs, targets
+    trainer = Trainer(
+        model=model,
+        params=list(model.parameters()),
+        optimizer=build_optimizer(model, tc, device.type),
+        precision=precision,
+        batches=batches,
+        grad_accum=tc.grad_accum,
+        grad_clip=tc.grad_clip,
+    )
+    times = [_timed(lambda: train_step(trainer), device)]  # the cold step, at one sequence
+    batch = max(1, min(tc.batch_size, math.floor(budget_s / 4 / max(times[0], 1e-9))))
+    times[0] *= batch  # as if at `batch`: used if none is timed
+    batches.x, batches.y = tokens[:batch, :-1], tokens[:batch, 1:]  # (batch, T) each
     timed = 0
-    while timed < TIMED_STEPS:
-        spent, last = time.perf_counter() - start, micro_times[-1] + step_times[-1]
-        if spent + last > budget_s:
-            break
-        micro_times.append(_timed(lambda: micro(batch), device))
-        step_times.append(_timed(step, device))
+    while timed < TIMED_STEPS and time.perf_counter() - start + times[-1] <= budget_s:
+        times.append(_timed(lambda: train_step(trainer), device))
         timed += 1
     model.eval()
     with torch.no_grad():
         forward_s = _timed(lambda: micro_forward(model, tokens[:batch], precision), device)
     scale = tc.batch_size / batch
-    warm_micro = micro_times[1:] or micro_times
-    warm_step = step_times[1:] or step_times
     return StepTiming(
-        step_s=tc.grad_accum * statistics.median(warm_micro) * scale + statistics.median(warm_step),
+        step_s=statistics.median(times[1:] or times) * scale,
         forward_s=forward_s * scale,
         steps=timed,
         batch=batch,
         seconds=time.perf_counter() - start,
     )
+
+
+@dataclass
+class SameBatch:
+    """A batch stream that gives the same `(x, y)`, each `(B, T)`, at every step (for timing)."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x, self.y
 
 
 def micro_forward(model: Transformer, tokens: torch.Tensor, precision: Precision) -> None:

@@ -1,20 +1,18 @@
-"""The precision a training step computes in: autocast, loss scaling, clipping and the step.
+"""The precision a training step computes in: the autocast context and loss scaling.
 
-`resolve_precision` turns `train.dtype` into what a device can train in; `Precision` owns what a
-training step does differently per precision: the autocast context, the GradScaler (fp16 only),
-and the unscale / clip / step / zero sequence. The training loop, `llmcli eval` and
-`llmcli bench` all step or evaluate through it.
+`resolve_precision` turns `train.dtype` into what a device can train in; `Precision` holds what a
+step does differently per precision: the autocast context, and a GradScaler that scales the loss
+only under fp16 (elsewhere it is disabled, and its `scale`, `unscale_`, `step` and `update` pass
+through, as in nanoGPT), so that `llmcli.training.step.train_step` reads the same for all of
+them. The training loop, `llmcli plan` and `llmcli bench` step and evaluate through it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from llmcli.errors import InputError
 
@@ -77,103 +75,34 @@ def mps_bf16_supported() -> bool:
 
 @dataclass
 class Precision:
-    """How one training step computes: autocast, loss scaling, clipping and the optimizer step.
+    """How a training step computes: the autocast context and loss scaling.
 
     Attributes:
         name: "float32", "bfloat16" or "float16".
         device: where the model runs.
         autocast_dtype: the dtype of autocast regions, None for plain fp32.
-        scaler: the fp16 GradScaler, else None.
+        scaler: the GradScaler, enabled for fp16 only (disabled, each of its calls passes
+            through: `scale(loss)` is `loss`, `step(optimizer)` is `optimizer.step()`).
     """
 
     name: str
     device: torch.device
     autocast_dtype: torch.dtype | None
-    scaler: torch.amp.GradScaler | None
-    _unscaled: bool = field(default=False, repr=False)  # `clip` unscaled this step's gradients
+    scaler: torch.amp.GradScaler
 
     @classmethod
     def resolve(cls, device: torch.device, dtype: str) -> Precision:
         """The precision `train.dtype` asks for on `device` (see `resolve_precision`)."""
         name, amp_dtype, use_scaler = resolve_precision(device, dtype)
-        scaler = torch.amp.GradScaler(device.type) if use_scaler else None
-        return cls(name, device, amp_dtype, scaler)
+        return cls(name, device, amp_dtype, torch.amp.GradScaler(device.type, enabled=use_scaler))
+
+    @property
+    def scales_loss(self) -> bool:
+        """Whether the loss is scaled (fp16): non-finite gradients are then the scaler's to skip."""
+        return self.scaler.is_enabled()
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The context a forward pass runs in (a no-op for fp32)."""
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate `loss` (scaled first under fp16)."""
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-
-    def step(
-        self,
-        optimizer: torch.optim.Optimizer,
-        params: list[Any],
-        grad_clip: float,
-        want_norm: bool = False,
-    ) -> torch.Tensor | None:
-        """Clip the gradients' global norm to `grad_clip` (0: no clipping), step, zero them.
-
-        Returns:
-            The global gradient norm before clipping, a 0-d tensor on the device (not read
-            back, so no synchronisation): always when clipping (it comes free), else only with
-            `want_norm`; otherwise None.
-        """
-        norm = self.clip(optimizer, params, grad_clip, want_norm)
-        self.finish(optimizer)
-        return norm
-
-    def clip(
-        self,
-        optimizer: torch.optim.Optimizer,
-        params: list[Any],
-        grad_clip: float,
-        want_norm: bool = False,
-        inspect: Callable[[], None] | None = None,
-    ) -> torch.Tensor | None:
-        """The first half of `step`: unscale the gradients (fp16) and clip their global norm.
-
-        `inspect` is called with the true (unscaled, unclipped) gradients in place, for
-        measurements that must see them. Returns the norm as `step` does.
-        """
-        norm = None
-        self._unscaled = False
-        if grad_clip > 0 or want_norm or inspect is not None:
-            if self.scaler is not None:
-                self.scaler.unscale_(optimizer)  # the norm of the true gradients
-                self._unscaled = True
-            if inspect is not None:
-                inspect()
-            if grad_clip > 0:
-                norm = nn.utils.clip_grad_norm_(params, grad_clip, foreach=True)
-            elif want_norm:
-                grads = [p.grad for p in params if p.grad is not None]
-                norm = nn.utils.get_total_norm(grads, foreach=True)  # what clipping measures
-        return norm
-
-    def finish(self, optimizer: torch.optim.Optimizer, apply: bool = True) -> None:
-        """The second half of `step`: step with the gradients (`apply`) or drop them; zero them.
-
-        A dropped step leaves the weights and the optimizer's moments and step count as they
-        were; with a GradScaler that unscaled this step, its scale is updated as after a step
-        it skipped itself.
-        """
-        if apply and self.scaler is not None:
-            self.scaler.step(optimizer)
-            self.scaler.update()
-        elif apply:
-            optimizer.step()
-        elif self.scaler is not None and self._unscaled:
-            self.scaler.update()  # clears the step's recorded inf checks, else unscale_ refuses
-        optimizer.zero_grad(set_to_none=True)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.scaler.state_dict() if self.scaler is not None else {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.scaler is not None and state:
-            self.scaler.load_state_dict(state)

@@ -1,5 +1,9 @@
 """A run: what the training loop works with, and how it is built, or restored from a save.
 
+A `Run` holds what a step needs (its `Trainer`: the model as steps run it, the optimizer, the
+precision, the batch stream) apart from the run's bookkeeping: the counters, the run directory
+and the files rank 0 writes as it goes (`RunLog`), the save clock, the spike guard.
+
 `build_run` makes the run directory ready (a fresh start or a resume), tokenizes the corpus, settles
 the micro-batch (`train.batch_size: auto`, `llmcli.training.batch`), builds the model, optimizer
 and batch sampler, loads the resume state into them when resuming, and wraps the model for
@@ -56,6 +60,7 @@ from llmcli.training.memory import check_memory
 from llmcli.training.optim import build_optimizer
 from llmcli.training.precision import Precision
 from llmcli.training.state import ResumeState, TrainState, seed_everything, set_rng_state
+from llmcli.training.step import Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -65,31 +70,49 @@ EVAL_SEED_OFFSET = 1_000_003
 
 
 @dataclass
+class RunLog:
+    """What rank 0 writes as the run goes, besides its checkpoints."""
+
+    metrics: MetricsLog  # metrics.jsonl, and the trackers
+    probe: Probe | None = None  # with train.head_metrics: what each head is scored on
+    head_log: HeadMetricsLog | None = None  # ... and where the scores go
+
+    def close(self) -> None:
+        self.metrics.close()
+        if self.head_log is not None:
+            self.head_log.close()
+
+    def __enter__(self) -> RunLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass
 class Run:
     """Everything the loop works with, built by `build_run`."""
 
     config: Config
     info: DistInfo
     run_dir: Path
-    precision: Precision
     data: TokenData
     tokenizer: Tokenizer
     model: Transformer  # the weights, unwrapped: what is saved
-    forward: nn.Module  # the model, compiled with train.compile: what evaluation runs
-    trainer: nn.Module  # the model, DDP-wrapped under torchrun: what training steps run
-    params: list[nn.Parameter]  # the model's parameters, for gradient clipping
-    optimizer: torch.optim.Optimizer
-    sampler: BatchSampler
-    state: TrainState
+    evaluated: nn.Module  # the model, compiled with train.compile: what evaluation runs
+    trainer: Trainer  # what a step needs: the model as steps run it, optimizer, batches
+    state: TrainState  # the counters
+    guard: SpikeGuard | None = None  # with train.spike_guard
+    auto_batch: bool = False  # train.batch_size was auto: running out of memory early shrinks it
     resumed_from: int | None = None  # the step a resumed run started from
     metrics_bytes: int | None = None  # metrics.jsonl's size at the save resumed from
-    metrics: MetricsLog | None = None  # rank 0 only
-    probe: Probe | None = None  # with train.head_metrics, on rank 0: what each head is scored on
-    head_log: HeadMetricsLog | None = None  # ... and where the scores go
-    auto_batch: bool = False  # train.batch_size was auto: running out of memory early shrinks it
-    guard: SpikeGuard | None = None  # with train.spike_guard
+    log: RunLog | None = None  # rank 0 only
     saved_at: float = 0.0  # perf_counter() at the end of the last save (or the loop's start)
     save_seconds: list[float] = dataclasses.field(default_factory=list)  # this session's saves
+
+    @property
+    def precision(self) -> Precision:
+        return self.trainer.precision
 
     @property
     def device(self) -> torch.device:
@@ -121,11 +144,12 @@ class Run:
         old = self.config.train.batch_size
         batch = smaller_micro_batch(self.config)
         assert batch is not None
-        self.optimizer.zero_grad(set_to_none=True)
+        self.trainer.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # give the failed step's blocks back before the smaller one
         self.config = with_micro_batch(self.config, batch)
-        self.sampler.batch_size = batch
+        self.trainer.batches.batch_size = batch
+        self.trainer.grad_accum = self.config.train.grad_accum
         if self.info.main:
             write_config_and_tokenizer(self.run_dir, self.config, self.tokenizer)
         logger.warning(
@@ -142,16 +166,16 @@ class Run:
         """What a save writes: the counters, weights, optimizer and precision state, and every
         rank's RNG and sampler states (`rngs_and_samplers`, gathered from the ranks in rank
         order). Rank 0 saves: it holds the metrics log, whose size the state records."""
-        assert self.metrics is not None, "only rank 0, which writes metrics.jsonl, saves"
+        assert self.log is not None, "only rank 0, which writes metrics.jsonl, saves"
         return ResumeState(
             counters=self.state,
-            metrics_bytes=self.metrics.size,
+            metrics_bytes=self.log.metrics.size,
             vocab_size=int(self.tokenizer.vocab_size),
             source_hash=self.data.source_hash,
             config=self.config.to_dict(),
             model=self.model.state_dict(),
-            optimizer=self.optimizer.state_dict(),
-            scaler=self.precision.state_dict(),
+            optimizer=self.trainer.optimizer.state_dict(),
+            scaler=self.precision.scaler.state_dict(),
             rng=[rng for rng, _ in rngs_and_samplers],
             sampler=[sampler for _, sampler in rngs_and_samplers],
             guard=self.guard.state_dict() if self.guard is not None else None,
@@ -165,7 +189,7 @@ class Run:
             CheckpointError: a part that does not fit this run (a damaged or foreign file),
                 naming the file and the part.
         """
-        saved.check_parts(self.model, self.optimizer)  # all of it, before any part is loaded
+        saved.check_parts(self.model, self.trainer.optimizer)  # all of it, before any is loaded
         self._restore_training(saved)
         guard = self.guard
         if guard is not None and saved.guard is not None:  # else a fresh guard: an empty window
@@ -180,7 +204,8 @@ class Run:
             )
         own = min(info.rank, saved_world - 1)
         saved.load_part("rng", lambda: set_rng_state(saved.rng[own], self.device))
-        saved.load_part("sampler", lambda: self.sampler.load_state_dict(saved.sampler[own]))
+        batches = self.trainer.batches
+        saved.load_part("sampler", lambda: batches.load_state_dict(saved.sampler[own]))
         # The saved counters, with this session's time counted from its start.
         self.state = dataclasses.replace(saved.counters, session_start=self.state.session_start)
         self.resumed_from = self.state.step
@@ -190,12 +215,12 @@ class Run:
         """Put back what a step changes: the weights, the optimizer's moments and step counts
         (with today's hyperparameters) and the precision scaler."""
         load_weights(self.model, saved.model, saved.path or STATE_FILE)
-        optimizer = self.optimizer
+        optimizer = self.trainer.optimizer
         fresh = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         saved.load_part("optimizer", lambda: optimizer.load_state_dict(saved.optimizer))
         for group, values in zip(optimizer.param_groups, fresh, strict=True):
             group.update(values)
-        saved.load_part("scaler", lambda: self.precision.load_state_dict(saved.scaler))
+        saved.load_part("scaler", lambda: self.precision.scaler.load_state_dict(saved.scaler))
 
     def rollback(self, step: int, loss: float) -> dict[str, Any]:
         """The spike guard's rollback (`llmcli.training.guard`) at step `step`: back to the last
@@ -210,8 +235,8 @@ class Run:
         for counter in dataclasses.fields(TrainState):  # in place: the loop holds `self.state`
             if counter.name not in ("elapsed_base", "session_start"):  # the clock runs on
                 setattr(self.state, counter.name, getattr(saved.counters, counter.name))
-        if self.metrics is not None:
-            self.metrics.rewind(saved.metrics_bytes)
+        if self.log is not None:
+            self.log.metrics.rewind(saved.metrics_bytes)
         guard, to_step, events = self.guard, self.state.step, []
         saved.load_part(
             "guard", lambda: events.append(guard.rolled_back(step, to_step, loss, saved.guard))
@@ -258,31 +283,36 @@ def build_run(
             world_size=info.world_size,
             device=device,
         )
+    trainer = Trainer(
+        model=model,
+        params=list(model.parameters()),
+        optimizer=optimizer,
+        precision=precision,
+        batches=sampler,
+        grad_accum=tc.grad_accum,
+        grad_clip=tc.grad_clip,
+    )
     run = Run(
         config=config,
         info=info,
         run_dir=run_dir,
-        precision=precision,
         data=data,
         tokenizer=data.tokenizer,
         model=model,
-        forward=model,
-        trainer=model,
-        params=list(model.parameters()),
-        optimizer=optimizer,
-        sampler=sampler,
+        evaluated=model,
+        trainer=trainer,
         state=TrainState(session_start=session_start),
-        auto_batch=auto_batch,
         guard=SpikeGuard(tc) if tc.spike_guard else None,
+        auto_batch=auto_batch,
     )
     with agreed(info, device):
         eval_samplers(run)  # a corpus too small for the batch and context fails here, not later
     if saved is not None:
         run.restore(saved)
-    run.forward = run.trainer = torch.compile(model) if tc.compile else model
+    run.evaluated = trainer.model = torch.compile(model) if tc.compile else model
     if info.enabled:
         device_ids = [device.index] if device.type == "cuda" else None
-        run.trainer = DistributedDataParallel(run.forward, device_ids=device_ids)
+        trainer.model = DistributedDataParallel(run.evaluated, device_ids=device_ids)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -387,10 +417,10 @@ def open_run_files(run: Run) -> None:
     try:
         write_config_and_tokenizer(run.run_dir, run.config, run.tokenizer)
         trackers = open_trackers(run.config, run.run_dir, run.resumed_from)
-        run.metrics = MetricsLog(run.run_dir / METRICS_FILE, keep, trackers)
+        run.log = RunLog(MetricsLog(run.run_dir / METRICS_FILE, keep, trackers))
         if tc.head_metrics:
-            run.probe = make_probe(run.tokenizer, run.config.model.context_length)
-            run.head_log = HeadMetricsLog(run.run_dir / HEAD_METRICS_FILE, run.resumed_from)
+            run.log.probe = make_probe(run.tokenizer, run.config.model.context_length)
+            run.log.head_log = HeadMetricsLog(run.run_dir / HEAD_METRICS_FILE, run.resumed_from)
     except OSError as exc:
         raise CheckpointError(
             f"cannot write the run files in '{run.run_dir}': {describe_os_error(exc)}. "

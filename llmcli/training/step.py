@@ -1,0 +1,86 @@
+"""One optimizer step, on one screen: micro-batches, autocast, forward, backward, clip, step.
+
+`train_step` is what nanoGPT's train.py does between two log lines (`for micro_step in
+range(gradient_accumulation_steps)` ... `optimizer.zero_grad(set_to_none=True)`), as a function
+of what it works with (`Trainer`). What keeps a run safe sits around it, in the loop
+(`llmcli.training.loop`), not inside: the spike guard and the layer watch see the gradients
+through `before_update`; the out-of-memory retry, logging, evaluation, saving and stopping are
+the loop's named steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from llmcli.training.precision import Precision
+
+#: Called after backward with the step's loss and gradient norm (0-d tensors on the device),
+#: before the weights change; False refuses the update (the spike guard).
+BeforeUpdate = Callable[[Tensor, Tensor], bool]
+
+
+@dataclass
+class Trainer:
+    """What a training step works with (built by `llmcli.training.run.build_run`).
+
+    Attributes:
+        model: the module a step runs: the model, compiled with `train.compile`, wrapped in
+            `DistributedDataParallel` under torchrun.
+        params: the model's parameters, clipped together.
+        optimizer: updates them (`llmcli.training.optim`).
+        precision: the autocast context and the GradScaler (which does nothing unless fp16).
+        batches: the training stream; `next()` gives `(x, y)`, each `(B, T)` on the device.
+        grad_accum: micro-batches per step.
+        grad_clip: the largest global gradient norm (0: no clipping).
+    """
+
+    model: nn.Module
+    params: list[nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    precision: Precision
+    batches: Any
+    grad_accum: int
+    grad_clip: float
+
+
+def train_step(
+    trainer: Trainer, before_update: BeforeUpdate | None = None
+) -> tuple[Tensor, Tensor, bool]:
+    """One optimizer step over `grad_accum` micro-batches of the training stream.
+
+    Returns:
+        `(loss, norm, applied)`: the micro-batches' mean loss and the global gradient norm
+        before clipping, 0-d tensors left on the device (reading them would wait for it), and
+        whether the weights were updated (`before_update` may refuse).
+    """
+    model, optimizer, scaler = trainer.model, trainer.optimizer, trainer.precision.scaler
+    ddp = isinstance(model, DistributedDataParallel)
+    loss_sum = torch.zeros((), device=trainer.precision.device)
+    for micro in range(trainer.grad_accum):
+        x, y = trainer.batches.next()  # (B, T), (B, T)
+        # Under DDP the gradients are averaged over the ranks once, in the last backward.
+        last = micro == trainer.grad_accum - 1
+        with nullcontext() if last or not ddp else model.no_sync():
+            with trainer.precision.autocast():
+                _, loss = model(x, y)
+            loss = loss / trainer.grad_accum  # the micro-batches' mean, summed by backward
+            scaler.scale(loss).backward()  # fp16: scaled, so that small gradients stay > 0
+        loss_sum += loss.detach()
+    scaler.unscale_(optimizer)  # the true gradients, to measure and clip
+    grads = [p.grad for p in trainer.params if p.grad is not None]
+    norm = nn.utils.get_total_norm(grads, foreach=True)
+    applied = before_update is None or before_update(loss_sum, norm)
+    if applied:
+        if trainer.grad_clip > 0:
+            nn.utils.clip_grads_with_norm_(trainer.params, trainer.grad_clip, norm, foreach=True)
+        scaler.step(optimizer)  # fp16: skipped where a gradient overflowed
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum, norm, applied
