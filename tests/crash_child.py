@@ -25,9 +25,10 @@ import llmcli.generation.generate
 import llmcli.inspection.attention
 import llmcli.model.gpt
 import llmcli.training.loop as T
+from llmcli.runs.metrics import plot_losses
 
 job_file = Path(os.environ["CRASH_JOB"])
-T.plot_losses(job_file.with_suffix(".none"), job_file.with_suffix(".png"))  # loads the fonts
+plot_losses(job_file.with_suffix(".none"), job_file.with_suffix(".png"))  # loads the fonts
 for _ in range(60000):
     if job_file.exists():
         break

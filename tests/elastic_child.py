@@ -16,7 +16,7 @@ from llmcli.cli import main
 kill_at = int(os.environ.get("KILL_AT_STEP", "0"))
 first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 if kill_at and first_attempt and os.environ.get("RANK") == os.environ.get("KILL_RANK", "1"):
-    real_step = T._fitting_step
+    real_step = T.fitting_step
 
     def step_then_die(run, *args):
         result = real_step(run, *args)
@@ -24,6 +24,6 @@ if kill_at and first_attempt and os.environ.get("RANK") == os.environ.get("KILL_
             os.kill(os.getpid(), signal.SIGKILL)
         return result
 
-    T._fitting_step = step_then_die
+    T.fitting_step = step_then_die
 
 main(sys.argv[1:])

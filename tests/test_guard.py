@@ -28,8 +28,9 @@ from llmcli.runs.formats import load_state, load_weights
 from llmcli.runs.metrics import read_metrics
 from llmcli.runs.trackers import tags
 from llmcli.training.guard import SpikeGuard
-from llmcli.training.loop import DivergenceError, train
+from llmcli.training.loop import train
 from llmcli.training.optim import lr_at
+from llmcli.training.safeguards import DivergenceError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -31,9 +31,10 @@ from llmcli.runs.formats import load_state, read_weights
 from llmcli.runs.head_metrics import read_head_metrics
 from llmcli.runs.loading import load_run
 from llmcli.runs.metrics import read_metrics
-from llmcli.training.loop import DivergenceError, train
+from llmcli.training.loop import train
 from llmcli.training.optim import lr_at
 from llmcli.training.run import EVAL_SEED_OFFSET
+from llmcli.training.safeguards import DivergenceError
 
 ROOT = Path(__file__).resolve().parents[1]
 PAUSING_CHILD = Path(__file__).with_name("pausing_child.py")  # `llmcli`, pausing at a step
