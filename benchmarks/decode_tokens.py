@@ -1,22 +1,33 @@
-"""Does the decode step sample the same tokens as the model's `forward`? Prints JSON.
+"""Does today's sampling draw the same tokens as a baseline revision's, and as its own plain loop?
 
-On the CPU `llmcli sample` runs a generation whose steps are mostly small decode steps inside
-`small_gelu` (`llmcli/generation/decode.py`; `llmcli.generation.sample.decode_kernels` decides),
-which puts GELU on ATen's kernel, while `Transformer.forward` elsewhere runs oneDNN's; the two may
-differ in the last bit of some values. This samples a trained run with
-`llmcli.generation.generate` both ways, seed by seed, and counts the seeds whose tokens differ
-anywhere, and the largest logit difference over a window of greedy steps (the decode step inside
-`small_gelu`, `forward` outside it):
+    python benchmarks/decode_tokens.py [--run checkpoints/tiny] [--baseline 5b00014]
+        [--seeds 60] [--tokens 500] [--temperature 0.8]
 
-- `shift` (the default policy): the decode step with the kernel `llmcli sample` picks (ATen's),
-  against `forward` with the KV cache (the decoder switched off, oneDNN's GELU), `--tokens` new
-  tokens per seed, so that most steps are decode steps;
-- `exact` with the kernel `llmcli sample` picks (oneDNN's when the tokens go past the context),
-  against `generate` as it was at the baseline revision (`7fa4a5b`, before the context policies
-  and the decode step): the same tokens as before, for the same seed.
+`llmcli sample` today runs `generate(model, prompts, config, decode=FastDecoder.for_model(model))`
+(`llmcli.generation.fast_decode`: the one-token steps as plain functions of the weights, with
+ATen's GELU for small steps on the CPU); the baseline revision's ran its own `generate` inside
+`generation.sample.decode_kernels` (its decode step, and ATen's GELU around decode-bound
+samples). The two may differ in the last bit of some logits, and a near-tie would then draw
+another token. This loads a trained run (`--run`) through each side's own `load_run` (the same
+weights: `weights_equal`) and samples it seed by seed, `--tokens` new tokens from the prompt [1]
+per seed (batch 1, the run's sampling settings at `--temperature`, only ids of the tokenizer's
+vocabulary, as `llmcli sample` does), counting the seeds whose tokens differ anywhere:
 
-Usage: python benchmarks/decode_tokens.py [--run RUN] [--seeds 50] [--tokens 500]
-(RUN: a trained run, by default the repository's checkpoints/tiny)
+- `shift_vs_baseline` / `exact_vs_baseline`: today as `llmcli sample` runs it against the
+  baseline as its `llmcli sample` ran it, under each context policy (`shift`, the default: most
+  steps are decode steps; `exact`: decode steps inside the context, the whole window recomputed
+  past it);
+- `shift_fast_vs_plain` / `exact_fast_vs_plain`: today's `FastDecoder` against today's plain
+  loop (`decode=None`: every step through `Transformer.forward`);
+
+and `max_abs_logit_difference_fast_vs_forward`: the largest |logit| difference of today's
+`FastDecoder` step against the model's forward with a KV cache, over a greedy run inside the
+context (`steps_with_equal_logits` of how many). The exit status is 0 whatever differs: this
+reports. The baseline side calls its revision's own API (`runs.loading.load_run`,
+`generation.generate.generate`, `generation.sample.decode_kernels`), so `--baseline` must be a
+revision that has them, such as 5b00014. Everything runs on the CPU at one thread.
+
+Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -27,7 +38,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from unittest import mock
+from typing import Any, NoReturn
 
 import torch
 from git_baseline import load_baseline
@@ -35,87 +46,125 @@ from git_baseline import load_baseline
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from llmcli.config import SampleConfig  # noqa: E402
 from llmcli.errors import CheckpointError  # noqa: E402
-from llmcli.generation import generate  # noqa: E402
-from llmcli.generation.decode import Decoder, small_gelu  # noqa: E402
-from llmcli.generation.sample import decode_kernels  # noqa: E402
+from llmcli.generation.fast_decode import FastDecoder  # noqa: E402
+from llmcli.generation.generate import generate_ids  # noqa: E402
 from llmcli.runs.loading import load_run  # noqa: E402
 
-BASELINE = "7fa4a5b"
+BASELINE_MODULES = ("generation.generate", "generation.sample", "runs.loading")
+POLICIES = ("shift", "exact")
 
 
-def largest_logit_difference(model: torch.nn.Module, steps: int) -> float:
-    """Max |decode step - forward| over `steps` greedy steps from a 1-token prompt, the step
-    inside `small_gelu` (as `llmcli sample` runs it), `forward` outside it."""
-    worst = 0.0
+def fail(message: str) -> NoReturn:
+    """Bad input: the message on stderr, exit status 2."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def load_sides(run_dir: Path, rev: str) -> tuple[Any, Any, dict[str, Any]]:
+    """Today's loaded run, the baseline's loaded run, the baseline's modules (or exit 2)."""
+    if not (run_dir / "config.yaml").is_file():
+        fail(
+            f"no trained run at {run_dir}: make one with `llmcli train tiny` (it writes "
+            "checkpoints/tiny), or pass --run DIR."
+        )
+    try:
+        today = load_run(run_dir, device="cpu")
+    except CheckpointError as exc:
+        fail(str(exc))
+    try:
+        baseline = load_baseline(rev, BASELINE_MODULES)
+    except (RuntimeError, ImportError) as exc:
+        fail(f"--baseline {rev}: {str(exc).rstrip('.')}. Use a revision such as 5b00014.")
+    if not hasattr(baseline["generation.sample"], "decode_kernels"):
+        fail(f"--baseline {rev} has no generation.sample.decode_kernels: use one such as 5b00014.")
+    return today, baseline["runs.loading"].load_run(run_dir, device="cpu"), baseline
+
+
+def same_weights(today: Any, old: Any) -> bool:
+    """Whether both sides loaded the same tensors under the same names."""
+    ours, theirs = today.model.state_dict(), old.model.state_dict()
+    return sorted(ours) == sorted(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def largest_logit_difference(model: torch.nn.Module, steps: int) -> dict[str, Any]:
+    """Max |FastDecoder step - forward| over `steps` greedy steps from the prompt [1] (at most
+    the context's), each fed the token the decoder's logits pick, and how many steps were
+    equal bit for bit."""
+    decoder = FastDecoder.for_model(model)
+    assert decoder is not None, "a loaded run's model is a Transformer in eval mode"
+    n = min(steps, model.context_length - 1)
+    worst, equal = 0.0, 0
     with torch.inference_mode():
         ours, theirs = model.new_kv_cache(1), model.new_kv_cache(1)
         idx = torch.tensor([[1]])
         model(idx, kv_cache=ours)
         model(idx, kv_cache=theirs)
-        decoder = Decoder(model)
         token = torch.tensor([1])
-        for _ in range(min(steps, model.context_length - 1)):
-            with small_gelu(model, 1):
-                got = decoder(token, ours, None)  # (1, V)
+        for _ in range(n):
+            got = decoder(token, ours, None, None)  # (1, V)
+            assert got is not None, "no hooks, no autocast: the decoder applies"
             expected = model(token[:, None], kv_cache=theirs)[0][:, -1]  # (1, V)
             worst = max(worst, (got - expected).abs().max().item())
+            equal += torch.equal(got, expected)
             token = got.argmax(-1)
-    return worst
+    return {"max_abs": worst, "steps": n, "steps_with_equal_logits": equal}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--run", default=str(ROOT / "checkpoints" / "tiny"))
-    parser.add_argument("--seeds", type=int, default=50)
-    parser.add_argument("--tokens", type=int, default=500)
-    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--run", default=str(ROOT / "checkpoints" / "tiny"), help="a trained run")
+    parser.add_argument("--baseline", default="5b00014", help="git revision to compare with")
+    parser.add_argument("--seeds", type=int, default=60, help="seeds to sample, 0 .. N-1")
+    parser.add_argument("--tokens", type=int, default=500, help="new tokens per seed")
+    parser.add_argument("--temperature", type=float, default=0.8, help="sampling temperature")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    try:
-        run = load_run(args.run)
-    except CheckpointError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
-    model, cfg = run.model, run.config.sample
-    baseline = load_baseline(BASELINE)
-    old = baseline["model"].Transformer.from_config(run.config.model, model.vocab_size).eval()
-    old.load_state_dict(model.state_dict())
-    kw = dict(temperature=args.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+    today, old, baseline = load_sides(Path(args.run), args.baseline)
+    model, tokenizer = today.model, today.tokenizer
+    old_generate = baseline["generation.generate"].generate_ids
+    decode_kernels = baseline["generation.sample"].decode_kernels
+    # As `llmcli sample` does: only ids of the tokenizer's vocabulary, if the model's is padded.
+    vocab = tokenizer.vocab_size if tokenizer.vocab_size < model.vocab_size else None
+    sampling = {"temperature": args.temperature, "max_new_tokens": args.tokens}
     start = time.perf_counter()
-    differ = {"shift_decoder_vs_forward": 0, "exact_vs_baseline": 0}
+    differ = {f"{p}_{c}": 0 for p in POLICIES for c in ("vs_baseline", "fast_vs_plain")}
     for seed in range(args.seeds):
-        config = SampleConfig(max_new_tokens=args.tokens, seed=seed, **kw)
-        with decode_kernels(model, config, 1):
-            ours = generate.generate_ids(model, [[1]], config)
-        with mock.patch.object(generate, "decoder_for", lambda m: None):
-            theirs = generate.generate_ids(model, [[1]], config)
-        differ["shift_decoder_vs_forward"] += ours != theirs
-        exact = dataclasses.replace(config, context_policy="exact")
-        with decode_kernels(model, exact, 1):
-            ours = generate.generate_ids(model, [[1]], exact)
-        theirs = baseline["generate"].generate_ids(old, [[1]], args.tokens, seed=seed, **kw)
-        differ["exact_vs_baseline"] += ours != theirs
-    print(
-        json.dumps(
-            {
-                "run": args.run,
-                "seeds": args.seeds,
-                "new_tokens_per_seed": args.tokens,
-                "sampling": kw,
-                "tokens_compared_per_check": args.seeds * args.tokens,
-                "seeds_whose_tokens_differ": differ,
-                "max_abs_logit_difference_decode_vs_forward": largest_logit_difference(
-                    model, args.tokens
-                ),
-                "baseline": baseline["rev"],
-                "torch": torch.__version__,
-                "seconds": round(time.perf_counter() - start, 1),
-            },
-            indent=1,
-        )
-    )
+        for policy in POLICIES:
+            settings = {**sampling, "seed": seed, "context_policy": policy}
+            config = dataclasses.replace(today.config.sample, **settings)
+            old_config = dataclasses.replace(old.config.sample, **settings)
+            fast = generate_ids(
+                model, [[1]], config, vocab_size=vocab, decode=FastDecoder.for_model(model)
+            )
+            plain = generate_ids(model, [[1]], config, vocab_size=vocab)
+            with decode_kernels(old.model, old_config, 1):
+                theirs = old_generate(old.model, [[1]], old_config, vocab_size=vocab)
+            differ[f"{policy}_vs_baseline"] += fast != theirs
+            differ[f"{policy}_fast_vs_plain"] += fast != plain
+    sample = dataclasses.replace(today.config.sample, **sampling)
+    out = {
+        "benchmark": "decode_tokens",
+        "seeds_whose_tokens_differ": differ,
+        "seeds": args.seeds,
+        "new_tokens_per_seed": args.tokens,
+        "tokens_compared_per_check": args.seeds * args.tokens,
+        "max_abs_logit_difference_fast_vs_forward": largest_logit_difference(model, args.tokens),
+        "weights_equal": same_weights(today, old),
+        "sampling": {
+            "temperature": sample.temperature,
+            "top_k": sample.top_k,
+            "top_p": sample.top_p,
+            "context_keep": sample.context_keep,
+            "vocab_size": vocab,
+        },
+        "run": args.run,
+        "step": today.step,
+        "baseline": {"requested": args.baseline, "rev": baseline["rev"]},
+        "torch": torch.__version__,
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+    print(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,30 +1,32 @@
 """Inspection outputs bit for bit: today's code against a baseline revision's, on a trained run.
 
-    python benchmarks/inspection_bits.py [--run checkpoints/tiny] [--baseline 4558fb4]
+    python benchmarks/inspection_bits.py [--run checkpoints/tiny] [--baseline 5b00014]
         [--batches 2] [--eval-steps 2] [--ablate L.H,L]
 
-Issue 25 rewrote capture and ablation on the model's hook points and promised the same outputs.
 Both sides load the run (`--run`, a trained run such as `llmcli train tiny` writes) through their
-own `load_run`, and get the same inputs: token ids from the run's validation split. Compared,
-every value bit for bit:
+own `load_run` (`weights`: the same tensors), and read their inputs through their own code: the
+token ids of the run's validation split (`eval_tokens`, `eval_data`: the same ids) and, for the
+ablation, its windows (`window_starts`, `window_batches`: the same batches). Compared, every
+value bit for bit:
 
 - `attention`: what `llmcli inspect-attention` dumps, for prompts of several lengths (the whole
   context, about half of it, 8 tokens and 1) captured together in one right-padded batch:
-  `capture_prompts` (today `llmcli.inspection.capture`, baseline `attention.capture`): every
-  logit and attention weight; and `build_dumps` (today `llmcli.inspection.attention`, baseline
-  `attention.report`): each dump's weights, metrics and tokens (without the induction columns,
-  which issue 26 changed on purpose: the probe and the prompt's own repeats).
+  `capture_prompts` (`llmcli.inspection.capture`): every logit and attention weight; and
+  `build_dumps` (`llmcli.inspection.attention`, with the induction columns: the prompt's own
+  repeats and the fixed probe): each dump's weights, metrics, metric names, tokens, token ids
+  and meta.
 - `ablation`: every head's Δloss, zero and mean ablation, on the first `--batches` validation
   batches of the run's batch size: `head_deltas` (the layer cache) and `head_deltas_full` (one
-  full forward per head; today `llmcli.inspection.ablation`, baseline `ablation`); the base
-  loss and every Δloss.
+  full forward per head; `llmcli.inspection.ablation`); the base loss and every Δloss.
 - `eval_ablate`: `llmcli eval --ablate` (`evaluate_run` with `ablate=--ablate`, zero and mean,
-  and without ablation; today `llmcli.inspection.evaluate`, baseline `evaluate`) on the first
-  `--eval-steps` batches: the loss.
+  and without ablation) on the first `--eval-steps` batches: the loss, and the perplexity, bits
+  per token and byte, tokens, bytes and windows with it.
 
-Each comparison reports `equal` and `max_abs_diff`; `all_equal` sums them up. The baseline
-side calls its revision's own API, so `--baseline` must be a revision with the flat package
-layout, from before the subpackages (5c34e45). Everything runs on the CPU.
+Today's side is the working tree's (the evaluation in `llmcli.evaluation.run` and
+`llmcli.evaluation.text`); the baseline's, its revision's own modules (`runs.loading`,
+`inspection.capture`, `inspection.attention`, `inspection.ablation`, `inspection.evaluate`), so
+`--baseline` must be a revision that has them, such as 5b00014. Each comparison reports `equal`
+and `max_abs_diff`; `all_equal` sums them up. Everything runs on the CPU.
 
 Prints one JSON object.
 """
@@ -47,11 +49,28 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from llmcli.errors import CheckpointError, InputError  # noqa: E402
-from llmcli.inspection import ablation, attention, capture, evaluate  # noqa: E402
+from llmcli.evaluation import run as evaluation  # noqa: E402
+from llmcli.evaluation import text  # noqa: E402
+from llmcli.inspection import ablation, attention, capture  # noqa: E402
 from llmcli.runs.loading import load_run  # noqa: E402
 
-BASELINE_MODULES = ("checkpoint", "attention.capture", "attention.report", "ablation", "evaluate")
+BASELINE_MODULES = (
+    "runs.loading",
+    "inspection.capture",
+    "inspection.attention",
+    "inspection.ablation",
+    "inspection.evaluate",
+)
 METHODS = ("zero", "mean")
+EVAL_FIELDS = (
+    "loss",
+    "perplexity",
+    "bits_per_token",
+    "bits_per_byte",
+    "tokens",
+    "bytes",
+    "windows",
+)
 
 
 def fail(message: str) -> NoReturn:
@@ -63,7 +82,10 @@ def fail(message: str) -> NoReturn:
 def load_sides(run_dir: Path, rev: str) -> tuple[Any, Any, dict[str, Any]]:
     """Today's loaded run, the baseline's loaded run, the baseline's modules (or exit 2)."""
     if not (run_dir / "config.yaml").is_file():
-        fail(f"no trained run at {run_dir}: run `llmcli train tiny` first, or pass --run DIR.")
+        fail(
+            f"no trained run at {run_dir}: make one with `llmcli train tiny` (it writes "
+            "checkpoints/tiny), or pass --run DIR."
+        )
     try:
         today = load_run(run_dir, device="cpu")
     except CheckpointError as exc:
@@ -72,10 +94,10 @@ def load_sides(run_dir: Path, rev: str) -> tuple[Any, Any, dict[str, Any]]:
         baseline = load_baseline(rev, BASELINE_MODULES)
     except (RuntimeError, ImportError) as exc:
         fail(
-            f"--baseline {rev}: {str(exc).rstrip('.')}. It must be a revision with the flat "
-            "package layout (llmcli/checkpoint.py, llmcli/ablation.py), from before 5c34e45."
+            f"--baseline {rev}: {str(exc).rstrip('.')}. It must be a revision with "
+            "llmcli/inspection/evaluate.py and llmcli/runs/loading.py, such as 5b00014."
         )
-    return today, baseline["checkpoint"].load_run(run_dir, device="cpu"), baseline
+    return today, baseline["runs.loading"].load_run(run_dir, device="cpu"), baseline
 
 
 def compare(ours: Any, theirs: Any) -> dict[str, Any]:
@@ -120,13 +142,24 @@ def prompt_ids(tokens: np.ndarray, context_length: int) -> list[list[int]]:
 
 
 def attention_dumps(today: Any, old: Any, baseline: dict, prompts: list) -> dict[str, Any]:
-    """Capture and dumps of `inspect-attention` for the prompts, both sides."""
+    """Capture and dumps of `inspect-attention` (with the induction columns) for the prompts,
+    both sides."""
     ours = capture.capture_prompts(today.model, prompts)
-    theirs = baseline["attention.capture"].capture_prompts(old.model, prompts)
-    options = attention.InspectOptions()
-    dumps = attention.build_dumps(today.model, today.tokenizer, [], options, prompts_ids=prompts)
-    old_dumps = baseline["attention.report"].build_dumps(
-        old.model, old.tokenizer, [], prompts_ids=prompts, induction=False
+    theirs = baseline["inspection.capture"].capture_prompts(old.model, prompts)
+    old_attention = baseline["inspection.attention"]
+    dumps = attention.build_dumps(
+        today.model,
+        today.tokenizer,
+        [],
+        attention.InspectOptions(induction=True),
+        prompts_ids=prompts,
+    )
+    old_dumps = old_attention.build_dumps(
+        old.model,
+        old.tokenizer,
+        [],
+        old_attention.InspectOptions(induction=True),
+        prompts_ids=prompts,
     )
     return {
         "prompt_lengths": [len(ids) for ids in prompts],
@@ -134,21 +167,38 @@ def attention_dumps(today: Any, old: Any, baseline: dict, prompts: list) -> dict
         "weights": compare([w for _, w in ours], [w for _, w in theirs]),
         "dump_weights": compare([d.attn for d in dumps], [d.attn for d in old_dumps]),
         "dump_metrics": compare([d.metrics for d in dumps], [d.metrics for d in old_dumps]),
+        "dump_metric_names": dumps[0].metric_names,
         "dump_metric_names_equal": [d.metric_names for d in dumps]
         == [d.metric_names for d in old_dumps],
         "dump_tokens_equal": [d.tokens for d in dumps] == [d.tokens for d in old_dumps],
+        "dump_token_ids": compare([d.token_ids for d in dumps], [d.token_ids for d in old_dumps]),
+        "dump_meta_equal": [d.meta for d in dumps] == [d.meta for d in old_dumps],
     }
 
 
-def head_ablation(today: Any, old: Any, baseline: dict, tokens: np.ndarray, n: int) -> dict:
-    """`head_deltas` and `head_deltas_full`, zero and mean, on the first `n` validation batches."""
-    ctx, batch_size = today.config.model.context_length, today.config.train.batch_size
+def validation_batches(run: Any, tokens: np.ndarray, n: int, evaluate: Any) -> list:
+    """The first `n` validation batches of the run's batch size, by `evaluate`'s own
+    `window_starts` and `window_batches`."""
+    ctx, batch_size = run.config.model.context_length, run.config.train.batch_size
     starts = evaluate.window_starts(len(tokens), ctx, batch_size, n)
-    batches = list(evaluate.window_batches(tokens, ctx, starts, "cpu"))
-    out: dict[str, Any] = {"batches": len(batches), "batch_size": batch_size}
+    return list(evaluate.window_batches(tokens, ctx, starts, "cpu"))
+
+
+def head_ablation(today: Any, old: Any, baseline: dict, tokens: dict, n: int) -> dict:
+    """`head_deltas` and `head_deltas_full`, zero and mean, on the first `n` validation batches
+    (each side's own)."""
+    batches = validation_batches(today, tokens["today"], n, text)
+    old_batches = validation_batches(old, tokens["baseline"], n, baseline["inspection.evaluate"])
+    out: dict[str, Any] = {
+        "batches": len(batches),
+        "batch_size": today.config.train.batch_size,
+        "batches_tokens": compare(
+            [t for xy in batches for t in xy], [t for xy in old_batches for t in xy]
+        ),
+    }
     for name in ("head_deltas", "head_deltas_full"):
         ours = getattr(ablation, name)(today.model, batches, METHODS)
-        theirs = getattr(baseline["ablation"], name)(old.model, batches, METHODS)
+        theirs = getattr(baseline["inspection.ablation"], name)(old.model, old_batches, METHODS)
         out[name] = {
             "base_loss": {"today": ours.base_loss, **compare(ours.base_loss, theirs.base_loss)},
             **{m: compare(ours.delta[m], theirs.delta[m]) for m in METHODS},
@@ -157,15 +207,23 @@ def head_ablation(today: Any, old: Any, baseline: dict, tokens: np.ndarray, n: i
 
 
 def eval_ablate(run_dir: Path, baseline: dict, specs: list[str], steps: int) -> dict[str, Any]:
-    """`llmcli eval` with the heads `specs` removed (zero, mean) and without: the losses."""
+    """`llmcli eval` with the heads `specs` removed (zero, mean) and without: the loss and the
+    figures with it."""
+    old_evaluate = baseline["inspection.evaluate"]
     out: dict[str, Any] = {"ablate": specs, "steps": steps}
     for method in (None, *METHODS):
-        kwargs = {"steps": steps, "device": "cpu"}
+        kwargs: dict[str, Any] = {"steps": steps, "device": "cpu"}
         if method is not None:
-            kwargs |= {"ablate": specs, "ablation": method}
-        ours = evaluate.evaluate_run(run_dir, None, evaluate.EvalOptions(**kwargs)).loss
-        theirs = baseline["evaluate"].evaluate_run(run_dir, **kwargs).loss
-        out[method or "none"] = {"today": ours, "baseline": theirs, **compare(ours, theirs)}
+            kwargs |= {"ablate": tuple(specs), "ablation": method}
+        ours = evaluation.evaluate_run(run_dir, None, evaluation.EvalOptions(**kwargs))
+        theirs = old_evaluate.evaluate_run(run_dir, None, old_evaluate.EvalOptions(**kwargs))
+        out[method or "none"] = {
+            "today": ours.loss,
+            "baseline": theirs.loss,
+            **compare(
+                [getattr(ours, f) for f in EVAL_FIELDS], [getattr(theirs, f) for f in EVAL_FIELDS]
+            ),
+        }
     return out
 
 
@@ -182,7 +240,7 @@ def all_equal(found: Any) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run", default=str(ROOT / "checkpoints" / "tiny"), help="a trained run")
-    parser.add_argument("--baseline", default="4558fb4", help="git revision to compare with")
+    parser.add_argument("--baseline", default="5b00014", help="git revision to compare with")
     parser.add_argument("--batches", type=int, default=2, help="validation batches to ablate on")
     parser.add_argument("--eval-steps", type=int, default=2, help="batches `eval --ablate` scores")
     parser.add_argument(
@@ -195,13 +253,17 @@ def main() -> None:
     model = today.model
     specs = (args.ablate or f"0.{model.n_head - 1},{model.n_layer - 1}").split(",")
     try:
-        tokens, label = evaluate.eval_tokens(today)
+        tokens, label = text.eval_tokens(today)
+        old_tokens, old_label = baseline["inspection.evaluate"].eval_tokens(old)
         found = {
             "weights": same_weights(today, old),
+            "eval_data": {**compare(tokens, old_tokens), "label_equal": label == old_label},
             "attention": attention_dumps(
                 today, old, baseline, prompt_ids(tokens, model.context_length)
             ),
-            "ablation": head_ablation(today, old, baseline, tokens, args.batches),
+            "ablation": head_ablation(
+                today, old, baseline, {"today": tokens, "baseline": old_tokens}, args.batches
+            ),
             "eval_ablate": eval_ablate(run_dir, baseline, specs, args.eval_steps),
         }
     except InputError as exc:

@@ -1,21 +1,26 @@
 """Today's model against a baseline revision's: training step, forward, decode step, long sample.
 
-    python benchmarks/model_speed.py [--baseline 4558fb4] [--threads 1] [--rounds 15]
+    python benchmarks/model_speed.py [--baseline 5b00014] [--threads 1] [--rounds 15]
         [--reps 10] [--long-rounds 3] [--long-tokens 2000] [--parts train,forward,decode,long]
 
-Issue 25's speed check: the code of today and of the revision `--baseline` run in one process
-on the `tiny` shape (4 layers, 4 heads, n_embed 128, context 64, vocabulary 65, batches of 12),
-at `--threads` CPU threads. Both sides hold the same weights: today's model is built with a
-fixed seed and its state_dict loaded into the baseline's model (their keys must agree). Each part
-runs its two sides interleaved, round by round, the order alternating (today first in even
-rounds), so that a noisy machine slows both alike; a ratio is today / baseline, the median of the
-per-round ratios: below 1 today is faster for milliseconds, above 1 for tokens/s.
+The code of today and of the revision `--baseline` run in one process on the `tiny` shape (4
+layers, 4 heads, n_embed 128, context 64, vocabulary 65, batches of 12), at `--threads` CPU
+threads. Both sides hold the same weights: today's model is built with a fixed seed and its
+state_dict loaded into the baseline's model (their keys must agree). Each part runs its two
+sides interleaved, round by round, the order alternating (today first in even rounds), so that
+a noisy machine slows both alike; a ratio is today / baseline, the median of the per-round
+ratios: below 1 today is faster for milliseconds, above 1 for tokens/s.
 
-- `train_step`: forward, loss, backward, optimizer step, zero_grad on one random batch, each side
-  with its own `build_optimizer` (AdamW) and the same train settings; ms per step, `--reps` steps
-  a round. Both sides take the same steps from the same weights on the same batch, so the
-  first step's loss and gradients (an untimed step) and the weights after all steps must be
-  equal bit for bit.
+Each side runs as its own revision's `llmcli train` and `llmcli sample` run it:
+
+- `train_step`: one optimizer step on one random batch (grad_accum 1, fp32, `grad_clip` 1.0,
+  AdamW from each side's own `build_optimizer`, the same settings). Today:
+  `llmcli.training.step.train_step` on a `Trainer`; the baseline: its training loop's sequence,
+  forward under `precision.autocast()`, `precision.backward(loss)`, `precision.step(optimizer,
+  params, grad_clip)` (clip, step, zero_grad). ms per step, `--reps` steps a round. Both sides
+  take the same steps from the same weights on the same batch, so the first step's loss,
+  gradients (before clipping) and gradient norm (an untimed step) and the weights after all
+  steps must be equal bit for bit.
 - `forward`: the inference forward of that batch under `torch.no_grad()`; ms per forward, `--reps`
   a round; the logits must be equal bit for bit.
 - `decode_step`: the cached one-token step inside the context: 63 new tokens from a 1-token
@@ -25,14 +30,16 @@ per-round ratios: below 1 today is faster for milliseconds, above 1 for tokens/s
 - `long_sample`: `--long-tokens` new tokens at batch 1 from a 1-token prompt past the context,
   under `shift` (the default policy), sampled as above; tokens/s; the same tokens are required.
 
-Today's generation runs with the GELU kernel `llmcli sample` picks (`decode_kernels`: ATen's,
-set once around these decode-bound samples); the baseline runs as it is (its decode step flips
-oneDNN itself at every step).
-The two sampling parts scale the weight matrices by 4, as `sample_throughput.py` does, so that
-logits are not near-ties. The baseline side calls its revision's own API
-(`Transformer.from_config`, `generate(model, prompts, max_new_tokens, temperature=...)`,
-`optim.build_optimizer`), so `--baseline` must be a revision with the flat package layout, from
-before the subpackages (5c34e45).
+Generation, today: `generate(model, prompts, config, decode=FastDecoder.for_model(model))`, the
+decoder built at the start of each generation, as `llmcli sample` runs it; the baseline: its
+`generate(model, prompts, config)` inside its `generation.sample.decode_kernels(model, config,
+1)` (ATen's GELU for decode-bound samples), as its `llmcli sample` ran it. The two sampling parts
+scale the weight matrices by 4, as `sample_throughput.py` does, so that logits are not near-ties.
+The baseline side calls its revision's own API (`model.gpt.Transformer(config, vocab,
+generator=...)`, `generation.generate.generate`, `generation.sample.decode_kernels`,
+`training.optim.build_optimizer`, `training.precision.Precision`), so `--baseline` must be a
+revision with the subpackage layout and that API: 5b00014 (before the decode step moved to
+`llmcli.generation.fast_decode` and the training step to `llmcli.training.step`).
 
 Prints one JSON object: `ratios` (every part's today / baseline), then per part the medians per
 side, the ratio, the per-round figures and its equality checks, `weights` (the state_dict check),
@@ -42,7 +49,6 @@ the settings and `machine` (with the load average at start and end).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
@@ -60,17 +66,36 @@ from git_baseline import load_baseline
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmcli.config import ModelConfig, SampleConfig, TrainConfig  # noqa: E402
+from llmcli.generation.fast_decode import FastDecoder  # noqa: E402
 from llmcli.generation.generate import generate  # noqa: E402
-from llmcli.generation.sample import decode_kernels  # noqa: E402
 from llmcli.model.gpt import Transformer  # noqa: E402
 from llmcli.training.optim import build_optimizer  # noqa: E402
+from llmcli.training.precision import Precision  # noqa: E402
+from llmcli.training.step import Trainer, train_step  # noqa: E402
 
 TINY = {"n_layer": 4, "n_head": 4, "n_embed": 128, "context_length": 64}
 VOCAB, BATCH = 65, 12
-TRAIN = {"optimizer": "adamw", "lr": 1e-3, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.99}
+TRAIN = {
+    "optimizer": "adamw",
+    "lr": 1e-3,
+    "weight_decay": 0.1,
+    "beta1": 0.9,
+    "beta2": 0.99,
+    "grad_clip": 1.0,
+    "grad_accum": 1,
+}
 SAMPLED = {"temperature": 0.8, "top_k": 200, "seed": 1337}  # llmcli's sample defaults
 SIDES = ("today", "baseline")
 PARTS = ("train", "forward", "decode", "long")
+BASELINE_MODULES = (
+    "config",
+    "model.gpt",
+    "generation.generate",
+    "generation.sample",
+    "training.optim",
+    "training.precision",
+)
+CPU = torch.device("cpu")
 
 Side = Callable[[], Any]
 
@@ -84,19 +109,31 @@ def fail(message: str) -> NoReturn:
 def load(rev: str) -> dict[str, Any]:
     """The baseline revision's modules, or exit 2 naming what kind of revision fits."""
     try:
-        return load_baseline(rev, ("config", "model", "generate", "optim"))
+        baseline = load_baseline(rev, BASELINE_MODULES)
     except (RuntimeError, ImportError) as exc:
         fail(
-            f"--baseline {rev}: {str(exc).rstrip('.')}. It must be a revision with the flat "
-            "package layout (llmcli/model.py, llmcli/generate.py), from before 5c34e45."
+            f"--baseline {rev}: {str(exc).rstrip('.')}. It must be a revision with the "
+            "subpackage layout whose llmcli/generation/sample.py has decode_kernels and whose "
+            "Precision has backward and step, such as 5b00014."
         )
+    old_api = hasattr(baseline["generation.sample"], "decode_kernels") and hasattr(
+        baseline["training.precision"].Precision, "backward"
+    )
+    if not old_api:
+        fail(
+            f"--baseline {rev} has no generation.sample.decode_kernels or Precision.backward: "
+            "use a revision with that API, such as 5b00014."
+        )
+    return baseline
 
 
 def tiny_models(baseline: dict[str, Any]) -> dict[str, torch.nn.Module]:
-    """The tiny model, built by each side's own code (today's with seed 0), in eval mode."""
+    """The tiny model, built by each side's own code (seed 0), in eval mode."""
     today = Transformer(ModelConfig(**TINY), VOCAB, generator=torch.Generator().manual_seed(0))
     config = baseline["config"].ModelConfig(**TINY)
-    old = baseline["model"].Transformer.from_config(config, VOCAB)
+    old = baseline["model.gpt"].Transformer(
+        config, VOCAB, generator=torch.Generator().manual_seed(0)
+    )
     return {"today": today.eval(), "baseline": old.eval()}
 
 
@@ -157,52 +194,113 @@ def same_weights(models: dict[str, torch.nn.Module]) -> bool:
     return all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
-def first_step(models: dict, optimizers: dict, x: torch.Tensor, y: torch.Tensor) -> dict:
-    """One training step of each side, untimed: are the loss and every gradient equal?"""
-    losses, grads = {}, {}
+class OneBatch:
+    """A training stream that gives the same batch at every `next()` (a `Trainer`'s `batches`)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.batch = x, y
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.batch
+
+
+Step = Callable[[Callable[[], None] | None], tuple[torch.Tensor, torch.Tensor]]
+
+
+def today_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> Step:
+    """Today's training step: `train_step` on a `Trainer` (what `llmcli train` builds). The
+    step's argument, if given, is called after backward with the gradients before clipping.
+    The step returns its loss and gradient norm."""
+    tc = TrainConfig(**TRAIN)
+    optimizer = build_optimizer(model, tc, "cpu")
+    precision = Precision.resolve(CPU, "float32")
+    trainer = Trainer(
+        model,
+        list(model.parameters()),
+        optimizer,
+        precision,
+        OneBatch(x, y),
+        tc.grad_accum,
+        tc.grad_clip,
+    )
+
+    def step(inspect: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        before_update = None
+        if inspect is not None:
+
+            def before_update(loss: torch.Tensor, norm: torch.Tensor) -> bool:
+                inspect()
+                return True  # the update goes ahead
+
+        loss, norm, _ = train_step(trainer, before_update)
+        return loss, norm
+
+    return step
+
+
+def baseline_step(baseline: dict[str, Any], model: torch.nn.Module, x, y) -> Step:
+    """The baseline's training step, as its loop (`training.loop._train_step`) ran it for
+    grad_accum 1 and no spike guard: forward under `precision.autocast()`,
+    `precision.backward(loss)`, `precision.clip` (with `inspect`, called with the gradients
+    before clipping), `precision.finish` (optimizer step, zero_grad)."""
+    tc = baseline["config"].TrainConfig(**TRAIN)
+    optimizer = baseline["training.optim"].build_optimizer(model, tc, "cpu")
+    precision = baseline["training.precision"].Precision.resolve(CPU, "float32")
+    params = list(model.parameters())
+
+    def step(inspect: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        with precision.autocast():
+            _, loss = model(x, y)
+        loss = loss / tc.grad_accum  # the micro-batches' mean, as the loop took it
+        precision.backward(loss)
+        norm = precision.clip(optimizer, params, tc.grad_clip, False, inspect)
+        precision.finish(optimizer)
+        return loss.detach(), norm
+
+    return step
+
+
+def first_step(models: dict[str, torch.nn.Module], steps: dict[str, Step]) -> dict[str, bool]:
+    """One training step of each side, untimed: are the loss, every gradient (before
+    clipping) and the gradient norm equal?"""
+    grads: dict[str, dict[str, torch.Tensor]] = {}
+    found = {}
     for name in SIDES:
-        _, loss = models[name](x, y)
-        loss.backward()
-        losses[name] = loss.detach()
-        grads[name] = {k: p.grad.clone() for k, p in models[name].named_parameters()}
-        optimizers[name].step()
-        optimizers[name].zero_grad(set_to_none=True)
+
+        def inspect(name: str = name) -> None:
+            grads[name] = {k: p.grad.clone() for k, p in models[name].named_parameters()}
+
+        found[name] = steps[name](inspect)
     ours, theirs = grads["today"], grads["baseline"]
     return {
-        "first_loss_equal": torch.equal(losses["today"], losses["baseline"]),
+        "first_loss_equal": torch.equal(found["today"][0], found["baseline"][0]),
         "first_grads_equal": ours.keys() == theirs.keys()
         and all(torch.equal(ours[k], theirs[k]) for k in ours),
+        "first_grad_norm_equal": torch.equal(found["today"][1], found["baseline"][1]),
     }
 
 
-def train_step(baseline: dict[str, Any], rounds: int, reps: int) -> dict[str, Any]:
-    """ms per training step, each side with its own optimizer; the same loss, gradients and
-    weights after the same steps."""
+def train_part(baseline: dict[str, Any], rounds: int, reps: int) -> dict[str, Any]:
+    """ms per training step, each side its own step and optimizer; the same loss, gradients
+    and weights after the same steps."""
     models = {name: model.train() for name, model in tiny_pair(baseline).items()}
-    optimizers = {
-        "today": build_optimizer(models["today"], TrainConfig(**TRAIN), "cpu"),
-        "baseline": baseline["optim"].build_optimizer(
-            models["baseline"], baseline["config"].TrainConfig(**TRAIN), "cpu"
-        ),
-    }
     x, y = random_batch()
-    checks = first_step(models, optimizers, x, y)
+    steps = {
+        "today": today_step(models["today"], x, y),
+        "baseline": baseline_step(baseline, models["baseline"], x, y),
+    }
+    checks = first_step(models, steps)
 
-    def side(name: str) -> Side:
-        model, optimizer = models[name], optimizers[name]
-
+    def side(step: Step) -> Side:
         def run() -> float:
             start = time.perf_counter()
             for _ in range(reps):
-                _, loss = model(x, y)
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                step(None)
             return (time.perf_counter() - start) / reps * 1e3
 
         return run
 
-    ms = interleaved({name: side(name) for name in SIDES}, rounds)
+    ms = interleaved({name: side(step) for name, step in steps.items()}, rounds)
     # Both sides took the same number of steps from the same weights on the same batch.
     return {**compared(ms, "ms"), **checks, "weights_equal_after_steps": same_weights(models)}
 
@@ -228,10 +326,11 @@ def forward(baseline: dict[str, Any], rounds: int, reps: int) -> dict[str, Any]:
     return {**compared(ms, "ms"), "logits_equal": torch.equal(logits["today"], logits["baseline"])}
 
 
-def stepped(steps: Iterator[torch.Tensor]) -> tuple[list[int], list[float]]:
-    """Run a generation: its tokens (row 0) and the seconds of each step."""
+def stepped(start: Callable[[], Iterator[torch.Tensor]]) -> tuple[list[int], list[float]]:
+    """Start a generation and run it: its tokens (row 0) and the seconds of each step (the
+    first counts from before `start`, so a decoder built there is part of it)."""
     stamps, tokens = [time.perf_counter()], []
-    for ids in steps:
+    for ids in start():
         tokens.append(int(ids[0]))
         stamps.append(time.perf_counter())
     return tokens, [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
@@ -240,19 +339,23 @@ def stepped(steps: Iterator[torch.Tensor]) -> tuple[list[int], list[float]]:
 def sampler(
     baseline: dict[str, Any], models: dict[str, torch.nn.Module], n: int, settings: dict
 ) -> dict[str, Callable[[], tuple[list[int], list[float]]]]:
-    """One batch-1 generation of `n` tokens from the prompt [1] per side: today's with the GELU
-    kernel `llmcli sample` picks (`decode_kernels`), the baseline's through its own `generate`."""
+    """One batch-1 generation of `n` tokens from the prompt [1] per side, as each side's
+    `llmcli sample` runs it: today's with `FastDecoder`, the baseline's inside its
+    `decode_kernels`."""
     config = SampleConfig(max_new_tokens=n, **settings)
+    old_config = baseline["config"].SampleConfig(max_new_tokens=n, **settings)
+    old_generate = baseline["generation.generate"].generate
+    decode_kernels = baseline["generation.sample"].decode_kernels
+    model, old = models["today"], models["baseline"]
 
     def today() -> tuple[list[int], list[float]]:
-        with decode_kernels(models["today"], config, 1):
-            return stepped(generate(models["today"], [[1]], config))
+        return stepped(lambda: generate(model, [[1]], config, decode=FastDecoder.for_model(model)))
 
-    def old() -> tuple[list[int], list[float]]:
-        kwargs = {k: v for k, v in dataclasses.asdict(config).items() if k != "max_new_tokens"}
-        return stepped(baseline["generate"].generate(models["baseline"], [[1]], n, **kwargs))
+    def baseline_side() -> tuple[list[int], list[float]]:
+        with decode_kernels(old, old_config, 1):
+            return stepped(lambda: old_generate(old, [[1]], old_config))
 
-    return {"today": today, "baseline": old}
+    return {"today": today, "baseline": baseline_side}
 
 
 def decode_step(baseline: dict[str, Any], rounds: int) -> dict[str, Any]:
@@ -314,12 +417,12 @@ def ratios(out: dict[str, Any]) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline", default="4558fb4", help="git revision to compare with")
+    parser.add_argument("--baseline", default="5b00014", help="git revision to compare with")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--rounds", type=int, default=15, help="rounds of the fast parts")
     parser.add_argument("--reps", type=int, default=10, help="steps / forwards per round")
     parser.add_argument("--long-rounds", type=int, default=3, help="rounds of long_sample")
-    parser.add_argument("--long-tokens", type=int, default=2000)
+    parser.add_argument("--long-tokens", type=int, default=2000, help="long_sample's new tokens")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"any of {', '.join(PARTS)}")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
@@ -331,7 +434,7 @@ def main() -> None:
     out: dict[str, Any] = {"benchmark": "model_speed", "ratios": {}}
     weights = check_keys(baseline)
     if "train" in parts:
-        out["train_step"] = train_step(baseline, args.rounds, args.reps)
+        out["train_step"] = train_part(baseline, args.rounds, args.reps)
     if "forward" in parts:
         out["forward"] = forward(baseline, args.rounds, args.reps)
     if "decode" in parts:

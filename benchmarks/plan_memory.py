@@ -5,8 +5,9 @@
 
 Each case (a shipped config at a micro-batch) runs in a fresh Python process, which builds the
 config's model and optimizer exactly as `llmcli train` does (`Transformer`, `build_optimizer`,
-`Precision`) and trains `--steps` steps on random tokens of the config's vocabulary. What is
-measured as the peak:
+`Precision`) and trains `--steps` steps of the loop's own step (`llmcli.training.step.train_step`
+on a `Trainer`: `train.grad_accum` micro-batches, autocast, backward, clip, optimizer step) on
+random tokens of the config's vocabulary. What is measured as the peak:
 
 - on the CPU, the process's peak resident set size (`ru_maxrss`, what the kernel counts and what
   runs a laptop out of memory) minus the resident set size just before the model is built (after
@@ -30,6 +31,10 @@ import resource
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -48,6 +53,7 @@ def measure_case(name: str, batch: int, device_name: str, steps: int, sets: list
     from llmcli.training.optim import build_optimizer
     from llmcli.training.plan import plan_vocab
     from llmcli.training.precision import Precision
+    from llmcli.training.step import Trainer, train_step
 
     config = load_config(name, [*sets, f"train.batch_size={batch}"])
     tc, T = config.train, config.model.context_length
@@ -55,7 +61,8 @@ def measure_case(name: str, batch: int, device_name: str, steps: int, sets: list
     precision = Precision.resolve(device, tc.dtype)
     vocab, _ = plan_vocab(config)
     gen = torch.Generator().manual_seed(tc.seed)
-    tokens = torch.randint(0, vocab, (steps, batch, T + 1), generator=gen).to(device)
+    micro_batches = steps * tc.grad_accum
+    tokens = torch.randint(0, vocab, (micro_batches, batch, T + 1), generator=gen).to(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -65,13 +72,12 @@ def measure_case(name: str, batch: int, device_name: str, steps: int, sets: list
 
     model = Transformer(config.model, vocab, generator=gen).to(device)
     optimizer = build_optimizer(model, tc, device.type)
-    params = list(model.parameters())
-    for step in range(steps):
-        x, y = tokens[step, :, :-1], tokens[step, :, 1:]  # (B, T), (B, T)
-        with precision.autocast():
-            _, loss = model(x, y)
-        precision.backward(loss)
-        precision.step(optimizer, params, tc.grad_clip)
+    batches = RandomBatches(tokens)
+    trainer = Trainer(
+        model, list(model.parameters()), optimizer, precision, batches, tc.grad_accum, tc.grad_clip
+    )
+    for _ in range(steps):
+        train_step(trainer)
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -96,6 +102,18 @@ def measure_case(name: str, batch: int, device_name: str, steps: int, sets: list
         "ratio": round(estimate.peak / measured, 3),
         "within_25pct": abs(estimate.peak / measured - 1) <= 0.25,
     }
+
+
+class RandomBatches:
+    """A training stream over `tokens` `(N, B, T + 1)`: `next()` gives the next `(x, y)`."""
+
+    def __init__(self, tokens: Tensor) -> None:
+        self.tokens, self.i = tokens, 0
+
+    def next(self) -> tuple[Tensor, Tensor]:
+        row = self.tokens[self.i]  # (B, T + 1)
+        self.i += 1
+        return row[:, :-1], row[:, 1:]  # (B, T), (B, T)
 
 
 def _rss_bytes() -> int:

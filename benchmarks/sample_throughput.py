@@ -6,10 +6,11 @@ says greedy. Contestants are interleaved round by round in one process, the orde
 that a noisy machine slows them alike; figures are medians over rounds. Each llmcli run uses the
 CPU threads `llmcli sample` would (`llmcli.generation.sample.threads_for`: 1 for the tiny model's
 decode-bound runs, torch's own count otherwise); the others use torch's own count. The current
-llmcli contestants also run with the GELU kernel `llmcli sample` picks
-(`llmcli.generation.sample.decode_kernels`: ATen's, set once around a generation whose steps are
-mostly small decode steps; oneDNN's otherwise); interleaved, each sets it around its own turns,
-so the others (the baseline revision, nanoGPT's loop, `transformers`) run as they are.
+llmcli contestants generate as `llmcli sample` does, `generate(model, prompts, config,
+decode=FastDecoder.for_model(model))` (`llmcli.generation.fast_decode`: the cached one-token
+steps as plain functions of the weights, with ATen's GELU for small steps on the CPU, chosen in
+the step itself: no process-wide switch), so the others (the baseline revision, nanoGPT's loop,
+`transformers`) run as they are beside them.
 
 1. `long_generation`: batch 1 from a 1-token prompt far past the context: the tiny model
    (4L/128, context 64) for 2,000 tokens and 6L/384 at context 256 for 1,000 tokens. Contestants:
@@ -46,7 +47,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from itertools import islice
 from pathlib import Path
@@ -58,8 +59,9 @@ from git_baseline import load_baseline
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmcli.config import ModelConfig, SampleConfig  # noqa: E402
+from llmcli.generation.fast_decode import FastDecoder  # noqa: E402
 from llmcli.generation.generate import generate  # noqa: E402
-from llmcli.generation.sample import decode_kernels, threads_for  # noqa: E402
+from llmcli.generation.sample import threads_for  # noqa: E402
 from llmcli.generation.sampling import sample_next  # noqa: E402
 from llmcli.generation.threads import torch_threads  # noqa: E402
 from llmcli.model.gpt import Transformer  # noqa: E402
@@ -97,26 +99,29 @@ def _scaled(model: torch.nn.Module) -> torch.nn.Module:
     return model.eval()
 
 
+def sample_steps(
+    model: torch.nn.Module, prompts: list[list[int]], config: SampleConfig, **kwargs
+) -> Iterator[torch.Tensor]:
+    """The current llmcli's generation as `llmcli sample` runs it: `generate` with the decoder
+    of `llmcli.generation.fast_decode` (built here, at the start of each generation)."""
+    return generate(model, prompts, config, decode=FastDecoder.for_model(model), **kwargs)
+
+
 class Contestant(NamedTuple):
     """One way to generate, for `interleave`.
 
     Attributes:
         start: starts its step iterator (each step a `(B,)` tensor of new ids).
         threads: the CPU threads it runs on (None: torch's own count).
-        llmcli: for the current code, the model and settings of its batch-1 generation, whose
-            GELU kernel is chosen as `llmcli sample` chooses it (`decode_kernels`); None runs
-            as it is.
     """
 
     start: Callable[[], Iterator[torch.Tensor]]
     threads: int | None = None
-    llmcli: tuple[torch.nn.Module, SampleConfig] | None = None
 
     @contextmanager
     def scope(self) -> Iterator[None]:
-        """Its threads, and for llmcli its GELU kernel, while it runs."""
-        gelu = nullcontext() if self.llmcli is None else decode_kernels(*self.llmcli, 1)
-        with torch_threads(self.threads), gelu:
+        """Its threads, while it runs."""
+        with torch_threads(self.threads):
             yield
 
 
@@ -219,15 +224,13 @@ def long_generation(shape: dict, n: int, rounds: int, baseline: dict | None, nan
     threads = {name: threads_for(model, CPU, config) for name, config in configs.items()}
 
     def policy(name: str) -> Contestant:
-        start = lambda: generate(model, [[1]], configs[name])  # noqa: E731
-        return Contestant(start, threads[name], (model, configs[name]))
+        return Contestant(lambda: sample_steps(model, [[1]], configs[name]), threads[name])
 
     contestants = {
         "shift": policy("shift"),
         "exact": policy("exact"),
         "full_recompute": Contestant(
-            lambda: generate(model, [[1]], configs["exact"], use_cache=False),
-            llmcli=(model, configs["exact"]),
+            lambda: sample_steps(model, [[1]], configs["exact"], use_cache=False)
         ),
     }
     if nanogpt:
@@ -277,7 +280,7 @@ def decode_step(rounds: int, baseline: dict | None) -> dict:
         config = SampleConfig(max_new_tokens=n, **kw)
         for threads in counts:
             contestants[f"current_{label}_{threads}t"] = Contestant(
-                lambda config=config: generate(model, [[1]], config), threads, (model, config)
+                lambda config=config: sample_steps(model, [[1]], config), threads
             )
             if baseline is not None:
                 old = baseline_model(TINY, baseline)
@@ -385,8 +388,7 @@ def vs_transformers_tiny(rounds: int) -> dict:
             with torch_threads(threads):
                 if name == "llmcli_shift":
                     greedy = SampleConfig(max_new_tokens=n, temperature=0.0, context_policy="shift")
-                    with decode_kernels(model, greedy, 1):  # as `llmcli sample` runs it
-                        tokens, per, total = timed(generate(model, [[1]], greedy))
+                    tokens, per, total = timed(sample_steps(model, [[1]], greedy))
                     per = per[1:]  # the prefill
                 else:
                     tokens, per, total = hf_timed()
@@ -417,7 +419,7 @@ def mid_ctx512(n: int, rounds: int, baseline: dict | None) -> dict:
     model = make_model(MID)
     greedy = SampleConfig(max_new_tokens=n, temperature=0.0)
     contestants = {
-        "current": Contestant(lambda: generate(model, [[1]], greedy), llmcli=(model, greedy)),
+        "current": Contestant(lambda: sample_steps(model, [[1]], greedy)),
     }
     if baseline is not None:
         old = baseline_model(MID, baseline)
@@ -450,9 +452,8 @@ def latency(n: int = 1000, window: int = 100) -> dict:
     shape = {**MID, "context_length": 1024}
     model = make_model(shape)
     greedy = SampleConfig(max_new_tokens=n, temperature=0.0)
-    with decode_kernels(model, greedy, 1):  # as `llmcli sample` runs it
-        timed(islice(generate(model, [[1]], greedy), 8))
-        _, per_token, _ = timed(generate(model, [[1]], greedy))
+    timed(islice(sample_steps(model, [[1]], greedy), 8))
+    _, per_token, _ = timed(sample_steps(model, [[1]], greedy))
     first = statistics.mean(per_token[:window]) * 1e3
     last = statistics.mean(per_token[-window:]) * 1e3
     return {
@@ -476,8 +477,7 @@ def vs_transformers(n: int, rounds: int) -> dict:
 
     def run_ours(new_tokens: int) -> tuple[list[int], list[float], float]:
         greedy = SampleConfig(max_new_tokens=new_tokens, temperature=0.0)
-        with decode_kernels(model, greedy, 1):  # as `llmcli sample` runs it
-            return timed(generate(model, [[1]], greedy))
+        return timed(sample_steps(model, [[1]], greedy))
 
     run_hf()  # warm-up (both)
     run_ours(8)
@@ -504,15 +504,12 @@ def batched_vs_sequential(shape: dict, lengths: list[int], n: int) -> dict:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, VOCAB, (L,), generator=g).tolist() for L in lengths]
     kw = dict(temperature=0.8, top_k=50)
-    # Each generation with the GELU kernel `llmcli sample` picks for its batch size.
     warm = SampleConfig(max_new_tokens=8, seed=0, **kw)
-    with decode_kernels(model, warm, 1):
-        timed(generate(model, prompts[:1], warm))
+    timed(sample_steps(model, prompts[:1], warm))
 
     start = time.perf_counter()
     config = SampleConfig(max_new_tokens=n, seed=0, **kw)
-    with decode_kernels(model, config, len(prompts)):
-        steps = list(generate(model, prompts, config))
+    steps = list(sample_steps(model, prompts, config))
     batched_s = time.perf_counter() - start
     batched = torch.stack(steps, dim=1).tolist()  # (len(prompts), n)
 
@@ -520,8 +517,7 @@ def batched_vs_sequential(shape: dict, lengths: list[int], n: int) -> dict:
     alone = []
     for i, p in enumerate(prompts):
         config = SampleConfig(max_new_tokens=n, seed=i, **kw)
-        with decode_kernels(model, config, 1):
-            alone.append(timed(generate(model, [p], config))[0])
+        alone.append(timed(sample_steps(model, [p], config))[0])
     sequential_s = time.perf_counter() - start
     total = n * len(prompts)
     return {
