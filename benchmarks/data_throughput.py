@@ -38,7 +38,7 @@ SAMPLER_CHILD = r"""
 import json, mmap, resource, sys, time
 import numpy as np, torch
 sys.path.insert(0, sys.argv[4])
-from llmcli.data.tokens import BatchSampler
+from llmcli.data.batches import BatchSampler
 
 path, method, n_batches = sys.argv[1], sys.argv[2], int(sys.argv[3])
 B, T = 64, 256

@@ -16,8 +16,9 @@ from llmcli.config import DataConfig
 from llmcli.data import corpus
 from llmcli.data import tokenizer as tokenizer_module
 from llmcli.data import tokens as D
+from llmcli.data.batches import BatchSampler
 from llmcli.data.tokenizer import BPETokenizer, CharTokenizer
-from llmcli.data.tokens import BatchSampler, TokenData, default_cache_dir, prepare_data
+from llmcli.data.tokens import TokenData, default_cache_dir, prepare_data
 from llmcli.errors import InputError
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "shakespeare.txt"
@@ -402,7 +403,7 @@ def test_sampler_reads_memmap_views_and_offsets_like_arrays(tokens: np.memmap) -
     }
     for name, view in cases.items():
         sampler = BatchSampler(view, 5, 24, seed=3)
-        assert (sampler._fd is None) == name.startswith("strided"), name
+        assert (sampler.reader._fd is None) == name.startswith("strided"), name
         g = torch.Generator().manual_seed(3)
         for _ in range(3):
             x, y = sampler.next()

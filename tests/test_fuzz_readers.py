@@ -30,8 +30,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmcli.config import Config, TrainConfig, config_from_dict
+from llmcli.data.batches import BatchSampler
 from llmcli.data.tokenizer import CharTokenizer, tokenizer_from_json
-from llmcli.data.tokens import BatchSampler
 from llmcli.errors import InputError
 from llmcli.hf.export import export_hf
 from llmcli.hf.load import resolve_init_from
@@ -333,7 +333,6 @@ def resumable(small_corpus) -> dict[str, Any]:
         data=None,
         tokenizer=None,
         model=model,
-        evaluated=model,
         trainer=trainer,
         state=TrainState(),
     )

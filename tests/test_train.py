@@ -139,7 +139,8 @@ def reference(corpus: Path, tmp_path_factory) -> Path:
 
 
 def test_a_run_writes_its_directory_metrics_and_evaluations(reference: Path, corpus: Path) -> None:
-    from llmcli.data.tokens import BatchSampler, prepare_data
+    from llmcli.data.batches import BatchSampler
+    from llmcli.data.tokens import prepare_data
 
     names = set(os.listdir(reference))
     assert names == {
@@ -201,7 +202,8 @@ def test_evaluation_does_not_move_the_training_stream(
 def test_head_metrics_equal_a_recomputation_from_the_saved_weights(
     reference: Path, corpus: Path
 ) -> None:
-    from llmcli.data.tokens import BatchSampler, prepare_data
+    from llmcli.data.batches import BatchSampler
+    from llmcli.data.tokens import prepare_data
 
     evals = [r for r in read_metrics(reference / "metrics.jsonl") if r["kind"] == "eval"]
     grids = read_head_metrics(reference / "head_metrics.jsonl")
@@ -480,7 +482,7 @@ def test_an_unwritable_run_directory_exits_2_with_a_message(corpus: Path, tmp_pa
 def test_ddp_two_processes_match_one_process_with_the_union_of_their_batches(
     corpus: Path, tmp_path: Path, monkeypatch
 ) -> None:
-    import llmcli.data.tokens
+    import llmcli.data.batches
     import llmcli.training.run
 
     steps = dict(max_steps=20, warmup_steps=2, eval_interval=20, log_interval=10, grad_accum=2)
@@ -513,7 +515,7 @@ def test_ddp_two_processes_match_one_process_with_the_union_of_their_batches(
     assert len(list((ddp_dir / "tensorboard").glob("events.*"))) == 1  # rank 0 logs alone
 
     # One process, batch 8: each batch is rank 0's 4 windows followed by rank 1's.
-    Sampler = llmcli.data.tokens.BatchSampler
+    Sampler = llmcli.data.batches.BatchSampler
 
     class Union:
         def __init__(

@@ -5,9 +5,9 @@ or `data.dataset`: a Hugging Face `datasets` source; see `llmcli.data.corpus`), 
 unless one is given, and tokenizes the text once into a binary token file (uint16 when the
 vocabulary fits, else uint32) under a cache folder. The file is keyed by a hash of the source
 content and of the tokenizer, so an unchanged corpus is not tokenized again and a changed one is.
-`TokenData` holds the splits as `np.memmap`s of that file, and `BatchSampler` draws `(x, y)`
-windows from them with its own `torch.Generator`, reading each window from the file (`os.pread`),
-so memory does not grow with the corpus.
+`TokenData` holds the splits as `np.memmap`s of that file; `WindowReader` reads windows of them
+from the file (`os.pread`), so memory does not grow with the corpus, for the batches
+(`llmcli.data.batches`).
 
 Cache folder: the `cache_dir` argument, else `data.cache_dir`, else `$LLMCLI_CACHE`, else
 `$XDG_CACHE_HOME/llmcli`, else `~/.cache/llmcli`. It holds `tokens/<key>.bin` (+ `.json`
@@ -34,10 +34,9 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from llmcli.data.corpus import FileSource, Source, open_sources
 from llmcli.data.tokenizer import (
@@ -360,14 +359,7 @@ def prepare_data(
     )
 
 
-# --- Batches -------------------------------------------------------------------------------
-
-
-def _stream_seed(seed: int, rank: int) -> int:
-    """Rank 0 draws from `seed` itself; other ranks from well-mixed, distinct seeds."""
-    if rank == 0:
-        return seed
-    return int(np.random.SeedSequence([seed % (1 << 63), rank]).generate_state(1, np.uint64)[0])
+# --- Reading windows of the token file -----------------------------------------------------
 
 
 def _file_region(tokens: np.ndarray) -> tuple[str, int] | None:
@@ -393,95 +385,39 @@ def _file_region(tokens: np.ndarray) -> tuple[str, int] | None:
     return tokens.filename, offset
 
 
-class BatchSampler:
-    """Random `(x, y)` windows of a token stream, drawn with the sampler's own generator.
-
-    Window starts are uniform over `[0, len(tokens) - context_length)` (nanoGPT's `get_batch`).
-    Rank r of a DDP job draws its own stream; saving `state_dict()` and loading it into a new
-    sampler continues the exact stream.
+class WindowReader:
+    """Windows of `length` consecutive tokens of a token stream, read at given starts.
 
     Memory stays flat however large the token file: from an `np.memmap`, each window is read
     with `os.pread` into the batch, so no page of the file is ever mapped into this process
     (touching a memory map instead adds the pages, often large folios, to the process's RSS
     until they are unmapped). Other arrays are indexed directly.
-
-    Args:
-        tokens: `(N,)` token ids, an `np.ndarray` or `np.memmap` (uint16/uint32).
-        batch_size: B.
-        context_length: T.
-        seed: the stream's seed.
-        rank: this process's rank under DDP.
-        world_size: number of ranks.
-        device: where `next()` puts the batches.
     """
 
-    def __init__(
-        self,
-        tokens: np.ndarray,
-        batch_size: int,
-        context_length: int,
-        seed: int,
-        rank: int = 0,
-        world_size: int = 1,
-        device: str | torch.device = "cpu",
-    ) -> None:
-        if len(tokens) < context_length + 1:
-            raise InputError(
-                f"the token stream has {len(tokens)} tokens, but context_length "
-                f"({context_length}) needs at least {context_length + 1}."
-            )
-        if batch_size < 1:
-            raise ValueError(f"batch_size ({batch_size}) must be positive")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank ({rank}) must be in [0, world_size={world_size})")
-        self.tokens = tokens
-        self.batch_size = batch_size
-        self.context_length = context_length
-        self.device = torch.device(device)
-        self.generator = torch.Generator().manual_seed(_stream_seed(seed, rank))
-        self.batches = 0
-        self._offsets = np.arange(context_length + 1)  # (T+1,)
+    def __init__(self, tokens: np.ndarray, length: int) -> None:
+        self.tokens, self.length = tokens, length
+        self._offsets = np.arange(length)  # (L,)
         self._fd: int | None = None
         region = _file_region(tokens) if hasattr(os, "pread") else None
         if region is not None:
             self._fd = os.open(region[0], os.O_RDONLY | getattr(os, "O_BINARY", 0))
             self._file_offset = region[1]
 
-    def _windows(self, starts: np.ndarray) -> np.ndarray:
-        """`(B, T+1)` tokens from the given window starts, as int64."""
+    def read(self, starts: np.ndarray) -> np.ndarray:
+        """`(B, L)` tokens from the window starts `(B,)`, as int64."""
         if self._fd is None:
-            index = starts[:, None] + self._offsets  # (B, T+1)
+            index = starts[:, None] + self._offsets  # (B, L)
             return np.asarray(self.tokens[index], dtype=np.int64)
         itemsize = self.tokens.itemsize
-        n_bytes = (self.context_length + 1) * itemsize
+        n_bytes = self.length * itemsize
         raw = b"".join(
             os.pread(self._fd, n_bytes, self._file_offset + int(i) * itemsize) for i in starts
         )
-        windows = np.frombuffer(raw, dtype=self.tokens.dtype)  # (B * (T+1),)
-        return windows.reshape(len(starts), -1).astype(np.int64)  # (B, T+1)
-
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next batch: `x` `(B, T)` int64 and `y` `(B, T)` int64, `y[:, t] == x[:, t+1]`."""
-        T = self.context_length
-        starts = torch.randint(len(self.tokens) - T, (self.batch_size,), generator=self.generator)
-        windows = torch.from_numpy(self._windows(starts.numpy()))  # (B, T+1)
-        x = windows[:, :-1].contiguous()  # (B, T)
-        y = windows[:, 1:].contiguous()  # (B, T)
-        self.batches += 1
-        if self.device.type == "cuda":
-            return (
-                x.pin_memory().to(self.device, non_blocking=True),
-                y.pin_memory().to(self.device, non_blocking=True),
-            )
-        return x.to(self.device), y.to(self.device)
-
-    __next__ = next
-
-    def __iter__(self) -> BatchSampler:
-        return self
+        windows = np.frombuffer(raw, dtype=self.tokens.dtype)  # (B * L,)
+        return windows.reshape(len(starts), -1).astype(np.int64)  # (B, L)
 
     def close(self) -> None:
-        """Close the token file (also done when the sampler is garbage-collected)."""
+        """Close the token file (also done when the reader is garbage-collected)."""
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
@@ -492,15 +428,3 @@ class BatchSampler:
                 self.close()
             except OSError:
                 pass
-
-    def state_dict(self) -> dict[str, torch.Tensor | int]:
-        """Generator state and batch count; safe for `torch.load(weights_only=True)`."""
-        return {"rng_state": self.generator.get_state(), "batches": self.batches}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue the stream saved by `state_dict()`."""
-        rng = state.get("rng_state")
-        if not isinstance(rng, torch.Tensor) or rng.dtype != torch.uint8:
-            raise InputError("the data sampler state has no valid 'rng_state' (a uint8 tensor).")
-        self.generator.set_state(rng.cpu())
-        self.batches = int(state.get("batches", 0))

@@ -27,8 +27,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from llmcli.config import Config
+from llmcli.data.batches import BatchSampler
 from llmcli.data.tokenizer import Tokenizer
-from llmcli.data.tokens import BatchSampler, TokenData, prepare_data
+from llmcli.data.tokens import TokenData, prepare_data
 from llmcli.errors import CheckpointError, describe_os_error
 from llmcli.evaluation.probe import Probe, make_probe
 from llmcli.fileio import remove_stale_temp_files
@@ -99,7 +100,6 @@ class Run:
     data: TokenData
     tokenizer: Tokenizer
     model: Transformer  # the weights, unwrapped: what is saved
-    evaluated: nn.Module  # the model, compiled with train.compile: what evaluation runs
     trainer: Trainer  # what a step needs: the model as steps run it, optimizer, batches
     state: TrainState  # the counters
     guard: SpikeGuard | None = None  # with train.spike_guard
@@ -113,6 +113,13 @@ class Run:
     @property
     def precision(self) -> Precision:
         return self.trainer.precision
+
+    @property
+    def evaluated(self) -> nn.Module:
+        """What evaluation runs: the model as steps run it (compiled with `train.compile`),
+        without the DDP wrapper, whose forward would synchronise the ranks' buffers."""
+        model = self.trainer.model
+        return model.module if isinstance(model, DistributedDataParallel) else model
 
     @property
     def device(self) -> torch.device:
@@ -299,7 +306,6 @@ def build_run(
         data=data,
         tokenizer=data.tokenizer,
         model=model,
-        evaluated=model,
         trainer=trainer,
         state=TrainState(session_start=session_start),
         guard=SpikeGuard(tc) if tc.spike_guard else None,
@@ -309,10 +315,10 @@ def build_run(
         eval_samplers(run)  # a corpus too small for the batch and context fails here, not later
     if saved is not None:
         run.restore(saved)
-    run.evaluated = trainer.model = torch.compile(model) if tc.compile else model
+    trainer.model = torch.compile(model) if tc.compile else model
     if info.enabled:
         device_ids = [device.index] if device.type == "cuda" else None
-        trainer.model = DistributedDataParallel(run.evaluated, device_ids=device_ids)
+        trainer.model = DistributedDataParallel(trainer.model, device_ids=device_ids)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
