@@ -32,6 +32,7 @@ from llmcli.inspection.ablation import (
     top_heads,
 )
 from llmcli.model import MultiHeadAttention, hooked
+from llmcli.model.heads import split_heads
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -68,7 +69,7 @@ def random_batches(n: int = 3, B: int = 2, T: int = 16, vocab: int = 37, seed: i
 def test_removing_a_head_equals_the_stack_of_heads_with_its_output_replaced(opts, explicit):
     mha = randomize_(MultiHeadAttention(**SHAPE, **opts)).eval()
     x = torch.randn(2, 8, 32, generator=gen(1))
-    heads = mha.heads()
+    heads = split_heads(mha)
     outs = [h(x) for h in heads]  # 4 x (B, T, hs)
     mean = torch.randn(4, 8, generator=gen(2))  # (nh, hs)
     for h in range(4):
@@ -142,7 +143,7 @@ def test_head_means_are_the_mean_outputs_of_the_stack_of_heads():
     outs = [[] for _ in model.blocks]
     hooks = [
         block.attn.register_forward_pre_hook(
-            lambda m, args, i=i: outs[i].append(torch.stack([h(args[0]) for h in m.heads()]))
+            lambda m, args, i=i: outs[i].append(torch.stack([h(args[0]) for h in split_heads(m)]))
         )
         for i, block in enumerate(model.blocks)
     ]

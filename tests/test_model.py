@@ -29,6 +29,7 @@ from llmcli.config import ModelConfig
 from llmcli.errors import InputError
 from llmcli.generation.padding import padded_mask, padded_positions
 from llmcli.model import MLP, Block, Head, MultiHeadAttention, Transformer, causal_mask
+from llmcli.model.heads import fuse_heads, split_heads
 from llmcli.model.layers import RMSNorm
 
 OPTIONS = {
@@ -117,21 +118,21 @@ def test_mha_equals_numpy_per_head_formula(opts):
 
 
 @pytest.mark.parametrize("opts", OPTIONS.values(), ids=OPTIONS.keys())
-def test_from_heads_equals_stack_of_heads(opts):
+def test_fuse_heads_equals_stack_of_heads(opts):
     torch.manual_seed(0)
     heads = [Head(**SHAPE, bias=False, **opts) for _ in range(4)]  # proj's bias alone
     proj = nn.Linear(32, 32)
     x = torch.randn(2, 8, 32, generator=gen(1))
     ref = proj(torch.cat([h(x) for h in heads], dim=-1))
-    mha = MultiHeadAttention.from_heads(heads, proj)
+    mha = fuse_heads(heads, proj)
     tag = "+".join(opts) or "default"
-    assert_close(mha(x), ref, f"from_heads vs stack of Heads [{tag}]")
+    assert_close(mha(x), ref, f"fuse_heads vs stack of Heads [{tag}]")
 
 
 @pytest.mark.parametrize("opts", OPTIONS.values(), ids=OPTIONS.keys())
 def test_heads_equal_fused_layer(opts):
     mha = randomize_(MultiHeadAttention(**SHAPE, **opts)).eval()
-    heads = mha.heads()
+    heads = split_heads(mha)
     assert len(heads) == 4 and all(isinstance(h, Head) for h in heads)
     x = torch.randn(2, 8, 32, generator=gen(1))
     # Padding at the start of row 0 and at the end of row 1 (a mask built by hand).
@@ -254,7 +255,7 @@ def test_a_padding_query_attends_to_itself_alone_so_nothing_is_nan():
         x.grad = None
         y.sum().backward()
         assert torch.isfinite(x.grad).all()
-    head = mha.heads()[0]
+    head = split_heads(mha)[0]
     assert_close(head(x, mask)[pad], head.value(x)[pad], "Head: padding query == its value")
     model = randomize_(tiny_model())  # the whole model on a row of padding only
     idx = torch.randint(37, (2, 16), generator=gen(2))

@@ -1,7 +1,8 @@
 """The model: `Head` -> `MultiHeadAttention` -> `MLP` -> `Block` -> `Transformer` (`gpt`), each
 built from a `ModelConfig`, each forward the maths on `(B, T, C)` with the mask, positions and
 cache a caller built; the recipe options' layers (`layers`); the hook points every look inside
-goes through (`hooks`); the generation cache (`kv_cache`).
+goes through (`hooks`); the generation cache (`kv_cache`); a fused attention layer and its
+separate heads, converted both ways (`heads`).
 """
 
 from llmcli.model.gpt import MLP, Block, Head, MultiHeadAttention, Transformer, causal_mask

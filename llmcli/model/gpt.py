@@ -2,31 +2,21 @@
 
 Shapes: `B` batch, `T` time (<= `context_length`), `C` channels (`n_embed`), `nh` heads, `hs`
 head size (`C // nh`), `V` vocabulary; `T_k` keys (`past + T` with a KV cache holding `past`).
-`Head` is one attention head written out literally; `MultiHeadAttention` computes `nh` such heads
-at once (one fused QKV projection, `F.scaled_dot_product_attention`) and equals a stack of
-`Head`s with the same weights.
 
 Every module is built from a `ModelConfig` (`Block(config)`), which checked itself when it was
 made; keyword arguments build one (`MultiHeadAttention(n_head=4, n_embed=32, context_length=8)`).
-Recipe options (all off by default, so the default model is GPT-2's architecture): rotary
-position embeddings (`pos_emb: rope`), RMSNorm and QK-norm (their layers: `llmcli.model.layers`),
-a ReLU² MLP and an untied LM head.
+Recipe options, all off by default (the default model is GPT-2's): rotary positions, RMSNorm and
+QK-norm (`llmcli.model.layers`), a ReLU² MLP, an untied LM head.
 
 A forward is the maths on `(B, T, C)`. What a caller builds goes in beside it: an attention
 `mask` (bool, True = may attend; default causal), the positions `input_pos` of the new tokens
-(default `past .. past + T - 1`) and a `KVCache` (`llmcli.model.kv_cache`). Generation builds
-them for left-padded batches (`llmcli.generation.padding`).
-
-Hook points (`llmcli.model.hooks`) name what a reader may want to see or change: `embed`
-(B, T, C); per block `l`: `blocks.{l}.resid_pre`, `blocks.{l}.resid_mid`, `blocks.{l}.resid_post`
-(B, T, C), `blocks.{l}.attn.pattern` (B, nh, T, T_k), `blocks.{l}.attn.z` (B, T, nh, hs),
-`blocks.{l}.attn_out`, `blocks.{l}.mlp_out` (B, T, C); then `final_norm` (B, T, C).
-`Transformer.hooks` runs functions at them.
+(default `past .. past + T - 1`) and a `KVCache` (`llmcli.model.kv_cache`); generation builds
+them for left-padded batches (`llmcli.generation.padding`). Hook points (`llmcli.model.hooks`,
+shapes where they are made) name what a reader may see or change: `Transformer.hook_names()`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
@@ -120,8 +110,8 @@ class MultiHeadAttention(nn.Module):
     """`n_head` causal attention heads in parallel, concatenated, then projected by `proj`.
 
     Mathematically `proj(cat([head(x) for head in heads], dim=-1))` for `Head`s with the same
-    weights (`heads()`, `from_heads`); computed fused: one QKV projection `qkv` (`C -> 3C`, queries
-    then keys then values, head-major inside each, the layout of
+    weights (`llmcli.model.heads` converts between the two); computed fused: one QKV projection
+    `qkv` (`C -> 3C`, queries then keys then values, head-major inside each, the layout of
     `torch.nn.MultiheadAttention.in_proj_weight` and GPT-2's `c_attn`) and SDPA. While a function
     is at the `pattern` hook point the weights are computed explicitly, for it to read or replace.
 
@@ -198,55 +188,6 @@ class MultiHeadAttention(nn.Module):
             y = F.dropout(y, self.dropout)
         return y
 
-    @classmethod
-    def from_heads(cls, heads: list[Head], proj: nn.Linear) -> MultiHeadAttention:
-        """Build the fused layer from a list of `Head`s and an output projection (weights copied).
-
-        A missing bias on the heads or on `proj` becomes a zero bias, which computes the same.
-        """
-        if not heads:
-            raise InputError("from_heads needs at least one Head")
-        n_head = len(heads)
-        n_embed, head_size = heads[0].key.in_features, heads[0].key.out_features
-        if n_head * head_size != n_embed or proj.in_features != n_embed:
-            raise InputError(
-                f"from_heads needs n_head * head_size == n_embed == proj.in_features, got "
-                f"{n_head} * {head_size}, {n_embed}, {proj.in_features}"
-            )
-        bias = heads[0].config.bias or proj.bias is not None
-        config = dataclasses.replace(heads[0].config, n_head=n_head, bias=bias)
-        mha = cls(config).to(device=proj.weight.device, dtype=proj.weight.dtype)
-        with torch.no_grad():
-            for i, head in enumerate(heads):
-                rows = slice(i * head_size, (i + 1) * head_size)
-                for j, linear in enumerate((head.query, head.key, head.value)):
-                    qkv_rows = slice(j * n_embed + rows.start, j * n_embed + rows.stop)
-                    mha.qkv.weight[qkv_rows] = linear.weight
-                    if mha.qkv.bias is not None:
-                        mha.qkv.bias[qkv_rows] = linear.bias if linear.bias is not None else 0.0
-            mha.proj.weight.copy_(proj.weight)
-            if mha.proj.bias is not None:
-                mha.proj.bias.copy_(proj.bias if proj.bias is not None else 0.0)
-        return mha
-
-    def heads(self) -> list[Head]:
-        """This layer as `n_head` separate `Head` modules, holding copies of its weights.
-
-        `self.proj(torch.cat([h(x) for h in self.heads()], dim=-1))` equals `self(x)`.
-        """
-        C, hs = self.config.n_embed, self.head_size
-        heads = []
-        for i in range(self.n_head):
-            head = Head(self.config).to(device=self.qkv.weight.device, dtype=self.qkv.weight.dtype)
-            with torch.no_grad():
-                for j, linear in enumerate((head.query, head.key, head.value)):
-                    rows = slice(j * C + i * hs, j * C + (i + 1) * hs)
-                    linear.weight.copy_(self.qkv.weight[rows])
-                    if self.qkv.bias is not None:
-                        linear.bias.copy_(self.qkv.bias[rows])
-            heads.append(head)
-        return heads
-
 
 class MLP(nn.Module):
     """The position-wise feed-forward network: `C -> 4C -> activation -> C`, then dropout.
@@ -294,15 +235,15 @@ class Block(nn.Module):
         super().__init__()
         config = model_config(config, kwargs)
         # Registered in the order of the forward, which `hook_names` lists them in.
-        self.resid_pre = HookPoint()
+        self.resid_pre = HookPoint()  # (B, T, C): the block's input
         self.ln1 = make_norm(config)
         self.attn = MultiHeadAttention(config, layer_idx)
-        self.attn_out = HookPoint()
-        self.resid_mid = HookPoint()
+        self.attn_out = HookPoint()  # (B, T, C)
+        self.resid_mid = HookPoint()  # (B, T, C): after the attention's residual add
         self.ln2 = make_norm(config)
         self.mlp = MLP(config)
-        self.mlp_out = HookPoint()
-        self.resid_post = HookPoint()
+        self.mlp_out = HookPoint()  # (B, T, C)
+        self.resid_post = HookPoint()  # (B, T, C): the block's output
 
     def forward(
         self,
@@ -342,10 +283,10 @@ class Transformer(nn.Module):
         C = config.n_embed
         self.wte = nn.Embedding(vocab_size, C)
         self.wpe = nn.Embedding(config.context_length, C) if config.pos_emb == "learned" else None
-        self.embed = HookPoint()
+        self.embed = HookPoint()  # (B, T, C): token (+ position) embeddings
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.ln_f = make_norm(config)
-        self.final_norm = HookPoint()
+        self.final_norm = HookPoint()  # (B, T, C): after ln_f
         self.lm_head = nn.Linear(C, vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.wte.weight  # one tensor, used twice
@@ -410,8 +351,24 @@ class Transformer(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> KVCache:
-        """An empty `KVCache` for this model; see `KVCache.for_model`."""
-        return KVCache.for_model(self, batch_size, max_len, device=device, dtype=dtype)
+        """An empty `KVCache` for this model: `max_len` positions (default `context_length`), on
+        the model's device and in its dtype unless given."""
+        max_len = self.context_length if max_len is None else max_len
+        if not 0 < max_len <= self.context_length:
+            raise InputError(
+                f"KV cache max_len must be in 1..context_length ({self.context_length}), "
+                f"got {max_len}"
+            )
+        weight = self.wte.weight
+        return KVCache(
+            self.n_layer,
+            batch_size,
+            self.n_head,
+            self.config.head_size,
+            max_len,
+            device=weight.device if device is None else device,
+            dtype=weight.dtype if dtype is None else dtype,
+        )
 
     def hook_names(self) -> list[str]:
         """Every hook point, in the order the forward meets them (see the module doc)."""

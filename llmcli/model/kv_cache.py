@@ -14,7 +14,7 @@ window again (or `crop(n)` to go back to a shared prefix).
 from __future__ import annotations
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from llmcli.errors import InputError
 
@@ -45,35 +45,6 @@ class KVCache:
         self.batch_size = batch_size
         self.max_len = max_len
         self.length = 0
-
-    @classmethod
-    def for_model(
-        cls,
-        model: nn.Module,
-        batch_size: int,
-        max_len: int | None = None,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> KVCache:
-        """An empty cache for a `Transformer` (default: `context_length` positions, the model's
-        device and dtype)."""
-        max_len = model.context_length if max_len is None else max_len
-        if not 0 < max_len <= model.context_length:
-            raise InputError(
-                f"KV cache max_len must be in 1..context_length ({model.context_length}), "
-                f"got {max_len}"
-            )
-        weight = model.wte.weight
-        return cls(
-            model.n_layer,
-            batch_size,
-            model.n_head,
-            model.n_embed // model.n_head,
-            max_len,
-            device=weight.device if device is None else device,
-            dtype=weight.dtype if dtype is None else dtype,
-        )
 
     def check_room(self, batch_size: int, T: int) -> None:
         """Raise `InputError` unless `T` new positions of a batch of `batch_size` fit."""
