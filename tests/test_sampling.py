@@ -9,7 +9,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from llmcli.generation.sampling import _inverse_cdf, filter_probs, sample_next
+from llmcli.generation.sampling import _filtered, _inverse_cdf, sample_next
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -31,6 +31,15 @@ def numpy_filter(logits, temperature, top_k=None, top_p=1.0):
     out = np.zeros(len(x))
     out[keep] = p
     return out
+
+
+def filter_probs(logits, temperature=1.0, top_k=None, top_p=1.0):
+    """The distribution `sample_next` draws from, `(B, V)` probabilities in id order."""
+    probs, ids = _filtered(logits, temperature, top_k, top_p)  # (B, V') each
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    if ids is None:
+        return probs
+    return torch.zeros(logits.shape, dtype=probs.dtype).scatter_(-1, ids, probs)  # (B, V)
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ the two context policies past `context_length`.
 `ContextWindow` holds the prompts and new tokens of a batch, left-padded so that all rows end
 at one column (`llmcli.generation.padding`), and gives the model its inputs for a step (token
 ids, attention mask, positions). Inside the context both policies prefill the KV cache once and
-then feed one token per step (`next_logits`). Past it:
+then feed one token per step (`llmcli.generation.generate.next_logits`). Past it:
 
 - `exact`: the model sees the last `context_length` tokens, recomputed every step (nanoGPT's
   semantics). Positions are absolute (learned, or rotary from 0 at the window's start), so once
@@ -23,18 +23,10 @@ the tests check against a plain loop.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
 from torch import Tensor
 
 from llmcli.generation.padding import padded_mask, padded_positions
-from llmcli.model.kv_cache import KVCache
-
-#: A faster stand-in for the model's forward on one new token per row (`FastDecoder`):
-#: `(idx (B,), cache, mask, input_pos) -> logits (B, V)`, or None where it does not apply now.
-DecodeStep = Callable[[Tensor, KVCache, Tensor | None, Tensor | None], Tensor | None]
 
 
 class ContextWindow:
@@ -114,40 +106,3 @@ class ContextWindow:
             self.end = self.context_length
         self.tokens[:, self.end] = next_ids  # (B,)
         self.end += 1
-
-
-def next_logits(
-    model: Any,
-    window: ContextWindow,
-    cache: KVCache | None,
-    shift: bool,
-    keep: int,
-    decode: DecodeStep | None = None,
-) -> Tensor:
-    """Logits `(B, V)` of the token after column `end - 1`, under the context policy (`shift`,
-    keeping the last `keep` tokens when the context is full, or `exact`).
-
-    With a cache, inside the context: the whole window into an empty cache, then one column per
-    step, through `decode` where it applies (the same logits, faster). Without a cache, or
-    `exact` past the context: the last `context_length` columns recomputed.
-    """
-    C = model.context_length
-    if shift and window.end > C:
-        window.keep_last(keep)  # start again from each row's last tokens
-        if cache is not None:
-            cache.reset()
-    if cache is None or window.end > C:
-        idx, mask, pos = window.inputs(max(0, window.end - C))
-        logits, _ = model(idx, mask=mask, input_pos=pos)
-        return logits[:, -1]  # (B, T, V) -> (B, V)
-    if window.cached == 0:  # prefill the prompts
-        idx, mask, pos = window.inputs(0)
-    else:  # the newest column; the cache holds the ones before it
-        idx, mask, pos = window.newest_inputs()
-        logits = None if decode is None else decode(idx[:, 0], cache, mask, pos)
-        if logits is not None:
-            window.cached = window.end
-            return logits
-    logits, _ = model(idx, mask=mask, input_pos=pos, kv_cache=cache)
-    window.cached = window.end
-    return logits[:, -1]  # (B, T, V) -> (B, V)

@@ -56,7 +56,14 @@ def gelu(h: Tensor) -> Tensor:
     """
     if h.device.type != "cpu" or h.numel() > ATEN_GELU_MAX:
         return F.gelu(h)
-    return F.gelu(h.expand(2, *h.shape))[0]
+    return _aten_gelu(h)
+
+
+def _aten_gelu(h: Tensor) -> Tensor:
+    """`gelu` of a small CPU tensor `(B, 4C)` (the check made once per decoder, not per call)."""
+    if h.numel() > ATEN_GELU_MAX:
+        return F.gelu(h)
+    return F.gelu(h.expand(2, *h.shape))[0]  # (2, B, 4C), both copies h: ATen's kernel
 
 
 def _linear(linear: nn.Linear) -> Fn:
@@ -74,6 +81,17 @@ def _norm(norm: nn.Module) -> Fn:
         return lambda x: torch.rms_norm(x, shape, weight, eps)
     shape, weight, bias, eps = norm.normalized_shape, norm.weight, norm.bias, norm.eps
     return lambda x: torch.layer_norm(x, shape, weight, bias, eps)
+
+
+def _relu2(h: Tensor) -> Tensor:
+    return F.relu(h).square()
+
+
+def _activation(mlp: str, device: torch.device) -> Fn:
+    """The MLP's activation as the decode step runs it (see `gelu`)."""
+    if mlp == "relu2":
+        return _relu2
+    return _aten_gelu if device.type == "cpu" else F.gelu
 
 
 @dataclass
@@ -100,7 +118,8 @@ class FastDecoder:
         config = model.config
         self.model = model
         self.n_head, self.head_size, self.n_embed = config.n_head, config.head_size, model.n_embed
-        self.qk_norm, self.relu2 = config.qk_norm, config.mlp == "relu2"
+        self.qk_norm = config.qk_norm
+        self.activation = _activation(config.mlp, model.wte.weight.device)
         self.wte = model.wte.weight  # (V, C)
         self.wpe = None if model.wpe is None else model.wpe.weight  # (L, C)
         self.rotary: RotaryEmbedding | None = model.blocks[0].attn.rotary  # the same in every layer
@@ -145,8 +164,9 @@ class FastDecoder:
         """
         if self.model.training or torch.is_autocast_enabled(self.device_type):
             return None
-        if any(p.fns for p in self.points):
-            return None
+        for point in self.points:
+            if point.fns:
+                return None
         B, C, past = idx.shape[0], self.n_embed, cache.length
         cache.check_room(B, 1)
         nh, hs = self.n_head, self.head_size
@@ -167,10 +187,9 @@ class FastDecoder:
             k_new[i].copy_(k)
             v_new[i].copy_(v)
             y = F.scaled_dot_product_attention(q, k_all[i], v_all[i], mask, 0.0, False)
-            x = x + block.proj(y.reshape(B, C))  # (B, nh, 1, hs) -> (B, C), heads side by side
-            h = block.fc(block.ln2(x))  # (B, 4C)
-            h = F.relu(h).square() if self.relu2 else gelu(h)
-            x = x + block.mlp_proj(h)  # (B, C)
+            x += block.proj(y.reshape(B, C))  # (B, nh, 1, hs) -> (B, C), heads side by side
+            h = self.activation(block.fc(block.ln2(x)))  # (B, 4C)
+            x += block.mlp_proj(h)  # (B, C)
         cache.length += 1
         return self.lm_head(self.ln_f(x))  # (B, V)
 

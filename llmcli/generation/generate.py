@@ -24,29 +24,14 @@ from torch import Tensor
 
 from llmcli.config import SampleConfig
 from llmcli.errors import InputError
-from llmcli.generation.context_window import ContextWindow, DecodeStep, next_logits
+from llmcli.generation.context_window import ContextWindow
+from llmcli.generation.prompts import check_prompt_ids
 from llmcli.generation.sampling import GeneratorArg, make_generators, sample_next
+from llmcli.model.kv_cache import KVCache
 
-
-def _check_prompts(prompts_ids: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:
-    if len(prompts_ids) == 0:
-        raise InputError("no prompts to generate from: give at least one prompt")
-    rows = []
-    for i, ids in enumerate(prompts_ids):
-        row = [int(t) for t in ids]
-        if not row:
-            raise InputError(
-                f"prompt {i} has no tokens: start an empty prompt from the tokenizer's start ids "
-                "(llmcli.data.tokenizer.start_ids)"
-            )
-        if min(row) < 0 or max(row) >= vocab_size:
-            bad = sorted({t for t in row if not 0 <= t < vocab_size})
-            raise InputError(
-                f"prompt {i} holds token ids {bad[:10]} outside the model's vocabulary "
-                f"(0..{vocab_size - 1}): was it encoded with this run's tokenizer?"
-            )
-        rows.append(row)
-    return rows
+#: A faster stand-in for the model's forward on one new token per row (`FastDecoder`):
+#: `(idx (B,), cache, mask, input_pos) -> logits (B, V)`, or None where it does not apply now.
+DecodeStep = Callable[[Tensor, KVCache, Tensor | None, Tensor | None], Tensor | None]
 
 
 def generate(
@@ -98,7 +83,7 @@ def generate(
             empty prompts or ids outside the vocabulary, a wrong number of generators.
     """
     keep = config.keep_for(model.context_length)
-    rows = _check_prompts(prompts_ids, model.vocab_size)
+    rows = check_prompt_ids(prompts_ids, model.vocab_size)
     B, C = len(rows), model.context_length
     rows = [row[-C:] for row in rows]
     gens = _row_generators(config, generators, B)
@@ -123,6 +108,52 @@ def generate(
         yield next_ids
 
 
+def next_logits(
+    model: Any,
+    window: ContextWindow,
+    cache: KVCache | None,
+    shift: bool,
+    keep: int,
+    decode: DecodeStep | None = None,
+) -> Tensor:
+    """Logits `(B, V)` of the token after column `end - 1`, under the context policy (`shift`,
+    keeping the last `keep` tokens when the context is full, or `exact`).
+
+    With a cache, inside the context: the whole window into an empty cache, then one column per
+    step, through `decode` where it applies (the same logits, faster). Without a cache, or
+    `exact` past the context: the last `context_length` columns recomputed.
+    """
+    C = model.context_length
+    if shift and window.end > C:
+        window.keep_last(keep)  # start again from each row's last tokens
+        if cache is not None:
+            cache.reset()
+    if cache is None or window.end > C:
+        idx, mask, pos = window.inputs(max(0, window.end - C))
+        logits, _ = model(idx, mask=mask, input_pos=pos)
+        return logits[:, -1]  # (B, T, V) -> (B, V)
+    if window.cached == 0:  # prefill the prompts
+        idx, mask, pos = window.inputs(0)
+    else:  # the newest column; the cache holds the ones before it
+        idx, mask, pos = window.newest_inputs()
+        logits = None if decode is None else decode(idx[:, 0], cache, mask, pos)
+        if logits is not None:
+            window.cached = window.end
+            return logits
+    logits, _ = model(idx, mask=mask, input_pos=pos, kv_cache=cache)
+    window.cached = window.end
+    return logits[:, -1]  # (B, T, V) -> (B, V)
+
+
+def generate_ids(
+    model: Any, prompts_ids: Sequence[Sequence[int]], config: SampleConfig, **kwargs: Any
+) -> list[list[int]]:
+    """`generate` run to the end: the new ids of every prompt, `B` lists of
+    `config.max_new_tokens`."""
+    steps = [step.cpu() for step in generate(model, prompts_ids, config, **kwargs)]
+    return torch.stack(steps, dim=1).tolist()  # (B, N)
+
+
 def _row_generators(
     config: SampleConfig, generators: Sequence[torch.Generator] | None, B: int
 ) -> GeneratorArg:
@@ -134,12 +165,3 @@ def _row_generators(
         return None
     gens = make_generators(B, config.seed) if generators is None else generators
     return gens[0] if len(gens) == 1 else gens  # one draw per step instead of a list of one
-
-
-def generate_ids(
-    model: Any, prompts_ids: Sequence[Sequence[int]], config: SampleConfig, **kwargs: Any
-) -> list[list[int]]:
-    """`generate` run to the end: the new ids of every prompt, `B` lists of
-    `config.max_new_tokens`."""
-    steps = [step.cpu() for step in generate(model, prompts_ids, config, **kwargs)]
-    return torch.stack(steps, dim=1).tolist()  # (B, N)

@@ -4,11 +4,13 @@ A prompt file holds one prompt per line, or a JSON list of strings (the form for
 contain newlines). `encode_prompt` either repairs a prompt that does not fit (an empty one starts
 from the tokenizer's start ids, a long one keeps its last `context_length` tokens), which is
 what sampling wants, or refuses it, for commands whose output must cover exactly the text given.
+`check_prompt_ids` checks prompts given as token ids.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -150,3 +152,29 @@ def encode_prompt(
             f"{context_length} tokens."
         )
     return ids[-context_length:], len(ids) > context_length
+
+
+def check_prompt_ids(prompts_ids: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:
+    """The prompts as lists of ints, each non-empty and inside the vocabulary.
+
+    Raises:
+        InputError: no prompt, an empty one, or ids outside `0 .. vocab_size - 1`.
+    """
+    if len(prompts_ids) == 0:
+        raise InputError("no prompts to generate from: give at least one prompt")
+    rows = []
+    for i, ids in enumerate(prompts_ids):
+        row = [int(t) for t in ids]
+        if not row:
+            raise InputError(
+                f"prompt {i} has no tokens: start an empty prompt from the tokenizer's start ids "
+                "(llmcli.data.tokenizer.start_ids)"
+            )
+        if min(row) < 0 or max(row) >= vocab_size:
+            bad = sorted({t for t in row if not 0 <= t < vocab_size})
+            raise InputError(
+                f"prompt {i} holds token ids {bad[:10]} outside the model's vocabulary "
+                f"(0..{vocab_size - 1}): was it encoded with this run's tokenizer?"
+            )
+        rows.append(row)
+    return rows

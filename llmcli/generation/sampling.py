@@ -3,8 +3,8 @@
 `sample_next(logits, generator, temperature, top_k, top_p)` is a pure function from logits
 `(B, V)` to ids `(B,)`: temperature, top-k (exactly k tokens, lowest ids winning ties), top-p
 (nucleus), and one seeded draw per row by inverse-CDF sampling, so that a row draws the same
-numbers from its own `torch.Generator` whatever batch it is in. `filter_probs` is the
-distribution it draws from, `make_generators` the per-row generators. The settings are checked
+numbers from its own `torch.Generator` whatever batch it is in; `make_generators` makes the
+per-row generators. The settings are checked
 where they are made, in `llmcli.config.SampleConfig`.
 """
 
@@ -58,24 +58,6 @@ def sample_next(
     if ids is None:
         return choice
     return ids.gather(-1, choice[:, None]).squeeze(-1)  # (B, V') -> (B,)
-
-
-def filter_probs(
-    logits: Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float = 1.0
-) -> Tensor:
-    """The distribution `sample_next` draws from: `(B, V)` logits -> `(B, V)` probabilities.
-
-    Temperature 0 gives a one-hot of the argmax; filtered-out tokens get probability 0.
-    """
-    if temperature == 0:
-        one_hot = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
-        return one_hot.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)  # (B, V)
-    probs, ids = _filtered(logits, temperature, top_k, top_p)  # (B, V') each
-    probs = probs / probs.sum(dim=-1, keepdim=True)  # (B, V')
-    if ids is None:
-        return probs
-    full = torch.zeros(logits.shape, dtype=probs.dtype, device=logits.device)  # (B, V)
-    return full.scatter_(-1, ids, probs)
 
 
 def _filtered(
