@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,3 +53,19 @@ def test_configs_name_only_bundled_corpora() -> None:
             if line.strip().startswith("path:"):
                 target = line.split(":", 1)[1].strip()
                 assert (ROOT / target).is_file() and target.startswith("data/"), config.name
+
+
+def test_the_reading_path_is_real_and_every_file_on_it_says_what_it_holds() -> None:
+    """docs/reading-the-code.md's links point at files that exist; the core files it lists in
+    its table each open with a docstring; README links the page."""
+    page = (ROOT / "docs" / "reading-the-code.md").read_text(encoding="utf-8")
+    links = re.findall(r"\]\(\.\./([^)]+)\)", page)
+    assert links and all((ROOT / link).exists() for link in links), links
+    table = page.split("## What sits beside each step")[0]
+    path = re.findall(r"\]\(\.\./(llmcli/[^)]+\.py)\)", table)
+    assert len(path) == 9 and path[0] == "llmcli/config/model.py", path
+    for file in path:
+        tree = ast.parse((ROOT / file).read_text(encoding="utf-8"))
+        doc = ast.get_docstring(tree)
+        assert doc and len(doc.splitlines()) >= 3, f"{file} opens with no docstring to read"
+    assert "docs/reading-the-code.md" in (ROOT / "README.md").read_text(encoding="utf-8")

@@ -3,37 +3,17 @@
 `train(config)` trains the model `config.model` describes on the corpus `config.data` names and
 writes a run directory (layout in `llmcli.runs.directory`). Everything the loop works with is
 built first (`llmcli.training.run`); `fit` is the loop, as in nanoGPT: set the learning rate,
-take one step (`llmcli.training.step.train_step`: `grad_accum` micro-batches of `batch_size`
-sequences of `context_length` tokens on every rank), then log, evaluate and save when due. What
-keeps a run safe sits beside it as named helpers: the out-of-memory retry (`fitting_step`), the
-spike guard (`judge`, `refused`; `llmcli.training.guard`), the resume state
-(`llmcli.training.state`), atomic saves (`llmcli.runs.directory`), agreement between ranks
-(`llmcli.training.distributed`) and Ctrl-C (`llmcli.training.interrupt`).
+take one step (`llmcli.training.step.train_step`), then log, evaluate and save when due. What
+keeps a run safe sits beside it as named steps: the out-of-memory retry and the spike guard
+(`llmcli.training.safeguards`), what is read from the device (`llmcli.training.readout`), what
+is written (`llmcli.training.records`: records, evaluations, atomic saves, the stop), the resume
+state (`llmcli.training.state`) and Ctrl-C (`llmcli.training.interrupt`).
 
-Reading the device. Each step's loss stays on the device until a log step (every
-`log_interval` steps) reads them all at once, where a NaN or inf is found and named by its
-step; with the spike guard on (the default) each step also reads its loss and gradient norm,
-two numbers, for the guard's verdict.
-
-Saves: at every evaluation, every `train.save_interval` steps, and at the first log step
-`train.save_interval_s` seconds after the last save, so that a kill loses bounded work; all ranks
-learn at the same step that a save (or a stop) is due, through an all-reduce of the flags at
-the log step.
-
-Circuits during training: with `train.head_metrics`, each evaluation also scores every head on
-the fixed repeated-token probe (`llmcli.evaluation.probe`) and takes the in-context learning
-score from the loss by position; the summaries go into the evaluation's record, the grids into
-`head_metrics.jsonl` (`llmcli.runs.head_metrics`). Scoring touches no random number generator.
-
-Exact resume: see `llmcli.training.state`. `metrics.jsonl` is cut back to what it held at the save
-a run resumes from, and the resumed run writes the same records again (only `elapsed_s` and
-`tok_per_s` differ).
-
-Distributed. Under `torchrun --nproc_per_node=N -m llmcli train CONFIG` each process joins a
-process group (gloo on CPU, nccl on CUDA) and wraps the model in DDP. Rank r draws its own
-stream: its `BatchSampler(rank=r, world_size=N)`. Gradient accumulation skips the all-reduce
-(`no_sync`) on every micro-step but the last. Rank 0 alone writes files and shows the progress
-bar; logged losses are averaged over ranks.
+Each step's loss stays on the device until a log step (every `log_interval` steps) reads them
+all at once. Saves come at every evaluation, every `train.save_interval` steps, and at the first
+log step `train.save_interval_s` seconds after the last one. Under `torchrun` every process runs
+this loop on its own stream of batches (`llmcli.training.distributed`); all ranks learn at the
+same log step that one of them must save or stop; rank 0 alone writes files and shows progress.
 """
 
 from __future__ import annotations

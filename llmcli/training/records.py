@@ -1,6 +1,17 @@
 """What the training loop writes: a log step's record (`log_step`), an evaluation with its heads'
-scores (`evaluate`), a checkpoint (`save`), the stop after Ctrl-C or SIGTERM (`stop`), and what a
-run reports at its end (`summary`).
+scores (`evaluate`), a checkpoint (`save`), the stop after Ctrl-C or SIGTERM (`save_and_stop`),
+and what a run reports at its end (`summary`).
+
+Circuits during training: with `train.head_metrics`, each evaluation also scores every head on
+the fixed repeated-token probe (`llmcli.evaluation.probe`) and takes the in-context learning
+score from the loss by position; the summaries go into the evaluation's record, the grids into
+`head_metrics.jsonl` (`llmcli.runs.head_metrics`). Scoring touches no random number generator.
+
+A save writes every file to a temporary name and renames it into place
+(`llmcli.runs.directory.save_checkpoint`), with every rank's RNG and sampler states, so a crash
+at any instant leaves the last good checkpoint, and a resumed run continues exactly
+(`llmcli.training.state`): `metrics.jsonl` is cut back to what it held at the save, and the
+resumed run writes the same records again (only `elapsed_s` and `tok_per_s` differ).
 """
 
 from __future__ import annotations
