@@ -38,47 +38,27 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
-from git_baseline import load_baseline
+from git_baseline import fail, load_run_sides
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from llmcli.errors import CheckpointError  # noqa: E402
 from llmcli.generation.fast_decode import FastDecoder  # noqa: E402
 from llmcli.generation.generate import generate_ids  # noqa: E402
-from llmcli.runs.loading import load_run  # noqa: E402
 
 BASELINE_MODULES = ("generation.generate", "generation.sample", "runs.loading")
 POLICIES = ("shift", "exact")
 
 
-def fail(message: str) -> NoReturn:
-    """Bad input: the message on stderr, exit status 2."""
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
 def load_sides(run_dir: Path, rev: str) -> tuple[Any, Any, dict[str, Any]]:
     """Today's loaded run, the baseline's loaded run, the baseline's modules (or exit 2)."""
-    if not (run_dir / "config.yaml").is_file():
-        fail(
-            f"no trained run at {run_dir}: make one with `llmcli train tiny` (it writes "
-            "checkpoints/tiny), or pass --run DIR."
-        )
-    try:
-        today = load_run(run_dir, device="cpu")
-    except CheckpointError as exc:
-        fail(str(exc))
-    try:
-        baseline = load_baseline(rev, BASELINE_MODULES)
-    except (RuntimeError, ImportError) as exc:
-        fail(f"--baseline {rev}: {str(exc).rstrip('.')}. Use a revision such as 5b00014.")
+    today, old, baseline = load_run_sides(run_dir, rev, BASELINE_MODULES)
     if not hasattr(baseline["generation.sample"], "decode_kernels"):
         fail(f"--baseline {rev} has no generation.sample.decode_kernels: use one such as 5b00014.")
-    return today, baseline["runs.loading"].load_run(run_dir, device="cpu"), baseline
+    return today, old, baseline
 
 
 def same_weights(today: Any, old: Any) -> bool:

@@ -19,6 +19,7 @@ import tempfile
 from io import BytesIO
 from pathlib import Path
 from types import ModuleType
+from typing import Any, NoReturn
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "llmcli_baseline"
@@ -64,3 +65,31 @@ def load_baseline(rev: str, modules: tuple[str, ...] = ("generate", "model")) ->
         module: ModuleType = importlib.import_module(f"{NAME}.{name}")
         loaded[name] = module
     return loaded
+
+
+def fail(message: str) -> NoReturn:
+    """Bad input: the message on stderr, exit status 2."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def load_run_sides(run_dir: Path, rev: str, modules: tuple[str, ...]) -> tuple[Any, Any, dict]:
+    """A trained run loaded by today's `load_run` and by revision `rev`'s, with `rev`'s
+    `modules` (which must include "runs.loading"); exits 2 naming what is missing."""
+    from llmcli.errors import CheckpointError
+    from llmcli.runs.loading import load_run
+
+    if not (run_dir / "config.yaml").is_file():
+        fail(
+            f"no trained run at {run_dir}: make one with `llmcli train tiny` (it writes "
+            "checkpoints/tiny), or pass --run DIR."
+        )
+    try:
+        today = load_run(run_dir, device="cpu")
+    except CheckpointError as exc:
+        fail(str(exc))
+    try:
+        baseline = load_baseline(rev, modules)
+    except (RuntimeError, ImportError) as exc:
+        fail(f"--baseline {rev}: {str(exc).rstrip('.')}. Use a revision such as 5b00014.")
+    return today, baseline["runs.loading"].load_run(run_dir, device="cpu"), baseline

@@ -39,20 +39,19 @@ import platform
 import sys
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import numpy as np
 import torch
-from git_baseline import load_baseline
+from git_baseline import fail, load_run_sides
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from llmcli.errors import CheckpointError, InputError  # noqa: E402
+from llmcli.errors import InputError  # noqa: E402
 from llmcli.evaluation import run as evaluation  # noqa: E402
 from llmcli.evaluation import text  # noqa: E402
 from llmcli.inspection import ablation, attention, capture  # noqa: E402
-from llmcli.runs.loading import load_run  # noqa: E402
 
 BASELINE_MODULES = (
     "runs.loading",
@@ -73,31 +72,9 @@ EVAL_FIELDS = (
 )
 
 
-def fail(message: str) -> NoReturn:
-    """Bad input: the message on stderr, exit status 2."""
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
 def load_sides(run_dir: Path, rev: str) -> tuple[Any, Any, dict[str, Any]]:
     """Today's loaded run, the baseline's loaded run, the baseline's modules (or exit 2)."""
-    if not (run_dir / "config.yaml").is_file():
-        fail(
-            f"no trained run at {run_dir}: make one with `llmcli train tiny` (it writes "
-            "checkpoints/tiny), or pass --run DIR."
-        )
-    try:
-        today = load_run(run_dir, device="cpu")
-    except CheckpointError as exc:
-        fail(str(exc))
-    try:
-        baseline = load_baseline(rev, BASELINE_MODULES)
-    except (RuntimeError, ImportError) as exc:
-        fail(
-            f"--baseline {rev}: {str(exc).rstrip('.')}. It must be a revision with "
-            "llmcli/inspection/evaluate.py and llmcli/runs/loading.py, such as 5b00014."
-        )
-    return today, baseline["runs.loading"].load_run(run_dir, device="cpu"), baseline
+    return load_run_sides(run_dir, rev, BASELINE_MODULES)
 
 
 def compare(ours: Any, theirs: Any) -> dict[str, Any]:

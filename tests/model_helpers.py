@@ -11,6 +11,19 @@ from torch import nn
 from llmcli.config import ModelConfig
 from llmcli.model import Transformer, hooked
 
+# Every recipe option at once, against the default model: what a test of the maths runs on.
+RECIPE_OPTIONS = {
+    "default": {},
+    "all-options": {
+        "pos_emb": "rope",
+        "norm": "rmsnorm",
+        "qk_norm": True,
+        "mlp": "relu2",
+        "tie_embeddings": False,
+        "bias": False,
+    },
+}
+
 
 def assert_close(actual, expected, name: str, atol: float = 1e-5, rtol: float = 1e-5) -> None:
     """`torch.testing.assert_close`, printing the max abs difference first."""

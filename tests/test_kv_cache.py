@@ -6,26 +6,23 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_helpers import assert_close, gen, left_padded, randomize_, tiny_model, with_weights
+from model_helpers import (
+    RECIPE_OPTIONS,
+    assert_close,
+    gen,
+    left_padded,
+    randomize_,
+    tiny_model,
+    with_weights,
+)
 
 from llmcli.errors import InputError
 from llmcli.generation.padding import padded_mask, padded_positions
 from llmcli.model.gpt import MultiHeadAttention
 from llmcli.model.kv_cache import KVCache
 
-MODEL_OPTIONS = {
-    "default": {},
-    "all-options": {
-        "pos_emb": "rope",
-        "norm": "rmsnorm",
-        "qk_norm": True,
-        "mlp": "relu2",
-        "tie_embeddings": False,
-    },
-}
 
-
-@pytest.mark.parametrize("opts", MODEL_OPTIONS.values(), ids=MODEL_OPTIONS.keys())
+@pytest.mark.parametrize("opts", RECIPE_OPTIONS.values(), ids=RECIPE_OPTIONS.keys())
 def test_kv_cache_decode_and_chunked_prefill_equal_full_forward(opts):
     model = tiny_model(**opts)
     idx = torch.randint(37, (2, 16), generator=gen(1))
@@ -65,7 +62,7 @@ def hand_mask(pads: torch.Tensor, T: int, T_k: int) -> torch.Tensor:
     return (causal & ~pad[:, None, :] | own)[:, None]
 
 
-@pytest.mark.parametrize("opts", MODEL_OPTIONS.values(), ids=MODEL_OPTIONS.keys())
+@pytest.mark.parametrize("opts", RECIPE_OPTIONS.values(), ids=RECIPE_OPTIONS.keys())
 def test_kv_cache_left_padded_batch_equals_each_prompt_alone(opts):
     model = tiny_model(**opts)
     prompts = [torch.randint(37, (n,), generator=gen(n)) for n in (3, 7, 5)]

@@ -6,23 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_helpers import assert_close, gen, left_padded, randomize_, tiny_model
+from model_helpers import RECIPE_OPTIONS, assert_close, gen, left_padded, randomize_, tiny_model
 
 from llmcli.generation.padding import padded_mask, padded_positions
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-MODEL_OPTIONS = {
-    "default": {},
-    "all-options": {
-        "pos_emb": "rope",
-        "norm": "rmsnorm",
-        "qk_norm": True,
-        "mlp": "relu2",
-        "tie_embeddings": False,
-        "bias": False,
-    },
-}
 CASES = [  # (pads, T, T_k): a prefill, a chunk after cached columns, a decode column
     ([0, 3, 7], 8, 8),
     ([2, 0, 5], 3, 9),
@@ -66,7 +55,7 @@ def padded_forward(model, rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch
     return logits, pads
 
 
-@pytest.mark.parametrize("opts", MODEL_OPTIONS.values(), ids=MODEL_OPTIONS.keys())
+@pytest.mark.parametrize("opts", RECIPE_OPTIONS.values(), ids=RECIPE_OPTIONS.keys())
 def test_a_padded_batch_row_equals_that_prompt_alone(opts) -> None:
     model = randomize_(tiny_model(**opts))
     rows = [torch.randint(37, (n,), generator=gen(n)) for n in (3, 16, 7, 1)]
@@ -82,7 +71,7 @@ def test_a_padded_batch_row_equals_that_prompt_alone(opts) -> None:
             assert_close(real, alone[0], f"padded row {b} vs alone [{tag}]", atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("opts", MODEL_OPTIONS.values(), ids=MODEL_OPTIONS.keys())
+@pytest.mark.parametrize("opts", RECIPE_OPTIONS.values(), ids=RECIPE_OPTIONS.keys())
 def test_what_the_padding_holds_changes_no_bit_of_the_real_positions(opts) -> None:
     """Masked keys get weight exactly 0: other tokens in the padding columns leave every logit
     of a real position the same, bit for bit (and a row alone with its padding equals it in
