@@ -1,7 +1,7 @@
 """Today's model against a baseline revision's: training step, forward, decode step, long sample.
 
     python benchmarks/model_speed.py [--baseline 5b00014] [--threads 1] [--rounds 15]
-        [--reps 10] [--long-rounds 3] [--long-tokens 2000] [--parts train,forward,decode,long]
+        [--reps 10] [--long-rounds 3] [--long-tokens 2000] [--parts train,forward,decode,long,fast]
 
 The code of today and of the revision `--baseline` run in one process on the `tiny` shape (4
 layers, 4 heads, n_embed 128, context 64, vocabulary 65, batches of 12), at `--threads` CPU
@@ -29,6 +29,9 @@ Each side runs as its own revision's `llmcli train` and `llmcli sample` run it:
   same tokens are required.
 - `long_sample`: `--long-tokens` new tokens at batch 1 from a 1-token prompt past the context,
   under `shift` (the default policy), sampled as above; tokens/s; the same tokens are required.
+- `fast_vs_forward` (part `fast`): not against the baseline, but today's opt-in decode step
+  (`FastDecoder`) against today's plain loop (every step the model's forward), as `decode_step`
+  measures, sampled: `fast_over_forward` < 1 is what the faster step saves.
 
 Generation, today: `generate(model, prompts, config, decode=FastDecoder.for_model(model))`, the
 decoder built at the start of each generation, as `llmcli sample` runs it; the baseline: its
@@ -86,7 +89,7 @@ TRAIN = {
 }
 SAMPLED = {"temperature": 0.8, "top_k": 200, "seed": 1337}  # llmcli's sample defaults
 SIDES = ("today", "baseline")
-PARTS = ("train", "forward", "decode", "long")
+PARTS = ("train", "forward", "decode", "long", "fast")
 BASELINE_MODULES = (
     "config",
     "model.gpt",
@@ -374,6 +377,32 @@ def decode_step(baseline: dict[str, Any], rounds: int) -> dict[str, Any]:
     return out
 
 
+def fast_vs_forward(baseline: dict[str, Any], rounds: int) -> dict[str, Any]:
+    """Today's opt-in decode step (`FastDecoder`) against today's plain loop (every step the
+    model's forward), both today's code: ms per cached in-context step, sampled; what justifies
+    keeping the faster step."""
+    model = tiny_pair(baseline, scale=4.0)["today"]
+    config = SampleConfig(max_new_tokens=TINY["context_length"] - 1, **SAMPLED)
+
+    def side(decode: bool) -> Side:
+        def run() -> tuple[list[int], list[float]]:
+            made = FastDecoder.for_model(model) if decode else None
+            return stepped(lambda: generate(model, [[1]], config, decode=made))
+
+        return run
+
+    runs = interleaved({"today": side(True), "baseline": side(False)}, rounds)
+    ms = {name: [statistics.median(per[2:]) * 1e3 for _, per in v] for name, v in runs.items()}
+    first = runs["today"][0][0]
+    result = compared(ms, "ms", digits=4)
+    return {
+        "sides": {"today": "FastDecoder", "baseline": "the model's forward (plain loop)"},
+        "fast_over_forward": result.pop("today_over_baseline"),
+        **result,
+        "tokens_equal": all(tokens == first for v in runs.values() for tokens, _ in v),
+    }
+
+
 def long_sample(baseline: dict[str, Any], rounds: int, n: int) -> dict[str, Any]:
     """Tokens/s of `n` sampled tokens past the context under `shift`; the same tokens."""
     models = tiny_pair(baseline, scale=4.0)
@@ -410,6 +439,8 @@ def ratios(out: dict[str, Any]) -> dict[str, float]:
     for label in ("greedy", "sampled"):
         if "decode_step" in out:
             found[f"decode_step_{label}_ms"] = out["decode_step"][label]["today_over_baseline"]
+    if "fast_vs_forward" in out:
+        found["fast_decode_over_forward_ms"] = out["fast_vs_forward"]["fast_over_forward"]
     if "long_sample" in out:
         found["long_sample_tokens_per_s"] = out["long_sample"]["today_over_baseline"]
     return found
@@ -439,6 +470,8 @@ def main() -> None:
         out["forward"] = forward(baseline, args.rounds, args.reps)
     if "decode" in parts:
         out["decode_step"] = decode_step(baseline, args.rounds)
+    if "fast" in parts:
+        out["fast_vs_forward"] = fast_vs_forward(baseline, args.rounds)
     if "long" in parts:
         out["long_sample"] = long_sample(baseline, args.long_rounds, args.long_tokens)
     out["ratios"] = ratios(out)

@@ -4,7 +4,7 @@ plain functions of its weights.
 A decode step feeds one new token per row into the KV cache. Through `Transformer.forward` it
 makes about 40 module calls, and on a small model their bookkeeping costs more than the
 arithmetic: on the `tiny` shape a step takes about twice as long through the forward as here
-(benchmarks/model_speed.py, `decode_step`). `FastDecoder` computes the same operations on the
+(benchmarks/model_speed.py, `fast_vs_forward`). `FastDecoder` computes the same operations on the
 same weights (`torch.addmm` as `nn.Linear` does for one row, the norms' own functions, SDPA
 over the cached keys) with the residual stream `(B, C)` and no hook points, writes the new keys
 and values into the cache as `MultiHeadAttention` does, and keeps the cache's views of each
@@ -37,6 +37,7 @@ from llmcli.model.kv_cache import KVCache
 from llmcli.model.layers import RMSNorm, RotaryEmbedding, qk_rms_norm, rotate
 
 Fn = Callable[[Tensor], Tensor]
+Linear = Callable[..., Tensor]  # rows (B, in) [, out=] -> (B, out)
 
 #: Values per GELU call up to which ATen's CPU kernel beats oneDNN's (one thread, AVX2: 2.4 vs
 #: 10.8 us for 512 values, at 16,384 about even).
@@ -56,22 +57,16 @@ def gelu(h: Tensor) -> Tensor:
     """
     if h.device.type != "cpu" or h.numel() > ATEN_GELU_MAX:
         return F.gelu(h)
-    return _aten_gelu(h)
+    return F.gelu(h.expand(2, *h.shape))[0]  # both copies are h: ATen's kernel
 
 
-def _aten_gelu(h: Tensor) -> Tensor:
-    """`gelu` of a small CPU tensor `(B, 4C)` (the check made once per decoder, not per call)."""
-    if h.numel() > ATEN_GELU_MAX:
-        return F.gelu(h)
-    return F.gelu(h.expand(2, *h.shape))[0]  # (2, B, 4C), both copies h: ATen's kernel
-
-
-def _linear(linear: nn.Linear) -> Fn:
-    """What `nn.Linear` computes for rows `(B, in)`: `addmm(b, x, W.t())`, or `x @ W.t()`."""
+def _linear(linear: nn.Linear) -> Linear:
+    """What `nn.Linear` computes for rows `(B, in)`: `addmm(b, x, W.t())`, or `x @ W.t()`;
+    into `out` where one is given."""
     weight_t, bias = linear.weight.t(), linear.bias  # (in, out) view, made once, not per call
     if bias is None:
-        return lambda x: torch.mm(x, weight_t)
-    return lambda x: torch.addmm(bias, x, weight_t)
+        return lambda x, out=None: torch.mm(x, weight_t, out=out)
+    return lambda x, out=None: torch.addmm(bias, x, weight_t, out=out)
 
 
 def _norm(norm: nn.Module) -> Fn:
@@ -83,27 +78,55 @@ def _norm(norm: nn.Module) -> Fn:
     return lambda x: torch.layer_norm(x, shape, weight, bias, eps)
 
 
-def _relu2(h: Tensor) -> Tensor:
-    return F.relu(h).square()
-
-
-def _activation(mlp: str, device: torch.device) -> Fn:
-    """The MLP's activation as the decode step runs it (see `gelu`)."""
-    if mlp == "relu2":
-        return _relu2
-    return _aten_gelu if device.type == "cpu" else F.gelu
-
-
 @dataclass
 class _Block:
     """One block's weights as functions of rows `(B, C)`."""
 
     ln1: Fn
-    qkv: Fn
-    proj: Fn
+    qkv: Linear
+    proj: Linear
     ln2: Fn
-    fc: Fn
-    mlp_proj: Fn
+    fc: Linear
+    mlp_proj: Linear
+
+
+def _relu2_hidden(block: _Block, x: Tensor) -> Tensor:
+    return F.relu(block.fc(x)).square()  # (B, 4C)
+
+
+def _gelu_hidden(block: _Block, x: Tensor) -> Tensor:
+    return F.gelu(block.fc(x))  # (B, 4C)
+
+
+class _AtenGeluHidden:
+    """The MLP's hidden rows `gelu(fc(x))` `(B, 4C)` on the CPU, GELU on ATen's kernel (`gelu`)
+    with no tensor made per call: `fc` writes into a buffer whose stride-0 view of two copies
+    GELU reads, into a second buffer; the first copy is the result, valid until the next call.
+    """
+
+    def __init__(self) -> None:
+        self.shape: tuple[int, int] | None = None
+
+    def __call__(self, block: _Block, x: Tensor) -> Tensor:
+        B, width = x.shape[0], 4 * x.shape[1]
+        if B * width > ATEN_GELU_MAX:
+            return _gelu_hidden(block, x)
+        if self.shape != (B, width):
+            self.shape = (B, width)
+            self.h = torch.empty(B, width, dtype=x.dtype, device=x.device)  # fc's output
+            self.twice = self.h.expand(2, B, width)  # (2, B, 4C): oneDNN refuses it
+            self.out = torch.empty(2, B, width, dtype=x.dtype, device=x.device)
+            self.first = self.out[0]  # (B, 4C)
+        block.fc(x, out=self.h)
+        F.gelu(self.twice, out=self.out)
+        return self.first
+
+
+def _mlp_hidden(mlp: str, device: torch.device) -> Callable[[_Block, Tensor], Tensor]:
+    """How the decode step computes a block's MLP hidden rows from `ln2(x)`."""
+    if mlp == "relu2":
+        return _relu2_hidden
+    return _AtenGeluHidden() if device.type == "cpu" else _gelu_hidden
 
 
 class FastDecoder:
@@ -119,7 +142,7 @@ class FastDecoder:
         self.model = model
         self.n_head, self.head_size, self.n_embed = config.n_head, config.head_size, model.n_embed
         self.qk_norm = config.qk_norm
-        self.activation = _activation(config.mlp, model.wte.weight.device)
+        self.mlp_hidden = _mlp_hidden(config.mlp, model.wte.weight.device)
         self.wte = model.wte.weight  # (V, C)
         self.wpe = None if model.wpe is None else model.wpe.weight  # (L, C)
         self.rotary: RotaryEmbedding | None = model.blocks[0].attn.rotary  # the same in every layer
@@ -188,8 +211,7 @@ class FastDecoder:
             v_new[i].copy_(v)
             y = F.scaled_dot_product_attention(q, k_all[i], v_all[i], mask, 0.0, False)
             x += block.proj(y.reshape(B, C))  # (B, nh, 1, hs) -> (B, C), heads side by side
-            h = self.activation(block.fc(block.ln2(x)))  # (B, 4C)
-            x += block.mlp_proj(h)  # (B, C)
+            x += block.mlp_proj(self.mlp_hidden(block, block.ln2(x)))  # (B, 4C) -> (B, C)
         cache.length += 1
         return self.lm_head(self.ln_f(x))  # (B, V)
 
