@@ -48,17 +48,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from llmcli.config import Config, load_config  # noqa: E402
 from llmcli.data.tokenizer import CharTokenizer  # noqa: E402
 from llmcli.model.gpt import Transformer  # noqa: E402
-from llmcli.training.muon import AdamWDefaults, Muon, newton_schulz  # noqa: E402
-from llmcli.training.optim import apply_lr, build_optimizer, muon_param_groups  # noqa: E402
+from llmcli.training.muon import AdamWDefaults, Muon, muon_param_groups, newton_schulz  # noqa: E402
+from llmcli.training.optim import apply_lr, build_optimizer, param_groups  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 Step = Callable[[], None]
 
 
+def llmcli_groups(model: nn.Module, train: Any) -> list[dict[str, Any]]:
+    """llmcli's Muon groups for `model`, as `build_optimizer` makes them."""
+    return muon_param_groups(model, train, param_groups(model, train.weight_decay))
+
+
 def torch_pair(model: nn.Module, cfg: Config) -> list[torch.optim.Optimizer]:
     """`torch.optim.Muon` for the hidden matrices, fused `torch.optim.AdamW` for the rest."""
     train = cfg.train
-    hidden, *rest = muon_param_groups(model, train)
+    hidden, *rest = llmcli_groups(model, train)
     muon = torch.optim.Muon(
         [{k: v for k, v in hidden.items() if k != "use_muon"}],
         lr=train.muon_lr,
@@ -79,7 +84,7 @@ def torch_pair(model: nn.Module, cfg: Config) -> list[torch.optim.Optimizer]:
 
 def llmcli_part(model: nn.Module, cfg: Config, muon: bool) -> Muon:
     """llmcli's Muon over only its Muon group (`muon`) or only its AdamW groups."""
-    groups = [g for g in muon_param_groups(model, cfg.train) if g["use_muon"] is muon]
+    groups = [g for g in llmcli_groups(model, cfg.train) if g["use_muon"] is muon]
     adamw = AdamWDefaults(betas=(cfg.train.beta1, cfg.train.beta2), eps=1e-8)
     return Muon(groups, momentum=cfg.train.muon_momentum, adamw=adamw)
 
@@ -109,12 +114,11 @@ def speed(model: nn.Module, cfg: Config, x: Tensor, y: Tensor, rounds: int, step
         models[name] = m
         contestants[name] = stepper(make(m))
 
-    hidden_names = set(muon_param_groups(model, cfg.train)[0]["names"])
+    hidden_names = set(llmcli_groups(model, cfg.train)[0]["names"])
 
     def torch_adamw(m: nn.Module, **kernel: Any) -> list[torch.optim.Optimizer]:
         rest = [
-            {k: v for k, v in g.items() if k != "use_muon"}
-            for g in muon_param_groups(m, cfg.train)[1:]
+            {k: v for k, v in g.items() if k != "use_muon"} for g in llmcli_groups(m, cfg.train)[1:]
         ]
         betas = (cfg.train.beta1, cfg.train.beta2)
         return [torch.optim.AdamW(rest, lr=cfg.train.lr, betas=betas, eps=1e-8, **kernel)]
@@ -205,7 +209,7 @@ def training(
         m = copy.deepcopy(model)
         opts = [build_optimizer(m, cfg.train, "cpu")] if name == "llmcli" else torch_pair(m, cfg)
         runs[name] = (m, opts)
-    hidden = set(muon_param_groups(model, cfg.train)[0]["names"])
+    hidden = set(llmcli_groups(model, cfg.train)[0]["names"])
     report = []
     for step, (x, y) in enumerate(data):
         losses = {}
@@ -245,7 +249,7 @@ def ns_difference(model: nn.Module, cfg: Config, x: Tensor, y: Tensor) -> dict:
     fill_grads(m, x, y)
     mu = cfg.train.muon_momentum
     rel = []
-    for p in muon_param_groups(m, cfg.train)[0]["params"]:
+    for p in llmcli_groups(m, cfg.train)[0]["params"]:
         update = p.grad.lerp(p.grad * (1 - mu), mu)  # (1 - mu) G + mu M with M = (1 - mu) G
         ours = newton_schulz(update)
         theirs = _zeropower_via_newtonschulz(update, (3.4445, -4.7750, 2.0315), 5, 1e-7).float()
@@ -275,7 +279,7 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "model": {k: getattr(cfg.model, k) for k in ("n_layer", "n_head", "n_embed")},
         "hidden_shapes": sorted(
-            {tuple(p.shape) for p in muon_param_groups(model, cfg.train)[0]["params"]}
+            {tuple(p.shape) for p in llmcli_groups(model, cfg.train)[0]["params"]}
         ),
         "bf16_matmul_native": torch.ops.mkldnn._is_mkldnn_bf16_supported(),
         "speed": speed(model, cfg, x, y, args.rounds, args.steps),

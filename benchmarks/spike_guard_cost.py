@@ -9,7 +9,7 @@ against the median of its window (a sort of `spike_window` floats), before the o
 This builds the config's run (its corpus, model and optimizer, in a temporary folder) and times
 the loop's own step (`llmcli.training.step.train_step`: forward, backward, clip, optimizer
 step), without the guard and with the loop's check before the update
-(`llmcli.training.safeguards.BeforeUpdate`, which asks the guard), in interleaved rounds (the order
+(`llmcli.training.safeguards.UpdateCheck`, which asks the guard), in interleaved rounds (the order
 alternating) so that a busy machine slows both alike:
 
 - `step_off_s` / `step_on_s`: the median step time of each (the median over the rounds of each
@@ -45,7 +45,7 @@ from llmcli.training.distributed import DistInfo  # noqa: E402
 from llmcli.training.guard import SpikeGuard  # noqa: E402
 from llmcli.training.precision import Precision  # noqa: E402
 from llmcli.training.run import build_run  # noqa: E402
-from llmcli.training.safeguards import BeforeUpdate  # noqa: E402
+from llmcli.training.safeguards import UpdateCheck  # noqa: E402
 from llmcli.training.step import train_step  # noqa: E402
 
 
@@ -54,7 +54,7 @@ def timed_steps(run, n: int) -> float:
     times = []
     for _ in range(n):
         start = time.perf_counter()
-        check = BeforeUpdate(run, None) if run.guard is not None else None
+        check = UpdateCheck(run, None) if run.guard is not None else None
         train_step(run.trainer, check)
         if run.device.type == "cuda":
             torch.cuda.synchronize()

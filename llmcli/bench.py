@@ -308,9 +308,9 @@ def _sampling_rate(
     config = SampleConfig(max_new_tokens=n_new, temperature=1.0, top_k=None, seed=seed)
     _sync(precision.device)
     start = time.perf_counter()
-    with precision.autocast():
-        for _ in generate(model, [[first]], config, decode=FastDecoder.for_model(model)):
-            pass
+    # As `llmcli sample` runs it: without autocast (under which the fast step stands aside).
+    for _ in generate(model, [[first]], config, decode=FastDecoder.for_model(model)):
+        pass
     _sync(precision.device)
     return n_new / (time.perf_counter() - start)
 

@@ -219,6 +219,15 @@ def test_out_of_memory_in_the_first_steps_halves_an_automatic_micro_batch(
     small_corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog
 ) -> None:
     calls = _oom_above(monkeypatch, batch=2)
+    training_calls: list[int] = []
+    counting = Transformer.forward  # the limited forward, counted in training mode
+
+    def counted(self: Transformer, idx: torch.Tensor, *args: object, **kwargs: object):
+        if self.training:
+            training_calls.append(idx.shape[0])
+        return counting(self, idx, *args, **kwargs)
+
+    monkeypatch.setattr(Transformer, "forward", counted)
     with caplog.at_level(logging.WARNING, logger="llmcli.training.run"):
         summary = train(
             config_from_dict(_auto_raw(small_corpus, 10**10)),
@@ -233,6 +242,8 @@ def test_out_of_memory_in_the_first_steps_halves_an_automatic_micro_batch(
         "grad_accum 4 (the same 128 tokens per step)",
     ]
     assert calls[:3] == [8, 4, 2] and set(calls[3 : 3 + 6 * 4]) == {2}
+    # every step after the shrink is 4 micro-batches of 2: the step accumulates what the config says
+    assert training_calls == [8, 4] + [2] * (6 * 4)
     assert _recorded(tmp_path / "r") == (2, 4)
     assert summary.step == 6 and summary.tokens == 6 * 128
     assert math.isfinite(summary.val_loss)

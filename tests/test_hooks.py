@@ -21,7 +21,6 @@ from llmcli.evaluation.run import EvalOptions, evaluate_run
 from llmcli.generation.fast_decode import FastDecoder
 from llmcli.generation.generate import generate
 from llmcli.inspection.attention import build_dumps
-from llmcli.model import MultiHeadAttention
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -227,12 +226,6 @@ def test_a_failing_hook_leaves_the_kv_cache_length_as_it_was(point) -> None:
         full, _ = model(idx)
     assert cache.length == 8
     assert_close(logits, full[:, 5:], "decoding on after the failed step vs one forward")
-
-
-def test_attention_alone_takes_only_a_batch_of_sequences() -> None:
-    mha = MultiHeadAttention(tiny_model().config)
-    with pytest.raises(ValueError, match="not enough values to unpack"):  # B, T, C = x.shape
-        mha(torch.randn(4, 32))
 
 
 def test_the_pattern_is_computed_only_for_the_layers_that_are_read(monkeypatch) -> None:

@@ -131,7 +131,8 @@ def test_update_writes_after_the_cached_positions_and_returns_them_all():
     k_all, v_all = cache.update(1, k1, v1)  # nothing cached yet
     assert torch.equal(k_all, k1) and torch.equal(v_all, v1)
     assert cache.length == 0  # the caller (Transformer.forward) counts the positions
-    cache.length = 2
+    cache.advance(2)
+    assert cache.length == 2
     k2, v2 = torch.randn(1, 2, 1, 3, generator=gen(3)), torch.randn(1, 2, 1, 3, generator=gen(4))
     k_all, v_all = cache.update(1, k2, v2)
     assert torch.equal(k_all, torch.cat([k1, k2], 2)) and torch.equal(v_all, torch.cat([v1, v2], 2))
@@ -147,11 +148,11 @@ def test_mha_standalone_kv_cache():
     parts = []
     for start, end in ((0, 3), (3, 4), (4, 8)):
         parts.append(mha(x[:, start:end], kv_cache=cache))
-        cache.length = end  # a layer alone: the caller counts, as Transformer.forward does
+        cache.advance(end - start)  # a layer alone: the caller counts, as Transformer does
     assert_close(torch.cat(parts, 1), mha(x), "standalone mha kv cache")
     cache.reset()
     with_weights(mha, x[:, :5], kv_cache=cache)
-    cache.length = 5
+    cache.advance(5)
     y2, w2 = with_weights(mha, x[:, 5:], kv_cache=cache)
     assert w2.shape == (2, 4, 3, 8)
     assert_close(w2, with_weights(mha, x)[1][:, :, 5:], "cached explicit weights")

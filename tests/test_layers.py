@@ -30,10 +30,10 @@ def test_rope_rotation_matches_formula_keeps_norms_and_is_relative():
         (rot(q, torch.tensor([[7]])) * rot(k, torch.tensor([[3]]))).sum(),
         (rot(q, torch.tensor([[7]])) * rot(k, torch.tensor([[4]]))).sum(),
     )
-    # position_ids and offset give the same rotation as the default positions.
+    # input_pos and offset give the same rotation as the default positions.
     assert_close(rot(x[:, 4:9], offset=4), y[:, 4:9], "rope offset", atol=0, rtol=0)
     pos = torch.arange(4, 9).expand(3, -1)
-    assert_close(rot(x[:, 4:9], pos), y[:, 4:9], "rope position_ids", atol=0, rtol=0)
+    assert_close(rot(x[:, 4:9], pos), y[:, 4:9], "rope input_pos", atol=0, rtol=0)
 
 
 def test_rope_on_heads_rotates_each_head_by_its_rows_positions():

@@ -14,8 +14,8 @@ import torch
 from llmcli.config import ModelConfig, TrainConfig, config_from_dict, load_config
 from llmcli.errors import ConfigError
 from llmcli.model.gpt import Transformer
-from llmcli.training.muon import NS_COEFFS, AdamWDefaults, Muon, newton_schulz
-from llmcli.training.optim import apply_lr, build_optimizer, muon_param_groups
+from llmcli.training.muon import NS_COEFFS, AdamWDefaults, Muon, muon_param_groups, newton_schulz
+from llmcli.training.optim import apply_lr, build_optimizer, param_groups
 
 
 def reference_newton_schulz(G: np.ndarray, steps: int = 5) -> np.ndarray:
@@ -206,7 +206,7 @@ def test_the_speedrun_recipes_first_steps_follow_the_muon_formula_and_torch_adam
     train, T, V = cfg.train, cfg.model.context_length, 11
     model = Transformer(cfg.model, V, generator=torch.Generator().manual_seed(0))
     opt = build_optimizer(model, train, "cpu")
-    hidden, *rest = muon_param_groups(model, train)
+    hidden, *rest = muon_param_groups(model, train, param_groups(model, train.weight_decay))
     assert opt.param_groups[0]["params"] == hidden["params"] and len(hidden["params"]) == 8
     start = [p.detach().double().numpy().copy() for p in hidden["params"]]
     copies = {p: torch.nn.Parameter(p.detach().clone()) for g in rest for p in g["params"]}
@@ -260,7 +260,7 @@ def tiny_model(**overrides) -> Transformer:
 def test_routing_muon_for_hidden_matrices_adamw_for_the_rest(tie: bool) -> None:
     model = tiny_model(tie_embeddings=tie, pos_emb="learned")
     train = TrainConfig(optimizer="muon", lr=2e-3, muon_lr=0.03, weight_decay=0.1)
-    muon, decay, no_decay = muon_param_groups(model, train)
+    muon, decay, no_decay = muon_param_groups(model, train, param_groups(model, train.weight_decay))
     expected_hidden = {
         f"blocks.{i}.{m}.weight"
         for i in range(2)

@@ -57,7 +57,8 @@ def test_configs_name_only_bundled_corpora() -> None:
 
 def test_the_reading_path_is_real_and_every_file_on_it_says_what_it_holds() -> None:
     """docs/reading-the-code.md's links point at files that exist; the core files it lists in
-    its table each open with a docstring; README links the page."""
+    its table each open with a docstring that names the modules it leaves things to; README
+    links the page."""
     page = (ROOT / "docs" / "reading-the-code.md").read_text(encoding="utf-8")
     links = re.findall(r"\]\(\.\./([^)]+)\)", page)
     assert links and all((ROOT / link).exists() for link in links), links
@@ -68,4 +69,7 @@ def test_the_reading_path_is_real_and_every_file_on_it_says_what_it_holds() -> N
         tree = ast.parse((ROOT / file).read_text(encoding="utf-8"))
         doc = ast.get_docstring(tree)
         assert doc and len(doc.splitlines()) >= 3, f"{file} opens with no docstring to read"
+        module = file.removesuffix(".py").replace("/", ".")
+        others = {m for m in re.findall(r"llmcli(?:\.\w+)+", doc) if not m.startswith(module)}
+        assert others, f"{file}'s docstring names no module it leaves anything to"
     assert "docs/reading-the-code.md" in (ROOT / "README.md").read_text(encoding="utf-8")

@@ -7,6 +7,7 @@ process and in subprocesses alike) so that bitwise comparisons do not depend on 
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import math
@@ -323,7 +324,7 @@ def test_resume_refuses_another_model_shape_and_needs_a_saved_run(
     reference: Path, corpus: Path, tmp_path: Path
 ) -> None:
     config = make_config(corpus)
-    config.model.n_embed = 32
+    config.model = dataclasses.replace(config.model, n_embed=32)
     with pytest.raises(CheckpointError, match=r"model\.n_embed: saved 16, config 32"):
         train(config, out_dir=reference, resume=True, progress=False)
     with pytest.raises(CheckpointError, match="nothing to resume"):

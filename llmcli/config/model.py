@@ -1,7 +1,8 @@
 """The `model:` section: the network's shape and its architecture options.
 
-`ModelConfig` checks itself as it is made (and `dataclasses.replace` makes a new one), so every
-module built from one (`Block(config)`) can trust it: the modules do not check it again.
+`ModelConfig` checks itself as it is made and cannot be changed after (`dataclasses.replace`
+makes a new one, checked again), so every module built from one (`Block(config)`,
+`llmcli.model.gpt`) can trust it: the modules do not check it again.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from llmcli.config.rules import check_choices, divisors, require
 from llmcli.errors import ConfigError
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     """The network's shape and architecture options (a GPT-2-style model by default)."""
 

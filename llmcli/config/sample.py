@@ -116,8 +116,8 @@ class SampleConfig:
     # Its range depends on the model: `keep_for` checks it against model.context_length.
     context_keep: int | None = _setting(
         None,
-        help="Tokens shift keeps when the context is full, 1..context_length-1; null keeps half "
-        "the context.",
+        help="Tokens shift keeps when the context is full, 1..context_length-1; unset, half the "
+        "context.",
         check=lambda keep: keep is None or is_int(keep),
         rule="must be an integer (the tokens shift keeps when the context is full), or null "
         "for context_length // 2",

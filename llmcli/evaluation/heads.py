@@ -28,8 +28,6 @@ from llmcli.progress import Progress
 
 #: How a removed head is replaced: by zeros, or by its mean output.
 METHODS: tuple[str, ...] = ("zero", "mean")
-#: What `inspect-attention --ablation` takes: one method or both.
-INSPECT_METHODS: tuple[str, ...] = ("zero", "mean", "both")
 
 # ASCII digits (`\d` takes any script's), at most 9 (more is past any layer; `int` refuses more
 # than 4,300 digits).

@@ -17,8 +17,9 @@ through its forward). Callers opt in: `generate(..., decode=FastDecoder.for_mode
 `llmcli sample` and `llmcli serve` do; the plain loop is the model's forward.
 
 The logits equal the forward's bit for bit, except that on the CPU a small GELU runs on ATen's
-kernel rather than oneDNN's (`gelu`): they then agree to within a few float32 ulps, and the
-tokens drawn are the same (tests/test_fast_decode.py).
+kernel rather than oneDNN's (`_AtenGeluHidden`): they then equal the forward run with oneDNN
+off, and agree with the forward on oneDNN to within a few float32 ulps, drawing the same tokens
+(tests/test_fast_decode.py).
 """
 
 from __future__ import annotations
@@ -45,19 +46,6 @@ ATEN_GELU_MAX = 16_384
 #: The most tensor views a decoder keeps for the positions steps come back to (a few hundred
 #: bytes each).
 MAX_KEPT_VIEWS = 16_384
-
-
-def gelu(h: Tensor) -> Tensor:
-    """Exact GELU, on ATen's CPU kernel for small inputs.
-
-    torch sends a contiguous float GELU on the CPU to oneDNN, whose set-up costs about 8 us a
-    call, more than a decode step's few rows take on ATen's own kernel. oneDNN takes contiguous
-    inputs only, so GELU on a stride-0 view of two copies of `h` runs on ATen's (vectorised)
-    kernel, without touching the process-wide oneDNN switch; the first copy is the result.
-    """
-    if h.device.type != "cpu" or h.numel() > ATEN_GELU_MAX:
-        return F.gelu(h)
-    return F.gelu(h.expand(2, *h.shape))[0]  # both copies are h: ATen's kernel
 
 
 def _linear(linear: nn.Linear) -> Linear:
@@ -99,20 +87,26 @@ def _gelu_hidden(block: _Block, x: Tensor) -> Tensor:
 
 
 class _AtenGeluHidden:
-    """The MLP's hidden rows `gelu(fc(x))` `(B, 4C)` on the CPU, GELU on ATen's kernel (`gelu`)
-    with no tensor made per call: `fc` writes into a buffer whose stride-0 view of two copies
-    GELU reads, into a second buffer; the first copy is the result, valid until the next call.
+    """The MLP's hidden rows `gelu(fc(x))` `(B, 4C)` on the CPU, GELU on ATen's kernel.
+
+    torch sends a contiguous float GELU on the CPU to oneDNN, whose set-up costs more than a
+    decode step's few rows take on ATen's own (vectorised) kernel. oneDNN takes contiguous inputs
+    only, so GELU reads a stride-0 view of two copies of the rows and runs on ATen's kernel,
+    without touching the process-wide oneDNN switch. No tensor is made per call: `fc` writes
+    into a buffer, GELU reads its view into a second buffer, and the first copy there is the
+    result, valid until the next call. Buffers made in inference mode serve only there.
     """
 
     def __init__(self) -> None:
-        self.shape: tuple[int, int] | None = None
+        self.shape: tuple[int, int, bool] | None = None
 
     def __call__(self, block: _Block, x: Tensor) -> Tensor:
         B, width = x.shape[0], 4 * x.shape[1]
         if B * width > ATEN_GELU_MAX:
             return _gelu_hidden(block, x)
-        if self.shape != (B, width):
-            self.shape = (B, width)
+        key = (B, width, torch.is_inference_mode_enabled())
+        if self.shape != key:
+            self.shape = key
             self.h = torch.empty(B, width, dtype=x.dtype, device=x.device)  # fc's output
             self.twice = self.h.expand(2, B, width)  # (2, B, 4C): oneDNN refuses it
             self.out = torch.empty(2, B, width, dtype=x.dtype, device=x.device)
@@ -212,7 +206,7 @@ class FastDecoder:
             y = F.scaled_dot_product_attention(q, k_all[i], v_all[i], mask, 0.0, False)
             x += block.proj(y.reshape(B, C))  # (B, nh, 1, hs) -> (B, C), heads side by side
             x += block.mlp_proj(self.mlp_hidden(block, block.ln2(x)))  # (B, 4C) -> (B, C)
-        cache.length += 1
+        cache.advance(1)
         return self.lm_head(self.ln_f(x))  # (B, V)
 
     def _views(self, cache: KVCache, past: int) -> tuple[tuple[Tensor, ...], ...]:

@@ -4,8 +4,8 @@
 `(B, V)` to ids `(B,)`: temperature, top-k (exactly k tokens, lowest ids winning ties), top-p
 (nucleus), and one seeded draw per row by inverse-CDF sampling, so that a row draws the same
 numbers from its own `torch.Generator` whatever batch it is in; `make_generators` makes the
-per-row generators. The settings are checked
-where they are made, in `llmcli.config.SampleConfig`.
+per-row generators. The settings are checked where they are made, in
+`llmcli.config.SampleConfig`.
 """
 
 from __future__ import annotations

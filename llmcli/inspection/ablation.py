@@ -27,6 +27,7 @@ from torch import Tensor
 
 from llmcli.errors import InputError
 from llmcli.evaluation.heads import (
+    Batch,
     ablation_hooks,
     check_method,
     eval_mode,
@@ -38,8 +39,6 @@ from llmcli.progress import Progress, format_fixed
 
 #: Activation memory for the copies of one batch run at once (one copy per removed head).
 HEAD_BATCH_BYTES = 256 << 20
-
-Batch = tuple[Tensor, Tensor]
 
 
 def _residual_streams(model: torch.nn.Module, x: Tensor) -> tuple[list[Tensor], Tensor]:

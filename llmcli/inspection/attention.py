@@ -25,7 +25,7 @@ from llmcli import __version__
 from llmcli.data.tokens import prepare_data
 from llmcli.device import check_threads, resolve_device, torch_threads
 from llmcli.errors import InputError, describe_os_error
-from llmcli.evaluation.heads import INSPECT_METHODS, check_method
+from llmcli.evaluation.heads import check_method
 from llmcli.evaluation.probe import make_probe, probe_scores
 from llmcli.evaluation.repeats import earlier_occurrences
 from llmcli.evaluation.text import eval_tokens, window_batches, window_starts
@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 #: Validation batches `--ablation` measures on by default: the tiny model (4 x 4 heads, batches
 #: of 12 x 64 tokens) measures both methods in well under a minute on 2 CPU cores.
 ABLATION_STEPS = 20
+#: What `inspect-attention --ablation` takes: one method or both.
+INSPECT_METHODS: tuple[str, ...] = ("zero", "mean", "both")
 
 
 def sha256_file(path: str | Path) -> str:

@@ -50,7 +50,9 @@ def causal_mask(T: int, T_k: int, device: torch.device | str | None = None) -> T
 
 
 def attention_weights(q: Tensor, k: Tensor, mask: Tensor | None) -> Tensor:
-    """`softmax(Q K^T / sqrt(hs))` under `mask` (None: causal), written out.
+    """`softmax(Q K^T / sqrt(hs))` under `mask` (None: causal), written out: what
+    `F.scaled_dot_product_attention` computes before its `@ V`, for the same masks (bool, True =
+    may attend; or float, added to the scores).
 
     Shape:
         q `(..., T, hs)`, k `(..., T_k, hs)`, mask `(T, T_k)` or `(B, 1, T, T_k)` ->
@@ -59,7 +61,10 @@ def attention_weights(q: Tensor, k: Tensor, mask: Tensor | None) -> Tensor:
     T, T_k, hs = q.shape[-2], k.shape[-2], q.shape[-1]
     mask = causal_mask(T, T_k, q.device) if mask is None else mask
     wei = q @ k.transpose(-2, -1) * hs**-0.5  # (..., T, hs) @ (..., hs, T_k) -> (..., T, T_k)
-    wei = wei.masked_fill(~mask, float("-inf"))  # (..., T, T_k)
+    if mask.dtype.is_floating_point:
+        wei = wei + mask  # (..., T, T_k)
+    else:
+        wei = wei.masked_fill(~mask, float("-inf"))  # (..., T, T_k)
     return F.softmax(wei, dim=-1)  # (..., T, T_k)
 
 
@@ -69,10 +74,12 @@ class Head(nn.Module):
     `softmax(Q K^T / sqrt(hs)) V` under the causal mask, dropout on the weights, where `Q, K, V`
     are linear projections `C -> hs`, `hs = n_embed // n_head`. With `rope` / `qk_norm` the
     queries and keys are rotated / normalised first, as in `MultiHeadAttention`. A reference for
-    the fused layer (`MultiHeadAttention.heads`), so it takes no KV cache.
+    the fused layer (`llmcli.model.heads.split_heads`), so it takes no KV cache.
 
     Shape:
-        x `(B, T, C)`, mask `(T, T)` or `(B, 1, T, T)` bool (default causal) -> `(B, T, hs)`
+        x `(B, T, C)`, mask `(T, T)` or `(B, 1, T, T)` bool (default causal) -> `(B, T, hs)`.
+        `T` is not limited here (rotary tables end at `context_length`); `Transformer` refuses
+        longer inputs.
     """
 
     def __init__(self, config: ModelConfig | None = None, **kwargs: Any) -> None:
@@ -151,7 +158,9 @@ class MultiHeadAttention(nn.Module):
                 attention (the new tokens see every cached key and the new ones up to their own).
             input_pos: `(T,)` or `(B, T)` long positions of the new tokens, for rotary
                 embeddings; None for `past .. past + T - 1`.
-            kv_cache: where the new keys and values go, at positions `past .. past + T - 1`.
+            kv_cache: where the new keys and values go, at positions `past .. past + T - 1`;
+                the caller counts them once every layer has written (`KVCache.advance`), as
+                `Transformer.forward` does.
 
         Returns:
             `(B, T, C)`.
@@ -393,8 +402,9 @@ class Transformer(nn.Module):
         Args:
             idx: `(B, T)` long token ids.
             targets: `(B, T)` long next-token ids; `-1` marks positions left out of the loss.
-            mask: bool attention mask, True = may attend, `(T, T_k)` or `(B, 1, T, T_k)` with
-                `T_k = past + T`; every query must be allowed at least one key. None: causal.
+            mask: attention mask, `(T, T_k)` or `(B, 1, T, T_k)` with `T_k = past + T`: bool,
+                True = may attend (or float, added to the scores, as SDPA takes it); every
+                query must be allowed at least one key. None: causal.
             input_pos: `(T,)` or `(B, T)` long positions of the new tokens (< `context_length`);
                 None: `past .. past + T - 1`.
             kv_cache: from `new_kv_cache`; the new tokens' keys and values are appended after
@@ -419,7 +429,7 @@ class Transformer(nn.Module):
             x = block(x, mask, input_pos, kv_cache)  # (B, T, C)
         logits = self.to_logits(x)  # (B, T, V)
         if kv_cache is not None:
-            kv_cache.length += T  # every layer has written its new keys and values
+            kv_cache.advance(T)  # every layer has written its new keys and values
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)

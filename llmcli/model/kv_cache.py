@@ -1,14 +1,16 @@
 """The generation cache: every attention layer's keys and values of the positions seen so far.
 
 `Transformer.new_kv_cache` makes a `KVCache`; `Transformer.forward(..., kv_cache=cache)` has each
-layer write its new tokens' keys and values after the `length` cached ones and attend over all of
-them, then counts the new positions, so feeding one token per step gives the same logits as
-recomputing the whole sequence. A forward that fails half-way (a hook function that raises,
-Ctrl-C) leaves `length` as it was: the keys some layers wrote past it are overwritten next time.
+layer write its new tokens' keys and values after the `length` cached ones (`update`) and attend
+over all of them, then counts the new positions (`advance`), so feeding one token per step gives
+the same logits as recomputing the whole sequence. A forward that fails half-way (a hook function
+that raises, Ctrl-C) leaves `length` as it was: the keys some layers wrote past it are
+overwritten next time.
 
 Cached keys depend on absolute positions (and, past the first layer, on every earlier token), so
 generation beyond `max_len` cannot just drop the oldest entry: `reset()` and prefill the last
-window again (or `crop(n)` to go back to a shared prefix).
+window again (or `crop(n)` to go back to a shared prefix); what to keep past the context is
+`llmcli.generation.context_window`'s.
 """
 
 from __future__ import annotations
@@ -72,6 +74,10 @@ class KVCache:
         k_layer[:, :, self.length : end] = k
         v_layer[:, :, self.length : end] = v
         return k_layer[:, :, :end], v_layer[:, :, :end]
+
+    def advance(self, T: int) -> None:
+        """Count `T` new positions, once every layer has written them (`update`)."""
+        self.length += T
 
     def reset(self) -> None:
         """Forget everything cached (the memory is kept for reuse)."""

@@ -81,13 +81,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def angles(self, T: int, position_ids: Tensor | None = None, offset: int = 0) -> Rotation:
-        """The rotation of `T` positions: `position_ids` `(B, T)`, or `offset .. offset + T - 1`.
+    def angles(self, T: int, input_pos: Tensor | None = None, offset: int = 0) -> Rotation:
+        """The rotation of `T` positions: `input_pos` `(T,)` or `(B, T)`, else
+        `offset .. offset + T - 1`.
 
         Returns:
-            `(cos, sin)`, each `(T, hs)`, or `(B, T, hs)` with `position_ids`.
+            `(cos, sin)`, each `(T, hs)`, or `(B, T, hs)` for `(B, T)` positions.
         """
-        if position_ids is None:
+        if input_pos is None:
             if offset + T > len(self.cos):
                 raise InputError(
                     f"rotary positions {offset}..{offset + T - 1} are past the model's "
@@ -95,11 +96,11 @@ class RotaryEmbedding(nn.Module):
                     "positions"
                 )
             return self.cos[offset : offset + T], self.sin[offset : offset + T]  # (T, hs) each
-        return self.cos[position_ids], self.sin[position_ids]  # (B, T, hs) each
+        return self.cos[input_pos], self.sin[input_pos]  # (T, hs) or (B, T, hs) each
 
-    def forward(self, x: Tensor, position_ids: Tensor | None = None, offset: int = 0) -> Tensor:
+    def forward(self, x: Tensor, input_pos: Tensor | None = None, offset: int = 0) -> Tensor:
         """Rotate `x` `(..., T, hs)` (time on dim -2) by its positions; see `angles`."""
-        return rotate(x, self.angles(x.shape[-2], position_ids, offset))
+        return rotate(x, self.angles(x.shape[-2], input_pos, offset))
 
 
 def rotate(x: Tensor, rotation: Rotation) -> Tensor:

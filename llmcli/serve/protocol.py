@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import math
 import secrets
+import typing
 from dataclasses import dataclass, replace
 from typing import Any
 
 from llmcli.config import SampleConfig
+from llmcli.config.rules import is_int
 from llmcli.config.sample import broken_rule
 
 MAX_STOPS = 4  # OpenAI's limit on stop strings
@@ -129,6 +131,7 @@ _OFF_VALUES = {
 }
 # The request fields that set a `SampleConfig` setting, each checked by the setting's rule: OpenAI's
 # names, and top_k (vLLM's and llama.cpp's). The run's config sets the others.
+_HINTS = typing.get_type_hints(SampleConfig)
 SAMPLE_FIELDS = {
     "max_tokens": "max_new_tokens",
     "temperature": "temperature",
@@ -136,7 +139,12 @@ SAMPLE_FIELDS = {
     "top_k": "top_k",
     "seed": "seed",
 }
-_NUMBER_FIELDS = {"temperature", "top_p"}  # JSON numbers; the other settings' are integers
+# The settings a JSON number sets (float in `SampleConfig`); the others take integers.
+_NUMBER_FIELDS = {
+    name
+    for name, key in SAMPLE_FIELDS.items()
+    if float in (typing.get_args(_HINTS[key]) or (_HINTS[key],))
+}
 _FIELDS = {
     "model",
     "prompt",
@@ -265,17 +273,13 @@ def _range_error(name: str, value: Any, rule: str) -> APIError:
     return APIError(400, f"{name} ({value!r}) {rule}.", param=name, code="invalid_value")
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _integer(
     body: dict[str, Any], name: str, default: int, *, low: int, high: int | None = None
 ) -> int:
     value = body.get(name)
     if value is None:
         return default
-    if not _is_int(value):
+    if not is_int(value):
         raise _type_error(name, value, "an integer")
     if value < low or (high is not None and value > high):
         rule = f"must be >= {low}" if high is None else f"must be in {low}..{high}"
@@ -320,7 +324,7 @@ def _sample_config(body: dict[str, Any], defaults: SampleConfig, limits: Limits)
             continue
         if name in _NUMBER_FIELDS:
             value = _number(body, name)
-        elif not _is_int(value):
+        elif not is_int(value):
             raise _type_error(name, value, "an integer")
         rule = broken_rule(key, value)
         if rule is not None:

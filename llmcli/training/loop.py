@@ -42,14 +42,14 @@ from llmcli.training.precision import Precision
 from llmcli.training.readout import LossLog, TokenRate, agreed_flags
 from llmcli.training.records import (
     TrainSummary,
-    evaluate,
+    evaluate_and_log,
     log_step,
     save,
     save_and_stop,
     summary,
 )
 from llmcli.training.run import Run, build_run, open_run_files
-from llmcli.training.safeguards import BeforeUpdate, check_finite, fitting_step, refused
+from llmcli.training.safeguards import UpdateCheck, check_finite, fitting_step, refused
 
 logger = logging.getLogger(__name__)
 
@@ -128,9 +128,9 @@ def fit(run: Run, progress: bool, on_step: Callable[[int], None] | None = None) 
         while state.step < tc.max_steps:
             lr = apply_lr(run.trainer.optimizer, state.step, tc, _lr_scale(run))
             due = _due(state.step + 1, tc)  # known before the step: a log step wants the norm
-            check = BeforeUpdate(run, LayerWatch(run.model) if _watch(run, due) else None)
-            loss, norm = fitting_step(run, check)
-            if check.verdict is not None:  # the spike guard skipped the step, or rolled back
+            check = UpdateCheck(run, LayerWatch(run.model) if _watch(run, due) else None)
+            loss, norm, applied = fitting_step(run, check)
+            if not applied:  # the spike guard skipped the step, or rolled back
                 refused(run, check.verdict, losses)
                 speed.rewind(state.tokens)
                 continue
@@ -152,7 +152,7 @@ def fit(run: Run, progress: bool, on_step: Callable[[int], None] | None = None) 
             if due.log:  # (a stop between log steps writes no record)
                 log_step(run, bar, lr, step_losses[-1], tok_s, norm, check.watch)
             if due.evaluate or due.save or flags.timed_save:
-                best = evaluate(run, lr) if due.evaluate else False  # each evaluation saves
+                best = evaluate_and_log(run, lr) if due.evaluate else False  # each evaluation saves
                 save(run, best)
                 speed.restart(state.tokens)  # tokens/s leaves evaluations and saves out
             if flags.stop:

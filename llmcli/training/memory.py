@@ -150,7 +150,7 @@ def _count_parameters(config: Config, vocab_size: int) -> tuple[int, int, int]:
     # As `Transformer.num_parameters(non_embedding=True)`: a tied token embedding stays.
     non_embedding = body + (token if m.tie_embeddings else head)
     momenta = 2 * params  # AdamW: exp_avg and exp_avg_sq
-    if config.train.optimizer == "muon":  # the blocks' matrices (see muon_param_groups)
+    if config.train.optimizer == "muon":  # the blocks' matrices (see muon.muon_param_groups)
         momenta -= matrices  # one momentum buffer each, instead of two moments
     return params, non_embedding, momenta
 

@@ -48,8 +48,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim.adamw import adamw
+
+from llmcli.config import TrainConfig
 
 # Quintic Newton-Schulz coefficients of KellerJordan/modded-nanogpt: the largest slope at 0
 # that still keeps every singular value within about [0.7, 1.2] after 5 steps.
@@ -295,3 +297,36 @@ class Muon(torch.optim.Optimizer):
                 if "step" in p_state and not isinstance(p_state["step"], Tensor):
                     step = float(p_state["step"])
                     p_state["step"] = torch.tensor(step, dtype=torch.float32, device=p.device)
+
+
+def muon_param_groups(
+    model: nn.Module, train: TrainConfig, adamw_groups: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Muon's groups, from the AdamW ones (`llmcli.training.optim.param_groups`: the decayed
+    matrices, then the vectors): the 2-D hidden weight matrices move to a Muon group.
+
+    Hidden matrices are the 2-D parameters that are neither an `nn.Embedding` table nor the
+    model's `lm_head` (attention QKV and output projections, MLP matrices). The embeddings and
+    the LM head stay with AdamW with weight decay, norm gains and biases with AdamW without.
+
+    Returns:
+        `[muon, adamw decay, adamw no-decay]` groups, each with `"names"` and `"base_lr"`.
+    """
+    skip = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, nn.Linear):
+        skip.add(id(head.weight))
+    decay, no_decay = adamw_groups
+    named = list(zip(decay["names"], decay["params"], strict=True))
+    hidden = [(n, p) for n, p in named if p.dim() == 2 and id(p) not in skip]
+    kept = [(n, p) for n, p in named if not (p.dim() == 2 and id(p) not in skip)]
+    adamw_options = {"use_muon": False, "lr": train.lr, "base_lr": train.lr}
+
+    def group(items: list[tuple[str, Tensor]], **options: Any) -> dict[str, Any]:
+        return {"params": [p for _, p in items], "names": [n for n, _ in items], **options}
+
+    return [
+        group(hidden, use_muon=True, lr=train.muon_lr, base_lr=train.muon_lr, weight_decay=0.0),
+        group(kept, **adamw_options, weight_decay=train.weight_decay),
+        {**no_decay, **adamw_options, "weight_decay": 0.0},
+    ]

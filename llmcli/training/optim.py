@@ -1,9 +1,10 @@
 """The optimizer (parameter groups) and the learning-rate schedule.
 
-`build_optimizer` is the one place an optimizer is made from a config. Every param group keeps
-its peak learning rate under `"base_lr"`; `apply_lr` scales all groups by the schedule's factor
-`lr_at(step) / train.lr`, so groups with their own peak (a Muon group at `muon_lr`, say) follow the
-same warmup and decay.
+`build_optimizer` is the one place an optimizer is made from a config: `torch.optim.AdamW`, or
+Muon for the hidden matrices beside torch's AdamW for the rest (`llmcli.training.muon`). Every
+param group keeps its peak learning rate under `"base_lr"`; `apply_lr` scales all groups by the
+schedule's factor `lr_at(step) / train.lr`, so groups with their own peak (a Muon group at
+`muon_lr`, say) follow the same warmup and decay.
 
 Schedules, for the 0-based optimizer step `s` with `N = max_steps` and
 `W = min(warmup_steps, N)` (a warmup longer than the run is cut to it):
@@ -24,7 +25,7 @@ from torch import nn
 
 from llmcli.config import TrainConfig
 from llmcli.errors import ConfigError
-from llmcli.training.muon import AdamWDefaults, Muon
+from llmcli.training.muon import AdamWDefaults, Muon, muon_param_groups
 
 Named = list[tuple[str, nn.Parameter]]
 
@@ -57,35 +58,6 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     return [_group(decay, weight_decay=weight_decay), _group(no_decay, weight_decay=0.0)]
 
 
-def muon_param_groups(model: nn.Module, train: TrainConfig) -> list[dict[str, Any]]:
-    """Muon groups: Muon for the 2-D hidden weight matrices, AdamW for everything else.
-
-    Hidden matrices are the 2-D parameters that are neither an `nn.Embedding` table nor the
-    model's `lm_head` (attention QKV and output projections, MLP matrices). The embeddings and
-    the LM head go to AdamW with weight decay, norm gains and biases to AdamW without (see
-    `param_groups`). See `llmcli.training.muon` for why.
-
-    Returns:
-        `[muon, adamw decay, adamw no-decay]` groups, each with `"names"` and `"base_lr"`.
-    """
-    skip = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    head = getattr(model, "lm_head", None)
-    if isinstance(head, nn.Linear):
-        skip.add(id(head.weight))
-    named = _trainable(model)
-    is_hidden = [p.dim() == 2 and id(p) not in skip for _, p in named]
-    hidden = [item for item, h in zip(named, is_hidden, strict=True) if h]
-    decay, no_decay = _decay_split(
-        [item for item, h in zip(named, is_hidden, strict=True) if not h]
-    )
-    adamw = {"use_muon": False, "lr": train.lr, "base_lr": train.lr}
-    return [
-        _group(hidden, use_muon=True, lr=train.muon_lr, base_lr=train.muon_lr, weight_decay=0.0),
-        _group(decay, **adamw, weight_decay=train.weight_decay),
-        _group(no_decay, **adamw, weight_decay=0.0),
-    ]
-
-
 def build_optimizer(
     model: nn.Module, train: TrainConfig, device_type: str
 ) -> torch.optim.Optimizer:
@@ -116,7 +88,7 @@ def build_optimizer(
         )
     if train.optimizer == "muon":
         return Muon(
-            muon_param_groups(model, train),
+            muon_param_groups(model, train, param_groups(model, train.weight_decay)),
             momentum=train.muon_momentum,
             adamw=AdamWDefaults(betas=(train.beta1, train.beta2), eps=1e-8, fused=fused),
         )

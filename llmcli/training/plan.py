@@ -48,10 +48,11 @@ class StepTiming:
     """Seconds per training step, measured on warm steps.
 
     Attributes:
-        step_s: one optimizer step at the run's micro-batch and accumulation (a smaller
-            micro-batch's, scaled up, optimizer update included).
+        step_s: one optimizer step at the run's micro-batch and accumulation: `grad_accum`
+            micro-batches (a smaller one's time scaled up) and one update.
         forward_s: one evaluation forward (no gradients) at the run's micro-batch.
-        steps: timed steps (0: only the cold warm-up step was measured, an overestimate).
+        steps: timed rounds, each a step of one and one of two micro-batches (0: only the cold
+            warm-up step was measured, an overestimate).
         batch: the micro-batch measured; a smaller one than the run's when a step of the
             run's would not fit `MEASURE_S` (times are scaled up by the ratio).
         seconds: time spent measuring, warm-up included.
@@ -190,10 +191,12 @@ def measure_step(
     """Time training steps (`llmcli.training.step.train_step`) of the config's model and
     optimizer on random tokens.
 
-    A warm-up step of one sequence per micro-batch comes first (kernels chosen, optimizer state
-    allocated); its time per sequence picks the micro-batch measured: the run's, unless a step of
-    it would take more than a quarter of `budget_s`. Then up to `TIMED_STEPS` steps while the
-    time spent stays within `budget_s`; the median, scaled to the run's micro-batch.
+    A warm-up step of one sequence comes first (kernels chosen, optimizer state allocated); its
+    time picks the micro-batch measured: the run's, unless a step of it would take more than a
+    quarter of `budget_s`. Then, while the time spent stays within `budget_s` (at most
+    `TIMED_STEPS` rounds), steps of one and of two micro-batches in turn: their difference is a
+    micro-batch, the rest the update (clip, optimizer step). A step of the run is `grad_accum`
+    micro-batches, scaled to the run's micro-batch, and one update.
     """
     tc, T, device = config.train, config.model.context_length, precision.device
     assert isinstance(tc.batch_size, int)
@@ -208,25 +211,31 @@ def measure_step(
         optimizer=build_optimizer(model, tc, device.type),
         precision=precision,
         batches=batches,
-        grad_accum=tc.grad_accum,
+        grad_accum=1,
         grad_clip=tc.grad_clip,
     )
-    times = [_timed(lambda: train_step(trainer), device)]  # the cold step, at one sequence
-    batch = max(1, min(tc.batch_size, math.floor(budget_s / 4 / max(times[0], 1e-9))))
-    times[0] *= batch  # as if at `batch`: used if none is timed
+
+    def step(micro_batches: int) -> float:
+        trainer.grad_accum = micro_batches
+        return _timed(lambda: train_step(trainer), device)
+
+    cold = step(1)  # one sequence, one update
+    batch = max(1, min(tc.batch_size, math.floor(budget_s / 4 / max(cold, 1e-9))))
     batches.x, batches.y = tokens[:batch, :-1], tokens[:batch, 1:]  # (batch, T) each
-    timed = 0
-    while timed < TIMED_STEPS and time.perf_counter() - start + times[-1] <= budget_s:
-        times.append(_timed(lambda: train_step(trainer), device))
-        timed += 1
+    ones, twos = [], []
+    while len(ones) < TIMED_STEPS and time.perf_counter() - start + 3 * cold * batch <= budget_s:
+        ones.append(step(1))
+        twos.append(step(2))
+    one, two = (statistics.median(t) for t in (ones, twos)) if ones else (cold * batch,) * 2
+    micro, update = (max(two - one, 0.0), max(2 * one - two, 0.0)) if ones else (one, 0.0)
     model.eval()
     with torch.no_grad():
         forward_s = _timed(lambda: micro_forward(model, tokens[:batch], precision), device)
     scale = tc.batch_size / batch
     return StepTiming(
-        step_s=statistics.median(times[1:] or times) * scale,
+        step_s=tc.grad_accum * micro * scale + update,
         forward_s=forward_s * scale,
-        steps=timed,
+        steps=len(ones),
         batch=batch,
         seconds=time.perf_counter() - start,
     )

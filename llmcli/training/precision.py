@@ -101,6 +101,14 @@ class Precision:
         """Whether the loss is scaled (fp16): non-finite gradients are then the scaler's to skip."""
         return self.scaler.is_enabled()
 
+    def forget_step(self) -> None:
+        """Drop what the GradScaler recorded of a step abandoned half-way (out of memory after
+        `unscale_`), keeping its scale: a fresh scaler with its state."""
+        state = self.scaler.state_dict()
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.scaler.is_enabled())
+        if state:
+            self.scaler.load_state_dict(state)
+
     def autocast(self) -> contextlib.AbstractContextManager:
         """The context a forward pass runs in (a no-op for fp32)."""
         if self.autocast_dtype is None:

@@ -1,6 +1,6 @@
-"""What the training loop writes: a log step's record (`log_step`), an evaluation with its heads'
-scores (`evaluate`), a checkpoint (`save`), the stop after Ctrl-C or SIGTERM (`save_and_stop`),
-and what a run reports at its end (`summary`).
+"""What the training loop writes: a log step's record (`log_step`), an evaluation with its
+heads' scores (`evaluate_and_log`), a checkpoint (`save`), the stop after Ctrl-C or SIGTERM
+(`save_and_stop`), and what a run reports at its end (`summary`).
 
 Circuits during training: with `train.head_metrics`, each evaluation also scores every head on
 the fixed repeated-token probe (`llmcli.evaluation.probe`) and takes the in-context learning
@@ -72,7 +72,7 @@ def log_step(
     bar.report({"loss": f"{loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tok_s:,.0f}"})
 
 
-def evaluate(run: Run, lr: float) -> bool:
+def evaluate_and_log(run: Run, lr: float) -> bool:
     """Estimate the train and val loss (with `train.head_metrics`, score the heads too), log
     them, redraw the curve; True for a new best."""
     tc = run.config.train

@@ -152,6 +152,7 @@ class Run:
         batch = smaller_micro_batch(self.config)
         assert batch is not None
         self.trainer.optimizer.zero_grad(set_to_none=True)
+        self.precision.forget_step()  # fp16: the failed step may have unscaled its gradients
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # give the failed step's blocks back before the smaller one
         self.config = with_micro_batch(self.config, batch)
@@ -227,7 +228,8 @@ class Run:
         saved.load_part("optimizer", lambda: optimizer.load_state_dict(saved.optimizer))
         for group, values in zip(optimizer.param_groups, fresh, strict=True):
             group.update(values)
-        saved.load_part("scaler", lambda: self.precision.scaler.load_state_dict(saved.scaler))
+        if saved.scaler:  # {}: saved without loss scaling (fp32, bf16); a fresh scale here
+            saved.load_part("scaler", lambda: self.precision.scaler.load_state_dict(saved.scaler))
 
     def rollback(self, step: int, loss: float) -> dict[str, Any]:
         """The spike guard's rollback (`llmcli.training.guard`) at step `step`: back to the last

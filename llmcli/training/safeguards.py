@@ -2,7 +2,7 @@
 
 - the out-of-memory retry (`fitting_step`): in a fresh run's first steps an automatic micro-batch
   that does not fit is made smaller and the step tried again;
-- what looks at the gradients before the update (`BeforeUpdate`): the layer watch
+- what looks at the gradients before the update (`UpdateCheck`): the layer watch
   (`train.log_layers`) and the spike guard (`llmcli.training.guard`), whose verdict is read from
   the device (`judge`) and acted on after the step (`refused`: log the skip, roll back, or stop);
 - a loss that is not finite (`check_finite`), and the message of a run that diverged
@@ -31,9 +31,10 @@ class DivergenceError(InputError):
     """The loss became NaN or infinite (too high a learning rate, usually)."""
 
 
-def fitting_step(run: Run, check: BeforeUpdate) -> tuple[torch.Tensor, torch.Tensor]:
-    """`train_step`; in a fresh run's first steps, an automatic micro-batch that runs out of
-    memory is made smaller and the step tried again (`Run.shrink_micro_batch`)."""
+def fitting_step(run: Run, check: UpdateCheck) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """`train_step` (its loss, norm and whether the update was applied); in a fresh run's first
+    steps, an automatic micro-batch that runs out of memory is made smaller and the step tried
+    again (`Run.shrink_micro_batch`)."""
     while True:
         try:
             loss, norm, applied = train_step(run.trainer, check)
@@ -45,10 +46,10 @@ def fitting_step(run: Run, check: BeforeUpdate) -> tuple[torch.Tensor, torch.Ten
         run.shrink_micro_batch()
     if applied and check.watch is not None:
         check.watch.after_step()
-    return loss, norm
+    return loss, norm, applied
 
 
-class BeforeUpdate:
+class UpdateCheck:
     """What looks at a step's gradients before the weights change: the layer watch
     (`train.log_layers`: each layer's gradient norm, and the weights before the update) and the
     spike guard, whose verdict on a step it refuses is kept for the loop (`verdict`)."""
@@ -82,10 +83,10 @@ def judge(run: Run, loss: torch.Tensor, norm: torch.Tensor) -> Verdict:
     return run.guard.check(run.state.step + 1, loss_value, judged_norm)
 
 
-def refused(run: Run, verdict: Verdict, losses: LossLog) -> None:
+def refused(run: Run, verdict: Verdict | None, losses: LossLog) -> None:
     """After the spike guard refused a step: log the skip, roll the run back to its last save
     when the guard says so, or stop it (`DivergenceError`) when it cannot recover."""
-    assert run.guard is not None and verdict.event is not None
+    assert run.guard is not None and verdict is not None and verdict.event is not None
     step, loss = verdict.event["step"], verdict.event["loss"]
     log_event(
         run, verdict.event, f"step {step} skipped ({verdict.event['reason']}, loss {loss:.4g})"

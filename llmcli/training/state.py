@@ -121,7 +121,7 @@ class ResumeState:
         config: the run's config, as `Config.to_dict()`.
         model: the model's state dict (its own copy of the weights: resuming needs no other file).
         optimizer: the optimizer's state dict.
-        scaler: the precision's state dict (the GradScaler's; {} without one).
+        scaler: the GradScaler's state dict ({} for a disabled one: no loss scaling).
         rng: every rank's RNG states (`rng_state`), in rank order.
         sampler: every rank's batch-sampler state, in rank order.
         guard: the spike guard's state (`llmcli.training.guard`; None without the guard).
