@@ -361,6 +361,26 @@ def test_state_pt_any_value_in_any_field_restores_or_is_refused(resumable, data,
         random.setstate(rngs[2])
 
 
+def test_a_save_without_loss_scaling_resumes_under_fp16(resumable) -> None:
+    """An fp32 (or bf16) save holds an empty scaler state; resuming it where fp16 scales the loss
+    starts the scaler afresh instead of refusing the save as damaged."""
+    saved = resumable["saved"]
+    assert saved["scaler"] == {}
+    run = resumable["run"]
+    cpu = torch.device("cpu")
+    fp32 = run.trainer.precision
+    run.trainer.precision = Precision("float16", cpu, None, torch.amp.GradScaler("cpu"))
+    rngs = (torch.get_rng_state(), np.random.get_state(), random.getstate())
+    try:
+        run.restore(ResumeState.from_dict(saved, resumable["run_dir"] / STATE_FILE))
+        assert run.precision.scaler.get_scale() == 2.0**16  # torch's fresh initial scale
+    finally:
+        run.trainer.precision = fp32
+        torch.set_rng_state(rngs[0])
+        np.random.set_state(rngs[1])
+        random.setstate(rngs[2])
+
+
 # --- safetensors weights ------------------------------------------------------------------------
 
 

@@ -137,3 +137,20 @@ def test_an_overflowing_scaled_step_is_skipped_and_the_scale_lowered() -> None:
     assert scaled.scaler.get_scale() == 2.0**9
     for p, w in zip(model.parameters(), weights, strict=True):
         assert torch.equal(p, w)
+
+
+def test_forgetting_an_abandoned_step_keeps_the_scale() -> None:
+    """After an out-of-memory error between `unscale_` and the update, the retried step must be
+    able to unscale again: the scaler forgets the step, not its scale."""
+    cpu = torch.device("cpu")
+    precision = Precision("float16", cpu, None, torch.amp.GradScaler("cpu", init_scale=2.0**7))
+    model = Regression(0)
+    t = trainer(model, batches(2), 1, 0.0, precision)
+    x, y = t.batches.next()
+    precision.scaler.scale(model(x, y)[1]).backward()
+    precision.scaler.unscale_(t.optimizer)  # ... and then the step ran out of memory
+    precision.forget_step()
+    t.optimizer.zero_grad(set_to_none=True)
+    train_step(t)  # unscales again: no "unscale_() has already been called"
+    assert precision.scaler.get_scale() == 2.0**7
+
