@@ -153,4 +153,3 @@ def test_forgetting_an_abandoned_step_keeps_the_scale() -> None:
     t.optimizer.zero_grad(set_to_none=True)
     train_step(t)  # unscales again: no "unscale_() has already been called"
     assert precision.scaler.get_scale() == 2.0**7
-
