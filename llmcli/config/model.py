@@ -56,7 +56,7 @@ class ModelConfig:
         if self.n_embed % self.n_head != 0:
             raise ConfigError(
                 f"model.n_embed ({self.n_embed}) must be divisible by model.n_head "
-                f"({self.n_head}): pick n_head among {divisors(self.n_embed)} "
+                f"({self.n_head}): pick n_head among {divisors(self.n_embed, limit=64)} "
                 f"or change n_embed."
             )
         check_choices("model", self)

@@ -7,6 +7,7 @@ message reads the same wherever it comes from: `model.n_head (3) must be positiv
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from typing import Any, Literal
 
@@ -47,6 +48,8 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def divisors(n: int, limit: int = 64) -> list[int]:
-    """The divisors of `n` up to `limit`, for a message that suggests one."""
-    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+def divisors(n: int, limit: int | None = None) -> list[int]:
+    """The divisors of `n`, in increasing order (up to `limit`, for a message that suggests one)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    every = small + [n // d for d in reversed(small) if d * d != n]
+    return every if limit is None else [d for d in every if d <= limit]

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from llmcli.config import Config
+from llmcli.config.rules import divisors
 from llmcli.errors import InputError
 from llmcli.progress import format_bytes
 from llmcli.training.memory import device_free_bytes, estimate_memory
@@ -142,7 +143,7 @@ def choose_micro_batch(
             f"smallest limit that works is {smallest} bytes "
             f"(--set train.memory_limit={_round_up_mib(smallest)}MiB); or make the model smaller."
         )
-    return max(d for d in _divisors(n_seqs) if d <= largest)
+    return max(d for d in divisors(n_seqs) if d <= largest)
 
 
 def smaller_micro_batch(config: Config) -> int | None:
@@ -150,7 +151,7 @@ def smaller_micro_batch(config: Config) -> int | None:
     divides the sequences per step (exactly half when it divides them), or None at one."""
     tc = config.train
     assert isinstance(tc.batch_size, int)
-    smaller = [d for d in _divisors(tc.batch_size * tc.grad_accum) if d <= tc.batch_size // 2]
+    smaller = [d for d in divisors(tc.batch_size * tc.grad_accum) if d <= tc.batch_size // 2]
     return max(smaller, default=None)
 
 
@@ -165,7 +166,7 @@ def _accumulation(config: Config, batch: int, n_seqs: int) -> int:
         raise InputError(
             f"train.tokens_per_step ({tc.tokens_per_step}) is {n_seqs} sequences per process, "
             f"which train.batch_size ({batch}) does not divide: pick batch_size among "
-            f"{_divisors(n_seqs)[-8:]}, or train.batch_size: auto."
+            f"{divisors(n_seqs)[-8:]}, or train.batch_size: auto."
         )
     accum = n_seqs // batch
     if tc.grad_accum not in (1, accum):
@@ -190,12 +191,6 @@ def with_micro_batch(config: Config, batch: int) -> Config:
 def _with_batch(config: Config, batch: int, accum: int) -> Config:
     train = dataclasses.replace(config.train, batch_size=batch, grad_accum=accum)
     return dataclasses.replace(config, train=train)
-
-
-def _divisors(n: int) -> list[int]:
-    """The divisors of `n`, in increasing order."""
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def _round_up_mib(n: int) -> int:
