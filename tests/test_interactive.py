@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import random
 import signal
 import subprocess
 import sys
@@ -102,6 +103,8 @@ def test_commands_are_checked_by_sample_config():
         ("/top_k 0", "top_k"),
         ("/temprature 1", "unknown command /temprature"),
         ("/seed", "needs a value"),
+        ("/top_k [", r"/top_k \[: the value is not a YAML scalar"),
+        ("/seed [1, 2]", "must be a single scalar"),
     ]:
         with pytest.raises(InputError, match=named):
             apply_command(config, line, 16)
@@ -121,6 +124,42 @@ def test_interactive_refuses_options_it_cannot_use(tmp_path, capsys, monkeypatch
             stdin="R\n", monkeypatch=monkeypatch,
         )  # fmt: skip
         assert code == 2 and "--interactive" in err
+
+
+def test_lines_that_cannot_be_answered_get_a_reason_and_the_next_lines_their_answers(
+    tmp_path, capsys, monkeypatch
+):
+    run_dir = make_run(tmp_path / "run")
+    rng = random.Random(0)
+    # Random bytes >= 0x80: never UTF-8 of the vocabulary's characters (ASCII), so each line of
+    # them is refused, as not UTF-8 or as characters the vocabulary lacks.
+    noise = [bytes(rng.randrange(0x80, 0x100) for _ in range(rng.randrange(1, 40))) for _ in "ab"]
+    long = "ROMEO: " * 300  # far past the context (16): answered from its last 16 tokens
+    script = [
+        b"ROMEO",
+        *noise,
+        b"JUL\xffIET",  # a byte that is not UTF-8 inside a line
+        "JULIET: café".encode(),  # characters outside the vocabulary
+        long.encode(),
+        b"/top_k [",  # not a YAML scalar
+        b"/seed \xff",
+        b"/" + bytes(range(0x80, 0x90)),
+        b"JULIET",
+    ]
+    # A real stdin: a strict UTF-8 text layer over the bytes that came in.
+    stdin = io.TextIOWrapper(io.BytesIO(b"\n".join(script) + b"\n"), encoding="utf-8")
+    monkeypatch.setattr(sys, "stdin", stdin)
+    code, out, err = cli(capsys, "sample", "--checkpoint", str(run_dir), "--interactive")
+    assert code == 0, err
+    answers = [sampled(capsys, run_dir, prompt) for prompt in ("ROMEO", long, "JULIET")]
+    assert out == "".join(answers)
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == len(script) - 3  # every other line: a reason
+    assert sum("is not UTF-8 text" in line and "iconv" in line for line in errors) >= 3
+    assert "vocabulary lacks: 'c', 'é'. Remove them" in err
+    assert "/top_k [: the value is not a YAML scalar" in err
+    assert "the prompt is longer than the model's context_length (16 tokens)" in err
+    assert "Traceback" not in err
 
 
 @pytest.mark.slow

@@ -140,3 +140,16 @@ def test_text_outside_the_vocabulary_and_unknown_choices_raise() -> None:
         encode_prompt(CHARS, "Zebra", 8)
     with pytest.raises(ValueError, match="unknown choice"):
         encode_prompt(CHARS, "a", 8, too_long="cut")  # type: ignore[arg-type]
+
+
+def test_lone_surrogates_are_refused_as_not_text() -> None:
+    # JSON's "\ud800", or a byte that is not UTF-8 in a command-line argument (surrogateescape).
+    bpe = BPETokenizer.train(["plain text"], vocab_size=257)
+    for tokenizer in (CHARS, bpe):
+        for prompt, shown in [("ab\ud800", r"'\\ud800' at character 2"), ("\udcff", r"'\\udcff'")]:
+            with pytest.raises(
+                InputError, match=rf"^prompt 1 holds {shown}.*not UTF-8.*UTF-8 text"
+            ):
+                encode_prompt(tokenizer, prompt, 8, label="prompt 1")
+    # A character past the BMP (a surrogate pair in JSON) is text.
+    assert encode_prompt(bpe, "a\U0001f600", 8)[0] == bpe.encode("a\U0001f600")

@@ -183,7 +183,7 @@ def _interactive(
     write: ThrottledStdout,
 ) -> None:
     """`sample --interactive`: load the run once, then answer stdin's lines (a first --prompt)."""
-    from llmcli.generation.interactive import interactive
+    from llmcli.generation.interactive import decode_line, interactive, not_utf8
     from llmcli.generation.sample import load_for_sampling
 
     run, config, options = load_for_sampling(checkpoint, overrides, options, notify)
@@ -193,6 +193,10 @@ def _interactive(
 
         notify(f"{run.run_dir}: type a prompt; /help lists the commands, Ctrl-D exits")
     pending = [prompt] if prompt is not None else []
+    # A pipe is read as bytes, each line decoded alone: bytes that are not UTF-8 are that line's
+    # error, where text-mode stdin would stop the session (or, under some locales, pass them on
+    # as surrogates).
+    stdin = getattr(sys.stdin, "buffer", None)
 
     def read_line() -> str | None:
         sys.stdout.flush()
@@ -203,8 +207,13 @@ def _interactive(
                 return input("> ")
             except EOFError:
                 return None
-        line = sys.stdin.readline()
-        return line.rstrip("\r\n") if line else None
+            except UnicodeDecodeError as exc:
+                raise not_utf8(exc) from None
+        if stdin is None:  # a text stream standing in for stdin (tests)
+            line = sys.stdin.readline()
+            return line.rstrip("\r\n") if line else None
+        data = stdin.readline()
+        return decode_line(data) if data else None
 
     interactive(run, config, options, read_line, write, notify)
     sys.stdout.flush()

@@ -119,8 +119,24 @@ def parse_override(text: str) -> tuple[str, str, Any]:
             f"--set {text!r}: the key must be section.key with a section among "
             f"{', '.join(SECTIONS)} (for example model.n_head=8)."
         )
+    value = parse_scalar(raw_value, f"--set {text!r}", f"--set '{dotted.strip()}=\"...\"'")
+    return parts[0], parts[1], value
+
+
+def parse_scalar(raw: str, what: str, quoted: str) -> Any:
+    """A setting's value typed by the user, read as a YAML scalar (a blank text is None): what
+    `--set KEY=VALUE` and `sample --interactive`'s `/KEY VALUE` take.
+
+    Args:
+        raw: the value's text.
+        what: how messages name the whole input, e.g. `--set 'model.n_head=['`.
+        quoted: the input with its value quoted, for the message that suggests quoting it.
+
+    Raises:
+        ConfigError: the text is not YAML, or is a list or mapping.
+    """
     try:
-        value = yaml.safe_load(raw_value) if raw_value.strip() else None
+        value = yaml.safe_load(raw) if raw.strip() else None
     except (yaml.YAMLError, RecursionError) as exc:
         problem = (
             getattr(exc, "problem", None)
@@ -128,15 +144,14 @@ def parse_override(text: str) -> tuple[str, str, Any]:
             or ("nested too deeply" if isinstance(exc, RecursionError) else "invalid YAML")
         )
         raise ConfigError(
-            f"--set {text!r}: the value is not a YAML scalar ({problem}); quote it, for "
-            f"example --set '{dotted.strip()}=\"...\"'."
+            f"{what}: the value is not a YAML scalar ({problem}); quote it, for example {quoted}."
         ) from None
     if isinstance(value, (dict, list)):
         raise ConfigError(
-            f"--set {text!r}: the value must be a single scalar (number, string, true/false, "
-            "null), not a list or mapping."
+            f"{what}: the value must be a single scalar (number, string, true/false, null), "
+            "not a list or mapping."
         )
-    return parts[0], parts[1], value
+    return value
 
 
 def config_from_dict(raw: Any, name: str = "run") -> Config:

@@ -8,7 +8,9 @@ seeded with the current `seed`. A line starting with `/` changes a setting inste
 in `--set`), checked by `SampleConfig` through `dataclasses.replace`: a bad value is reported and
 the previous one kept. `/settings` shows them, `/help` the commands with each setting's help
 from `SampleConfig`. Ctrl-C (`KeyboardInterrupt`) during an answer stops that answer; the end of
-the input (Ctrl-D) ends the session.
+the input (Ctrl-D) ends the session. A line that cannot be answered (bytes that are not UTF-8,
+characters outside the vocabulary, a bad command) gets its reason and the session goes on; a
+prompt longer than the context is answered from its last `context_length` tokens, with a notice.
 
 Answers go to `write` (stdout), everything else (settings, errors, help) to `notify` (stderr),
 so that the output of a piped session is the answers alone.
@@ -25,6 +27,7 @@ from typing import Any
 import yaml
 
 from llmcli.config import SampleConfig
+from llmcli.config.loading import parse_scalar
 from llmcli.config.sample import SETTING_KEYS, broken_rule, setting_info
 from llmcli.errors import InputError
 from llmcli.generation.sample import SampleOptions, sample_texts, sample_threads, unescape
@@ -84,8 +87,8 @@ def apply_command(config: SampleConfig, line: str, context_length: int) -> tuple
         context_length: the model's, which `context_keep` must be below.
 
     Raises:
-        InputError: an unknown command, a missing value, or a value `SampleConfig` refuses
-            (its message names the setting, the value and the rule).
+        InputError: an unknown command, a missing value, a value that is not a YAML scalar, or
+            one `SampleConfig` refuses (its message names the setting, the value and the rule).
     """
     name, _, raw = line[1:].strip().partition(" ")
     key = name.replace("-", "_")
@@ -100,7 +103,8 @@ def apply_command(config: SampleConfig, line: str, context_length: int) -> tuple
         )
     if not raw.strip():
         raise InputError(f"/{key} needs a value, e.g. /{key} {getattr(config, key)}")
-    new = replace(config, **{key: yaml.safe_load(raw)})
+    value = parse_scalar(raw, f"/{name} {raw.strip()}", f'/{name} "..."')
+    new = replace(config, **{key: value})
     new.keep_for(context_length)
     return new, f"{key} = {getattr(new, key)}"
 
@@ -121,6 +125,27 @@ class _Stream:
         pass
 
 
+def decode_line(data: bytes) -> str:
+    """A line read from stdin as text, without its line ending.
+
+    Raises:
+        InputError: the line is not UTF-8; the message says where and how to convert it.
+    """
+    try:
+        return data.decode("utf-8").rstrip("\r\n")
+    except UnicodeDecodeError as exc:
+        raise not_utf8(exc) from None
+
+
+def not_utf8(exc: UnicodeDecodeError) -> InputError:
+    """The error for a line of input that `exc` found is not UTF-8."""
+    return InputError(
+        f"the line is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}): "
+        "type or pipe UTF-8 (text in another encoding converts with e.g. "
+        "`iconv -f latin1 -t utf-8`)."
+    )
+
+
 def answer(
     run: LoadedRun,
     prompt: str,
@@ -129,7 +154,11 @@ def answer(
     write: Callable[[str], Any],
     notify: Callable[[str], Any] = logger.warning,
 ) -> bool:
-    """Stream the answer to `prompt`, ending it with a newline; False when Ctrl-C stopped it."""
+    """Stream the answer to `prompt`, ending it with a newline; False when Ctrl-C stopped it.
+
+    Raises:
+        InputError: the prompt cannot be encoded (see `llmcli.generation.prompts.encode_prompt`).
+    """
     stream = _Stream(write)
     stopped = False
     try:
@@ -139,8 +168,9 @@ def answer(
             )
     except KeyboardInterrupt:
         stopped = True
-    if stream.last != "\n":
-        write("\n")
+    finally:
+        if stream.last != "\n":
+            write("\n")
     if stopped:
         notify("stopped (Ctrl-C); the next prompt, or Ctrl-D to exit")
     return not stopped
@@ -160,7 +190,8 @@ def interactive(
         run: the loaded run (see `llmcli.generation.sample.load_for_sampling`).
         config: the starting settings.
         options: stop strings and ids, threads (`num_samples` must be 1).
-        read_line: the next line without its newline, or None at the end of the input.
+        read_line: the next line without its newline, or None at the end of the input; it
+            raises `InputError` for a line that is not text (see `decode_line`).
         write: receives the answers' text as it is generated (flushed by the caller's writer).
         notify: receives settings, help and error lines.
 
@@ -170,16 +201,17 @@ def interactive(
     if options.num_samples != 1:
         raise InputError("--interactive answers each prompt once: leave out --num-samples.")
     answered = 0
-    while (line := read_line()) is not None:
-        if not line.strip():
-            continue
-        if line.startswith("/"):
-            try:
+    while True:
+        # A line that cannot be read, run or answered gets its reason, and the next line its
+        # turn: one bad line in a piped script must not leave the rest unanswered.
+        try:
+            if (line := read_line()) is None:
+                return answered
+            if line.startswith("/"):
                 config, message = apply_command(config, line, run.model.context_length)
-            except InputError as exc:
-                message = f"error: {exc}"
-            notify(message)
-            continue
-        answer(run, unescape(line), config, options, write, notify)
-        answered += 1
-    return answered
+                notify(message)
+            elif line.strip():
+                answer(run, unescape(line), config, options, write, notify)
+                answered += 1
+        except InputError as exc:
+            notify(f"error: {exc}")

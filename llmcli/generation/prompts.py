@@ -10,6 +10,7 @@ what sampling wants, or refuses it, for commands whose output must cover exactly
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
@@ -19,6 +20,9 @@ from llmcli.errors import InputError
 from llmcli.fileio import read_user_text
 
 _EXAMPLE = '["ROMEO:", "JULIET:"]'
+# A lone UTF-16 surrogate is no text, yet a Python string can hold one: JSON's "\ud800", or a
+# byte that is not UTF-8 in a command-line argument (which Python decodes with surrogateescape).
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def read_prompt_file(
@@ -133,11 +137,17 @@ def encode_prompt(
         `(ids, cropped)`: `cropped` says the prompt was longer than `context_length`.
 
     Raises:
-        InputError: as `empty` and `too_long` say, or for text outside the vocabulary.
+        InputError: as `empty` and `too_long` say, or for text outside the vocabulary or that
+            holds a lone surrogate.
     """
     if empty not in ("start", "error") or too_long not in ("crop", "error"):
         raise ValueError(f"empty={empty!r}, too_long={too_long!r}: unknown choice")
     what = label or "the prompt"
+    if (bad := _SURROGATE.search(prompt)) is not None:
+        raise InputError(
+            f"{what} holds {bad.group()!r} at character {bad.start()}, which is not text (a byte "
+            "that is not UTF-8, or half of a UTF-16 surrogate pair): give it as UTF-8 text."
+        )
     if prompt == "" and empty == "error":
         raise InputError(f"{what} is empty: give at least one character of text.")
     ids = list(start_ids(tokenizer)) if prompt == "" else list(tokenizer.encode(prompt))
