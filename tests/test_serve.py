@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import re
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -21,6 +24,7 @@ import pytest
 import torch
 import uvicorn
 from conftest import save_tiny_run
+from fastapi.testclient import TestClient
 
 from llmcli.cli import main
 from llmcli.data.tokenizer import CharTokenizer
@@ -316,6 +320,94 @@ def test_bodies_over_the_limit_and_not_json_are_refused(url) -> None:
     assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_json"
     response = httpx.get(f"{url}/v1/nothing")
     assert response.status_code == 404 and "error" in response.json()
+
+
+HUGE = b"1" + b"0" * 400  # 10**400: an integer, but past float's range
+# Request bodies Python's JSON reader, or the checks after it, once answered with a 500, and the
+# error each must get instead: {id: (body, param, code)}.
+HOSTILE = {
+    "deep": (b"[" * 2000 + b"]" * 2000, None, "invalid_json"),  # past Python's recursion limit
+    "deep-prompt": (b'{"prompt": ' + b"[" * 2000 + b"]" * 2000 + b"}", None, "invalid_json"),
+    "900-deep-prompt": (b'{"prompt": ' + b"[" * 900 + b"]" * 900 + b"}", "prompt", "invalid_type"),
+    "nan": (b'{"prompt": "a", "temperature": NaN}', None, "invalid_json"),  # not JSON
+    "-infinity": (b'{"prompt": "a", "top_p": -Infinity}', None, "invalid_json"),
+    "1e400": (b'{"prompt": "a", "temperature": 1e400}', "temperature", "invalid_type"),
+    "huge-temp": (b'{"prompt": "a", "temperature": %s}' % HUGE, "temperature", "invalid_type"),
+    "huge-top_p": (b'{"prompt": "a", "top_p": %s}' % HUGE, "top_p", "invalid_type"),
+    "huge-max_tokens": (b'{"prompt": "a", "max_tokens": %s}' % HUGE, "max_tokens", "invalid_value"),
+    "huge-n": (b'{"prompt": "a", "n": %s}' % HUGE, "n", "invalid_value"),
+    "huge-seed": (b'{"prompt": "a", "seed": %s}' % HUGE, "seed", "invalid_value"),
+    "list-max_tokens": (b'{"prompt": "a", "max_tokens": [1]}', "max_tokens", "invalid_type"),
+    "dict-temperature": (b'{"prompt": "a", "temperature": {}}', "temperature", "invalid_type"),
+    "list-options": (b'{"prompt": "a", "stream_options": [1]}', "stream_options", None),
+    "surrogate-key": (b'{"\\ud800": 1}', "\ud800", "unknown_parameter"),  # a lone surrogate
+    "surrogate-prompt": (b'{"prompt": "\\ud800"}', "prompt", "invalid_value"),
+    "surrogate-echo": (b'{"prompt": ["a", "b\\udfff"], "echo": true}', "prompt", "invalid_value"),
+    "surrogate-model": (b'{"prompt": "a", "model": "\\ud800"}', "model", "model_not_found"),
+    "not-utf8": (b'{"prompt": "\xff"}', None, "invalid_json"),
+    "empty": (b"", None, "invalid_json"),
+    "list": (b"[]", None, "invalid_type"),
+    "null": (b"null", None, "invalid_type"),
+    "string": (b'"prompt"', None, "invalid_type"),
+}
+
+
+@pytest.mark.parametrize(("body", "param", "code"), list(HOSTILE.values()), ids=list(HOSTILE))
+def test_bodies_python_cannot_take_get_4xx_openai_errors(url, body, param, code) -> None:
+    for content_type in ("application/json", "text/plain"):
+        headers = {"content-type": content_type}
+        response = httpx.post(f"{url}/v1/completions", content=body, headers=headers)
+        assert 400 <= response.status_code < 500, response.text
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["param"] == param and error["code"] == code
+        assert error["type"] == "invalid_request_error" and len(error["message"]) < 400
+
+
+def test_an_error_in_the_server_is_still_openai_json(run, monkeypatch) -> None:
+    def broken(*args):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr("llmcli.serve.app.parse_completion", broken)
+    with TestClient(create_app(run), raise_server_exceptions=False) as client:
+        response = client.post("/v1/completions", json={"prompt": "a"})
+    assert response.status_code == 500
+    assert response.json()["error"]["type"] == "server_error"
+    assert "RuntimeError" in response.json()["error"]["message"]
+
+
+def access_lines(caplog, status: int) -> list[str]:
+    """The access-log lines (uvicorn's format, without its level prefix) with this status."""
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "uvicorn.access" and len(r.args) == 5 and r.args[4] == status
+    ]
+
+
+def test_a_client_that_goes_away_is_logged_with_499(url, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="uvicorn.access")
+    body = {"prompt": "a", "max_tokens": 100_000, "seed": 1}
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
+        next(r.iter_lines())  # streaming; then hang up
+    with pytest.raises(httpx.ReadTimeout):  # a plain request, given up on
+        httpx.post(f"{url}/v1/completions", json=body, timeout=0.3)
+    with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as sock:
+        # Half a body, then gone.
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 99\r\n\r\n{")
+        time.sleep(0.2)
+    deadline = time.monotonic() + 5
+    while len(access_lines(caplog, 499)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    gone = access_lines(caplog, 499)
+    assert len(gone) == 3
+    line = re.compile(r'127\.0\.0\.1:\d+ - "POST /v1/completions HTTP/1\.1" 499$')
+    assert all(line.match(text) for text in gone), gone
+    # The stream's own line, from when it began, is uvicorn's: the same format.
+    [started] = access_lines(caplog, 200)
+    assert started.split(" - ")[0] == gone[0].split(" - ")[0]  # the stream's client
+    assert started.removesuffix(" 200") == gone[0].removesuffix(" 499")
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 def test_a_client_that_goes_away_stops_its_generation(url) -> None:

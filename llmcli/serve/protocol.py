@@ -11,6 +11,7 @@ differ. Errors are `APIError`s with OpenAI's status codes and error JSON
 from __future__ import annotations
 
 import math
+import reprlib
 import secrets
 import typing
 from dataclasses import dataclass, replace
@@ -23,6 +24,11 @@ from llmcli.config.sample import broken_rule
 MAX_STOPS = 4  # OpenAI's limit on stop strings
 MAX_LOGPROBS = 5  # OpenAI's limit on the top log-probs of each token
 MAX_SEED = 2**63 - 1  # the largest seed `SampleConfig` takes: a fresh seed is below it
+
+# How messages quote a value the request sent: cut short, so that a 1 MB string or a list nested
+# 900 deep gives a short message (and no RecursionError).
+_QUOTE = reprlib.Repr()
+_QUOTE.maxlevel, _QUOTE.maxstring, _QUOTE.maxother, _QUOTE.maxlong = 3, 60, 60, 40
 
 
 class APIError(Exception):
@@ -182,7 +188,7 @@ def parse_completion(
     if unknown:
         raise APIError(
             400,
-            f"unrecognized request argument supplied: {unknown[0]!r} (this server takes "
+            f"unrecognized request argument supplied: {_QUOTE.repr(unknown[0])} (this server takes "
             f"{', '.join(sorted(_FIELDS - set(_OFF_VALUES)))}).",
             param=unknown[0],
             code="unknown_parameter",
@@ -223,7 +229,7 @@ def _check_model(model: Any, model_id: str) -> None:
     if model != model_id:
         raise APIError(
             404,
-            f"the model {model!r} does not exist: this server serves {model_id!r} "
+            f"the model {_QUOTE.repr(model)} does not exist: this server serves {model_id!r} "
             "(GET /v1/models lists it).",
             param="model",
             code="model_not_found",
@@ -263,14 +269,14 @@ def _prompts(prompt: Any) -> list[str]:
 def _type_error(name: str, value: Any, wanted: str) -> APIError:
     return APIError(
         400,
-        f"{name} must be {wanted}, not {value!r} ({type(value).__name__}).",
+        f"{name} must be {wanted}, not {_QUOTE.repr(value)} ({type(value).__name__}).",
         param=name,
         code="invalid_type",
     )
 
 
 def _range_error(name: str, value: Any, rule: str) -> APIError:
-    return APIError(400, f"{name} ({value!r}) {rule}.", param=name, code="invalid_value")
+    return APIError(400, f"{name} ({_QUOTE.repr(value)}) {rule}.", param=name, code="invalid_value")
 
 
 def _integer(
@@ -295,9 +301,13 @@ def _number(body: dict[str, Any], name: str) -> float | None:
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    try:
+        number = float(value) if isinstance(value, (int, float)) else math.nan
+    except OverflowError:  # an integer past float's range, such as 10**400
+        number = math.inf
+    if isinstance(value, bool) or not math.isfinite(number):
         raise _type_error(name, value, "a finite number")
-    return float(value)
+    return number
 
 
 def _boolean(body: dict[str, Any], name: str) -> bool:
@@ -333,9 +343,9 @@ def _sample_config(body: dict[str, Any], defaults: SampleConfig, limits: Limits)
     if settings["max_new_tokens"] > limits.max_tokens:
         raise APIError(
             400,
-            f"max_tokens ({settings['max_new_tokens']}) is more than this server allows: at "
-            f"most {limits.max_tokens} new tokens per choice (`llmcli serve --max-tokens` sets "
-            "it).",
+            f"max_tokens ({_QUOTE.repr(settings['max_new_tokens'])}) is more than this server "
+            f"allows: at most {limits.max_tokens} new tokens per choice (`llmcli serve "
+            "--max-tokens` sets it).",
             param="max_tokens",
             code="invalid_value",
         )
