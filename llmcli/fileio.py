@@ -4,6 +4,10 @@ Every file llmcli writes (run files, the token cache, tokenizers, attention dump
 exports) goes through `atomic_path`: the data is written to a temporary name in the same folder,
 flushed to disk (fsync) and renamed into place (`os.replace`), so a crash or a full disk at any
 instant leaves either the old file or the new one, never a half-written one.
+
+A file the user names is read only if it is a regular file (`refuse_special_file`): a named pipe,
+a socket or a device is refused before it is opened, since opening a named pipe waits until
+another program writes to it.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +23,7 @@ from typing import Any
 from llmcli.errors import CheckpointError, InputError, describe_os_error
 
 TMP_MARK = ".tmp-"  # in the name of every temporary file (see `remove_stale_temp_files`)
+TMP_GLOB = f".*{TMP_MARK}*"  # what every temporary file's name matches
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -106,9 +112,53 @@ def append_json_line(fh: Any, path: Path, record: dict[str, Any]) -> int:
 
 def remove_stale_temp_files(folder: Path) -> None:
     """Delete the temporary files a killed process left in `folder` (nothing reads them)."""
-    for tmp in folder.glob(f".*{TMP_MARK}*"):
+    for tmp in folder.glob(TMP_GLOB):
         with contextlib.suppress(OSError):
             tmp.unlink()
+
+
+# What `os.stat` can say a path is, besides a regular file or a folder.
+_SPECIAL_KINDS = (
+    (stat.S_ISFIFO, "a named pipe"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def special_file_kind(path: str | Path) -> str | None:
+    """What `path` is if it exists but is neither a regular file nor a folder ("a named pipe",
+    "a socket", "a character device", "a block device"); None otherwise (missing included).
+
+    Only stats the path: opening a named pipe to look would wait for a writer.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):  # missing, a broken link, a name the OS refuses
+        return None
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    return next((kind for is_kind, kind in _SPECIAL_KINDS if is_kind(mode)), "a special file")
+
+
+def refuse_special_file(path: str | Path, name: str, wanted: str) -> None:
+    """Refuse a path the user gave that is a named pipe, a socket or a device, unopened.
+
+    Args:
+        path: the path.
+        name: how the message names it, e.g. "data.path ('corpus.txt')".
+        wanted: what it should be, e.g. "a file or folder".
+
+    Raises:
+        InputError: `path` is neither a regular file nor a folder (see `special_file_kind`).
+    """
+    kind = special_file_kind(path)
+    if kind is not None:
+        raise InputError(
+            f"{name} is {kind}, not {wanted}: llmcli reads only regular files, since {kind} "
+            "has no fixed content (reading it could wait forever for a writer, or never end). "
+            "Save the content to a file and give that file."
+        )
 
 
 def read_user_text(
@@ -123,7 +173,8 @@ def read_user_text(
         hint: what to do when the file does not exist.
 
     Raises:
-        InputError: the file does not exist, is a folder, cannot be read, or is not UTF-8.
+        InputError: the file does not exist, is a folder, a named pipe, a socket or a device,
+            cannot be read, or is not UTF-8.
     """
     p = Path(path)
     name = f"{what} {str(p)!r}"
@@ -131,6 +182,7 @@ def read_user_text(
         raise InputError(f"{name} does not exist: {hint}.")
     if p.is_dir():
         raise InputError(f"{name} is a directory, not a {kind} file: give the file itself.")
+    refuse_special_file(p, name, f"a {kind} file")
     try:
         data = p.read_bytes()
     except OSError as exc:

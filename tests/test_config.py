@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -188,6 +191,23 @@ def test_rule_messages_name_key_value_and_rule(
 def test_unreadable_files_are_config_errors(tmp_path: Path, make, pattern: str) -> None:
     with pytest.raises(ConfigError, match=pattern):
         load_config(make(tmp_path))
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes here")
+def test_a_named_pipe_as_config_is_refused_without_waiting_for_a_writer(tmp_path: Path) -> None:
+    # In a child with a timeout: reading the pipe would wait forever for a writer.
+    fifo = tmp_path / "c.yaml"
+    os.mkfifo(fifo)
+    out = subprocess.run(
+        [sys.executable, "-m", "llmcli", "config", str(fifo)],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2, out.stderr
+    assert f"config file {str(fifo)!r} is a named pipe, not a YAML file" in out.stderr
 
 
 def test_binary_file_is_a_config_error(tmp_path: Path) -> None:

@@ -4,6 +4,9 @@
 import ast
 import csv
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +24,8 @@ from llmcli.data.tokenizer import BPETokenizer, CharTokenizer
 from llmcli.data.tokens import TokenData, default_cache_dir, prepare_data
 from llmcli.errors import InputError
 
-CORPUS = Path(__file__).resolve().parents[1] / "data" / "shakespeare.txt"
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = ROOT / "data" / "shakespeare.txt"
 
 
 @pytest.fixture(scope="module")
@@ -255,6 +259,48 @@ def test_val_split_needs_a_dataset(tmp_path: Path) -> None:
     path = write(tmp_path / "c.txt", "hello world " * 10)
     with pytest.raises(InputError, match="val_split.*data.dataset only"):
         prep(tmp_path, path=str(path), val_split="validation")
+
+
+needs_fifo = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes here")
+
+
+@needs_fifo
+def test_a_named_pipe_or_a_device_as_data_is_named_and_refused_unopened(tmp_path: Path) -> None:
+    # Opening a named pipe waits for a writer, and none comes: only a refusal that stats it
+    # first returns at all.
+    fifo = tmp_path / "corpus.txt"
+    os.mkfifo(fifo)
+    text = write(tmp_path / "t.txt", "x" * 50)
+    pipe = r"is a named pipe, not a file or folder: llmcli reads only regular files"
+    with pytest.raises(InputError, match=r"data.path \('.*corpus.txt'\) " + pipe):
+        prep(tmp_path, path=str(fifo))
+    with pytest.raises(InputError, match=r"data.val_path \('.*corpus.txt'\) " + pipe):
+        prep(tmp_path, path=str(text), val_path=str(fifo))
+    with pytest.raises(InputError, match=r"data.dataset \('.*corpus.txt'\) " + pipe):
+        prep(tmp_path, path=None, dataset=str(fifo))
+    with pytest.raises(InputError, match=r"tokenizer file '.*corpus.txt' is a named pipe"):
+        prep(tmp_path, path=str(text), tokenizer=str(fifo))
+    if Path("/dev/null").exists():
+        with pytest.raises(InputError, match=r"'/dev/null'\) is a character device, not a file"):
+            prep(tmp_path, path="/dev/null")
+
+
+@needs_fifo
+def test_train_on_a_named_pipe_exits_2_naming_it_without_waiting(tmp_path: Path) -> None:
+    fifo = tmp_path / "corpus.txt"
+    os.mkfifo(fifo)
+    config = write(tmp_path / "c.yaml", f"data: {{path: {str(fifo)!r}}}\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "llmcli", "train", str(config), "--out", str(tmp_path / "run")],
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=120,  # a read that waits for a writer fails the test here instead of hanging
+    )
+    assert out.returncode == 2, out.stderr
+    assert f"data.path ({str(fifo)!r}) is a named pipe, not a file or folder" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 # --- datasets sources (local files only) -----------------------------------------------------

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmcli.errors import InputError
+from llmcli.fileio import refuse_special_file
 
 if TYPE_CHECKING:
     from llmcli.config import DataConfig
@@ -180,6 +181,7 @@ def _resolve_files(spec: str, key: str) -> list[Path]:
                 ".txt files, or give a file or a glob."
             )
         return files
+    refuse_special_file(p, f"{key} ({spec!r})", "a file or folder")
     if not p.is_file():
         raise InputError(
             f"{key} ({spec!r}) does not exist (relative paths start from {os.getcwd()!r}): "
@@ -195,6 +197,7 @@ def _load_dataset(spec: str, split: str, key: str, cache_dir: Path) -> Any:
 
     p = Path(spec).expanduser()
     label = f"{key} ({spec!r})"
+    refuse_special_file(p, label, "a file or folder")
     errors = (
         FileNotFoundError,
         ConnectionError,

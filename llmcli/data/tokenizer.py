@@ -46,7 +46,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trai
 from tokenizers import Tokenizer as HFTokenizer
 
 from llmcli.errors import InputError
-from llmcli.fileio import atomic_write_text
+from llmcli.fileio import atomic_write_text, read_user_text
 from llmcli.hub import resolve_pretrained, split_hub_name
 
 if TYPE_CHECKING:
@@ -439,24 +439,10 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """Restore a tokenizer, exactly as saved, from one `tokenizer.json`.
 
     Raises:
-        InputError: the file is missing, unreadable or not a tokenizer.
+        InputError: the file is missing, not a regular file, unreadable or not a tokenizer.
     """
-    p = Path(path)
-    if not p.is_file():
-        raise InputError(
-            f"tokenizer file {str(p)!r} does not exist"
-            + (" (it is a folder)" if p.is_dir() else "")
-            + ": check the path."
-        )
-    try:
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise InputError(
-            f"tokenizer file {str(p)!r} is not UTF-8 JSON (bad byte at offset {exc.start})."
-        ) from None
-    except OSError as exc:
-        raise InputError(f"cannot read tokenizer file {str(p)!r}: {exc.strerror or exc}.") from None
-    return tokenizer_from_json(text, repr(str(p)))
+    text = read_user_text(path, "tokenizer file", kind="JSON")
+    return tokenizer_from_json(text, repr(str(path)))
 
 
 def train_tokenizer(data_cfg: DataConfig, texts: Iterable[str] | str) -> Tokenizer:
