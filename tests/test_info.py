@@ -89,3 +89,32 @@ def test_eval_warns_once_when_the_run_was_made_with_other_versions(
     assert json.loads(out)["tokens"] == len("hello world\nhello world\n") - 1
     warnings = [line for line in err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "torch 1.0.0" in warnings[0]
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (b'{"step": 40,, "tokens"', r"not valid JSON \(Expecting .* at line 1, column 13\)"),
+        (b"[40, 1280]", r"holds a JSON list, not an object"),
+        (b"\xff\xfe garbage", r"not UTF-8 text \(bad byte at offset 0\)"),
+        (b"[" * 100_000, r"nests lists or objects too deeply"),
+    ],
+    ids=["not-json", "not-an-object", "not-utf8", "too-deep"],
+)
+def test_info_on_a_damaged_meta_json_names_it_once_and_shows_the_rest(
+    run_dir: Path, capsys, caplog, content: bytes, problem: str
+) -> None:
+    # meta.json is informative (as for a field of the wrong type, test_readers.py): the rest of
+    # the run is shown, with a warning that names the file and what is wrong with it.
+    (run_dir / "meta.json").write_bytes(content)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["info", "--checkpoint", str(run_dir), "--json"])
+    assert exit_info.value.code == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["model"]["n_layer"] == 2 and info["training"]["best_val_loss"] == 2.25
+    assert info["training"]["tokens"] is None  # recorded only in the damaged file
+    damaged = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
+    assert len(damaged) == 1, damaged
+    assert re.search(
+        rf"{re.escape(str(run_dir / 'meta.json'))} is damaged: it .*{problem}", damaged[0]
+    )

@@ -287,17 +287,22 @@ _META_FIELDS: dict[str, Callable[[Any], bool]] = {
 def read_meta(path: str | Path) -> dict[str, Any]:
     """A run's `meta.json` as a dict whose fields have the types llmcli reads them as.
 
-    It is informative only, so nothing here is an error: an absent or unreadable file gives {},
-    and a field of the wrong type (`"tokens": "many"`) is left out with a warning, so that what
-    is right can still be shown. A null field is kept: it means "none yet" (`best_val_loss`
-    before the first evaluation).
+    It is informative only, so nothing here is an error: an absent file gives {}, a damaged one
+    (not JSON, not an object) gives {} with a warning naming the file and what is wrong, and a
+    field of the wrong type (`"tokens": "many"`) is left out with a warning, so that what is
+    right can still be shown. A null field is kept: it means "none yet" (`best_val_loss` before
+    the first evaluation).
     """
     path = Path(path)
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, RecursionError) as exc:
+        _warn_damaged(path, _json_problem(exc))
         return {}
     if not isinstance(meta, dict):
+        _warn_damaged(path, f"it holds a JSON {type(meta).__name__}, not an object")
         return {}
     bad = [k for k, ok in _META_FIELDS.items() if meta.get(k) is not None and not ok(meta[k])]
     if bad:
@@ -307,6 +312,30 @@ def read_meta(path: str | Path) -> dict[str, Any]:
             ", ".join(f"{k} ({_shown(meta[k])})" for k in bad),
         )
     return {k: v for k, v in meta.items() if k not in bad}
+
+
+def _json_problem(exc: BaseException) -> str:
+    """What is wrong with a JSON file that could not be read, in a few words."""
+    if isinstance(exc, UnicodeDecodeError):
+        return f"it is not UTF-8 text (bad byte at offset {exc.start})"
+    if isinstance(exc, json.JSONDecodeError):
+        return f"it is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})"
+    if isinstance(exc, RecursionError):
+        return "it nests lists or objects too deeply to read"
+    if isinstance(exc, OSError):
+        return f"it cannot be read ({exc.strerror or exc})"
+    return str(exc)
+
+
+def _warn_damaged(path: Path, problem: str) -> None:
+    # Readers show the run without it, so say why its facts are missing: without this, the
+    # only trace is "this run records no software versions", which points elsewhere.
+    logger.warning(
+        "%s is damaged: %s; the step, tokens, timings and versions it records are not shown "
+        "(the run's other files are read as usual).",
+        path,
+        problem,
+    )
 
 
 def _shown(value: Any) -> str:

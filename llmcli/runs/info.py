@@ -65,7 +65,7 @@ def run_info(
         "generation": config["sample"],
         "versions": {"recorded": meta.get("versions"), "installed": record()},
         "version_warnings": warnings_for(meta.get("versions")),
-        "reference": check_run(run.run_dir, config).to_dict(),
+        "reference": check_run(run.run_dir, config, meta).to_dict(),
     }
 
 

@@ -216,20 +216,26 @@ def config_name(run_dir: Path, meta: dict[str, Any]) -> tuple[str | None, str | 
     return (folder, "the run folder's name") if folder in shipped else (None, None)
 
 
-def check_run(run_dir: str | Path, config: dict[str, Any]) -> ReferenceCheck:
+def check_run(
+    run_dir: str | Path, config: dict[str, Any], meta: dict[str, Any] | None = None
+) -> ReferenceCheck:
     """Place a run against its shipped config's reference curve.
 
     Args:
         run_dir: the run directory (its `meta.json` names the config, its `metrics.jsonl`
             holds the evaluations).
         config: the run's resolved config, as sections (`Config.to_dict()`).
+        meta: its `meta.json` as `read_meta` gives it, if the caller has read it (None: read
+            here), so that a damaged file is warned about once.
 
     Returns:
         The offset at the run's last evaluation (or at the reference's last point, if the run
         went on past it), and the differing curve keys; or `missing` saying why there is none.
     """
     run_dir = Path(run_dir)
-    name, matched_by = config_name(run_dir, read_meta(run_dir / META_FILE))
+    if meta is None:
+        meta = read_meta(run_dir / META_FILE)
+    name, matched_by = config_name(run_dir, meta)
     if matched_by is None:
         known = ", ".join(shipped_configs()) or "none"
         what = f"its config {name!r} is" if name else "it records no config name and its folder is"
