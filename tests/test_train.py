@@ -337,6 +337,68 @@ def test_resume_refuses_another_model_shape_and_needs_a_saved_run(
     assert done.step == 30 and done.tokens_per_s is None
 
 
+def cli(capsys, *args: object) -> tuple[int, str]:
+    """Run `llmcli` in this process: (exit status, stderr on one line)."""
+    from llmcli.cli import main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main([str(a) for a in args])
+    return exc.value.code, " ".join(capsys.readouterr().err.split())
+
+
+def test_a_folder_of_other_files_needs_overwrite_which_keeps_them(
+    corpus: Path, tmp_path: Path, capsys
+) -> None:
+    config = write_config(make_config(corpus, max_steps=10), tmp_path / "t.yaml")
+    out = tmp_path / "mine"
+    (out / "photos").mkdir(parents=True)
+    (out / "notes.txt").write_text("my notes")
+    mine = ["notes.txt", "photos"]
+    for where in (("--out", out), ("--set", f"train.out_dir={out}")):
+        code, err = cli(capsys, "train", config, *where, "--no-progress")
+        assert code == 2, err
+        assert f"'{out}' is not empty and holds no llmcli run: it has notes.txt, photos/" in err
+        assert "--overwrite" in err and "Traceback" not in err
+        assert sorted(p.name for p in out.iterdir()) == mine  # nothing written
+    code, err = cli(capsys, "train", config, "--out", out, "--resume", "auto", "--no-progress")
+    assert code == 2 and "holds no llmcli run" in err  # nothing to resume: a fresh start
+
+    code, err = cli(capsys, "train", config, "--out", out, "--overwrite", "--no-progress")
+    assert code == 0, err
+    assert load_run(out).step == 10 and (out / STATE_FILE).is_file()
+    assert (out / "notes.txt").read_text() == "my notes" and (out / "photos").is_dir()
+
+    # Now it holds a run: continued as any run is, and started afresh with the files kept.
+    code, err = cli(capsys, "train", config, "--out", out, "--no-progress")
+    assert code == 2 and "already holds a run (step 10)" in err
+    code, err = cli(
+        capsys, "train", config, "--out", out, "--resume", "--set", "train.max_steps=20"
+    )
+    assert code == 0, err
+    assert load_state(out / STATE_FILE)["step"] == 20
+    code, err = cli(capsys, "train", config, "--out", out, "--overwrite", "--no-progress")
+    assert code == 0, err
+    assert load_state(out / STATE_FILE)["step"] == 10
+    assert (out / "notes.txt").read_text() == "my notes" and (out / "photos").is_dir()
+
+
+def test_an_empty_folder_or_one_with_only_a_runs_files_starts_as_before(
+    reference: Path, corpus: Path, tmp_path: Path
+) -> None:
+    config = make_config(corpus, max_steps=10)
+    (tmp_path / "empty").mkdir()
+    assert train(config, out_dir=tmp_path / "empty", progress=False).step == 10
+    # A run killed before its first save: its first files and a temporary file of a write.
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    for name in ("config.yaml", "tokenizer.json", "metrics.jsonl"):
+        (killed / name).write_bytes((reference / name).read_bytes())
+    (killed / f".loss.png{fileio.TMP_MARK}123").write_bytes(b"half")
+    assert train(config, out_dir=killed, progress=False).step == 10
+    assert not list(killed.glob(fileio.TMP_GLOB))
+
+
 def test_divergence_names_the_step_and_keeps_the_last_good_checkpoint(
     corpus: Path, tmp_path: Path
 ) -> None:

@@ -91,13 +91,17 @@ def train_command(
         ),
     ] = None,
     overwrite: Annotated[
-        bool, typer.Option(help="Start afresh even if the run directory holds a run.")
+        bool,
+        typer.Option(
+            help="Start afresh even if the run directory holds a run (its files are replaced) "
+            "or other files (they are kept)."
+        ),
     ] = False,
     threads: Annotated[
         Optional[int],
         typer.Option(
-            help="CPU threads (default: train.threads, 1); more pays only on cores that "
-            "nothing else uses.",
+            help="CPU threads (default: train.threads, auto: the CPUs nothing else is using); "
+            "more pays only on cores that nothing else uses.",
             metavar="N",
         ),
     ] = None,
@@ -132,7 +136,11 @@ def train_command(
     if summary.rank != 0:
         return
     rate = f", {summary.tokens_per_s:,.0f} tokens/s" if summary.tokens_per_s else ""
-    saves = f", {summary.saves} saves of at most {summary.save_s:.2f} s" if summary.saves else ""
+    saves = (
+        f", {summary.saves} save{'s' * (summary.saves != 1)} of at most {summary.save_s:.2f} s"
+        if summary.saves
+        else ""
+    )
     guard = (
         f", spike guard: {summary.skipped} step{'s' * (summary.skipped != 1)} skipped, "
         f"{summary.rollbacks} rollback{'s' * (summary.rollbacks != 1)}"

@@ -16,6 +16,11 @@ A run directory (`checkpoints/<config name>/` by default) holds:
 | | | repeated-token probe, the loss by position (`llmcli.runs.head_metrics`) |
 | `loss.png` | every evaluation | train and val loss against steps |
 
+With `train.logger` the trackers add `tensorboard/`, `wandb/` and `wandb_run_id`
+(`llmcli.runs.trackers`). A run starts only in a new or empty folder, or one holding nothing but
+these files (an earlier run's, removed or replaced): other files are the user's, and a start
+beside them needs `--overwrite`, which keeps them.
+
 Every file is written to a temporary name in the same folder, flushed to disk (fsync) and renamed
 into place (`os.replace`), so a crash at any instant leaves either the old or the new file, never a
 half-written one. `state.pt` is written last at each save and holds its own copy of the weights:
@@ -27,16 +32,18 @@ read back safely: `llmcli.runs.formats`; reading a run: `llmcli.runs.loading`.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 from pathlib import Path
 from typing import Any
 
 from llmcli.config import Config, dump_yaml
 from llmcli.data.tokenizer import Tokenizer
 from llmcli.errors import CheckpointError, describe_os_error
-from llmcli.fileio import atomic_write_bytes, atomic_write_json, atomic_write_text
+from llmcli.fileio import TMP_GLOB, atomic_write_bytes, atomic_write_json, atomic_write_text
 from llmcli.model.gpt import Transformer
 from llmcli.runs import versions
 from llmcli.runs.formats import read_meta, save_state, weights_bytes
+from llmcli.runs.trackers import TENSORBOARD_DIR, WANDB_DIR, WANDB_ID_FILE
 
 CONFIG_FILE = "config.yaml"
 TOKENIZER_FILE = "tokenizer.json"
@@ -65,6 +72,20 @@ _RUN_FILES = (
     HEAD_METRICS_FILE,
     PLOT_FILE,
 )
+_WRITE_TEST = ".write-test"  # `ensure_run_dir`'s probe
+# Every name a run writes at the top of its folder (temporary files aside); anything else there
+# is someone else's.
+_WRITTEN = frozenset(
+    (
+        CONFIG_FILE,
+        TOKENIZER_FILE,
+        *_RUN_FILES,
+        TENSORBOARD_DIR,
+        WANDB_DIR,
+        WANDB_ID_FILE,
+        _WRITE_TEST,
+    )
+)
 
 
 def resumes(run_dir: Path, resume: bool | str) -> bool:
@@ -73,34 +94,78 @@ def resumes(run_dir: Path, resume: bool | str) -> bool:
     return resume is True or (resume == "auto" and (run_dir / STATE_FILE).is_file())
 
 
+def _holds_run(run_dir: Path) -> bool:
+    """Whether `run_dir` holds a saved run: its resume state or its weights."""
+    return (run_dir / STATE_FILE).exists() or (run_dir / MODEL_FILE).exists()
+
+
+def foreign_files(run_dir: Path) -> list[str]:
+    """The names in `run_dir` that no run writes (the user's files, or another tool's), sorted,
+    a folder's ending in "/". A missing folder, or a path that is not a folder, has none.
+
+    Raises:
+        CheckpointError: the folder cannot be listed.
+    """
+    if not run_dir.is_dir():
+        return []
+    try:
+        entries = list(run_dir.iterdir())
+    except OSError as exc:
+        raise CheckpointError(
+            f"cannot list output directory '{run_dir}': {describe_os_error(exc)}."
+        ) from None
+    return sorted(
+        entry.name + ("/" if entry.is_dir() else "")
+        for entry in entries
+        if entry.name not in _WRITTEN
+        and not fnmatch.fnmatch(entry.name, TMP_GLOB)  # a killed save's, removed at the start
+    )
+
+
 def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
     """Check the run directory can be written and holds what `resume` / `overwrite` expect.
 
-    A fresh start (`overwrite`, or a folder without a run) removes the files of an earlier run.
+    A fresh start (`overwrite`, or a folder without a run) removes the files of an earlier run,
+    and only those: files that a run does not write are kept, even with `overwrite`.
 
     Raises:
-        CheckpointError: nothing to resume, a run already there, or an unwritable folder.
+        CheckpointError: nothing to resume, a run already there, files that are not a run's
+            (without `overwrite`), or an unwritable folder.
     """
-    state = run_dir / STATE_FILE
     if resume:
-        if not state.is_file():
+        if not (run_dir / STATE_FILE).is_file():
             raise CheckpointError(
                 f"--resume: nothing to resume in '{run_dir}' (no {STATE_FILE}; a run saves "
                 "one at its first evaluation). Start it without --resume."
             )
         ensure_run_dir(run_dir)
         return
+    if not overwrite:
+        _check_fresh_start(run_dir)
     ensure_run_dir(run_dir)
-    if not overwrite and (state.exists() or (run_dir / MODEL_FILE).exists()):
+    for name in _RUN_FILES:
+        with contextlib.suppress(FileNotFoundError):
+            (run_dir / name).unlink()
+
+
+def _check_fresh_start(run_dir: Path) -> None:
+    """Refuse to start a run, without `--overwrite`, where it would replace a run or mix with
+    other files (as Hugging Face's Trainer refuses a non-empty output_dir)."""
+    if _holds_run(run_dir):
         meta = read_meta(run_dir / META_FILE)
         at = f" (step {meta['step']})" if "step" in meta else ""
         raise CheckpointError(
             f"'{run_dir}' already holds a run{at}: continue it with --resume, start it afresh "
             "with --overwrite, or write elsewhere with --out DIR."
         )
-    for name in _RUN_FILES:
-        with contextlib.suppress(FileNotFoundError):
-            (run_dir / name).unlink()
+    others = foreign_files(run_dir)
+    if others:
+        shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        raise CheckpointError(
+            f"'{run_dir}' is not empty and holds no llmcli run: it has {shown}. Write the run "
+            "to a new or empty folder with --out DIR (or train.out_dir), or pass --overwrite "
+            "to write it beside them (files a run does not write are kept)."
+        )
 
 
 def ensure_run_dir(run_dir: str | Path) -> Path:
@@ -117,8 +182,8 @@ def ensure_run_dir(run_dir: str | Path) -> Path:
         )
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(run_dir / ".write-test", b"")
-        (run_dir / ".write-test").unlink()
+        atomic_write_bytes(run_dir / _WRITE_TEST, b"")
+        (run_dir / _WRITE_TEST).unlink()
     except OSError as exc:
         raise CheckpointError(
             f"cannot write to output directory '{run_dir}': {exc.strerror or exc}. "

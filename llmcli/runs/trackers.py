@@ -45,6 +45,7 @@ from llmcli.fileio import atomic_write_text
 logger = logging.getLogger(__name__)
 
 TENSORBOARD_DIR = "tensorboard"
+WANDB_DIR = "wandb"  # where `wandb.init(dir=run_dir)` keeps its own files
 WANDB_ID_FILE = "wandb_run_id"
 # The package each tracker needs, the module it imports, and the extra that installs it.
 _PACKAGES = {

@@ -70,7 +70,8 @@ def train(
         out_dir: the run directory (default `train.out_dir`, else `checkpoints/<config name>`).
         resume: continue the run saved in the run directory exactly where it was saved;
             "auto": continue it if the directory holds a resume state, else start.
-        overwrite: start afresh even if the run directory already holds a run.
+        overwrite: start afresh even if the run directory already holds a run, or files
+            that are not a run's (those are kept).
         progress: show progress (rank 0): a bar on a terminal, plain lines elsewhere.
         on_step: called with the step number after every optimizer step (for tests: it may
             raise or send a signal to simulate a crash or Ctrl-C at a chosen step).
