@@ -12,16 +12,17 @@ from llmcli.errors import ConfigError
 class DataConfig:
     """Where the text comes from and how it becomes tokens."""
 
-    path: str | None = "data/shakespeare.txt"
-    val_path: str | None = None
+    path: str | None = "data/shakespeare.txt"  # a text file, a folder of .txt files or a glob
+    val_path: str | None = None  # a separate validation file (default: the last val_fraction)
+    # a `datasets` name, local json/jsonl/csv/parquet files or a save_to_disk folder
     dataset: str | None = None
-    split: str = "train"
-    val_split: str | None = None
-    text_column: str = "text"
-    tokenizer: str = "char"
-    vocab_size: int = 1024
-    val_fraction: float = 0.1
-    cache_dir: str | None = None
+    split: str = "train"  # the dataset's training split
+    val_split: str | None = None  # the dataset's validation split (default: the last val_fraction)
+    text_column: str = "text"  # the dataset's column of text
+    tokenizer: str = "char"  # char, bpe, a tokenizer.json (or a folder holding one) or a Hub name
+    vocab_size: int = 1024  # BPE's vocabulary size
+    val_fraction: float = 0.1  # the part of the text held out for validation
+    cache_dir: str | None = None  # token cache (default: $LLMCLI_CACHE, else ~/.cache/llmcli)
 
     def validate(self) -> None:
         if self.path is None and self.dataset is None:

@@ -18,23 +18,23 @@ from llmcli.errors import ConfigError
 class ModelConfig:
     """The network's shape and architecture options (a GPT-2-style model by default)."""
 
-    n_layer: int = 4
-    n_head: int = 4
-    n_embed: int = 128
-    context_length: int = 64
-    dropout: float = 0.0
+    n_layer: int = 4  # transformer blocks
+    n_head: int = 4  # attention heads per block
+    n_embed: int = 128  # channels of the residual stream (C)
+    context_length: int = 64  # the most tokens the model sees at once (T)
+    dropout: float = 0.0  # dropout on the residual stream
     # Dropout on the attention weights; null: `dropout`. On the CPU, attention with dropout
     # leaves the fused kernel for one that writes out the weights (about 2.5x its time), so a
     # recipe can keep dropout on the residual stream and turn this one off.
     attn_dropout: float | None = None
-    bias: bool = True
+    bias: bool = True  # biases in the linear layers and LayerNorms
     # Recipe options (all off by default, so the default model is GPT-2's architecture).
-    pos_emb: Literal["learned", "rope"] = "learned"
-    rope_base: float = 10000.0
-    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
-    qk_norm: bool = False
-    mlp: Literal["gelu", "relu2"] = "gelu"
-    tie_embeddings: bool = True
+    pos_emb: Literal["learned", "rope"] = "learned"  # learned position embeddings, or rotary (RoPE)
+    rope_base: float = 10000.0  # RoPE's base frequency
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"  # LayerNorm, or RMSNorm (no mean, no bias)
+    qk_norm: bool = False  # RMSNorm on queries and keys
+    mlp: Literal["gelu", "relu2"] = "gelu"  # GELU, or squared ReLU
+    tie_embeddings: bool = True  # the LM head is the token embedding
 
     def __post_init__(self) -> None:
         self.validate()

@@ -101,8 +101,8 @@ class SampleConfig:
         rule="must be an integer in 0..2**63-1 (torch's seed range; row b of a batch is "
         "seeded seed + b)",
     )
-    # Past model.context_length (see llmcli.generation.context_window; why shift: README,
-    # Sampling).
+    # Past model.context_length (see llmcli.generation.context_window; why shift:
+    # docs/sampling.md).
     context_policy: Literal["exact", "shift"] = _setting(
         "shift",
         help="Past the context: exact (the last context_length tokens, recomputed each step) "

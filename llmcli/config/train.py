@@ -18,47 +18,51 @@ TRACKERS = ("none", "tensorboard", "wandb")
 class TrainConfig:
     """The optimisation, evaluation and checkpointing schedule."""
 
+    # auto picks CUDA, then MPS, then the CPU
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
     # CPU threads for training, and for `eval` and `inspect-attention` on the run: a number,
     # "auto" (the CPUs nothing else is using when the run starts; torch's count where
     # OMP_NUM_THREADS is set) or null (torch's own count, one per core). Threads on a busy core
     # cost far more than they bring: 30 steps of `tiny` on 2 shared cores took 9-10 s on 1
-    # thread and 61-88 s on 2; on 2 idle cores 2 threads are faster (README, "Threads").
+    # thread and 61-88 s on 2; on 2 idle cores 2 threads are faster (docs/training.md, "Threads").
     threads: int | Literal["auto"] | None = "auto"
+    # auto: fp32 on CPU and MPS, bf16 autocast on CUDA (else fp16 with loss scaling)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # Sequences per micro-batch, or "auto": the largest that fits the memory (`memory_limit`,
     # else the device's free memory) with headroom, and the grad_accum that reaches
     # `tokens_per_step` (llmcli.training.batch). A run's config.yaml records the numbers chosen.
     batch_size: int | Literal["auto"] = 12
-    grad_accum: int = 1
+    grad_accum: int = 1  # micro-batches per optimizer step
     # Tokens per optimizer step over all ranks (batch_size x context_length x grad_accum x
     # ranks): needed by batch_size: auto; with a number as batch_size it sets grad_accum.
     tokens_per_step: int | None = None
     # The memory a run may use, in bytes or as a size ("4GB", "512MiB"); null: the device's.
     memory_limit: int | str | None = None
-    max_steps: int = 2000
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_steps: int = 100
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.99
-    grad_clip: float = 1.0
-    eval_interval: int = 250
-    eval_steps: int = 20
+    max_steps: int = 2000  # optimizer steps
+    lr: float = 1e-3  # peak learning rate (AdamW's; under Muon, the non-matrix groups')
+    min_lr: float = 1e-4  # the rate at the end of the schedule
+    warmup_steps: int = 100  # linear warmup (cut to max_steps in a shorter run)
+    weight_decay: float = 0.1  # AdamW's decoupled weight decay, on matrices and embeddings
+    beta1: float = 0.9  # Adam's first-moment decay
+    beta2: float = 0.99  # Adam's second-moment decay
+    grad_clip: float = 1.0  # the global gradient norm clipped to (0: off)
+    eval_interval: int = 250  # steps between evaluations (each also saves)
+    eval_steps: int = 20  # batches per split in an evaluation's loss estimate
     # At every evaluation, each head's previous-token, induction and duplicate-token scores on a
     # fixed probe of repeated random tokens, and the in-context learning score
     # (llmcli.evaluation.probe, llmcli.runs.head_metrics): about 0.1% of the tiny config's time.
     head_metrics: bool = True
-    log_interval: int = 10
-    seed: int = 1337
-    compile: bool = False
-    out_dir: str | None = None
+    log_interval: int = 10  # steps between log records and progress lines
+    seed: int = 1337  # one seed for weights, batches and dropout
+    compile: bool = False  # torch.compile the model
+    out_dir: str | None = None  # the run directory (default: checkpoints/<config name>)
+    # AdamW, or Muon for the matrices and AdamW for the rest
     optimizer: Literal["adamw", "muon"] = "adamw"
-    muon_lr: float = 0.02
-    muon_momentum: float = 0.95
-    schedule: Literal["cosine", "wsd"] = "cosine"
-    decay_fraction: float = 0.2
+    muon_lr: float = 0.02  # Muon's rate for the matrices
+    muon_momentum: float = 0.95  # Muon's momentum
+    schedule: Literal["cosine", "wsd"] = "cosine"  # cosine decay, or warmup-stable-decay
+    decay_fraction: float = 0.2  # the part of the run a wsd schedule decays over
+    # start from a Hugging Face folder or Hub name (nanoGPT's init_from)
     init_from: str | None = None
     # Experiment trackers besides metrics.jsonl: none, tensorboard, wandb, or a list of them.
     logger: str | list[str] = "none"
@@ -67,6 +71,7 @@ class TrainConfig:
     # Resume state also between evaluations, so that a kill loses little work: every
     # `save_interval` steps and/or once `save_interval_s` seconds passed since the last save.
     save_interval: int | None = None
+    # seconds since the last save before the next one (null: off)
     save_interval_s: float | None = 300.0
     # false: start (a run already there is an error); true: continue the run there; auto:
     # continue it if there is one, else start (one command for a first start and a restart).
@@ -77,12 +82,12 @@ class TrainConfig:
     # with the lr times spike_lr_factor for spike_lr_steps steps; after spike_rollbacks
     # rollbacks in a row the run stops. Its cost: benchmarks/RESULTS.md (spike_guard_cost.py).
     spike_guard: bool = True
-    spike_factor: float = 2.0
-    spike_window: int = 50
-    spike_skips: int = 3
-    spike_lr_factor: float = 0.5
-    spike_lr_steps: int = 100
-    spike_rollbacks: int = 3
+    spike_factor: float = 2.0  # a loss above this times the window's median is skipped
+    spike_window: int = 50  # steps in the median's window, and in which skips count
+    spike_skips: int = 3  # skips within spike_window steps that roll the run back
+    spike_lr_factor: float = 0.5  # the rate's factor after a rollback
+    spike_lr_steps: int = 100  # steps at the lowered rate after a rollback
+    spike_rollbacks: int = 3  # rollbacks in a row before the run stops
     # At log steps, each layer's gradient norm and update-to-weight ratio (llmcli.training.layers).
     log_layers: bool = False
 
