@@ -17,6 +17,7 @@ SKIP_DIRS = {
     ".ruff_cache",
     ".hypothesis",
     ".venv",
+    "site",
 }
 TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".toml", ".txt", ".html", ".cfg", ".json", ""}
 
@@ -73,3 +74,16 @@ def test_the_reading_path_is_real_and_every_file_on_it_says_what_it_holds() -> N
         others = {m for m in re.findall(r"llmcli(?:\.\w+)+", doc) if not m.startswith(module)}
         assert others, f"{file}'s docstring names no module it leaves anything to"
     assert "docs/reading-the-code.md" in (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def test_the_wheel_lists_every_subpackage() -> None:
+    """pyproject.toml names the packages the wheel holds: a subpackage left out is missing from
+    every install but a clone's (`llmcli export --format gguf` once was)."""
+    text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    start = text.index("\npackages = [")
+    listed = set(re.findall(r'"(llmcli[\w.]*)"', text[start : text.index("]", start)]))
+    found = {
+        ".".join(init.parent.relative_to(ROOT).parts)
+        for init in (ROOT / "llmcli").rglob("__init__.py")
+    }
+    assert found - listed == set()
