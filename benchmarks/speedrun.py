@@ -400,7 +400,7 @@ def write_records(report: dict[str, Any]) -> None:
 
 
 def records_table(rows: list[dict[str, Any]]) -> str:
-    """The records as a Markdown table (README and benchmarks/RESULTS.md)."""
+    """The records as a Markdown table (docs/speedrun.md)."""
     lines = [
         "| date | track | config | wall time: median (each seed) | whole-split val loss, each"
         " seed | commit | command |",
