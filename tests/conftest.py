@@ -178,3 +178,12 @@ def small_run_config(corpus: Path, **train: Any) -> dict:
             **train,
         },
     }
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Headless Chromium (tests/browser_helpers.py), one session per test module."""
+    from browser_helpers import chromium
+
+    with chromium() as driver:
+        yield driver

@@ -1,9 +1,10 @@
 """Tests for llmcli.inspection.viewer: the self-contained page, its behaviour in headless Chromium.
 
-The browser tests drive Debian's `chromium` through `chromedriver` with Selenium; they are skipped
-only where no Chromium (or no chromedriver) is installed. The page's attention view (axis labels,
-legend, small multiples) and its grid panels (the run's lens, patching and attribution results,
-made by hand in `grid_helpers`) are checked against the data they were made from.
+The browser tests drive Debian's `chromium` through `chromedriver` with Selenium (browser_helpers);
+they are skipped only where no Chromium (or no chromedriver) is installed. The page's attention
+view (axis labels, legend, small multiples) and its grid panels (the run's lens, patching and
+attribution results, made by hand in `grid_helpers`) are checked against the data they were
+made from.
 """
 
 from __future__ import annotations
@@ -11,11 +12,10 @@ from __future__ import annotations
 import base64
 import json
 import re
-import shutil
-import tempfile
 
 import numpy as np
 import pytest
+from browser_helpers import needs_chromium, open_page, severe_messages
 from grid_helpers import attribution_result, lens_result, patch_result, write_results
 
 from llmcli.inspection.dump import AttentionDump
@@ -100,70 +100,6 @@ def test_inlined_data_round_trips() -> None:
 # ------------------------------------------------------------------ the page in headless Chromium
 
 
-def _find_chromium() -> tuple[str, str] | None:
-    browser = next(
-        (
-            shutil.which(n)
-            for n in ("chromium", "chromium-browser", "google-chrome")
-            if shutil.which(n)
-        ),
-        None,
-    )
-    driver = shutil.which("chromedriver")
-    return (browser, driver) if browser and driver else None
-
-
-CHROMIUM = _find_chromium()
-
-
-def needs_chromium(test):
-    """A browser test: slow, and skipped where Chromium is not installed."""
-    return pytest.mark.slow(
-        pytest.mark.skipif(CHROMIUM is None, reason="Chromium/chromedriver not installed")(test)
-    )
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    binary, driver_path = CHROMIUM
-    profile = tempfile.mkdtemp(prefix="llmcli-chromium-")
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = binary
-    for flag in (
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--disable-dev-shm-usage",
-        "--window-size=1400,1000",
-        f"--user-data-dir={profile}",
-    ):
-        opts.add_argument(flag)
-    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(options=opts, service=Service(driver_path))
-    try:
-        yield driver
-    finally:
-        driver.quit()
-        shutil.rmtree(profile, ignore_errors=True)
-
-
-def _open(browser, path) -> None:
-    browser.get(path.resolve().as_uri())
-    browser.get_log("browser")  # drain: the caller reads only this page's messages
-
-
-def _severe(browser) -> list[dict]:
-    return [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
-
-
 def _pixel(browser, q: int, k: int) -> tuple[int, int, int]:
     """The colour at the centre of heatmap cell (query q, key k)."""
     return tuple(
@@ -205,7 +141,7 @@ def test_console_errors_are_detected(browser, tmp_path) -> None:
     bad = tmp_path / "bad.html"
     bad.write_text("<html><body><script>throw new Error('boom');</script></body></html>")
     browser.get(bad.resolve().as_uri())
-    assert any("boom" in e["message"] for e in _severe(browser))
+    assert any("boom" in e["message"] for e in severe_messages(browser))
 
 
 @needs_chromium
@@ -213,7 +149,7 @@ def test_viewer_loads_without_console_errors(browser, tmp_path) -> None:
     path = write_viewer(make_dump(), tmp_path / "attention.html")
     browser.get(path.resolve().as_uri())
     assert browser.execute_script("return document.body.dataset.ready") == "1"
-    assert _severe(browser) == []
+    assert severe_messages(browser) == []
     from selenium.webdriver.common.by import By
 
     spans = browser.find_elements(By.CSS_SELECTOR, "#tokens .tok")
@@ -227,7 +163,7 @@ def test_viewer_loads_without_console_errors(browser, tmp_path) -> None:
 def test_switching_head_and_layer_changes_the_picture(browser, tmp_path) -> None:
     from selenium.webdriver.common.by import By
 
-    _open(browser, write_viewer(make_dump(), tmp_path / "attention.html"))
+    open_page(browser, write_viewer(make_dump(), tmp_path / "attention.html"))
     # Layer 0 head 0 is a previous-token head: cell (3, 2) is 1, cell (3, 0) is 0.
     assert _pixel(browser, 3, 2) == VIRIDIS_HIGH and _pixel(browser, 3, 0) == VIRIDIS_LOW
     before = _canvas_url(browser)
@@ -242,7 +178,7 @@ def test_switching_head_and_layer_changes_the_picture(browser, tmp_path) -> None
     # Scaling each row to its maximum paints a uniform row at full colour.
     browser.find_element(By.ID, "rowscale").click()
     assert _pixel(browser, 1, 0) == VIRIDIS_HIGH and _pixel(browser, 7, 3) == VIRIDIS_HIGH
-    assert _severe(browser) == []
+    assert severe_messages(browser) == []
 
 
 @needs_chromium
@@ -251,7 +187,7 @@ def test_clicking_a_token_highlights_its_row(browser, tmp_path) -> None:
     from selenium.webdriver.common.by import By
 
     dump = make_dump()
-    _open(browser, write_viewer(dump, tmp_path / "attention.html"))
+    open_page(browser, write_viewer(dump, tmp_path / "attention.html"))
     _select(browser, "head", "2")  # layer 0, head 3: uniform
     before = _canvas_url(browser)
     spans = browser.find_elements(By.CSS_SELECTOR, "#tokens .tok")
@@ -287,7 +223,7 @@ def test_clicking_a_token_highlights_its_row(browser, tmp_path) -> None:
     spans[5].click()
     _move_away(browser)
     assert canvas.get_attribute("data-row") == ""
-    assert _severe(browser) == []
+    assert severe_messages(browser) == []
 
 
 @needs_chromium
@@ -295,7 +231,7 @@ def test_hovering_shows_where_a_token_attends(browser, tmp_path) -> None:
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
 
-    _open(browser, write_viewer(make_dump(), tmp_path / "attention.html"))
+    open_page(browser, write_viewer(make_dump(), tmp_path / "attention.html"))
     spans = browser.find_elements(By.CSS_SELECTOR, "#tokens .tok")
     ActionChains(browser).move_to_element(spans[4]).perform()
     canvas = browser.find_element(By.ID, "heatmap")
@@ -308,7 +244,7 @@ def test_hovering_shows_where_a_token_attends(browser, tmp_path) -> None:
     ).perform()
     assert "query 3" in browser.find_element(By.ID, "tooltip").text
     assert browser.find_element(By.ID, "tooltip").text.endswith("1.0000")
-    assert _severe(browser) == []
+    assert severe_messages(browser) == []
 
 
 # ------------------------------------------------------------------ axes, legend, small multiples
@@ -362,7 +298,7 @@ def _assert_labels_on_cells(geo: dict, n_rows: int, n_cols: int) -> None:
 def test_axis_labels_sit_on_their_rows_and_columns(browser, tmp_path) -> None:
     from selenium.webdriver.common.by import By
 
-    _open(browser, write_viewer(make_dump(), tmp_path / "attention.html"))
+    open_page(browser, write_viewer(make_dump(), tmp_path / "attention.html"))
     canvas = browser.find_element(By.ID, "heatmap")
     geo = _label_geometry(browser, canvas, browser.find_element(By.ID, "matrix"))
     assert [r[2] for r in geo["rows"]] == SHOWN and [r[3] for r in geo["rows"]] == list(range(T))
@@ -378,7 +314,7 @@ def test_axis_labels_sit_on_their_rows_and_columns(browser, tmp_path) -> None:
     lit = browser.find_elements(By.CSS_SELECTOR, "#matrix .hl")
     classes = sorted((set(e.get_attribute("class").split()), e.text) for e in lit)
     assert classes == [({"xl", "hl"}, "␣"), ({"yl", "hl", "active"}, "/script>")]
-    assert _severe(browser) == []
+    assert severe_messages(browser) == []
 
 
 @needs_chromium
@@ -386,7 +322,7 @@ def test_many_tokens_thin_the_labels_which_stay_on_their_cells(browser, tmp_path
     from selenium.webdriver.common.by import By
 
     n = 96  # cells of 7 px: every second label, each still on its own row and column
-    _open(browser, write_viewer(uniform_dump(n), tmp_path / "attention.html"))
+    open_page(browser, write_viewer(uniform_dump(n), tmp_path / "attention.html"))
     geo = _label_geometry(
         browser, browser.find_element(By.ID, "heatmap"), browser.find_element(By.ID, "matrix")
     )
@@ -396,7 +332,7 @@ def test_many_tokens_thin_the_labels_which_stay_on_their_cells(browser, tmp_path
     _assert_labels_on_cells(geo, n, n)
     ys = [r[1] for r in geo["rows"]]
     assert min(np.diff(ys)) >= 9  # no two labels closer than a small font
-    assert _severe(browser) == []
+    assert severe_messages(browser) == []
 
 
 def _legend(browser, root: str = "#legend") -> tuple[list[str], tuple, tuple]:
@@ -415,14 +351,14 @@ def _legend(browser, root: str = "#legend") -> tuple[list[str], tuple, tuple]:
 def test_the_legend_shows_the_colour_scale_and_its_ends(browser, tmp_path) -> None:
     from selenium.webdriver.common.by import By
 
-    _open(browser, write_viewer(make_dump(), tmp_path / "attention.html"))
+    open_page(browser, write_viewer(make_dump(), tmp_path / "attention.html"))
     ticks, top, bottom = _legend(browser)
     assert ticks == ["0", "0.5", "1"]
     assert tuple(top) == VIRIDIS_HIGH and tuple(bottom) == VIRIDIS_LOW
     assert "attention weight" in browser.find_element(By.ID, "legend").text
     browser.find_element(By.ID, "rowscale").click()
     assert _legend(browser)[0] == ["0", "0.5", "row max"]
-    assert _severe(browser) == []
+    assert severe_messages(browser) == []
 
 
 def _thumb_pixel(browser, layer: int, head, q: int, k: int) -> tuple[int, int, int]:
@@ -444,7 +380,7 @@ def _thumb_pixel(browser, layer: int, head, q: int, k: int) -> tuple[int, int, i
 def test_small_multiples_show_every_head_and_a_click_opens_it_large(browser, tmp_path) -> None:
     from selenium.webdriver.common.by import By
 
-    _open(browser, write_viewer(make_dump(), tmp_path / "attention.html"))
+    open_page(browser, write_viewer(make_dump(), tmp_path / "attention.html"))
     # This layer's heads (0: previous-token, 1: sink, 3: uniform) and their mean.
     heads = browser.find_elements(By.CSS_SELECTOR, "#multiples .thumb.head")
     assert [h.text for h in heads] == ["0.0", "0.1", "0.3"]
@@ -476,7 +412,7 @@ def test_small_multiples_show_every_head_and_a_click_opens_it_large(browser, tmp
     mean = make_dump().attn[0].mean(0)
     assert _pixel(browser, 1, 0) == _thumb_pixel(browser, 0, "mean", 1, 0)
     assert mean[1, 0] == pytest.approx((1 + 0.5 + 1) / 3)
-    assert _severe(browser) == []
+    assert severe_messages(browser) == []
 
 
 # ------------------------------------------------------------------ the run's grids
@@ -525,7 +461,7 @@ def test_grid_panels_draw_the_runs_results_with_a_hover_read_out(browser, tmp_pa
     patch = patch_result()
     patch["attn_out"][0][0], patch["mlp_out"][1][1] = 0.0, -1.0
     run = write_results(tmp_path / "run", patch=patch)
-    _open(browser, write_run_page(run, tmp_path / "page.html", make_dump()))
+    open_page(browser, write_run_page(run, tmp_path / "page.html", make_dump()))
     panels = browser.find_elements(By.CSS_SELECTOR, "#grids .grid-panel")
     assert [p.get_attribute("id") for p in panels] == [
         "grid-lens",
@@ -597,7 +533,7 @@ def test_grid_panels_draw_the_runs_results_with_a_hover_read_out(browser, tmp_pa
         for a in browser.find_elements(By.CSS_SELECTOR, "nav a")
     ]
     assert links == ["attention-section", *(p.get_attribute("id") for p in panels)]
-    assert _severe(browser) == []
+    assert severe_messages(browser) == []
 
 
 @needs_chromium
@@ -608,7 +544,7 @@ def test_a_malformed_result_is_skipped_and_a_page_may_hold_grids_alone(browser, 
     attr["heads"] = [[0.1, 0.2], [0.3]]
     run = write_results(tmp_path / "run", lens="{oops", attribute=attr)
     notes: list[str] = []
-    _open(browser, write_run_page(run, notify=notes.append))
+    open_page(browser, write_run_page(run, notify=notes.append))
     assert len(notes) == 2 and "lens.json" in notes[0] and "attribution.json" in notes[1]
     panels = browser.find_elements(By.CSS_SELECTOR, "#grids .grid-panel")
     assert [p.get_attribute("id") for p in panels] == [
@@ -616,4 +552,4 @@ def test_a_malformed_result_is_skipped_and_a_page_may_hold_grids_alone(browser, 
     ]
     assert not browser.find_element(By.ID, "attention-section").is_displayed()
     assert browser.execute_script("return document.body.dataset.ready") == "1"
-    assert _severe(browser) == []
+    assert severe_messages(browser) == []
