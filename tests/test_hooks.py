@@ -300,9 +300,9 @@ def test_zeroing_a_head_at_its_hook_point_gives_eval_ablate_loss(tmp_path, layer
     assert ablated.loss == pytest.approx(torch.cat(nll).double().mean().item(), rel=1e-6)
 
 
-def test_the_readme_example_runs_as_written(tmp_path, monkeypatch, capsys) -> None:
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    section = readme[readme.index("### Hook points") :]
+def test_the_documented_example_runs_as_written(tmp_path, monkeypatch, capsys) -> None:
+    page = Path(__file__).resolve().parents[1] / "docs" / "hook-points.md"
+    section = page.read_text(encoding="utf-8")
     code = section[
         section.index("```python\n") + 10 : section.index("\n```", section.index("```python"))
     ]
@@ -311,7 +311,7 @@ def test_the_readme_example_runs_as_written(tmp_path, monkeypatch, capsys) -> No
     save_tiny_run(tmp_path / "checkpoints" / "tiny", tok, {"model": model}, sharpen=6.0)
     monkeypatch.chdir(tmp_path)
     scope: dict = {}
-    exec(compile(code, "README.md", "exec"), scope)
+    exec(compile(code, str(page), "exec"), scope)
     assert len(scope["patterns"]) == 2 and scope["patterns"][0].shape == (1, 4, 28, 28)
     assert scope["ablated"] != scope["loss"]
     assert capsys.readouterr().out.startswith("loss ")
