@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
@@ -17,6 +17,9 @@ from llmcli.cli.options import (
     UsageCommand,
 )
 from llmcli.errors import InputError
+
+if TYPE_CHECKING:
+    from llmcli.training.records import TrainSummary
 
 
 @app.command("config", cls=UsageCommand)
@@ -135,15 +138,24 @@ def train_command(
         raise typer.Exit(EXIT_TERMINATED) from None
     if summary.rank != 0:
         return
+    _print_summary(summary)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'s' * (n != 1)}"
+
+
+def _print_summary(summary: TrainSummary) -> None:
+    """The run's two lines on stdout: where it got to, and its last losses."""
     rate = f", {summary.tokens_per_s:,.0f} tokens/s" if summary.tokens_per_s else ""
     saves = (
-        f", {summary.saves} save{'s' * (summary.saves != 1)} of at most {summary.save_s:.2f} s"
+        f", {_plural(summary.saves, 'save')} of at most {summary.save_s:.2f} s"
         if summary.saves
         else ""
     )
     guard = (
-        f", spike guard: {summary.skipped} step{'s' * (summary.skipped != 1)} skipped, "
-        f"{summary.rollbacks} rollback{'s' * (summary.rollbacks != 1)}"
+        f", spike guard: {_plural(summary.skipped, 'step')} skipped, "
+        f"{_plural(summary.rollbacks, 'rollback')}"
         if summary.skipped or summary.rollbacks
         else ""
     )
