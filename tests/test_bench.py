@@ -1,6 +1,7 @@
 """`llmcli bench` (llmcli/bench.py): combinations, table, JSON and PNG on a tiny config.
 
-Functional checks only: speeds are positive and finite, never compared with a threshold.
+Speeds are never compared with a threshold: measured ones are checked positive and finite, and
+their arithmetic exact under a fake clock.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import matplotlib.image
 import pytest
 import torch
 
+import llmcli.bench
 from llmcli.bench import (
     BenchResult,
     BenchSettings,
@@ -25,6 +27,9 @@ from llmcli.bench import (
 from llmcli.cli import main
 from llmcli.config import config_from_dict
 from llmcli.errors import InputError
+from llmcli.generation.generate import generate
+from llmcli.model.gpt import Transformer
+from llmcli.training.step import train_step
 
 SMALL = {
     "model": {"n_layer": 1, "n_head": 2, "n_embed": 16, "context_length": 16},
@@ -84,6 +89,59 @@ def test_every_combination_is_measured_or_explained() -> None:
     by_combo = {(r.n_head, r.context_length): r.n_params for r in results if r.status == "ok"}
     assert by_combo[(1, 8)] == by_combo[(2, 8)]
     assert by_combo[(1, 16)] - by_combo[(1, 8)] == 8 * 16  # 8 more rows of the (T, C) table
+
+
+class FakeClock:
+    """`time.perf_counter` for llmcli.bench, advanced only by the work it times."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_speeds_are_the_work_over_the_time_it_took(monkeypatch) -> None:
+    """Under a clock on which a training step takes 0.5 s, a full-length forward 4 ms, and
+    sampling 0.3 s to start and 0.1 s a token, the speeds are those figures' arithmetic."""
+    clock = FakeClock()
+    monkeypatch.setattr(llmcli.bench, "time", clock)
+    real_step, real_generate, real_model = train_step, generate, Transformer
+
+    def step(*args, **kwargs):
+        clock.now += 0.5
+        return real_step(*args, **kwargs)
+
+    def sample(*args, **kwargs):
+        clock.now += 0.3
+        for ids in real_generate(*args, **kwargs):
+            clock.now += 0.1
+            yield ids
+
+    def model(*args, **kwargs):
+        built = real_model(*args, **kwargs)
+
+        def forward_ran(module, inputs, output) -> None:
+            if not module.training and inputs[0].shape == (1, module.context_length):
+                clock.now += 0.004  # the (1, T) latency forward; sampling feeds (1, 1)
+
+        built.register_forward_hook(forward_ran)
+        return built
+
+    monkeypatch.setattr(llmcli.bench, "train_step", step)
+    monkeypatch.setattr(llmcli.bench, "generate", sample)
+    monkeypatch.setattr(llmcli.bench, "Transformer", model)
+    settings = BenchSettings(train_steps=3, sample_tokens=10, forward_reps=3, vocab_size=11)
+    results = run_bench(
+        small_config(), [2], [8, 16], "cpu", settings, isolate=False, progress=False
+    )
+    assert [r.status for r in results] == ["ok", "ok"]
+    B = SMALL["train"]["batch_size"]
+    for r, new_tokens in zip(results, (7, 10), strict=True):  # min(10, T - 1): the cache fits
+        T = r.context_length
+        assert r.train_tokens_per_s == pytest.approx(B * T / 0.5)  # 3 steps in 1.5 s
+        assert r.forward_ms == pytest.approx(4.0)
+        assert r.sample_tokens_per_s == pytest.approx(new_tokens / (0.3 + 0.1 * new_tokens))
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import small_run_config
 
+import llmcli.runs.compare
 from llmcli.cli import main
 from llmcli.config import config_from_dict
 from llmcli.errors import InputError
@@ -59,11 +60,41 @@ def test_compare_draws_the_curves_and_lists_only_the_differing_keys(runs, capsys
     assert "tok/run-s" in runs_part.splitlines()[0]
 
 
-def test_every_metric_and_axis_draws(runs) -> None:
-    for metric in ("train_loss", "lr", "grad_norm", "val_ppl", "tok_per_s"):
+def test_every_metric_and_axis_draws_each_runs_records(runs, monkeypatch) -> None:
+    figures = []
+
+    def keep(*args, **kwargs):  # the figure compare_runs saves, kept to read back
+        figures.append(curves_figure(*args, **kwargs))
+        return figures[-1]
+
+    monkeypatch.setattr(llmcli.runs.compare, "curves_figure", keep)
+    labels = {"step": "step", "tokens": "tokens", "elapsed_s": "seconds of training"}
+    logged = {
+        name: [
+            json.loads(line) for line in (runs / name / "metrics.jsonl").read_text().splitlines()
+        ]
+        for name in ("heads-2", "heads-4")
+    }
+    for metric, kind in (
+        ("train_loss", "train"),
+        ("lr", "train"),
+        ("grad_norm", "train"),
+        ("val_ppl", "eval"),
+        ("tok_per_s", "train"),
+    ):
         for x in ("step", "tokens", "elapsed_s"):
             result = compare_runs([str(runs / "heads-*")], metric=metric, x=x, out=runs / "m.png")
-            assert result.picture is not None and result.picture.stat().st_size > 1000
+            assert result.picture is not None
+            assert result.picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+            ax = figures[-1].axes[0]
+            assert (ax.get_xlabel(), ax.get_ylabel()) == (labels[x], metric)
+            assert [line.get_label() for line in ax.lines] == ["heads-2", "heads-4"]
+            for line, records in zip(ax.lines, logged.values(), strict=True):
+                want = [(r[x], r[metric]) for r in records if r["kind"] == kind]
+                assert len(want) == (6 if kind == "train" else 3)  # 12 steps, log 2, eval 4
+                got = list(zip(line.get_xdata(), line.get_ydata(), strict=True))
+                assert got == want, (metric, x, line.get_label())
+    assert len(figures) == 15
 
 
 def test_bad_input_exits_2_naming_the_folder_or_metric(runs, tmp_path, capsys) -> None:

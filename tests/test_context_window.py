@@ -1,7 +1,7 @@
-"""The context policies past context_length (llmcli/generation/context_window.py): `exact` against
-a plain crop-and-recompute loop and against tokens of the code before `shift` existed, `shift`
-against a plain keep-and-recompute loop, padded batches against each prompt alone, the window's
-model inputs (the mask and positions of llmcli/generation/padding.py), and the checks."""
+"""The context policies past context_length (llmcli/generation/context_window.py): `exact`
+against a plain crop-and-recompute loop, `shift` against a plain keep-and-recompute loop, padded
+batches of either against each prompt alone, the window's model inputs (the mask and positions of
+llmcli/generation/padding.py), and the checks."""
 
 from __future__ import annotations
 
@@ -63,20 +63,30 @@ def test_exact_is_the_crop_and_recompute_loop(pos_emb, settings) -> None:
             assert got[0] == expected
 
 
-def test_exact_gives_the_tokens_it_gave_before_shift_existed() -> None:
-    # Computed with the generation code as it was before the context policies (one thread).
-    learned, rope = make_model(), make_model("rope", seed=1)
-    kw = dict(context_policy="exact", temperature=0.9, seed=5)
-    assert generate_ids(learned, [[4, 9, 1], [2]], sample_config(24, **kw)) == [
-        [26, 10, 12, 11, 8, 35, 22, 24, 33, 17, 12, 12, 31, 8, 4, 9, 14, 14, 26, 19, 23, 19, 1, 12],
-        [25, 36, 36, 18, 17, 25, 3, 25, 36, 37, 9, 3, 36, 22, 25, 38, 2, 4, 22, 2, 21, 26, 31, 6],
+@pytest.mark.parametrize(
+    ("pos_emb", "seed", "prompts", "settings"),
+    [
+        ("learned", 0, [[4, 9, 1], [2]], dict(temperature=0.9, seed=5)),
+        (
+            "rope",
+            1,
+            [list(range(1, 12)), [7, 7]],
+            dict(temperature=0.8, top_k=10, top_p=0.9, seed=11),
+        ),
+    ],
+    ids=["learned", "rope"],
+)
+def test_exact_padded_batch_equals_each_prompt_alone(pos_emb, seed, prompts, settings) -> None:
+    """Row b is the crop-and-recompute loop with the seed `seed + b`, past the context too (24
+    new tokens after prompts of 1 to 11 tokens, context_length 8)."""
+    model = make_model(pos_emb, seed=seed)
+    config = sample_config(24, context_policy="exact", **settings)
+    alone = [
+        reference(model, prompt, 24, policy="exact", **{**settings, "seed": settings["seed"] + i})
+        for i, prompt in enumerate(prompts)
     ]
-    prompts = [list(range(1, 12)), [7, 7]]
-    kw = dict(temperature=0.8, top_k=10, top_p=0.9, seed=11)
-    assert generate_ids(rope, prompts, sample_config(24, context_policy="exact", **kw)) == [
-        [26, 39, 8, 8, 35, 9, 9, 9, 35, 0, 5, 39, 37, 37, 37, 37, 19, 26, 11, 0, 34, 38, 38, 38],
-        [16, 33, 26, 26, 11, 18, 26, 9, 0, 9, 9, 9, 18, 18, 18, 39, 18, 9, 9, 9, 20, 26, 39, 39],
-    ]
+    for use_cache in (True, False):
+        assert generate_ids(model, prompts, config, use_cache=use_cache) == alone, use_cache
 
 
 # ----------------------------------------------------------------------------- shift

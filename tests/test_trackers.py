@@ -30,6 +30,26 @@ from llmcli.training.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMED = {"train/tokens_per_s", "progress/elapsed_s"}
+# The tags docs/training.md ("Tracking runs") names, and the metrics.jsonl field each carries, by
+# the kind of record: written out here, the reference the trackers are held to.
+TAGS = {
+    "train": {
+        "train/loss": "train_loss",
+        "train/lr": "lr",
+        "train/grad_norm": "grad_norm",
+        "train/tokens_per_s": "tok_per_s",
+        "progress/tokens": "tokens",
+        "progress/elapsed_s": "elapsed_s",
+    },
+    "eval": {
+        "eval/train_loss": "train_loss",
+        "eval/val_loss": "val_loss",
+        "eval/val_ppl": "val_ppl",
+        "eval/icl_score": "icl_score",
+        "heads/induction_max": "induction_max",
+        "heads/prev_token_max": "prev_token_max",
+    },
+}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -41,11 +61,15 @@ def raw_config(corpus: Path, **train_opts) -> dict:
 
 
 def expected_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """Tag -> [(step, value)] from metrics.jsonl, as the trackers must have them."""
+    """Tag -> [(step, value)] from metrics.jsonl's lines by the `TAGS` table, as the trackers
+    must have them (these runs log no layers and have no spike-guard events)."""
     out: dict[str, list[tuple[int, float]]] = {}
-    for record in read_metrics(run_dir / "metrics.jsonl"):
-        for tag, value in tags(record).items():
-            out.setdefault(tag, []).append((record["step"], value))
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        assert record["kind"] in TAGS and "layers" not in record, record
+        for tag, key in TAGS[record["kind"]].items():
+            if key in record:
+                out.setdefault(tag, []).append((record["step"], float(record[key])))
     return out
 
 
@@ -63,6 +87,61 @@ def assert_same_scalars(got: dict, want: dict) -> None:
         assert [s for s, _ in got[tag]] == [s for s, _ in points], tag  # once each, in order
         for (_, a), (_, b) in zip(got[tag], points, strict=True):
             assert math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-6), tag  # TensorBoard: float32
+
+
+def test_each_record_field_goes_under_its_documented_tag() -> None:
+    train = {
+        "kind": "train",
+        "step": 6,
+        "tokens": 384,
+        "elapsed_s": 1.25,
+        "lr": 3e-4,
+        "train_loss": 2.5,
+        "tok_per_s": 307.2,
+        "grad_norm": 0.75,
+        "layers": {
+            "blocks.0": {"grad_norm": 0.5, "update_ratio": 0.002},
+            "embed": {"grad_norm": 0.25, "update_ratio": 0.004},
+        },
+    }
+    assert tags(train) == {
+        "train/loss": 2.5,
+        "train/lr": 3e-4,
+        "train/grad_norm": 0.75,
+        "train/tokens_per_s": 307.2,
+        "progress/tokens": 384.0,
+        "progress/elapsed_s": 1.25,
+        "layers/blocks.0/grad_norm": 0.5,
+        "layers/blocks.0/update_ratio": 0.002,
+        "layers/embed/grad_norm": 0.25,
+        "layers/embed/update_ratio": 0.004,
+    }
+    evaluation = {
+        "kind": "eval",
+        "step": 8,
+        "tokens": 512,
+        "elapsed_s": 2.0,
+        "lr": 2e-4,
+        "train_loss": 2.25,
+        "val_loss": 2.375,
+        "val_ppl": 10.75,
+        "icl_score": -0.125,
+        "induction_max": 0.625,
+        "prev_token_max": 0.875,
+    }
+    # An evaluation's tokens, time and learning rate: the train records' tags carry those.
+    assert tags(evaluation) == {
+        "eval/train_loss": 2.25,
+        "eval/val_loss": 2.375,
+        "eval/val_ppl": 10.75,
+        "eval/icl_score": -0.125,
+        "heads/induction_max": 0.625,
+        "heads/prev_token_max": 0.875,
+    }
+    skipped = {"kind": "event", "event": "skipped", "step": 9, "loss": 7.5, "grad_norm": 40.0}
+    assert tags(skipped) == {"guard/skipped_loss": 7.5}
+    rollback = {"kind": "event", "event": "rollback", "step": 10, "loss": 8.5, "rollback": 2}
+    assert tags(rollback) == {"guard/rollback_loss": 8.5, "guard/rollbacks": 2.0}
 
 
 def test_tensorboard_holds_the_metrics_also_across_a_resume(small_corpus, tmp_path) -> None:
