@@ -1,13 +1,13 @@
 """`llmcli plan` (llmcli/training/plan.py, llmcli/cli/plan.py): the counts against the built
-model and the textbook formulas, the memory against `estimate_memory`, the timing, the JSON
-fields, and a config whose data is missing."""
+model and the textbook formulas, the memory against estimate_memory's formula written out, the
+timing, the JSON fields, and a config whose data is missing."""
 
 from __future__ import annotations
 
 import json
 import math
-import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -17,8 +17,9 @@ from llmcli.cli import main
 from llmcli.config import config_from_dict
 from llmcli.data.tokens import prepare_data
 from llmcli.model.gpt import Transformer
-from llmcli.training.memory import estimate_memory
+from llmcli.training import plan as plan_module
 from llmcli.training.plan import ASSUMED_VOCAB, format_plan, make_plan
+from llmcli.training.step import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -49,20 +50,24 @@ def test_plan_counts_the_built_model_and_the_formulas(small_corpus: Path) -> Non
     named = dict(model.named_parameters())
     n = sum(p.numel() for p in named.values())
     embeddings = named["wte.weight"].numel() + named["wpe.weight"].numel()  # untied: lm_head stays
-    L, T, C = 2, 16, 32
+    B, L, T, C = 4, 2, 16, 32
     assert plan.vocab_size == vocab and plan.missing is None
-    assert plan.memory == estimate_memory(config, vocab, "cpu", "float32")
     got = plan.to_json()
     assert set(got) == JSON_FIELDS
     assert got["params"] == n and got["params_non_embedding"] == n - embeddings
     assert got["flops_per_token"] == 6 * (n - embeddings) + 12 * L * T * C
     assert got["tokens_per_step"] == 4 * T * 3
+    # llmcli/training/memory.py's formula, written out for this model (fp32 on the CPU, no
+    # dropout): 4 bytes a value for the weights, the gradients and AdamW's two moments; what the
+    # forward keeps, L (20 C) + 4 C + 4 V values per token (no attention weights: SDPA's fused
+    # path), for the B x T tokens of a micro-batch; and the CPU runtime's 80 MiB.
+    activations = B * T * 4 * (L * 20 * C + 4 * C + 4 * vocab)
     assert got["memory"] == {
         "weights": 4 * n,
         "grads": 4 * n,
         "optimizer": 8 * n,
-        "activations": plan.memory.activations,
-        "peak": 16 * n + plan.memory.activations + plan.memory.runtime,
+        "activations": activations,
+        "peak": 16 * n + activations + 80 * 2**20,
     }
     assert got["device_free"] == 2**30 and got["fits"] is True
     timing = plan.timing
@@ -77,12 +82,28 @@ def test_plan_counts_the_built_model_and_the_formulas(small_corpus: Path) -> Non
     assert "1.0 GiB (train.memory_limit): fits" in text and f"{evals} evaluations" in text
 
 
-def test_measuring_stays_within_its_budget(small_corpus: Path) -> None:
-    config = config_from_dict(_raw(small_corpus))
-    start = time.perf_counter()
-    plan = make_plan(config, "cpu", measure_s=0.3)
-    assert time.perf_counter() - start < 5.0  # the budget, plus building and counting
-    assert plan.timing is not None and plan.timing.seconds < 1.5
+def test_measuring_stays_within_its_budget(
+    small_corpus: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A fake clock that only training steps move: m micro-batches of b sequences take
+    # m * b * 10 ms, plus 2 ms for the update. The warm-up step (1 sequence) takes 12 ms, a round
+    # (1 then 2 micro-batches of 4) 124 ms; a round starts only while 3 x 12 ms x 4 is left of
+    # the 0.3 s budget: two rounds, fewer than TIMED_STEPS.
+    now = [0.0]
+    real_step = plan_module.train_step
+
+    def fake_step(trainer: Trainer) -> None:
+        real_step(trainer)
+        now[0] += trainer.grad_accum * len(trainer.batches.x) * 0.010 + 0.002
+
+    monkeypatch.setattr(plan_module, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(plan_module, "train_step", fake_step)
+    plan = make_plan(config_from_dict(_raw(small_corpus)), "cpu", measure_s=0.3)
+    timing = plan.timing
+    assert timing is not None and timing.batch == 4
+    assert timing.steps == 2 < plan_module.TIMED_STEPS  # the budget stopped it
+    assert timing.seconds == pytest.approx(0.012 + 2 * 0.124) and timing.seconds <= 0.3
+    assert timing.step_s == pytest.approx(0.040 + 0.002)  # the fake's micro-batch and update
 
 
 def test_ddp_world_size_from_the_environment(
@@ -92,9 +113,9 @@ def test_ddp_world_size_from_the_environment(
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "0")
     plan = make_plan(config, "cpu", measure_s=0.1)
-    one = estimate_memory(config, plan.vocab_size)
+    n = sum(p.numel() for p in Transformer(config.model, plan.vocab_size).parameters())
     assert plan.to_json()["tokens_per_step"] == 4 * 16 * 4
-    assert plan.memory.grads == 2 * one.grads  # DDP's buckets copy the gradients
+    assert plan.memory.grads == 2 * 4 * n  # fp32, and DDP's buckets copy the gradients
     assert "x 4 processes" in format_plan(plan)
 
 
