@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from huggingface_hub import constants
+from hypothesis import settings
 
 from llmcli.config import config_from_dict
 from llmcli.data.tokenizer import Tokenizer
@@ -19,6 +20,11 @@ from llmcli.model.gpt import Transformer
 from llmcli.runs.directory import save_model_run
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# Every Hypothesis test tries the same examples on every run, CI's included, also where its own
+# settings do not say so: a failure is then reproducible rather than luck.
+settings.register_profile("derandomized", derandomize=True)
+settings.load_profile("derandomized")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -11,6 +11,7 @@ import json
 import math
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -19,8 +20,6 @@ from conftest import save_tiny_run
 from llmcli.cli import main
 from llmcli.data.tokenizer import BPETokenizer, CharTokenizer
 from llmcli.runs.loading import load_run
-
-gguf = pytest.importorskip("gguf")
 
 TEXT = "ROMEO: But soft, what light through yonder window breaks?\nJULIET: Ay me! O Romeo, Romeo!\n"
 SHAPE = {"n_layer": 2, "n_head": 2, "n_embed": 16, "context_length": 12}

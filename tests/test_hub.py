@@ -10,6 +10,7 @@ or unknown-revision repository.
 from __future__ import annotations
 
 import http.server
+import socket
 import subprocess
 import sys
 import threading
@@ -117,10 +118,29 @@ def test_unreachable_hub_fails_at_once_and_a_warm_cache_still_works(
     hub_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     go_online(monkeypatch)
-    start = time.monotonic()
-    with pytest.raises(InputError) as err:
-        resolve("org/missing")
-    assert time.monotonic() - start < 30
+    # "At once": no retries and no backoff, counted rather than timed: the connection attempts
+    # (the Hub's, and at most one more, huggingface_hub asking the same port for its agent
+    # registry once per process) and the waits between them, which pass no time here.
+    attempts, waits = [], []
+    connect, sleep, main_thread = socket.socket.connect, time.sleep, threading.current_thread()
+
+    def counted_connect(sock: socket.socket, address: object) -> None:
+        attempts.append(address)
+        connect(sock, address)
+
+    def counted_sleep(seconds: float) -> None:
+        if threading.current_thread() is main_thread:
+            waits.append(seconds)
+        else:
+            sleep(seconds)
+
+    with pytest.MonkeyPatch.context() as counting:
+        counting.setattr(socket.socket, "connect", counted_connect)
+        counting.setattr(time, "sleep", counted_sleep)
+        with pytest.raises(InputError) as err:
+            resolve("org/missing")
+    assert 1 <= len(attempts) <= 2 and set(attempts) == {("127.0.0.1", 9)}, attempts
+    assert waits == []
     msg = str(err.value)
     assert f"not in the cache at {hub_cache}" in msg
     assert f"the Hub ({CLOSED_PORT}) could not be reached (no network?)" in msg
