@@ -29,7 +29,7 @@ FLOORS = {
         ],
     ),
     "tokenizers": (
-        "0.20",
+        "0.22.1",
         [
             "tokenizers.Tokenizer.encode_batch_fast",  # 0.20
             "tokenizers.pre_tokenizers.Split",
@@ -41,15 +41,24 @@ FLOORS = {
         ["safetensors.torch.save", "safetensors.torch.load", "safetensors.safe_open"],
     ),
     "typer": (
-        "0.12",
+        "0.26",
         ["typer.Typer", "typer.Option", "typer.Argument", "typer.core.TyperCommand.parse_args"],
+    ),
+    # llmcli.hub's errors and repo-id check (1.22: IncompleteSnapshotError).
+    "huggingface_hub": (
+        "1.22",
+        [
+            "huggingface_hub.snapshot_download",
+            "huggingface_hub.errors.IncompleteSnapshotError",
+            "huggingface_hub.utils.validate_repo_id",
+        ],
     ),
     "datasets": ("2.19", ["datasets.load_dataset", "datasets.load_from_disk"]),
     "tqdm": ("4.66", ["tqdm.auto.tqdm", "tqdm.contrib.logging.logging_redirect_tqdm"]),
     "pyyaml": ("6.0", ["yaml.safe_load", "yaml.safe_dump"]),
-    "numpy": ("1.26", ["numpy.frombuffer", "numpy.searchsorted", "numpy.memmap"]),
+    "numpy": ("2.0", ["numpy.frombuffer", "numpy.searchsorted", "numpy.memmap"]),
     "matplotlib": (
-        "3.8",
+        "3.8.4",
         ["matplotlib.figure.Figure", "matplotlib.backends.backend_agg.FigureCanvasAgg"],
     ),
 }
