@@ -31,9 +31,7 @@ import logging
 import multiprocessing
 import os
 import platform
-import resource
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -55,7 +53,7 @@ from llmcli.fileio import atomic_write_bytes, atomic_write_json
 from llmcli.generation.fast_decode import FastDecoder
 from llmcli.generation.generate import generate
 from llmcli.model.gpt import Transformer
-from llmcli.progress import Progress
+from llmcli.progress import Progress, peak_rss_bytes
 from llmcli.training.optim import build_optimizer
 from llmcli.training.plan import SameBatch
 from llmcli.training.precision import Precision
@@ -189,11 +187,6 @@ def _current_rss_mb() -> float | None:
         return None
 
 
-def _peak_rss_mb() -> float:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes vs KiB
-
-
 def measure(
     config: Config,
     n_head: int,
@@ -248,7 +241,7 @@ def measure(
         result.peak_memory_mb, result.memory_growth_mb = peak, peak
         result.memory_kind = "cuda_max_allocated"
     elif track_cpu_memory:
-        result.peak_memory_mb = _peak_rss_mb()
+        result.peak_memory_mb = peak_rss_bytes() / 2**20
         if rss_before is not None:
             result.memory_growth_mb = result.peak_memory_mb - rss_before
         result.memory_kind = "cpu_peak_rss"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import resource
 import sys
 import time
 from typing import Any
@@ -162,3 +163,9 @@ def format_fixed(value: float, spec: str) -> str:
         if rounds_to_zero:
             text = format(0.0, spec)
     return text
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far: what it took from the system at most."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere

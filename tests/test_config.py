@@ -45,7 +45,7 @@ def test_every_shipped_config_loads_and_validates(path: Path) -> None:
     for section, values in raw.items():
         for key, value in values.items():
             loaded = getattr(getattr(config, section), key)
-            if (section, key) == ("data", "path"):
+            if (section, key) == ("data", "path") and value is not None:
                 assert Path(loaded).is_absolute() and Path(loaded).samefile(ROOT / value)
             else:
                 assert loaded == value, f"{section}.{key}"
@@ -297,8 +297,25 @@ def test_config_error_is_a_value_error() -> None:
         config_from_dict({"model": {"n_head": 5}})
 
 
-def test_default_config_is_valid() -> None:
-    Config().validate()
+def test_default_config_is_valid_and_is_what_an_empty_file_gives() -> None:
+    config = Config()
+    config.validate()
+    # A file with only empty sections resolves to the same defaults, and validating is not a
+    # no-op: one default broken, the same config is refused.
+    assert config_from_dict({"model": None, "train": {}}) == config
+    broken = dataclasses.replace(config, train=dataclasses.replace(config.train, lr=0.0))
+    with pytest.raises(ConfigError, match=r"train\.lr \(0\.0\) must be > 0"):
+        broken.validate()
+    # GPT-2's architecture by default (ModelConfig's docstring), with whole heads.
+    model = config.model
+    assert (model.pos_emb, model.norm, model.mlp, model.bias, model.tie_embeddings) == (
+        "learned",
+        "layernorm",
+        "gelu",
+        True,
+        True,
+    )
+    assert model.head_size * model.n_head == model.n_embed
 
 
 # --- shipped configs by name ---------------------------------------------------------------
@@ -310,7 +327,8 @@ def test_shipped_names_load_from_any_folder(tmp_path: Path, monkeypatch) -> None
     for name in shipped_configs():
         config = load_config(name, ["train.max_steps=7"])
         assert config.name == name and config.train.max_steps == 7
-        assert Path(config.data.path).is_file()  # the bundled corpus, found from here
+        # the bundled corpus, found from here (or a Hub dataset: tinystories)
+        assert Path(config.data.path).is_file() if config.data.path else config.data.dataset
     assert (
         load_config("tiny.yaml").to_dict() == load_config(ROOT / "configs" / "tiny.yaml").to_dict()
     )

@@ -5,8 +5,12 @@ import ast
 import csv
 import json
 import os
+import random
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +26,7 @@ from llmcli.data import tokens as D
 from llmcli.data.batches import BatchSampler
 from llmcli.data.tokenizer import BPETokenizer, CharTokenizer
 from llmcli.data.tokens import TokenData, default_cache_dir, prepare_data
-from llmcli.errors import InputError
+from llmcli.errors import ConfigError, InputError
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "data" / "shakespeare.txt"
@@ -406,6 +410,277 @@ def test_dataset_empty_text(tmp_path: Path) -> None:
         prep(tmp_path, path=None, dataset=str(path))
 
 
+# --- streaming datasets (data.streaming) ----------------------------------------------------
+
+STREAM_ROWS = [f"row {i}: {'to be or not to be ' * (i % 4)}" for i in range(95)]
+
+
+def _cache_file(cache: Path) -> Path:
+    (path,) = (cache / "tokens").glob("*.bin")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("fmt", "tokenizer", "piece_rows", "val_file"),
+    [
+        ("jsonl", "char", 7, True),
+        ("parquet", "char", 19, False),  # 95 rows: 5 whole pieces, then an empty end
+        ("jsonl", "bpe", 10, False),
+        ("parquet", "bpe", 1000, True),  # one piece
+    ],
+)
+def test_streaming_gives_the_tokens_of_the_whole_dataset(
+    tmp_path: Path, bpe: BPETokenizer, monkeypatch, fmt, tokenizer, piece_rows, val_file
+) -> None:
+    monkeypatch.setattr(D, "STREAM_PIECE_ROWS", piece_rows)
+    path = _write_rows(tmp_path / "train", fmt, STREAM_ROWS)
+    val = str(_write_rows(tmp_path / "val", fmt, STREAM_ROWS[:30:3])) if val_file else None
+    tok = bpe if tokenizer == "bpe" else None
+
+    def run(streaming: bool, cache: str) -> TokenData:
+        cfg = DataConfig(path=None, dataset=str(path), val_path=val, streaming=streaming)
+        return prepare_data(cfg, 8, tokenizer=tok, cache_dir=tmp_path / cache)
+
+    whole, streamed = run(False, "whole"), run(True, "streamed")
+    np.testing.assert_array_equal(streamed.train, whole.train)
+    np.testing.assert_array_equal(streamed.val, whole.val)
+    if tokenizer == "char":
+        assert streamed.tokenizer.to_json() == whole.tokenizer.to_json()
+    assert not list((tmp_path / "streamed" / "tokens").glob("*.parts"))  # pieces removed
+    assert streamed.source_hash != whole.source_hash  # the files' bytes, not the rows' text
+    monkeypatch.setattr(D, "_tokenize_stream", lambda *a: pytest.fail("tokenized again"))
+    assert run(True, "streamed").cache_files == streamed.cache_files  # the finished cache
+
+
+def _count_stream_reads(monkeypatch, stop_after: int | None = None) -> dict:
+    """Count the rows `StreamSource.documents` yields and the `skip` it gets; raise
+    KeyboardInterrupt (a Ctrl-C) when `stop_after` rows have been read."""
+    seen = {"rows": 0, "skips": []}
+    real = corpus.StreamSource.documents
+    real = getattr(real, "__wrapped__", real)  # not an earlier call's counter
+
+    def documents(self, progress=lambda n: None, skip=0):
+        seen["skips"].append(skip)
+        for document in real(self, progress, skip):
+            if seen["rows"] == stop_after:
+                raise KeyboardInterrupt
+            seen["rows"] += 1
+            yield document
+
+    documents.__wrapped__ = real
+    monkeypatch.setattr(corpus.StreamSource, "documents", documents)
+    return seen
+
+
+def test_interrupted_stream_continues_where_it_stopped(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(D, "STREAM_PIECE_ROWS", 10)
+    path = _write_rows(tmp_path, "jsonl", STREAM_ROWS)
+    tok = CharTokenizer.train(STREAM_ROWS)  # given: no training pass reads the stream
+    cfg = DataConfig(path=None, dataset=str(path), streaming=True)
+    prepare_data(cfg, 8, tokenizer=tok, cache_dir=tmp_path / "clean")
+    clean = _cache_file(tmp_path / "clean").read_bytes()
+
+    cache = tmp_path / "cache"
+    _count_stream_reads(monkeypatch, stop_after=37)  # in the 4th piece
+    with pytest.raises(KeyboardInterrupt):
+        prepare_data(cfg, 8, tokenizer=tok, cache_dir=cache)
+    (parts,) = (cache / "tokens").glob("*.parts")
+    assert sorted(p.name for p in parts.iterdir()) == [
+        "000000.bin",
+        "000001.bin",
+        "000002.bin",
+        "progress.json",
+    ]
+    record = json.loads((parts / "progress.json").read_text())
+    assert record["rows"] == 30 and len(record["pieces"]) == 3
+    assert not list((cache / "tokens").glob("*.bin"))
+
+    seen = _count_stream_reads(monkeypatch)
+    d = prepare_data(cfg, 8, tokenizer=tok, cache_dir=cache)
+    assert seen == {"rows": len(STREAM_ROWS) - 30, "skips": [30]}
+    assert _cache_file(cache).read_bytes() == clean
+    assert not parts.exists()
+    np.testing.assert_array_equal(
+        np.concatenate([d.train, d.val]), tok.encode("\n".join(STREAM_ROWS))
+    )
+
+
+def test_damaged_stream_pieces_start_the_stream_over(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(D, "STREAM_PIECE_ROWS", 10)
+    path = _write_rows(tmp_path, "jsonl", STREAM_ROWS)
+    tok = CharTokenizer.train(STREAM_ROWS)
+    cfg = DataConfig(path=None, dataset=str(path), streaming=True)
+    _count_stream_reads(monkeypatch, stop_after=25)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_data(cfg, 8, tokenizer=tok, cache_dir=tmp_path / "cache")
+    (parts,) = (tmp_path / "cache" / "tokens").glob("*.parts")
+    piece = parts / "000001.bin"
+    piece.write_bytes(piece.read_bytes()[:-2])  # a piece that lost its end
+    seen = _count_stream_reads(monkeypatch)
+    d = prepare_data(cfg, 8, tokenizer=tok, cache_dir=tmp_path / "cache")
+    assert seen["skips"] == [0] and seen["rows"] == len(STREAM_ROWS)
+    np.testing.assert_array_equal(
+        np.concatenate([d.train, d.val]), tok.encode("\n".join(STREAM_ROWS))
+    )
+
+
+def test_stream_sample_is_its_first_rows(tmp_path: Path) -> None:
+    path = _write_rows(tmp_path, "jsonl", ["ab", "cdé", "fg", "hi"])
+    source, _ = corpus.open_sources(
+        DataConfig(path=None, dataset=str(path), streaming=True), tmp_path / "cache"
+    )
+    assert isinstance(source, corpus.StreamSource)
+    assert source.size() is None and source.text_bytes() is None
+    assert list(source.sample_texts(6)) == ["ab", "cdé"]  # 2 + 4 bytes of UTF-8
+    assert list(source.sample_texts(7)) == ["ab", "cdé", "fg"]  # the last row whole
+    assert [list(d) for d in source.documents(skip=3)] == [["hi"]]
+
+
+def test_stream_empty_text(tmp_path: Path) -> None:
+    path = _write_rows(tmp_path, "jsonl", ["", ""])
+    with pytest.raises(InputError, match=r"empty \(2 rows, no text in column 'text'\)"):
+        prep(tmp_path, path=None, dataset=str(path), streaming=True)
+
+
+def test_stream_of_a_hub_name_is_keyed_by_its_commit_without_reading(
+    tmp_path: Path, monkeypatch
+) -> None:
+    import datasets
+    import huggingface_hub
+
+    reads, loads, commit = [], [], {"sha": "a" * 40}
+
+    def rows():
+        for text in ["one row", "another row"]:
+            reads.append(text)
+            yield {"text": text, "n": 1}
+
+    features = datasets.Features({"text": datasets.Value("string"), "n": datasets.Value("int64")})
+
+    def load_dataset(name, revision=None, streaming=False):
+        loads.append((name, revision, streaming))
+        stream = datasets.IterableDataset.from_generator(rows, features=features)
+        return datasets.IterableDatasetDict({"train": stream})
+
+    class Info:
+        def __init__(self, sha):
+            self.sha = sha
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    monkeypatch.setattr(
+        huggingface_hub.HfApi, "dataset_info", lambda self, name, revision=None: Info(commit["sha"])
+    )
+    cfg = DataConfig(path=None, dataset="someone/corpus@v1", streaming=True)
+    first, _ = corpus.open_sources(cfg, tmp_path)
+    key = first.content_hash()
+    assert loads == [("someone/corpus", "a" * 40, True)]  # pinned to the commit v1 names now
+    assert reads == []  # the key needs no row
+    commit["sha"] = "b" * 40  # a new commit upstream: a new key
+    assert corpus.open_sources(cfg, tmp_path)[0].content_hash() != key
+    other_column = DataConfig(
+        path=None, dataset="someone/corpus@v1", streaming=True, text_column="n"
+    )
+    with pytest.raises(InputError, match="column 'n' holds int64, not text"):
+        corpus.open_sources(other_column, tmp_path)
+    pinned = DataConfig(path=None, dataset=f"someone/corpus@{'c' * 40}", streaming=True)
+    corpus.open_sources(pinned, tmp_path)  # a full commit is used as is, not looked up
+    assert loads[-1] == ("someone/corpus", "c" * 40, True)
+
+
+def test_stream_without_features_checks_the_first_row(tmp_path: Path) -> None:
+    import datasets
+
+    def rows():
+        yield from ({"text": f"row {i}", "n": i} for i in range(3))
+
+    stream = datasets.IterableDataset.from_generator(rows)
+    assert stream.features is None
+    source = corpus.StreamSource(stream, "text", "a stream", "test")
+    assert [list(d) for d in source.documents()] == [["row 0"], ["row 1"], ["row 2"]]
+    with pytest.raises(InputError, match="column 'n' holds int, not text"):
+        corpus.StreamSource(stream, "n", "a stream", "test")
+    with pytest.raises(InputError, match=r"text_column \('body'\).*columns are: text, n"):
+        corpus.StreamSource(stream, "body", "a stream", "test")
+
+
+def test_streaming_missing_text_column_exits_2_naming_it(tmp_path: Path, capsys) -> None:
+    from llmcli.cli import main
+
+    path = _write_rows(tmp_path, "jsonl", STREAM_ROWS, column="content")
+    cfg = write(
+        tmp_path / "c.yaml", f"data: {{path: null, dataset: {str(path)!r}, streaming: true}}\n"
+    )
+    with pytest.raises(SystemExit) as exit_:
+        main(["prepare-data", str(cfg), "--cache-dir", str(tmp_path / "cache")])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"data.dataset ({str(path)!r}, split 'train'): data.text_column ('text') is not" in err
+    assert "its columns are: content, id" in err and "Traceback" not in err
+
+
+STREAM_WRAPPER = """\
+import sys
+
+from llmcli.data import tokens
+
+tokens.STREAM_PIECE_ROWS = int(sys.argv[1])  # small pieces: many moments to be killed in
+from llmcli.cli import main
+
+main(sys.argv[2:])
+"""
+
+
+def _pieces_done(cache: Path) -> int:
+    return len(list((cache / "tokens").glob("*.parts/[0-9]*.bin")))
+
+
+@pytest.mark.slow
+def test_prepare_data_killed_at_random_moments_ends_with_the_same_file(tmp_path: Path) -> None:
+    words = "to be or not that is the question whether tis nobler in mind".split()
+    rows = [
+        " ".join(words[(i * 7 + k) % len(words)] for k in range(i % 6 + 1)) for i in range(40_000)
+    ]
+    data = write(tmp_path / "rows.jsonl", "".join(json.dumps({"text": r}) + "\n" for r in rows))
+    config = write(
+        tmp_path / "c.yaml", f"data: {{path: null, dataset: {str(data)!r}, streaming: true}}\n"
+    )
+    cache = tmp_path / "cache"
+    command = [
+        sys.executable,
+        str(write(tmp_path / "prepare.py", STREAM_WRAPPER)),
+        "200",  # rows a piece: 200 pieces
+        "prepare-data",
+        str(config),
+        "--cache-dir",
+        str(cache),
+        "--set",
+        "model.context_length=16",
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    rng = random.Random(0)
+    for target in sorted(rng.sample(range(2, 190), 3)):  # pieces done when killed
+        proc = subprocess.Popen(
+            command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and _pieces_done(cache) < target and time.monotonic() < deadline:
+            time.sleep(0.002)
+        time.sleep(rng.uniform(0, 0.02))  # anywhere in a piece, or in writing its record
+        proc.kill()
+        assert proc.wait() == -signal.SIGKILL, "finished before it was killed"
+    done = _pieces_done(cache)
+    final = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert final.returncode == 0, final.stderr
+    assert (
+        f"after row {done * 200}" in final.stderr or f"after row {(done - 1) * 200}" in final.stderr
+    )
+    streamed = _cache_file(cache).read_bytes()
+    assert not list((cache / "tokens").glob("*.parts")) and not list(cache.rglob(".*.tmp-*"))
+
+    prepare_data(DataConfig(path=None, dataset=str(data)), 16, cache_dir=tmp_path / "clean")
+    assert streamed == _cache_file(tmp_path / "clean").read_bytes()
+
+
 # --- the batch sampler ----------------------------------------------------------------------
 
 
@@ -543,3 +818,91 @@ def test_cli_prepare_data(tmp_path: Path, text: str, capsys) -> None:
         )
     assert exit_.value.code == 2
     assert "error: data.path" in capsys.readouterr().err
+
+
+# --- The tokenizer's sample ----------------------------------------------------------------
+
+
+def _numbered_lines(n: int) -> str:
+    return "".join(f"line {i:06d}: the quick brown fox jumps over the lazy dog\n" for i in range(n))
+
+
+def test_a_file_sample_is_whole_lines_spread_evenly_over_the_files(tmp_path: Path) -> None:
+    lines = _numbered_lines(60_000).splitlines(keepends=True)  # about 3.4 MB
+    a = write(tmp_path / "a.txt", "".join(lines[:20_000]))
+    b = write(tmp_path / "b.txt", "".join(lines[20_000:]))
+    source = corpus.FileSource([a, b], "test")
+    limit = 1 << 20
+    sample = list(source.sample_texts(limit))
+    joined = "".join(sample)
+    assert 0.9 * limit <= len(joined.encode()) <= limit
+    taken = [line for text in sample for line in text.splitlines(keepends=True)]
+    assert set(taken) <= set(lines)  # whole lines only, none cut
+    numbers = sorted(int(line[5:11]) for line in taken)
+    # Spread evenly: every tenth of the corpus is in it, from both files.
+    assert {n * 10 // 60_000 for n in numbers} == set(range(10))
+    assert numbers[0] == 0 and numbers[-1] > 55_000
+
+
+def test_a_dataset_sample_is_every_kth_row(tmp_path: Path) -> None:
+    rows = [f"row {i} " + "x" * 90 for i in range(2_000)]  # about 100 bytes each
+    path = _write_rows(tmp_path, "jsonl", rows)
+    cfg = DataConfig(path=None, dataset=str(path))
+    source, _ = corpus.open_sources(cfg, tmp_path / "cache")
+    sample = list(source.sample_texts(20_000))
+    assert sample == rows[:: -(-source.text_bytes() // 20_000)]
+    assert 15_000 <= sum(map(len, sample)) <= 20_000
+
+
+def test_bpe_trains_on_the_sample_which_keys_its_cache(tmp_path: Path, monkeypatch) -> None:
+    text = _numbered_lines(40_000)  # about 2.3 MB
+    path = write(tmp_path / "c.txt", text)
+    fed: list[int] = []
+    train = BPETokenizer.train.__func__
+
+    def counting(cls, texts, vocab_size):
+        texts = list(texts)
+        fed.append(sum(len(t.encode()) for t in texts))
+        return train(cls, texts, vocab_size)
+
+    monkeypatch.setattr(BPETokenizer, "train", classmethod(counting))
+    cfg = DataConfig(path=str(path), tokenizer="bpe", vocab_size=300, tokenizer_sample="256KB")
+    data = prepare_data(cfg, 8, cache_dir=tmp_path / "cache")
+    assert 0.9 * 2**18 <= fed[0] <= 2**18
+    training = data.tokenizer_training
+    assert training["trained_on_bytes"] == fed[0] and training["corpus_bytes"] == len(text)
+    assert training["sample"] == "256KB" and training["vocab_size"] == data.tokenizer.vocab_size
+    # The same sample again: the cached tokenizer, with its record; another size trains again.
+    again = prepare_data(cfg, 8, cache_dir=tmp_path / "cache")
+    assert len(fed) == 1 and again.tokenizer_training == training
+    cfg.tokenizer_sample = "512KB"
+    prepare_data(cfg, 8, cache_dir=tmp_path / "cache")
+    assert len(fed) == 2 and fed[1] > 1.8 * fed[0]
+    # Smaller than the sample: the whole corpus, keyed as before samples existed.
+    cfg.tokenizer_sample = "64MB"
+    whole = prepare_data(cfg, 8, cache_dir=tmp_path / "cache")
+    assert fed[2] == len(text) and whole.tokenizer_training["sample"] is None
+
+
+def test_tokenizer_sample_and_streaming_are_checked(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"data.tokenizer_sample \('lots'\) must be a positive"):
+        DataConfig(tokenizer_sample="lots").validate()
+    with pytest.raises(ConfigError, match=r"data.streaming \(True\) needs data.dataset"):
+        DataConfig(streaming=True).validate()
+    assert DataConfig(tokenizer_sample="1.5MB").tokenizer_sample_bytes == 1_572_864
+    assert DataConfig(tokenizer_sample=None).tokenizer_sample_bytes is None
+
+
+def test_prepare_data_reports_throughput_and_memory_then_a_cache_hit(tmp_path, capsys) -> None:
+    from llmcli.cli import main
+
+    path = write(tmp_path / "c.txt", _numbered_lines(2_000))
+    args = ["prepare-data", "tiny", "--set", f"data.path={path}", "--cache-dir", str(tmp_path)]
+    for expected in (
+        r"prepared in [\d.]+ s: [\d.]+ MiB/s of text, [\d,]+ tokens/s, peak memory",
+        r"read from the cache in [\d.]+ s, peak memory [\d.]+ MiB",
+    ):
+        with pytest.raises(SystemExit) as exc:
+            main(args)
+        out = capsys.readouterr().out
+        assert exc.value.code == 0 and re.search(expected, out), out

@@ -118,3 +118,44 @@ def test_info_on_a_damaged_meta_json_names_it_once_and_shows_the_rest(
     assert re.search(
         rf"{re.escape(str(run_dir / 'meta.json'))} is damaged: it .*{problem}", damaged[0]
     )
+
+
+def test_info_says_how_the_tokenizer_was_trained_also_after_a_resume(tmp_path, capsys) -> None:
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("".join(f"line {i}: a story of a fox and a dog\n" for i in range(8_000)))
+    out = tmp_path / "run"
+    train = [
+        "train",
+        "tiny",
+        "--out",
+        str(out),
+        "--no-progress",
+        "--threads",
+        "1",
+        *("--set", f"data.path={corpus}", "--set", "data.tokenizer=bpe"),
+        *("--set", "data.vocab_size=300", "--set", "data.tokenizer_sample=64KB"),
+        *("--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "train.eval_steps=1"),
+        *("--set", "model.n_layer=1", "--set", "model.n_embed=32", "--set", "model.n_head=2"),
+    ]
+    for args in (
+        [*train, "--set", "train.max_steps=2"],
+        [*train, "--set", "train.max_steps=3", "--resume"],
+    ):
+        with pytest.raises(SystemExit) as exc:
+            main(args)
+        assert exc.value.code == 0, capsys.readouterr().err
+    training = json.loads((out / "meta.json").read_text())["tokenizer_training"]
+    assert training["kind"] == "bpe" and training["sample"] == "64KB"
+    assert 0.9 * 65536 <= training["trained_on_bytes"] <= 65536
+    assert training["corpus_bytes"] == corpus.stat().st_size
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["info", "--checkpoint", str(out)])
+    row = next(
+        line for line in capsys.readouterr().out.splitlines() if line.startswith("tokenizer")
+    )
+    assert re.fullmatch(
+        r"tokenizer +byte-level BPE, vocab 300, trained on 6\d\.\d KiB of \d{3} KiB "
+        r"\(data.tokenizer_sample 64KB\)",
+        row,
+    ), row

@@ -6,6 +6,8 @@ import ast
 import re
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 SKIP_DIRS = {
     ".git",
@@ -48,12 +50,16 @@ def test_nothing_refers_to_a_folder_outside_the_project() -> None:
     assert offenders == []
 
 
-def test_configs_name_only_bundled_corpora() -> None:
+def test_configs_name_only_bundled_corpora_or_a_hub_dataset() -> None:
+    """A shipped config's text is a corpus bundled in data/, or a dataset on the Hugging Face
+    Hub (too large to bundle: `org/name`, which no file of the repository can shadow)."""
     for config in (ROOT / "configs").glob("*.yaml"):
-        for line in config.read_text().splitlines():
-            if line.strip().startswith("path:"):
-                target = line.split(":", 1)[1].strip()
-                assert (ROOT / target).is_file() and target.startswith("data/"), config.name
+        data = yaml.safe_load(config.read_text())["data"]
+        if data.get("path") is not None:
+            assert (ROOT / data["path"]).is_file() and data["path"].startswith("data/"), config
+        else:
+            name = data["dataset"]
+            assert re.fullmatch(r"[\w.-]+/[\w.-]+", name) and not (ROOT / name).exists(), config
 
 
 def test_the_reading_path_is_real_and_every_file_on_it_says_what_it_holds() -> None:

@@ -119,7 +119,8 @@ def test_char_tokenizer_json_is_read_by_hugging_face_tokenizers(tmp_path: Path) 
         hf.encode("a☃")
 
 
-@settings(max_examples=200, deadline=None)
+# Derandomized, as test_fuzz_readers.py's: every run, CI's included, tries the same examples.
+@settings(max_examples=200, deadline=None, derandomize=True)
 @given(s=st.text(alphabet="ab \n\t\r\u2028é🎉<|>endoftxt", max_size=60))
 def test_char_hugging_face_encoding_equals_ours(s: str) -> None:
     tok = CharTokenizer.train(["ab \n\t\r\u2028é🎉<|>endoftxt"])
@@ -200,7 +201,8 @@ def test_char_tokenizer_cached_in_the_old_format_is_reused(
     corpus.write_text(text[:20_000], encoding="utf-8")
     cfg = DataConfig(path=str(corpus), tokenizer="char")
     first = prepare_data(cfg, 8, cache_dir=tmp_path / "cache")
-    [cached] = (tmp_path / "cache" / "tokenizers").iterdir()
+    folder = tmp_path / "cache" / "tokenizers"
+    [cached] = [f for f in folder.iterdir() if not f.name.endswith(".training.json")]
     chars = first.tokenizer.chars
     cached.write_text(json.dumps({"kind": "llmcli-char", "version": 2, "chars": chars, "eot": EOT}))
 
@@ -303,13 +305,13 @@ def test_bpe_round_trips_tricky_strings(bpe: BPETokenizer, s: str) -> None:
     assert bpe.decode(bpe.encode(s)) == s
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, derandomize=True)
 @given(s=st.text())
 def test_bpe_round_trips_any_unicode(bpe: BPETokenizer, s: str) -> None:
     assert bpe.decode(bpe.encode(s)) == s
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100, deadline=None, derandomize=True)
 @given(parts=st.lists(st.text(max_size=20), max_size=5))
 def test_bpe_round_trips_text_containing_the_eot_token(bpe: BPETokenizer, parts: list) -> None:
     s = EOT.join(parts)

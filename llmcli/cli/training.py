@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
@@ -63,14 +64,26 @@ def prepare_data_command(
     """Train the tokenizer and tokenize the corpus into the cache, ahead of `train`."""
     from llmcli.config import load_config
     from llmcli.data.tokens import prepare_data
+    from llmcli.progress import format_bytes, peak_rss_bytes
 
     log_to_stderr()
     cfg = load_config(config, set_ or [])
+    start, began = time.perf_counter(), time.time()
     data = prepare_data(cfg.data, cfg.model.context_length, cache_dir=cache_dir)
+    seconds = time.perf_counter() - start
+    tokens = len(data.train) + len(data.val)
     typer.echo(
         f"{len(data.train):,} train + {len(data.val):,} validation tokens "
         f"({data.train.dtype}), vocab_size {data.tokenizer.vocab_size}; cache: "
         + ", ".join(str(f) for f in data.cache_files)
+    )
+    peak = format_bytes(peak_rss_bytes())
+    if all(f.stat().st_mtime < began for f in data.cache_files):  # nothing written: a cache hit
+        typer.echo(f"read from the cache in {seconds:,.1f} s, peak memory {peak}")
+        return
+    text = f"{data.text_bytes / 2**20 / seconds:,.1f} MiB/s of text, " if data.text_bytes else ""
+    typer.echo(
+        f"prepared in {seconds:,.1f} s: {text}{tokens / seconds:,.0f} tokens/s, peak memory {peak}"
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmcli.config.rules import require
+from llmcli.config.rules import parse_size, require
 from llmcli.errors import ConfigError
 
 
@@ -21,6 +21,13 @@ class DataConfig:
     text_column: str = "text"  # the dataset's column of text
     tokenizer: str = "char"  # char, bpe, a tokenizer.json (or a folder holding one) or a Hub name
     vocab_size: int = 1024  # BPE's vocabulary size
+    # BPE trains on at most this much text, spread evenly over the corpus ("128MB", bytes, or
+    # null for all of it): its memory grows with the text it counts words in (about 1 GB for
+    # 128 MiB of varied text), not with the corpus.
+    tokenizer_sample: int | str | None = "128MB"
+    # data.dataset read through `datasets`' streaming mode: rows are tokenized as they arrive,
+    # into a cache written in pieces that an interrupted prepare continues.
+    streaming: bool = False
     val_fraction: float = 0.1  # the part of the text held out for validation
     cache_dir: str | None = None  # token cache (default: $LLMCLI_CACHE, else ~/.cache/llmcli)
 
@@ -36,6 +43,23 @@ class DataConfig:
                 "set; keep one of them (set the other to null)."
             )
         require(self.vocab_size > 0, "data", "vocab_size", self.vocab_size, "must be positive")
+        sample = self.tokenizer_sample_bytes
+        require(
+            self.tokenizer_sample is None or (sample is not None and sample > 0),
+            "data",
+            "tokenizer_sample",
+            self.tokenizer_sample,
+            'must be a positive number of bytes or a size such as "128MB" or "1GB" (powers of '
+            "1024), or null for the whole corpus",
+        )
+        require(
+            not self.streaming or self.dataset is not None,
+            "data",
+            "streaming",
+            self.streaming,
+            "needs data.dataset (a Hugging Face datasets name or local json/jsonl/csv/parquet "
+            "files): a data.path is read piece by piece already",
+        )
         require(
             0 < self.val_fraction < 1,
             "data",
@@ -50,3 +74,10 @@ class DataConfig:
             self.tokenizer,
             "must be 'char', 'bpe', a tokenizer.json (or a folder holding one) or a Hub name",
         )
+
+    @property
+    def tokenizer_sample_bytes(self) -> int | None:
+        """`tokenizer_sample` in bytes; None for the whole corpus (or a string that is not a
+        size, which `validate` refuses)."""
+        sample = self.tokenizer_sample
+        return parse_size(sample) if isinstance(sample, str) else sample

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import typing
 from typing import Any, Literal
 
@@ -53,3 +54,16 @@ def divisors(n: int, limit: int | None = None) -> list[int]:
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
     every = small + [n // d for d in reversed(small) if d * d != n]
     return every if limit is None else [d for d in every if d <= limit]
+
+
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(?:i?b)?\s*", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int | None:
+    """A memory size as bytes: "4GB", "4G" and "4GiB" are all 4 * 1024**3, as memory is sold and
+    reported in powers of 1024; a bare number is bytes. None if `text` is not a size."""
+    match = _SIZE_RE.fullmatch(text)
+    if match is None:
+        return None
+    number, unit = match.groups()
+    return int(float(number) * 1024 ** " kmgt".index(unit.lower() or " "))

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Literal
 
-from llmcli.config.rules import check_choices, require
+from llmcli.config.rules import check_choices, parse_size, require
 from llmcli.errors import ConfigError
 
 # The experiment trackers train.logger may name (llmcli.runs.trackers runs them).
@@ -264,16 +263,3 @@ class TrainConfig:
                 f"({self.max_steps} steps): it evaluates and saves once, at the last step."
             )
         return notes
-
-
-_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(?:i?b)?\s*", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int | None:
-    """A memory size as bytes: "4GB", "4G" and "4GiB" are all 4 * 1024**3, as memory is sold and
-    reported in powers of 1024; a bare number is bytes. None if `text` is not a size."""
-    match = _SIZE_RE.fullmatch(text)
-    if match is None:
-        return None
-    number, unit = match.groups()
-    return int(float(number) * 1024 ** " kmgt".index(unit.lower() or " "))

@@ -2,8 +2,9 @@
 
 A source yields documents (a file, a dataset row) as iterators of text blocks, so that a corpus
 larger than memory is read piece by piece; `content_hash` identifies its text for the token
-cache. `datasets` is imported only when a dataset source is used: it is slow to import and an
-installation may lack it.
+cache. With `data.streaming` a dataset is a `StreamSource`, read row by row as it arrives (a
+corpus larger than the disk), whose key is found without reading it. `datasets` is imported
+only when a dataset source is used: it is slow to import and an installation may lack it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
     from llmcli.config import DataConfig
 
 READ_BLOCK_BYTES = 16 << 20  # bytes read from a file at a time
+SAMPLE_BLOCK_BYTES = 1 << 20  # a tokenizer sample's blocks are at most this long,
+SAMPLE_BLOCKS = 256  # and at least this many, so that the sample spreads over the corpus
 _GLOB_CHARS = re.compile(r"[*?\[]")
 _DATASET_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 _SAVE_TO_DISK_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
@@ -74,6 +77,31 @@ class FileSource:
         for path in self.files:
             yield _read_utf8_blocks(path, progress)
 
+    def text_bytes(self) -> int:
+        """The corpus's size in bytes of UTF-8 text."""
+        return self.size()
+
+    def sample_texts(self, limit: int) -> Iterator[str]:
+        """About `limit` bytes of the text, spread evenly over the files as one stream: blocks
+        of at most `SAMPLE_BLOCK_BYTES` taken at equal strides, each cut to whole lines (a cut
+        at a newline byte is always between two UTF-8 characters)."""
+        sizes = [f.stat().st_size for f in self.files]
+        total = sum(sizes)
+        want = min(limit, total)
+        # At least SAMPLE_BLOCKS blocks (of 4 KiB or more), so that a small sample spreads too.
+        n_blocks = max(1, -(-want // SAMPLE_BLOCK_BYTES), min(SAMPLE_BLOCKS, want // 4096))
+        length = max(1, want // n_blocks)
+        stride, start = total / n_blocks, 0
+        for path, size in zip(self.files, sizes, strict=True):
+            with open(path, "rb") as f:
+                for i in range(n_blocks):
+                    offset = int(i * stride) - start
+                    if 0 <= offset < size:
+                        f.seek(offset)
+                        block = f.read(min(length, size - offset))
+                        yield _whole_lines(block, offset == 0, offset + len(block) == size, path)
+            start += size
+
 
 class DatasetSource:
     """One text column of a Hugging Face `datasets.Dataset`, one document per row.
@@ -85,21 +113,11 @@ class DatasetSource:
     """
 
     def __init__(self, dataset: Any, column: str, label: str) -> None:
-        if column not in dataset.column_names:
-            raise InputError(
-                f"{label}: data.text_column ({column!r}) is not a column of the dataset; its "
-                f"columns are: {', '.join(dataset.column_names)}. Set data.text_column to one "
-                "of them."
-            )
-        dtype = getattr(dataset.features[column], "dtype", None)
-        if dtype not in ("string", "large_string"):
-            raise InputError(
-                f"{label}: column {column!r} holds {dtype or dataset.features[column]}, not "
-                "text; set data.text_column to a string column."
-            )
+        _check_text_column(dataset.features, column, label)
         self.dataset = dataset.select_columns([column])
         self.column = column
         self.label = label
+        self._text_bytes: int | None = None
 
     def size(self) -> int:
         """Number of rows (the progress bar's unit)."""
@@ -123,6 +141,7 @@ class DatasetSource:
                 f"{self.label}: the corpus is empty ({self.dataset.num_rows} rows, no text in "
                 f"column {self.column!r})."
             )
+        self._text_bytes = total
         return h.hexdigest()
 
     def documents(self, progress: OnProgress = lambda n: None) -> Iterator[Iterator[str]]:
@@ -132,8 +151,175 @@ class DatasetSource:
                 yield iter((text,))
             progress(len(texts))
 
+    def text_bytes(self) -> int:
+        """The column's size in bytes of UTF-8 text (counted by `content_hash`)."""
+        if self._text_bytes is None:
+            self.content_hash()
+        return self._text_bytes
 
-Source = FileSource | DatasetSource
+    def sample_texts(self, limit: int) -> Iterator[str]:
+        """About `limit` bytes of the text: every k-th row, spread evenly over the dataset."""
+        every = max(1, -(-self.text_bytes() // max(1, limit)))
+        for start in range(0, self.dataset.num_rows, 1000 * every):
+            rows = self.dataset[start : start + 1000 * every : every][self.column]
+            yield from (text or "" for text in rows)
+
+
+class StreamSource:
+    """One text column of a `datasets.IterableDataset` (`data.streaming`), one document per
+    row, read as it arrives: nothing is downloaded or converted ahead of tokenizing.
+
+    Args:
+        dataset: the `datasets.IterableDataset`.
+        column: the text column, checked to exist and hold strings (from the features, else,
+            when the stream does not know them, from its first row).
+        label: how messages name the source.
+        origin: what identifies the stream's text for the cache (see `_open_stream`): the
+            sha256 of its local files' bytes, or a hub dataset's name and commit; with the split.
+        rows: its number of rows, if known (the progress bar's total).
+    """
+
+    def __init__(
+        self, dataset: Any, column: str, label: str, origin: str, rows: int | None = None
+    ) -> None:
+        features = dataset.features
+        if features is None:
+            features = _first_row_features(dataset, label)
+        _check_text_column(features, column, label)
+        self.dataset = dataset.select_columns([column])
+        self.column = column
+        self.label = label
+        self.origin = origin
+        self.rows = rows if rows is not None else _known_rows(dataset)
+
+    def size(self) -> int | None:
+        """Number of rows (the progress bar's unit), None if the stream does not say."""
+        return self.rows
+
+    def content_hash(self) -> str:
+        """The cache key of the stream's text, found without reading a row (a stream is read
+        once, as it is tokenized): `origin` and the text column. Local files count by their
+        bytes, so a changed file is a new key; a hub dataset by the commit its revision named
+        when it was opened, so a new commit upstream is a new key, and an interrupted prepare
+        never continues on other rows than it began with."""
+        return hashlib.sha256(f"stream\0{self.origin}\0{self.column}".encode()).hexdigest()
+
+    def documents(
+        self, progress: OnProgress = lambda n: None, skip: int = 0
+    ) -> Iterator[Iterator[str]]:
+        """Each row from row `skip` on as a one-block iterator; `progress` gets rows read.
+
+        The rows before `skip` are read past (`IterableDataset.skip`: a stream cannot seek),
+        not tokenized again."""
+        dataset = self.dataset.skip(skip) if skip else self.dataset
+        batches = dataset.iter(batch_size=1000)
+        row = skip
+        while True:
+            try:
+                batch = next(batches, None)
+            except _dataset_errors() as exc:  # a malformed line or a lost connection, say
+                raise InputError(f"cannot read {self.label} at row {row}: {exc}") from None
+            if batch is None:
+                return
+            texts = batch[self.column]
+            for text in texts:
+                if text is not None and not isinstance(text, str):
+                    raise InputError(
+                        f"{self.label}: row {row} of column {self.column!r} holds "
+                        f"{type(text).__name__}, not text; set data.text_column to a string "
+                        "column."
+                    )
+                yield iter((text or "",))
+                row += 1
+            progress(len(texts))
+
+    def text_bytes(self) -> None:
+        """None: a stream's size is not known before it is read."""
+        return None
+
+    def sample_texts(self, limit: int) -> Iterator[str]:
+        """The rows' texts from the start of the stream until about `limit` bytes of UTF-8
+        text (the last row whole). A stream cannot be sampled evenly without reading all of
+        it: this is its beginning, as good as any part of a shuffled dataset, and not of one
+        sorted by topic or date."""
+        n = 0
+        for document in self.documents():
+            if n >= limit:
+                return
+            for text in document:
+                n += len(text.encode("utf-8", "surrogatepass"))
+                yield text
+
+
+Source = FileSource | DatasetSource | StreamSource
+
+
+def _check_text_column(features: Any, column: str, label: str) -> None:
+    """Refuse a text column that `features` (column name -> `datasets` feature) lacks, or one
+    whose feature is not a string."""
+    if column not in features:
+        raise InputError(
+            f"{label}: data.text_column ({column!r}) is not a column of the dataset; its "
+            f"columns are: {', '.join(features)}. Set data.text_column to one of them."
+        )
+    dtype = getattr(features[column], "dtype", None)
+    if dtype not in ("string", "large_string"):
+        raise InputError(
+            f"{label}: column {column!r} holds {dtype or features[column]}, not text; set "
+            "data.text_column to a string column."
+        )
+
+
+def _first_row_features(dataset: Any, label: str) -> dict[str, Any]:
+    """Features read off a stream's first row, for a stream that does not know its own: a
+    string (or a null) counts as a string column, anything else by its type's name."""
+    import datasets
+
+    try:
+        row = next(iter(dataset.take(1)), None)
+    except _dataset_errors() as exc:
+        raise InputError(f"cannot read {label}: {exc}") from None
+    if row is None:
+        raise InputError(f"{label}: the corpus is empty (the stream has no rows).")
+    string = datasets.Value("string")
+    return {
+        name: string if value is None or isinstance(value, str) else type(value).__name__
+        for name, value in row.items()
+    }
+
+
+def _known_rows(dataset: Any) -> int | None:
+    """A stream's number of rows when its metadata records it (many hub datasets), else None."""
+    splits = dataset.info.splits
+    split = splits.get(str(dataset.split)) if splits and dataset.split is not None else None
+    return split.num_examples if split is not None and split.num_examples else None
+
+
+def _dataset_errors() -> tuple[type[BaseException], ...]:
+    """What `datasets` raises for input it cannot load or read (pyarrow's parse errors are
+    ValueErrors)."""
+    import datasets
+
+    return (
+        FileNotFoundError,
+        ConnectionError,
+        ValueError,
+        datasets.exceptions.DatasetGenerationError,
+    )
+
+
+def _whole_lines(block: bytes, at_start: bool, at_end: bool, path: Path) -> str:
+    """A block read from the middle of a file, cut to the lines it holds whole."""
+    if not at_start:
+        block = block[block.find(b"\n") + 1 :] if b"\n" in block else b""
+    if not at_end:
+        block = block[: block.rfind(b"\n") + 1]
+    try:
+        return block.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(
+            f"{str(path)!r} is not UTF-8 text ({exc.reason}): save it as UTF-8."
+        ) from None
 
 
 def _read_utf8_blocks(path: Path, progress: Callable[[int], None]) -> Iterator[str]:
@@ -190,36 +376,34 @@ def _resolve_files(spec: str, key: str) -> list[Path]:
     return [p]
 
 
-def _load_dataset(spec: str, split: str, key: str, cache_dir: Path) -> Any:
+def _load_dataset(spec: str, split: str, key: str, cache_dir: Path, streaming: bool = False) -> Any:
     """A `datasets.Dataset` from a save_to_disk folder, local json/jsonl/csv/parquet files
-    (a file, a folder or a glob) or a hub name (network)."""
+    (a file, a folder or a glob) or a hub name (network; `name@revision` pins a branch, tag or
+    commit). `streaming`: a `datasets.IterableDataset` instead, except from a save_to_disk
+    folder, which `datasets` loads only whole (memory-mapped)."""
     import datasets  # slow to import, and not needed for plain text: import here
 
     p = Path(spec).expanduser()
     label = f"{key} ({spec!r})"
     refuse_special_file(p, label, "a file or folder")
-    errors = (
-        FileNotFoundError,
-        ConnectionError,
-        ValueError,
-        datasets.exceptions.DatasetGenerationError,
-    )
     builder = _DATASET_FILE_BUILDERS.get(p.suffix.lower())
+    cache = str(cache_dir / "datasets")
     try:
         if p.is_dir() and any((p / m).exists() for m in _SAVE_TO_DISK_MARKERS):
             loaded = datasets.load_from_disk(str(p))
         elif builder and (p.is_file() or _GLOB_CHARS.search(spec)):
             files = [str(f) for f in _resolve_files(spec, key)]
             loaded = datasets.load_dataset(
-                builder, data_files=files, cache_dir=str(cache_dir / "datasets")
+                builder, data_files=files, cache_dir=cache, streaming=streaming
             )
         elif p.exists():
-            loaded = datasets.load_dataset(str(p), cache_dir=str(cache_dir / "datasets"))
+            loaded = datasets.load_dataset(str(p), cache_dir=cache, streaming=streaming)
         else:  # a hub name: downloads go to the datasets library's own cache, shared
-            loaded = datasets.load_dataset(spec)
-    except errors as exc:
+            name, _, revision = spec.partition("@")
+            loaded = datasets.load_dataset(name, revision=revision or None, streaming=streaming)
+    except _dataset_errors() as exc:
         raise InputError(f"cannot load {label}: {exc}") from None
-    if isinstance(loaded, datasets.DatasetDict):
+    if isinstance(loaded, (datasets.DatasetDict, datasets.IterableDatasetDict)):
         if split not in loaded:
             raise InputError(
                 f"{label} has no split {split!r}; its splits are: {', '.join(loaded)}. Set "
@@ -249,10 +433,7 @@ def open_sources(data_cfg: DataConfig, cache_dir: Path) -> tuple[Source, Source 
         return train, val
     if data_cfg.dataset is None:
         raise InputError("data: give data.path or data.dataset; both are empty.")
-    ds = _load_dataset(data_cfg.dataset, data_cfg.split, "data.dataset", cache_dir)
-    train = DatasetSource(
-        ds, data_cfg.text_column, f"data.dataset ({data_cfg.dataset!r}, split {data_cfg.split!r})"
-    )
+    train = _open_dataset(data_cfg, data_cfg.dataset, data_cfg.split, "data.dataset", cache_dir)
     if data_cfg.val_path is None and data_cfg.val_split is None:
         return train, None
     # The validation text is split `val_split` (default: data.split) of `val_path` (default:
@@ -260,8 +441,74 @@ def open_sources(data_cfg: DataConfig, cache_dir: Path) -> tuple[Source, Source 
     spec = data_cfg.val_path or data_cfg.dataset
     split = data_cfg.val_split or data_cfg.split
     key = "data.val_path" if data_cfg.val_path else "data.dataset"
-    val_ds = _load_dataset(spec, split, key, cache_dir)
-    return train, DatasetSource(val_ds, data_cfg.text_column, f"{key} ({spec!r}, split {split!r})")
+    return train, _open_dataset(data_cfg, spec, split, key, cache_dir)
+
+
+def _open_dataset(
+    data_cfg: DataConfig, spec: str, split: str, key: str, cache_dir: Path
+) -> DatasetSource | StreamSource:
+    """Split `split` of the dataset `spec` (named by config key `key`) as a source: a stream
+    when `data.streaming` is set."""
+    if data_cfg.streaming:
+        return _open_stream(spec, split, data_cfg.text_column, key, cache_dir)
+    ds = _load_dataset(spec, split, key, cache_dir)
+    return DatasetSource(ds, data_cfg.text_column, f"{key} ({spec!r}, split {split!r})")
+
+
+def _open_stream(spec: str, split: str, column: str, key: str, cache_dir: Path) -> StreamSource:
+    """A dataset read as a stream (`data.streaming`): hub names and local json/jsonl/csv/parquet
+    files through `datasets`' streaming mode; a save_to_disk folder, which `datasets` cannot
+    stream, through `Dataset.to_iterable_dataset` (it is memory-mapped, not downloaded, so
+    streaming it gains only the resumable token cache).
+
+    A hub name is pinned to the commit its revision (`name@revision`, default the main branch)
+    names now, so that every row read, this time and when an interrupted prepare continues,
+    comes from that commit."""
+    import datasets
+
+    label = f"{key} ({spec!r}, split {split!r})"
+    files = _local_files(spec, key)
+    if files is None:
+        name, _, revision = spec.partition("@")
+        if not re.fullmatch(r"[0-9a-f]{40}", revision):
+            revision = _hub_commit(name, revision or None, label)
+        spec, origin = f"{name}@{revision}", f"hub\0{name}\0{revision}"
+    else:  # the files' bytes: hashing them reads the disk, not the stream
+        origin = "files\0" + FileSource(files, label).content_hash()
+    ds = _load_dataset(spec, split, key, cache_dir, streaming=True)
+    rows = None
+    if isinstance(ds, datasets.Dataset):
+        rows, ds = ds.num_rows, ds.to_iterable_dataset()
+    return StreamSource(ds, column, label, f"{origin}\0{split}", rows)
+
+
+def _local_files(spec: str, key: str) -> list[Path] | None:
+    """The files a local dataset `spec` reads (the file, the glob's files, every file below the
+    folder but hidden ones, which `datasets` skips too: a clone's `.git/`), sorted; None when
+    `spec` names no local path (a hub name)."""
+    p = Path(spec).expanduser()
+    if p.is_dir():
+        files = (f for f in p.rglob("*") if f.is_file())
+        return sorted(
+            f for f in files if not any(s.startswith(".") for s in f.relative_to(p).parts)
+        )
+    if p.exists() or _GLOB_CHARS.search(spec):
+        return _resolve_files(spec, key)
+    return None
+
+
+def _hub_commit(name: str, revision: str | None, label: str) -> str:
+    """The commit that `revision` (None: the main branch) of the hub dataset `name` names now."""
+    from huggingface_hub import HfApi  # installed with datasets
+
+    try:
+        info = HfApi().dataset_info(name, revision=revision)
+    except Exception as exc:  # network and hub errors share no base class but Exception
+        raise InputError(
+            f"cannot look up {label} on the Hugging Face Hub ({type(exc).__name__}: {exc}): "
+            "check the name and the network, or give local files."
+        ) from None
+    return info.sha or revision or "main"
 
 
 # --- Tokenizing into the cache -------------------------------------------------------------

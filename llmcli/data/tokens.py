@@ -13,7 +13,9 @@ Cache folder: the `cache_dir` argument, else `data.cache_dir`, else `$LLMCLI_CAC
 `$XDG_CACHE_HOME/llmcli`, else `~/.cache/llmcli`. It holds `tokens/<key>.bin` (+ `.json`
 metadata), `tokenizers/<key>.json` (trained tokenizers, so that a rerun does not train again) and
 `datasets/` (the `datasets` library's Arrow cache for local json/csv/parquet files; hub datasets
-use that library's own cache). Deleting it is always safe.
+use that library's own cache). Deleting it is always safe. A stream (`data.streaming`) is
+tokenized into `tokens/<key>.parts/` first, piece by piece, so that an interrupted prepare
+continues where it stopped (`_tokenize_stream`); the pieces become `<key>.bin` at its end.
 
 Documents (files of a folder or glob, rows of a dataset) are joined with the end-of-text token
 (BPE) or a newline (char). Long documents are cut into pieces at line boundaries
@@ -26,19 +28,22 @@ that prepends "▁", may encode a piece's first word differently.)
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import mmap
 import os
 import re
+import shutil
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
 
-from llmcli.data.corpus import FileSource, Source, open_sources
+from llmcli.data.corpus import FileSource, Source, StreamSource, open_sources
 from llmcli.data.tokenizer import (
     EOT,
     CharTokenizer,
@@ -48,8 +53,13 @@ from llmcli.data.tokenizer import (
     train_tokenizer,
 )
 from llmcli.errors import InputError, describe_os_error
-from llmcli.fileio import atomic_path, atomic_write_text
-from llmcli.progress import Progress
+from llmcli.fileio import (
+    atomic_path,
+    atomic_write_json,
+    atomic_write_text,
+    remove_stale_temp_files,
+)
+from llmcli.progress import Progress, format_bytes, format_count
 
 if TYPE_CHECKING:
     from llmcli.config import DataConfig
@@ -60,6 +70,9 @@ FORMAT_VERSION = "llmcli-tokens-v1"  # part of every cache key: bump it when the
 PIECE_CHARS = 4096  # characters handed to one encode call (small pieces balance the threads)
 BATCH_CHARS = 4 << 20  # characters per encode_batch call
 PROGRESS_MIN = 16 << 20  # show a progress bar from this many bytes (or 100k dataset rows)
+# Rows per piece of a stream's resumable cache: the most work an interrupted prepare loses.
+STREAM_PIECE_ROWS = 20_000
+STREAM_REPORT_SECONDS = 30  # off a terminal, a stream's progress line at most this often
 # Safe cuts for encoding a text in pieces: after a newline between two non-space characters,
 # else before a space between two non-space characters. GPT-2's pre-tokenizer regex never joins
 # text across either point, so the tokens are the same as for the whole text.
@@ -123,7 +136,6 @@ def token_dtype(vocab_size: int) -> np.dtype:
 def _tokenize_to_file(tok: Tokenizer, source: Source, path: Path, dtype: np.dtype) -> int:
     """Tokenize `source` into the raw token file `path` (written atomically); returns its
     number of tokens."""
-    sep = np.asarray(separator_ids(tok), dtype=np.int64)
     size = source.size()
     is_files = isinstance(source, FileSource)
     bar = Progress(
@@ -134,7 +146,24 @@ def _tokenize_to_file(tok: Tokenizer, source: Source, path: Path, dtype: np.dtyp
         tenths=True,
         unit_scale=is_files,
     )
-    n_tokens = 0
+    with atomic_path(path) as tmp, open(tmp, "wb") as f, bar:
+        _, n_tokens = _write_documents(tok, source.documents(bar.update), f, dtype)
+    return n_tokens
+
+
+def _write_documents(
+    tok: Tokenizer,
+    documents: Iterable[Iterable[str]],
+    f: BinaryIO,
+    dtype: np.dtype,
+    lead: bool = False,
+) -> tuple[int, int]:
+    """Encode `documents` (each given in text blocks) joined by the separator
+    (`separator_ids`) and write the ids to the open file `f`; returns (documents, tokens)
+    written. `lead`: begin with a separator too, as a piece of a stream that follows earlier
+    rows does."""
+    sep = np.asarray(separator_ids(tok), dtype=np.int64)
+    n_documents = n_tokens = 0
     batch: list[str | None] = []  # pieces of text, None where a separator goes
     chars = 0
 
@@ -155,17 +184,124 @@ def _tokenize_to_file(tok: Tokenizer, source: Source, path: Path, dtype: np.dtyp
         batch.clear()
         chars = 0
 
-    with atomic_path(path) as tmp, open(tmp, "wb") as f, bar:
-        for i, document in enumerate(source.documents(bar.update)):
-            if i:
-                batch.append(None)
-            for piece in _pieces(document):
-                batch.append(piece)
-                chars += len(piece)
-                if chars >= BATCH_CHARS:
-                    flush()
-        flush()
-    return n_tokens
+    for document in documents:
+        if n_documents or lead:
+            batch.append(None)
+        n_documents += 1
+        for piece in _pieces(document):
+            batch.append(piece)
+            chars += len(piece)
+            if chars >= BATCH_CHARS:
+                flush()
+    flush()
+    return n_documents, n_tokens
+
+
+# --- A stream's resumable cache -------------------------------------------------------------
+
+
+def _parts_folder(bin_path: Path) -> Path:
+    """Where a stream's token file `<key>.bin` is written in pieces: `<key>.parts/`."""
+    return bin_path.with_suffix(".parts")
+
+
+def _tokenize_stream(
+    tok: Tokenizer,
+    source: StreamSource,
+    path: Path,
+    dtype: np.dtype,
+    piece_rows: int | None = None,
+) -> int:
+    """Tokenize a stream into the raw token file `path`, resumably; returns its number of
+    tokens.
+
+    Rows are tokenized as they arrive into pieces `<key>.parts/000000.bin`, `000001.bin`, ...
+    of `piece_rows` rows each (default `STREAM_PIECE_ROWS`); each piece is written atomically,
+    then recorded in `<key>.parts/progress.json` (the rows and tokens done, and each piece's;
+    written atomically too). Run again with the same key after an interruption or a kill, it
+    keeps the pieces recorded, skips their rows and goes on. When the stream ends, the pieces
+    are joined into `path` (atomically); the caller removes the folder once `path`'s metadata
+    is written. A piece that does not start at row 0 begins with the separator, so `path`
+    holds exactly the tokens of the rows tokenized in one go, as `_tokenize_to_file` would.
+    """
+    piece_rows = piece_rows or STREAM_PIECE_ROWS
+    parts = _parts_folder(path)
+    pieces = _recorded_pieces(parts, dtype)  # (rows, tokens) of each piece kept
+    parts.mkdir(exist_ok=True)
+    remove_stale_temp_files(parts)  # a killed run's half-written piece
+    rows = sum(n for n, _ in pieces)
+    if pieces:
+        log.info(
+            "continuing %s after row %d (%d pieces in %s)", source.label, rows, len(pieces), parts
+        )
+    size = source.size()
+    bar = Progress(
+        size,
+        desc=f"tokenizing {source.label}",
+        unit="rows",
+        initial=rows,
+        enabled=size is None or size >= 100_000,
+        tenths=True,
+    )
+    documents = source.documents(bar.update, skip=rows)
+    next_report = time.monotonic() + STREAM_REPORT_SECONDS
+    with bar:
+        while True:
+            piece = parts / f"{len(pieces):06d}.bin"
+            with atomic_path(piece) as tmp, open(tmp, "wb") as f:
+                chunk = itertools.islice(documents, piece_rows)
+                n_rows, n_tokens = _write_documents(tok, chunk, f, dtype, lead=rows > 0)
+            if n_rows == 0:  # the stream ended with the last piece
+                piece.unlink()
+                break
+            pieces.append((n_rows, n_tokens))
+            rows += n_rows
+            tokens = sum(n for _, n in pieces)
+            record = {"rows": rows, "tokens": tokens, "pieces": [list(p) for p in pieces]}
+            atomic_write_json(parts / "progress.json", record)
+            if bar.live or time.monotonic() >= next_report:  # a line per piece: too many
+                bar.report({"tokens": format_count(tokens)})
+                next_report = time.monotonic() + STREAM_REPORT_SECONDS
+            if n_rows < piece_rows:
+                break
+    _check_stream_text(source, rows, sum(n for _, n in pieces), len(separator_ids(tok)))
+    with atomic_path(path) as tmp, open(tmp, "wb") as out:
+        for i in range(len(pieces)):
+            with open(parts / f"{i:06d}.bin", "rb") as f:
+                shutil.copyfileobj(f, out, 16 << 20)
+    return sum(n for _, n in pieces)
+
+
+def _recorded_pieces(parts: Path, dtype: np.dtype) -> list[tuple[int, int]]:
+    """The (rows, tokens) of each piece `parts/progress.json` records, if every piece is there
+    whole; else none (the stream starts over)."""
+    record = _read_meta(parts / "progress.json", "pieces")
+    if record is None:
+        return []
+    try:
+        pieces = [(int(rows), int(tokens)) for rows, tokens in record["pieces"]]
+    except (TypeError, ValueError):
+        pieces = None
+    for i, (_, tokens) in enumerate(pieces or []):
+        piece = parts / f"{i:06d}.bin"
+        if not piece.is_file() or piece.stat().st_size != tokens * dtype.itemsize:
+            pieces = None
+            break
+    if pieces is None:
+        log.warning("ignoring the damaged token pieces in %s: starting the stream over", parts)
+        return []
+    return pieces
+
+
+def _check_stream_text(source: StreamSource, rows: int, tokens: int, sep: int) -> None:
+    """Refuse a stream with no rows, or with rows but no text (only separators)."""
+    if rows == 0:
+        raise InputError(f"{source.label}: the corpus is empty (the stream has no rows).")
+    if tokens == (rows - 1) * sep:
+        raise InputError(
+            f"{source.label}: the corpus is empty ({rows} rows, no text in column "
+            f"{source.column!r})."
+        )
 
 
 def _cached_tokens(tok: Tokenizer, source: Source, source_hash: str, cache_dir: Path) -> Path:
@@ -181,8 +317,12 @@ def _cached_tokens(tok: Tokenizer, source: Source, source_hash: str, cache_dir: 
         log.info("token cache hit for %s: %s (%d tokens)", source.label, bin_path, meta["n_tokens"])
         return bin_path
     log.info("tokenizing %s into %s", source.label, bin_path)
+    streamed = isinstance(source, StreamSource)
     try:
-        n_tokens = _tokenize_to_file(tok, source, bin_path, dtype)
+        if streamed:
+            n_tokens = _tokenize_stream(tok, source, bin_path, dtype)
+        else:
+            n_tokens = _tokenize_to_file(tok, source, bin_path, dtype)
         meta = {
             "format": FORMAT_VERSION,
             "dtype": dtype.name,
@@ -192,6 +332,8 @@ def _cached_tokens(tok: Tokenizer, source: Source, source_hash: str, cache_dir: 
             "source": source.label,
         }
         atomic_write_text(meta_path, json.dumps(meta, indent=1))
+        if streamed:  # the file and its metadata are whole: its pieces are no longer needed
+            shutil.rmtree(_parts_folder(bin_path), ignore_errors=True)
     except OSError as exc:  # reading the corpus raises InputError: this is the cache's
         raise InputError(
             f"cannot write the token cache '{bin_path}' ({describe_os_error(exc)}): set "
@@ -200,45 +342,115 @@ def _cached_tokens(tok: Tokenizer, source: Source, source_hash: str, cache_dir: 
     return bin_path
 
 
-def _read_meta(path: Path) -> dict | None:
+def _read_meta(path: Path, required: str = "n_tokens") -> dict | None:
+    """A cache file's JSON record, if it is one (holding `required`); else None."""
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
-    ok = isinstance(meta, dict) and meta.get("format") == FORMAT_VERSION
-    return meta if ok and isinstance(meta.get("n_tokens"), int) else None
+    if not isinstance(meta, dict) or meta.get(required) is None:
+        return None
+    return meta if required != "n_tokens" or _is_token_meta(meta) else None
+
+
+def _is_token_meta(meta: dict) -> bool:
+    return meta.get("format") == FORMAT_VERSION and isinstance(meta.get("n_tokens"), int)
 
 
 def _trained_tokenizer(
     data_cfg: DataConfig, sources: list[Source], source_hash: str, cache_dir: Path
-) -> Tokenizer:
-    """Train the configured tokenizer on every source (validation included, as nanoGPT's char
-    preparation does, so that every validation character is encodable), or reuse the one
-    trained before on the same text."""
-    if data_cfg.tokenizer not in ("char", "bpe"):
-        return train_tokenizer(data_cfg, [])  # a tokenizer.json path, used as is
+) -> tuple[Tokenizer, dict]:
+    """Train the configured tokenizer, or reuse the one trained before on the same text; with
+    how it was trained (`TokenData.tokenizer_training`).
+
+    A char tokenizer reads every source (validation included, as nanoGPT's char preparation
+    does, so that every validation character is encodable). BPE reads at most
+    `data.tokenizer_sample` bytes spread evenly over them, each source its share: its word
+    counts, which it holds whole, grow with the text it reads, not with the corpus.
+    """
+    if data_cfg.tokenizer not in ("char", "bpe"):  # a tokenizer.json or a Hub name, as is
+        return train_tokenizer(data_cfg, []), {"kind": "given", "name": data_cfg.tokenizer}
+    sizes = [source.text_bytes() for source in sources]
+    corpus = _total(sizes)
+    limit = data_cfg.tokenizer_sample_bytes if data_cfg.tokenizer == "bpe" else None
+    sampled = limit is not None and (corpus is None or corpus > limit)
     # "char-v2": char tokenizers gained an end-of-text token; a cached older one is not reused.
     spec = f"bpe-{data_cfg.vocab_size}" if data_cfg.tokenizer == "bpe" else "char-v2"
+    spec += f"-sample-{limit}" if sampled else ""
     key = hashlib.sha256(f"{FORMAT_VERSION}\0{source_hash}\0{spec}".encode()).hexdigest()[:40]
     path = cache_dir / "tokenizers" / f"{key}.json"
+    about_path = path.with_name(f"{key}.training.json")
     if path.exists():
         try:
-            return load_tokenizer(path)
+            tok = load_tokenizer(path)
+            # A tokenizer cached before its record was kept: the record it would have had.
+            fed = (min(limit, corpus) if corpus is not None else limit) if sampled else corpus
+            guess = _training_record(data_cfg, tok, fed, corpus, sampled)
+            return tok, _read_meta(about_path, "kind") or guess
         except InputError:
             log.warning("ignoring unreadable cached tokenizer %s", path)
 
-    def texts() -> Iterator[str]:
-        for source in sources:
-            for document in source.documents():
-                yield from document
+    fed = 0
 
-    tok = train_tokenizer(data_cfg, texts())
+    def texts() -> Iterator[str]:
+        nonlocal fed
+        for source, size in zip(sources, sizes, strict=True):
+            if sampled:  # each source its share of the sample
+                share = limit if corpus is None else max(1, limit * size // corpus)
+                pieces = _at_most(source.sample_texts(share), share)
+            else:
+                pieces = (block for document in source.documents() for block in document)
+            for text in pieces:
+                n = len(text.encode("utf-8", "surrogatepass"))
+                fed += n
+                bar.update(n)
+                yield text
+        if data_cfg.tokenizer == "bpe":  # the merges take a while longer, with no count to show
+            log.info("tokenizer: read %s of text; computing the merges", format_bytes(fed))
+
+    what = f"BPE ({data_cfg.vocab_size} tokens)" if data_cfg.tokenizer == "bpe" else "char"
+    of = f"a {format_bytes(limit)} sample of " if sampled else ""
+    log.info("training the %s tokenizer on %s%s", what, of, " + ".join(s.label for s in sources))
+    total = limit if sampled else corpus
+    shown = total is None or total >= PROGRESS_MIN
+    bar = Progress(total, desc="tokenizer", unit="B", enabled=shown, tenths=True, unit_scale=True)
+    with bar:
+        tok = train_tokenizer(data_cfg, texts())
+    about = _training_record(data_cfg, tok, fed, corpus, sampled)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(about_path, json.dumps(about))
         atomic_write_text(path, tok.to_json())
     except OSError as exc:  # only a cache: the tokenizer is trained and in hand
         log.warning("could not cache the tokenizer in %s (%s)", path, exc.strerror or exc)
-    return tok
+    return tok, about
+
+
+def _training_record(
+    data_cfg: DataConfig, tok: Tokenizer, fed: int | None, corpus: int | None, sampled: bool
+) -> dict:
+    return {
+        "kind": data_cfg.tokenizer,
+        "vocab_size": tok.vocab_size,
+        "trained_on_bytes": fed,
+        "corpus_bytes": corpus,
+        "sample": data_cfg.tokenizer_sample if sampled else None,
+    }
+
+
+def _total(sizes: Iterable[int | None]) -> int | None:
+    sizes = list(sizes)
+    return None if None in sizes else sum(sizes)
+
+
+def _at_most(texts: Iterable[str], limit: int) -> Iterator[str]:
+    """`texts` until about `limit` characters: a stream's sample ends where it reaches it."""
+    n = 0
+    for text in texts:
+        if n >= limit:
+            return
+        n += len(text)
+        yield text
 
 
 # --- The prepared data ---------------------------------------------------------------------
@@ -254,6 +466,10 @@ class TokenData:
         val: `(N_val,)` uint16/uint32 `np.memmap` of token ids.
         source_hash: sha256 of the source text (training and validation), tokenizer aside.
         cache_files: the token files the arrays map.
+        tokenizer_training: how the tokenizer was made: `kind` (char, bpe, given), and for a
+            trained one `vocab_size`, `trained_on_bytes`, `corpus_bytes` (None: a stream's, not
+            known ahead) and `sample` (`data.tokenizer_sample`, or None: the whole corpus);
+            None for a tokenizer passed in (a resumed run's).
     """
 
     tokenizer: Tokenizer
@@ -261,6 +477,8 @@ class TokenData:
     val: np.ndarray
     source_hash: str
     cache_files: list[Path] = field(default_factory=list)
+    tokenizer_training: dict | None = None
+    text_bytes: int | None = None  # the sources' UTF-8 text (None: a stream's, not counted)
 
 
 def _check_split(name: str, n: int, context_length: int, hint: str) -> None:
@@ -309,11 +527,16 @@ def prepare_data(
     """
     cache = _cache_folder(Path(cache_dir or data_cfg.cache_dir or default_cache_dir()))
     train_src, val_src = open_sources(data_cfg, cache)
+    for source in (train_src, val_src):
+        if isinstance(source, FileSource) and source.size() >= PROGRESS_MIN:  # seconds per GiB
+            log.info("reading %s (%s) for its cache key", source.label, format_bytes(source.size()))
     train_hash = train_src.content_hash()
     val_hash = val_src.content_hash() if val_src is not None else None
     source_hash = hashlib.sha256(f"{train_hash}\0{val_hash}".encode()).hexdigest()
     both = [train_src] + ([val_src] if val_src is not None else [])
-    tok = tokenizer or _trained_tokenizer(data_cfg, both, source_hash, cache)
+    tok, training = (
+        (tokenizer, None) if tokenizer else _trained_tokenizer(data_cfg, both, source_hash, cache)
+    )
     dtype = token_dtype(tok.vocab_size)
 
     train_file = _cached_tokens(tok, train_src, train_hash, cache)
@@ -355,7 +578,13 @@ def prepare_data(
         "data: %d train + %d validation tokens, vocab_size %d", len(train), len(val), tok.vocab_size
     )
     return TokenData(
-        tokenizer=tok, train=train, val=val, source_hash=source_hash, cache_files=files
+        tokenizer=tok,
+        train=train,
+        val=val,
+        source_hash=source_hash,
+        cache_files=files,
+        tokenizer_training=training,
+        text_bytes=_total(source.text_bytes() for source in both),
     )
 
 

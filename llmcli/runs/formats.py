@@ -281,6 +281,8 @@ _META_FIELDS: dict[str, Callable[[Any], bool]] = {
     "versions": lambda v: (
         isinstance(v, dict) and all(isinstance(x, (str, type(None))) for x in v.values())
     ),
+    # How the tokenizer was made (`llmcli.data.tokens.TokenData.tokenizer_training`).
+    "tokenizer_training": lambda v: isinstance(v, dict) and isinstance(v.get("kind"), str),
 }
 
 

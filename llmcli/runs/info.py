@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from llmcli.progress import format_bytes
 from llmcli.runs.directory import METRICS_FILE
 from llmcli.runs.loading import load_run
 from llmcli.runs.metrics import best_eval, read_metrics
@@ -61,7 +62,11 @@ def run_info(
             "device": meta.get("device"),
             "dtype": meta.get("dtype"),
         },
-        "tokenizer": {"kind": config["data"]["tokenizer"], "vocab_size": run.model.vocab_size},
+        "tokenizer": {
+            "kind": config["data"]["tokenizer"],
+            "vocab_size": run.model.vocab_size,
+            "training": meta.get("tokenizer_training"),
+        },
         "generation": config["sample"],
         "versions": {"recorded": meta.get("versions"), "installed": record()},
         "version_warnings": warnings_for(meta.get("versions")),
@@ -106,6 +111,7 @@ def format_info(info: dict[str, Any]) -> str:
             if best is not None
             else "no evaluation yet",
         ),
+        ("tokenizer", describe_tokenizer(info["tokenizer"])),
         ("generation", ", ".join(f"{k}={v}" for k, v in info["generation"].items())),
         *describe(ReferenceCheck(**info["reference"])),
     ]
@@ -118,3 +124,20 @@ def format_info(info: dict[str, Any]) -> str:
         )
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+def describe_tokenizer(tokenizer: dict[str, Any]) -> str:
+    """The tokenizer row: its kind and size, and what text it was trained on where known."""
+    training = tokenizer.get("training") or {}
+    kind = {"char": "char", "bpe": "byte-level BPE"}.get(tokenizer["kind"], tokenizer["kind"])
+    text = f"{kind}, vocab {tokenizer['vocab_size']:,}"
+    fed, corpus = training.get("trained_on_bytes"), training.get("corpus_bytes")
+    if training.get("kind") == "given":
+        return f"{text}, given as data.tokenizer ({training.get('name')})"
+    if not isinstance(fed, int):
+        return text
+    if training.get("sample") is None:
+        return f"{text}, trained on the whole corpus ({format_bytes(fed)})"
+    whole = f" of {format_bytes(corpus)}" if isinstance(corpus, int) else " of a stream"
+    sample = f"data.tokenizer_sample {training['sample']}"
+    return f"{text}, trained on {format_bytes(fed)}{whole} ({sample})"

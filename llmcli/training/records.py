@@ -177,6 +177,7 @@ def save(run: Run, best: bool) -> None:
             "versions": record_versions(),
             # the shipped config's name finds the run's reference curve (llmcli.runs.reference)
             "config_name": run.config.name,
+            "tokenizer_training": run.tokenizer_training,
         }
         save_checkpoint(
             run.run_dir,

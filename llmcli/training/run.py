@@ -38,13 +38,14 @@ from llmcli.model.gpt import Transformer
 from llmcli.progress import format_count
 from llmcli.runs.directory import (
     HEAD_METRICS_FILE,
+    META_FILE,
     METRICS_FILE,
     STATE_FILE,
     prepare_run_dir,
     resumes,
     write_config_and_tokenizer,
 )
-from llmcli.runs.formats import load_weights
+from llmcli.runs.formats import load_weights, read_meta
 from llmcli.runs.head_metrics import HeadMetricsLog
 from llmcli.runs.loading import load_tokenizer_file
 from llmcli.runs.metrics import MetricsLog
@@ -107,6 +108,7 @@ class Run:
     resumed_from: int | None = None  # the step a resumed run started from
     metrics_bytes: int | None = None  # metrics.jsonl's size at the save resumed from
     log: RunLog | None = None  # rank 0 only
+    tokenizer_training: dict | None = None  # how the tokenizer was made, for meta.json
     saved_at: float = 0.0  # perf_counter() at the end of the last save (or the loop's start)
     save_seconds: list[float] = dataclasses.field(default_factory=list)  # this session's saves
 
@@ -312,6 +314,10 @@ def build_run(
         state=TrainState(session_start=session_start),
         guard=SpikeGuard(tc) if tc.spike_guard else None,
         auto_batch=auto_batch,
+        # A resumed run's tokenizer comes from the run: how it was made, from its meta.json.
+        tokenizer_training=read_meta(run_dir / META_FILE).get("tokenizer_training")
+        if saved is not None
+        else data.tokenizer_training,
     )
     with agreed(info, device):
         eval_samplers(run)  # a corpus too small for the batch and context fails here, not later
