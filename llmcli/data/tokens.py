@@ -502,6 +502,16 @@ def _cache_folder(cache: Path) -> Path:
     return cache
 
 
+def _content_hashes(train: Source, val: Source | None) -> tuple[str, str | None, str]:
+    """The sources' content hashes (their token files' keys), and the two's together."""
+    for source in (train, val):
+        if isinstance(source, FileSource) and source.size() >= PROGRESS_MIN:  # seconds per GiB
+            log.info("reading %s (%s) for its cache key", source.label, format_bytes(source.size()))
+    train_hash = train.content_hash()
+    val_hash = val.content_hash() if val is not None else None
+    return train_hash, val_hash, hashlib.sha256(f"{train_hash}\0{val_hash}".encode()).hexdigest()
+
+
 def prepare_data(
     data_cfg: DataConfig,
     context_length: int,
@@ -527,12 +537,7 @@ def prepare_data(
     """
     cache = _cache_folder(Path(cache_dir or data_cfg.cache_dir or default_cache_dir()))
     train_src, val_src = open_sources(data_cfg, cache)
-    for source in (train_src, val_src):
-        if isinstance(source, FileSource) and source.size() >= PROGRESS_MIN:  # seconds per GiB
-            log.info("reading %s (%s) for its cache key", source.label, format_bytes(source.size()))
-    train_hash = train_src.content_hash()
-    val_hash = val_src.content_hash() if val_src is not None else None
-    source_hash = hashlib.sha256(f"{train_hash}\0{val_hash}".encode()).hexdigest()
+    train_hash, val_hash, source_hash = _content_hashes(train_src, val_src)
     both = [train_src] + ([val_src] if val_src is not None else [])
     tok, training = (
         (tokenizer, None) if tokenizer else _trained_tokenizer(data_cfg, both, source_hash, cache)
