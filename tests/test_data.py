@@ -265,10 +265,6 @@ def test_val_split_needs_a_dataset(tmp_path: Path) -> None:
         prep(tmp_path, path=str(path), val_split="validation")
 
 
-needs_fifo = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes here")
-
-
-@needs_fifo
 def test_a_named_pipe_or_a_device_as_data_is_named_and_refused_unopened(tmp_path: Path) -> None:
     # Opening a named pipe waits for a writer, and none comes: only a refusal that stats it
     # first returns at all.
@@ -289,7 +285,6 @@ def test_a_named_pipe_or_a_device_as_data_is_named_and_refused_unopened(tmp_path
             prep(tmp_path, path="/dev/null")
 
 
-@needs_fifo
 def test_train_on_a_named_pipe_exits_2_naming_it_without_waiting(tmp_path: Path) -> None:
     fifo = tmp_path / "corpus.txt"
     os.mkfifo(fifo)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmcli.config.rules import parse_size, require
+from llmcli.config.rules import require, require_size, size_bytes
 from llmcli.errors import ConfigError
 
 
@@ -43,15 +43,7 @@ class DataConfig:
                 "set; keep one of them (set the other to null)."
             )
         require(self.vocab_size > 0, "data", "vocab_size", self.vocab_size, "must be positive")
-        sample = self.tokenizer_sample_bytes
-        require(
-            self.tokenizer_sample is None or (sample is not None and sample > 0),
-            "data",
-            "tokenizer_sample",
-            self.tokenizer_sample,
-            'must be a positive number of bytes or a size such as "128MB" or "1GB" (powers of '
-            "1024), or null for the whole corpus",
-        )
+        require_size("data", "tokenizer_sample", self.tokenizer_sample, "the whole corpus")
         require(
             not self.streaming or self.dataset is not None,
             "data",
@@ -79,5 +71,4 @@ class DataConfig:
     def tokenizer_sample_bytes(self) -> int | None:
         """`tokenizer_sample` in bytes; None for the whole corpus (or a string that is not a
         size, which `validate` refuses)."""
-        sample = self.tokenizer_sample
-        return parse_size(sample) if isinstance(sample, str) else sample
+        return size_bytes(self.tokenizer_sample)

@@ -67,3 +67,23 @@ def parse_size(text: str) -> int | None:
         return None
     number, unit = match.groups()
     return int(float(number) * 1024 ** " kmgt".index(unit.lower() or " "))
+
+
+def size_bytes(value: int | str | None) -> int | None:
+    """A size setting in bytes: a number as it is, a size string parsed (None if it is not one,
+    which `require_size` refuses), None as None."""
+    return parse_size(value) if isinstance(value, str) else value
+
+
+def require_size(section: str, key: str, value: int | str | None, null: str) -> None:
+    """Refuse a size setting that is not a positive number of bytes, a size string or null
+    (`null` says what null means)."""
+    n = size_bytes(value)
+    require(
+        value is None or (n is not None and n > 0),
+        section,
+        key,
+        value,
+        'must be a positive number of bytes or a size such as "128MB", "4GB" or "1.5G" (powers '
+        f"of 1024), or null for {null}",
+    )

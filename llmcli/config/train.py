@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from llmcli.config.rules import check_choices, parse_size, require
+from llmcli.config.rules import check_choices, require, require_size, size_bytes
 from llmcli.errors import ConfigError
 
 # The experiment trackers train.logger may name (llmcli.runs.trackers runs them).
@@ -218,22 +218,13 @@ class TrainConfig:
             self.tokens_per_step,
             "must be positive, or null",
         )
-        limit = self.memory_limit_bytes
-        require(
-            self.memory_limit is None or (limit is not None and limit > 0),
-            "train",
-            "memory_limit",
-            self.memory_limit,
-            'must be a positive number of bytes or a size such as "4GB", "512MiB" or "1.5G" '
-            "(powers of 1024), or null for the device's memory",
-        )
+        require_size("train", "memory_limit", self.memory_limit, "the device's memory")
 
     @property
     def memory_limit_bytes(self) -> int | None:
         """`memory_limit` in bytes; None for the device's memory (or a string that is not a
         size, which `validate` refuses)."""
-        limit = self.memory_limit
-        return parse_size(limit) if isinstance(limit, str) else limit
+        return size_bytes(self.memory_limit)
 
     def _validate_loggers(self) -> None:
         unknown = [n for n in self._logger_names() if n not in TRACKERS]
