@@ -275,11 +275,11 @@ def _tokenize_stream(
 def _recorded_pieces(parts: Path, dtype: np.dtype) -> list[tuple[int, int]]:
     """The (rows, tokens) of each piece `parts/progress.json` records, if every piece is there
     whole; else none (the stream starts over)."""
-    record = _read_meta(parts / "progress.json", "pieces")
+    record = _read_json(parts / "progress.json")
     if record is None:
         return []
     try:
-        pieces = [(int(rows), int(tokens)) for rows, tokens in record["pieces"]]
+        pieces = [(int(rows), int(tokens)) for rows, tokens in record.get("pieces")]
     except (TypeError, ValueError):
         pieces = None
     for i, (_, tokens) in enumerate(pieces or []):
@@ -342,19 +342,20 @@ def _cached_tokens(tok: Tokenizer, source: Source, source_hash: str, cache_dir: 
     return bin_path
 
 
-def _read_meta(path: Path, required: str = "n_tokens") -> dict | None:
-    """A cache file's JSON record, if it is one (holding `required`); else None."""
+def _read_json(path: Path) -> dict | None:
+    """A cache file's JSON object, or None for one that is missing or damaged (only a cache)."""
     try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
         return None
-    if not isinstance(meta, dict) or meta.get(required) is None:
-        return None
-    return meta if required != "n_tokens" or _is_token_meta(meta) else None
+    return data if isinstance(data, dict) else None
 
 
-def _is_token_meta(meta: dict) -> bool:
-    return meta.get("format") == FORMAT_VERSION and isinstance(meta.get("n_tokens"), int)
+def _read_meta(path: Path) -> dict | None:
+    """A token file's record, if it is one of this format."""
+    meta = _read_json(path)
+    ok = meta is not None and meta.get("format") == FORMAT_VERSION
+    return meta if ok and isinstance(meta.get("n_tokens"), int) else None
 
 
 def _trained_tokenizer(
@@ -386,7 +387,8 @@ def _trained_tokenizer(
             # A tokenizer cached before its record was kept: the record it would have had.
             fed = (min(limit, corpus) if corpus is not None else limit) if sampled else corpus
             guess = _training_record(data_cfg, tok, fed, corpus, sampled)
-            return tok, _read_meta(about_path, "kind") or guess
+            about = _read_json(about_path)
+            return tok, about if about and isinstance(about.get("kind"), str) else guess
         except InputError:
             log.warning("ignoring unreadable cached tokenizer %s", path)
 
