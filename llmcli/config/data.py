@@ -30,6 +30,11 @@ class DataConfig:
     streaming: bool = False
     val_fraction: float = 0.1  # the part of the text held out for validation
     cache_dir: str | None = None  # token cache (default: $LLMCLI_CACHE, else ~/.cache/llmcli)
+    # text: plain text; chat: JSONL rows of {"messages": [{role, content}, ...]}, with the loss on
+    # the assistant's turns only
+    format: str = "text"
+    # chat: a Jinja chat template file in Hugging Face's format (default: the built-in one)
+    chat_template: str | None = None
 
     def validate(self) -> None:
         if self.path is None and self.dataset is None:
@@ -58,6 +63,20 @@ class DataConfig:
             "val_fraction",
             self.val_fraction,
             "must be between 0 and 1 (exclusive)",
+        )
+        require(
+            self.format in ("text", "chat"),
+            "data",
+            "format",
+            self.format,
+            "must be 'text' (plain text) or 'chat' (JSONL conversations)",
+        )
+        require(
+            self.chat_template is None or self.format == "chat",
+            "data",
+            "chat_template",
+            self.chat_template,
+            "is read only with data.format: chat",
         )
         require(
             self.tokenizer != "",

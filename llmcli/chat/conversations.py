@@ -1,0 +1,193 @@
+"""Conversations: checked messages, read from JSONL, and turned into ids with a loss mask.
+
+A conversation is OpenAI's and Hugging Face's shape, `[{"role": ..., "content": ...}, ...]`:
+an optional `system` message first, then `user` and `assistant` turns in turn, starting with the
+user, with at least one assistant turn. `encode` renders it with the run's chat template and
+marks the tokens the model is trained to write, those inside the template's
+`{% generation %}` spans (the assistant's text and its end-of-turn token), as `transformers`'
+`return_assistant_tokens_mask` does: a token is marked when any of its characters is.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from llmcli.chat.template import CHAT_TOKENS, ROLES, ChatTemplate
+from llmcli.data.tokenizer import BPETokenizer, CharTokenizer, Tokenizer
+from llmcli.errors import InputError
+
+Messages = list[dict[str, str]]
+
+
+def check_messages(messages: Any, where: str, *, complete: bool = True) -> Messages:
+    """`messages` as a list of `{"role", "content"}` dicts, or an `InputError` naming `where`.
+
+    Args:
+        messages: what a row (or a request) holds under "messages".
+        where: where it came from, for the message ("data.jsonl line 4").
+        complete: a training conversation, which needs an assistant turn; False for a prompt
+            (chat, a request), which ends with the user's turn to answer.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise InputError(f"{where}: 'messages' must be a non-empty list of {{role, content}}.")
+    checked: Messages = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or set(message) - {"role", "content", "name"}:
+            raise InputError(
+                f"{where}: message {i} must be an object with 'role' and 'content' (got "
+                f"{_short(message)})."
+            )
+        role, content = message.get("role"), message.get("content")
+        if role not in ROLES:
+            raise InputError(
+                f"{where}: message {i} has the unknown role {role!r}; the roles are "
+                f"{', '.join(ROLES)}."
+            )
+        if not isinstance(content, str):
+            raise InputError(f"{where}: message {i} ({role}) needs a string 'content'.")
+        special = next((t for t in CHAT_TOKENS if t in content), None)
+        if special:
+            raise InputError(
+                f"{where}: message {i} ({role}) holds {special!r}, a token the chat template "
+                "writes itself: remove it from the text."
+            )
+        checked.append({"role": role, "content": content})
+    _check_order([m["role"] for m in checked], where, complete)
+    return checked
+
+
+def _check_order(roles: list[str], where: str, complete: bool) -> None:
+    turns = roles[1:] if roles[0] == "system" else roles
+    expected = ["user", "assistant"] * (len(turns) // 2 + 1)
+    if turns != expected[: len(turns)] or not turns:
+        raise InputError(
+            f"{where}: the roles {roles} are out of order: a conversation is an optional system "
+            "message, then user and assistant turns in turn, starting with the user."
+        )
+    if complete and "assistant" not in turns:
+        raise InputError(f"{where}: the conversation has no assistant turn to learn from.")
+    if not complete and turns[-1] != "user":
+        raise InputError(f"{where}: the last message must be the user's, for a reply to it.")
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def read_jsonl(path: Path) -> Iterator[tuple[Messages, str]]:
+    """Each row's checked messages and where it is ("file line N"), for a JSONL file whose rows
+    hold `{"messages": [...]}`.
+
+    Raises:
+        InputError: a line that is not JSON or not such a row, naming the file and line.
+    """
+    try:
+        fh = path.open("rb")  # lines decoded one by one, so that bad bytes have a line number
+    except OSError as exc:
+        raise InputError(f"cannot read {str(path)!r} ({exc.strerror}).") from None
+    with fh:
+        for line_no, raw in enumerate(fh, start=1):
+            where = f"{path} line {line_no}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise InputError(f"{where}: the text is not UTF-8.") from None
+            if line.strip():
+                yield check_messages(_row_messages(line, where), where), where
+
+
+def _row_messages(line: str, where: str) -> Any:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{where} is not JSON (column {exc.colno}: {exc.msg}).") from None
+    if not isinstance(row, dict) or "messages" not in row:
+        raise InputError(f'{where}: a row must be an object with "messages": [...].')
+    return row["messages"]
+
+
+# --- Ids and the loss mask -----------------------------------------------------------------
+
+
+def _hf(tokenizer: Tokenizer) -> Any:
+    """The Hugging Face `tokenizers.Tokenizer` that encodes as `tokenizer` does."""
+    if isinstance(tokenizer, CharTokenizer):
+        return tokenizer.to_hf()
+    if isinstance(tokenizer, BPETokenizer):
+        return tokenizer.hf
+    raise TypeError(f"cannot encode conversations with {tokenizer!r}")
+
+
+@dataclass
+class Encoded:
+    """A conversation's ids `(N,)` int64 and mask `(N,)` bool: True where the model writes."""
+
+    ids: np.ndarray
+    mask: np.ndarray
+
+
+class ConversationEncoder:
+    """Encodes conversations with a template and a tokenizer that holds the chat tokens.
+
+    Raises (at construction):
+        InputError: the tokenizer lacks one of the template's chat tokens.
+    """
+
+    def __init__(self, template: ChatTemplate, tokenizer: Tokenizer) -> None:
+        self.template, self.tokenizer = template, tokenizer
+        self._hf = _hf(tokenizer)
+        missing = [t for t in CHAT_TOKENS if self._hf.token_to_id(t) is None]
+        if missing:
+            raise InputError(
+                f"the tokenizer has no {', '.join(missing)}: a chat run's tokenizer holds the "
+                "chat tokens (add_chat_tokens adds them)."
+            )
+        self.end_id: int = self._hf.token_to_id(CHAT_TOKENS[-1])
+
+    def encode(self, messages: Sequence[dict[str, str]]) -> Encoded:
+        """A training conversation's ids and mask."""
+        rendered = self.template.render(messages, add_generation_prompt=False)
+        encoding = self._encode(rendered.text)
+        mask = np.zeros(len(encoding.ids), dtype=bool)
+        starts = np.array([s for s, _ in encoding.offsets], dtype=np.int64)
+        ends = np.array([e for _, e in encoding.offsets], dtype=np.int64)
+        for lo, hi in rendered.spans:  # a token is marked when its characters meet the span
+            mask |= (starts < hi) & (ends > lo)
+        return Encoded(np.asarray(encoding.ids, dtype=np.int64), mask)
+
+    def prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """The ids of a conversation to be answered: its turns and the start of the reply."""
+        return list(self._encode(self.template.render(messages, True).text).ids)
+
+    def _encode(self, text: str) -> Any:
+        try:
+            return self._hf.encode(text, add_special_tokens=False)
+        except Exception as exc:  # tokenizers raises plain Exceptions from its model
+            raise InputError(f"the tokenizer cannot encode this conversation ({exc}).") from None
+
+
+def add_chat_tokens(tokenizer: Tokenizer) -> Tokenizer:
+    """`tokenizer` with the chat tokens it lacks added as special tokens, at new ids after the
+    last (the model's embedding grows by as many rows); the same tokenizer when it has them."""
+    hf = _hf(tokenizer)
+    if all(hf.token_to_id(t) is not None for t in CHAT_TOKENS):
+        return tokenizer
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    grown = HFTokenizer.from_str(hf.to_str())  # a copy: the original keeps its vocabulary
+    grown.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t in CHAT_TOKENS
+            if hf.token_to_id(t) is None
+        ]
+    )
+    return BPETokenizer(grown)
