@@ -136,6 +136,19 @@ def test_verdicts_follow_the_median_rule_and_count_skips_in_the_window() -> None
     assert guard.check(61, 2.0, grad_norm=math.inf).event["reason"] == "gradient not finite"
 
 
+def test_near_zero_loss_a_multiple_of_the_median_is_no_spike_under_the_margin() -> None:
+    """A fine-tune that has learnt its task: losses of 0.01 to 0.03 are noise, not spikes; a
+    jump past median + spike_margin still is one."""
+    config = config_from_dict({"train": {"spike_window": 5, "spike_margin": 0.5}}).train
+    guard = SpikeGuard(config)
+    for step, loss in enumerate([0.01, 0.012, 0.009, 0.011, 0.01, 0.03, 0.025], start=1):
+        assert guard.check(step, loss, grad_norm=1.0).action == "apply", step
+    median = float(np.median([0.009, 0.011, 0.01, 0.03, 0.025]))
+    assert guard.check(8, median + 0.49, grad_norm=1.0).action == "apply"
+    verdict = guard.check(9, median + 0.52, grad_norm=1.0)
+    assert verdict.action == "skip" and verdict.event["reason"] == "loss above 2 x the median"
+
+
 def test_guard_settings_out_of_range_name_the_key() -> None:
     for key, value in [
         ("spike_factor", 1.0),

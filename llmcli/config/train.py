@@ -61,7 +61,8 @@ class TrainConfig:
     muon_momentum: float = 0.95  # Muon's momentum
     schedule: Literal["cosine", "wsd"] = "cosine"  # cosine decay, or warmup-stable-decay
     decay_fraction: float = 0.2  # the part of the run a wsd schedule decays over
-    # start from a Hugging Face folder or Hub name (nanoGPT's init_from)
+    # start from an llmcli run directory (its weights, tokenizer and model shape; fine-tuning)
+    # or a Hugging Face folder or Hub name (nanoGPT's init_from)
     init_from: str | None = None
     # Experiment trackers besides metrics.jsonl: none, tensorboard, wandb, or a list of them.
     logger: str | list[str] = "none"
@@ -76,12 +77,16 @@ class TrainConfig:
     # continue it if there is one, else start (one command for a first start and a restart).
     resume: bool | Literal["auto"] = False
     # The spike guard (llmcli.training.guard): a step whose loss or gradient is not finite, or
-    # whose loss is above spike_factor x the median of the last spike_window losses, is not
-    # applied; spike_skips of them within spike_window steps roll the run back to its last save,
-    # with the lr times spike_lr_factor for spike_lr_steps steps; after spike_rollbacks
-    # rollbacks in a row the run stops. Its cost: benchmarks/RESULTS.md (spike_guard_cost.py).
+    # whose loss is above spike_factor x the median of the last spike_window losses (and
+    # spike_margin above it), is not applied; spike_skips of them within spike_window steps roll
+    # the run back to its last save, with the lr times spike_lr_factor for spike_lr_steps steps;
+    # after spike_rollbacks rollbacks in a row the run stops. Its cost: benchmarks/RESULTS.md
+    # (spike_guard_cost.py).
     spike_guard: bool = True
     spike_factor: float = 2.0  # a loss above this times the window's median is skipped
+    # a skipped loss is also at least this many nats above the median: near 0 (a fine-tune that
+    # has learnt its task) a batch's loss varies by multiples of the median, harmlessly
+    spike_margin: float = 0.5
     spike_window: int = 50  # steps in the median's window, and in which skips count
     spike_skips: int = 3  # skips within spike_window steps that roll the run back
     spike_lr_factor: float = 0.5  # the rate's factor after a rollback
@@ -182,6 +187,11 @@ class TrainConfig:
                 math.isfinite(self.spike_factor) and self.spike_factor > 1,
                 "must be a number > 1: a step is skipped when its loss is above spike_factor "
                 "x the median of recent losses",
+            ),
+            (
+                "spike_margin",
+                math.isfinite(self.spike_margin) and self.spike_margin >= 0,
+                "must be a number >= 0 (nats above the median before a loss counts as a spike)",
             ),
             ("spike_window", self.spike_window >= 1, "must be >= 1 (steps)"),
             ("spike_skips", self.spike_skips >= 1, "must be >= 1 (skipped steps)"),

@@ -5,7 +5,9 @@ loss (the mean over micro-batches and ranks, the figure it logs) and the global 
 read from the device as two numbers, and the guard decides (`SpikeGuard.check`):
 
 - apply: the loss and the norm are finite and the loss is at most `spike_factor` x the median of
-  the last `spike_window` applied steps' losses (the factor test waits until the window is full);
+  the last `spike_window` applied steps' losses (the factor test waits until the window is full),
+  or at most `spike_margin` nats above it: near zero loss (a fine-tune that has learnt its task)
+  a batch's loss varies by multiples of a small median without anything going wrong;
 - skip: otherwise. The gradients are dropped: the weights, the optimizer's moments and the
   schedule stay as they were, the step is tried again on the next batches, and
   `{"kind": "event", "event": "skipped", ...}` goes to `metrics.jsonl` and the trackers;
@@ -89,6 +91,7 @@ class SpikeGuard:
 
     def __init__(self, train: TrainConfig) -> None:
         self.factor = train.spike_factor
+        self.margin = train.spike_margin
         self.window = train.spike_window
         self.max_skips = train.spike_skips
         self.lr_factor = train.spike_lr_factor
@@ -133,7 +136,7 @@ class SpikeGuard:
             return "loss not finite"
         if grad_norm is not None and not math.isfinite(grad_norm):
             return "gradient not finite"
-        if median is not None and loss > self.factor * median:
+        if median is not None and loss > max(self.factor * median, median + self.margin):
             return f"loss above {self.factor:g} x the median"
         return None
 
