@@ -53,12 +53,18 @@ def _commands() -> dict[str, typing.Any]:
     from llmcli.cli import app
 
     group = typer.main.get_command(app)
-    return dict(sorted(group.commands.items()))
+    commands = {}
+    for name, command in sorted(group.commands.items()):
+        commands[name] = command
+        for sub, subcommand in getattr(command, "commands", {}).items():  # `sae train`, ...
+            commands[f"{name} {sub}"] = subcommand
+    return commands
 
 
 def command_anchor(name: str) -> str:
-    """A command's heading anchor on the commands page (`#llmcli-inspect-attention`)."""
-    return f"llmcli-{name}"
+    """A command's heading anchor on the commands page (`#llmcli-inspect-attention`,
+    `#llmcli-sae-train`)."""
+    return f"llmcli-{name.replace(' ', '-')}"
 
 
 def _command_section(name: str, command: typing.Any) -> list[str]:

@@ -18,6 +18,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Generator, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any, Literal, NamedTuple, Protocol
@@ -263,6 +264,8 @@ class SampleOptions:
         weights: the weights `sample_run` loads, "best" or "last" (see
             `llmcli.runs.loading.load_run`).
         device: where `sample_run` runs the model: "auto", "cpu", "cuda" or "mps".
+        steer: `SAE_DIR:FEATURE=SCALE` each: `sample_run` adds SCALE times the feature's
+            decoder direction at its SAE's hook point while it generates (`llmcli.sae.steer`).
     """
 
     num_samples: int = 1
@@ -273,6 +276,7 @@ class SampleOptions:
     threads: int | None = None
     weights: str = "best"
     device: str = "auto"
+    steer: Sequence[str] = ()
 
     def __post_init__(self) -> None:
         n = self.num_samples
@@ -564,10 +568,20 @@ def sample_run(
     run, config, options = load_for_sampling(checkpoint, overrides, options, notify)
     headers = [p for p in prompts for _ in range(options.num_samples)]
     sink = None if write is None else OrderedWriter(write, headers)
-    with torch_threads(sample_threads(run.model, config, options)):
+    with torch_threads(sample_threads(run.model, config, options)), _steering(run, options):
         return sample_texts(
             run.model, run.tokenizer, prompts, config, options, sink=sink, notify=notify
         )
+
+
+def _steering(run: LoadedRun, options: SampleOptions) -> AbstractContextManager[None]:
+    """The `--steer` hook functions at their points while the block runs (`llmcli.sae.steer`
+    makes them; with none, nothing changes). Any hook point makes each step a full forward."""
+    if not options.steer:
+        return nullcontext()
+    from llmcli.sae.steer import steering_hooks
+
+    return run.model.hooks(steering_hooks(run.model, options.steer))
 
 
 def load_for_sampling(

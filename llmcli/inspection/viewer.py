@@ -67,7 +67,7 @@ def viewer_data(dump: AttentionDump) -> dict[str, Any]:
     }
 
 
-def _script_json(obj: Any) -> str:
+def script_json(obj: Any) -> str:
     """`obj` as JSON that is safe inside a <script> element."""
     text = json.dumps(obj, ensure_ascii=False, allow_nan=False)
     # Inside <script> the sequence "</script>" (in a token, say) would end the element early:
@@ -82,8 +82,8 @@ def render_viewer(dump: AttentionDump | None, grids: Sequence[dict[str, Any]] = 
         resources.files("llmcli.inspection").joinpath("viewer.html").read_text(encoding="utf-8")
     )
     attention = None if dump is None else viewer_data(dump)
-    page = template.replace(_ATTENTION, _script_json(attention), 1)
-    return page.replace(_GRIDS, _script_json(list(grids)), 1)
+    page = template.replace(_ATTENTION, script_json(attention), 1)
+    return page.replace(_GRIDS, script_json(list(grids)), 1)
 
 
 def write_viewer(

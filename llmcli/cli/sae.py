@@ -1,0 +1,236 @@
+"""`llmcli sae train`, `sae eval` and `sae features`: sparse autoencoders on a run's hook points."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from llmcli.cli.app import app, log_to_stderr, notify
+from llmcli.cli.options import (
+    CheckpointOption,
+    DataOption,
+    DeviceOption,
+    JsonOption,
+    ProgressOption,
+    RunThreadsOption,
+    WeightsOption,
+)
+from llmcli.sae.config import SAEConfig
+
+# The training options' defaults are `SAEConfig`'s, declared there once.
+_DEFAULT = SAEConfig(hook="blocks.0.resid_post")
+
+sae_app = typer.Typer(
+    name="sae",
+    help="Sparse autoencoders on a hook point of a run: train one, score it, read its "
+    "features (sae train, sae eval, sae features; `llmcli sae COMMAND --help`).",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
+app.add_typer(sae_app, name="sae")
+
+SaeOption = Annotated[
+    Optional[Path],
+    typer.Option(
+        "--sae",
+        help="The SAE folder (default: the one written last under <run>/sae/); its run is the "
+        "default --checkpoint.",
+        metavar="DIR",
+    ),
+]
+StepsOption = Annotated[
+    Optional[int],
+    typer.Option(
+        help="Batches of the validation text to read (default: 40, about 80K tokens on the "
+        "tiny run).",
+        metavar="N",
+    ),
+]
+BatchOption = Annotated[
+    Optional[int],
+    typer.Option(help="Windows of context_length tokens per batch (default: 32).", metavar="N"),
+]
+FeaturesOption = Annotated[
+    Optional[int],
+    typer.Option(help="Number of features (default: 16 x the hook point's width).", metavar="N"),
+]
+ActivationOption = Annotated[
+    str,
+    typer.Option(
+        help="topk (k per token) or batchtopk (k per token on average over a batch; runs as a "
+        "JumpReLU after training).",
+        metavar="KIND",
+    ),
+]
+
+
+@sae_app.command("train")
+def sae_train_command(
+    hook: Annotated[
+        str,
+        typer.Option(
+            help="The hook point to train on, e.g. blocks.1.resid_post, blocks.0.mlp_out, "
+            "blocks.0.attn.z (docs/hook-points.md lists them).",
+            metavar="NAME",
+        ),
+    ],
+    checkpoint: CheckpointOption = None,
+    features: FeaturesOption = None,
+    k: Annotated[
+        int, typer.Option("--k", help="Features active per token.", metavar="K")
+    ] = _DEFAULT.k,
+    activation: ActivationOption = _DEFAULT.activation,
+    steps: Annotated[
+        int, typer.Option(help="Optimizer steps in all.", metavar="S")
+    ] = _DEFAULT.steps,
+    batch_tokens: Annotated[
+        int, typer.Option(help="Activations per step (whole windows).", metavar="N")
+    ] = _DEFAULT.batch_tokens,
+    lr: Annotated[float, typer.Option(help="Adam's learning rate.", metavar="LR")] = _DEFAULT.lr,
+    seed: Annotated[
+        int, typer.Option(help="Seeds the initial weights and the windows' order.", metavar="S")
+    ] = _DEFAULT.seed,
+    out: Annotated[
+        Optional[Path],
+        typer.Option(help="The SAE folder (default: <run>/sae/<hook>/).", metavar="DIR"),
+    ] = None,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Go on training the SAE saved in the folder, exactly.")
+    ] = False,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Train afresh over the SAE saved in the folder.")
+    ] = False,
+    weights: WeightsOption = "best",
+    device: DeviceOption = "auto",
+    threads: RunThreadsOption = None,
+    progress: ProgressOption = True,
+) -> None:
+    """Train a sparse autoencoder on a hook point, streaming the run's training data (Ctrl-C
+    saves and stops; --resume goes on)."""
+    from llmcli.sae.config import SAEConfig
+    from llmcli.sae.train import TrainOptions, train_sae
+
+    log_to_stderr()
+    config = SAEConfig(
+        hook=hook,
+        features=features,
+        k=k,
+        activation=activation,
+        steps=steps,
+        batch_tokens=batch_tokens,
+        lr=lr,
+        seed=seed,
+    )
+    options = TrainOptions(
+        checkpoint=checkpoint,
+        out=out,
+        resume=resume,
+        overwrite=overwrite,
+        weights=weights,
+        device=device,
+        threads=threads,
+    )
+    summary = train_sae(config, options, progress=progress, notify=notify)
+    typer.echo(
+        f"SAE {summary.folder}: step {summary.step}/{summary.steps}, {summary.tokens:,} "
+        f"activations, {summary.elapsed_s:.0f} s"
+    )
+    if summary.last:  # the means over the steps since the log line before
+        last = summary.last
+        typer.echo(
+            f"explained variance {last['explained_variance']:.4f}, L0 {last['l0']:.2f}, dead "
+            f"{last['dead_fraction']:.2%}; `llmcli sae eval` measures the loss recovered"
+        )
+
+
+@sae_app.command("eval")
+def sae_eval_command(
+    sae: SaeOption = None,
+    checkpoint: CheckpointOption = None,
+    data: DataOption = None,
+    steps: StepsOption = None,
+    batch_size: BatchOption = None,
+    weights: WeightsOption = "best",
+    device: DeviceOption = "auto",
+    json_: JsonOption = False,
+    threads: RunThreadsOption = None,
+    progress: ProgressOption = True,
+) -> None:
+    """Explained variance, L0, dead features, and the loss with the SAE spliced in against the
+    clean, zero- and mean-ablated losses (ce_recovered)."""
+    import json
+
+    from llmcli.sae.evaluate import ReadOptions, evaluate_sae, format_eval
+
+    log_to_stderr()
+    options = ReadOptions(
+        sae=sae,
+        checkpoint=checkpoint,
+        data=data,
+        steps=steps,
+        batch_size=batch_size,
+        weights=weights,
+        device=device,
+        threads=threads,
+    )
+    result = evaluate_sae(options, progress=progress, notify=notify)
+    typer.echo(json.dumps(result.to_dict()) if json_ else format_eval(result))
+
+
+@sae_app.command("features")
+def sae_features_command(
+    feature: Annotated[
+        Optional[list[int]],
+        typer.Option(
+            help="A feature to show in full; repeatable (default: every feature in the page "
+            "and JSON, the densest 20 as text).",
+            metavar="I",
+        ),
+    ] = None,
+    sae: SaeOption = None,
+    checkpoint: CheckpointOption = None,
+    top: Annotated[int, typer.Option(help="Top activating contexts per feature.", metavar="N")] = 8,
+    data: DataOption = None,
+    steps: StepsOption = None,
+    batch_size: BatchOption = None,
+    page: Annotated[
+        bool,
+        typer.Option(
+            "--page/--no-page",
+            help="Write features.html (the offline viewer's page) into the SAE folder.",
+        ),
+    ] = True,
+    weights: WeightsOption = "best",
+    device: DeviceOption = "auto",
+    json_: JsonOption = False,
+    threads: RunThreadsOption = None,
+    progress: ProgressOption = True,
+) -> None:
+    """Each feature's top activating contexts (activating tokens marked), its density and its
+    logit effect (the tokens its direction promotes and suppresses)."""
+    import json
+
+    from llmcli.sae.evaluate import ReadOptions
+    from llmcli.sae.features import feature_report, format_features
+    from llmcli.sae.page import write_features_page
+
+    log_to_stderr()
+    options = ReadOptions(
+        sae=sae,
+        checkpoint=checkpoint,
+        data=data,
+        steps=steps,
+        batch_size=batch_size,
+        weights=weights,
+        device=device,
+        threads=threads,
+    )
+    report = feature_report(options, feature or (), top=top, progress=progress, notify=notify)
+    if json_:
+        typer.echo(json.dumps(report.to_dict(), ensure_ascii=False))
+    else:
+        typer.echo(format_features(report, limit=None if feature else 20))
+    if page:
+        notify(f"wrote {write_features_page(report)}")

@@ -1,0 +1,146 @@
+"""Changing the model through an SAE, at its hook point: the hook functions, and the options.
+
+- `splice`: the activation replaced by the SAE's reconstruction (what `sae eval` scores);
+- `steer`: `scale` times a feature's decoder direction added at every position
+  (`llmcli sample --steer SAE_DIR:FEATURE=SCALE`): the model runs as if the feature were that
+  much more active (Templeton et al. 2024, "Scaling Monosemanticity");
+- `ablate`: a feature removed: its activation times its direction taken out of the activation,
+  the SAE's reconstruction error left in, so nothing else the SAE misses is lost
+  (`llmcli eval --ablate-feature SAE_DIR:FEATURE`).
+
+`steering_hooks` and `ablation_hooks` turn the options into `{hook point: function}` for
+`model.hooks`; several at one point run in the order given (`add_hooks` joins two such maps).
+The SAE goes to the model's device and dtype.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from llmcli.errors import InputError
+from llmcli.model.hooks import HookFn
+from llmcli.sae.folder import LoadedSAE, load_sae
+from llmcli.sae.model import SparseAutoencoder
+from llmcli.sae.points import check_hook, replacing
+
+# SAE_DIR:FEATURE[=SCALE]: the folder may hold colons itself, so the feature is the last colon's.
+_SPEC = re.compile(r"(?P<folder>.+):(?P<feature>[0-9]{1,9})(?:=(?P<scale>[^=]+))?")
+
+
+def splice(sae: SparseAutoencoder) -> HookFn:
+    """A hook function that replaces the activation by `sae`'s reconstruction of it."""
+    return replacing(sae)
+
+
+def steer(sae: SparseAutoencoder, feature: int, scale: float) -> HookFn:
+    """A hook function that adds `scale * W_dec[feature]` to every position's activation."""
+    direction = sae.W_dec[feature].detach()  # (d_in,)
+    return replacing(lambda rows: rows + scale * direction)
+
+
+def ablate(sae: SparseAutoencoder, feature: int) -> HookFn:
+    """A hook function that takes `feature`'s part, `acts[:, feature] * W_dec[feature]`, out of
+    the activation."""
+    direction = sae.W_dec[feature].detach()  # (d_in,)
+
+    def remove(rows: Tensor) -> Tensor:  # (N, d_in)
+        acts = sae.encode(rows)[:, feature]  # (N,)
+        return rows - acts[:, None] * direction
+
+    return replacing(remove)
+
+
+def _parse(spec: str, option: str, scaled: bool) -> tuple[str, int, float]:
+    """`SAE_DIR:FEATURE=SCALE` (or `SAE_DIR:FEATURE`) -> (folder, feature, scale)."""
+    form = "SAE_DIR:FEATURE=SCALE (e.g. checkpoints/tiny/sae/blocks.1.resid_post:12=8)"
+    if not scaled:
+        form = "SAE_DIR:FEATURE (e.g. checkpoints/tiny/sae/blocks.1.resid_post:12)"
+    match = _SPEC.fullmatch(spec.strip())
+    if match is None or (match["scale"] is None) == scaled:
+        raise InputError(f"{option} {spec!r}: write {form}.")
+    scale = 0.0
+    if scaled:
+        try:
+            scale = float(match["scale"])
+        except ValueError:
+            raise InputError(f"{option} {spec!r}: SCALE must be a number; write {form}.") from None
+        if not torch.isfinite(torch.tensor(scale)):
+            raise InputError(f"{option} {spec!r}: SCALE must be a finite number.")
+    return match["folder"], int(match["feature"]), scale
+
+
+def _hooks(
+    model: nn.Module,
+    specs: Sequence[str],
+    option: str,
+    make: Callable[[SparseAutoencoder, int, float], HookFn],
+    scaled: bool,
+) -> dict[str, HookFn]:
+    """`{hook point: function}` for `specs`, the functions at one point run in turn."""
+    loaded: dict[str, LoadedSAE] = {}
+    at: dict[str, list[HookFn]] = {}
+    weight = next(model.parameters())
+    for spec in specs:
+        folder, feature, scale = _parse(spec, option, scaled)
+        if folder not in loaded:
+            found = load_sae(Path(folder))
+            found.sae.to(weight.device, weight.dtype)
+            if check_hook(model, found.info.hook) != found.sae.d_in:
+                raise InputError(
+                    f"{option} {spec!r}: the SAE reads {found.sae.d_in} channels at "
+                    f"{found.info.hook}, and this model has another width there."
+                )
+            loaded[folder] = found
+        sae = loaded[folder]
+        if not 0 <= feature < sae.sae.d_sae:
+            raise InputError(
+                f"{option} {spec!r}: feature {feature} is past the SAE's last "
+                f"({sae.sae.d_sae - 1})."
+            )
+        at.setdefault(sae.info.hook, []).append(make(sae.sae, feature, scale))
+    return {name: _in_turn(fns) for name, fns in at.items()}
+
+
+def _in_turn(fns: list[HookFn]) -> HookFn:
+    if len(fns) == 1:
+        return fns[0]
+
+    def run_all(act: Tensor) -> Tensor:
+        for fn in fns:
+            out = fn(act)
+            act = act if out is None else out  # a function that returns None only reads
+        return act
+
+    return run_all
+
+
+def add_hooks(hooks: Mapping[str, HookFn], more: Mapping[str, HookFn]) -> dict[str, HookFn]:
+    """`hooks` and `more` together; at a point both name, `hooks`' function runs first."""
+    out = dict(hooks)
+    for name, fn in more.items():
+        out[name] = _in_turn([out[name], fn]) if name in out else fn
+    return out
+
+
+def steering_hooks(model: nn.Module, specs: Sequence[str]) -> dict[str, HookFn]:
+    """The hook functions of `--steer SAE_DIR:FEATURE=SCALE` options, for `model.hooks`.
+
+    Raises:
+        InputError: a spec of another form, an SAE folder that cannot be read or does not fit
+            the model, a feature the SAE does not have.
+    """
+    return _hooks(model, specs, "--steer", steer, scaled=True)
+
+
+def ablation_hooks(model: nn.Module, specs: Sequence[str]) -> dict[str, HookFn]:
+    """The hook functions of `--ablate-feature SAE_DIR:FEATURE` options, for `model.hooks`.
+
+    Raises:
+        InputError: as `steering_hooks`.
+    """
+    return _hooks(model, specs, "--ablate-feature", lambda s, f, _: ablate(s, f), scaled=False)

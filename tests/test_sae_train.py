@@ -1,0 +1,118 @@
+"""`llmcli.sae.train`: training on streamed activations, its files, exact resume, and the
+refusals that keep a saved SAE safe."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from sae_helpers import HOOK, small_config, small_run, trained_sae
+
+from llmcli.errors import InputError
+from llmcli.runs.loading import load_run
+from llmcli.sae.folder import CFG_FILE, METRICS_FILE, STATE_FILE, WEIGHTS_FILE, load_sae
+from llmcli.sae.model import SparseAutoencoder
+from llmcli.sae.points import read_activations
+from llmcli.sae.state import SAEState
+from llmcli.sae.train import TrainOptions, lr_at, train_sae
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, small_corpus):
+    return small_run(tmp_path_factory.mktemp("run") / "run", small_corpus)
+
+
+def test_a_training_writes_the_sae_its_metrics_and_its_resume_state(run, tmp_path) -> None:
+    folder = trained_sae(run, tmp_path / "sae")
+    assert {p.name for p in folder.iterdir()} >= {CFG_FILE, WEIGHTS_FILE, METRICS_FILE, STATE_FILE}
+    records = [json.loads(line) for line in (folder / METRICS_FILE).read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 4, 6]
+    assert all(r["l0"] <= 4 and 0 <= r["dead_fraction"] <= 1 for r in records)
+    assert records[-1]["tokens"] == 6 * 128  # 128 activations: 8 windows of 16 tokens a step
+    loaded = load_sae(folder)
+    assert (loaded.info.hook, loaded.info.step, loaded.sae.d_sae) == (HOOK, 6, 64)
+    assert torch.allclose(loaded.sae.W_dec.norm(dim=1), torch.ones(64))
+
+
+def test_the_default_folder_is_in_the_run_and_the_width_sets_the_features(run) -> None:
+    options = TrainOptions(checkpoint=run, device="cpu", overwrite=True)
+    summary = train_sae(small_config(features=None, steps=1), options)
+    assert summary.folder == run / "sae" / HOOK
+    assert load_sae(summary.folder).sae.d_sae == 16 * 16  # 16 x n_embed
+
+
+def test_a_resumed_training_ends_with_the_same_weights_bit_for_bit(run, tmp_path) -> None:
+    straight = load_sae(trained_sae(run, tmp_path / "straight", steps=6)).sae
+    half = trained_sae(run, tmp_path / "half", steps=3)
+    train_sae(small_config(steps=6), TrainOptions(checkpoint=run, out=half, resume=True))
+    resumed = load_sae(half).sae
+    for name, tensor in straight.state_dict().items():
+        assert torch.equal(tensor, resumed.state_dict()[name]), name
+    # each record once: the first session's (up to its last step, 3), then the second's
+    lines = (half / METRICS_FILE).read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [2, 3, 4, 6]
+    state = SAEState.load(half / STATE_FILE)
+    assert (state.step, state.tokens) == (6, 6 * 128)
+
+
+def test_the_dead_features_are_counted_and_trained_by_auxk(run, tmp_path) -> None:
+    """A feature that has not fired for `dead_tokens` tokens is counted dead; without AuxK a
+    feature that never fired keeps its initial decoder row (TopK gives it no gradient), with
+    AuxK it moves."""
+    initial = SparseAutoencoder(16, 64, 1, generator=torch.Generator().manual_seed(0)).W_dec
+    for aux_coef in (0.0, 1.0):
+        folder = trained_sae(run, tmp_path / str(aux_coef), k=1, dead_tokens=128, aux_coef=aux_coef)
+        state = SAEState.load(folder / STATE_FILE)
+        records = [json.loads(line) for line in (folder / METRICS_FILE).read_text().splitlines()]
+        dead = state.since_fired >= 128  # not fired in the last step of 128 tokens
+        assert 0 < dead.sum() < 64
+        assert records[-1]["dead_fraction"] == dead.float().mean().item()
+        never = state.since_fired == state.tokens
+        assert never.any()
+        moved = ~torch.isclose(load_sae(folder).sae.W_dec[never], initial[never]).all(1)
+        assert moved.all() if aux_coef else not moved.any()
+
+
+def test_the_sae_reads_the_activation_where_the_hook_point_is(run) -> None:
+    model = load_run(run).model
+    idx = torch.randint(0, 20, (2, 16), generator=torch.Generator().manual_seed(0))
+    seen = []
+    with torch.no_grad(), model.hooks({"blocks.0.attn.z": seen.append}):
+        model(idx)
+    rows = read_activations(model, "blocks.0.attn.z", idx)
+    assert rows.shape == (32, 16) and torch.equal(rows, seen[0].reshape(32, 16))
+
+
+def test_the_learning_rate_decays_to_zero_over_the_last_fifth() -> None:
+    config = small_config(steps=10, lr=1.0)
+    assert [lr_at(config, s) for s in range(10)] == [1.0] * 8 + [1.0, 0.5]
+
+
+@pytest.mark.parametrize(
+    ("options", "settings", "words"),
+    [
+        ({}, {}, "already holds an SAE"),
+        ({"resume": True}, {"k": 3}, r"--k 4 \(now 3\)"),
+        ({"resume": True}, {"steps": 2}, r"--steps \(2\) is below the 6 steps"),
+        ({"resume": True, "overwrite": True}, {}, "give one of them"),
+    ],
+)
+def test_a_saved_sae_is_not_overwritten_or_resumed_with_other_settings(
+    run, tmp_path, options, settings, words
+) -> None:
+    folder = trained_sae(run, tmp_path / "sae")
+    with pytest.raises(InputError, match=words):
+        train_sae(small_config(**settings), TrainOptions(checkpoint=run, out=folder, **options))
+
+
+def test_a_bad_hook_point_is_named_with_the_close_ones(run, tmp_path) -> None:
+    options = TrainOptions(checkpoint=run, out=tmp_path / "x")
+    with pytest.raises(InputError, match="did you mean blocks.1.resid_post"):
+        train_sae(small_config(hook="blocks.1.resid_pots"), options)
+    with pytest.raises(InputError, match="attention weights"):
+        train_sae(small_config(hook="blocks.0.attn.pattern"), options)
+    with pytest.raises(InputError, match="no state.pt to go on from"):
+        train_sae(small_config(), TrainOptions(checkpoint=run, out=tmp_path / "y", resume=True))
