@@ -151,6 +151,8 @@ GOOD: dict[str, dict[str, st.SearchStrategy]] = {
         | st.sampled_from(["256MB", "1GB", "64 KiB", "1000"]),
         "val_fraction": reals(0, 1, exclude_min=True, exclude_max=True),
         "cache_dir": st.none() | NAMES,
+        "format": st.sampled_from(["text", "chat"]),
+        "chat_template": st.none() | NAMES,
     },
     "train": {
         "threads": st.none() | st.just("auto") | st.integers(1, 64),
@@ -232,6 +234,10 @@ def fix_up(doc: dict) -> dict:
     if isinstance(data, dict) and data.get("dataset") is not None:
         data["path"] = None
     if isinstance(data, dict) and data.get("streaming") and data.get("dataset") is None:
+        data["streaming"] = False
+    if isinstance(data, dict) and data.get("chat_template") is not None:
+        data["format"] = "chat"
+    if isinstance(data, dict) and data.get("format") == "chat" and data.get("streaming"):
         data["streaming"] = False
     if isinstance(train, dict) and train.get("batch_size") == "auto":
         train["tokens_per_step"] = train.get("tokens_per_step") or 64 * 4
@@ -349,6 +355,12 @@ RANGE_RULES = [
     ),
     setting("data", "val_fraction", OUT_OF_OPEN_UNIT, "must be between 0 and 1 (exclusive)"),
     setting("data", "tokenizer", st.just(""), "must be 'char', 'bpe', a tokenizer.json"),
+    setting(
+        "data",
+        "format",
+        WORD.filter(lambda w: w not in ("text", "chat")),
+        "must be 'text' (plain text) or 'chat'",
+    ),
     *[
         setting("train", key, COUNT_NOT_POSITIVE, "must be positive")
         for key in ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_steps")
@@ -455,6 +467,20 @@ CROSS_RULES = [
         "data.streaming needs data.dataset",
         r"data\.streaming \(True\) needs data\.dataset",
         NAMES.map(lambda path: keyed(data__streaming=True, data__dataset=None, data__path=path)),
+    ),
+    together(
+        "data.chat_template needs data.format: chat",
+        r"data\.chat_template \(.*\) is read only with data\.format: chat",
+        NAMES.map(lambda name: keyed(data__chat_template=name, data__format="text")),
+    ),
+    together(
+        "data.streaming is for plain text",
+        r"data\.streaming \(True\) is for plain text",
+        NAMES.map(
+            lambda name: keyed(
+                data__streaming=True, data__dataset=name, data__path=None, data__format="chat"
+            )
+        ),
     ),
     together(
         "train.batch_size: auto needs train.tokens_per_step",

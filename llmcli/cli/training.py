@@ -68,6 +68,10 @@ def prepare_data_command(
 
     log_to_stderr()
     cfg = load_config(config, set_ or [])
+    if cfg.train.init_from:  # the tokenizer is the base's, as `train` will use it
+        from llmcli.training.init_from import resolve_init_from
+
+        cfg = resolve_init_from(cfg)
     start, began = time.perf_counter(), time.time()
     data = prepare_data(cfg.data, cfg.model.context_length, cache_dir=cache_dir)
     seconds = time.perf_counter() - start

@@ -30,8 +30,9 @@ class DataConfig:
     streaming: bool = False
     val_fraction: float = 0.1  # the part of the text held out for validation
     cache_dir: str | None = None  # token cache (default: $LLMCLI_CACHE, else ~/.cache/llmcli)
-    # text: plain text; chat: JSONL rows of {"messages": [{role, content}, ...]}, with the loss on
-    # the assistant's turns only
+    # text: plain text; chat: conversations, rows of {"messages": [{role, content}, ...]} in
+    # .jsonl files (data.path) or a dataset's messages column, with the loss on the assistant's
+    # turns only; one longer than the context is cut after a reply that fits, or skipped
     format: str = "text"
     # chat: a Jinja chat template file in Hugging Face's format (default: the built-in one)
     chat_template: str | None = None
@@ -77,6 +78,14 @@ class DataConfig:
             "chat_template",
             self.chat_template,
             "is read only with data.format: chat",
+        )
+        require(
+            not (self.streaming and self.format == "chat"),
+            "data",
+            "streaming",
+            self.streaming,
+            "is for plain text: data.format chat reads its conversations whole (set "
+            "data.streaming: false)",
         )
         require(
             self.tokenizer != "",

@@ -1,2 +1,3 @@
 """Text to batches: corpora (`corpus`), tokenizers (`tokenizer`), the token cache with its splits
-(`tokens`), and the training batches drawn from them (`batches`)."""
+(`tokens`, what it gives in `prepared`), conversations with their loss mask (`chat`), and the
+training batches drawn from them (`batches`)."""

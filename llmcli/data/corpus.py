@@ -351,8 +351,9 @@ def _read_utf8_blocks(path: Path, progress: Callable[[int], None]) -> Iterator[s
                 return
 
 
-def _resolve_files(spec: str, key: str) -> list[Path]:
-    """A file, a folder (every `.txt` below it) or a glob, as a sorted list of files."""
+def resolve_files(spec: str, key: str, suffix: str = ".txt", what: str = "text") -> list[Path]:
+    """A file, a folder (every file ending in `suffix` below it) or a glob, as a sorted list
+    of files; `what` names their content in messages ("text", "JSONL")."""
     p = Path(spec).expanduser()
     if _GLOB_CHARS.search(spec) and not p.exists():
         files = sorted(Path(f) for f in glob.glob(str(p), recursive=True) if Path(f).is_file())
@@ -360,18 +361,18 @@ def _resolve_files(spec: str, key: str) -> list[Path]:
             raise InputError(f"{key} ({spec!r}) is a glob that matches no files: check it.")
         return files
     if p.is_dir():
-        files = sorted(f for f in p.rglob("*.txt") if f.is_file())
+        files = sorted(f for f in p.rglob(f"*{suffix}") if f.is_file())
         if not files:
             raise InputError(
-                f"{key} ({spec!r}) is a folder with no .txt files below it: put the text in "
-                ".txt files, or give a file or a glob."
+                f"{key} ({spec!r}) is a folder with no {suffix} files below it: put the "
+                f"{what} in {suffix} files, or give a file or a glob."
             )
         return files
     refuse_special_file(p, f"{key} ({spec!r})", "a file or folder")
     if not p.is_file():
         raise InputError(
             f"{key} ({spec!r}) does not exist (relative paths start from {os.getcwd()!r}): "
-            "give a text file, a folder of .txt files or a glob."
+            f"give a {what} file, a folder of {suffix} files or a glob."
         )
     return [p]
 
@@ -392,7 +393,7 @@ def _load_dataset(spec: str, split: str, key: str, cache_dir: Path, streaming: b
         if p.is_dir() and any((p / m).exists() for m in _SAVE_TO_DISK_MARKERS):
             loaded = datasets.load_from_disk(str(p))
         elif builder and (p.is_file() or _GLOB_CHARS.search(spec)):
-            files = [str(f) for f in _resolve_files(spec, key)]
+            files = [str(f) for f in resolve_files(spec, key)]
             loaded = datasets.load_dataset(
                 builder, data_files=files, cache_dir=cache, streaming=streaming
             )
@@ -422,12 +423,12 @@ def open_sources(data_cfg: DataConfig, cache_dir: Path) -> tuple[Source, Source 
                 "data.path give a separate validation file as data.val_path."
             )
         train = FileSource(
-            _resolve_files(data_cfg.path, "data.path"), f"data.path ({data_cfg.path!r})"
+            resolve_files(data_cfg.path, "data.path"), f"data.path ({data_cfg.path!r})"
         )
         val = None
         if data_cfg.val_path is not None:
             val = FileSource(
-                _resolve_files(data_cfg.val_path, "data.val_path"),
+                resolve_files(data_cfg.val_path, "data.val_path"),
                 f"data.val_path ({data_cfg.val_path!r})",
             )
         return train, val
@@ -493,7 +494,7 @@ def _local_files(spec: str, key: str) -> list[Path] | None:
             f for f in files if not any(s.startswith(".") for s in f.relative_to(p).parts)
         )
     if p.exists() or _GLOB_CHARS.search(spec):
-        return _resolve_files(spec, key)
+        return resolve_files(spec, key)
     return None
 
 

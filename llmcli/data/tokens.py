@@ -5,9 +5,10 @@ or `data.dataset`: a Hugging Face `datasets` source; see `llmcli.data.corpus`), 
 unless one is given, and tokenizes the text once into a binary token file (uint16 when the
 vocabulary fits, else uint32) under a cache folder. The file is keyed by a hash of the source
 content and of the tokenizer, so an unchanged corpus is not tokenized again and a changed one is.
-`TokenData` holds the splits as `np.memmap`s of that file; `WindowReader` reads windows of them
-from the file (`os.pread`), so memory does not grow with the corpus, for the batches
-(`llmcli.data.batches`).
+`TokenData` (`llmcli.data.prepared`) holds the splits as `np.memmap`s of that file;
+`WindowReader` reads windows of them from the file (`os.pread`), so memory does not grow with
+the corpus, for the batches (`llmcli.data.batches`). Conversations (`data.format: chat`) are
+read and encoded by `llmcli.data.chat` into the same cache.
 
 Cache folder: the `cache_dir` argument, else `data.cache_dir`, else `$LLMCLI_CACHE`, else
 `$XDG_CACHE_HOME/llmcli`, else `~/.cache/llmcli`. It holds `tokens/<key>.bin` (+ `.json`
@@ -37,13 +38,20 @@ import re
 import shutil
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
 
+from llmcli.data.chat import prepare_chat_data
 from llmcli.data.corpus import FileSource, Source, StreamSource, open_sources
+from llmcli.data.prepared import (
+    TokenData,
+    cache_folder,
+    default_cache_dir,
+    read_cache_json,
+    token_dtype,
+)
 from llmcli.data.tokenizer import (
     EOT,
     CharTokenizer,
@@ -78,14 +86,6 @@ STREAM_REPORT_SECONDS = 30  # off a terminal, a stream's progress line at most t
 # text across either point, so the tokens are the same as for the whole text.
 _LINE_CUT = re.compile(r"\S\n(?=\S)")
 _SPACE_CUT = re.compile(r"\S(?= \S)")
-
-
-def default_cache_dir() -> Path:
-    """`$LLMCLI_CACHE`, else `$XDG_CACHE_HOME/llmcli`, else `~/.cache/llmcli`."""
-    if os.environ.get("LLMCLI_CACHE"):
-        return Path(os.environ["LLMCLI_CACHE"])
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "llmcli"
 
 
 def _find_cut(text: str, lo: int, hi: int) -> int | None:
@@ -126,11 +126,6 @@ def _encode_many(tok: Tokenizer, texts: list[str]) -> list[np.ndarray]:
         flat = tok.encode_array("".join(texts))
         return np.split(flat, np.cumsum([len(t) for t in texts[:-1]]))
     return [np.asarray(ids, dtype=np.int64) for ids in tok.encode_batch(texts)]
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    """uint16 when every id fits, else uint32."""
-    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
 
 
 def _tokenize_to_file(tok: Tokenizer, source: Source, path: Path, dtype: np.dtype) -> int:
@@ -275,7 +270,7 @@ def _tokenize_stream(
 def _recorded_pieces(parts: Path, dtype: np.dtype) -> list[tuple[int, int]]:
     """The (rows, tokens) of each piece `parts/progress.json` records, if every piece is there
     whole; else none (the stream starts over)."""
-    record = _read_json(parts / "progress.json")
+    record = read_cache_json(parts / "progress.json")
     if record is None:
         return []
     try:
@@ -342,18 +337,9 @@ def _cached_tokens(tok: Tokenizer, source: Source, source_hash: str, cache_dir: 
     return bin_path
 
 
-def _read_json(path: Path) -> dict | None:
-    """A cache file's JSON object, or None for one that is missing or damaged (only a cache)."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def _read_meta(path: Path) -> dict | None:
     """A token file's record, if it is one of this format."""
-    meta = _read_json(path)
+    meta = read_cache_json(path)
     ok = meta is not None and meta.get("format") == FORMAT_VERSION
     return meta if ok and isinstance(meta.get("n_tokens"), int) else None
 
@@ -387,7 +373,7 @@ def _trained_tokenizer(
             # A tokenizer cached before its record was kept: the record it would have had.
             fed = (min(limit, corpus) if corpus is not None else limit) if sampled else corpus
             guess = _training_record(data_cfg, tok, fed, corpus, sampled)
-            about = _read_json(about_path)
+            about = read_cache_json(about_path)
             return tok, about if about and isinstance(about.get("kind"), str) else guess
         except InputError:
             log.warning("ignoring unreadable cached tokenizer %s", path)
@@ -458,50 +444,12 @@ def _at_most(texts: Iterable[str], limit: int) -> Iterator[str]:
 # --- The prepared data ---------------------------------------------------------------------
 
 
-@dataclass
-class TokenData:
-    """Tokenized train and validation streams, memory-mapped from the token cache.
-
-    Attributes:
-        tokenizer: the tokenizer that produced the ids.
-        train: `(N_train,)` uint16/uint32 `np.memmap` of token ids.
-        val: `(N_val,)` uint16/uint32 `np.memmap` of token ids.
-        source_hash: sha256 of the source text (training and validation), tokenizer aside.
-        cache_files: the token files the arrays map.
-        tokenizer_training: how the tokenizer was made: `kind` (char, bpe, given), and for a
-            trained one `vocab_size`, `trained_on_bytes`, `corpus_bytes` (None: a stream's, not
-            known ahead) and `sample` (`data.tokenizer_sample`, or None: the whole corpus);
-            None for a tokenizer passed in (a resumed run's).
-    """
-
-    tokenizer: Tokenizer
-    train: np.ndarray
-    val: np.ndarray
-    source_hash: str
-    cache_files: list[Path] = field(default_factory=list)
-    tokenizer_training: dict | None = None
-    text_bytes: int | None = None  # the sources' UTF-8 text (None: a stream's, not counted)
-
-
 def _check_split(name: str, n: int, context_length: int, hint: str) -> None:
     if n < context_length + 1:
         raise InputError(
             f"the {name} split has {n} tokens, but model.context_length ({context_length}) "
             f"needs at least {context_length + 1} (context_length + 1): {hint}"
         )
-
-
-def _cache_folder(cache: Path) -> Path:
-    """`cache`, with its `tokens/` folder, made if missing."""
-    cache = cache.expanduser()
-    try:
-        (cache / "tokens").mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise InputError(
-            f"cannot create the token cache folder {str(cache)!r} ({exc.strerror}): set "
-            "data.cache_dir or $LLMCLI_CACHE to a writable folder."
-        ) from None
-    return cache
 
 
 def _content_hashes(train: Source, val: Source | None) -> tuple[str, str | None, str]:
@@ -520,7 +468,8 @@ def prepare_data(
     tokenizer: Tokenizer | None = None,
     cache_dir: str | os.PathLike | None = None,
 ) -> TokenData:
-    """Read the sources, train the tokenizer if none is given, tokenize once into the cache.
+    """Read the sources, train the tokenizer if none is given, tokenize once into the cache
+    (`data.format: chat`: `llmcli.data.chat.prepare_chat_data`).
 
     Args:
         data_cfg: the `data` config section.
@@ -534,10 +483,22 @@ def prepare_data(
 
     Raises:
         InputError: missing path, empty corpus, non-UTF-8 bytes (file and offset), a split
-            shorter than `context_length + 1` tokens, `vocab_size` too small for BPE, a missing
-            text column or split.
+            shorter than `context_length + 1` tokens, `vocab_size` too small for BPE, a
+            missing text column or split; for conversations, what `prepare_chat_data` refuses.
     """
-    cache = _cache_folder(Path(cache_dir or data_cfg.cache_dir or default_cache_dir()))
+    if data_cfg.format == "chat":
+        return prepare_chat_data(data_cfg, context_length, tokenizer, cache_dir)
+    return _prepare_text(data_cfg, context_length, tokenizer, cache_dir)
+
+
+def _prepare_text(
+    data_cfg: DataConfig,
+    context_length: int,
+    tokenizer: Tokenizer | None,
+    cache_dir: str | os.PathLike | None,
+) -> TokenData:
+    """`prepare_data` for plain text (`data.format: text`)."""
+    cache = cache_folder(Path(cache_dir or data_cfg.cache_dir or default_cache_dir()))
     train_src, val_src = open_sources(data_cfg, cache)
     train_hash, val_hash, source_hash = _content_hashes(train_src, val_src)
     both = [train_src] + ([val_src] if val_src is not None else [])

@@ -1,5 +1,8 @@
 """`train.init_from`: start a run from a Hugging Face folder (or an `llmcli export`).
 
+(`llmcli.training.init_from` tells such a folder from an llmcli run directory, and grows the
+vocabulary for chat tokens.)
+
 The folder's `config.json` names its architecture (GPT-2, GPT-NeoX or Arcee, see
 `llmcli.hf.architectures`); the model's shape comes from the folder's `config.json`, the tokenizer
 from its `tokenizer.json`, and the weights from its `model.safetensors` (or sharded safetensors, or
@@ -102,7 +105,8 @@ def check_hf_folder(path: str | Path) -> tuple[Path, dict[str, Any]]:
         folder = resolve_pretrained(path, what="train.init_from", patterns=HUB_FILES)
     if not folder.exists():
         raise InputError(
-            f"{what} does not exist: give a local Hugging Face model folder "
+            f"{what} does not exist: give an llmcli run directory (config.yaml, "
+            "tokenizer.json, model.safetensors) or a local Hugging Face model folder "
             "(config.json, model.safetensors, tokenizer.json)."
         )
     if not folder.is_dir():
@@ -125,7 +129,8 @@ def check_hf_folder(path: str | Path) -> tuple[Path, dict[str, Any]]:
         missing.append(f"{HF_TOKENIZER_FILE}{hint}")
     if missing:
         raise InputError(
-            f"{what} is not a Hugging Face model folder: it lacks " + "; ".join(missing) + "."
+            f"{what} is not a Hugging Face model folder: it lacks " + "; ".join(missing) + " "
+            "(nor an llmcli run directory: it has no config.yaml)."
         )
     cfg_path = folder / HF_CONFIG_FILE
     try:
@@ -188,6 +193,20 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def hf_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], Path]:
+    """A Hugging Face folder's weights under llmcli's names, and the folder.
+
+    Raises:
+        InputError: the folder's architecture cannot be held.
+        CheckpointError: bad weights, or a tensor the architecture does not expect (named).
+    """
+    folder, hf_cfg = check_hf_folder(path)
+    source = f"the weights of '{folder}'"
+    arch = for_model_type(hf_cfg.get("model_type"), str(folder / HF_CONFIG_FILE))
+    model_cfg = model_config(hf_cfg, ModelConfig(), folder)
+    return arch.from_hf(read_hf_weights(folder), model_cfg, source), folder
+
+
 def load_hf_weights(model: Transformer, path: str | Path) -> None:
     """Copy a Hugging Face folder's weights into `model` (built with its shape).
 
@@ -195,11 +214,7 @@ def load_hf_weights(model: Transformer, path: str | Path) -> None:
         InputError: the folder's architecture cannot be held.
         CheckpointError: a missing, unexpected or mis-shaped tensor (named).
     """
-    folder, hf_cfg = check_hf_folder(path)
-    source = f"the weights of '{folder}'"
-    arch = for_model_type(hf_cfg.get("model_type"), str(folder / HF_CONFIG_FILE))
-    model_cfg = model_config(hf_cfg, ModelConfig(), folder)
-    ours = arch.from_hf(read_hf_weights(folder), model_cfg, source)
+    ours, folder = hf_weights(path)
     load_weights(model, ours, folder)
 
 

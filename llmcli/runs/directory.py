@@ -6,6 +6,8 @@ A run directory (`checkpoints/<config name>/` by default) holds:
 | --- | --- | --- |
 | `config.yaml` | once, at the start | the fully resolved config that produced the run |
 | `tokenizer.json` | once, at the start | the tokenizer: enough to encode and decode alone |
+| `chat_template.jinja` | once, at the start | with `data.format: chat`: the chat template the run |
+| | | was trained with, read by `chat`, `serve` and the exports (`llmcli.chat.template`) |
 | `model.safetensors` | every save | the weights at the last save (evaluation, end, Ctrl-C) |
 | `best.safetensors` | when val improves | the weights with the lowest val loss so far |
 | `meta.json` | every save | step, tokens, elapsed time, val losses, library versions |
@@ -36,6 +38,7 @@ import fnmatch
 from pathlib import Path
 from typing import Any
 
+from llmcli.chat.template import TEMPLATE_FILE, ChatTemplate
 from llmcli.config import Config, dump_yaml
 from llmcli.data.tokenizer import Tokenizer
 from llmcli.errors import CheckpointError, describe_os_error
@@ -62,8 +65,10 @@ def default_run_dir(config: Config) -> Path:
 
 
 # Files of a run that a fresh start in its folder removes (config.yaml and tokenizer.json are
-# rewritten at every start).
+# rewritten at every start; chat_template.jinja only by a chat run, so a plain-text run started
+# where a chat run was must not keep it).
 _RUN_FILES = (
+    TEMPLATE_FILE,
     MODEL_FILE,
     BEST_FILE,
     STATE_FILE,
@@ -141,14 +146,14 @@ def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
         ensure_run_dir(run_dir)
         return
     if not overwrite:
-        _check_fresh_start(run_dir)
+        check_fresh_start(run_dir)
     ensure_run_dir(run_dir)
     for name in _RUN_FILES:
         with contextlib.suppress(FileNotFoundError):
             (run_dir / name).unlink()
 
 
-def _check_fresh_start(run_dir: Path) -> None:
+def check_fresh_start(run_dir: Path) -> None:
     """Refuse to start a run, without `--overwrite`, where it would replace a run or mix with
     other files (as Hugging Face's Trainer refuses a non-empty output_dir)."""
     if _holds_run(run_dir):
@@ -192,10 +197,15 @@ def ensure_run_dir(run_dir: str | Path) -> Path:
     return run_dir
 
 
-def write_config_and_tokenizer(run_dir: Path, config: Config, tokenizer: Tokenizer) -> None:
-    """Write `config.yaml` and `tokenizer.json` atomically."""
+def write_config_and_tokenizer(
+    run_dir: Path, config: Config, tokenizer: Tokenizer, template: ChatTemplate | None = None
+) -> None:
+    """Write `config.yaml` and `tokenizer.json` (and a chat run's `chat_template.jinja`)
+    atomically."""
     atomic_write_text(run_dir / CONFIG_FILE, dump_yaml(config))
     atomic_write_text(run_dir / TOKENIZER_FILE, tokenizer.to_json())
+    if template is not None:
+        template.save(run_dir)
 
 
 def save_checkpoint(

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from llmcli.chat.template import TEMPLATE_FILE
 from llmcli.progress import format_bytes
 from llmcli.runs.directory import METRICS_FILE
 from llmcli.runs.loading import load_run
@@ -32,7 +33,8 @@ def run_info(
     Returns:
         A JSON-ready dict with `run_dir`, `weights`, `model` (config and parameter counts),
         `training` (steps, tokens, elapsed, best val loss), `versions` (recorded and installed),
-        `version_warnings`, `generation` (the `sample:` defaults), `tokenizer` and `reference`
+        `version_warnings`, `generation` (the `sample:` defaults), `tokenizer`, `chat` (whether
+        it holds a chat template, and meta.json's `chat_data`) and `reference`
         (`ReferenceCheck.to_dict()`: the offset from the reference curve at the last
         evaluation and the differing curve keys, or `missing` saying why there is none).
     """
@@ -66,6 +68,10 @@ def run_info(
             "kind": config["data"]["tokenizer"],
             "vocab_size": run.model.vocab_size,
             "training": meta.get("tokenizer_training"),
+        },
+        "chat": {
+            "template": (run.run_dir / TEMPLATE_FILE).is_file(),
+            "data": meta.get("chat_data"),
         },
         "generation": config["sample"],
         "versions": {"recorded": meta.get("versions"), "installed": record()},
@@ -112,6 +118,7 @@ def format_info(info: dict[str, Any]) -> str:
             else "no evaluation yet",
         ),
         ("tokenizer", describe_tokenizer(info["tokenizer"])),
+        ("chat template", describe_chat(info["chat"])),
         ("generation", ", ".join(f"{k}={v}" for k, v in info["generation"].items())),
         *describe(ReferenceCheck(**info["reference"])),
     ]
@@ -124,6 +131,20 @@ def format_info(info: dict[str, Any]) -> str:
         )
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+def describe_chat(chat: dict[str, Any]) -> str:
+    """The chat row: whether the run holds a chat template, and how its conversations fit."""
+    if not chat["template"]:
+        return "none (trained on plain text)"
+    text = f"yes ({TEMPLATE_FILE})"
+    train = (chat.get("data") or {}).get("train")
+    if train:
+        text += (
+            f"; {train['conversations']:,} training conversations: {train['kept']:,} kept, "
+            f"{train['truncated']:,} truncated, {train['skipped']:,} skipped"
+        )
+    return text
 
 
 def describe_tokenizer(tokenizer: dict[str, Any]) -> str:

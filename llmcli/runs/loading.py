@@ -151,7 +151,7 @@ def load_run(
     return run
 
 
-def _weights_path(run_dir: Path, weights: str) -> Path:
+def run_weights_path(run_dir: Path, weights: str = "best") -> Path:
     """The weights file `weights` ("best" or "last") names in a run directory."""
     if weights not in ("best", "last"):
         raise CheckpointError(f"weights must be 'best' or 'last', not {weights!r}.")
@@ -180,7 +180,7 @@ def _load_run_files(run_dir: Path, weights: str, device: str | torch.device) -> 
             f"{CONFIG_FILE}, {TOKENIZER_FILE} and {MODEL_FILE}."
         )
     if weights_path is None:
-        weights_path = _weights_path(run_dir, weights)
+        weights_path = run_weights_path(run_dir, weights)
 
     config = load_config_file(run_dir)
     tokenizer = load_tokenizer_file(run_dir)

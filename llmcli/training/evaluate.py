@@ -3,8 +3,9 @@
 `evaluate_loss` is the estimate training logs at each evaluation: the mean loss over `eval_steps`
 random batches of each split (averaged over ranks under DDP), and, for `train.head_metrics`, the
 loss at each position of the context, which `llmcli.evaluation.metrics.icl_score` turns into the
-in-context learning score. `llmcli eval`'s deterministic pass over a whole text is
-`llmcli.evaluation.run`.
+in-context learning score. Targets of -1 (conversations' tokens the model does not write,
+`llmcli.data.batches.ChatSampler`) are left out of both, as the model's loss leaves them out.
+`llmcli eval`'s deterministic pass over a whole text is `llmcli.evaluation.run`.
 """
 
 from __future__ import annotations
@@ -65,8 +66,11 @@ def evaluate_loss(
                 logits, loss = model(x, y)
             totals[i] += loss.float()
             if by_position:
-                token_loss = F.cross_entropy(logits.float().transpose(1, 2), y, reduction="none")
-                position_sum = position_sum + token_loss.mean(0)  # (B, T) -> (T,)
+                token_loss = F.cross_entropy(
+                    logits.float().transpose(1, 2), y, reduction="none", ignore_index=-1
+                )  # (B, T), 0 where ignored
+                counted = (y >= 0).sum(0).clamp(min=1)  # (T,)
+                position_sum = position_sum + token_loss.sum(0) / counted  # (B, T) -> (T,)
         positions.append(position_sum / eval_steps)
     totals /= eval_steps
     by_split = torch.stack(positions) if by_position else None  # (splits, T)

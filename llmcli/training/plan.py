@@ -26,11 +26,11 @@ from llmcli.data.tokenizer import load_tokenizer
 from llmcli.data.tokens import prepare_data
 from llmcli.device import resolve_device
 from llmcli.errors import InputError
-from llmcli.hf.load import resolve_init_from
 from llmcli.model.gpt import Transformer
 from llmcli.progress import format_bytes, format_count
 from llmcli.training.batch import resolve_batch
 from llmcli.training.distributed import dist_from_env
+from llmcli.training.init_from import resolve_init_from
 from llmcli.training.memory import MemoryEstimate, device_free_bytes, estimate_memory
 from llmcli.training.optim import build_optimizer
 from llmcli.training.precision import Precision
@@ -142,7 +142,7 @@ def make_plan(config: Config, device_name: str | None = None, measure_s: float =
     what = "train.device" if device_name is None else "--device"
     device = resolve_device(device_name or config.train.device, info.local_rank, what=what)
     precision = Precision.resolve(device, config.train.dtype)
-    if config.train.init_from:  # a Hugging Face folder sets the model's shape and the tokenizer
+    if config.train.init_from:  # a run or a Hugging Face folder sets the shape and the tokenizer
         config = resolve_init_from(config)
     vocab, missing = plan_vocab(config)
     config = resolve_batch(config, vocab, device, precision.name, info.world_size)

@@ -6,6 +6,10 @@ Circuits during training: with `train.head_metrics`, each evaluation also scores
 the fixed repeated-token probe (`llmcli.evaluation.probe`) and takes the in-context learning
 score from the loss by position; the summaries go into the evaluation's record, the grids into
 `head_metrics.jsonl` (`llmcli.runs.head_metrics`). Scoring touches no random number generator.
+On conversations (`data.format: chat`) the heads are scored as on text, but there is no
+in-context learning score: a window's positions follow the chat template's turns, and the loss
+is on the assistant's tokens only, so its loss by position measures the template, not the use
+of context.
 
 A save writes every file to a temporary name and renames it into place
 (`llmcli.runs.directory.save_checkpoint`), with every rank's RNG and sampler states, so a crash
@@ -82,7 +86,7 @@ def evaluate_and_log(run: Run, lr: float) -> bool:
         tc.eval_steps,
         run.precision,
         run.info,
-        by_position=tc.head_metrics,
+        by_position=tc.head_metrics and run.data.chat is None,
     )
     state, losses = run.state, evaluation.mean
     val = losses["val"]
@@ -101,7 +105,7 @@ def evaluate_and_log(run: Run, lr: float) -> bool:
             "val_ppl": perplexity(val),
         }
         probe = run.log.probe
-        heads = score_heads(run, evaluation.by_position["val"]) if probe is not None else {}
+        heads = score_heads(run, evaluation.by_position.get("val")) if probe is not None else {}
         run.log.metrics.write({**record, **heads})
         logger.info(
             "step %d: train loss %.4f, val loss %.4f (ppl %.2f)%s%s",
@@ -119,24 +123,27 @@ def evaluate_and_log(run: Run, lr: float) -> bool:
     return best
 
 
-def score_heads(run: Run, val_by_position: list[float]) -> dict[str, float]:
-    """Rank 0: every head's scores on the probe and the in-context learning score; the grids go
-    to head_metrics.jsonl, the summaries (returned) to metrics.jsonl."""
+def score_heads(run: Run, val_by_position: list[float] | None) -> dict[str, float]:
+    """Rank 0: every head's scores on the probe and the in-context learning score (none without
+    a loss by position: chat data); the grids go to head_metrics.jsonl, the summaries
+    (returned) to metrics.jsonl."""
     assert run.log is not None and run.log.probe is not None and run.log.head_log is not None
     probe = run.log.probe
     scores = probe_scores(run.model, probe)  # touches no RNG: the training stream stays
-    icl = icl_score(val_by_position)
+    icl = {}
+    if val_by_position is not None:
+        icl = {"val_loss_by_position": val_by_position, "icl_score": icl_score(val_by_position)}
     run.log.head_log.write(
         {
             "step": run.state.step,
             "tokens": run.state.tokens,
             "probe": probe.describe(),
             **scores.grids(),
-            "val_loss_by_position": val_by_position,
-            "icl_score": icl,
+            **icl,
         }
     )
-    return {**scores.summary(), "icl_score": icl}
+    icl.pop("val_loss_by_position", None)
+    return {**scores.summary(), **icl}
 
 
 def save_and_stop(run: Run, preempted: bool) -> None:
@@ -179,6 +186,8 @@ def save(run: Run, best: bool) -> None:
             "config_name": run.config.name,
             "tokenizer_training": run.tokenizer_training,
         }
+        if run.data.chat is not None:  # how many conversations fit, were cut or left out
+            meta["chat_data"] = run.data.chat.counts()
         save_checkpoint(
             run.run_dir,
             run.model,

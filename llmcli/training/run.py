@@ -4,14 +4,17 @@ A `Run` holds what a step needs (its `Trainer`: the model as steps run it, the o
 precision, the batch stream) apart from the run's bookkeeping: the counters, the run directory
 and the files rank 0 writes as it goes (`RunLog`), the save clock, the spike guard.
 
-`build_run` makes the run directory ready (a fresh start or a resume), tokenizes the corpus, settles
-the micro-batch (`train.batch_size: auto`, `llmcli.training.batch`), builds the model, optimizer
-and batch sampler, loads the resume state into them when resuming, and wraps the model for
-`train.compile` and DDP. Every rank checks each stage with the others (`agreed`)
-before going on, so that a bad input on one rank stops them all with its message.
-`open_run_files` then writes the run's config and tokenizer and opens `metrics.jsonl`, cut back to
-what it held at the save a run resumes from (and, with `train.head_metrics`, `head_metrics.jsonl`
-and the probe its heads are scored on).
+`build_run` tokenizes the corpus and makes the run directory ready (a fresh start reads all its
+input first, so that bad data or a bad `train.init_from` leaves the folder as it was; a resume
+first reads the run's state and tokenizer), settles the micro-batch (`train.batch_size: auto`,
+`llmcli.training.batch`), builds the model (from `train.init_from`'s weights,
+`llmcli.training.init_from`), optimizer and batch sampler (conversations' for chat data),
+loads the resume state into them when resuming, and wraps the model for `train.compile` and DDP.
+Every rank checks each stage with the others (`agreed`) before going on, so that a bad input on
+one rank stops them all with its message. `open_run_files` then writes the run's config and
+tokenizer (and a chat run's `chat_template.jinja`) and opens `metrics.jsonl`, cut back to what
+it held at the save a run resumes from (and, with `train.head_metrics`, `head_metrics.jsonl` and
+the probe its heads are scored on).
 """
 
 from __future__ import annotations
@@ -26,14 +29,14 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from llmcli.chat.template import ChatTemplate
 from llmcli.config import Config
-from llmcli.data.batches import BatchSampler
+from llmcli.data.batches import BatchSampler, ChatSampler
 from llmcli.data.tokenizer import Tokenizer
 from llmcli.data.tokens import TokenData, prepare_data
 from llmcli.errors import CheckpointError, describe_os_error
 from llmcli.evaluation.probe import Probe, make_probe
 from llmcli.fileio import remove_stale_temp_files
-from llmcli.hf.load import load_hf_weights, resolve_init_from
 from llmcli.model.gpt import Transformer
 from llmcli.progress import format_count
 from llmcli.runs.directory import (
@@ -41,6 +44,7 @@ from llmcli.runs.directory import (
     META_FILE,
     METRICS_FILE,
     STATE_FILE,
+    check_fresh_start,
     prepare_run_dir,
     resumes,
     write_config_and_tokenizer,
@@ -58,6 +62,7 @@ from llmcli.training.batch import (
 )
 from llmcli.training.distributed import DistInfo, agreed, gather
 from llmcli.training.guard import SpikeGuard
+from llmcli.training.init_from import load_init_weights, resolve_init_from
 from llmcli.training.memory import check_memory
 from llmcli.training.optim import build_optimizer
 from llmcli.training.precision import Precision
@@ -117,6 +122,11 @@ class Run:
         return self.trainer.precision
 
     @property
+    def template(self) -> ChatTemplate | None:
+        """A chat run's template (written into the run), None for plain text."""
+        return self.data.chat.template if self.data.chat is not None else None
+
+    @property
     def evaluated(self) -> nn.Module:
         """What evaluation runs: the model as steps run it (compiled with `train.compile`),
         without the DDP wrapper, whose forward would synchronise the ranks' buffers."""
@@ -161,7 +171,7 @@ class Run:
         self.trainer.batches.batch_size = batch
         self.trainer.grad_accum = self.config.train.grad_accum
         if self.info.main:
-            write_config_and_tokenizer(self.run_dir, self.config, self.tokenizer)
+            write_config_and_tokenizer(self.run_dir, self.config, self.tokenizer, self.template)
         logger.warning(
             "note: out of memory at step %d with %d sequences per micro-batch: going on with %d "
             "x grad_accum %d (the same %d tokens per step)",
@@ -270,7 +280,7 @@ def build_run(
     input on one rank stops them all with its message.
     """
     tc, device = config.train, precision.device
-    if tc.init_from:  # a Hugging Face folder sets the model's shape and the tokenizer
+    if tc.init_from:  # a run or a Hugging Face folder sets the model's shape and the tokenizer
         config = resolve_init_from(config)
     saved, data = _prepare(config, info, device, run_dir, resume, overwrite)
     vocab = int(data.tokenizer.vocab_size)
@@ -280,20 +290,12 @@ def build_run(
     check_memory(config, vocab, device, precision.name, info.world_size)
     model = Transformer(config.model, vocab, generator=torch.Generator().manual_seed(tc.seed))
     if tc.init_from and saved is None:  # a resumed run's weights come from its state
-        load_hf_weights(model, tc.init_from)
+        load_init_weights(model, tc.init_from)
     model.to(device)
     optimizer = build_optimizer(model, tc, device.type)
     seed_everything(tc.seed + info.rank)
     with agreed(info, device):
-        sampler = BatchSampler(
-            data.train,
-            tc.batch_size,
-            config.model.context_length,
-            seed=tc.seed,
-            rank=info.rank,
-            world_size=info.world_size,
-            device=device,
-        )
+        sampler = _sampler(data, "train", config, tc.seed, info, device)
     trainer = Trainer(
         model=model,
         params=list(model.parameters()),
@@ -361,12 +363,19 @@ def _prepare(
     resume: bool | str,
     overwrite: bool,
 ) -> tuple[ResumeState | None, TokenData]:
-    """Check the run directory, load the resume state, tokenize the data: (saved state, data)."""
+    """Check the run directory, load the resume state, tokenize the data: (saved state, data).
+
+    A fresh start only checks the folder before reading the data, and prepares it (made, an
+    earlier run's files removed) once the data is read: bad input changes nothing there.
+    """
     saved: ResumeState | None = None
     resume = resumes(run_dir, resume)  # before rank 0 prepares the folder
     with agreed(info, device):
         if info.main:
-            prepare_run_dir(run_dir, resume, overwrite)
+            if resume:
+                prepare_run_dir(run_dir, resume, overwrite)
+            elif not overwrite:
+                check_fresh_start(run_dir)
     with agreed(info, device):
         if resume:
             saved = ResumeState.load(run_dir)
@@ -382,6 +391,9 @@ def _prepare(
         if not info.main:
             data = prepare_data(config.data, config.model.context_length, tokenizer=tokenizer)
     assert data is not None
+    with agreed(info, device):
+        if info.main and not resume:
+            prepare_run_dir(run_dir, resume, overwrite)
     if saved is not None:
         saved.check_fits(config, run_dir, int(data.tokenizer.vocab_size))
         if saved.source_hash not in (None, data.source_hash) and info.main:
@@ -403,21 +415,30 @@ def _check_same_save(saved: ResumeState | None, run_dir: Path, info: DistInfo) -
         )
 
 
-def eval_samplers(run: Run) -> dict[str, BatchSampler]:
+def eval_samplers(run: Run) -> dict[str, BatchSampler | ChatSampler]:
     """Fresh samplers over both splits, seeded apart from the training stream."""
     tc, info = run.config.train, run.info
     return {
-        split: BatchSampler(
-            tokens,
-            tc.batch_size,
-            run.config.model.context_length,
-            seed=tc.seed + EVAL_SEED_OFFSET,
-            rank=info.rank,
-            world_size=info.world_size,
-            device=run.device,
-        )
-        for split, tokens in (("train", run.data.train), ("val", run.data.val))
+        split: _sampler(run.data, split, run.config, tc.seed + EVAL_SEED_OFFSET, info, run.device)
+        for split in ("train", "val")
     }
+
+
+def _sampler(
+    data: TokenData, split: str, config: Config, seed: int, info: DistInfo, device: torch.device
+) -> BatchSampler | ChatSampler:
+    """The sampler of `data`'s split ("train" or "val"): conversation windows for chat data,
+    else windows of the token stream; this rank's, seeded with `seed`."""
+    batch, context = config.train.batch_size, config.model.context_length
+    if data.chat is not None:
+        chat = data.chat.train if split == "train" else data.chat.val
+        return ChatSampler(
+            chat, data.chat.pad_id, batch, context, seed, info.rank, info.world_size, device
+        )
+    tokens = data.train if split == "train" else data.val
+    return BatchSampler(
+        tokens, batch, context, seed=seed, rank=info.rank, world_size=info.world_size, device=device
+    )
 
 
 def open_run_files(run: Run) -> None:
@@ -429,7 +450,7 @@ def open_run_files(run: Run) -> None:
     remove_stale_temp_files(run.run_dir)
     keep = run.metrics_bytes if run.resumed_from is not None else None
     try:
-        write_config_and_tokenizer(run.run_dir, run.config, run.tokenizer)
+        write_config_and_tokenizer(run.run_dir, run.config, run.tokenizer, run.template)
         trackers = open_trackers(run.config, run.run_dir, run.resumed_from)
         run.log = RunLog(MetricsLog(run.run_dir / METRICS_FILE, keep, trackers))
         if tc.head_metrics:

@@ -1,0 +1,119 @@
+"""What preparing the data gives, and where it lives: the token cache's folder and the splits.
+
+`TokenData` is what `llmcli.data.tokens.prepare_data` returns: the train and validation ids as
+memory maps of the cache's token files, with the tokenizer and the key of the sources; for
+conversations (`data.format: chat`, `llmcli.data.chat`) also `ChatData`, each split's loss mask
+and windows. The cache folder is the `cache_dir` argument, else `data.cache_dir`, else
+`$LLMCLI_CACHE`, else `$XDG_CACHE_HOME/llmcli`, else `~/.cache/llmcli`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from llmcli.chat.template import ChatTemplate
+from llmcli.data.tokenizer import Tokenizer
+from llmcli.errors import InputError
+
+
+def default_cache_dir() -> Path:
+    """`$LLMCLI_CACHE`, else `$XDG_CACHE_HOME/llmcli`, else `~/.cache/llmcli`."""
+    if os.environ.get("LLMCLI_CACHE"):
+        return Path(os.environ["LLMCLI_CACHE"])
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "llmcli"
+
+
+def cache_folder(cache: Path) -> Path:
+    """`cache`, with its `tokens/` folder, made if missing."""
+    cache = cache.expanduser()
+    try:
+        (cache / "tokens").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(
+            f"cannot create the token cache folder {str(cache)!r} ({exc.strerror}): set "
+            "data.cache_dir or $LLMCLI_CACHE to a writable folder."
+        ) from None
+    return cache
+
+
+def read_cache_json(path: Path) -> dict | None:
+    """A cache file's JSON object, or None for one that is missing or damaged (only a cache)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id fits, else uint32."""
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+@dataclass
+class ChatSplit:
+    """One split's conversations as windows of its token file.
+
+    Attributes:
+        tokens: `(N,)` uint16/uint32 ids of the split's conversations, one after another.
+        mask: `(N,)` uint8, 1 on the tokens the model is trained to write.
+        starts: `(K,)` int64, the first token of each window (a conversation's first).
+        lengths: `(K,)` int64, each window's tokens (at most `context_length + 1`).
+        counts: `conversations`, and of them `kept` whole, `truncated` at a turn's end and
+            `skipped` (no assistant turn ends within the window).
+    """
+
+    tokens: np.ndarray
+    mask: np.ndarray
+    starts: np.ndarray
+    lengths: np.ndarray
+    counts: dict[str, int]
+
+
+@dataclass
+class ChatData:
+    """What `TokenData.chat` holds for conversation data: the template, both splits' windows,
+    and the id that pads a window after its conversation (the end-of-turn token)."""
+
+    template: ChatTemplate
+    train: ChatSplit
+    val: ChatSplit
+    pad_id: int
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """Each split's conversation counts (for meta.json)."""
+        return {"train": self.train.counts, "val": self.val.counts}
+
+
+@dataclass
+class TokenData:
+    """Tokenized train and validation streams, memory-mapped from the token cache.
+
+    Attributes:
+        tokenizer: the tokenizer that produced the ids.
+        train: `(N_train,)` uint16/uint32 `np.memmap` of token ids.
+        val: `(N_val,)` uint16/uint32 `np.memmap` of token ids.
+        source_hash: sha256 of the source text (training and validation), tokenizer aside.
+        cache_files: the token files the arrays map.
+        tokenizer_training: how the tokenizer was made: `kind` (char, bpe, given), and for a
+            trained one `vocab_size`, `trained_on_bytes`, `corpus_bytes` (None: a stream's, not
+            known ahead) and `sample` (`data.tokenizer_sample`, or None: the whole corpus);
+            None for a tokenizer passed in (a resumed run's).
+        text_bytes: the sources' UTF-8 text (None: a stream's, not counted).
+        chat: with `data.format: chat`, each split's mask and windows; None for plain text.
+    """
+
+    tokenizer: Tokenizer
+    train: np.ndarray
+    val: np.ndarray
+    source_hash: str
+    cache_files: list[Path] = field(default_factory=list)
+    tokenizer_training: dict | None = None
+    text_bytes: int | None = None
+    chat: ChatData | None = None
