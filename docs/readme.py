@@ -1,11 +1,13 @@
 """Check, or rewrite, the outputs that README.md and the pages in docs/ show under commands.
 
 The fenced block after a line `<!-- output: COMMAND [| from "TEXT"] [| until "TEXT"] [| drop
-"TEXT"] -->` is what COMMAND prints on stdout, run from a folder that holds only the trained run
-`checkpoints/tiny` (the pages' figures come from `llmcli train tiny` run to its 2,000 steps on
-the bundled corpus; `--run DIR` gives another). `from` starts the shown part at the first line
-starting with TEXT, `until` ends it before the next line starting with TEXT, `drop` leaves out
-the lines starting with TEXT.
+"TEXT"] [| stdin "TEXT"] -->` is what COMMAND prints on stdout, run from a folder that holds only
+the trained run `checkpoints/tiny` (the pages' figures come from `llmcli train tiny` run to its
+2,000 steps on the bundled corpus; `--run DIR` gives another). `from` starts the shown part at
+the first line starting with TEXT, `until` ends it before the next line starting with TEXT,
+`drop` leaves out the lines starting with TEXT, `stdin` is the command's input (`\\n` for a new
+line; else none). A page that reads `checkpoints/chat` also gets the run `llmcli train chat`
+made there.
 
     python docs/readme.py                         # check every page: exit 1 naming what differs
     python docs/readme.py --write                 # rewrite what differs
@@ -34,6 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+CHAT_RUN = ROOT / "checkpoints" / "chat"  # the chat guide's fine-tuned run (configs/chat.yaml)
 
 
 def pages() -> list[Path]:
@@ -159,6 +162,7 @@ class Shown:
     until: str | None
     block: Block
     drop: str | None = None
+    stdin: str | None = None
 
 
 def shown_outputs(text: str) -> list[Shown]:
@@ -171,13 +175,14 @@ def shown_outputs(text: str) -> list[Shown]:
         if not m:
             continue
         command, *filters = [part.strip() for part in m[1].split(" | ")]
-        options = dict(re.fullmatch(r'(from|until|drop) "(.*)"', f).groups() for f in filters)
+        options = dict(re.fullmatch(r'(from|until|drop|stdin) "(.*)"', f).groups() for f in filters)
         block = blocks.get(i + 1)
         if block is None:
             raise ValueError(f"line {i + 1}: no code block right after {line!r}")
-        shown.append(
-            Shown(command, options.get("from"), options.get("until"), block, options.get("drop"))
-        )
+        stdin = options.get("stdin")
+        stdin = None if stdin is None else codecs.decode(stdin, "unicode_escape")
+        start, until, drop = options.get("from"), options.get("until"), options.get("drop")
+        shown.append(Shown(command, start, until, block, drop, stdin))
     return shown
 
 
@@ -197,8 +202,9 @@ def select(output: str, shown: Shown) -> list[str]:
     return lines
 
 
-def run_command(command: str, folder: Path) -> str:
-    """`llmcli ...` run in `folder` with this Python (its llmcli); its stdout. Fails loudly."""
+def run_command(command: str, folder: Path, stdin: str | None = None) -> str:
+    """`llmcli ...` run in `folder` with this Python (its llmcli), `stdin` its input; its
+    stdout. Fails loudly."""
     words = shell_words(command)
     assert words[0] == "llmcli", command
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -208,19 +214,27 @@ def run_command(command: str, folder: Path) -> str:
         capture_output=True,
         text=True,
         env=env,
-        stdin=subprocess.DEVNULL,
+        input=stdin if stdin is not None else "",
     )
     if result.returncode != 0:
         raise RuntimeError(f"{command} exited {result.returncode}:\n{result.stderr}")
     return result.stdout
 
 
-def outputs(text: str, run: Path, folder: Path) -> Iterator[tuple[Shown, list[str]]]:
+def outputs(
+    text: str, run: Path, folder: Path, chat_run: Path = CHAT_RUN
+) -> Iterator[tuple[Shown, list[str]]]:
     """Each shown output with the lines its command prints now, run from `folder`, which gets
-    a copy of `run` as `checkpoints/tiny` (commands may write into the run)."""
-    shutil.copytree(run, folder / "checkpoints" / "tiny", ignore=shutil.ignore_patterns("state.pt"))
+    a copy of `run` as `checkpoints/tiny` (commands may write into the run), and of `chat_run`
+    as `checkpoints/chat` when the page reads it."""
+    no_state = shutil.ignore_patterns("state.pt")
+    shutil.copytree(run, folder / "checkpoints" / "tiny", ignore=no_state)
+    if "checkpoints/chat" in text:
+        if not (chat_run / "config.yaml").is_file():
+            raise RuntimeError(f"no chat run at {chat_run}: train it (llmcli train chat)")
+        shutil.copytree(chat_run, folder / "checkpoints" / "chat", ignore=no_state)
     for shown in shown_outputs(text):
-        yield shown, select(run_command(shown.command, folder), shown)
+        yield shown, select(run_command(shown.command, folder, shown.stdin), shown)
 
 
 def with_outputs(text: str, run: Path) -> tuple[str, list[str]]:

@@ -228,6 +228,7 @@ CHEAP = {
     ],
     "sample": ["--max-new-tokens", "24"],
     "eval": ["--steps", "2", "--no-progress"],
+    "sae": ["--steps", "2", "--no-progress"],
     "inspect-attention": ["--ablation-steps", "1", "--no-pictures", "--no-progress"],
 }
 # Files the pages' commands expect the user to have.

@@ -170,7 +170,21 @@ class ConversationEncoder:
         try:
             return self._hf.encode(text, add_special_tokens=False)
         except Exception as exc:  # tokenizers raises plain Exceptions from its model
-            raise InputError(f"the tokenizer cannot encode this conversation ({exc}).") from None
+            raise self._cannot_encode(text, exc) from None
+
+    def _cannot_encode(self, text: str, exc: Exception) -> InputError:
+        """The characters a char tokenizer lacks, named; else what the tokenizer said."""
+        for token in CHAT_TOKENS:
+            text = text.replace(token, "")
+        unknown = sorted({c for c in text if self._hf.token_to_id(c) is None})
+        if unknown:
+            shown = ", ".join(repr(c) for c in unknown[:20])
+            more = f" and {len(unknown) - 20} more" if len(unknown) > 20 else ""
+            return InputError(
+                f"the conversation holds {len(unknown)} character(s) that the tokenizer's "
+                f"vocabulary lacks: {shown}{more}. Remove them, or train on text that has them."
+            )
+        return InputError(f"the tokenizer cannot encode this conversation ({exc}).")
 
 
 def add_chat_tokens(tokenizer: Tokenizer) -> Tokenizer:

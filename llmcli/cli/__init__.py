@@ -1,8 +1,9 @@
 """The `llmcli` command line: thin commands that parse options and call the library.
 
 `app` holds the Typer app; the commands sit in `training` (config, prepare-data, train, bench),
-`plan` (plan), `generation` (sample), `runs` (info, export, compare), `inside`
-(inspect-attention, eval), `interpret` (lens, patch, attribute) and `serve` (serve),
+`plan` (plan), `generation` (sample, chat), `runs` (info, export, compare), `inside`
+(inspect-attention, eval), `interpret` (lens, patch, attribute), `sae` (sae train, sae eval,
+sae features) and `serve` (serve),
 their shared options in `options`. Heavy libraries (torch, numpy, datasets, matplotlib,
 transformers) are imported inside the commands that need them, so `llmcli --help` answers at once.
 """
@@ -19,7 +20,7 @@ from llmcli.errors import InputError
 
 # Importing the command modules registers their commands, in the order `llmcli --help` lists them.
 # isort: off
-from llmcli.cli import training, plan, generation, runs, inside, interpret, serve  # noqa: F401
+from llmcli.cli import training, plan, generation, runs, inside, interpret, sae, serve  # noqa: F401
 # isort: on
 
 __all__ = ["app", "main"]

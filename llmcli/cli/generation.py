@@ -1,4 +1,4 @@
-"""`llmcli sample`: text from a trained run."""
+"""`llmcli sample`: text from a trained run; `llmcli chat`: a conversation with a chat run."""
 
 from __future__ import annotations
 
@@ -68,6 +68,15 @@ InteractiveOption = Annotated[
         "settings, /help lists them; Ctrl-C stops an answer, Ctrl-D exits.",
     ),
 ]
+SteerOption = Annotated[
+    Optional[list[str]],
+    typer.Option(
+        help="Add SCALE times an SAE feature's decoder direction at the SAE's hook point, at "
+        "every position, while sampling (SCALE in the feature's activation units; `llmcli sae "
+        "features` shows its usual size); repeatable.",
+        metavar="SAE_DIR:FEATURE=SCALE",
+    ),
+]
 
 
 def sample_setting_options(after: str) -> Callable[[Callable], Callable]:
@@ -127,6 +136,7 @@ def sample_command(
     interactive: InteractiveOption = False,
     weights: WeightsOption = "best",
     device: DeviceOption = "auto",
+    steer: SteerOption = None,
     **settings: Any,
 ) -> None:
     """Generate text from a trained run (KV-cached, batched), or talk to it (--interactive)."""
@@ -147,13 +157,15 @@ def sample_command(
         threads=threads,
         weights=weights,
         device=device,
+        steer=tuple(steer or ()),
     )
     # The run's sample: config, changed by the options given (None: not given).
     overrides = {key: value for key, value in settings.items() if value is not None}
     if interactive:
-        if prompt_file is not None or json_:
+        if prompt_file is not None or json_ or steer:
             raise InputError(
-                "--interactive reads its prompts from stdin: leave out --prompt-file and --json."
+                "--interactive reads its prompts from stdin: leave out --prompt-file, --json "
+                "and --steer."
             )
         _interactive(checkpoint, prompt, overrides, options, write)
         return
@@ -183,7 +195,7 @@ def _interactive(
     write: ThrottledStdout,
 ) -> None:
     """`sample --interactive`: load the run once, then answer stdin's lines (a first --prompt)."""
-    from llmcli.generation.interactive import decode_line, interactive, not_utf8
+    from llmcli.generation.interactive import interactive
     from llmcli.generation.sample import load_for_sampling
 
     run, config, options = load_for_sampling(checkpoint, overrides, options, notify)
@@ -193,6 +205,16 @@ def _interactive(
 
         notify(f"{run.run_dir}: type a prompt; /help lists the commands, Ctrl-D exits")
     pending = [prompt] if prompt is not None else []
+    interactive(run, config, options, _stdin_lines("> ", pending), write, notify)
+    sys.stdout.flush()
+
+
+def _stdin_lines(tty_prompt: str, pending: list[str]) -> Callable[[], str | None]:
+    """The `read_line` of a session on stdin: `pending` lines first, then a terminal's lines
+    typed after `tty_prompt` (with line editing), or a pipe's; None at the end of the input."""
+    from llmcli.generation.interactive import decode_line, not_utf8
+
+    tty = sys.stdin.isatty()
     # A pipe is read as bytes, each line decoded alone: bytes that are not UTF-8 are that line's
     # error, where text-mode stdin would stop the session (or, under some locales, pass them on
     # as surrogates).
@@ -204,7 +226,7 @@ def _interactive(
             return pending.pop()
         if tty:
             try:
-                return input("> ")
+                return input(tty_prompt)
             except EOFError:
                 return None
             except UnicodeDecodeError as exc:
@@ -215,5 +237,47 @@ def _interactive(
         data = stdin.readline()
         return decode_line(data) if data else None
 
-    interactive(run, config, options, read_line, write, notify)
+    return read_line
+
+
+SystemOption = Annotated[
+    Optional[str],
+    typer.Option(
+        help="The system message the conversation starts with (/system TEXT changes it).",
+        metavar="TEXT",
+    ),
+]
+
+
+@app.command("chat")
+@sample_setting_options(after="system")
+def chat_command(
+    checkpoint: CheckpointOption = None,
+    system: SystemOption = None,
+    stop: StopOption = None,
+    threads: ThreadsOption = None,
+    weights: WeightsOption = "best",
+    device: DeviceOption = "auto",
+    **settings: Any,
+) -> None:
+    """Talk with a chat run: one message per line from stdin (a terminal or a pipe), each reply
+    printed (on a pipe, as one line: newlines in it written \\n); /reset, /system TEXT, /quit,
+    /help; Ctrl-C stops a reply, Ctrl-D exits."""
+    from llmcli.generation.chat import chat, open_session
+    from llmcli.generation.sample import SampleOptions, unescape
+
+    options = SampleOptions(
+        stop=tuple(unescape(text) for text in stop or []),
+        threads=threads,
+        weights=weights,
+        device=device,
+    )
+    overrides = {key: value for key, value in settings.items() if value is not None}
+    session = open_session(checkpoint, system, overrides, options, notify)
+    if sys.stdin.isatty():
+        import readline  # noqa: F401  (line editing and history for input())
+
+        notify(f"{session.run.run_dir}: type a message; /help lists the commands, Ctrl-D exits")
+    one_line = not sys.stdout.isatty()
+    chat(session, _stdin_lines("you> ", []), ThrottledStdout(), notify, one_line=one_line)
     sys.stdout.flush()

@@ -120,10 +120,42 @@ def inspect_attention_command(
     typer.echo(format_report(result), nl=False)
 
 
+# eval's --data also takes conversations (on a chat run), which --answers answers.
+EvalDataOption = Annotated[
+    Optional[Path],
+    typer.Option(
+        help="A UTF-8 text file to measure on, in windows of context_length tokens (default: "
+        "the run's validation split). On a chat run, a .jsonl file of conversations (rows of "
+        '{"messages": [{"role", "content"}, ...]}), as its validation split, is scored on the '
+        "assistant's tokens only, a conversation too long for the context cut after its last "
+        "assistant turn that fits.",
+        metavar="PATH",
+    ),
+]
+AnswersOption = Annotated[
+    bool,
+    typer.Option(
+        "--answers",
+        help="With conversations (--data FILE.jsonl): also reply greedily to each assistant "
+        "turn and count the replies exactly equal to it (--json lists each expected and got).",
+    ),
+]
+
+# eval's --ablate-feature: SAE features removed at their hook points (`llmcli.sae.steer`).
+AblateFeatureOption = Annotated[
+    Optional[list[str]],
+    typer.Option(
+        help="Remove an SAE feature: its activation times its decoder direction is taken out at "
+        "the SAE's hook point (the SAE's reconstruction error stays); repeatable.",
+        metavar="SAE_DIR:FEATURE",
+    ),
+]
+
+
 @app.command("eval", cls=AblationCommand)
 def eval_command(
     checkpoint: CheckpointOption = None,
-    data: DataOption = None,
+    data: EvalDataOption = None,
     steps: Annotated[
         Optional[int],
         typer.Option(
@@ -154,6 +186,7 @@ def eval_command(
             metavar="METHOD",
         ),
     ] = None,
+    ablate_feature: AblateFeatureOption = None,
     weights: WeightsOption = "best",
     device: DeviceOption = "auto",
     json_: JsonOption = False,
@@ -167,6 +200,7 @@ def eval_command(
             "summary goes to stderr (as JSON with --json).",
         ),
     ] = False,
+    answers: AnswersOption = False,
     threads: RunThreadsOption = None,
     progress: ProgressOption = True,
 ) -> None:
@@ -185,6 +219,8 @@ def eval_command(
         device=device,
         per_token=per_token,
         threads=threads,
+        answers=answers,
+        ablate_feature=tuple(ablate_feature or ()),
     )
     result = evaluate_run(checkpoint, data, options, progress=progress, notify=notify)
     summary = json.dumps(result.to_dict()) if json_ else format_result(result)

@@ -44,7 +44,8 @@ def serve_command(
     weights: WeightsOption = "best",
     device: DeviceOption = "auto",
 ) -> None:
-    """Serve a run over HTTP with OpenAI's completions API (/v1/completions, /v1/models)."""
+    """Serve a run over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions for a chat
+    run, /v1/models)."""
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401

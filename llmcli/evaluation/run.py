@@ -7,6 +7,9 @@ deterministic pass over consecutive windows in which every token after the first
 exactly once (`llmcli.evaluation.text`). The command's settings travel whole as one
 `EvalOptions`, checked as it is made: with `steps=N` only the first `N` batches of `batch_size`
 windows are scored; `ablate` scores the model with heads removed (`llmcli.evaluation.heads`).
+A `.jsonl` file is conversations instead, as a chat run's validation split is: scored on the
+assistant's tokens (`llmcli.evaluation.chat`), with `answers` also the exact-match rate of
+greedy replies.
 
 Figures, over the predicted tokens:
 - `loss`: mean cross-entropy in nats per token; `perplexity = exp(loss)`;
@@ -30,6 +33,12 @@ import numpy as np
 
 from llmcli.device import check_threads, resolve_device, torch_threads
 from llmcli.errors import InputError
+from llmcli.evaluation.chat import (
+    ChatEvalResult,
+    evaluate_conversations,
+    format_chat_result,
+    is_conversations,
+)
 from llmcli.evaluation.heads import ablation_hooks, check_method, head_means, parse_ablate
 from llmcli.evaluation.metrics import perplexity
 from llmcli.evaluation.text import (
@@ -63,6 +72,7 @@ class EvalResult:
     elapsed_s: float
     ablate: list[str] = field(default_factory=list)  # the `--ablate` specs: heads removed
     ablation: str | None = None  # how they were removed, with `ablate`
+    ablate_feature: list[str] = field(default_factory=list)  # SAE features removed
     per_token: list[dict[str, Any]] | None = None  # with `--per-token`: `per_token_records`
 
     def to_dict(self) -> dict[str, Any]:
@@ -87,6 +97,11 @@ class EvalOptions:
         device: "auto", "cpu", "cuda" or "mps".
         per_token: also keep each scored token's loss (`EvalResult.per_token`).
         threads: CPU threads (None: the run's `train.threads`).
+        ablate_feature: SAE features to remove, `SAE_DIR:FEATURE` each: at the SAE's hook
+            point, the feature's activation times its decoder direction is taken out
+            (`llmcli.sae.steer`).
+        answers: with conversations (`--data FILE.jsonl` on a chat run), also answer every
+            assistant turn greedily and count the exact matches (`llmcli.evaluation.chat`).
 
     Raises:
         InputError: `steps` or `batch_size` below 1, an unknown `ablation`, or one without
@@ -101,6 +116,8 @@ class EvalOptions:
     device: str = "auto"
     per_token: bool = False
     threads: int | None = None
+    answers: bool = False
+    ablate_feature: Sequence[str] = ()
 
     def __post_init__(self) -> None:
         check_threads(self.threads)
@@ -130,12 +147,14 @@ def evaluate_run(
     *,
     progress: bool = False,
     notify: Callable[[str], None] | None = None,
-) -> EvalResult:
-    """Mean loss, perplexity and bits per byte of a run's model on a text.
+) -> EvalResult | ChatEvalResult:
+    """Mean loss, perplexity and bits per byte of a run's model on a text; on conversations
+    (a `.jsonl` `data`), the assistant tokens' loss (`llmcli.evaluation.chat`).
 
     Args:
         checkpoint: a run directory (None: the latest run under `checkpoints/`).
-        data: a UTF-8 text file to score (None: the run's validation split, see `eval_tokens`).
+        data: a UTF-8 text file to score (None: the run's validation split, see `eval_tokens`),
+            or a `.jsonl` file of conversations, which needs a chat run.
         options: how many batches of what size, the heads to remove and how, which weights and
             the device (see `EvalOptions`, checked as it was made).
         progress: show progress (a bar on a terminal, plain lines elsewhere): of the scoring
@@ -144,13 +163,44 @@ def evaluate_run(
 
     Raises:
         InputError: a bad run directory or data file, a head of `options.ablate` the model does
-            not have (see `eval_tokens`, `ablation.parse_ablate`).
+            not have (see `eval_tokens`, `ablation.parse_ablate`); conversations on a run with
+            no chat template; `options.answers` without conversations.
     """
     t0 = time.perf_counter()
     dev = resolve_device(options.device, what="--device")
     run = load_run(checkpoint, weights=options.weights, device=dev, notify=notify)
     with torch_threads(options.threads or run.config.train.threads):
+        if is_conversations(data) or (data is None and run.config.data.format == "chat"):
+            return _evaluate_chat(run, data, options, t0, progress=progress)
+        if options.answers:
+            raise InputError(
+                "--answers compares greedy replies with the assistant's turns of conversations: "
+                'give --data FILE.jsonl (rows of {"messages": [...]}) on a chat run.'
+            )
         return _evaluate(run, data, options, t0, progress=progress)
+
+
+def _evaluate_chat(
+    run: Any, data: str | Path | None, options: EvalOptions, t0: float, *, progress: bool
+) -> ChatEvalResult:
+    """`evaluate_run` on conversations: the options that apply to text windows are refused."""
+    refused = {"--ablate": options.ablate, "--per-token": options.per_token}
+    refused["--ablate-feature"] = bool(options.ablate_feature)
+    option = next((name for name, given in refused.items() if given), None)
+    if option is not None:
+        raise InputError(
+            f"{option} scores text windows, not conversations: drop it, or give a text file "
+            "as --data."
+        )
+    return evaluate_conversations(
+        run,
+        None if data is None else Path(data),
+        options.batch_size or run.config.train.batch_size,
+        steps=options.steps,
+        answers=options.answers,
+        progress=progress,
+        t0=t0,
+    )
 
 
 def _evaluate(
@@ -171,6 +221,11 @@ def _evaluate(
         batches = window_batches(tokens, ctx, starts, dev)
         head_mean = head_means(run.model, batches, progress=progress, total=len(starts))
     hooks = {} if head_mask is None else ablation_hooks(head_mask, head_mean)
+    if options.ablate_feature:
+        from llmcli.sae.steer import ablation_hooks as feature_hooks
+        from llmcli.sae.steer import add_hooks
+
+        hooks = add_hooks(hooks, feature_hooks(run.model, options.ablate_feature))
     with run.model.hooks(hooks):
         totals = score_tokens(
             run.model,
@@ -200,14 +255,17 @@ def _evaluate(
         elapsed_s=time.perf_counter() - t0,
         ablate=list(ablate),
         ablation=options.method,
+        ablate_feature=list(options.ablate_feature),
         per_token=None
         if totals.losses is None
         else per_token_records(run.tokenizer, tokens, totals.losses),
     )
 
 
-def format_result(result: EvalResult) -> str:
+def format_result(result: EvalResult | ChatEvalResult) -> str:
     """A few human-readable lines."""
+    if isinstance(result, ChatEvalResult):
+        return format_chat_result(result)
     text = (
         f"run {result.run_dir} (step {result.step}, {Path(result.weights).name})\n"
         f"data: {result.data}: {result.tokens:,} tokens predicted, {result.bytes:,} bytes, "
@@ -217,4 +275,6 @@ def format_result(result: EvalResult) -> str:
     )
     if result.ablate:
         text += f"\nheads removed ({result.ablation} ablation): {', '.join(result.ablate)}"
+    if result.ablate_feature:
+        text += f"\nSAE features removed: {', '.join(result.ablate_feature)}"
     return text

@@ -5,6 +5,11 @@ hyperparameters, its byte-level BPE vocabulary (`vocab`) and its weights in floa
 `dtype="f16"` its matrices in float16 and its vectors (norms, biases) in float32, as
 `convert_hf_to_gguf.py --outtype f16` writes them. It is written through the `gguf` package
 (llama.cpp's own writer) to a temporary name and renamed into place.
+
+A chat run's file also holds its chat template (`tokenizer.chat_template`, which llama.cpp's
+chat modes render) and its end-of-turn token `<|end|>` as the end-of-turn id
+(`tokenizer.ggml.eot_token_id`), so a reply stops where llmcli's does; the end of text stays the
+BOS and EOS token.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from llmcli.chat.conversations import ConversationEncoder
+from llmcli.chat.template import ChatTemplate, load_run_template
 from llmcli.errors import InputError, describe_os_error
 from llmcli.fileio import atomic_path
 from llmcli.gguf.architectures import GGUFArch, choose, gguf_tensors
@@ -99,6 +106,12 @@ def _add_vocab(writer: Any, vocab: GGUFVocab) -> None:
     writer.add_add_bos_token(False)
 
 
+def _add_chat(writer: Any, template: ChatTemplate, end_id: int) -> None:
+    """A chat run's template, and its end-of-turn token (where a reply stops)."""
+    writer.add_chat_template(template.source)
+    writer.add_eot_token_id(end_id)
+
+
 def export_gguf(
     checkpoint: str | Path | None,
     out: str | Path,
@@ -131,6 +144,9 @@ def export_gguf(
     model = run.model
     arch = choose(run.config.model)
     vocab = gguf_vocab(run.tokenizer, model.vocab_size)
+    template = load_run_template(run.run_dir)
+    # A chat run's tokenizer holds the chat tokens (the encoder says which it lacks otherwise).
+    end_id = None if template is None else ConversationEncoder(template, run.tokenizer).end_id
     tensors = gguf_tensors(model, arch)
     eps = getattr(model.ln_f, "eps", NORM_EPS)
     try:
@@ -139,6 +155,8 @@ def export_gguf(
             _add_metadata(writer, arch, model, eps, run.run_dir.name)
             writer.add_file_type(int(gguf.LlamaFileType.MOSTLY_F16 if dtype == "f16" else 0))
             _add_vocab(writer, vocab)
+            if template is not None and end_id is not None:
+                _add_chat(writer, template, end_id)
             for name, tensor in tensors.items():
                 array = tensor.numpy()
                 if dtype == "f16" and array.ndim == 2:

@@ -7,6 +7,13 @@ tokenizer becomes a Hugging Face `WordLevel` model over single characters with a
 isolates every character, so both encode and decode alike. The end-of-text token (`<|endoftext|>`,
 the last id of a char vocabulary, or a BPE vocabulary's) is the export's BOS, EOS and padding
 token, which `generate` and lm-evaluation-harness rely on.
+
+A chat run's export carries its chat template (`llmcli.chat.template`) where every
+`transformers` version looks for it: `chat_template.jinja` (what recent versions read first
+and 5.x writes) and `tokenizer_config.json`'s `chat_template` (what older versions read). The chat
+tokens are declared `additional_special_tokens`, so `apply_chat_template` gives the ids and the
+assistant mask llmcli trains on; `generation_config.json` stops at the end of a turn as well as
+at the end of text.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from typing import Any
 
 from safetensors.torch import save
 
+from llmcli.chat.conversations import ConversationEncoder
+from llmcli.chat.template import CHAT_TOKENS, TEMPLATE_FILE, ChatTemplate, load_run_template
 from llmcli.config import Config
 from llmcli.data.tokenizer import Tokenizer
 from llmcli.errors import InputError, describe_os_error
@@ -48,6 +57,7 @@ _STALE_FILES = (
     "vocab.json",
     "merges.txt",
     "added_tokens.json",
+    TEMPLATE_FILE,  # a text run's export must not keep a chat export's template
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -60,11 +70,17 @@ def _eot_token(tokenizer: Tokenizer) -> str | None:
     return None if tokenizer.eot_id is None else tokenizer.decode([tokenizer.eot_id])
 
 
-def hf_tokenizer_files(tokenizer: Tokenizer, context_length: int) -> dict[str, str]:
+def hf_tokenizer_files(
+    tokenizer: Tokenizer, context_length: int, template: ChatTemplate | None = None
+) -> dict[str, str]:
     """`tokenizer.json`, `tokenizer_config.json` and `special_tokens_map.json` for `AutoTokenizer`
-    (a `PreTrainedTokenizerFast` that adds no special tokens when encoding, as llmcli)."""
+    (a `PreTrainedTokenizerFast` that adds no special tokens when encoding, as llmcli); with a
+    chat `template`, also `chat_template.jinja`, the template in the config too, and the chat
+    tokens as additional special tokens (skipped by `decode(skip_special_tokens=True)`)."""
     eot = _eot_token(tokenizer)
-    special = {"bos_token": eot, "eos_token": eot} if eot is not None else {}
+    special: dict[str, Any] = {"bos_token": eot, "eos_token": eot} if eot is not None else {}
+    if template is not None:
+        special["additional_special_tokens"] = list(CHAT_TOKENS)
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": context_length,
@@ -73,15 +89,23 @@ def hf_tokenizer_files(tokenizer: Tokenizer, context_length: int) -> dict[str, s
         "add_eos_token": False,
         **special,
     }
-    return {
+    if template is not None:
+        tokenizer_config["chat_template"] = template.source
+    files = {
         HF_TOKENIZER_FILE: tokenizer.to_json(),  # every llmcli tokenizer.json is Hugging Face's
         HF_TOKENIZER_CONFIG: json.dumps(tokenizer_config, indent=2) + "\n",
         HF_SPECIAL_TOKENS: json.dumps(special, indent=2) + "\n",
     }
+    if template is not None:
+        files[TEMPLATE_FILE] = template.source
+    return files
 
 
-def _generation_config(config: Config, eot_id: int | None) -> dict[str, Any]:
-    """The run's sampling defaults as a `generation_config.json`."""
+def _generation_config(
+    config: Config, eot_id: int | None, end_id: int | None = None
+) -> dict[str, Any]:
+    """The run's sampling defaults as a `generation_config.json`; a chat run's (`end_id`, the
+    end-of-turn token) stops at the end of a reply too."""
     sample = config.sample
     gen: dict[str, Any] = {"max_new_tokens": sample.max_new_tokens}
     if sample.temperature > 0:
@@ -92,6 +116,8 @@ def _generation_config(config: Config, eot_id: int | None) -> dict[str, Any]:
         gen["do_sample"] = False
     if eot_id is not None:
         gen.update(bos_token_id=eot_id, eos_token_id=eot_id, pad_token_id=eot_id)
+    if end_id is not None:
+        gen["eos_token_id"] = [end_id] if eot_id is None else [end_id, eot_id]
     return gen
 
 
@@ -141,8 +167,8 @@ def export_hf(
 
     The folder holds `config.json`, `generation_config.json` (the run's sampling defaults),
     `model.safetensors` (float32, the architecture's names) and `tokenizer.json`,
-    `tokenizer_config.json`, `special_tokens_map.json`. Each file is written to a temporary name
-    and renamed into place.
+    `tokenizer_config.json`, `special_tokens_map.json`, and for a chat run `chat_template.jinja`.
+    Each file is written to a temporary name and renamed into place.
 
     Args:
         checkpoint: a run directory; None picks the latest run under `checkpoints/`.
@@ -174,12 +200,16 @@ def export_hf(
         )
     eps = getattr(model.ln_f, "eps", NORM_EPS)
     hf_config = arch.hf_config(run.config.model, model.vocab_size, eot_id, eps)
+    template = load_run_template(run.run_dir)
+    # A chat run's tokenizer holds the chat tokens (the encoder says which it lacks otherwise).
+    end_id = None if template is None else ConversationEncoder(template, tokenizer).end_id
     files: dict[str, bytes] = {
         HF_CONFIG_FILE: _json_bytes(hf_config),
-        HF_GENERATION_FILE: _json_bytes(_generation_config(run.config, eot_id)),
+        HF_GENERATION_FILE: _json_bytes(_generation_config(run.config, eot_id, end_id)),
         HF_WEIGHTS_FILE: save(arch.to_hf(model), metadata={"format": "pt"}),
     }
-    for name, text in hf_tokenizer_files(tokenizer, run.config.model.context_length).items():
+    context_length = run.config.model.context_length
+    for name, text in hf_tokenizer_files(tokenizer, context_length, template).items():
         files[name] = text.encode("utf-8")
 
     try:

@@ -3,11 +3,11 @@
 The server's request handlers `submit` a `Work` (a checked request and its prompts' ids) and read
 its `Event`s. The generation thread takes the oldest waiting request, waits `wait_s` for more when
 nothing else is waiting, and runs every waiting request that shares its settings
-(`CompletionRequest.batch_key`: all but the seed, and the stop strings), up to `max_rows` rows,
-through `llmcli.generation.sample.sample_batch`. Each row draws from its own generator seeded with
-its request's seed + its choice index, so a request's text is the text `llmcli sample` gives with
-the same settings and seed, whatever it is batched with. A request whose client went away is
-`cancel`led: its rows end at the next step, and a batch of only such rows stops.
+(`CompletionRequest.batch_key`: all but the seed, and the stop strings and ids), up to `max_rows`
+rows, through `llmcli.generation.sample.sample_batch`. Each row draws from its own generator
+seeded with its request's seed + its choice index, so a request's text is the text `llmcli sample`
+gives with the same settings and seed, whatever it is batched with. A request whose client went
+away is `cancel`led: its rows end at the next step, and a batch of only such rows stops.
 """
 
 from __future__ import annotations
@@ -202,8 +202,9 @@ class Batcher:
         rows = _BatchRows(batch, self.texts)
         for work in batch:
             self._echo_logprobs(work)
-        config = batch[0].request.config
-        options = SampleOptions(stop=batch[0].request.stop, stop_ids=self.stop_ids)
+        first = batch[0].request
+        options = SampleOptions(stop=first.stop, stop_ids=(*self.stop_ids, *first.stop_ids))
+        config = first.config
         threads = threads_for(self.model, self._device, config)
         with torch_threads(threads):
             samples = sample_batch(

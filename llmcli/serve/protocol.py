@@ -1,5 +1,5 @@
-"""OpenAI's completions protocol: a request body checked into a `CompletionRequest`, and the JSON
-of responses, stream chunks and errors.
+"""OpenAI's completions protocol: a request body checked into a `CompletionRequest` (or, for chat
+completions, a `ChatRequest`), and the JSON of responses, stream chunks and errors.
 
 Plain Python (no FastAPI), so that every rule is reached without a server. A request's settings
 are the run's `sample:` config with the request's fields applied, as `llmcli sample`'s options are,
@@ -17,9 +17,11 @@ import typing
 from dataclasses import dataclass, replace
 from typing import Any
 
+from llmcli.chat.conversations import check_messages
 from llmcli.config import SampleConfig
 from llmcli.config.rules import is_int
 from llmcli.config.sample import broken_rule
+from llmcli.errors import InputError
 
 MAX_STOPS = 4  # OpenAI's limit on stop strings
 MAX_LOGPROBS = 5  # OpenAI's limit on the top log-probs of each token
@@ -107,6 +109,8 @@ class CompletionRequest:
         logprobs: how many most likely tokens to list at each position (0: only the chosen
             token's log-prob), or None for no log-probs.
         echo: each choice's text starts with its prompt.
+        stop_ids: token ids that end a choice besides the run's end-of-text (a chat reply's
+            end-of-turn and role tokens); not part of the text.
     """
 
     prompts: list[str]
@@ -117,6 +121,7 @@ class CompletionRequest:
     include_usage: bool = False
     logprobs: int | None = None
     echo: bool = False
+    stop_ids: tuple[int, ...] = ()
 
     @property
     def rows(self) -> int:
@@ -124,8 +129,8 @@ class CompletionRequest:
 
     def batch_key(self) -> tuple[Any, ...]:
         """What requests batched together must share: every setting but the seed, and the
-        stop strings."""
-        return (replace(self.config, seed=0), self.stop)
+        stop strings and ids."""
+        return (replace(self.config, seed=0), self.stop, self.stop_ids)
 
 
 # OpenAI fields that are accepted only at the value that means "off".
@@ -182,19 +187,7 @@ def parse_completion(
         APIError: 400 for an unknown field, a wrong type or a value outside its range (the
             message names the field); 404 for another model.
     """
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object.", code="invalid_type")
-    unknown = sorted(set(body) - _FIELDS)
-    if unknown:
-        raise APIError(
-            400,
-            f"unrecognized request argument supplied: {_QUOTE.repr(unknown[0])} (this server takes "
-            f"{', '.join(sorted(_FIELDS - set(_OFF_VALUES)))}).",
-            param=unknown[0],
-            code="unknown_parameter",
-        )
-    _check_model(body.get("model"), model_id)
-    _check_off_values(body)
+    _check_body(body, _FIELDS, _OFF_VALUES, model_id)
     prompts = _prompts(body.get("prompt"))
     n = _integer(body, "n", 1, low=1, high=limits.max_rows)
     if len(prompts) * n > limits.max_rows:
@@ -221,6 +214,25 @@ def parse_completion(
     )
 
 
+def _check_body(
+    body: Any, fields: set[str], off_values: dict[str, tuple[Any, ...]], model_id: str
+) -> None:
+    """A JSON object of known `fields`, for the served model, its `off_values` fields off."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object.", code="invalid_type")
+    unknown = sorted(set(body) - fields)
+    if unknown:
+        raise APIError(
+            400,
+            f"unrecognized request argument supplied: {_QUOTE.repr(unknown[0])} (this server takes "
+            f"{', '.join(sorted(fields - set(off_values)))}).",
+            param=unknown[0],
+            code="unknown_parameter",
+        )
+    _check_model(body.get("model"), model_id)
+    _check_off_values(body, off_values)
+
+
 def _check_model(model: Any, model_id: str) -> None:
     if model is None:
         return
@@ -236,8 +248,8 @@ def _check_model(model: Any, model_id: str) -> None:
         )
 
 
-def _check_off_values(body: dict[str, Any]) -> None:
-    for name, off in _OFF_VALUES.items():
+def _check_off_values(body: dict[str, Any], off_values: dict[str, tuple[Any, ...]]) -> None:
+    for name, off in off_values.items():
         if name in body and not any(_same(body[name], value) for value in off):
             raise APIError(
                 400,
@@ -375,6 +387,124 @@ def _include_usage(options: Any, stream: bool) -> bool:
     return _boolean(options, "include_usage")
 
 
+# ----------------------------------------------------------------------------- chat completions
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A checked `POST /v1/chat/completions` body.
+
+    Attributes:
+        messages: the conversation to answer (checked by `check_messages`: an optional system
+            message, then user and assistant turns, ending with the user's).
+        config: the sampling settings, as a `CompletionRequest`'s (`max_completion_tokens` is
+            another name for `max_tokens`).
+        n: choices; choice `j` draws from a generator seeded `config.seed + j`.
+        stop: stop strings (not part of the text).
+        stream: answer as server-sent events.
+        include_usage: (stream) a last chunk holds the usage.
+    """
+
+    messages: list[dict[str, str]]
+    config: SampleConfig
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+
+    def completion(self, prompt: str, stop_ids: tuple[int, ...]) -> CompletionRequest:
+        """The completion the batcher runs: the rendered conversation, ending its choices at
+        `stop_ids` too."""
+        return CompletionRequest(
+            prompts=[prompt],
+            config=self.config,
+            n=self.n,
+            stop=self.stop,
+            stream=self.stream,
+            include_usage=self.include_usage,
+            stop_ids=stop_ids,
+        )
+
+
+# Chat fields accepted only at the value that means "off" (log-probs and tools are not served).
+_CHAT_OFF_VALUES = {
+    **{name: off for name, off in _OFF_VALUES.items() if name != "suffix"},
+    "logprobs": (None, False),
+    "top_logprobs": (None,),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+}
+_CHAT_FIELDS = {
+    "model",
+    "messages",
+    *SAMPLE_FIELDS,
+    "max_completion_tokens",
+    "n",
+    "stop",
+    "stream",
+    "stream_options",
+    "user",
+    *_CHAT_OFF_VALUES,
+}
+
+
+def parse_chat_completion(
+    body: Any, defaults: SampleConfig, limits: Limits, model_id: str
+) -> ChatRequest:
+    """Check a `POST /v1/chat/completions` body and turn it into a `ChatRequest`.
+
+    Args:
+        body, defaults, limits, model_id: see `parse_completion`.
+
+    Raises:
+        APIError: 400 for an unknown field, a wrong type, a value outside its range, or
+            messages that are not a conversation to answer (an unknown role, roles out of
+            order, a last message that is not the user's); 404 for another model.
+    """
+    _check_body(body, _CHAT_FIELDS, _CHAT_OFF_VALUES, model_id)
+    messages = _messages(body.get("messages"))
+    stream = _boolean(body, "stream")
+    return ChatRequest(
+        messages=messages,
+        config=_sample_config(_max_tokens(body), defaults, limits),
+        n=_integer(body, "n", 1, low=1, high=limits.max_rows),
+        stop=_stops(body.get("stop")),
+        stream=stream,
+        include_usage=_include_usage(body.get("stream_options"), stream),
+    )
+
+
+def _max_tokens(body: dict[str, Any]) -> dict[str, Any]:
+    """The body with `max_completion_tokens` (OpenAI's newer name) as `max_tokens`."""
+    value = body.get("max_completion_tokens")
+    if value is None:
+        return body
+    if not is_int(value):
+        raise _type_error("max_completion_tokens", value, "an integer")
+    if body.get("max_tokens") is not None and not _same(body["max_tokens"], value):
+        raise APIError(
+            400,
+            "max_tokens and max_completion_tokens differ: send one of them.",
+            param="max_completion_tokens",
+            code="invalid_value",
+        )
+    return {**body, "max_tokens": value}
+
+
+def _messages(messages: Any) -> list[dict[str, str]]:
+    if messages is None:
+        raise APIError(
+            400,
+            "messages is missing: send a list of {role, content} ending with the user's turn.",
+            param="messages",
+            code="missing_required_parameter",
+        )
+    try:
+        return check_messages(messages, "messages", complete=False)
+    except InputError as exc:
+        raise APIError(400, str(exc), param="messages", code="invalid_value") from None
+
+
 # ----------------------------------------------------------------------------- responses
 
 
@@ -398,11 +528,13 @@ def completion_json(
     model_id: str,
     choices: list[dict[str, Any]],
     usage: dict[str, int] | None,
+    kind: str = "text_completion",
 ) -> dict[str, Any]:
-    """A completion, or (with `usage` None, or empty `choices`) one chunk of a stream."""
+    """A completion, or (with `usage` None, or empty `choices`) one chunk of a stream; `kind`
+    is its `object` ("chat.completion", "chat.completion.chunk" for chat)."""
     out: dict[str, Any] = {
         "id": completion_id,
-        "object": "text_completion",
+        "object": kind,
         "created": created,
         "model": model_id,
         "choices": choices,
@@ -410,3 +542,19 @@ def completion_json(
     if usage is not None:
         out["usage"] = usage
     return out
+
+
+def chat_choice_json(index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+    """A chat completion's choice: the assistant's message."""
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": None,
+        "finish_reason": finish_reason,
+    }
+
+
+def chat_delta_json(index: int, delta: dict[str, str], finish_reason: str | None) -> dict[str, Any]:
+    """A chat stream chunk's choice: what the message gained (`{"role": "assistant"}` first,
+    then `{"content": ...}` pieces, `{}` with the finish reason last)."""
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
