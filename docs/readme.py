@@ -6,8 +6,8 @@ the trained run `checkpoints/tiny` (the pages' figures come from `llmcli train t
 2,000 steps on the bundled corpus; `--run DIR` gives another). `from` starts the shown part at
 the first line starting with TEXT, `until` ends it before the next line starting with TEXT,
 `drop` leaves out the lines starting with TEXT, `stdin` is the command's input (`\\n` for a new
-line; else none). A page that reads `checkpoints/chat` also gets the run `llmcli train chat`
-made there.
+line; else none). A shown command that reads another run, `checkpoints/NAME`, gets this
+checkout's (the page says how to make it).
 
     python docs/readme.py                         # check every page: exit 1 naming what differs
     python docs/readme.py --write                 # rewrite what differs
@@ -36,7 +36,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-CHAT_RUN = ROOT / "checkpoints" / "chat"  # the chat guide's fine-tuned run (configs/chat.yaml)
 
 
 def pages() -> list[Path]:
@@ -221,19 +220,22 @@ def run_command(command: str, folder: Path, stdin: str | None = None) -> str:
     return result.stdout
 
 
-def outputs(
-    text: str, run: Path, folder: Path, chat_run: Path = CHAT_RUN
-) -> Iterator[tuple[Shown, list[str]]]:
+def outputs(text: str, run: Path, folder: Path) -> Iterator[tuple[Shown, list[str]]]:
     """Each shown output with the lines its command prints now, run from `folder`, which gets
-    a copy of `run` as `checkpoints/tiny` (commands may write into the run), and of `chat_run`
-    as `checkpoints/chat` when the page reads it."""
+    a copy of `run` as `checkpoints/tiny` (commands may write into the run), and, from the
+    first command that reads it on, of every other `checkpoints/NAME` a shown command reads,
+    from this checkout's `checkpoints/` (so that until then `tiny` is the latest run, as it is
+    for a reader who has not made the others yet)."""
     no_state = shutil.ignore_patterns("state.pt")
     shutil.copytree(run, folder / "checkpoints" / "tiny", ignore=no_state)
-    if "checkpoints/chat" in text:
-        if not (chat_run / "config.yaml").is_file():
-            raise RuntimeError(f"no chat run at {chat_run}: train it (llmcli train chat)")
-        shutil.copytree(chat_run, folder / "checkpoints" / "chat", ignore=no_state)
     for shown in shown_outputs(text):
+        for name in re.findall(r"checkpoints/([\w.-]+)", shown.command):
+            source, copy = ROOT / "checkpoints" / name, folder / "checkpoints" / name
+            if copy.exists():
+                continue
+            if not (source / "config.yaml").is_file():
+                raise RuntimeError(f"no run at checkpoints/{name}: make it as the page says")
+            shutil.copytree(source, copy, ignore=no_state)
         yield shown, select(run_command(shown.command, folder, shown.stdin), shown)
 
 

@@ -187,6 +187,7 @@ GOOD: dict[str, dict[str, st.SearchStrategy]] = {
         "save_interval": st.none() | POSITIVE,
         "save_interval_s": st.none() | reals(0.1, 1e5),
         "spike_factor": reals(1, 100, exclude_min=True),
+        "spike_margin": reals(0, 100),
         "spike_window": st.integers(1, 1000),
         "spike_skips": st.integers(1, 100),
         "spike_lr_factor": reals(0, 1, exclude_min=True),
@@ -390,6 +391,7 @@ RANGE_RULES = [
     setting(
         "train", "spike_factor", reals(hi=1) | st.integers(-(10**9), 1), "must be a number > 1"
     ),
+    setting("train", "spike_margin", NEGATIVE, "must be a number >= 0"),
     setting("train", "spike_window", COUNT_NOT_POSITIVE, "must be >= 1 (steps)"),
     setting("train", "spike_skips", COUNT_NOT_POSITIVE, "must be >= 1 (skipped steps)"),
     setting("train", "spike_lr_factor", OUT_OF_HALF_OPEN, "must be in (0, 1]"),

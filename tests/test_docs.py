@@ -286,6 +286,15 @@ def _trains_tiny(page: Path) -> bool:
     return bool(words) and words[0][:3] == ["llmcli", "train", "tiny"]
 
 
+def _quick_start_end(text: str) -> int:
+    """The line of the heading after a page's "## Quick start" section (past the end: none)."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("## Quick start")), None)
+    if start is None:
+        return len(lines)
+    return next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+
+
 class _Reader:
     """A new user typing a page's commands, in order, in one folder."""
 
@@ -293,9 +302,15 @@ class _Reader:
         self.folder, self.monkeypatch, self.capsys = folder, monkeypatch, capsys
         self.failures, self.ran, self.skipped = [], [], []
 
-    def read(self, page: Path) -> None:
+    def read(self, page: Path, snapshot: Path | None = None) -> None:
+        """Type the page's commands; `snapshot` gets a copy of the folder as the page's quick
+        start section left it (before the next section's commands)."""
         self.monkeypatch.chdir(self.folder)
-        for block in readme.code_blocks(page.read_text("utf-8")):
+        text = page.read_text("utf-8")
+        end = _quick_start_end(text)
+        for block in readme.code_blocks(text):
+            if snapshot is not None and not snapshot.exists() and block.start > end:
+                shutil.copytree(self.folder, snapshot)
             where = f"{page.relative_to(ROOT)} line {block.start}"
             if block.lang == "python" and "load_run" in "\n".join(block.lines):
                 try:
@@ -334,17 +349,19 @@ def test_every_cheap_command_of_every_page_runs_as_a_new_user_types_it(
     """README from an empty folder; then each page in a folder of its own, empty for a page that
     trains `tiny` itself (getting started), else as README's quick start left it."""
     monkeypatch.setenv("LLMCLI_CACHE", str(tmp_path / "cache"))
-    readers = []
+    readers, quick_start = [], tmp_path / "after-the-quick-start"
     for page in PAGES:
         folder = tmp_path / page.relative_to(ROOT).with_suffix("").as_posix().replace("/", "-")
         if page == PAGES[0] or _trains_tiny(page):
             folder.mkdir()
         else:
-            shutil.copytree(tmp_path / "README", folder)
+            shutil.copytree(quick_start, folder)
         for name, text in USER_FILES.items():
             (folder / name).write_text(text)
         reader = _Reader(folder, monkeypatch, capsys)
-        reader.read(page)
+        reader.read(page, snapshot=quick_start if page == PAGES[0] else None)
+        if page == PAGES[0] and not quick_start.exists():
+            shutil.copytree(folder, quick_start)
         readers.append(reader)
     failures = [f for r in readers for f in r.failures]
     assert not failures, "\n\n".join(failures)

@@ -180,7 +180,7 @@ BAD_REQUESTS = [
     ({}, "messages", "missing_required_parameter", "messages is missing"),
     # 70 characters + <|user|> \n <|end|> \n + <|assistant|> \n: 76 tokens
     (said("a" * 70), "messages", "context_length_exceeded", "76 tokens"),
-    (said("\u00e9"), "messages", "invalid_value", "cannot encode"),
+    (said("\u00e9"), "messages", "invalid_value", "vocabulary lacks"),
     ({**said("a"), "logprobs": True}, "logprobs", "unsupported_parameter", "leave"),
     ({**said("a"), "prompt": "x"}, "prompt", "unknown_parameter", "messages"),
     ({**said("a"), "n": 0}, "n", "invalid_value", "1..8"),
