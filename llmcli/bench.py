@@ -260,7 +260,7 @@ def _time_training(
     warm-up."""
     tc = config.train
     trainer = Trainer(
-        model=torch.compile(model) if tc.compile else model,
+        model=torch.compile(model) if tc.compile is True else model,  # auto: for a run, not a bench
         params=list(model.parameters()),
         optimizer=build_optimizer(model, tc, precision.device.type),
         precision=precision,

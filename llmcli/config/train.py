@@ -53,7 +53,9 @@ class TrainConfig:
     head_metrics: bool = True
     log_interval: int = 10  # steps between log records and progress lines
     seed: int = 1337  # one seed for weights, batches and dropout
-    compile: bool = False  # torch.compile the model
+    # torch.compile the model: true, false, or auto: where the time it saves (measured) is more
+    # than its warm-up (llmcli.training.compiling; inductor's cache is kept on disk)
+    compile: bool | Literal["auto"] = False
     out_dir: str | None = None  # the run directory (default: checkpoints/<config name>)
     # AdamW, or Muon for the matrices and AdamW for the rest
     optimizer: Literal["adamw", "muon"] = "adamw"

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from llmcli.config import Config, ModelConfig
+from llmcli.config import Config, DataConfig, ModelConfig
 from llmcli.data.tokenizer import Tokenizer, load_tokenizer
 from llmcli.errors import CheckpointError, InputError
 from llmcli.hf.architectures import for_model_type
@@ -279,17 +279,26 @@ def resolve_init_from(config: Config) -> Config:
     model_cfg = model_config(hf_cfg, config.model, folder)
     _load_folder_tokenizer(folder, hf_cfg)
     folder = folder.resolve()
+    data = dataclasses.replace(config.data, tokenizer=str(folder / HF_TOKENIZER_FILE))
+    return config_from_base(config, model_cfg, data, folder, "init_from")
+
+
+def config_from_base(
+    config: Config, model: ModelConfig, data: DataConfig, base: Path, what: str
+) -> Config:
+    """`config` with the base's model shape and data settings and `train.init_from` its
+    absolute path, validated; what changed in the model is logged, `what` naming the base."""
     resolved = dataclasses.replace(
         config,
-        model=model_cfg,
-        data=dataclasses.replace(config.data, tokenizer=str(folder / HF_TOKENIZER_FILE)),
-        train=dataclasses.replace(config.train, init_from=str(folder)),
+        model=model,
+        data=data,
+        train=dataclasses.replace(config.train, init_from=str(base)),
     )
     resolved.validate()
     changed = [
         f"model.{k}={v!r}"
-        for k, v in dataclasses.asdict(model_cfg).items()
+        for k, v in dataclasses.asdict(model).items()
         if getattr(config.model, k) != v
     ]
-    logger.info("init_from '%s': %s", folder, ", ".join(changed) or "model shape unchanged")
+    logger.info("%s '%s': %s", what, base, ", ".join(changed) or "model shape unchanged")
     return resolved

@@ -26,7 +26,7 @@ import torch
 from llmcli.chat.template import TEMPLATE_FILE
 from llmcli.config import Config
 from llmcli.errors import CheckpointError
-from llmcli.hf.load import hf_weights
+from llmcli.hf.load import config_from_base, hf_weights
 from llmcli.hf.load import resolve_init_from as resolve_hf_init_from
 from llmcli.model.gpt import Transformer
 from llmcli.runs.directory import CONFIG_FILE, TOKENIZER_FILE
@@ -69,20 +69,7 @@ def resolve_init_from(config: Config) -> Config:
     template = run_dir / TEMPLATE_FILE
     if data.format == "chat" and data.chat_template is None and template.is_file():
         data = dataclasses.replace(data, chat_template=str(template))
-    resolved = dataclasses.replace(
-        config,
-        model=model,
-        data=data,
-        train=dataclasses.replace(config.train, init_from=str(run_dir)),
-    )
-    resolved.validate()
-    changed = [
-        f"model.{k}={v!r}"
-        for k, v in dataclasses.asdict(model).items()
-        if getattr(config.model, k) != v
-    ]
-    logger.info("init_from run '%s': %s", run_dir, ", ".join(changed) or "model shape unchanged")
-    return resolved
+    return config_from_base(config, model, data, run_dir, "init_from run")
 
 
 def load_init_weights(model: Transformer, init_from: str) -> None:

@@ -185,6 +185,7 @@ def save(run: Run, best: bool) -> None:
             # the shipped config's name finds the run's reference curve (llmcli.runs.reference)
             "config_name": run.config.name,
             "tokenizer_training": run.tokenizer_training,
+            "compiled": run.compiled,  # train.compile's choice, which a resumed run keeps
         }
         if run.data.chat is not None:  # how many conversations fit, were cut or left out
             meta["chat_data"] = run.data.chat.counts()

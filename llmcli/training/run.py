@@ -60,6 +60,13 @@ from llmcli.training.batch import (
     smaller_micro_batch,
     with_micro_batch,
 )
+from llmcli.training.compiling import (
+    MEASURE_S,
+    choose,
+    compile_key,
+    compiled,
+    inductor_cache,
+)
 from llmcli.training.distributed import DistInfo, agreed, gather
 from llmcli.training.guard import SpikeGuard
 from llmcli.training.init_from import load_init_weights, resolve_init_from
@@ -114,6 +121,7 @@ class Run:
     metrics_bytes: int | None = None  # metrics.jsonl's size at the save resumed from
     log: RunLog | None = None  # rank 0 only
     tokenizer_training: dict | None = None  # how the tokenizer was made, for meta.json
+    compiled: bool = False  # whether the step runs torch.compile's graphs (train.compile)
     saved_at: float = 0.0  # perf_counter() at the end of the last save (or the loop's start)
     save_seconds: list[float] = dataclasses.field(default_factory=list)  # this session's saves
 
@@ -280,6 +288,8 @@ def build_run(
     input on one rank stops them all with its message.
     """
     tc, device = config.train, precision.device
+    if tc.compile is not False:  # before torch looks for its cache folder, which it then keeps
+        inductor_cache()
     if tc.init_from:  # a run or a Hugging Face folder sets the model's shape and the tokenizer
         config = resolve_init_from(config)
     saved, data = _prepare(config, info, device, run_dir, resume, overwrite)
@@ -325,7 +335,7 @@ def build_run(
         eval_samplers(run)  # a corpus too small for the batch and context fails here, not later
     if saved is not None:
         run.restore(saved)
-    trainer.model = torch.compile(model) if tc.compile else model
+    trainer.model = _compiled(run, model, saved is not None)
     if info.enabled:
         device_ids = [device.index] if device.type == "cuda" else None
         trainer.model = DistributedDataParallel(trainer.model, device_ids=device_ids)
@@ -413,6 +423,26 @@ def _check_same_save(saved: ResumeState | None, run_dir: Path, info: DistInfo) -
             f"the ranks read different resume states from '{run_dir}' (steps by rank: "
             f"{steps}): every rank must see the same run directory, on a shared file system."
         )
+
+
+def _compiled(run: Run, model: Transformer, resumed: bool) -> nn.Module:
+    """The model the step runs: compiled or not by `train.compile` (`llmcli.training.compiling`);
+    a resumed run keeps the choice its `meta.json` records."""
+    from llmcli.training.plan import measure_step
+
+    config, vocab = run.config, int(run.tokenizer.vocab_size)
+    recorded = read_meta(run.run_dir / META_FILE).get("compiled") if resumed else None
+    key = compile_key(config, vocab, run.device)
+    choice = choose(
+        config.train.compile,
+        key,
+        config.train.max_steps - run.state.step,
+        lambda: measure_step(config, vocab, run.precision, MEASURE_S).step_s,
+        device=run.device.type,
+        resumed=recorded if isinstance(recorded, bool) else None,
+    )
+    run.compiled = choice.compile
+    return compiled(model, choice, key)
 
 
 def eval_samplers(run: Run) -> dict[str, BatchSampler | ChatSampler]:
