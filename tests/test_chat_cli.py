@@ -259,3 +259,21 @@ def test_bad_options_exit_2(run_dir, capsys, monkeypatch) -> None:
     assert code == 2 and "'<|user|>'" in err
     code, _, err = chat_cli(capsys, monkeypatch, run_dir, [], "--temperature", "-1")
     assert code == 2 and "temperature" in err
+
+
+def test_steer_adds_the_feature_direction_to_a_reply(run, run_dir, tmp_path, capsys, monkeypatch):
+    """`chat --steer` answers as the hand loop does with the direction added at the hook."""
+    from llmcli.sae.folder import SAEInfo, save_sae
+    from llmcli.sae.model import SparseAutoencoder
+
+    hook, width = "blocks.1.resid_post", run.config.model.n_embed
+    sae = SparseAutoencoder(width, 16, 4, generator=torch.Generator().manual_seed(3))
+    save_sae(tmp_path / "sae", sae, SAEInfo(hook=hook, run=str(run_dir), settings={}), 64)
+    code, steered, err = chat_cli(
+        capsys, monkeypatch, run_dir, ["Hi"], *GREEDY, "--steer", f"{tmp_path / 'sae'}:3=40"
+    )
+    assert code == 0, err
+    direction = sae.W_dec[3].detach()
+    with run.model.hooks({hook: lambda h: h + 40 * direction}):
+        by_hand = greedy_reply(run, [user("Hi")], 20)[0]
+    assert steered == [by_hand] and by_hand != greedy_reply(run, [user("Hi")], 20)[0]

@@ -3,7 +3,9 @@ command line: what they print, what they write, and exit status 2 with a message
 
 from __future__ import annotations
 
+import io
 import json
+import sys
 
 import pytest
 from sae_helpers import HOOK, small_run
@@ -148,6 +150,18 @@ def test_sample_steer_and_eval_ablate_feature(run, folder, capsys) -> None:
     assert code == 0 and f"SAE features removed: {folder}:3" in out
 
 
+def test_interactive_sampling_steers_as_sample_does(run, folder, capsys, monkeypatch) -> None:
+    common = ["--checkpoint", str(run), "--temperature", "0", "--max-new-tokens", "10"]
+    steer = ["--steer", f"{folder}:3=30"]
+    code, steered, _ = cli(capsys, "sample", *common, "--prompt", "the ", *steer)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("the \n"))
+    code2, answered, _ = cli(capsys, "sample", *common, "--interactive", *steer)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("the \n"))
+    code3, plain, _ = cli(capsys, "sample", *common, "--interactive")
+    assert code == code2 == code3 == 0
+    assert steered == "the " + answered and answered != plain
+
+
 @pytest.mark.parametrize(
     ("args", "words"),
     [
@@ -156,7 +170,6 @@ def test_sample_steer_and_eval_ablate_feature(run, folder, capsys) -> None:
         (["sae", "eval", "--sae", "nowhere"], "holds no cfg.json"),
         (["sae", "features", "--feature", "99", "--steps", "1"], "--feature 99"),
         (["sample", "--steer", "x", "--max-new-tokens", "2"], "write SAE_DIR:FEATURE=SCALE"),
-        (["sample", "--steer", "{folder}:1=2", "--interactive"], "--interactive reads"),
         (["eval", "--ablate-feature", "{folder}:1=2", "--steps", "1"], "write SAE_DIR:FEATURE"),
     ],
 )

@@ -162,10 +162,9 @@ def sample_command(
     # The run's sample: config, changed by the options given (None: not given).
     overrides = {key: value for key, value in settings.items() if value is not None}
     if interactive:
-        if prompt_file is not None or json_ or steer:
+        if prompt_file is not None or json_:
             raise InputError(
-                "--interactive reads its prompts from stdin: leave out --prompt-file, --json "
-                "and --steer."
+                "--interactive reads its prompts from stdin: leave out --prompt-file and --json."
             )
         _interactive(checkpoint, prompt, overrides, options, write)
         return
@@ -196,7 +195,7 @@ def _interactive(
 ) -> None:
     """`sample --interactive`: load the run once, then answer stdin's lines (a first --prompt)."""
     from llmcli.generation.interactive import interactive
-    from llmcli.generation.sample import load_for_sampling
+    from llmcli.generation.sample import load_for_sampling, steering
 
     run, config, options = load_for_sampling(checkpoint, overrides, options, notify)
     tty = sys.stdin.isatty()
@@ -205,7 +204,8 @@ def _interactive(
 
         notify(f"{run.run_dir}: type a prompt; /help lists the commands, Ctrl-D exits")
     pending = [prompt] if prompt is not None else []
-    interactive(run, config, options, _stdin_lines("> ", pending), write, notify)
+    with steering(run, options):
+        interactive(run, config, options, _stdin_lines("> ", pending), write, notify)
     sys.stdout.flush()
 
 
@@ -258,19 +258,21 @@ def chat_command(
     threads: ThreadsOption = None,
     weights: WeightsOption = "best",
     device: DeviceOption = "auto",
+    steer: SteerOption = None,
     **settings: Any,
 ) -> None:
     """Talk with a chat run: one message per line from stdin (a terminal or a pipe), each reply
     printed (on a pipe, as one line: newlines in it written \\n); /reset, /system TEXT, /quit,
     /help; Ctrl-C stops a reply, Ctrl-D exits."""
     from llmcli.generation.chat import chat, open_session
-    from llmcli.generation.sample import SampleOptions, unescape
+    from llmcli.generation.sample import SampleOptions, steering, unescape
 
     options = SampleOptions(
         stop=tuple(unescape(text) for text in stop or []),
         threads=threads,
         weights=weights,
         device=device,
+        steer=tuple(steer or ()),
     )
     overrides = {key: value for key, value in settings.items() if value is not None}
     session = open_session(checkpoint, system, overrides, options, notify)
@@ -279,5 +281,6 @@ def chat_command(
 
         notify(f"{session.run.run_dir}: type a message; /help lists the commands, Ctrl-D exits")
     one_line = not sys.stdout.isatty()
-    chat(session, _stdin_lines("you> ", []), ThrottledStdout(), notify, one_line=one_line)
+    with steering(session.run, options):
+        chat(session, _stdin_lines("you> ", []), ThrottledStdout(), notify, one_line=one_line)
     sys.stdout.flush()

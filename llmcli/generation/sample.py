@@ -568,13 +568,13 @@ def sample_run(
     run, config, options = load_for_sampling(checkpoint, overrides, options, notify)
     headers = [p for p in prompts for _ in range(options.num_samples)]
     sink = None if write is None else OrderedWriter(write, headers)
-    with torch_threads(sample_threads(run.model, config, options)), _steering(run, options):
+    with torch_threads(sample_threads(run.model, config, options)), steering(run, options):
         return sample_texts(
             run.model, run.tokenizer, prompts, config, options, sink=sink, notify=notify
         )
 
 
-def _steering(run: LoadedRun, options: SampleOptions) -> AbstractContextManager[None]:
+def steering(run: LoadedRun, options: SampleOptions) -> AbstractContextManager[None]:
     """The `--steer` hook functions at their points while the block runs (`llmcli.sae.steer`
     makes them; with none, nothing changes). Any hook point makes each step a full forward."""
     if not options.steer:
