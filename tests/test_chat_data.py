@@ -1,4 +1,4 @@
-"""Conversation data (llmcli/data/chat.py) and its batches (llmcli/data/batches.py's ChatSampler):
+"""Conversation data (llmcli/data/chat.py) and its batches (llmcli/data/chat_batches.py):
 the loss mask against a hand computation, windows cut at turn ends or skipped, the cache, the
 validation split, a `datasets` source, exact resume of the sampler, and bad rows.
 
@@ -17,8 +17,8 @@ import torch
 from chat_helpers import CHARS, CONVERSATIONS, chat_tokenizer
 
 from llmcli.config import DataConfig
-from llmcli.data.batches import ChatSampler
 from llmcli.data.chat import conversation_windows, prepare_chat_data
+from llmcli.data.chat_batches import ChatSampler
 from llmcli.errors import InputError
 
 CHAR_IDS = {c: i for i, c in enumerate(sorted(set(CHARS)))}  # a char tokenizer's ids

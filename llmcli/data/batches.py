@@ -5,16 +5,12 @@
 file (`llmcli.data.tokens.WindowReader`, which keeps memory flat however large the corpus), and
 puts them on the device. Saving `state_dict()` and loading it into a new sampler continues the
 exact stream: what a resumed run needs to see the batches an uninterrupted one would.
-
-`ChatSampler` does the same for conversations (`data.format: chat`, `llmcli.data.chat`): each
-row is one conversation's window from its first token, drawn uniformly over the windows, with
-the targets the model does not write (and those past the conversation's end) set to -1, which
-the loss ignores.
+Conversations (`data.format: chat`) have a sampler of their own, `llmcli.data.chat.ChatSampler`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,15 +18,11 @@ import torch
 from llmcli.data.tokens import WindowReader
 from llmcli.errors import InputError
 
-if TYPE_CHECKING:
-    from llmcli.data.prepared import ChatSplit
 
-IGNORE = -1  # a target the loss leaves out (the model's `ignore_index`)
-
-
-def _to_device(
+def to_device(
     x: torch.Tensor, y: torch.Tensor, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch on `device` (on CUDA, copied from pinned memory without waiting)."""
     if device.type == "cuda":
         return (
             x.pin_memory().to(device, non_blocking=True),
@@ -39,7 +31,7 @@ def _to_device(
     return x.to(device), y.to(device)
 
 
-def _stream_seed(seed: int, rank: int) -> int:
+def stream_seed(seed: int, rank: int) -> int:
     """Rank 0 draws from `seed` itself; other ranks from well-mixed, distinct seeds."""
     if rank == 0:
         return seed
@@ -82,7 +74,7 @@ class BatchSampler:
         self.batch_size = batch_size
         self.context_length = context_length
         self.device = torch.device(device)
-        self.generator = torch.Generator().manual_seed(_stream_seed(seed, rank))
+        self.generator = torch.Generator().manual_seed(stream_seed(seed, rank))
         self.batches = 0
         self.reader = WindowReader(tokens, context_length + 1)
 
@@ -94,7 +86,7 @@ class BatchSampler:
         x = windows[:, :-1].contiguous()  # (B, T)
         y = windows[:, 1:].contiguous()  # (B, T)
         self.batches += 1
-        return _to_device(x, y, self.device)
+        return to_device(x, y, self.device)
 
     __next__ = next
 
@@ -116,67 +108,3 @@ class BatchSampler:
             raise InputError("the data sampler state has no valid 'rng_state' (a uint8 tensor).")
         self.generator.set_state(rng.cpu())
         self.batches = int(state.get("batches", 0))
-
-
-class ChatSampler:
-    """Random `(x, y)` conversation windows, drawn with the sampler's own generator.
-
-    Args:
-        split: the split's ids, mask and windows (`llmcli.data.chat.ChatSplit`).
-        pad_id: the input id after a conversation's end (its targets are ignored).
-        batch_size, context_length, seed, rank, world_size, device: as `BatchSampler`'s.
-    """
-
-    def __init__(
-        self,
-        split: ChatSplit,
-        pad_id: int,
-        batch_size: int,
-        context_length: int,
-        seed: int,
-        rank: int = 0,
-        world_size: int = 1,
-        device: str | torch.device = "cpu",
-    ) -> None:
-        if len(split.starts) == 0:
-            raise InputError("the split has no conversation window to draw from.")
-        if batch_size < 1:
-            raise ValueError(f"batch_size ({batch_size}) must be positive")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank ({rank}) must be in [0, world_size={world_size})")
-        self.split, self.pad_id = split, pad_id
-        self.batch_size = batch_size
-        self.context_length = context_length
-        self.device = torch.device(device)
-        self.generator = torch.Generator().manual_seed(_stream_seed(seed, rank))
-        self.batches = 0
-
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next batch: `x` `(B, T)` int64 and `y` `(B, T)` int64, where `y[:, t]` is
-        `x[:, t+1]` on the tokens the model writes and -1 elsewhere."""
-        T, split = self.context_length, self.split
-        picks = torch.randint(len(split.starts), (self.batch_size,), generator=self.generator)
-        x = np.full((self.batch_size, T), self.pad_id, dtype=np.int64)  # (B, T)
-        y = np.full((self.batch_size, T), IGNORE, dtype=np.int64)  # (B, T)
-        for row, k in enumerate(picks.tolist()):
-            start, length = int(split.starts[k]), int(split.lengths[k])
-            ids = np.asarray(split.tokens[start : start + length], dtype=np.int64)  # (L,)
-            written = np.asarray(split.mask[start + 1 : start + length], dtype=bool)  # (L-1,)
-            x[row, : length - 1] = ids[:-1]
-            y[row, : length - 1] = np.where(written, ids[1:], IGNORE)
-        self.batches += 1
-        return _to_device(torch.from_numpy(x), torch.from_numpy(y), self.device)
-
-    __next__ = next
-
-    def __iter__(self) -> ChatSampler:
-        return self
-
-    def close(self) -> None:
-        """Nothing to close: the split's memory maps belong to its data."""
-
-    def state_dict(self) -> dict[str, torch.Tensor | int]:
-        """Generator state and batch count, as `BatchSampler.state_dict`."""
-        return {"rng_state": self.generator.get_state(), "batches": self.batches}
-
-    load_state_dict = BatchSampler.load_state_dict

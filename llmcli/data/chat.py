@@ -14,7 +14,7 @@ conversations, the template and the tokenizer, not the context length, so one ca
 every model size.
 
 A window is one conversation from its first token, `context_length + 1` tokens at most (the
-sampler pads the rest, `llmcli.data.batches.ChatSampler`). A longer conversation is cut after
+sampler pads the rest, `llmcli.data.chat_batches.ChatSampler`). A longer conversation is cut after
 the last assistant turn that ends within the window (truncated), or left out when none does
 (skipped): a cut elsewhere would teach the model a reply that stops mid-turn. The validation
 split is `data.val_path` / `data.val_split`, else the last `data.val_fraction` of the

@@ -4,7 +4,7 @@
 random batches of each split (averaged over ranks under DDP), and, for `train.head_metrics`, the
 loss at each position of the context, which `llmcli.evaluation.metrics.icl_score` turns into the
 in-context learning score. Targets of -1 (conversations' tokens the model does not write,
-`llmcli.data.batches.ChatSampler`) are left out of both, as the model's loss leaves them out.
+`llmcli.data.chat_batches.ChatSampler`) are left out of both, as the model's loss leaves them out.
 `llmcli eval`'s deterministic pass over a whole text is `llmcli.evaluation.run`.
 """
 
