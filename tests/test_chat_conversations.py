@@ -127,6 +127,9 @@ def test_jsonl_rows_are_read_and_a_bad_line_is_named_by_file_and_number(tmp_path
     path.write_text('{"text": "no messages"}\n', encoding="utf-8")
     with pytest.raises(InputError, match=r"line 1: a row must be an object with \"messages\""):
         list(read_jsonl(path))
+    path.write_text(good + "\n" + "[" * 100_000 + "]" * 100_000 + "\n", encoding="utf-8")
+    with pytest.raises(InputError, match="line 2 is JSON nested too deeply"):
+        list(read_jsonl(path))
     path.write_bytes(good.encode() + b"\n\xff\xfe\n")
     with pytest.raises(InputError, match="line 2: the text is not UTF-8"):
         list(read_jsonl(path))

@@ -108,6 +108,8 @@ def _row_messages(line: str, where: str) -> Any:
         row = json.loads(line)
     except json.JSONDecodeError as exc:
         raise InputError(f"{where} is not JSON (column {exc.colno}: {exc.msg}).") from None
+    except RecursionError:  # nested deeper than Python's parser goes: no conversation either
+        raise InputError(f"{where} is JSON nested too deeply to be a row of messages.") from None
     if not isinstance(row, dict) or "messages" not in row:
         raise InputError(f'{where}: a row must be an object with "messages": [...].')
     return row["messages"]
