@@ -167,6 +167,25 @@ def test_equal_functions_nest_at_one_point_and_each_block_takes_its_own_away() -
     assert torch.equal(model(idx)[0], plain)
 
 
+def test_a_list_of_functions_at_one_point_runs_in_order_as_nested_blocks_do() -> None:
+    model = tiny_model()
+    idx = torch.zeros(1, 3, dtype=torch.long)
+    add, scale = (lambda x: x + 1), (lambda x: x * 3)  # order matters: (x + 1) * 3 != x * 3 + 1
+    with model.hooks({"blocks.0.mlp_out": add}), model.hooks({"blocks.0.mlp_out": scale}):
+        nested, _ = model(idx)
+    with model.hooks({"blocks.0.mlp_out": [add, scale]}):
+        assert model.blocks[0].mlp_out.fns == [add, scale]
+        listed, _ = model(idx)
+    with model.hooks({"blocks.0.mlp_out": [scale, add]}):
+        swapped, _ = model(idx)
+    assert torch.equal(listed, nested) and not torch.equal(listed, swapped)
+    assert model.blocks[0].mlp_out.fns == []
+    with pytest.raises(InputError, match="is a int, not a function"):
+        with model.hooks({"blocks.0.mlp_out": [add, 3]}):
+            pass
+    assert model.blocks[0].mlp_out.fns == []
+
+
 def test_a_replacement_that_cannot_stand_for_the_activation_is_refused_by_name() -> None:
     model = tiny_model()
     idx = torch.zeros(1, 3, dtype=torch.long)

@@ -221,12 +221,12 @@ def _evaluate(
         batches = window_batches(tokens, ctx, starts, dev)
         head_mean = head_means(run.model, batches, progress=progress, total=len(starts))
     hooks = {} if head_mask is None else ablation_hooks(head_mask, head_mean)
+    features = {}
     if options.ablate_feature:
         from llmcli.sae.steer import ablation_hooks as feature_hooks
-        from llmcli.sae.steer import add_hooks
 
-        hooks = add_hooks(hooks, feature_hooks(run.model, options.ablate_feature))
-    with run.model.hooks(hooks):
+        features = feature_hooks(run.model, options.ablate_feature)
+    with run.model.hooks(hooks), run.model.hooks(features):  # heads first, then features
         totals = score_tokens(
             run.model,
             tokens,

@@ -383,7 +383,7 @@ class Transformer(nn.Module):
         """Every hook point, in the order the forward meets them (see the module doc)."""
         return hook_names(self)
 
-    def hooks(self, fns: Mapping[str, HookFn]) -> AbstractContextManager[None]:
+    def hooks(self, fns: Mapping[str, HookFn | list[HookFn]]) -> AbstractContextManager[None]:
         """`with model.hooks({name: fn}):` runs `fn(activation)` at each named hook point; a
         returned tensor replaces the activation (see `llmcli.model.hooks`)."""
         return hooked(self, fns)

@@ -76,8 +76,9 @@ def hook_names(module: nn.Module) -> list[str]:
 
 
 @contextmanager
-def hooked(module: nn.Module, fns: Mapping[str, HookFn]) -> Iterator[None]:
-    """Run `fns[name]` at each named hook point of `module` while the block runs.
+def hooked(module: nn.Module, fns: Mapping[str, HookFn | list[HookFn]]) -> Iterator[None]:
+    """Run `fns[name]` at each named hook point of `module` while the block runs: a function, or
+    a list of them run in the order given (each on what the one before left).
 
     The functions leave with the block, also when it raises. Under `torch.compile` a new function
     recompiles the forward (the compiled graph guards on them): hook the module itself, not its
@@ -85,15 +86,16 @@ def hooked(module: nn.Module, fns: Mapping[str, HookFn]) -> Iterator[None]:
 
     Args:
         module: a model (or any module holding hook points; names are relative to it).
-        fns: hook point name -> function of the activation; a returned tensor (of the
-            activation's shape, dtype and device) replaces it.
+        fns: hook point name -> function of the activation (or a list of them); a returned
+            tensor (of the activation's shape, dtype and device) replaces it.
 
     Raises:
         InputError: a name that is not a hook point of `module` (the message lists close ones),
             or a value that is not callable.
     """
     points = {name: m for name, m in module.named_modules() if isinstance(m, HookPoint)}
-    for name, fn in fns.items():
+    each = [(name, f) for name, fn in fns.items() for f in (fn if isinstance(fn, list) else [fn])]
+    for name, fn in each:
         if name not in points:
             close = difflib.get_close_matches(name, list(points), n=3, cutoff=0.6)
             hint = f"did you mean {', '.join(close)}? " if close else ""
@@ -105,7 +107,7 @@ def hooked(module: nn.Module, fns: Mapping[str, HookFn]) -> Iterator[None]:
             raise InputError(f"the hook for {name!r} is a {type(fn).__name__}, not a function.")
     added = []
     try:
-        for name, fn in fns.items():
+        for name, fn in each:
             points[name].name = name
             points[name].fns.append(fn)
             added.append((points[name], fn))

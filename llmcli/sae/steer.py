@@ -9,14 +9,14 @@
   (`llmcli eval --ablate-feature SAE_DIR:FEATURE`).
 
 `steering_hooks` and `ablation_hooks` turn the options into `{hook point: function}` for
-`model.hooks`; several at one point run in the order given (`add_hooks` joins two such maps).
+`model.hooks`; several at one point run in the order given.
 The SAE goes to the model's device and dtype.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -80,8 +80,8 @@ def _hooks(
     option: str,
     make: Callable[[SparseAutoencoder, int, float], HookFn],
     scaled: bool,
-) -> dict[str, HookFn]:
-    """`{hook point: function}` for `specs`, the functions at one point run in turn."""
+) -> dict[str, list[HookFn]]:
+    """`{hook point: [function, ...]}` for `specs` (`model.hooks` runs a point's in turn)."""
     loaded: dict[str, LoadedSAE] = {}
     at: dict[str, list[HookFn]] = {}
     weight = next(model.parameters())
@@ -103,31 +103,10 @@ def _hooks(
                 f"({sae.sae.d_sae - 1})."
             )
         at.setdefault(sae.info.hook, []).append(make(sae.sae, feature, scale))
-    return {name: _in_turn(fns) for name, fns in at.items()}
+    return at
 
 
-def _in_turn(fns: list[HookFn]) -> HookFn:
-    if len(fns) == 1:
-        return fns[0]
-
-    def run_all(act: Tensor) -> Tensor:
-        for fn in fns:
-            out = fn(act)
-            act = act if out is None else out  # a function that returns None only reads
-        return act
-
-    return run_all
-
-
-def add_hooks(hooks: Mapping[str, HookFn], more: Mapping[str, HookFn]) -> dict[str, HookFn]:
-    """`hooks` and `more` together; at a point both name, `hooks`' function runs first."""
-    out = dict(hooks)
-    for name, fn in more.items():
-        out[name] = _in_turn([out[name], fn]) if name in out else fn
-    return out
-
-
-def steering_hooks(model: nn.Module, specs: Sequence[str]) -> dict[str, HookFn]:
+def steering_hooks(model: nn.Module, specs: Sequence[str]) -> dict[str, list[HookFn]]:
     """The hook functions of `--steer SAE_DIR:FEATURE=SCALE` options, for `model.hooks`.
 
     Raises:
@@ -137,7 +116,7 @@ def steering_hooks(model: nn.Module, specs: Sequence[str]) -> dict[str, HookFn]:
     return _hooks(model, specs, "--steer", steer, scaled=True)
 
 
-def ablation_hooks(model: nn.Module, specs: Sequence[str]) -> dict[str, HookFn]:
+def ablation_hooks(model: nn.Module, specs: Sequence[str]) -> dict[str, list[HookFn]]:
     """The hook functions of `--ablate-feature SAE_DIR:FEATURE` options, for `model.hooks`.
 
     Raises:
