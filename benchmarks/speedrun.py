@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
@@ -264,6 +265,8 @@ TRACKS: dict[str, dict[str, Any]] = {
     # The lowest val within 600 s, at most 1.50; a record is lower on every seed.
     "10min": {"config": "speedrun-cpu-600s", "target": 1.50, "budget_s": 600.0, "better": "val"},
 }
+# modded-nanogpt's bar for a new record: p < 0.01 that it beats the previous one.
+RECORD_P = 0.01
 RECORDS = ROOT / "benchmarks" / "records.json"
 SNAPSHOTS = ROOT / "benchmarks" / "records"
 
@@ -349,6 +352,7 @@ def judge(
     meets = all(e["val"] <= track["target"] and e["wall_s"] <= track["budget_s"] for e in new)
     key = track["better"]
     beats = previous is None or all(n[key] < o[key] for n, o in zip(new, old, strict=True))
+    p = paired_p_value([n[key] for n in new], [o[key] for o in old]) if previous else None
     return {
         "config": str(candidate.relative_to(ROOT)),
         "target_val": track["target"],
@@ -357,8 +361,60 @@ def judge(
         "previous": {"record": previous, **summarize(old)} if previous else None,
         "meets_track_on_every_seed": meets,
         "beats_previous_on_every_seed": beats,
-        "record": meets and beats,
+        "p_value": p,
+        "record": meets and beats and (p is None or p < RECORD_P),
     }
+
+
+def paired_p_value(new: list[float], old: list[float]) -> float:
+    """The one-sided p-value of "new is lower than old" from the seeds' paired differences
+    (a paired t-test: the runs of one seed are neighbours in time, so they share the machine's
+    state); 0 or 1 when every difference is the same."""
+    diffs = [n - o for n, o in zip(new, old, strict=True)]
+    if len(diffs) < 2:
+        raise ValueError("a p-value needs at least two seeds")
+    mean, sd = statistics.fmean(diffs), statistics.stdev(diffs)
+    if sd == 0:
+        return 0.0 if mean < 0 else 1.0
+    return student_t_cdf(mean / (sd / math.sqrt(len(diffs))), len(diffs) - 1)
+
+
+def student_t_cdf(t: float, df: int) -> float:
+    """P(T <= t) for Student's t with `df` degrees of freedom, through the regularized incomplete
+    beta function: P(|T| > |t|) = I_x(df/2, 1/2) with x = df / (df + t^2)."""
+    tail = _betainc(df / 2, 0.5, df / (df + t * t)) / 2  # P(T > |t|)
+    return tail if t < 0 else 1 - tail
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """The regularized incomplete beta function I_x(a, b), by its continued fraction (modified
+    Lentz's method), on whichever side of the mean it converges fast."""
+    if x <= 0 or x >= 1:
+        return 0.0 if x <= 0 else 1.0
+    if x > (a + 1) / (a + b + 2):
+        return 1 - _betainc(b, a, 1 - x)
+    log_front = a * math.log(x) + b * math.log1p(-x) - math.log(a) - _log_beta(a, b)
+    tiny, f, c, d = 1e-300, 1.0, 1.0, 0.0
+    for i in range(400):
+        m = i // 2
+        if i == 0:
+            num = 1.0
+        elif i % 2 == 0:
+            num = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
+        else:
+            num = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
+        d = 1 + num * d
+        d = 1 / (d if abs(d) > tiny else tiny)
+        c = 1 + num / c
+        c = c if abs(c) > tiny else tiny
+        f *= c * d
+        if abs(1 - c * d) < 1e-15:
+            break
+    return math.exp(log_front) * (f - 1)
+
+
+def _log_beta(a: float, b: float) -> float:
+    return math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b)
 
 
 def summarize(entries: list[dict[str, Any]]) -> dict[str, Any]:
@@ -393,6 +449,7 @@ def write_records(report: dict[str, Any]) -> None:
                 "seeds": [r["seed"] for r in runs],
                 "wall_s": [r["wall_s"] for r in runs],
                 "val": [r["val"] for r in runs],
+                "p_value": result["p_value"],
                 "command": f"llmcli train {config.stem}",
             }
         )
@@ -403,16 +460,17 @@ def records_table(rows: list[dict[str, Any]]) -> str:
     """The records as a Markdown table (docs/speedrun.md)."""
     lines = [
         "| date | track | config | wall time: median (each seed) | whole-split val loss, each"
-        " seed | commit | command |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        " seed | p (beats the previous) | commit | command |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         walls = ", ".join(f"{w:.1f}" for w in r["wall_s"])
         vals = " / ".join(f"{v:.3f}" for v in r["val"])
         median = statistics.median(r["wall_s"])
+        p = "-" if r.get("p_value") is None else f"{r['p_value']:.2g}"
         lines.append(
             f"| {r['date']} | {r['track']} | `{r['config']}` | {median:.1f} s "
-            f"({walls}) | {vals} | {r['commit']} | `{r['command']}` |"
+            f"({walls}) | {vals} | {p} | {r['commit']} | `{r['command']}` |"
         )
     return "\n".join(lines)
 

@@ -1,0 +1,88 @@
+"""benchmarks/speedrun.py's record keeping: the p-value of "new beats previous" and the verdict.
+
+The Student t distribution is checked against its closed forms (1 and 2 degrees of freedom) and
+against the density integrated numerically; the paired test against the t statistic computed by
+hand; the verdict on made-up runs, since the timed runs themselves belong to the benchmark.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+_spec = importlib.util.spec_from_file_location("speedrun", BENCHMARKS / "speedrun.py")
+speedrun = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(speedrun)
+
+
+@pytest.mark.parametrize("t", [-30.0, -6.9646, -2.0, -0.3, 0.0, 0.7, 4.0])
+def test_the_t_cdf_equals_its_closed_forms(t: float) -> None:
+    assert speedrun.student_t_cdf(t, 1) == pytest.approx(0.5 + math.atan(t) / math.pi, abs=1e-12)
+    two = 0.5 + t / (2 * math.sqrt(2 + t * t))
+    assert speedrun.student_t_cdf(t, 2) == pytest.approx(two, abs=1e-12)
+
+
+@pytest.mark.parametrize("df", [3, 5, 12])
+@pytest.mark.parametrize("t", [-5.0, -1.5, 0.4, 2.5])
+def test_the_t_cdf_equals_the_integrated_density(df: int, t: float) -> None:
+    # The density's integral from -200 (where the tail left out is below 1e-9) to t.
+    x = np.linspace(-200.0, t, 2_000_001)
+    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+    density = np.exp(log_c - (df + 1) / 2 * np.log1p(x * x / df))
+    integral = float(np.sum((density[1:] + density[:-1]) / 2 * np.diff(x)))
+    assert speedrun.student_t_cdf(t, df) == pytest.approx(integral, abs=2e-6)
+
+
+def test_the_paired_p_value_is_the_t_tail_of_the_seeds_differences() -> None:
+    new, old = [8.1, 7.6, 8.4], [11.0, 11.3, 10.8]
+    d = np.array(new) - np.array(old)
+    t = d.mean() / (d.std(ddof=1) / math.sqrt(3))
+    expected = 0.5 + t / (2 * math.sqrt(2 + t * t))  # the closed form at 2 degrees of freedom
+    assert speedrun.paired_p_value(new, old) == pytest.approx(expected, rel=1e-9)
+    assert speedrun.paired_p_value(new, old) < speedrun.RECORD_P
+    # A worse candidate gets a p-value near 1; identical differences are certain either way.
+    assert speedrun.paired_p_value(old, new) == pytest.approx(1 - expected, rel=1e-9)
+    assert speedrun.paired_p_value([1.0, 2.0], [2.0, 3.0]) == 0.0
+    assert speedrun.paired_p_value([2.0, 3.0], [1.0, 2.0]) == 1.0
+    with pytest.raises(ValueError, match="two seeds"):
+        speedrun.paired_p_value([1.0], [2.0])
+
+
+def _runs(walls: list[float], vals: list[float]) -> list[dict]:
+    return [
+        {"seed": s, "wall_s": w, "val": v}
+        for s, w, v in zip([1337, 1, 2], walls, vals, strict=True)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("new_walls", "record"),
+    [
+        ([8.0, 8.2, 7.9], True),  # faster on every seed, p = 0.0008
+        ([10.0, 7.0, 10.9], False),  # faster on every seed, but p = 0.13: noise could do it
+        ([8.0, 8.2, 11.5], False),  # slower on one seed
+    ],
+)
+def test_a_record_beats_the_previous_on_every_seed_with_p_below_the_bar(
+    new_walls: list[float], record: bool
+) -> None:
+    track = speedrun.TRACKS["1.88"]
+    config = BENCHMARKS.parent / "configs" / "speedrun-cpu.yaml"
+    entries = {
+        "candidate": _runs(new_walls, [1.85, 1.86, 1.87]),
+        "previous": _runs([11.0, 11.1, 11.2], [1.82, 1.83, 1.83]),
+    }
+    verdict = speedrun.judge("1.88", track, config, entries, {"track": "1.88"})
+    assert verdict["record"] is record
+    walls = [e["wall_s"] for e in entries["candidate"]]
+    expected_p = speedrun.paired_p_value(walls, [11.0, 11.1, 11.2])
+    assert verdict["p_value"] == pytest.approx(expected_p)
+    # A candidate over the track's target loss is no record however fast.
+    entries["candidate"][0]["val"] = 1.9
+    verdict = speedrun.judge("1.88", track, config, entries, {"track": "1.88"})
+    assert verdict["record"] is False
