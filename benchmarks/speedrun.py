@@ -21,6 +21,13 @@ saves included); `process_wall_s` is the whole `llmcli train` command. `final_va
 run's own estimate (`eval_steps` random batches); `full_val_loss` scores the whole validation
 split with `llmcli eval` afterwards (untimed), the steadier figure for comparisons.
 
+`--records` runs the laptop tracks (docs/speedrun.md): each track's config against the config of
+its previous record (`benchmarks/records.json`), for seeds 1337, 1 and 2, pair by pair
+interleaved, each pair `--repeats` times; a record meets the track on every run, beats the
+previous record on every seed, and beats it with a one-sided paired t-test's p < 0.01
+(modded-nanogpt's bar), the wall time paired run by run, the loss seed by seed. `--write` appends
+the new records, `--table` prints them.
+
 `--quick` checks that everything runs: every recipe's `max_steps` (and eval interval) is scaled
 by `--scale` (default 0.1 with `--quick`), so the targets are not expected to be met.
 
@@ -28,6 +35,8 @@ Usage:
     python benchmarks/speedrun.py [--data data/tinyshakespeare.txt] [--quick]
         [--scale S] [--recipes baseline,speedrun,speedrun_300s] [--no-ablations]
         [--seeds 1337,1,2] [--threads N] [--workdir DIR] [--out FILE.json]
+    python benchmarks/speedrun.py --records [--tracks 1.88,10min] [--repeats R] [--write]
+    python benchmarks/speedrun.py --table
 """
 
 from __future__ import annotations
@@ -261,9 +270,21 @@ def _seed_figures(runs: list[dict[str, Any]], bases: list[dict[str, Any]]) -> di
 # untimed run fills it first), evaluations and checkpoint saves included.
 TRACKS: dict[str, dict[str, Any]] = {
     # Reach val <= 1.88 in at most 15 s; a record is faster on every seed.
-    "1.88": {"config": "speedrun-cpu", "target": 1.88, "budget_s": 15.0, "better": "wall_s"},
+    "1.88": {
+        "config": "speedrun-cpu",
+        "target": 1.88,
+        "budget_s": 15.0,
+        "better": "wall_s",
+        "p_over": "runs",
+    },
     # The lowest val within 600 s, at most 1.50; a record is lower on every seed.
-    "10min": {"config": "speedrun-cpu-600s", "target": 1.50, "budget_s": 600.0, "better": "val"},
+    "10min": {
+        "config": "speedrun-cpu-600s",
+        "target": 1.50,
+        "budget_s": 600.0,
+        "better": "val",
+        "p_over": "seeds",
+    },
 }
 # modded-nanogpt's bar for a new record: p < 0.01 that it beats the previous one.
 RECORD_P = 0.01
@@ -297,11 +318,15 @@ def previous_record(track: str) -> dict[str, Any] | None:
     return rows[-1] if rows else None
 
 
-def run_track_entry(label: str, config: Path, seed: int, args: argparse.Namespace) -> dict:
+def run_track_entry(
+    label: str, config: Path, seed: int, repeat: int, args: argparse.Namespace
+) -> dict:
     """One timed `llmcli train` of `config` with `seed`, scored on the whole validation split."""
-    result = run_recipe(f"{label} seed {seed}", config, [f"train.seed={seed}"], args, sys.stderr)
+    name = f"{label} seed {seed}" + (f" repeat {repeat + 1}" if args.repeats > 1 else "")
+    result = run_recipe(name, config, [f"train.seed={seed}"], args, sys.stderr)
     return {
         "seed": seed,
+        "repeat": repeat,
         "wall_s": result["process_wall_s"],
         "val": result["full_val_loss"],
         "steps": result["steps"],
@@ -310,8 +335,9 @@ def run_track_entry(label: str, config: Path, seed: int, args: argparse.Namespac
 
 
 def run_tracks(args: argparse.Namespace) -> dict[str, Any]:
-    """Each track's config against its previous record, seed by seed, interleaved (the order
-    alternates per seed), so that both see the same machine; then nanoGPT's recipe once."""
+    """Each track's config against its previous record, seed by seed (`--repeats` times over),
+    interleaved (the order alternates per pair), so that both see the same machine; then
+    nanoGPT's recipe once."""
     warm = Path(args.workdir) / "warm-token-cache"
     subprocess.run(
         [sys.executable, "-m", "llmcli", "train", "speedrun-cpu", "--out", str(warm)]
@@ -327,13 +353,14 @@ def run_tracks(args: argparse.Namespace) -> dict[str, Any]:
         candidate = ROOT / "configs" / f"{track['config']}.yaml"
         previous = previous_record(name)
         entries: dict[str, list[dict[str, Any]]] = {"candidate": [], "previous": []}
-        for i, seed in enumerate(args.seeds):
+        pairs = [(repeat, seed) for repeat in range(args.repeats) for seed in args.seeds]
+        for i, (repeat, seed) in enumerate(pairs):
             order = ["candidate", "previous"] if i % 2 == 0 else ["previous", "candidate"]
             for who in order:
                 if who == "previous" and previous is None:
                     continue
                 config = candidate if who == "candidate" else ROOT / previous["snapshot"]
-                entries[who].append(run_track_entry(f"{name} {who}", config, seed, args))
+                entries[who].append(run_track_entry(f"{name} {who}", config, seed, repeat, args))
         tracks[name] = judge(name, track, candidate, entries, previous)
     reference = run_recipe("nanoGPT reference", RECIPES["baseline"], [], args, sys.stderr)
     return {"tracks": tracks, "reference": {k: v for k, v in reference.items() if k != "curve"}}
@@ -346,24 +373,39 @@ def judge(
     entries: dict[str, list[dict[str, Any]]],
     previous: dict[str, Any] | None,
 ) -> dict[str, Any]:
-    """Whether the candidate meets the track on every seed, and beats the previous record on
-    every seed (a record cannot be made by noise)."""
+    """Whether the candidate meets the track on every run, beats the previous record on every
+    seed (each seed's median over its repeats), and beats it with p < `RECORD_P`, so that
+    noise cannot make a record. The p-value pairs the runs made side by side where the figure
+    varies from run to run (the wall time: the machine), and the seeds where it varies only
+    from seed to seed (the loss, the same for every repeat of a seed)."""
     new, old = entries["candidate"], entries["previous"]
     meets = all(e["val"] <= track["target"] and e["wall_s"] <= track["budget_s"] for e in new)
     key = track["better"]
-    beats = previous is None or all(n[key] < o[key] for n, o in zip(new, old, strict=True))
-    p = paired_p_value([n[key] for n in new], [o[key] for o in old]) if previous else None
+    new_by_seed, old_by_seed = by_seed(new, key), by_seed(old, key)
+    beats = previous is None or all(new_by_seed[s] < old_by_seed[s] for s in new_by_seed)
+    p = None
+    if previous is not None:
+        if track["p_over"] == "runs":
+            p = paired_p_value([n[key] for n in new], [o[key] for o in old])
+        else:
+            p = paired_p_value(list(new_by_seed.values()), list(old_by_seed.values()))
     return {
         "config": str(candidate.relative_to(ROOT)),
         "target_val": track["target"],
         "budget_s": track["budget_s"],
         "candidate": summarize(new),
         "previous": {"record": previous, **summarize(old)} if previous else None,
-        "meets_track_on_every_seed": meets,
+        "meets_track_on_every_run": meets,
         "beats_previous_on_every_seed": beats,
         "p_value": p,
         "record": meets and beats and (p is None or p < RECORD_P),
     }
+
+
+def by_seed(entries: list[dict[str, Any]], key: str) -> dict[int, float]:
+    """Each seed's median of `key` over its repeats, in the order the seeds first ran."""
+    seeds = dict.fromkeys(e["seed"] for e in entries)
+    return {s: statistics.median(e[key] for e in entries if e["seed"] == s) for s in seeds}
 
 
 def paired_p_value(new: list[float], old: list[float]) -> float:
@@ -439,6 +481,7 @@ def write_records(report: dict[str, Any]) -> None:
         SNAPSHOTS.mkdir(exist_ok=True)
         shutil.copyfile(config, snapshot)
         runs = result["candidate"]["runs"]
+        walls, vals = by_seed(runs, "wall_s"), by_seed(runs, "val")
         rows.append(
             {
                 "date": day,
@@ -446,9 +489,10 @@ def write_records(report: dict[str, Any]) -> None:
                 "config": result["config"],
                 "snapshot": str(snapshot.relative_to(ROOT)),
                 "commit": report["commit"],
-                "seeds": [r["seed"] for r in runs],
-                "wall_s": [r["wall_s"] for r in runs],
-                "val": [r["val"] for r in runs],
+                "seeds": list(walls),
+                "wall_s": list(walls.values()),  # each seed's median over its repeats
+                "val": list(vals.values()),
+                "repeats": report["repeats"],
                 "p_value": result["p_value"],
                 "command": f"llmcli train {config.stem}",
             }
@@ -515,6 +559,13 @@ def main() -> None:
         help="the laptop tracks: each track's config against its previous record, 3 seeds",
     )
     parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="with --records, run each seed's pair this many times (the wall time's p-value "
+        "pairs every run: more repeats, more power against the machine's noise)",
+    )
+    parser.add_argument(
         "--tracks", default=",".join(TRACKS), help=f"with --records, among {', '.join(TRACKS)}"
     )
     parser.add_argument(
@@ -546,6 +597,8 @@ def main() -> None:
         raise SystemExit(f"--seeds {args.seeds!r}: give integers separated by commas") from None
     if not args.seeds:
         raise SystemExit("--seeds: give at least one seed")
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats {args.repeats}: give at least 1")
     args.tracks = [n.strip() for n in args.tracks.split(",") if n.strip()]
     if unknown := [n for n in args.tracks if n not in TRACKS]:
         raise SystemExit(f"unknown track(s) {unknown}: choose among {list(TRACKS)}")
@@ -561,7 +614,12 @@ def main() -> None:
     load_start = os.getloadavg()
     try:
         if args.records:
-            report = {"benchmark": "speedrun records", "started": started, "commit": git_commit()}
+            report = {
+                "benchmark": "speedrun records",
+                "started": started,
+                "commit": git_commit(),
+                "repeats": args.repeats,
+            }
             report |= run_tracks(args)
             report["machine"] = {**machine(), "threads": args.threads or "default"}
             if args.write:

@@ -53,11 +53,9 @@ def test_the_paired_p_value_is_the_t_tail_of_the_seeds_differences() -> None:
         speedrun.paired_p_value([1.0], [2.0])
 
 
-def _runs(walls: list[float], vals: list[float]) -> list[dict]:
-    return [
-        {"seed": s, "wall_s": w, "val": v}
-        for s, w, v in zip([1337, 1, 2], walls, vals, strict=True)
-    ]
+def _runs(walls: list[float], vals: list[float], repeats: int = 1) -> list[dict]:
+    seeds = [1337, 1, 2] * repeats
+    return [{"seed": s, "wall_s": w, "val": v} for s, w, v in zip(seeds, walls, vals, strict=True)]
 
 
 @pytest.mark.parametrize(
@@ -86,3 +84,22 @@ def test_a_record_beats_the_previous_on_every_seed_with_p_below_the_bar(
     entries["candidate"][0]["val"] = 1.9
     verdict = speedrun.judge("1.88", track, config, entries, {"track": "1.88"})
     assert verdict["record"] is False
+
+
+def test_repeats_pair_every_run_for_the_wall_time_and_the_seeds_for_the_loss() -> None:
+    config = BENCHMARKS.parent / "configs" / "speedrun-cpu.yaml"
+    new_walls, old_walls = [8.0, 9.5, 8.4, 8.9, 8.1, 9.0], [11.0, 10.2, 11.9, 10.8, 12.4, 10.5]
+    new_vals, old_vals = [1.87, 1.86, 1.87] * 2, [1.82, 1.83, 1.83] * 2
+    entries = {
+        "candidate": _runs(new_walls, new_vals, repeats=2),
+        "previous": _runs(old_walls, old_vals, repeats=2),
+    }
+    fast = speedrun.judge("1.88", speedrun.TRACKS["1.88"], config, entries, {"track": "1.88"})
+    assert fast["p_value"] == pytest.approx(speedrun.paired_p_value(new_walls, old_walls))
+    assert fast["record"] is True  # 6 pairs, every one faster: p = 0.003
+    # A loss is the same for every repeat of a seed: three pairs, not six.
+    low = speedrun.judge("10min", speedrun.TRACKS["10min"], config, entries, {"track": "10min"})
+    assert low["p_value"] == pytest.approx(speedrun.paired_p_value(new_vals[:3], old_vals[:3]))
+    assert low["p_value"] != pytest.approx(speedrun.paired_p_value(new_vals, old_vals))
+    # Each seed's median over its repeats decides "beats on every seed".
+    assert speedrun.by_seed(entries["candidate"], "wall_s") == {1337: 8.45, 1: 8.8, 2: 8.7}
