@@ -198,7 +198,7 @@ def test_a_save_with_int_adamw_steps_continues_as_one_with_tensor_steps() -> Non
 
 
 def test_the_speedrun_recipes_first_steps_follow_the_muon_formula_and_torch_adamw() -> None:
-    # configs/speedrun-cpu.yaml as shipped (Muon 0.02 at momentum 0.8 with Nesterov, AdamW 3e-2,
+    # configs/speedrun-cpu.yaml as shipped (Muon 0.02 at momentum 0.85 with Nesterov, AdamW 3e-2,
     # rotary, ReLU², RMSNorm, tied head, WSD with warmup, clipping at 1.0), narrower so the
     # test takes a second. Hidden matrices must follow the update rule written out in float64
     # NumPy (`reference_muon`), every other parameter `torch.optim.AdamW` bit for bit.

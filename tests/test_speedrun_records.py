@@ -103,3 +103,11 @@ def test_repeats_pair_every_run_for_the_wall_time_and_the_seeds_for_the_loss() -
     assert low["p_value"] != pytest.approx(speedrun.paired_p_value(new_vals, old_vals))
     # Each seed's median over its repeats decides "beats on every seed".
     assert speedrun.by_seed(entries["candidate"], "wall_s") == {1337: 8.45, 1: 8.8, 2: 8.7}
+
+
+def test_the_records_page_shows_every_record() -> None:
+    page = (BENCHMARKS.parent / "docs" / "speedrun.md").read_text(encoding="utf-8")
+    table = speedrun.records_table(speedrun.load_records())
+    assert table in page, "paste `python benchmarks/speedrun.py --table` into docs/speedrun.md"
+    for row in speedrun.load_records():
+        assert (BENCHMARKS.parent / row["snapshot"]).is_file(), row["snapshot"]
