@@ -269,7 +269,7 @@ def _seed_figures(runs: list[dict[str, Any]], bases: list[dict[str, Any]]) -> di
 # the wall time of the `llmcli train` process, start-up, tokenization (a warm token cache: one
 # untimed run fills it first), evaluations and checkpoint saves included.
 TRACKS: dict[str, dict[str, Any]] = {
-    # Reach val <= 1.88 in at most 15 s; a record is faster on every seed.
+    # Reach val <= 1.88 in at most 15 s; a record is faster on every seed, with p < RECORD_P.
     "1.88": {
         "config": "speedrun-cpu",
         "target": 1.88,
@@ -277,7 +277,7 @@ TRACKS: dict[str, dict[str, Any]] = {
         "better": "wall_s",
         "p_over": "runs",
     },
-    # The lowest val within 600 s, at most 1.50; a record is lower on every seed.
+    # The lowest val within 600 s, at most 1.50; a record is lower on every seed, p < RECORD_P.
     "10min": {
         "config": "speedrun-cpu-600s",
         "target": 1.50,
@@ -409,12 +409,12 @@ def by_seed(entries: list[dict[str, Any]], key: str) -> dict[int, float]:
 
 
 def paired_p_value(new: list[float], old: list[float]) -> float:
-    """The one-sided p-value of "new is lower than old" from the seeds' paired differences
-    (a paired t-test: the runs of one seed are neighbours in time, so they share the machine's
-    state); 0 or 1 when every difference is the same."""
+    """The one-sided p-value of "new is lower than old" from paired differences (a paired
+    t-test: the two runs of a pair are neighbours in time, so they share the machine's state);
+    0 or 1 when every difference is the same."""
     diffs = [n - o for n, o in zip(new, old, strict=True)]
     if len(diffs) < 2:
-        raise ValueError("a p-value needs at least two seeds")
+        raise ValueError("a p-value needs at least two pairs")
     mean, sd = statistics.fmean(diffs), statistics.stdev(diffs)
     if sd == 0:
         return 0.0 if mean < 0 else 1.0
@@ -599,6 +599,10 @@ def main() -> None:
         raise SystemExit("--seeds: give at least one seed")
     if args.repeats < 1:
         raise SystemExit(f"--repeats {args.repeats}: give at least 1")
+    if args.records and len(args.seeds) * args.repeats < 2:
+        raise SystemExit(
+            "--records needs at least two pairs for its p-value: give two --seeds or --repeats 2"
+        )
     args.tracks = [n.strip() for n in args.tracks.split(",") if n.strip()]
     if unknown := [n for n in args.tracks if n not in TRACKS]:
         raise SystemExit(f"unknown track(s) {unknown}: choose among {list(TRACKS)}")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -49,7 +51,7 @@ def test_the_paired_p_value_is_the_t_tail_of_the_seeds_differences() -> None:
     assert speedrun.paired_p_value(old, new) == pytest.approx(1 - expected, rel=1e-9)
     assert speedrun.paired_p_value([1.0, 2.0], [2.0, 3.0]) == 0.0
     assert speedrun.paired_p_value([2.0, 3.0], [1.0, 2.0]) == 1.0
-    with pytest.raises(ValueError, match="two seeds"):
+    with pytest.raises(ValueError, match="two pairs"):
         speedrun.paired_p_value([1.0], [2.0])
 
 
@@ -111,3 +113,12 @@ def test_the_records_page_shows_every_record() -> None:
     assert table in page, "paste `python benchmarks/speedrun.py --table` into docs/speedrun.md"
     for row in speedrun.load_records():
         assert (BENCHMARKS.parent / row["snapshot"]).is_file(), row["snapshot"]
+
+
+def test_records_with_one_pair_stop_with_a_message_before_running_anything(tmp_path: Path) -> None:
+    script = BENCHMARKS / "speedrun.py"
+    args = ["--records", "--seeds", "1337", "--workdir", str(tmp_path)]
+    proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "at least two pairs" in proc.stderr
+    assert list(tmp_path.iterdir()) == []  # no run was started
