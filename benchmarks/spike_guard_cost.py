@@ -8,9 +8,9 @@ two numbers; on the CPU, where the step has already run, nothing waits) and the 
 against the median of its window (a sort of `spike_window` floats), before the optimizer step.
 This builds the config's run (its corpus, model and optimizer, in a temporary folder) and times
 the loop's own step (`llmcli.training.step.train_step`: forward, backward, clip, optimizer
-step), without the guard and with the loop's check before the update
-(`llmcli.training.safeguards.UpdateCheck`, which asks the guard), in interleaved rounds (the order
-alternating) so that a busy machine slows both alike:
+step), without the guard and with the guard as the step's `before_update`
+(`llmcli.training.guard.SpikeGuard`), in interleaved rounds (the order alternating) so that a
+busy machine slows both alike:
 
 - `step_off_s` / `step_on_s`: the median step time of each (the median over the rounds of each
   round's median), and `cost_step`, the median over the rounds of on / off - 1: a whole-step
@@ -41,37 +41,36 @@ sys.path.insert(0, str(ROOT))
 
 from llmcli.config import load_config  # noqa: E402
 from llmcli.device import resolve_device  # noqa: E402
+from llmcli.training.build import build_run  # noqa: E402
 from llmcli.training.distributed import DistInfo  # noqa: E402
 from llmcli.training.guard import SpikeGuard  # noqa: E402
 from llmcli.training.precision import Precision  # noqa: E402
-from llmcli.training.run import build_run  # noqa: E402
-from llmcli.training.safeguards import UpdateCheck  # noqa: E402
+from llmcli.training.state import TrainState  # noqa: E402
 from llmcli.training.step import train_step  # noqa: E402
 
 
-def timed_steps(run, n: int) -> float:
-    """The median time of `n` steps of the loop (with the guard's check if `run.guard`)."""
+def timed_steps(trainer, guard: SpikeGuard | None, n: int) -> float:
+    """The median time of `n` steps of the loop (with `guard` as their `before_update`)."""
     times = []
     for _ in range(n):
         start = time.perf_counter()
-        check = UpdateCheck(run, None) if run.guard is not None else None
-        train_step(run.trainer, check)
-        if run.device.type == "cuda":
+        train_step(trainer, guard)
+        if trainer.precision.device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def guard_work(run, reps: int) -> float:
+def guard_work(config, device: torch.device, reps: int) -> float:
     """The median time of the guard's per-step work, on tensors like the step's."""
-    guard = SpikeGuard(run.config.train)
-    loss = torch.tensor(2.0, device=run.device)
-    norm = torch.tensor(0.5, device=run.device)
+    guard = SpikeGuard(config.train, TrainState())
+    loss = torch.tensor(2.0, device=device)
+    norm = torch.tensor(0.5, device=device)
     times = []
     for i in range(reps):
+        guard.counters.step = i
         start = time.perf_counter()
-        loss_value, norm_value = torch.stack([loss, norm]).float().tolist()
-        guard.check(i + 1, loss_value, norm_value)
+        guard(loss, norm)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -93,15 +92,14 @@ def main() -> None:
         run = build_run(
             config, DistInfo(), precision, Path(folder) / "run", False, True, time.perf_counter()
         )
-        guard = run.guard or SpikeGuard(config.train)
-        run.guard = None
-        timed_steps(run, 3)  # warm-up
+        guard = run.guard or SpikeGuard(config.train, run.state)
+        timed_steps(run.trainer, None, 3)  # warm-up
         times: dict[str, list[float]] = {"off": [], "on": []}
         for r in range(args.rounds):
             for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
-                run.guard = guard if mode == "on" else None
-                times[mode].append(timed_steps(run, args.steps))
-        work = guard_work(run, 20_000)
+                on = guard if mode == "on" else None
+                times[mode].append(timed_steps(run.trainer, on, args.steps))
+        work = guard_work(config, device, 20_000)
     off, on = statistics.median(times["off"]), statistics.median(times["on"])
     ratios = [b / a - 1 for a, b in zip(times["off"], times["on"], strict=True)]
     print(

@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import llmcli.training.run  # noqa: E402
+import llmcli.training.evaluate  # noqa: E402
 from llmcli.config import load_config  # noqa: E402
 from llmcli.model.gpt import Transformer  # noqa: E402
 from llmcli.runs.metrics import read_metrics  # noqa: E402
@@ -36,7 +36,7 @@ def poison(batches: set[int], seed: int) -> None:
     """Multiply the loss of the given batches of the training stream (the sampler seeded
     `seed`; evaluation's are seeded apart) by 100."""
     current: dict[str, int] = {}
-    real_sampler, real_forward = llmcli.training.run.BatchSampler, Transformer.forward
+    real_sampler, real_forward = llmcli.training.evaluate.BatchSampler, Transformer.forward
 
     class StreamSampler(real_sampler):
         def __init__(self, *args, seed: int, **kwargs) -> None:
@@ -55,7 +55,7 @@ def poison(batches: set[int], seed: int) -> None:
         return logits, loss
 
     train_seed = seed
-    llmcli.training.run.BatchSampler = StreamSampler
+    llmcli.training.evaluate.BatchSampler = StreamSampler
     Transformer.forward = forward
 
 

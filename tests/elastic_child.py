@@ -16,14 +16,15 @@ from llmcli.cli import main
 kill_at = int(os.environ.get("KILL_AT_STEP", "0"))
 first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 if kill_at and first_attempt and os.environ.get("RANK") == os.environ.get("KILL_RANK", "1"):
-    real_step = T.fitting_step
+    real_step, steps_done = T.train_step, []  # the first attempt starts at step 0
 
-    def step_then_die(run, *args):
-        result = real_step(run, *args)
-        if run.state.step + 1 == kill_at:  # the loop counts the step after this returns
+    def step_then_die(*args, **kwargs):
+        result = real_step(*args, **kwargs)
+        steps_done.append(result)
+        if len(steps_done) == kill_at:  # the loop counts the step after this returns
             os.kill(os.getpid(), signal.SIGKILL)
         return result
 
-    T.fitting_step = step_then_die
+    T.train_step = step_then_die
 
 main(sys.argv[1:])

@@ -228,7 +228,7 @@ def test_out_of_memory_in_the_first_steps_halves_an_automatic_micro_batch(
         return counting(self, idx, *args, **kwargs)
 
     monkeypatch.setattr(Transformer, "forward", counted)
-    with caplog.at_level(logging.WARNING, logger="llmcli.training.run"):
+    with caplog.at_level(logging.WARNING, logger="llmcli.training.batch"):
         summary = train(
             config_from_dict(_auto_raw(small_corpus, 10**10)),
             out_dir=tmp_path / "r",

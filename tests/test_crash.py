@@ -37,8 +37,9 @@ import torch
 import yaml
 
 import llmcli.data.tokens
+import llmcli.training.checkpoint
+import llmcli.training.log
 import llmcli.training.loop
-import llmcli.training.records
 from llmcli import fileio
 from llmcli.cli import main
 from llmcli.config import config_from_dict
@@ -90,8 +91,8 @@ def setup(tmp_path_factory, one_thread) -> dict:
         real_save(run_dir, model, state, meta, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:  # one thread, as the killed processes run
-        mp.setattr(llmcli.training.records, "save_checkpoint", save)
-        mp.setattr(llmcli.training.records, "plot_losses", lambda *args: None)  # (not compared)
+        mp.setattr(llmcli.training.checkpoint, "save_checkpoint", save)
+        mp.setattr(llmcli.training.log, "plot_losses", lambda *args: None)  # (not compared)
         train(config_from_dict(raw), out_dir=root / "reference", progress=False)
     assert sorted(snapshots) == SAVES
     return {

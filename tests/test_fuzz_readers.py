@@ -42,12 +42,12 @@ from llmcli.runs.formats import load_weights, read_weights
 from llmcli.runs.info import format_info, run_info
 from llmcli.runs.loading import load_config_file
 from llmcli.runs.metrics import NUMBER_FIELDS, plot_losses, read_metrics
+from llmcli.training.checkpoint import restore
 from llmcli.training.distributed import DistInfo
 from llmcli.training.loop import train
 from llmcli.training.memory import check_memory
 from llmcli.training.optim import build_optimizer
 from llmcli.training.precision import Precision
-from llmcli.training.run import Run
 from llmcli.training.state import ResumeState, TrainState
 from llmcli.training.step import Trainer
 
@@ -308,7 +308,8 @@ TENSORS = st.sampled_from(
 
 @pytest.fixture(scope="module")
 def resumable(small_corpus) -> dict[str, Any]:
-    """A run trained 2 steps with a save, its state.pt as a dict, and a Run to restore it into."""
+    """A run trained 2 steps with a save, its state.pt as a dict, and the parts of a run to
+    restore it into (`restore`'s arguments after the save)."""
     raw = small_run_config(small_corpus, max_steps=2, eval_interval=2, eval_steps=1)
     config = config_from_dict(raw)
     run_dir = small_corpus.parent / "resumable"
@@ -326,18 +327,9 @@ def resumable(small_corpus) -> dict[str, Any]:
         grad_accum=1,
         grad_clip=1.0,
     )
-    run = Run(
-        config=config,
-        info=DistInfo(),
-        run_dir=run_dir,
-        data=None,
-        tokenizer=None,
-        model=model,
-        trainer=trainer,
-        state=TrainState(),
-    )
+    parts = {"state": TrainState(), "model": model, "trainer": trainer, "guard": None}
     saved = torch.load(run_dir / STATE_FILE, weights_only=True)
-    return {"config": config, "run_dir": run_dir, "vocab": vocab, "run": run, "saved": saved}
+    return {"config": config, "run_dir": run_dir, "vocab": vocab, "parts": parts, "saved": saved}
 
 
 @FUZZ
@@ -352,7 +344,7 @@ def test_state_pt_any_value_in_any_field_restores_or_is_refused(resumable, data,
     try:
         state = ResumeState.from_dict(replaced(saved, path, value), state_file)
         state.check_fits(resumable["config"], resumable["run_dir"], resumable["vocab"])
-        resumable["run"].restore(state)
+        restore(state, **resumable["parts"], info=DistInfo())
     except InputError as exc:  # names state.pt, or the run it cannot resume
         assert str(resumable["run_dir"]) in str(exc), exc
     finally:
@@ -366,16 +358,21 @@ def test_a_save_without_loss_scaling_resumes_under_fp16(resumable) -> None:
     starts the scaler afresh instead of refusing the save as damaged."""
     saved = resumable["saved"]
     assert saved["scaler"] == {}
-    run = resumable["run"]
+    parts = resumable["parts"]
+    trainer = parts["trainer"]
     cpu = torch.device("cpu")
-    fp32 = run.trainer.precision
-    run.trainer.precision = Precision("float16", cpu, None, torch.amp.GradScaler("cpu"))
+    fp32 = trainer.precision
+    trainer.precision = Precision("float16", cpu, None, torch.amp.GradScaler("cpu"))
     rngs = (torch.get_rng_state(), np.random.get_state(), random.getstate())
     try:
-        run.restore(ResumeState.from_dict(saved, resumable["run_dir"] / STATE_FILE))
-        assert run.precision.scaler.get_scale() == 2.0**16  # torch's fresh initial scale
+        restore(
+            ResumeState.from_dict(saved, resumable["run_dir"] / STATE_FILE),
+            **parts,
+            info=DistInfo(),
+        )
+        assert trainer.precision.scaler.get_scale() == 2.0**16  # torch's fresh initial scale
     finally:
-        run.trainer.precision = fp32
+        trainer.precision = fp32
         torch.set_rng_state(rngs[0])
         np.random.set_state(rngs[1])
         random.setstate(rngs[2])

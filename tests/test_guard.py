@@ -18,7 +18,7 @@ import pytest
 import torch
 from test_train import ROOT, assert_same_weights, make_config, stable_metrics, weights, write_config
 
-import llmcli.training.run
+import llmcli.training.evaluate
 from llmcli.config import config_from_dict
 from llmcli.data.tokens import prepare_data
 from llmcli.errors import ConfigError, InputError
@@ -27,10 +27,10 @@ from llmcli.runs.directory import STATE_FILE
 from llmcli.runs.formats import load_state, load_weights
 from llmcli.runs.metrics import read_metrics
 from llmcli.runs.trackers import tags
-from llmcli.training.guard import SpikeGuard
+from llmcli.training.guard import DivergenceError, SpikeGuard
 from llmcli.training.loop import train
 from llmcli.training.optim import lr_at
-from llmcli.training.safeguards import DivergenceError
+from llmcli.training.state import TrainState
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -56,7 +56,7 @@ class Poison:
 @pytest.fixture
 def poison(monkeypatch) -> Poison:
     state = Poison(set())
-    real_sampler = llmcli.training.run.BatchSampler
+    real_sampler = llmcli.training.evaluate.BatchSampler
 
     class StreamSampler(real_sampler):
         def __init__(self, *args, seed: int, **kwargs) -> None:
@@ -82,7 +82,7 @@ def poison(monkeypatch) -> Poison:
             return logits, loss * 100.0
         return real_forward(self, idx, targets, **kwargs)
 
-    monkeypatch.setattr(llmcli.training.run, "BatchSampler", StreamSampler)
+    monkeypatch.setattr(llmcli.training.evaluate, "BatchSampler", StreamSampler)
     monkeypatch.setattr(Transformer, "forward", forward)
     return state
 
@@ -110,7 +110,7 @@ def test_verdicts_follow_the_median_rule_and_count_skips_in_the_window() -> None
     config = config_from_dict(
         {"train": {"spike_factor": 2.0, "spike_window": 5, "spike_skips": 3}}
     ).train
-    guard = SpikeGuard(config)
+    guard = SpikeGuard(config, TrainState())
     rng = np.random.default_rng(0)
     losses = list(3.0 - 0.01 * np.arange(60) + rng.normal(0, 0.05, 60))
     for at in (12, 20, 31, 33, 34, 50):
@@ -140,7 +140,7 @@ def test_near_zero_loss_a_multiple_of_the_median_is_no_spike_under_the_margin() 
     """A fine-tune that has learnt its task: losses of 0.01 to 0.03 are noise, not spikes; a
     jump past median + spike_margin still is one."""
     config = config_from_dict({"train": {"spike_window": 5, "spike_margin": 0.5}}).train
-    guard = SpikeGuard(config)
+    guard = SpikeGuard(config, TrainState())
     for step, loss in enumerate([0.01, 0.012, 0.009, 0.011, 0.01, 0.03, 0.025], start=1):
         assert guard.check(step, loss, grad_norm=1.0).action == "apply", step
     median = float(np.median([0.009, 0.011, 0.01, 0.03, 0.025]))
@@ -335,7 +335,7 @@ def test_log_layers_match_a_hand_computation(corpus, tmp_path) -> None:
     # The gradient of step 5, by hand: the step-4 weights on the batch the sampler draws next.
     model = Transformer(config.model, vocab_size=before["wte.weight"].shape[0])
     load_weights(model, before, four / "model.safetensors")
-    sampler = llmcli.training.run.BatchSampler(
+    sampler = llmcli.training.evaluate.BatchSampler(
         prepare_data(config.data, config.model.context_length).train,
         config.train.batch_size,
         config.model.context_length,

@@ -19,8 +19,8 @@ from llmcli.errors import ConfigError, InputError
 from llmcli.evaluation.metrics import icl_score, icl_windows
 from llmcli.model.gpt import Transformer
 from llmcli.runs.compare import compare_runs
-from llmcli.runs.head_metrics import HeadMetricsLog, read_head_metrics
-from llmcli.runs.metrics import read_metrics
+from llmcli.runs.head_metrics import cut_to_step, read_head_metrics
+from llmcli.runs.metrics import JsonLinesLog, read_metrics
 from llmcli.runs.trackers import tags
 from llmcli.training.distributed import DistInfo
 from llmcli.training.evaluate import evaluate_loss
@@ -94,17 +94,20 @@ def test_the_loss_by_position_is_each_position_s_mean_cross_entropy() -> None:
 # --- head_metrics.jsonl -----------------------------------------------------------------------
 
 
-def test_the_log_starts_afresh_or_cuts_back_to_the_step_resumed_from(tmp_path: Path) -> None:
+def test_the_log_starts_afresh_or_cuts_back_to_its_size_at_the_save(tmp_path: Path) -> None:
     path = tmp_path / "head_metrics.jsonl"
-    log = HeadMetricsLog(path, resumed_from=None)
+    log = JsonLinesLog(path, keep_bytes=None)
+    sizes = {}
     for step in (10, 20, 30):
         log.write({"step": step, "induction": [[step / 100]]})
+        sizes[step] = log.size
     log.close()
+    assert sizes[30] == path.stat().st_size
     with open(path, "ab") as f:
         f.write(b'{"step": 40, "indu')  # a crash mid-line
     assert [r["step"] for r in read_head_metrics(path)] == [10, 20, 30]
 
-    log = HeadMetricsLog(path, resumed_from=20)  # records after the save are written again
+    log = JsonLinesLog(path, keep_bytes=sizes[20])  # records after the save are written again
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [10, 20]
     log.write({"step": 30, "induction": [[0.9]]})
     log.close()
@@ -113,8 +116,19 @@ def test_the_log_starts_afresh_or_cuts_back_to_the_step_resumed_from(tmp_path: P
         (20, [[0.2]]),
         (30, [[0.9]]),
     ]
-    HeadMetricsLog(path, resumed_from=None).close()  # a fresh start
+    JsonLinesLog(path, keep_bytes=None).close()  # a fresh start
     assert path.read_bytes() == b""
+
+
+def test_a_state_without_the_size_cuts_the_log_to_the_step_it_resumes_from(tmp_path: Path) -> None:
+    """Resume states written before the size was recorded: the records up to the save's step."""
+    path = tmp_path / "head_metrics.jsonl"
+    lines = [{"step": 10}, {"step": 20}, {"step": 30}]
+    path.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in lines) + b'{"step": 4')
+    size = cut_to_step(path, 20)
+    assert [json.loads(line) for line in path.read_text().splitlines()] == lines[:2]
+    assert size == path.stat().st_size
+    assert cut_to_step(tmp_path / "missing.jsonl", 20) == 0
 
 
 def test_readers_keep_the_last_record_of_a_step(tmp_path: Path) -> None:

@@ -18,7 +18,8 @@ from llmcli.runs.directory import STATE_FILE
 from llmcli.runs.formats import WEIGHTS_FORMAT, load_state, save_state
 from llmcli.training.state import ResumeState, TrainState, rng_state, set_rng_state
 
-# The keys of `state.pt`, in the order every llmcli so far has written them.
+# The keys of `state.pt`, in the order llmcli writes them (those before "head_metrics_bytes" in
+# the order every llmcli so far has written them).
 KEYS = [
     "format",
     "step",
@@ -37,6 +38,7 @@ KEYS = [
     "rng",
     "sampler",
     "guard",
+    "head_metrics_bytes",
 ]
 
 
@@ -52,6 +54,7 @@ def make_state() -> ResumeState:
     return ResumeState(
         counters=counters,
         metrics_bytes=1234,
+        head_metrics_bytes=567,
         vocab_size=65,
         source_hash="ab" * 32,
         config={"model": {"n_layer": 1}, "train": {"optimizer": "adamw"}},
@@ -76,6 +79,7 @@ def test_the_file_holds_the_keys_earlier_versions_wrote_and_reads_back(tmp_path:
     assert c.last_saved == 20  # the save a run resumes from is its latest
     assert torch.equal(back.model["w"], state.model["w"])
     assert (back.metrics_bytes, back.vocab_size, back.source_hash) == (1234, 65, "ab" * 32)
+    assert back.head_metrics_bytes == 567
     assert (back.config, back.optimizer, back.scaler) == (state.config, state.optimizer, {})
     assert [s["batches"] for s in back.sampler] == [20, 20] and len(back.rng) == 2
     assert all(torch.equal(s["rng_state"], state.sampler[0]["rng_state"]) for s in back.sampler)
@@ -84,12 +88,13 @@ def test_the_file_holds_the_keys_earlier_versions_wrote_and_reads_back(tmp_path:
 def test_keys_a_state_may_lack_take_their_defaults(tmp_path: Path) -> None:
     saved = make_state().to_dict()
     optional = ("best_val_loss", "best_step", "last_eval", "vocab_size", "source_hash", "scaler")
-    for key in (*optional, "guard"):
+    for key in (*optional, "guard", "head_metrics_bytes"):
         del saved[key]
     state = ResumeState.from_dict(saved, tmp_path / STATE_FILE)
     assert state.counters.best_val_loss == math.inf and state.counters.best_step is None
     assert state.counters.last_eval == {} and state.scaler == {}
     assert state.vocab_size is None and state.source_hash is None and state.guard is None
+    assert state.head_metrics_bytes is None
 
 
 @pytest.mark.parametrize(
@@ -105,6 +110,8 @@ def test_keys_a_state_may_lack_take_their_defaults(tmp_path: Path) -> None:
         ("step", True),  # a bool is no step count
         ("step", -5),
         ("metrics_bytes", -1),
+        ("head_metrics_bytes", -1),
+        ("head_metrics_bytes", "12"),
         ("config", {"model": {"n_layer": 1}, "train": []}),
         ("optimizer", {"param_groups": []}),
         ("rng", [{"torch": torch.zeros(4, dtype=torch.uint8)}] * 2),  # NumPy's, Python's missing

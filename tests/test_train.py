@@ -32,10 +32,10 @@ from llmcli.runs.formats import load_state, read_weights
 from llmcli.runs.head_metrics import read_head_metrics
 from llmcli.runs.loading import load_run
 from llmcli.runs.metrics import read_metrics
+from llmcli.training.evaluate import EVAL_SEED_OFFSET
+from llmcli.training.guard import DivergenceError
 from llmcli.training.loop import train
 from llmcli.training.optim import lr_at
-from llmcli.training.run import EVAL_SEED_OFFSET
-from llmcli.training.safeguards import DivergenceError
 
 ROOT = Path(__file__).resolve().parents[1]
 PAUSING_CHILD = Path(__file__).with_name("pausing_child.py")  # `llmcli`, pausing at a step
@@ -410,16 +410,16 @@ def test_divergence_names_the_step_and_keeps_the_last_good_checkpoint(
             with torch.no_grad():
                 holder["model"].wte.weight[0, 0] = float("nan")
 
-    import llmcli.training.run
+    import llmcli.training.build
 
-    original = llmcli.training.run.Transformer
+    original = llmcli.training.build.Transformer
 
     def capture(*args, **kwargs):
         holder["model"] = original(*args, **kwargs)
         return holder["model"]
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(llmcli.training.run, "Transformer", capture)
+        mp.setattr(llmcli.training.build, "Transformer", capture)
         with pytest.raises(DivergenceError) as info:
             # Without the spike guard (with it, tests/test_guard.py): today's stop.
             config = make_config(corpus, spike_guard=False)
@@ -546,7 +546,7 @@ def test_ddp_two_processes_match_one_process_with_the_union_of_their_batches(
     corpus: Path, tmp_path: Path, monkeypatch
 ) -> None:
     import llmcli.data.batches
-    import llmcli.training.run
+    import llmcli.training.evaluate
 
     steps = dict(max_steps=20, warmup_steps=2, eval_interval=20, log_interval=10, grad_accum=2)
     config = write_config(make_config(corpus, batch_size=4, **steps), tmp_path / "ddp.yaml")
@@ -604,7 +604,7 @@ def test_ddp_two_processes_match_one_process_with_the_union_of_their_batches(
         def state_dict(self):
             return {"parts": [p.state_dict() for p in self.parts]}
 
-    monkeypatch.setattr(llmcli.training.run, "BatchSampler", Union)
+    monkeypatch.setattr(llmcli.training.evaluate, "BatchSampler", Union)
     train(make_config(corpus, batch_size=8, **steps), out_dir=tmp_path / "one", progress=False)
 
     ddp, one = (

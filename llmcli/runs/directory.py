@@ -197,12 +197,17 @@ def ensure_run_dir(run_dir: str | Path) -> Path:
     return run_dir
 
 
+def write_config(run_dir: Path, config: Config) -> None:
+    """Write `config.yaml` atomically."""
+    atomic_write_text(run_dir / CONFIG_FILE, dump_yaml(config))
+
+
 def write_config_and_tokenizer(
     run_dir: Path, config: Config, tokenizer: Tokenizer, template: ChatTemplate | None = None
 ) -> None:
     """Write `config.yaml` and `tokenizer.json` (and a chat run's `chat_template.jinja`)
     atomically."""
-    atomic_write_text(run_dir / CONFIG_FILE, dump_yaml(config))
+    write_config(run_dir, config)
     atomic_write_text(run_dir / TOKENIZER_FILE, tokenizer.to_json())
     if template is not None:
         template.save(run_dir)

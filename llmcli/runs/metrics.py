@@ -2,9 +2,9 @@
 
 Rank 0 appends one JSON object per logged step (`"kind": "train"`), per evaluation (`"kind":
 "eval"`) and per spike-guard event (`"kind": "event"`, `llmcli.training.guard`), and hands each to
-the run's experiment trackers (`llmcli.runs.trackers`). A resumed run
-first cuts the file back to its size at the save it resumes from, so the records after that save are
-written again rather than twice. `loss.png` is redrawn from the file at every evaluation.
+the run's experiment trackers (`llmcli.runs.trackers`). The file is a `JsonLinesLog`: a resumed
+run cuts it back to its size at the save it resumes from and writes the later records again
+rather than twice. `loss.png` is redrawn from the file at every evaluation.
 """
 
 from __future__ import annotations
@@ -22,16 +22,27 @@ from llmcli.fileio import append_json_line, atomic_write_bytes
 from llmcli.runs.trackers import Trackers
 
 
-class MetricsLog:
-    """Appends JSON records to `metrics.jsonl` (rank 0), knowing its size at each save."""
+class JsonLinesLog:
+    """An append-only log of JSON records, one line each: a run's `metrics.jsonl` and
+    `head_metrics.jsonl`, an SAE's `metrics.jsonl`.
+
+    Each record is one write of one line, flushed, so a crash can only leave a torn last line,
+    which readers skip. One rule says what a restart keeps: every save records the log's size
+    (`size`), and a run resumed from a save cuts the log back to that size, so that it writes
+    the records after the save again rather than twice; a fresh start empties the file.
+
+    Args:
+        path: the file.
+        keep_bytes: its size at the save a run resumes from; None for a fresh start.
+        trackers: receive every record written too (TensorBoard, W&B).
+    """
 
     def __init__(
         self, path: Path, keep_bytes: int | None, trackers: Trackers | None = None
     ) -> None:
         self.path = path
-        self.trackers = trackers  # they receive every record too (TensorBoard, W&B)
+        self.trackers = trackers
         if keep_bytes is not None and path.exists() and path.stat().st_size > keep_bytes:
-            # Records written after the save we resume from are written again by this run.
             atomic_write_bytes(path, path.read_bytes()[:keep_bytes])
         elif keep_bytes is None and path.exists():
             path.unlink()
@@ -49,7 +60,7 @@ class MetricsLog:
         steps the run does again are written again."""
         self._fh.close()
         data = self.path.read_bytes()
-        events = [line for line in data[size:].splitlines(keepends=True) if _is_event(line)]
+        events = [line for line, record in log_lines(data[size:]) if record.get("kind") == "event"]
         atomic_write_bytes(self.path, data[:size] + b"".join(events))
         self._fh = open(self.path, "ab")  # noqa: SIM115 - closed by close()
         self.size = self._fh.tell()
@@ -58,6 +69,20 @@ class MetricsLog:
         self._fh.close()
         if self.trackers is not None:
             self.trackers.close()
+
+
+def log_lines(data: bytes) -> list[tuple[bytes, dict[str, Any]]]:
+    """`(line, record)` of each whole line of a log that holds a JSON object with an integer
+    `step`; torn or foreign lines are skipped."""
+    out = []
+    for line in data.splitlines(keepends=True):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            out.append((line if line.endswith(b"\n") else line + b"\n", record))
+    return out
 
 
 # The fields of a record that llmcli reads, all numbers (NaN and infinities included: a
@@ -75,14 +100,6 @@ NUMBER_FIELDS = (
     "prev_token_max",
     "icl_score",
 )
-
-
-def _is_event(line: bytes) -> bool:
-    try:
-        record = json.loads(line)
-    except ValueError:
-        return False
-    return isinstance(record, dict) and record.get("kind") == "event"
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

@@ -12,7 +12,7 @@ recorded, whatever the memory free today, so that it goes on exactly.
 The estimate is within about 25% of what a step takes; should a fresh run with an automatic
 micro-batch still run out of memory in its first `OOM_RETRY_STEPS` steps (on CUDA, where running
 out is an exception and not the kernel's OOM killer), `smaller_micro_batch` gives the next size
-down and the loop goes on with it, the tokens per step unchanged (`Run.shrink_micro_batch`).
+down and the loop goes on with it, the tokens per step unchanged (`shrink_micro_batch`).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from llmcli.config.rules import divisors
 from llmcli.errors import InputError
 from llmcli.progress import format_bytes
 from llmcli.training.memory import device_free_bytes, estimate_memory
+from llmcli.training.step import Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +154,39 @@ def smaller_micro_batch(config: Config) -> int | None:
     assert isinstance(tc.batch_size, int)
     smaller = [d for d in divisors(tc.batch_size * tc.grad_accum) if d <= tc.batch_size // 2]
     return max(smaller, default=None)
+
+
+def may_shrink(config: Config, step: int) -> bool:
+    """Whether running out of memory in 0-based step `step` of a run that can shrink its
+    micro-batch does so: in the first `OOM_RETRY_STEPS` steps, not yet down to one sequence."""
+    return step < OOM_RETRY_STEPS and smaller_micro_batch(config) is not None
+
+
+def shrink_micro_batch(config: Config, trainer: Trainer, step: int, tokens_per_step: int) -> Config:
+    """Go on with a smaller micro-batch (`smaller_micro_batch`) and more accumulation, the
+    tokens per step unchanged: drop the failed step's gradients, tell the trainer and its
+    sampler, and say so in one line. Returns the config with the new numbers (to record).
+    """
+    old = config.train.batch_size
+    batch = smaller_micro_batch(config)
+    assert batch is not None
+    trainer.optimizer.zero_grad(set_to_none=True)
+    trainer.precision.forget_step()  # fp16: the failed step may have unscaled its gradients
+    if trainer.precision.device.type == "cuda":
+        torch.cuda.empty_cache()  # give the failed step's blocks back before the smaller one
+    config = with_micro_batch(config, batch)
+    trainer.batches.batch_size = batch
+    trainer.grad_accum = config.train.grad_accum
+    logger.warning(
+        "note: out of memory at step %d with %d sequences per micro-batch: going on with %d "
+        "x grad_accum %d (the same %d tokens per step)",
+        step + 1,
+        old,
+        batch,
+        config.train.grad_accum,
+        tokens_per_step,
+    )
+    return config
 
 
 def _accumulation(config: Config, batch: int, n_seqs: int) -> int:

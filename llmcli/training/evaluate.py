@@ -1,15 +1,26 @@
-"""The training loop's loss estimate.
+"""The training loop's evaluation: its loss estimate and, with `train.head_metrics`, its heads.
 
 `evaluate_loss` is the estimate training logs at each evaluation: the mean loss over `eval_steps`
 random batches of each split (averaged over ranks under DDP), and, for `train.head_metrics`, the
 loss at each position of the context, which `llmcli.evaluation.metrics.icl_score` turns into the
 in-context learning score. Targets of -1 (conversations' tokens the model does not write,
 `llmcli.data.chat_batches.ChatSampler`) are left out of both, as the model's loss leaves them out.
-`llmcli eval`'s deterministic pass over a whole text is `llmcli.evaluation.run`.
+The batches come from their own samplers (`split_sampler`), seeded apart from the training
+stream and made afresh at every evaluation: the same batches each time, and the training stream
+is never touched. `llmcli eval`'s deterministic pass over a whole text is `llmcli.evaluation.run`.
+
+Circuits during training: with `train.head_metrics`, each evaluation (`Evaluator`) also scores
+every head on the fixed repeated-token probe (`llmcli.evaluation.probe`) on rank 0 and takes the
+in-context learning score from the loss by position. Scoring touches no random number generator.
+On conversations (`data.format: chat`) the heads are scored as on text, but there is no
+in-context learning score: a window's positions follow the chat template's turns, and the loss
+is on the assistant's tokens only, so its loss by position measures the template, not the use
+of context.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,8 +28,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmcli.config import Config
+from llmcli.data.batches import BatchSampler
+from llmcli.data.chat_batches import ChatSampler
+from llmcli.data.prepared import TokenData
+from llmcli.evaluation.metrics import icl_score
+from llmcli.evaluation.probe import Probe, probe_scores
 from llmcli.training.distributed import DistInfo, mean_over_ranks
 from llmcli.training.precision import Precision
+
+# Evaluation batches come from their own samplers with this seed offset, re-created at every
+# evaluation: the same batches each time, and the training stream is never touched.
+EVAL_SEED_OFFSET = 1_000_003
 
 
 @dataclass
@@ -82,3 +103,96 @@ def evaluate_loss(
     if by_split is None:
         return EvalLosses(mean)
     return EvalLosses(mean, dict(zip(samplers, by_split.tolist(), strict=True)))
+
+
+@dataclass
+class Evaluation:
+    """What one evaluation of the loop measured.
+
+    Attributes:
+        losses: each split's mean loss ("train", "val").
+        summary: with head metrics, the strongest heads' scores and the in-context learning
+            score (for `metrics.jsonl`); else empty.
+        heads: with head metrics, the probe, every head's score grids and the loss by
+            position (for `head_metrics.jsonl`); else None.
+    """
+
+    losses: dict[str, float]
+    summary: dict[str, float] = field(default_factory=dict)
+    heads: dict[str, Any] | None = None
+
+
+class Evaluator:
+    """The loop's evaluation: the loss estimate on fresh samplers over both splits, and on rank
+    0 with `train.head_metrics` every head's scores on `probe`.
+
+    Args:
+        model: what evaluation runs: the model as steps run it (compiled with
+            `train.compile`), without the DDP wrapper, whose forward would synchronise the
+            ranks' buffers.
+        unwrapped: the model itself, which the probe is scored on.
+        data: the run's token data.
+        precision: the autocast the training steps use.
+        info: this process's place under torchrun.
+        probe: what each head is scored on (rank 0 with `train.head_metrics`), else None.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        unwrapped: Any,
+        data: TokenData,
+        precision: Precision,
+        info: DistInfo,
+        probe: Probe | None,
+    ) -> None:
+        self.model, self.unwrapped, self.data = model, unwrapped, data
+        self.precision, self.info, self.probe = precision, info, probe
+
+    def samplers(self, config: Config) -> dict[str, BatchSampler | ChatSampler]:
+        """Fresh samplers over both splits, seeded apart from the training stream."""
+        seed, device = config.train.seed + EVAL_SEED_OFFSET, self.precision.device
+        return {
+            split: split_sampler(self.data, split, config, seed, self.info, device)
+            for split in ("train", "val")
+        }
+
+    def __call__(self, config: Config) -> Evaluation:
+        """Estimate both splits' losses (and score the heads) with `config`'s batch size and
+        `train.eval_steps`."""
+        tc = config.train
+        estimate = evaluate_loss(
+            self.model,
+            self.samplers(config),
+            tc.eval_steps,
+            self.precision,
+            self.info,
+            by_position=tc.head_metrics and self.data.chat is None,
+        )
+        if self.probe is None or not math.isfinite(estimate.mean["val"]):
+            return Evaluation(estimate.mean)  # (a diverged run stops on its val loss)
+        scores = probe_scores(self.unwrapped, self.probe)  # touches no RNG
+        by_position = estimate.by_position.get("val")
+        icl = {}
+        if by_position is not None:
+            icl = {"val_loss_by_position": by_position, "icl_score": icl_score(by_position)}
+        heads = {"probe": self.probe.describe(), **scores.grids(), **icl}
+        icl.pop("val_loss_by_position", None)
+        return Evaluation(estimate.mean, {**scores.summary(), **icl}, heads)
+
+
+def split_sampler(
+    data: TokenData, split: str, config: Config, seed: int, info: DistInfo, device: torch.device
+) -> BatchSampler | ChatSampler:
+    """The sampler of `data`'s split ("train" or "val"): conversation windows for chat data,
+    else windows of the token stream; this rank's, seeded with `seed`."""
+    batch, context = config.train.batch_size, config.model.context_length
+    if data.chat is not None:
+        chat = data.chat.train if split == "train" else data.chat.val
+        return ChatSampler(
+            chat, data.chat.pad_id, batch, context, seed, info.rank, info.world_size, device
+        )
+    tokens = data.train if split == "train" else data.val
+    return BatchSampler(
+        tokens, batch, context, seed=seed, rank=info.rank, world_size=info.world_size, device=device
+    )

@@ -1,8 +1,10 @@
-"""The loss-spike and NaN guard (`train.spike_guard`): a step that would harm a run is skipped.
+"""The loss-spike and NaN guard (`train.spike_guard`): a step that would harm a run is skipped;
+and the message of a run that diverged (`DivergenceError`).
 
-After each step's backward pass, before the optimizer step, the loop hands the guard the step's
-loss (the mean over micro-batches and ranks, the figure it logs) and the global gradient norm,
-read from the device as two numbers, and the guard decides (`SpikeGuard.check`):
+The guard is the training step's `before_update` (`llmcli.training.step.train_step`): after the
+backward pass, before the optimizer step, it reads the step's loss (the mean over micro-batches
+and ranks, the figure the loop logs) and the global gradient norm from the device as two
+numbers, and decides (`SpikeGuard.check`):
 
 - apply: the loss and the norm are finite and the loss is at most `spike_factor` x the median of
   the last `spike_window` applied steps' losses (the factor test waits until the window is full),
@@ -12,13 +14,15 @@ read from the device as two numbers, and the guard decides (`SpikeGuard.check`):
   schedule stay as they were, the step is tried again on the next batches, and
   `{"kind": "event", "event": "skipped", ...}` goes to `metrics.jsonl` and the trackers;
 - rollback: the `spike_skips`-th skip within `spike_window` steps. The run goes back to its last
-  save (`Run.rollback`: the weights, optimizer and counters of `state.pt`, the loading path a
-  resume uses), keeps its batch sampler and random streams where they are, so the batches that
-  caused it are not seen again, and multiplies the learning rate by `spike_lr_factor` for
-  `spike_lr_steps` steps; `{"event": "rollback", ...}`;
+  save (`llmcli.training.checkpoint.Checkpointer.rollback`: the weights, optimizer and counters
+  of `state.pt`, the loading path a resume uses), keeps its batch sampler and random streams
+  where they are, so the batches that caused it are not seen again, and multiplies the
+  learning rate by `spike_lr_factor` for `spike_lr_steps` steps; `{"event": "rollback", ...}`;
 - stop: a rollback needed after `spike_rollbacks` rollbacks in a row (a rollback counts towards
   the limit until the run trains past its lowered-rate steps), or with no save to go back to.
   The loop raises `DivergenceError` with `stop_advice`.
+
+A refused step's verdict stays in `SpikeGuard.verdict` for the loop to act on.
 
 Under a GradScaler (fp16), non-finite gradients are the scaler's business (it skips the step and
 lowers its scale), so the guard judges the loss alone there.
@@ -38,9 +42,15 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
+import torch
+
 from llmcli.config import TrainConfig
+from llmcli.errors import InputError
+from llmcli.training.distributed import DistInfo, mean_over_ranks
+from llmcli.training.state import TrainState
 
 Action = Literal["apply", "skip", "rollback", "stop"]
 
@@ -87,9 +97,24 @@ class Verdict:
 
 
 class SpikeGuard:
-    """Decides, step by step, whether a step is applied, skipped or rolled back (module doc)."""
+    """Decides, step by step, whether a step is applied, skipped or rolled back (module doc).
 
-    def __init__(self, train: TrainConfig) -> None:
+    Args:
+        train: the `train:` section (the `spike_*` settings).
+        counters: the loop's counters: the step judged is `counters.step + 1`.
+        info: under torchrun the loss and norm judged are the means over the ranks.
+        judge_norm: False under fp16's GradScaler, which judges the gradients itself.
+    """
+
+    def __init__(
+        self,
+        train: TrainConfig,
+        counters: TrainState,
+        info: DistInfo | None = None,
+        judge_norm: bool = True,
+    ) -> None:
+        self.counters, self.info, self.judge_norm = counters, info or DistInfo(), judge_norm
+        self.verdict: Verdict | None = None  # the last step's, when it was refused
         self.factor = train.spike_factor
         self.margin = train.spike_margin
         self.window = train.spike_window
@@ -98,6 +123,19 @@ class SpikeGuard:
         self.lr_steps = train.spike_lr_steps
         self.max_rollbacks = train.spike_rollbacks
         self.state = GuardState()
+
+    def __call__(self, loss: torch.Tensor, norm: torch.Tensor) -> bool:
+        """`train_step`'s `before_update`: whether the step just computed (its loss and gradient
+        norm, 0-d tensors on the device) may update the weights; a refused step's verdict is
+        kept in `verdict`."""
+        values = torch.stack([loss, norm]).float()
+        mean_over_ranks(values, self.info)  # every rank decides alike
+        loss_value, norm_value = values.tolist()
+        verdict = self.check(
+            self.counters.step + 1, loss_value, norm_value if self.judge_norm else None
+        )
+        self.verdict = verdict if verdict.event is not None else None
+        return self.verdict is None
 
     def lr_scale(self, step: int) -> float:
         """The factor on the learning rate of 0-based step `step`."""
@@ -186,3 +224,46 @@ class SpikeGuard:
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         self.state = GuardState.from_dict(saved)
+
+
+class DivergenceError(InputError):
+    """The loss became NaN or infinite (too high a learning rate, usually)."""
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Stops a run whose loss became NaN or infinite, with a message that names the last good
+    checkpoint and what to change.
+
+    Attributes:
+        train: the `train:` section (its learning rate is named).
+        run_dir: where the last good checkpoint is.
+        guarded: the spike guard is on (the message then also says to check the data).
+    """
+
+    train: TrainConfig
+    run_dir: Path
+    guarded: bool
+
+    def check(self, losses: list[float], first_step: int, last_saved: int) -> None:
+        """Raise `DivergenceError` at the first of `losses` (of steps `first_step`, ...) that
+        is not finite; `last_saved` is the step of the last save (-1: none)."""
+        for offset, value in enumerate(losses):
+            if not math.isfinite(value):
+                what = f"the loss became {value} at step {first_step + offset}: training diverged"
+                raise self.error(what, last_saved)
+
+    def error(self, what: str, last_saved: int) -> DivergenceError:
+        """The error of a run that diverged: `what` happened, the last good checkpoint (the
+        save of step `last_saved`, -1: none), and what to change."""
+        lr = self.train.lr
+        kept = (
+            f"the last good checkpoint (step {last_saved}) in '{self.run_dir}' is intact"
+            if last_saved >= 0
+            else "no checkpoint was saved before it"
+        )
+        return DivergenceError(
+            f"{what}, {kept}. Lower the learning rate (train.lr = {lr:g}; try --set "
+            f"train.lr={lr / 3:.3g}), or raise train.warmup_steps or lower train.grad_clip"
+            + (", and check the data around this step." if self.guarded else ".")
+        )

@@ -49,8 +49,9 @@ def _norm(tensors: list[torch.Tensor]) -> torch.Tensor:
 class LayerWatch:
     """One optimizer step's per-group gradient norms and update-to-weight ratios.
 
-    Call `read_grads` with the true gradients in place (before clipping), `before_step` and
-    `after_step` around the optimizer step, then `record`.
+    It is the training step's `before_update`: it reads the gradients (the true ones, before
+    clipping) and keeps the weights before the update; `record`, after the step, measures the
+    update and reads every figure from the device at once.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -59,24 +60,23 @@ class LayerWatch:
         self.ratios: dict[str, torch.Tensor] = {}
         self._before: dict[str, list[torch.Tensor]] = {}
 
-    def read_grads(self) -> None:
+    def __call__(self, loss: torch.Tensor, norm: torch.Tensor) -> bool:
+        """`train_step`'s `before_update`: read the gradients, keep the weights; never refuses."""
         for name, params in self.groups.items():
             self.grad_norms[name] = _norm([p.grad for p in params if p.grad is not None])
-
-    def before_step(self) -> None:
         self._before = {
             name: [p.detach().clone() for p in params] for name, params in self.groups.items()
         }
+        return True
 
-    def after_step(self) -> None:
+    def record(self) -> dict[str, dict[str, float]]:
+        """After the step: `{group: {"grad_norm": ..., "update_ratio": ...}}`, read from the
+        device at once."""
         for name, params in self.groups.items():
             before = self._before[name]
             change = _norm([p.detach() - b for p, b in zip(params, before, strict=True)])
             self.ratios[name] = change / _norm(before)
         self._before = {}
-
-    def record(self) -> dict[str, dict[str, float]]:
-        """`{group: {"grad_norm": ..., "update_ratio": ...}}`, read from the device at once."""
         names = list(self.groups)
         values = torch.stack(
             [self.grad_norms[n].cpu() for n in names] + [self.ratios[n].cpu() for n in names]

@@ -1,12 +1,13 @@
-"""What a training run carries across a save: its counters and every random number generator.
+"""What a training run carries across a save: its counters and every random number generator;
+and what it is (`RunFacts`: its folder, size and device, fixed when it is built).
 
 `TrainState` holds the loop's counters during a session. `ResumeState` is what a save writes to
 `state.pt` and a resume reads back: the counters, the model, the optimizer, the precision scaler,
 every rank's RNG and batch-sampler states, and the spike guard's state. It owns the file's keys
 (`to_dict`), the checks on reading them back (`load`), whether a run can continue from them
 (`check_fits`, and before any part is loaded `check_parts`: the weights and optimizer state
-against the built run) and the message of a part that still does not fit (`load_part`); a `Run`
-(`llmcli.training.run`) makes one at a save and puts one back on a resume.
+against the built run) and the message of a part that still does not fit (`load_part`); the
+checkpointer (`llmcli.training.checkpoint`) makes one at a save and puts one back on a resume.
 `llmcli.runs.formats` writes and reads the file itself (`torch.save` to a temporary name renamed
 into place; `torch.load(weights_only=True)`).
 
@@ -19,6 +20,7 @@ random numbers and, on CPU, ends with bitwise-identical weights.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import random
@@ -70,6 +72,12 @@ class TrainState:
         """Training seconds so far, earlier sessions included."""
         return self.elapsed_base + time.perf_counter() - self.session_start
 
+    def take(self, other: TrainState, but: tuple[str, ...]) -> None:
+        """Take `other`'s counters, in place (others hold this object), `but` those named."""
+        for counter in dataclasses.fields(self):
+            if counter.name not in but:
+                setattr(self, counter.name, getattr(other, counter.name))
+
     def record_eval(self, losses: dict[str, float]) -> bool:
         """Keep an evaluation's losses; True when its val loss is the best so far."""
         self.last_eval = losses
@@ -77,6 +85,45 @@ class TrainState:
         if best:
             self.best_val_loss, self.best_step = losses["val"], self.step
         return best
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What a run is, fixed when it is built: its folder, model, device and data.
+
+    Attributes:
+        run_dir: the run directory.
+        n_params: the model's parameters.
+        vocab_size: the tokenizer's size.
+        device, dtype: where and in what precision the steps run.
+        world_size, rank: the DDP processes, and this one.
+        tokens_per_step: training tokens per optimizer step, over every rank.
+        resumed_from: the step a resumed run started from (None: a fresh start).
+        config_name: the config's name (a shipped config's finds its reference curve).
+        compiled: whether the step runs torch.compile's graphs (`train.compile`).
+        source_hash: the corpus's content hash (a resume warns when it changed).
+        tokenizer_training: how the tokenizer was made, as `meta.json` records it.
+        chat_data: a chat run's conversation counts (kept, cut, left out); None for text.
+        metrics_bytes, head_metrics_bytes: the logs' sizes at the save a run resumed from,
+            where it cuts them back (`llmcli.training.log.TrainLog.open`); None: not known.
+    """
+
+    run_dir: Path
+    n_params: int
+    vocab_size: int
+    device: str
+    dtype: str
+    world_size: int
+    rank: int
+    tokens_per_step: int
+    resumed_from: int | None
+    config_name: str
+    compiled: bool
+    source_hash: str | None
+    tokenizer_training: dict | None
+    chat_data: dict | None = None
+    metrics_bytes: int | None = None
+    head_metrics_bytes: int | None = None
 
 
 # The keys every resume state holds, with their types: checked before any of it is used.
@@ -101,6 +148,7 @@ _OPTIONAL: dict[str, type | tuple[type, ...]] = {
     "source_hash": (str, type(None)),
     "scaler": (dict, type(None)),
     "guard": (dict, type(None)),
+    "head_metrics_bytes": (int, type(None)),
 }
 
 
@@ -116,6 +164,8 @@ class ResumeState:
         counters: the loop's counters (the file holds their `elapsed` at the save as
             `elapsed_s`; read back, that becomes `elapsed_base`).
         metrics_bytes: the size of `metrics.jsonl` at the save; a resumed run cuts it back there.
+        head_metrics_bytes: the same for `head_metrics.jsonl` (None: not recorded, by states
+            written before it was; `llmcli.runs.head_metrics.cut_to_step` then cuts it).
         vocab_size: the tokenizer's size (None in a file that lacks it: `check_fits` refuses it).
         source_hash: the corpus's hash (None: unknown); a resume warns when it changed.
         config: the run's config, as `Config.to_dict()`.
@@ -129,6 +179,7 @@ class ResumeState:
 
     counters: TrainState
     metrics_bytes: int
+    head_metrics_bytes: int | None
     vocab_size: int | None
     source_hash: str | None
     config: dict[str, Any]
@@ -161,6 +212,7 @@ class ResumeState:
             "rng": self.rng,
             "sampler": self.sampler,
             "guard": self.guard,
+            "head_metrics_bytes": self.head_metrics_bytes,
         }
 
     @classmethod
@@ -199,6 +251,7 @@ class ResumeState:
                 last_saved=int(saved["step"]),  # the save a run resumes from is its latest
             ),
             metrics_bytes=int(saved["metrics_bytes"]),
+            head_metrics_bytes=saved.get("head_metrics_bytes"),
             vocab_size=saved.get("vocab_size"),
             source_hash=saved.get("source_hash"),
             config=saved["config"],
@@ -311,6 +364,8 @@ def _malformed(saved: dict[str, Any]) -> list[str]:
     config without its sections, an optimizer state without its parts, RNG states that lack one
     of the generators, ranks whose RNG and sampler states do not pair up."""
     bad = [k for k in ("step", "tokens", "metrics_bytes") if saved[k] < 0]
+    if (saved.get("head_metrics_bytes") or 0) < 0:
+        bad.append("head_metrics_bytes")
     config = saved["config"]
     sections_ok = all(isinstance(config.get(s), dict) for s in ("model", "train"))
     if not (sections_ok and all(isinstance(config.get(s, {}), dict) for s in ("data", "sample"))):

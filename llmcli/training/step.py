@@ -3,9 +3,9 @@
 `train_step` is what nanoGPT's train.py does between two log lines (`for micro_step in
 range(gradient_accumulation_steps)` ... `optimizer.zero_grad(set_to_none=True)`), as a function
 of what it works with (`Trainer`). What keeps a run safe sits around it, in the loop
-(`llmcli.training.loop`), not inside: the spike guard and the layer watch see the gradients
-through `before_update`; the out-of-memory retry, logging, evaluation, saving and stopping are
-the loop's named steps.
+(`llmcli.training.loop`), not inside: the spike guard (`llmcli.training.guard`) and the layer
+watch (`llmcli.training.layers`) see the gradients as the step's `before_update`; the
+out-of-memory retry, logging, evaluation, saving and stopping are the loop's.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ BeforeUpdate = Callable[[Tensor, Tensor], bool]
 
 @dataclass
 class Trainer:
-    """What a training step works with (built by `llmcli.training.run.build_run`).
+    """What a training step works with (built by `llmcli.training.build.build_run`).
 
     Attributes:
         model: the module a step runs: the model, compiled with `train.compile`, wrapped in
@@ -84,3 +84,12 @@ def train_step(
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return loss_sum, norm, applied
+
+
+def all_of(*checks: BeforeUpdate | None) -> BeforeUpdate | None:
+    """One `before_update` that runs `checks` in order (None: left out) and lets the update
+    through only if each does; None when there are none."""
+    present = [check for check in checks if check is not None]
+    if not present:
+        return None
+    return lambda loss, norm: all(check(loss, norm) for check in present)

@@ -1,0 +1,287 @@
+"""Building a training run: everything the loop works with, fresh or restored from a save.
+
+`build_run` tokenizes the corpus and makes the run directory ready (a fresh start reads all its
+input first, so that bad data or a bad `train.init_from` leaves the folder as it was; a resume
+first reads the run's state and tokenizer), settles the micro-batch (`train.batch_size: auto`,
+`llmcli.training.batch`), builds the model (from `train.init_from`'s weights,
+`llmcli.training.init_from`), optimizer and batch sampler (conversations' for chat data), puts
+the save back when resuming (`llmcli.training.checkpoint.restore`), and wraps the model for
+`train.compile` and DDP. Every rank checks each stage with the others (`agreed`) before going
+on, so that a bad input on one rank stops them all with its message.
+
+What it builds is a `Run`: a record of the parts, each with a narrow job, that the loop
+(`llmcli.training.loop.fit`) hands to the helpers that use them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from llmcli.config import Config
+from llmcli.data.tokens import TokenData, prepare_data
+from llmcli.errors import CheckpointError
+from llmcli.evaluation.probe import make_probe
+from llmcli.model.gpt import Transformer
+from llmcli.runs.directory import META_FILE, check_fresh_start, prepare_run_dir, resumes
+from llmcli.runs.formats import read_meta
+from llmcli.runs.loading import load_tokenizer_file
+from llmcli.training.batch import resolve_batch, with_micro_batch
+from llmcli.training.checkpoint import Checkpointer, restore
+from llmcli.training.compiling import MEASURE_S, choose, compile_key, compiled, inductor_cache
+from llmcli.training.distributed import DistInfo, agreed, gather
+from llmcli.training.evaluate import EVAL_SEED_OFFSET, Evaluator, split_sampler
+from llmcli.training.guard import SpikeGuard
+from llmcli.training.init_from import load_init_weights, resolve_init_from
+from llmcli.training.memory import check_memory
+from llmcli.training.optim import build_optimizer
+from llmcli.training.plan import measure_step
+from llmcli.training.precision import Precision
+from llmcli.training.state import ResumeState, RunFacts, TrainState, seed_everything
+from llmcli.training.step import Trainer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Run:
+    """What the training loop works with, built by `build_run`: a record of parts, each with a
+    narrow job, and no behaviour of its own.
+
+    Attributes:
+        config: the run's config, the micro-batch settled (`train.batch_size` a number).
+        info: this process's place under torchrun.
+        data: the corpus's token data and tokenizer.
+        model: the model, unwrapped: what is saved and scored.
+        trainer: what a step needs: the model as steps run it, optimizer, batches.
+        state: the loop's counters.
+        facts: what the run is (its folder, size, device), fixed when it is built.
+        checkpoints: saves the run and rolls it back.
+        evaluate: the loop's evaluation.
+        guard: the spike guard (`train.spike_guard`), the step's `before_update`; else None.
+        shrinks: whether running out of memory in the first steps may shrink the micro-batch
+            (an automatic one, in a fresh run in one process: under DDP one rank alone cannot
+            change the batch).
+    """
+
+    config: Config
+    info: DistInfo
+    data: TokenData
+    model: Transformer
+    trainer: Trainer
+    state: TrainState
+    facts: RunFacts
+    checkpoints: Checkpointer
+    evaluate: Evaluator
+    guard: SpikeGuard | None
+    shrinks: bool
+
+
+def build_run(
+    config: Config,
+    info: DistInfo,
+    precision: Precision,
+    run_dir: Path,
+    resume: bool | str,
+    overwrite: bool,
+    session_start: float,
+) -> Run:
+    """The run directory, data, model, optimizer and samplers, restored from a save if resuming.
+
+    Every rank checks each stage with the others (`agreed`) before going on, so that a bad
+    input on one rank stops them all with its message.
+    """
+    tc, device = config.train, precision.device
+    if tc.compile is not False:  # before torch looks for its cache folder, which it then keeps
+        inductor_cache()
+    if tc.init_from:  # a run or a Hugging Face folder sets the model's shape and the tokenizer
+        config = resolve_init_from(config)
+    saved, data = _prepare(config, info, device, run_dir, resume, overwrite)
+    vocab = int(data.tokenizer.vocab_size)
+    auto_batch = tc.batch_size == "auto"
+    config = _resolve_batch(config, vocab, precision, info, saved)
+    tc = config.train
+    check_memory(config, vocab, device, precision.name, info.world_size)
+    model = Transformer(config.model, vocab, generator=torch.Generator().manual_seed(tc.seed))
+    if tc.init_from and saved is None:  # a resumed run's weights come from its state
+        load_init_weights(model, tc.init_from)
+    model.to(device)
+    optimizer = build_optimizer(model, tc, device.type)
+    seed_everything(tc.seed + info.rank)
+    with agreed(info, device):
+        sampler = split_sampler(data, "train", config, tc.seed, info, device)
+    trainer = Trainer(
+        model=model,
+        params=list(model.parameters()),
+        optimizer=optimizer,
+        precision=precision,
+        batches=sampler,
+        grad_accum=tc.grad_accum,
+        grad_clip=tc.grad_clip,
+    )
+    state = TrainState(session_start=session_start)
+    guard = None
+    if tc.spike_guard:  # under fp16 the GradScaler judges the gradients
+        guard = SpikeGuard(tc, state, info, judge_norm=not precision.scales_loss)
+    with agreed(info, device):  # a corpus too small for the batch and context fails here
+        for split in ("train", "val"):
+            split_sampler(data, split, config, tc.seed + EVAL_SEED_OFFSET, info, device)
+    if saved is not None:
+        restore(saved, state, model, trainer, guard, info)
+    meta = read_meta(run_dir / META_FILE) if saved is not None else {}
+    trainer.model = _compiled(model, config, vocab, precision, state.step, meta.get("compiled"))
+    is_compiled = trainer.model is not model
+    if info.enabled:
+        device_ids = [device.index] if device.type == "cuda" else None
+        trainer.model = DistributedDataParallel(trainer.model, device_ids=device_ids)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    facts = RunFacts(
+        run_dir=run_dir,
+        n_params=model.num_parameters(),
+        vocab_size=vocab,
+        device=str(device),
+        dtype=precision.name,
+        world_size=info.world_size,
+        rank=info.rank,
+        tokens_per_step=tc.batch_size
+        * config.model.context_length
+        * tc.grad_accum
+        * info.world_size,
+        resumed_from=state.step if saved is not None else None,
+        config_name=config.name,
+        compiled=is_compiled,
+        source_hash=data.source_hash,
+        # A resumed run's tokenizer comes from the run: how it was made, from its meta.json.
+        tokenizer_training=meta.get("tokenizer_training")
+        if saved is not None
+        else data.tokenizer_training,
+        chat_data=data.chat.counts() if data.chat is not None else None,
+        metrics_bytes=saved.metrics_bytes if saved is not None else None,
+        head_metrics_bytes=saved.head_metrics_bytes if saved is not None else None,
+    )
+    probe = None
+    if tc.head_metrics and info.main:  # rank 0 scores the heads
+        probe = make_probe(data.tokenizer, config.model.context_length)
+    evaluated = trainer.model.module if info.enabled else trainer.model  # no DDP forward
+    return Run(
+        config=config,
+        info=info,
+        data=data,
+        model=model,
+        trainer=trainer,
+        state=state,
+        facts=facts,
+        checkpoints=Checkpointer(facts, info, model, trainer, guard),
+        evaluate=Evaluator(evaluated, model, data, precision, info, probe),
+        guard=guard,
+        shrinks=auto_batch and not info.enabled and saved is None,
+    )
+
+
+def _resolve_batch(
+    config: Config, vocab: int, precision: Precision, info: DistInfo, saved: ResumeState | None
+) -> Config:
+    """The config with the micro-batch and accumulation the run trains with (see
+    `llmcli.training.batch.resolve_batch`), the same on every rank."""
+    auto = config.train.batch_size == "auto"
+    with agreed(info, precision.device):  # a rank whose memory is too small stops them all
+        config = resolve_batch(
+            config,
+            vocab,
+            precision.device,
+            precision.name,
+            info.world_size,
+            None if saved is None else saved.config,
+        )
+    if auto and info.enabled:  # GPUs' free memory differs: all take the smallest choice
+        config = with_micro_batch(config, min(gather(config.train.batch_size, info)))
+    return config
+
+
+def _prepare(
+    config: Config,
+    info: DistInfo,
+    device: torch.device,
+    run_dir: Path,
+    resume: bool | str,
+    overwrite: bool,
+) -> tuple[ResumeState | None, TokenData]:
+    """Check the run directory, load the resume state, tokenize the data: (saved state, data).
+
+    A fresh start only checks the folder before reading the data, and prepares it (made, an
+    earlier run's files removed) once the data is read: bad input changes nothing there.
+    """
+    saved: ResumeState | None = None
+    resume = resumes(run_dir, resume)  # before rank 0 prepares the folder
+    with agreed(info, device):
+        if info.main:
+            if resume:
+                prepare_run_dir(run_dir, resume, overwrite)
+            elif not overwrite:
+                check_fresh_start(run_dir)
+    with agreed(info, device):
+        if resume:
+            saved = ResumeState.load(run_dir)
+    with agreed(info, device):
+        _check_same_save(saved, run_dir, info)
+    tokenizer = load_tokenizer_file(run_dir) if resume else None
+    # Rank 0 tokenizes first and fills the cache; the others then read it.
+    data = None
+    with agreed(info, device):
+        if info.main:
+            data = prepare_data(config.data, config.model.context_length, tokenizer=tokenizer)
+    with agreed(info, device):
+        if not info.main:
+            data = prepare_data(config.data, config.model.context_length, tokenizer=tokenizer)
+    assert data is not None
+    with agreed(info, device):
+        if info.main and not resume:
+            prepare_run_dir(run_dir, resume, overwrite)
+    if saved is not None:
+        saved.check_fits(config, run_dir, int(data.tokenizer.vocab_size))
+        if saved.source_hash not in (None, data.source_hash) and info.main:
+            logger.warning(
+                "the corpus changed since this run was saved: the resumed run will "
+                "not match an uninterrupted one"
+            )
+    return saved, data
+
+
+def _check_same_save(saved: ResumeState | None, run_dir: Path, info: DistInfo) -> None:
+    """Every rank starts from the same save (or none): a restarted group must agree on the
+    step, or the ranks' weights would differ from the first step on."""
+    steps = gather(None if saved is None else saved.counters.step, info)
+    if len(set(steps)) > 1:
+        raise CheckpointError(
+            f"the ranks read different resume states from '{run_dir}' (steps by rank: "
+            f"{steps}): every rank must see the same run directory, on a shared file system."
+        )
+
+
+def _compiled(
+    model: Transformer,
+    config: Config,
+    vocab: int,
+    precision: Precision,
+    step: int,
+    recorded: object,
+) -> nn.Module:
+    """The model the step runs: compiled or not by `train.compile` (`llmcli.training.compiling`);
+    a resumed run keeps the choice its `meta.json` records (`recorded`)."""
+    key = compile_key(config, vocab, precision.device)
+    choice = choose(
+        config.train.compile,
+        key,
+        config.train.max_steps - step,
+        lambda: measure_step(config, vocab, precision, MEASURE_S).step_s,
+        device=precision.device.type,
+        resumed=recorded if isinstance(recorded, bool) else None,
+    )
+    return compiled(model, choice, key)

@@ -1,0 +1,256 @@
+"""What the training loop reads from the device and what it logs.
+
+Reading from the device waits for it, so the loop does it only at log steps: each step's loss
+stays on the device until then (`LossLog`), and every rank's requests to stop or to save are
+agreed in one collective (`agreed_flags`). `TokenRate` measures the tokens per second between
+reads.
+
+`TrainLog` writes what rank 0 records as the run goes, besides its checkpoints: at the start the
+run's `config.yaml`, `tokenizer.json` (and a chat run's `chat_template.jinja`); then one
+`metrics.jsonl` record per log step, per evaluation and per spike-guard event, each also sent to
+the trackers (`llmcli.runs.trackers`); with `train.head_metrics`, each evaluation's head scores in
+`head_metrics.jsonl` (`llmcli.runs.head_metrics`); and the loss picture, redrawn at every
+evaluation. Both logs are `llmcli.runs.metrics.JsonLinesLog`s: a resumed run keeps their records
+up to its save and writes the later ones again, so that they read as if it was never stopped
+(only `elapsed_s` and `tok_per_s` differ). On the other ranks a `TrainLog` writes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmcli.config import Config
+from llmcli.data.prepared import TokenData
+from llmcli.errors import CheckpointError, describe_os_error
+from llmcli.evaluation.metrics import perplexity
+from llmcli.fileio import remove_stale_temp_files
+from llmcli.runs.directory import (
+    HEAD_METRICS_FILE,
+    METRICS_FILE,
+    PLOT_FILE,
+    write_config,
+    write_config_and_tokenizer,
+)
+from llmcli.runs.head_metrics import cut_to_step
+from llmcli.runs.metrics import JsonLinesLog, plot_losses
+from llmcli.runs.trackers import open_trackers
+from llmcli.training.distributed import DistInfo, mean_over_ranks
+from llmcli.training.evaluate import Evaluation
+from llmcli.training.interrupt import StopRequest
+from llmcli.training.layers import LayerWatch
+from llmcli.training.state import RunFacts, TrainState
+
+logger = logging.getLogger(__name__)
+
+
+class LossLog:
+    """Each applied step's loss, kept on the device until the loop reads them all at once."""
+
+    def __init__(self) -> None:
+        self.pending: list[torch.Tensor] = []
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.pending.append(loss)
+
+    def clear(self) -> None:
+        self.pending = []
+
+    def read(self, info: DistInfo) -> list[float]:
+        """The loss of each step since the last read (under DDP the mean over ranks, which
+        step alike)."""
+        values = torch.stack(self.pending)
+        mean_over_ranks(values, info)
+        self.pending = []
+        return values.tolist()
+
+
+@dataclass(frozen=True)
+class Flags:
+    """What any rank asks of all of them when the loop reads the device."""
+
+    stop: bool = False  # Ctrl-C or SIGTERM: save and stop
+    terminated: bool = False  # ... by SIGTERM (a scheduler's preemption): exit status 143
+    timed_save: bool = False  # `train.save_interval_s` passed since the last save
+
+
+def agreed_flags(
+    stop: StopRequest, timed_save: bool, info: DistInfo, device: torch.device
+) -> Flags:
+    """This rank's flags, raised on every rank if any rank raised them (one all-reduce under
+    DDP), so that all learn at the same step that one of them was asked to stop or to save."""
+    flags = (stop.requested, stop.signum == signal.SIGTERM, timed_save)
+    if info.enabled:
+        raised = torch.tensor(flags, dtype=torch.float, device=device)
+        mean_over_ranks(raised, info)
+        flags = tuple(v > 0 for v in raised.tolist())
+    return Flags(*flags)
+
+
+class TokenRate:
+    """Training tokens per second between reads; `restart` leaves evaluations and saves out."""
+
+    def __init__(self, start: float, tokens: int) -> None:
+        self.start, self.tokens = start, tokens
+
+    def read(self, tokens: int) -> float:
+        """Tokens per second since the last read or restart, which this read ends."""
+        now = time.perf_counter()
+        rate = (tokens - self.tokens) / max(now - self.start, 1e-9)
+        self.start, self.tokens = now, tokens
+        return rate
+
+    def restart(self, tokens: int) -> None:
+        self.start, self.tokens = time.perf_counter(), tokens
+
+    def rewind(self, tokens: int) -> None:
+        """After a rollback the count goes back: the rate counts from there (the time spent on
+        the steps undone counts against it)."""
+        self.tokens = min(self.tokens, tokens)
+
+
+class TrainLog:
+    """What rank 0 writes as the run goes, besides its checkpoints (see the module doc);
+    `TrainLog.open` starts it. On other ranks (`metrics` None) it writes nothing."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        metrics: JsonLinesLog | None = None,
+        heads: JsonLinesLog | None = None,
+    ) -> None:
+        self.run_dir, self.metrics, self.heads = run_dir, metrics, heads
+
+    @classmethod
+    def open(cls, config: Config, data: TokenData, facts: RunFacts, main: bool) -> TrainLog:
+        """Rank 0: write config.yaml and tokenizer.json (and a chat run's template) into the
+        run directory, open metrics.jsonl with the trackers (and head_metrics.jsonl), each cut
+        back to its size at the save a run resumes from (`facts`).
+
+        Raises:
+            CheckpointError: the files cannot be written (the saved checkpoint is intact).
+        """
+        run_dir, resumed = facts.run_dir, facts.resumed_from is not None
+        if not main:
+            return cls(run_dir)
+        remove_stale_temp_files(run_dir)
+        template = data.chat.template if data.chat is not None else None
+        try:
+            write_config_and_tokenizer(run_dir, config, data.tokenizer, template)
+            trackers = open_trackers(config, run_dir, facts.resumed_from)
+            metrics_bytes = facts.metrics_bytes if resumed else None
+            metrics = JsonLinesLog(run_dir / METRICS_FILE, metrics_bytes, trackers)
+            heads = None
+            if config.train.head_metrics:
+                path, head_bytes = run_dir / HEAD_METRICS_FILE, facts.head_metrics_bytes
+                if resumed and head_bytes is None:  # a state that did not record it
+                    assert facts.resumed_from is not None
+                    head_bytes = cut_to_step(path, facts.resumed_from)
+                heads = JsonLinesLog(path, head_bytes if resumed else None)
+        except OSError as exc:
+            raise CheckpointError(
+                f"cannot write the run files in '{run_dir}': {describe_os_error(exc)}. "
+                "Any checkpoint saved there is intact; fix the problem and run again."
+            ) from None
+        return cls(run_dir, metrics, heads)
+
+    def train_step(
+        self,
+        state: TrainState,
+        lr: float,
+        loss: float,
+        tok_s: float,
+        norm: torch.Tensor,
+        watch: LayerWatch | None,
+    ) -> None:
+        """A log step's record: the step's loss, learning rate, speed and gradient norm."""
+        if self.metrics is None:
+            return
+        record = {
+            "kind": "train",
+            "step": state.step,
+            "tokens": state.tokens,
+            "elapsed_s": round(state.elapsed, 3),
+            "lr": lr,
+            "train_loss": loss,
+            "tok_per_s": round(tok_s, 1),
+            "grad_norm": norm.item(),  # the gradient norm of this step, before clipping
+        }
+        if watch is not None:
+            record["layers"] = watch.record()
+        self.metrics.write(record)
+
+    def evaluation(self, state: TrainState, lr: float, result: Evaluation, best: bool) -> None:
+        """An evaluation's record (with its heads' scores, whose grids go to
+        head_metrics.jsonl), a line in the log, and the loss picture redrawn."""
+        if self.metrics is None:
+            return
+        losses = result.losses
+        if self.heads is not None and result.heads is not None:
+            self.heads.write({"step": state.step, "tokens": state.tokens, **result.heads})
+        val = losses["val"]
+        record = {
+            "kind": "eval",
+            "step": state.step,
+            "tokens": state.tokens,
+            "elapsed_s": round(state.elapsed, 3),
+            "lr": lr,
+            "train_loss": losses["train"],
+            "val_loss": val,
+            "val_ppl": perplexity(val),
+        }
+        self.metrics.write({**record, **result.summary})
+        logger.info(
+            "step %d: train loss %.4f, val loss %.4f (ppl %.2f)%s%s",
+            state.step,
+            losses["train"],
+            val,
+            perplexity(val),
+            f", induction_max {result.summary['induction_max']:.3f}" if result.summary else "",
+            ", best so far" if best else "",
+        )
+        try:
+            plot_losses(self.run_dir / METRICS_FILE, self.run_dir / PLOT_FILE)
+        except OSError as exc:
+            logger.warning("could not draw %s: %s", PLOT_FILE, describe_os_error(exc))
+
+    def event(self, record: dict[str, Any], message: str) -> None:
+        """A spike-guard event into metrics.jsonl (and the trackers), and a warning."""
+        if self.metrics is not None:
+            self.metrics.write(record)
+            logger.warning("spike guard: %s", message)
+
+    def sizes(self) -> tuple[int, int | None]:
+        """The sizes of metrics.jsonl and head_metrics.jsonl (None: not written), which a save
+        records (0, None on the ranks that write nothing)."""
+        metrics = self.metrics.size if self.metrics is not None else 0
+        return metrics, self.heads.size if self.heads is not None else None
+
+    def rewind(self, metrics_bytes: int, head_metrics_bytes: int | None) -> None:
+        """Cut the logs back to their sizes at a save (a rollback), keeping event records."""
+        if self.metrics is not None:
+            self.metrics.rewind(metrics_bytes)
+        if self.heads is not None and head_metrics_bytes is not None:
+            self.heads.rewind(head_metrics_bytes)
+
+    def rewrite_config(self, config: Config) -> None:
+        """config.yaml again, after the loop changed the micro-batch."""
+        if self.metrics is not None:
+            write_config(self.run_dir, config)
+
+    def close(self) -> None:
+        for log in (self.metrics, self.heads):
+            if log is not None:
+                log.close()
+
+    def __enter__(self) -> TrainLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
