@@ -14,9 +14,9 @@ import torch
 from chat_helpers import CONVERSATIONS, chat_tokenizer, save_chat_run
 from conftest import save_tiny_run
 
-from llmcli.chat.conversations import ConversationEncoder
-from llmcli.chat.template import CHAT_TOKENS, default_template, require_run_template
 from llmcli.cli import main
+from llmcli.data.chat_template import CHAT_TOKENS, default_template, require_run_template
+from llmcli.data.conversations import ConversationEncoder
 from llmcli.data.tokenizer import CharTokenizer
 from llmcli.errors import InputError
 from llmcli.generation.chat import (

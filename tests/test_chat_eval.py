@@ -19,8 +19,8 @@ from chat_helpers import CONVERSATIONS, chat_tokenizer, save_chat_run
 from conftest import save_tiny_run
 from hf_helpers import greedy_llmcli
 
-from llmcli.chat.template import END_OF_TURN, ROLE_TOKENS, default_template
 from llmcli.cli import main
+from llmcli.data.chat_template import END_OF_TURN, ROLE_TOKENS, default_template
 from llmcli.data.tokenizer import CharTokenizer
 from llmcli.runs.directory import save_model_run
 from llmcli.runs.loading import load_run

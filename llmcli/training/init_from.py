@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from llmcli.chat.template import TEMPLATE_FILE
 from llmcli.config import Config
+from llmcli.data.chat_template import TEMPLATE_FILE
 from llmcli.errors import CheckpointError
 from llmcli.hf.load import config_from_base, hf_weights
 from llmcli.hf.load import resolve_init_from as resolve_hf_init_from

@@ -29,10 +29,10 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from llmcli.chat.template import ChatTemplate
 from llmcli.config import Config
 from llmcli.data.batches import BatchSampler
 from llmcli.data.chat_batches import ChatSampler
+from llmcli.data.chat_template import ChatTemplate
 from llmcli.data.tokenizer import Tokenizer
 from llmcli.data.tokens import TokenData, prepare_data
 from llmcli.errors import CheckpointError, describe_os_error
