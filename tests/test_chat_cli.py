@@ -263,8 +263,8 @@ def test_bad_options_exit_2(run_dir, capsys, monkeypatch) -> None:
 
 def test_steer_adds_the_feature_direction_to_a_reply(run, run_dir, tmp_path, capsys, monkeypatch):
     """`chat --steer` answers as the hand loop does with the direction added at the hook."""
-    from llmcli.sae.folder import SAEInfo, save_sae
-    from llmcli.sae.model import SparseAutoencoder
+    from llmcli.inspection.sae.folder import SAEInfo, save_sae
+    from llmcli.inspection.sae.model import SparseAutoencoder
 
     hook, width = "blocks.1.resid_post", run.config.model.n_embed
     sae = SparseAutoencoder(width, 16, 4, generator=torch.Generator().manual_seed(3))

@@ -1,5 +1,5 @@
-"""`llmcli.sae.steer`: steering adds a feature's direction, ablation takes a feature out, both at
-the SAE's hook point, in `sample --steer` and `eval --ablate-feature` as by hand."""
+"""`llmcli.inspection.sae.steer`: steering adds a feature's direction, ablation takes a feature
+out, both at the SAE's hook point, in `sample --steer` and `eval --ablate-feature` as by hand."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from llmcli.errors import InputError
 from llmcli.evaluation.run import EvalOptions, evaluate_run
 from llmcli.evaluation.text import eval_tokens, window_batches, window_starts
 from llmcli.generation.sample import SampleOptions, sample_run, sample_texts
+from llmcli.inspection.sae.folder import load_sae
+from llmcli.inspection.sae.points import as_rows
+from llmcli.inspection.sae.steer import ablation_hooks, steering_hooks
 from llmcli.runs.loading import load_run
-from llmcli.sae.folder import load_sae
-from llmcli.sae.points import as_rows
-from llmcli.sae.steer import ablation_hooks, steering_hooks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

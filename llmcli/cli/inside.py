@@ -141,7 +141,8 @@ AnswersOption = Annotated[
     ),
 ]
 
-# eval's --ablate-feature: SAE features removed at their hook points (`llmcli.sae.steer`).
+# eval's --ablate-feature: SAE features removed at their hook points
+# (`llmcli.inspection.sae.steer`).
 AblateFeatureOption = Annotated[
     Optional[list[str]],
     typer.Option(

@@ -99,7 +99,7 @@ class EvalOptions:
         threads: CPU threads (None: the run's `train.threads`).
         ablate_feature: SAE features to remove, `SAE_DIR:FEATURE` each: at the SAE's hook
             point, the feature's activation times its decoder direction is taken out
-            (`llmcli.sae.steer`).
+            (`llmcli.inspection.sae.steer`).
         answers: with conversations (`--data FILE.jsonl` on a chat run), also answer every
             assistant turn greedily and count the exact matches (`llmcli.evaluation.chat`).
 
@@ -223,7 +223,7 @@ def _evaluate(
     hooks = {} if head_mask is None else ablation_hooks(head_mask, head_mean)
     features = {}
     if options.ablate_feature:
-        from llmcli.sae.steer import ablation_hooks as feature_hooks
+        from llmcli.inspection.sae.steer import ablation_hooks as feature_hooks
 
         features = feature_hooks(run.model, options.ablate_feature)
     with run.model.hooks(hooks), run.model.hooks(features):  # heads first, then features
