@@ -249,4 +249,6 @@ def test_bad_input_exits_2_naming_what_to_fix(tmp_path, capsys):
     assert code == 2 and "has no chat template" in err and "train.init_from" in err
     code, _, err = run_eval(capsys, run_dir, good, "--per-token")
     assert code == 2 and "--per-token scores text windows" in err
+    code, _, err = run_eval(capsys, run_dir, good, "--ablate-feature", f"{tmp_path}/sae:1")
+    assert code == 2 and "--ablate-feature scores text windows" in err  # before any SAE is read
     assert sorted(p.name for p in run_dir.iterdir()) == before  # nothing written
