@@ -7,8 +7,8 @@ from typing import Any
 
 from conftest import save_tiny_run
 
-from llmcli.chat.conversations import add_chat_tokens
-from llmcli.chat.template import default_template
+from llmcli.data.chat_template import default_template
+from llmcli.data.conversations import add_chat_tokens
 from llmcli.data.tokenizer import CharTokenizer, Tokenizer
 
 CONVERSATIONS: list[list[dict[str, str]]] = [

@@ -9,8 +9,8 @@ import numpy as np
 from conftest import save_tiny_run, small_run_config
 
 from llmcli.data.tokenizer import CharTokenizer
-from llmcli.sae.config import SAEConfig
-from llmcli.sae.train import TrainOptions, train_sae
+from llmcli.inspection.sae.config import SAEConfig
+from llmcli.inspection.sae.train import TrainOptions, train_sae
 
 HOOK = "blocks.1.resid_post"
 

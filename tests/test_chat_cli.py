@@ -14,9 +14,9 @@ import torch
 from chat_helpers import CONVERSATIONS, chat_tokenizer, save_chat_run
 from conftest import save_tiny_run
 
-from llmcli.chat.conversations import ConversationEncoder
-from llmcli.chat.template import CHAT_TOKENS, default_template, require_run_template
 from llmcli.cli import main
+from llmcli.data.chat_template import CHAT_TOKENS, default_template, require_run_template
+from llmcli.data.conversations import ConversationEncoder
 from llmcli.data.tokenizer import CharTokenizer
 from llmcli.errors import InputError
 from llmcli.generation.chat import (
@@ -263,8 +263,8 @@ def test_bad_options_exit_2(run_dir, capsys, monkeypatch) -> None:
 
 def test_steer_adds_the_feature_direction_to_a_reply(run, run_dir, tmp_path, capsys, monkeypatch):
     """`chat --steer` answers as the hand loop does with the direction added at the hook."""
-    from llmcli.sae.folder import SAEInfo, save_sae
-    from llmcli.sae.model import SparseAutoencoder
+    from llmcli.inspection.sae.folder import SAEInfo, save_sae
+    from llmcli.inspection.sae.model import SparseAutoencoder
 
     hook, width = "blocks.1.resid_post", run.config.model.n_embed
     sae = SparseAutoencoder(width, 16, 4, generator=torch.Generator().manual_seed(3))

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 from chat_helpers import CHARS, CONVERSATIONS, chat_tokenizer
 
-from llmcli.chat.conversations import (
+from llmcli.data.chat_template import CHAT_TOKENS, default_template
+from llmcli.data.conversations import (
     ConversationEncoder,
     add_chat_tokens,
     check_messages,
     read_jsonl,
 )
-from llmcli.chat.template import CHAT_TOKENS, default_template
 from llmcli.data.tokenizer import BPETokenizer, CharTokenizer, tokenizer_from_json
 from llmcli.errors import InputError
 

@@ -19,8 +19,8 @@ from chat_helpers import CONVERSATIONS, chat_tokenizer, save_chat_run
 from conftest import save_tiny_run
 from hf_helpers import greedy_llmcli
 
-from llmcli.chat.template import END_OF_TURN, ROLE_TOKENS, default_template
 from llmcli.cli import main
+from llmcli.data.chat_template import END_OF_TURN, ROLE_TOKENS, default_template
 from llmcli.data.tokenizer import CharTokenizer
 from llmcli.runs.directory import save_model_run
 from llmcli.runs.loading import load_run
@@ -249,4 +249,6 @@ def test_bad_input_exits_2_naming_what_to_fix(tmp_path, capsys):
     assert code == 2 and "has no chat template" in err and "train.init_from" in err
     code, _, err = run_eval(capsys, run_dir, good, "--per-token")
     assert code == 2 and "--per-token scores text windows" in err
+    code, _, err = run_eval(capsys, run_dir, good, "--ablate-feature", f"{tmp_path}/sae:1")
+    assert code == 2 and "--ablate-feature scores text windows" in err  # before any SAE is read
     assert sorted(p.name for p in run_dir.iterdir()) == before  # nothing written

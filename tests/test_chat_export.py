@@ -20,8 +20,8 @@ from chat_helpers import CONVERSATIONS, save_chat_run
 from conftest import save_tiny_run
 from hf_helpers import TEXT, assert_close, cli
 
-from llmcli.chat.conversations import ConversationEncoder, add_chat_tokens
-from llmcli.chat.template import CHAT_TOKENS, END_OF_TURN, default_template
+from llmcli.data.chat_template import CHAT_TOKENS, END_OF_TURN, default_template
+from llmcli.data.conversations import ConversationEncoder, add_chat_tokens
 from llmcli.data.tokenizer import BPETokenizer
 from llmcli.runs.directory import save_model_run
 from llmcli.runs.loading import load_run

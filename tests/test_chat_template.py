@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from chat_helpers import CONVERSATIONS
 
-from llmcli.chat.template import (
+from llmcli.data.chat_template import (
     TEMPLATE_FILE,
     ChatTemplate,
     default_template,

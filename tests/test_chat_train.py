@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from chat_helpers import CHARS, save_chat_run
 from conftest import save_tiny_run
 
-from llmcli.chat.template import CHAT_TOKENS, DEFAULT_TEMPLATE, TEMPLATE_FILE
 from llmcli.config import Config, config_from_dict, dump_yaml
+from llmcli.data.chat_template import CHAT_TOKENS, DEFAULT_TEMPLATE, TEMPLATE_FILE
 from llmcli.data.tokenizer import CharTokenizer
 from llmcli.data.tokens import prepare_data
 from llmcli.model.gpt import Transformer

@@ -57,7 +57,7 @@ FLOORS = {
     "tqdm": ("4.66", ["tqdm.auto.tqdm", "tqdm.contrib.logging.logging_redirect_tqdm"]),
     "pyyaml": ("6.0", ["yaml.safe_load", "yaml.safe_dump"]),
     "numpy": ("2.0", ["numpy.frombuffer", "numpy.searchsorted", "numpy.memmap"]),
-    # llmcli.chat.template: a sandboxed environment with the `generation` tag, as transformers'
+    # llmcli.data.chat_template: a sandboxed environment with the `generation` tag, as transformers'
     # (3.1.6: the last known sandbox escapes fixed; a run's template is untrusted text).
     "jinja2": (
         "3.1.6",

@@ -24,8 +24,8 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from llmcli.chat.conversations import add_chat_tokens
-from llmcli.chat.template import default_template
+from llmcli.data.chat_template import default_template
+from llmcli.data.conversations import add_chat_tokens
 from llmcli.data.tokenizer import BPETokenizer, CharTokenizer
 from llmcli.runs.loading import LoadedRun, load_run
 from llmcli.serve.app import (

@@ -11,7 +11,7 @@ import pytest
 from sae_helpers import HOOK, small_run
 
 from llmcli.cli import main
-from llmcli.sae.folder import CFG_FILE, WEIGHTS_FILE
+from llmcli.inspection.sae.folder import CFG_FILE, WEIGHTS_FILE
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SMALL = ["--features", "32", "--k", "4", "--batch-tokens", "64", "--no-progress"]

@@ -1,5 +1,5 @@
-"""`llmcli.sae.evaluate`: every figure of `sae eval` against a forward run by hand, block by
-block, with the SAE's reconstruction (or zeros, or the mean) put in at the hook point."""
+"""`llmcli.inspection.sae.evaluate`: every figure of `sae eval` against a forward run by hand,
+block by block, with the SAE's reconstruction (or zeros, or the mean) put in at the hook point."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from sae_helpers import numpy_decode, numpy_encode, small_run, trained_sae
 
 from llmcli.errors import CheckpointError, InputError
 from llmcli.evaluation.text import eval_tokens, window_batches, window_starts
+from llmcli.inspection.sae.evaluate import ReadOptions, evaluate_sae, format_eval
+from llmcli.inspection.sae.folder import load_sae
 from llmcli.runs.loading import load_run
-from llmcli.sae.evaluate import ReadOptions, evaluate_sae, format_eval
-from llmcli.sae.folder import load_sae
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 HOOK = "blocks.0.resid_post"

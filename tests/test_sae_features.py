@@ -1,5 +1,6 @@
-"""`llmcli.sae.features` and its page: the top contexts against a search of every token, the
-density against a count, the logit effect against the unembedding written out, and the page."""
+"""`llmcli.inspection.sae.features` and its page: the top contexts against a search of every
+token, the density against a count, the logit effect against the unembedding written out, and the
+page."""
 
 from __future__ import annotations
 
@@ -14,12 +15,12 @@ from sae_helpers import HOOK, small_run, trained_sae
 
 from llmcli.errors import InputError
 from llmcli.evaluation.text import eval_tokens, window_batches, window_starts
+from llmcli.inspection.sae.evaluate import ReadOptions
+from llmcli.inspection.sae.features import Context, context_line, feature_report, format_features
+from llmcli.inspection.sae.folder import load_sae
+from llmcli.inspection.sae.page import render_features_page, write_features_page
+from llmcli.inspection.sae.points import read_activations
 from llmcli.runs.loading import load_run
-from llmcli.sae.evaluate import ReadOptions
-from llmcli.sae.features import Context, context_line, feature_report, format_features
-from llmcli.sae.folder import load_sae
-from llmcli.sae.page import render_features_page, write_features_page
-from llmcli.sae.points import read_activations
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 OPTIONS = {"steps": 3, "batch_size": 4, "device": "cpu"}

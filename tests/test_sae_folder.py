@@ -12,10 +12,10 @@ from model_helpers import assert_close
 from sae_helpers import small_run, trained_sae
 
 from llmcli.errors import CheckpointError
+from llmcli.inspection.sae.folder import CFG_FILE, load_sae
+from llmcli.inspection.sae.points import read_activations, transformer_lens_name
+from llmcli.inspection.sae.steer import splice
 from llmcli.runs.loading import load_run
-from llmcli.sae.folder import CFG_FILE, load_sae
-from llmcli.sae.points import read_activations, transformer_lens_name
-from llmcli.sae.steer import splice
 
 sae_lens = pytest.importorskip("sae_lens")  # the test extra
 pytestmark = pytest.mark.usefixtures("one_thread")

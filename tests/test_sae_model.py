@@ -10,8 +10,8 @@ from model_helpers import assert_close, gen
 from sae_helpers import numpy_decode, numpy_encode
 
 from llmcli.errors import InputError
-from llmcli.sae.config import SAEConfig
-from llmcli.sae.model import SparseAutoencoder, aux_reconstruction, bag_sum
+from llmcli.inspection.sae.config import SAEConfig
+from llmcli.inspection.sae.model import SparseAutoencoder, aux_reconstruction, bag_sum
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,5 +1,5 @@
-"""`llmcli.sae.steer`: steering adds a feature's direction, ablation takes a feature out, both at
-the SAE's hook point, in `sample --steer` and `eval --ablate-feature` as by hand."""
+"""`llmcli.inspection.sae.steer`: steering adds a feature's direction, ablation takes a feature
+out, both at the SAE's hook point, in `sample --steer` and `eval --ablate-feature` as by hand."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from llmcli.errors import InputError
 from llmcli.evaluation.run import EvalOptions, evaluate_run
 from llmcli.evaluation.text import eval_tokens, window_batches, window_starts
 from llmcli.generation.sample import SampleOptions, sample_run, sample_texts
+from llmcli.inspection.sae.folder import load_sae
+from llmcli.inspection.sae.points import as_rows
+from llmcli.inspection.sae.steer import ablation_hooks, steering_hooks
 from llmcli.runs.loading import load_run
-from llmcli.sae.folder import load_sae
-from llmcli.sae.points import as_rows
-from llmcli.sae.steer import ablation_hooks, steering_hooks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -60,9 +60,11 @@ def test_sample_steer_generates_as_the_hand_hooked_model_does(run, folder) -> No
 
 
 def test_eval_ablate_feature_scores_the_hand_hooked_model(run, folder) -> None:
-    options = EvalOptions(steps=2, batch_size=4, ablate_feature=(f"{folder}:7", f"{folder}:1"))
-    result = evaluate_run(run, None, options)
-    assert result.ablate_feature == [f"{folder}:7", f"{folder}:1"]
+    specs = (f"{folder}:7", f"{folder}:1")
+    options = EvalOptions(steps=2, batch_size=4, ablate_feature=specs)
+    # The command line's composition: evaluation takes hooks made from the model it loads.
+    result = evaluate_run(run, None, options, hooks=lambda model: ablation_hooks(model, specs))
+    assert result.ablate_feature == list(specs)
     loaded = load_run(run)
     sae = load_sae(folder).sae
     tokens, _ = eval_tokens(loaded)
@@ -80,6 +82,8 @@ def test_eval_ablate_feature_scores_the_hand_hooked_model(run, folder) -> None:
             n += y.numel()
     assert math.isclose(result.loss, nats / n, rel_tol=1e-6)
     assert result.loss != evaluate_run(run, None, EvalOptions(steps=2, batch_size=4)).loss
+    with pytest.raises(ValueError, match="pass the hooks too"):
+        evaluate_run(run, None, options)  # features named, none removed: a caller's mistake
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""`llmcli.sae.train`: training on streamed activations, its files, exact resume, and the
+"""`llmcli.inspection.sae.train`: training on streamed activations, its files, exact resume, and the
 refusals that keep a saved SAE safe."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import torch
 from sae_helpers import HOOK, small_config, small_run, trained_sae
 
 from llmcli.errors import InputError
+from llmcli.inspection.sae.folder import CFG_FILE, METRICS_FILE, STATE_FILE, WEIGHTS_FILE, load_sae
+from llmcli.inspection.sae.model import SparseAutoencoder
+from llmcli.inspection.sae.points import read_activations
+from llmcli.inspection.sae.state import SAEState
+from llmcli.inspection.sae.train import TrainOptions, lr_at, train_sae
 from llmcli.runs.loading import load_run
-from llmcli.sae.folder import CFG_FILE, METRICS_FILE, STATE_FILE, WEIGHTS_FILE, load_sae
-from llmcli.sae.model import SparseAutoencoder
-from llmcli.sae.points import read_activations
-from llmcli.sae.state import SAEState
-from llmcli.sae.train import TrainOptions, lr_at, train_sae
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

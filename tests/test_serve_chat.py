@@ -17,9 +17,9 @@ from conftest import save_tiny_run
 from fastapi.testclient import TestClient
 from test_serve import running
 
-from llmcli.chat.conversations import ConversationEncoder
-from llmcli.chat.template import default_template
 from llmcli.cli import main
+from llmcli.data.chat_template import default_template
+from llmcli.data.conversations import ConversationEncoder
 from llmcli.data.tokenizer import CharTokenizer
 from llmcli.generation.sample import unescape
 from llmcli.runs.loading import load_run

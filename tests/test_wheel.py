@@ -63,6 +63,8 @@ def installed(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     }
     corpora = {f"llmcli/corpora/{p.name}" for p in (ROOT / "data").glob("*.txt")}
     assert shipped | corpora <= names
+    # The viewer's page templates are package data too, read with importlib.resources.
+    assert {"llmcli/inspection/viewer.html", "llmcli/inspection/sae/features.html"} <= names
     run([sys.executable, "-m", "venv", tmp / "venv"], tmp, env)
     bin_dir = tmp / "venv" / "bin"
     see_this_environment(bin_dir / "python", tmp, env)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
@@ -18,6 +20,11 @@ from llmcli.cli.options import (
     RunThreadsOption,
     WeightsOption,
 )
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from llmcli.evaluation.run import HookMap
 
 # inspect-attention's prompts, and the layers and heads it keeps.
 PromptsOption = Annotated[
@@ -141,7 +148,7 @@ AnswersOption = Annotated[
     ),
 ]
 
-# eval's --ablate-feature: SAE features removed at their hook points (`llmcli.sae.steer`).
+# eval's --ablate-feature: SAE features removed at their hook points (`feature_ablation`).
 AblateFeatureOption = Annotated[
     Optional[list[str]],
     typer.Option(
@@ -222,7 +229,8 @@ def eval_command(
         answers=answers,
         ablate_feature=tuple(ablate_feature or ()),
     )
-    result = evaluate_run(checkpoint, data, options, progress=progress, notify=notify)
+    hooks = feature_ablation(options.ablate_feature)
+    result = evaluate_run(checkpoint, data, options, hooks=hooks, progress=progress, notify=notify)
     summary = json.dumps(result.to_dict()) if json_ else format_result(result)
     if result.per_token is None:
         typer.echo(summary)
@@ -231,3 +239,14 @@ def eval_command(
     for record in result.per_token:
         typer.echo(json.dumps(record, ensure_ascii=False))
     notify(summary)
+
+
+def feature_ablation(specs: Sequence[str]) -> Callable[[nn.Module], HookMap] | None:
+    """`--ablate-feature SAE_DIR:FEATURE` options as `evaluate_run`'s hooks: made from the model
+    it loads (`llmcli.inspection.sae.steer.ablation_hooks`), after the heads' (None: none given).
+    Evaluation knows no SAEs; the command line composes them, as it does the heads."""
+    if not specs:
+        return None
+    from llmcli.inspection.sae.steer import ablation_hooks
+
+    return partial(ablation_hooks, specs=specs)

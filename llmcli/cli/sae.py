@@ -17,7 +17,7 @@ from llmcli.cli.options import (
     RunThreadsOption,
     WeightsOption,
 )
-from llmcli.sae.config import SAEConfig
+from llmcli.inspection.sae.config import SAEConfig
 
 # The training options' defaults are `SAEConfig`'s, declared there once.
 _DEFAULT = SAEConfig(hook="blocks.0.resid_post")
@@ -109,8 +109,8 @@ def sae_train_command(
 ) -> None:
     """Train a sparse autoencoder on a hook point, streaming the run's training data (Ctrl-C
     saves and stops; --resume goes on)."""
-    from llmcli.sae.config import SAEConfig
-    from llmcli.sae.train import TrainOptions, train_sae
+    from llmcli.inspection.sae.config import SAEConfig
+    from llmcli.inspection.sae.train import TrainOptions, train_sae
 
     log_to_stderr()
     config = SAEConfig(
@@ -162,7 +162,7 @@ def sae_eval_command(
     clean, zero- and mean-ablated losses (ce_recovered)."""
     import json
 
-    from llmcli.sae.evaluate import ReadOptions, evaluate_sae, format_eval
+    from llmcli.inspection.sae.evaluate import ReadOptions, evaluate_sae, format_eval
 
     log_to_stderr()
     options = ReadOptions(
@@ -212,9 +212,9 @@ def sae_features_command(
     logit effect (the tokens its direction promotes and suppresses)."""
     import json
 
-    from llmcli.sae.evaluate import ReadOptions
-    from llmcli.sae.features import feature_report, format_features
-    from llmcli.sae.page import write_features_page
+    from llmcli.inspection.sae.evaluate import ReadOptions
+    from llmcli.inspection.sae.features import feature_report, format_features
+    from llmcli.inspection.sae.page import write_features_page
 
     log_to_stderr()
     options = ReadOptions(

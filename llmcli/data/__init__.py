@@ -1,3 +1,4 @@
 """Text to batches: corpora (`corpus`), tokenizers (`tokenizer`), the token cache with its splits
-(`tokens`, what it gives in `prepared`), conversations with their loss mask (`chat`), and the
-training batches drawn from them (`batches`)."""
+(`tokens`, what it gives in `prepared`), the chat template (`chat_template`) and conversations
+checked and encoded with their loss mask (`conversations`), put into the cache (`chat`), and the
+training batches drawn from them (`batches`, `chat_batches`)."""

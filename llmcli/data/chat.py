@@ -1,6 +1,6 @@
 """Conversation data (`data.format: chat`): JSONL conversations to masked windows of the cache.
 
-Rows hold `{"messages": [{"role", "content"}, ...]}` (`llmcli.chat.conversations`), read from
+Rows hold `{"messages": [{"role", "content"}, ...]}` (`llmcli.data.conversations`), read from
 `data.path` (a `.jsonl` file, a folder of `.jsonl` files or a glob) or from `data.dataset` (a
 `datasets` source with a `messages` column). Each conversation is rendered with the chat
 template (`data.chat_template`, default the built-in one) and encoded with its loss mask: True
@@ -34,14 +34,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from llmcli.chat.conversations import (
+from llmcli.data.chat_template import CHAT_TOKENS, ChatTemplate, chat_template
+from llmcli.data.conversations import (
     ConversationEncoder,
     Messages,
     add_chat_tokens,
     check_messages,
     read_jsonl,
 )
-from llmcli.chat.template import CHAT_TOKENS, ChatTemplate, chat_template
 from llmcli.data.corpus import _load_dataset, resolve_files
 from llmcli.data.prepared import (
     ChatData,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmcli.chat.template import ChatTemplate
+from llmcli.data.chat_template import ChatTemplate
 from llmcli.data.tokenizer import Tokenizer
 from llmcli.errors import InputError
 

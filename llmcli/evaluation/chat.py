@@ -1,7 +1,7 @@
 """`llmcli eval --data conversations.jsonl` on a chat run: the loss of the assistant's tokens,
 and with `--answers` how many greedy replies are exactly the assistant's turns.
 
-Each row of the JSONL file is a conversation (`llmcli.chat.conversations.read_jsonl`), encoded
+Each row of the JSONL file is a conversation (`llmcli.data.conversations.read_jsonl`), encoded
 with the run's chat template and masked as training masks it: the target at position `t + 1`
 counts when `mask[t + 1]` is set, that is for the assistant's text and the end-of-turn token
 after it, never for the system's and user's turns or the role markers. A conversation longer
@@ -32,9 +32,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from llmcli.chat.conversations import ConversationEncoder, Encoded, Messages, read_jsonl
-from llmcli.chat.template import require_run_template
 from llmcli.data.chat import conversation_windows
+from llmcli.data.chat_template import require_run_template
+from llmcli.data.conversations import ConversationEncoder, Encoded, Messages, read_jsonl
 from llmcli.data.tokens import prepare_data
 from llmcli.errors import InputError
 from llmcli.evaluation.metrics import perplexity

@@ -7,6 +7,8 @@ deterministic pass over consecutive windows in which every token after the first
 exactly once (`llmcli.evaluation.text`). The command's settings travel whole as one
 `EvalOptions`, checked as it is made: with `steps=N` only the first `N` batches of `batch_size`
 windows are scored; `ablate` scores the model with heads removed (`llmcli.evaluation.heads`).
+A caller's own hook functions (the command line's `--ablate-feature`, SAE features removed) come
+in as `hooks`, made from the loaded model, and run after the heads'.
 A `.jsonl` file is conversations instead, as a chat run's validation split is: scored on the
 assistant's tokens (`llmcli.evaluation.chat`), with `answers` also the exact-match rate of
 greedy replies.
@@ -24,12 +26,13 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from torch import nn
 
 from llmcli.device import check_threads, resolve_device, torch_threads
 from llmcli.errors import InputError
@@ -49,9 +52,15 @@ from llmcli.evaluation.text import (
     window_batches,
     window_starts,
 )
+from llmcli.model.hooks import HookFn
 from llmcli.runs.loading import load_run
 
 logger = logging.getLogger(__name__)
+
+# Hook functions by hook point, as `model.hooks` takes them; or what makes them from the model
+# (the run is loaded inside `evaluate_run`).
+HookMap = Mapping[str, HookFn | list[HookFn]]
+Hooks = HookMap | Callable[[nn.Module], HookMap]
 
 
 @dataclass
@@ -97,9 +106,8 @@ class EvalOptions:
         device: "auto", "cpu", "cuda" or "mps".
         per_token: also keep each scored token's loss (`EvalResult.per_token`).
         threads: CPU threads (None: the run's `train.threads`).
-        ablate_feature: SAE features to remove, `SAE_DIR:FEATURE` each: at the SAE's hook
-            point, the feature's activation times its decoder direction is taken out
-            (`llmcli.sae.steer`).
+        ablate_feature: the SAE features `evaluate_run`'s `hooks` remove, `SAE_DIR:FEATURE`
+            each (`--ablate-feature`): named in the result, refused on conversations.
         answers: with conversations (`--data FILE.jsonl` on a chat run), also answer every
             assistant turn greedily and count the exact matches (`llmcli.evaluation.chat`).
 
@@ -145,6 +153,7 @@ def evaluate_run(
     data: str | Path | None = None,
     options: EvalOptions = EvalOptions(),
     *,
+    hooks: Hooks | None = None,
     progress: bool = False,
     notify: Callable[[str], None] | None = None,
 ) -> EvalResult | ChatEvalResult:
@@ -157,6 +166,10 @@ def evaluate_run(
             or a `.jsonl` file of conversations, which needs a chat run.
         options: how many batches of what size, the heads to remove and how, which weights and
             the device (see `EvalOptions`, checked as it was made).
+        hooks: more hook functions while the text is scored, run after the removed heads':
+            `{hook point: function or list}`, or a function of the loaded model that returns
+            them (the command line's `--ablate-feature`: `options.ablate_feature` names what
+            they remove). Text only: refused on conversations, as `--ablate-feature` is.
         progress: show progress (a bar on a terminal, plain lines elsewhere): of the scoring
             pass, and of the first pass that mean ablation needs.
         notify: called with one line per warning (installed versions differ from the run's).
@@ -165,27 +178,36 @@ def evaluate_run(
         InputError: a bad run directory or data file, a head of `options.ablate` the model does
             not have (see `eval_tokens`, `ablation.parse_ablate`); conversations on a run with
             no chat template; `options.answers` without conversations.
+        ValueError: `options.ablate_feature` without the `hooks` that remove them.
     """
+    if options.ablate_feature and hooks is None:
+        raise ValueError("options.ablate_feature names what `hooks` remove: pass the hooks too.")
     t0 = time.perf_counter()
     dev = resolve_device(options.device, what="--device")
     run = load_run(checkpoint, weights=options.weights, device=dev, notify=notify)
     with torch_threads(options.threads or run.config.train.threads):
         if is_conversations(data) or (data is None and run.config.data.format == "chat"):
-            return _evaluate_chat(run, data, options, t0, progress=progress)
+            return _evaluate_chat(run, data, options, t0, hooks=hooks, progress=progress)
         if options.answers:
             raise InputError(
                 "--answers compares greedy replies with the assistant's turns of conversations: "
                 'give --data FILE.jsonl (rows of {"messages": [...]}) on a chat run.'
             )
-        return _evaluate(run, data, options, t0, progress=progress)
+        return _evaluate(run, data, options, t0, hooks=hooks, progress=progress)
 
 
 def _evaluate_chat(
-    run: Any, data: str | Path | None, options: EvalOptions, t0: float, *, progress: bool
+    run: Any,
+    data: str | Path | None,
+    options: EvalOptions,
+    t0: float,
+    *,
+    hooks: Hooks | None,
+    progress: bool,
 ) -> ChatEvalResult:
     """`evaluate_run` on conversations: the options that apply to text windows are refused."""
     refused = {"--ablate": options.ablate, "--per-token": options.per_token}
-    refused["--ablate-feature"] = bool(options.ablate_feature)
+    refused["--ablate-feature"] = bool(options.ablate_feature) or hooks is not None
     option = next((name for name, given in refused.items() if given), None)
     if option is not None:
         raise InputError(
@@ -204,7 +226,13 @@ def _evaluate_chat(
 
 
 def _evaluate(
-    run: Any, data: str | Path | None, options: EvalOptions, t0: float, *, progress: bool
+    run: Any,
+    data: str | Path | None,
+    options: EvalOptions,
+    t0: float,
+    *,
+    hooks: Hooks | None,
+    progress: bool,
 ) -> EvalResult:
     """`evaluate_run` on a loaded run; `t0` is when the command began."""
     dev = next(run.model.parameters()).device
@@ -220,13 +248,9 @@ def _evaluate(
         starts = window_starts(len(tokens), ctx, batch_size, steps)
         batches = window_batches(tokens, ctx, starts, dev)
         head_mean = head_means(run.model, batches, progress=progress, total=len(starts))
-    hooks = {} if head_mask is None else ablation_hooks(head_mask, head_mean)
-    features = {}
-    if options.ablate_feature:
-        from llmcli.sae.steer import ablation_hooks as feature_hooks
-
-        features = feature_hooks(run.model, options.ablate_feature)
-    with run.model.hooks(hooks), run.model.hooks(features):  # heads first, then features
+    heads = {} if head_mask is None else ablation_hooks(head_mask, head_mean)
+    extra = hooks(run.model) if callable(hooks) else hooks or {}
+    with run.model.hooks(heads), run.model.hooks(extra):  # heads first, then the caller's
         totals = score_tokens(
             run.model,
             tokens,

@@ -32,10 +32,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from llmcli.chat.conversations import ConversationEncoder, Messages, check_messages
-from llmcli.chat.template import CHAT_TOKENS, require_run_template
 from llmcli.config import SampleConfig
 from llmcli.config.sample import SETTING_KEYS
+from llmcli.data.chat_template import CHAT_TOKENS, require_run_template
+from llmcli.data.conversations import ConversationEncoder, Messages, check_messages
 from llmcli.errors import InputError
 from llmcli.generation.interactive import apply_command, format_settings
 from llmcli.generation.sample import (

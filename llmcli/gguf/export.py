@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from llmcli.chat.conversations import ConversationEncoder
-from llmcli.chat.template import ChatTemplate, load_run_template
+from llmcli.data.chat_template import ChatTemplate, load_run_template
+from llmcli.data.conversations import ConversationEncoder
 from llmcli.errors import InputError, describe_os_error
 from llmcli.fileio import atomic_path
 from llmcli.gguf.architectures import GGUFArch, choose, gguf_tensors

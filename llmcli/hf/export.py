@@ -8,7 +8,7 @@ isolates every character, so both encode and decode alike. The end-of-text token
 the last id of a char vocabulary, or a BPE vocabulary's) is the export's BOS, EOS and padding
 token, which `generate` and lm-evaluation-harness rely on.
 
-A chat run's export carries its chat template (`llmcli.chat.template`) where every
+A chat run's export carries its chat template (`llmcli.data.chat_template`) where every
 `transformers` version looks for it: `chat_template.jinja` (what recent versions read first
 and 5.x writes) and `tokenizer_config.json`'s `chat_template` (what older versions read). The chat
 tokens are declared `additional_special_tokens`, so `apply_chat_template` gives the ids and the
@@ -27,9 +27,9 @@ from typing import Any
 
 from safetensors.torch import save
 
-from llmcli.chat.conversations import ConversationEncoder
-from llmcli.chat.template import CHAT_TOKENS, TEMPLATE_FILE, ChatTemplate, load_run_template
 from llmcli.config import Config
+from llmcli.data.chat_template import CHAT_TOKENS, TEMPLATE_FILE, ChatTemplate, load_run_template
+from llmcli.data.conversations import ConversationEncoder
 from llmcli.data.tokenizer import Tokenizer
 from llmcli.errors import InputError, describe_os_error
 from llmcli.fileio import atomic_write_bytes

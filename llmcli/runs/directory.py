@@ -7,7 +7,7 @@ A run directory (`checkpoints/<config name>/` by default) holds:
 | `config.yaml` | once, at the start | the fully resolved config that produced the run |
 | `tokenizer.json` | once, at the start | the tokenizer: enough to encode and decode alone |
 | `chat_template.jinja` | once, at the start | with `data.format: chat`: the chat template the run |
-| | | was trained with, read by `chat`, `serve` and the exports (`llmcli.chat.template`) |
+| | | was trained with, read by `chat`, `serve` and the exports (`llmcli.data.chat_template`) |
 | `model.safetensors` | every save | the weights at the last save (evaluation, end, Ctrl-C) |
 | `best.safetensors` | when val improves | the weights with the lowest val loss so far |
 | `meta.json` | every save | step, tokens, elapsed time, val losses, library versions |
@@ -38,8 +38,8 @@ import fnmatch
 from pathlib import Path
 from typing import Any
 
-from llmcli.chat.template import TEMPLATE_FILE, ChatTemplate
 from llmcli.config import Config, dump_yaml
+from llmcli.data.chat_template import TEMPLATE_FILE, ChatTemplate
 from llmcli.data.tokenizer import Tokenizer
 from llmcli.errors import CheckpointError, describe_os_error
 from llmcli.fileio import TMP_GLOB, atomic_write_bytes, atomic_write_json, atomic_write_text

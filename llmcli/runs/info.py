@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from llmcli.chat.template import TEMPLATE_FILE
+from llmcli.data.chat_template import TEMPLATE_FILE
 from llmcli.progress import format_bytes
 from llmcli.runs.directory import METRICS_FILE
 from llmcli.runs.loading import load_run

@@ -30,8 +30,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from llmcli.chat.conversations import ConversationEncoder
-from llmcli.chat.template import require_run_template
+from llmcli.data.chat_template import require_run_template
+from llmcli.data.conversations import ConversationEncoder
 from llmcli.data.tokenizer import CharTokenizer
 from llmcli.errors import InputError
 from llmcli.generation.chat import reply_stop_ids

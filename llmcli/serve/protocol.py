@@ -17,10 +17,10 @@ import typing
 from dataclasses import dataclass, replace
 from typing import Any
 
-from llmcli.chat.conversations import check_messages
 from llmcli.config import SampleConfig
 from llmcli.config.rules import is_int
 from llmcli.config.sample import broken_rule
+from llmcli.data.conversations import check_messages
 from llmcli.errors import InputError
 
 MAX_STOPS = 4  # OpenAI's limit on stop strings

@@ -8,7 +8,7 @@ Face folder), the tokenizer is its `tokenizer.json`, the weights its `best.safet
 Anything else is a Hugging Face folder or Hub name (`llmcli.hf.load`).
 
 With `data.format: chat` the tokenizer gains the chat tokens at new ids after its last
-(`llmcli.chat.conversations.add_chat_tokens`), so the model has more rows than the weights:
+(`llmcli.data.conversations.add_chat_tokens`), so the model has more rows than the weights:
 `grow_vocab` gives each new row of every vocabulary-sized tensor (the token embedding, and the
 LM head when it is untied) the mean of the existing rows, a start that predicts and embeds like
 an average token rather than a random one. The existing rows are copied unchanged.
@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from llmcli.chat.template import TEMPLATE_FILE
 from llmcli.config import Config
+from llmcli.data.chat_template import TEMPLATE_FILE
 from llmcli.errors import CheckpointError
 from llmcli.hf.load import config_from_base, hf_weights
 from llmcli.hf.load import resolve_init_from as resolve_hf_init_from

@@ -13,9 +13,9 @@ token scored). The decoder rows are kept at unit norm (the gradient along a row 
 before the step, the row rescaled after). The learning rate is constant, then decays linearly to
 0 over the last fifth of the steps.
 
-A save writes the SAE (SAELens's format, `llmcli.sae.folder`), then the resume state
-(`llmcli.sae.state`) last: every `save_interval` steps, at the end, and at Ctrl-C. `--resume`
-goes on from it exactly. Threads and device are chosen as `train` chooses them
+A save writes the SAE (SAELens's format, `llmcli.inspection.sae.folder`), then the resume state
+(`llmcli.inspection.sae.state`) last: every `save_interval` steps, at the end, and at Ctrl-C.
+`--resume` goes on from it exactly. Threads and device are chosen as `train` chooses them
 (`train.threads` of the run unless `--threads`; `--device`).
 """
 
@@ -37,20 +37,20 @@ from llmcli.data.tokens import prepare_data
 from llmcli.device import check_threads, resolve_device, torch_threads
 from llmcli.errors import InputError
 from llmcli.fileio import remove_stale_temp_files
-from llmcli.progress import Progress
-from llmcli.runs.loading import LoadedRun, load_run
-from llmcli.runs.metrics import MetricsLog
-from llmcli.sae.config import SAEConfig
-from llmcli.sae.folder import (
+from llmcli.inspection.sae.config import SAEConfig
+from llmcli.inspection.sae.folder import (
     CFG_FILE,
     METRICS_FILE,
     STATE_FILE,
     SAEInfo,
     save_sae,
 )
-from llmcli.sae.model import SparseAutoencoder, aux_reconstruction
-from llmcli.sae.points import check_hook, read_activations
-from llmcli.sae.state import SAEState
+from llmcli.inspection.sae.model import SparseAutoencoder, aux_reconstruction
+from llmcli.inspection.sae.points import check_hook, read_activations
+from llmcli.inspection.sae.state import SAEState
+from llmcli.progress import Progress
+from llmcli.runs.loading import LoadedRun, load_run
+from llmcli.runs.metrics import MetricsLog
 
 logger = logging.getLogger(__name__)
 

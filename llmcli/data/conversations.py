@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from llmcli.chat.template import CHAT_TOKENS, ROLES, ChatTemplate
+from llmcli.data.chat_template import CHAT_TOKENS, ROLES, ChatTemplate
 from llmcli.data.tokenizer import BPETokenizer, CharTokenizer, Tokenizer
 from llmcli.errors import InputError
 

@@ -23,10 +23,10 @@ import torch
 from torch import Tensor, nn
 
 from llmcli.errors import InputError
+from llmcli.inspection.sae.folder import LoadedSAE, load_sae
+from llmcli.inspection.sae.model import SparseAutoencoder
+from llmcli.inspection.sae.points import check_hook, replacing
 from llmcli.model.hooks import HookFn
-from llmcli.sae.folder import LoadedSAE, load_sae
-from llmcli.sae.model import SparseAutoencoder
-from llmcli.sae.points import check_hook, replacing
 
 # SAE_DIR:FEATURE[=SCALE]: the folder may hold colons itself, so the feature is the last colon's.
 _SPEC = re.compile(r"(?P<folder>.+):(?P<feature>[0-9]{1,9})(?:=(?P<scale>[^=]+))?")

@@ -2,8 +2,9 @@
 
 The settings are the command's options, and their messages name the options (`--k (0) must be
 at least 1.`). What depends on the run (the hook point exists, `features` and `k` against its
-width) is checked by `llmcli.sae.train` once the run is loaded. The same settings are saved
-with the SAE (`cfg.json`'s metadata) and a resume checks the run's against them (`resumable`).
+width) is checked by `llmcli.inspection.sae.train` once the run is loaded. The same settings are
+saved with the SAE (`cfg.json`'s metadata) and a resume checks the run's against them
+(`resumable`).
 """
 
 from __future__ import annotations

@@ -28,11 +28,11 @@ import torch
 from torch import Tensor, nn
 
 from llmcli.errors import InputError
+from llmcli.inspection.sae.evaluate import ReadOptions, open_sae, read_batches
+from llmcli.inspection.sae.folder import LoadedSAE
+from llmcli.inspection.sae.points import is_heads, read_activations
 from llmcli.progress import Progress
 from llmcli.runs.loading import LoadedRun
-from llmcli.sae.evaluate import ReadOptions, open_sae, read_batches
-from llmcli.sae.folder import LoadedSAE
-from llmcli.sae.points import is_heads, read_activations
 
 #: Tokens shown before and after a context's activating token.
 BEFORE, AFTER = 24, 6

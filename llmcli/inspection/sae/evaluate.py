@@ -33,12 +33,12 @@ from torch import Tensor
 from llmcli.device import check_threads, resolve_device, torch_threads
 from llmcli.errors import CheckpointError, InputError
 from llmcli.evaluation.text import eval_tokens, window_batches, window_starts
+from llmcli.inspection.sae.folder import CFG_FILE, LoadedSAE, load_sae
+from llmcli.inspection.sae.points import as_rows, check_hook, replacing
+from llmcli.inspection.sae.steer import splice
 from llmcli.progress import Progress
 from llmcli.runs.directory import CONFIG_FILE, MODEL_FILE
 from llmcli.runs.loading import LoadedRun, find_latest_run, load_run
-from llmcli.sae.folder import CFG_FILE, LoadedSAE, load_sae
-from llmcli.sae.points import as_rows, check_hook, replacing
-from llmcli.sae.steer import splice
 
 #: Batches scored when `--steps` is not given: about 80K tokens on the tiny run (context 64).
 DEFAULT_STEPS = 40

@@ -3,7 +3,7 @@
 A chat run holds one template, `chat_template.jinja` in its run directory, in Hugging Face's
 `chat_template` format: it renders `messages` (a list of `{"role", "content"}`) and, with
 `add_generation_prompt`, ends where the assistant's reply begins. Everything that turns messages
-into ids reads it: training data (`llmcli.chat.conversations`), `llmcli chat`, the server's
+into ids reads it: training data (`llmcli.data.conversations`), `llmcli chat`, the server's
 `/v1/chat/completions`, and the Hugging Face and GGUF exports, which copy it, so that
 `transformers`' `apply_chat_template` gives the ids llmcli trained on.
 

@@ -12,7 +12,7 @@
 - `sae_weights.safetensors`: `W_enc` `(d_in, F)`, `W_dec` `(F, d_in)`, `b_enc` `(F,)`, `b_dec`
   `(d_in,)` (and `threshold` `(F,)` for jumprelu), float32;
 - beside them, training's own files: `metrics.jsonl` and the resume state `state.pt`
-  (`llmcli.sae.state`).
+  (`llmcli.inspection.sae.state`).
 
 Every file is written atomically; a reader checks what it reads and names the file at fault.
 """
@@ -29,9 +29,9 @@ from safetensors.torch import save
 
 from llmcli.errors import CheckpointError
 from llmcli.fileio import atomic_write_bytes, atomic_write_json
+from llmcli.inspection.sae.model import SparseAutoencoder
+from llmcli.inspection.sae.points import is_heads, transformer_lens_name
 from llmcli.runs.formats import read_weights
-from llmcli.sae.model import SparseAutoencoder
-from llmcli.sae.points import is_heads, transformer_lens_name
 
 CFG_FILE = "cfg.json"
 WEIGHTS_FILE = "sae_weights.safetensors"

@@ -8,7 +8,7 @@ With `x` a row of activations at a hook point (`d_in` channels) and `F` features
 
 `W_enc` is `(d_in, F)`, `W_dec` `(F, d_in)` with unit-norm rows (each feature's direction; a
 feature's activation is then its size along that direction), as SAELens stores them, so a
-saved SAE is SAELens's TopK (or JumpReLU) SAE as it is (`llmcli.sae.folder`).
+saved SAE is SAELens's TopK (or JumpReLU) SAE as it is (`llmcli.inspection.sae.folder`).
 
 `sparsify` is one of:
 - topk: per row, the `k` largest pre-activations, through a ReLU; the rest 0 (Gao et al. 2024);

@@ -1,6 +1,6 @@
 """The offline viewer's features page: `<sae folder>/features.html`, one self-contained file.
 
-`write_features_page` fills the template `llmcli/sae/features.html` (plain HTML, CSS and
+`write_features_page` fills the template `llmcli/inspection/sae/features.html` (plain HTML, CSS and
 JavaScript, no network) with a `FeatureReport` inlined as JSON (`llmcli.inspection.viewer`'s
 `script_json`, safe inside a `<script>`): a list of the features, densest first, to filter by
 index; for the one picked, its density, its top contexts with each token shaded by the
@@ -14,8 +14,8 @@ from importlib import resources
 from pathlib import Path
 
 from llmcli.fileio import atomic_write_text
+from llmcli.inspection.sae.features import FeatureReport
 from llmcli.inspection.viewer import script_json
-from llmcli.sae.features import FeatureReport
 
 #: The page's name, in the SAE folder.
 PAGE = "features.html"
@@ -24,7 +24,7 @@ _DATA = "__FEATURE_DATA__"
 
 def render_features_page(report: FeatureReport) -> str:
     """The page as one HTML string, `report` inlined."""
-    template = resources.files("llmcli.sae").joinpath(PAGE).read_text(encoding="utf-8")
+    template = resources.files("llmcli.inspection.sae").joinpath(PAGE).read_text(encoding="utf-8")
     return template.replace(_DATA, script_json(report.to_dict()), 1)
 
 
