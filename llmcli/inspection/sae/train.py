@@ -50,7 +50,7 @@ from llmcli.inspection.sae.points import check_hook, read_activations
 from llmcli.inspection.sae.state import SAEState
 from llmcli.progress import Progress
 from llmcli.runs.loading import LoadedRun, load_run
-from llmcli.runs.metrics import MetricsLog
+from llmcli.runs.metrics import JsonLinesLog
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ def train_sae(
     run = load_run(options.checkpoint, weights=options.weights, device=device, notify=notify)
     with torch_threads(options.threads or run.config.train.threads):
         training = _build(config, options, run, device, notify)
-        log = MetricsLog(training.folder / METRICS_FILE, training.metrics_bytes)
+        log = JsonLinesLog(training.folder / METRICS_FILE, training.metrics_bytes)
         try:
             return _loop(training, log, progress)
         finally:
@@ -282,7 +282,7 @@ def _restore(training: _Training, state: SAEState) -> None:
     training.elapsed_base, training.metrics_bytes = state.elapsed_s, state.metrics_bytes
 
 
-def _save(training: _Training, log: MetricsLog, elapsed: float) -> None:
+def _save(training: _Training, log: JsonLinesLog, elapsed: float) -> None:
     """The SAE in SAELens's format, then the resume state (the save's commit point)."""
     config, run = training.config, training.run
     info = SAEInfo(config.hook, str(run.run_dir), config.to_dict(), training.step, training.tokens)
@@ -302,7 +302,7 @@ def _save(training: _Training, log: MetricsLog, elapsed: float) -> None:
     ).save(training.folder / STATE_FILE)
 
 
-def _loop(training: _Training, log: MetricsLog, progress: bool) -> TrainSummary:
+def _loop(training: _Training, log: JsonLinesLog, progress: bool) -> TrainSummary:
     """Step, log and save until `config.steps`; Ctrl-C saves, then stops."""
     config, sae, model = training.config, training.sae, training.run.model
     start = time.perf_counter()
@@ -357,7 +357,7 @@ def _loop(training: _Training, log: MetricsLog, progress: bool) -> TrainSummary:
 
 
 def _log(
-    training: _Training, log: MetricsLog, window: list[dict[str, Any]], elapsed: float
+    training: _Training, log: JsonLinesLog, window: list[dict[str, Any]], elapsed: float
 ) -> dict[str, float]:
     """One `metrics.jsonl` record: the means of the steps since the last, and the counts now."""
     means = {key: sum(f[key] for f in window) / len(window) for key in ("mse", "fvu", "l0", "aux")}
