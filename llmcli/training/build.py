@@ -107,23 +107,7 @@ def build_run(
     config = _resolve_batch(config, vocab, precision, info, saved)
     tc = config.train
     check_memory(config, vocab, device, precision.name, info.world_size)
-    model = Transformer(config.model, vocab, generator=torch.Generator().manual_seed(tc.seed))
-    if tc.init_from and saved is None:  # a resumed run's weights come from its state
-        load_init_weights(model, tc.init_from)
-    model.to(device)
-    optimizer = build_optimizer(model, tc, device.type)
-    seed_everything(tc.seed + info.rank)
-    with agreed(info, device):
-        sampler = split_sampler(data, "train", config, tc.seed, info, device)
-    trainer = Trainer(
-        model=model,
-        params=list(model.parameters()),
-        optimizer=optimizer,
-        precision=precision,
-        batches=sampler,
-        grad_accum=tc.grad_accum,
-        grad_clip=tc.grad_clip,
-    )
+    model, trainer = _model_and_trainer(config, data, precision, info, fresh=saved is None)
     state = TrainState(session_start=session_start)
     guard = None
     if tc.spike_guard:  # under fp16 the GradScaler judges the gradients
@@ -135,37 +119,13 @@ def build_run(
         restore(saved, state, model, trainer, guard, info)
     meta = read_meta(run_dir / META_FILE) if saved is not None else {}
     trainer.model = _compiled(model, config, vocab, precision, state.step, meta.get("compiled"))
-    is_compiled = trainer.model is not model
+    facts = _facts(config, data, model, trainer, info, run_dir, saved, meta)
     if info.enabled:
         device_ids = [device.index] if device.type == "cuda" else None
         trainer.model = DistributedDataParallel(trainer.model, device_ids=device_ids)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    facts = RunFacts(
-        run_dir=run_dir,
-        n_params=model.num_parameters(),
-        vocab_size=vocab,
-        device=str(device),
-        dtype=precision.name,
-        world_size=info.world_size,
-        rank=info.rank,
-        tokens_per_step=tc.batch_size
-        * config.model.context_length
-        * tc.grad_accum
-        * info.world_size,
-        resumed_from=state.step if saved is not None else None,
-        config_name=config.name,
-        compiled=is_compiled,
-        source_hash=data.source_hash,
-        # A resumed run's tokenizer comes from the run: how it was made, from its meta.json.
-        tokenizer_training=meta.get("tokenizer_training")
-        if saved is not None
-        else data.tokenizer_training,
-        chat_data=data.chat.counts() if data.chat is not None else None,
-        metrics_bytes=saved.metrics_bytes if saved is not None else None,
-        head_metrics_bytes=saved.head_metrics_bytes if saved is not None else None,
-    )
     probe = None
     if tc.head_metrics and info.main:  # rank 0 scores the heads
         probe = make_probe(data.tokenizer, config.model.context_length)
@@ -182,6 +142,72 @@ def build_run(
         evaluate=Evaluator(evaluated, model, data, precision, info, probe),
         guard=guard,
         shrinks=auto_batch and not info.enabled and saved is None,
+    )
+
+
+def _model_and_trainer(
+    config: Config, data: TokenData, precision: Precision, info: DistInfo, fresh: bool
+) -> tuple[Transformer, Trainer]:
+    """The model (a fresh run's from `train.init_from`'s weights, if any), its optimizer and
+    the training batches, seeded by `train.seed` (each rank's stream its own)."""
+    tc, device = config.train, precision.device
+    vocab = int(data.tokenizer.vocab_size)
+    model = Transformer(config.model, vocab, generator=torch.Generator().manual_seed(tc.seed))
+    if tc.init_from and fresh:  # a resumed run's weights come from its state
+        load_init_weights(model, tc.init_from)
+    model.to(device)
+    optimizer = build_optimizer(model, tc, device.type)
+    seed_everything(tc.seed + info.rank)
+    with agreed(info, device):
+        sampler = split_sampler(data, "train", config, tc.seed, info, device)
+    trainer = Trainer(
+        model=model,
+        params=list(model.parameters()),
+        optimizer=optimizer,
+        precision=precision,
+        batches=sampler,
+        grad_accum=tc.grad_accum,
+        grad_clip=tc.grad_clip,
+    )
+    return model, trainer
+
+
+def _facts(
+    config: Config,
+    data: TokenData,
+    model: Transformer,
+    trainer: Trainer,
+    info: DistInfo,
+    run_dir: Path,
+    saved: ResumeState | None,
+    meta: dict,
+) -> RunFacts:
+    """What the run is, for its `meta.json`, log lines and summary (before the DDP wrapper:
+    `trainer.model` is `model` unless compiled); a resumed run's tokenizer comes from the run,
+    and how it was made from its `meta.json`."""
+    tc = config.train
+    return RunFacts(
+        run_dir=run_dir,
+        n_params=model.num_parameters(),
+        vocab_size=int(data.tokenizer.vocab_size),
+        device=str(trainer.precision.device),
+        dtype=trainer.precision.name,
+        world_size=info.world_size,
+        rank=info.rank,
+        tokens_per_step=tc.batch_size
+        * config.model.context_length
+        * tc.grad_accum
+        * info.world_size,
+        resumed_from=saved.counters.step if saved is not None else None,
+        config_name=config.name,
+        compiled=trainer.model is not model,
+        source_hash=data.source_hash,
+        tokenizer_training=meta.get("tokenizer_training")
+        if saved is not None
+        else data.tokenizer_training,
+        chat_data=data.chat.counts() if data.chat is not None else None,
+        metrics_bytes=saved.metrics_bytes if saved is not None else None,
+        head_metrics_bytes=saved.head_metrics_bytes if saved is not None else None,
     )
 
 
