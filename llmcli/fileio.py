@@ -8,6 +8,10 @@ instant leaves either the old file or the new one, never a half-written one.
 A file the user names is read only if it is a regular file (`refuse_special_file`): a named pipe,
 a socket or a device is refused before it is opened, since opening a named pipe waits until
 another program writes to it.
+
+JSON files (a run's `meta.json`, the token cache's records, an SAE's `cfg.json`, result files)
+are read by `read_json`, which turns every way a file can fail to be JSON into one error whose
+message says what is wrong in a few words; each reader decides what a bad file means to it.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import contextlib
 import json
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +114,13 @@ def append_json_line(fh: Any, path: Path, record: dict[str, Any]) -> int:
     return len(line)
 
 
+def newest(paths: Iterable[Path]) -> Path | None:
+    """The most recently written of `paths` that are files (by modification time, then by
+    path: the same answer every time), or None when there are none."""
+    found = [(path.stat().st_mtime_ns, str(path), path) for path in paths if path.is_file()]
+    return max(found)[2] if found else None
+
+
 def remove_stale_temp_files(folder: Path) -> None:
     """Delete the temporary files a killed process left in `folder` (nothing reads them)."""
     for tmp in folder.glob(TMP_GLOB):
@@ -194,3 +205,42 @@ def read_user_text(
             f"{name} is not UTF-8 text (bad byte at offset {exc.start}): is it a binary file? "
             "Text in another encoding converts with e.g. `iconv -f latin1 -t utf-8`."
         ) from None
+
+
+class JSONFileError(ValueError):
+    """A JSON file that cannot be read: missing, unreadable, not UTF-8, not JSON, or nested too
+    deeply. `str()` says what is wrong in a few words; `cause` is the error underneath."""
+
+    def __init__(self, problem: str, cause: BaseException) -> None:
+        super().__init__(problem)
+        self.cause = cause
+
+    @property
+    def missing(self) -> bool:
+        return isinstance(self.cause, FileNotFoundError)
+
+
+def read_json(path: str | Path) -> Any:
+    """The JSON document in `path` (any JSON value: callers check its shape).
+
+    Raises:
+        JSONFileError: the file is missing, cannot be read, is not UTF-8 or not JSON, or
+            nests lists or objects too deeply to read.
+    """
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:
+        raise JSONFileError(_json_problem(exc), exc) from None
+
+
+def _json_problem(exc: BaseException) -> str:
+    """What is wrong with a JSON file that could not be read, in a few words."""
+    if isinstance(exc, UnicodeDecodeError):
+        return f"it is not UTF-8 text (bad byte at offset {exc.start})"
+    if isinstance(exc, json.JSONDecodeError):
+        return f"it is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})"
+    if isinstance(exc, RecursionError):
+        return "it nests lists or objects too deeply to read"
+    if isinstance(exc, OSError):
+        return f"it cannot be read ({exc.strerror or exc})"
+    return str(exc)

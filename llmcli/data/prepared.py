@@ -9,7 +9,6 @@ and windows. The cache folder is the `cache_dir` argument, else `data.cache_dir`
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +18,7 @@ import numpy as np
 from llmcli.data.chat_template import ChatTemplate
 from llmcli.data.tokenizer import Tokenizer
 from llmcli.errors import InputError
+from llmcli.fileio import JSONFileError, read_json
 
 
 def default_cache_dir() -> Path:
@@ -45,8 +45,8 @@ def cache_folder(cache: Path) -> Path:
 def read_cache_json(path: Path) -> dict | None:
     """A cache file's JSON object, or None for one that is missing or damaged (only a cache)."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
+        data = read_json(path)
+    except JSONFileError:
         return None
     return data if isinstance(data, dict) else None
 

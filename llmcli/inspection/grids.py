@@ -28,6 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from llmcli.fileio import JSONFileError, read_json
+
 log = logging.getLogger(__name__)
 
 #: Where each command writes its result, relative to the run directory.
@@ -285,9 +287,9 @@ def attribution_grids(
 
 def _read_object(path: Path) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise Malformed(f"not readable as JSON ({exc})") from None
+        data = read_json(path)
+    except JSONFileError as exc:
+        raise Malformed(f"not readable as JSON ({exc.cause})") from None
     if not isinstance(data, dict):
         raise Malformed("not a JSON object")
     return data

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from llmcli.fileio import atomic_write_text
+from llmcli.fileio import atomic_write_text, newest
 from llmcli.inspection.dump import FORMATS, AttentionDump, load_dump
 from llmcli.inspection.grids import run_grids
 
@@ -101,9 +101,7 @@ def dump_beside(page: str | Path) -> Path | None:
     """The attention dump written with a page (`attention.npz`, `.safetensors` or `.json` in
     its folder; the newest if several), or None."""
     folder = Path(page).parent
-    found = [folder / f"attention{suffix}" for suffix in FORMATS.values()]
-    found = [p for p in found if p.is_file()]
-    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+    return newest(folder / f"attention{suffix}" for suffix in FORMATS.values())
 
 
 def write_run_page(

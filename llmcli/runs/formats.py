@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load, save
 
 from llmcli.errors import CheckpointError
-from llmcli.fileio import atomic_write_bytes
+from llmcli.fileio import JSONFileError, atomic_write_bytes, read_json
 
 logger = logging.getLogger(__name__)
 
@@ -297,11 +297,10 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     """
     path = Path(path)
     try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError, RecursionError) as exc:
-        _warn_damaged(path, _json_problem(exc))
+        meta = read_json(path)
+    except JSONFileError as exc:
+        if not exc.missing:
+            _warn_damaged(path, str(exc))
         return {}
     if not isinstance(meta, dict):
         _warn_damaged(path, f"it holds a JSON {type(meta).__name__}, not an object")
@@ -314,19 +313,6 @@ def read_meta(path: str | Path) -> dict[str, Any]:
             ", ".join(f"{k} ({_shown(meta[k])})" for k in bad),
         )
     return {k: v for k, v in meta.items() if k not in bad}
-
-
-def _json_problem(exc: BaseException) -> str:
-    """What is wrong with a JSON file that could not be read, in a few words."""
-    if isinstance(exc, UnicodeDecodeError):
-        return f"it is not UTF-8 text (bad byte at offset {exc.start})"
-    if isinstance(exc, json.JSONDecodeError):
-        return f"it is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})"
-    if isinstance(exc, RecursionError):
-        return "it nests lists or objects too deeply to read"
-    if isinstance(exc, OSError):
-        return f"it cannot be read ({exc.strerror or exc})"
-    return str(exc)
 
 
 def _warn_damaged(path: Path, problem: str) -> None:

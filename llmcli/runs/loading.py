@@ -17,6 +17,7 @@ import torch
 from llmcli.config import Config, config_from_dict, read_yaml
 from llmcli.data.tokenizer import Tokenizer, load_tokenizer
 from llmcli.errors import CheckpointError, InputError
+from llmcli.fileio import newest
 from llmcli.model.gpt import Transformer
 from llmcli.runs import versions
 from llmcli.runs.directory import BEST_FILE, CONFIG_FILE, META_FILE, MODEL_FILE, TOKENIZER_FILE
@@ -45,17 +46,14 @@ def find_latest_run(root: str | Path = Path("checkpoints")) -> Path:
         CheckpointError: no run under `root`, saying how to train one.
     """
     root = Path(root)
-    runs = []
-    if root.is_dir():
-        for weights in root.rglob(MODEL_FILE):  # runs may sit in sub-folders (--out a/b/run)
-            if weights.is_file():
-                runs.append((weights.stat().st_mtime_ns, str(weights.parent), weights.parent))
-    if not runs:
+    # Runs may sit in sub-folders (--out a/b/run).
+    weights = newest(root.rglob(MODEL_FILE)) if root.is_dir() else None
+    if weights is None:
         raise CheckpointError(
             f"no trained run found under '{root}/': {TRAIN_HINT}, or pass --checkpoint DIR "
             "pointing at a run directory."
         )
-    return max(runs)[2]
+    return weights.parent
 
 
 def _run_file(run_dir: Path, name: str) -> Path:

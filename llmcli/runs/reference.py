@@ -15,7 +15,6 @@ the curve differ from the reference run's.
 from __future__ import annotations
 
 import bisect
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 
 from llmcli.config import config_from_dict, shipped_configs, shipped_dir
 from llmcli.errors import InputError
+from llmcli.fileio import JSONFileError, read_json
 from llmcli.runs.directory import META_FILE, METRICS_FILE
 from llmcli.runs.formats import read_meta
 from llmcli.runs.loading import load_config_file
@@ -122,16 +122,17 @@ def load_reference(name: str) -> Reference | None:
     if not path.is_file():
         return None
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        raw = read_json(path)
         if raw.get("format") != FORMAT:
             raise ValueError(f"format {raw.get('format')!r}, expected {FORMAT}")
         points = sorted(raw["points"], key=lambda p: p["tokens"])
         if not all(isinstance(p["tokens"], int) and math.isfinite(p["val_loss"]) for p in points):
             raise ValueError("a point without whole tokens or a finite val_loss")
         return Reference(name, path, points, raw["config"], raw["measured"], raw.get("note"))
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (JSONFileError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        cause = exc.cause if isinstance(exc, JSONFileError) else exc
         raise InputError(
-            f"the reference curve '{path}' is unreadable ({exc}): this installation of llmcli "
+            f"the reference curve '{path}' is unreadable ({cause}): this installation of llmcli "
             "is incomplete or was edited; reinstall it."
         ) from None
 

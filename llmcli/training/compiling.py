@@ -35,7 +35,7 @@ from torch import nn
 
 from llmcli.config import Config
 from llmcli.data.prepared import default_cache_dir
-from llmcli.fileio import atomic_write_json
+from llmcli.fileio import JSONFileError, atomic_write_json, read_json
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +72,8 @@ def compile_key(config: Config, vocab_size: int, device: torch.device) -> str:
 
 def _compiled_keys(cache: Path) -> set[str]:
     try:
-        keys = json.loads((cache / RECORD).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        keys = read_json(cache / RECORD)
+    except JSONFileError:  # a cache's record: without it the next run measures again
         return set()
     return set(keys) if isinstance(keys, list) else set()
 

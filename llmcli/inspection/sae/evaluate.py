@@ -33,6 +33,7 @@ from torch import Tensor
 from llmcli.device import check_threads, resolve_device, torch_threads
 from llmcli.errors import CheckpointError, InputError
 from llmcli.evaluation.text import eval_tokens, window_batches, window_starts
+from llmcli.fileio import newest
 from llmcli.inspection.sae.folder import CFG_FILE, LoadedSAE, load_sae
 from llmcli.inspection.sae.points import as_rows, check_hook, replacing
 from llmcli.inspection.sae.steer import splice
@@ -82,17 +83,13 @@ def find_sae(run_dir: Path) -> Path:
     Raises:
         CheckpointError: none there, saying how to train one.
     """
-    found = [
-        (p.stat().st_mtime_ns, str(p.parent), p.parent)
-        for p in (run_dir / "sae").rglob(CFG_FILE)
-        if p.is_file()
-    ]
-    if not found:
+    cfg = newest((run_dir / "sae").rglob(CFG_FILE))
+    if cfg is None:
         raise CheckpointError(
             f"no SAE under '{run_dir / 'sae'}/': train one with `llmcli sae train --hook "
             "blocks.1.resid_post`, or pass --sae DIR."
         )
-    return max(found)[2]
+    return cfg.parent
 
 
 def run_of(loaded: LoadedSAE) -> Path | None:

@@ -19,7 +19,6 @@ Every file is written atomically; a reader checks what it reads and names the fi
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ import torch
 from safetensors.torch import save
 
 from llmcli.errors import CheckpointError
-from llmcli.fileio import atomic_write_bytes, atomic_write_json
+from llmcli.fileio import JSONFileError, atomic_write_bytes, atomic_write_json, read_json
 from llmcli.inspection.sae.model import SparseAutoencoder
 from llmcli.inspection.sae.points import is_heads, transformer_lens_name
 from llmcli.runs.formats import read_weights
@@ -129,9 +128,11 @@ def _read_cfg(path: Path) -> dict[str, Any]:
             "writes one; pass its folder)."
         )
     try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as exc:
-        raise CheckpointError(f"SAE config '{path}' cannot be read as JSON ({exc}).") from None
+        cfg = read_json(path)
+    except JSONFileError as exc:
+        raise CheckpointError(
+            f"SAE config '{path}' cannot be read as JSON ({exc.cause})."
+        ) from None
     llmcli = cfg.get("metadata", {}).get("llmcli") if isinstance(cfg, dict) else None
     if not isinstance(llmcli, dict) or not isinstance(llmcli.get("hook"), str):
         raise CheckpointError(
