@@ -32,7 +32,6 @@ import multiprocessing
 import os
 import platform
 import statistics
-import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -47,7 +46,7 @@ from matplotlib.figure import Figure
 
 from llmcli.config import Config, ModelConfig, SampleConfig
 from llmcli.data.tokenizer import load_tokenizer
-from llmcli.device import resolve_device
+from llmcli.device import resolve_device, timed
 from llmcli.errors import ConfigError, InputError, describe_os_error
 from llmcli.fileio import atomic_write_bytes, atomic_write_json
 from llmcli.generation.fast_decode import FastDecoder
@@ -170,13 +169,6 @@ def combination_config(config: Config, n_head: int, context_length: int) -> Mode
 # ----------------------------------------------------------------------------- one combination
 
 
-def _sync(device: Any) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
-
-
 def _current_rss_mb() -> float | None:
     """Resident set size now (Linux /proc), or None where it cannot be read."""
     try:
@@ -269,28 +261,21 @@ def _time_training(
         grad_clip=tc.grad_clip,
     )
     model.train()
-    for i in range(steps + 1):  # step 0 warms up (and compiles, with train.compile)
-        if i == 1:
-            _sync(precision.device)
-            start = time.perf_counter()
-        train_step(trainer)
-    _sync(precision.device)
-    return (time.perf_counter() - start) / steps
+    train_step(trainer)  # warms up (and compiles, with train.compile)
+    return timed(lambda: [train_step(trainer) for _ in range(steps)], precision.device) / steps
 
 
 def _time_forward(model: Transformer, x: torch.Tensor, precision: Precision, reps: int) -> float:
     """Median seconds of one inference forward pass over `x` `(1, T)`, after one warm-up."""
     model.eval()
-    times = []
+
+    def forward() -> None:
+        with precision.autocast():
+            model(x)
+
     with torch.inference_mode():
-        for _ in range(reps + 1):  # the first one warms up
-            _sync(precision.device)
-            start = time.perf_counter()
-            with precision.autocast():
-                model(x)
-            _sync(precision.device)
-            times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+        times = [timed(forward, precision.device) for _ in range(reps + 1)]
+    return statistics.median(times[1:])  # the first one warms up
 
 
 def _sampling_rate(
@@ -299,13 +284,12 @@ def _sampling_rate(
     """New tokens per second when sampling `n_new` tokens after the one token `first`, with the
     decode step `llmcli sample` would use."""
     config = SampleConfig(max_new_tokens=n_new, temperature=1.0, top_k=None, seed=seed)
-    _sync(precision.device)
-    start = time.perf_counter()
-    # As `llmcli sample` runs it: without autocast (under which the fast step stands aside).
-    for _ in generate(model, [[first]], config, decode=FastDecoder.for_model(model)):
-        pass
-    _sync(precision.device)
-    return n_new / (time.perf_counter() - start)
+
+    def sample() -> None:  # as `llmcli sample` runs it: without autocast (the fast step's)
+        for _ in generate(model, [[first]], config, decode=FastDecoder.for_model(model)):
+            pass
+
+    return n_new / timed(sample, precision.device)
 
 
 def _measure_or_error(*args: Any) -> BenchResult:

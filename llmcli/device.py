@@ -1,13 +1,13 @@
 """Where the model runs: `resolve_device` turns "auto" / "cpu" / "cuda" / "mps" into a torch
 device, for every command; `torch_threads` runs a block on a number of CPU threads, and
-`check_threads` checks a `--threads` option."""
+`check_threads` checks a `--threads` option; `timed` measures work on a device."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -54,6 +54,23 @@ def resolve_device(name: str, local_rank: int = 0, *, what: str = "train.device"
             )
         return torch.device("mps")
     return torch.device("cpu")
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on a GPU (on the CPU, work is done when its call returns)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def timed(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds `fn` takes on `device`, its queued GPU work included (and none from before)."""
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
 
 
 def check_threads(n: int | None, what: str = "--threads") -> int | None:

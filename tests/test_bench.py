@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import llmcli.bench
+import llmcli.device
 from llmcli.bench import (
     BenchResult,
     BenchSettings,
@@ -92,7 +93,8 @@ def test_every_combination_is_measured_or_explained() -> None:
 
 
 class FakeClock:
-    """`time.perf_counter` for llmcli.bench, advanced only by the work it times."""
+    """`time.perf_counter` for `llmcli.device.timed`, which times bench's work, advanced only
+    by that work."""
 
     def __init__(self) -> None:
         self.now = 0.0
@@ -105,7 +107,7 @@ def test_speeds_are_the_work_over_the_time_it_took(monkeypatch) -> None:
     """Under a clock on which a training step takes 0.5 s, a full-length forward 4 ms, and
     sampling 0.3 s to start and 0.1 s a token, the speeds are those figures' arithmetic."""
     clock = FakeClock()
-    monkeypatch.setattr(llmcli.bench, "time", clock)
+    monkeypatch.setattr(llmcli.device, "time", clock)
     real_step, real_generate, real_model = train_step, generate, Transformer
 
     def step(*args, **kwargs):

@@ -13,6 +13,7 @@ import pytest
 import yaml
 from conftest import small_run_config
 
+import llmcli.device
 from llmcli.cli import main
 from llmcli.config import config_from_dict
 from llmcli.data.tokens import prepare_data
@@ -96,7 +97,9 @@ def test_measuring_stays_within_its_budget(
         real_step(trainer)
         now[0] += trainer.grad_accum * len(trainer.batches.x) * 0.010 + 0.002
 
-    monkeypatch.setattr(plan_module, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    clock = SimpleNamespace(perf_counter=lambda: now[0])
+    monkeypatch.setattr(plan_module, "time", clock)  # the budget
+    monkeypatch.setattr(llmcli.device, "time", clock)  # each step (`llmcli.device.timed`)
     monkeypatch.setattr(plan_module, "train_step", fake_step)
     plan = make_plan(config_from_dict(_raw(small_corpus)), "cpu", measure_s=0.3)
     timing = plan.timing

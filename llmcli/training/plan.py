@@ -15,7 +15,6 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +23,7 @@ import torch
 from llmcli.config import Config
 from llmcli.data.tokenizer import load_tokenizer
 from llmcli.data.tokens import prepare_data
-from llmcli.device import resolve_device
+from llmcli.device import resolve_device, timed
 from llmcli.errors import InputError
 from llmcli.model.gpt import Transformer
 from llmcli.progress import format_bytes, format_count
@@ -217,7 +216,7 @@ def measure_step(
 
     def step(micro_batches: int) -> float:
         trainer.grad_accum = micro_batches
-        return _timed(lambda: train_step(trainer), device)
+        return timed(lambda: train_step(trainer), device)
 
     cold = step(1)  # one sequence, one update
     batch = max(1, min(tc.batch_size, math.floor(budget_s / 4 / max(cold, 1e-9))))
@@ -230,7 +229,7 @@ def measure_step(
     micro, update = (max(two - one, 0.0), max(2 * one - two, 0.0)) if ones else (one, 0.0)
     model.eval()
     with torch.no_grad():
-        forward_s = _timed(lambda: micro_forward(model, tokens[:batch], precision), device)
+        forward_s = timed(lambda: micro_forward(model, tokens[:batch], precision), device)
     scale = tc.batch_size / batch
     return StepTiming(
         step_s=tc.grad_accum * micro * scale + update,
@@ -256,22 +255,6 @@ def micro_forward(model: Transformer, tokens: torch.Tensor, precision: Precision
     """One evaluation forward: the loss of `tokens` `(B, T + 1)`."""
     with precision.autocast():
         model(tokens[:, :-1], tokens[:, 1:])
-
-
-def _timed(fn: Callable[[], None], device: torch.device) -> float:
-    """Seconds `fn` takes on `device` (waiting for a GPU's queued work before and after)."""
-    _synchronize(device)
-    t = time.perf_counter()
-    fn()
-    _synchronize(device)
-    return time.perf_counter() - t
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
 
 
 def format_plan(plan: Plan) -> str:
