@@ -30,14 +30,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from llmcli.data.chat import conversation_windows
+from llmcli.data.chat_batches import IGNORE
 from llmcli.data.chat_template import require_run_template
 from llmcli.data.conversations import ConversationEncoder, Encoded, Messages, read_jsonl
 from llmcli.data.tokens import prepare_data
 from llmcli.errors import InputError
 from llmcli.evaluation.metrics import perplexity
+from llmcli.evaluation.text import token_losses
 from llmcli.generation.generate import generate
 from llmcli.progress import Progress
 
@@ -223,13 +224,9 @@ def score_conversations(
             n = len(c.encoded.ids) - 1
             x[b, :n], y[b, :n] = c.encoded.ids[:-1], c.encoded.ids[1:]
             keep[b, :n] = c.encoded.mask[1:]  # target t + 1 counts when mask[t + 1]
+        y[~keep] = IGNORE  # padding, and the tokens the model does not write
         logits, _ = model(torch.from_numpy(x).to(device))  # (B, L, V)
-        targets = torch.from_numpy(y).to(device)
-        nll = F.cross_entropy(
-            logits.float().flatten(0, 1), targets.flatten(), reduction="none"
-        ).view(targets.shape)  # (B, L)
-        kept = torch.from_numpy(keep).to(device)
-        nats = nll.masked_fill(~kept, 0.0).sum(dim=1)  # (B,)
+        nats = token_losses(logits, torch.from_numpy(y).to(device)).sum(dim=1)  # (B,)
         scores += [(int(k), float(s)) for k, s in zip(keep.sum(1), nats.tolist(), strict=True)]
         bar.update()
     bar.close()

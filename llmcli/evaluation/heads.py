@@ -19,10 +19,10 @@ from contextlib import contextmanager
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from llmcli.errors import InputError
+from llmcli.evaluation.text import token_losses
 from llmcli.model.hooks import HookFn
 from llmcli.progress import Progress
 
@@ -158,8 +158,7 @@ def summed_nats(logits: Tensor, y: Tensor, copies: int = 1) -> Tensor:
     Shape:
         logits `(copies * B, T, V)`, y `(B, T)` -> `(copies,)`
     """
-    targets = y.repeat(copies, 1).flatten()  # (copies * B * T,)
-    nll = F.cross_entropy(logits.float().flatten(0, 1), targets, reduction="none")
+    nll = token_losses(logits, y.repeat(copies, 1))  # (copies * B, T)
     return nll.double().view(copies, -1).sum(1)  # (copies,)
 
 

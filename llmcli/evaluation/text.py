@@ -7,6 +7,8 @@ after the first is predicted exactly once (the last window may be shorter): `win
 `window_batches`. `score_tokens` sums the model's negative log-likelihood over them (keeping each
 window's losses for `--per-token`, `per_token_records`); `eval_tokens` finds the tokens to score,
 a text file or a run's validation split; `text_bytes` counts the bytes bits per byte divide by.
+`token_losses` is every predicted token's loss, the one per-token loss of llmcli: training's
+loss by position, conversations' assistant tokens and head ablation use it too.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from llmcli.data.chat_batches import IGNORE
 from llmcli.data.tokens import prepare_data
 from llmcli.errors import InputError
 from llmcli.fileio import read_user_text
@@ -95,6 +98,19 @@ def window_batches(
         yield windows[:, :-1], windows[:, 1:]  # (B, L), (B, L)
 
 
+def token_losses(logits: Tensor, targets: Tensor) -> Tensor:
+    """Each target's negative log-likelihood, in float32; 0 where the target is `IGNORE` (-1: a
+    conversation's token the model does not write), as the model's own loss leaves those out.
+
+    Shape:
+        logits `(..., V)`, targets `(...)` -> `(...)`
+    """
+    nll = F.cross_entropy(
+        logits.float().flatten(0, -2), targets.flatten(), reduction="none", ignore_index=IGNORE
+    )  # (N,)
+    return nll.view(targets.shape)
+
+
 @torch.no_grad()
 def score_tokens(
     model: nn.Module,
@@ -132,12 +148,11 @@ def score_tokens(
         window_batches(tokens, context_length, starts, device), starts, strict=True
     ):
         logits, _ = model(x)  # (B, L, V)
-        nll = F.cross_entropy(
-            logits.float().flatten(0, 1), y.flatten(), reduction="none"
-        )  # (B * L,)
+        nll = token_losses(logits, y)  # (B, L)
         if totals.losses is not None:
-            rows = nll.view(y.shape).cpu().numpy()  # (B, L)
+            rows = nll.cpu().numpy()  # (B, L)
             totals.losses += [(start, row) for start, row in zip(batch, rows, strict=True)]
+        nll = nll.flatten()  # (B * L,)
         totals.nats += nll.sum().item()
         totals.tokens += nll.numel()
         if special_id is not None:

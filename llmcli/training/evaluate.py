@@ -25,15 +25,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from llmcli.config import Config
 from llmcli.data.batches import BatchSampler
-from llmcli.data.chat_batches import ChatSampler
+from llmcli.data.chat_batches import IGNORE, ChatSampler
 from llmcli.data.prepared import TokenData
 from llmcli.evaluation.metrics import icl_score
 from llmcli.evaluation.probe import Probe, probe_scores
+from llmcli.evaluation.text import token_losses
 from llmcli.training.distributed import DistInfo, mean_over_ranks
 from llmcli.training.precision import Precision
 
@@ -87,10 +87,8 @@ def evaluate_loss(
                 logits, loss = model(x, y)
             totals[i] += loss.float()
             if by_position:
-                token_loss = F.cross_entropy(
-                    logits.float().transpose(1, 2), y, reduction="none", ignore_index=-1
-                )  # (B, T), 0 where ignored
-                counted = (y >= 0).sum(0).clamp(min=1)  # (T,)
+                token_loss = token_losses(logits, y)  # (B, T), 0 where ignored
+                counted = (y != IGNORE).sum(0).clamp(min=1)  # (T,)
                 position_sum = position_sum + token_loss.sum(0) / counted  # (B, T) -> (T,)
         positions.append(position_sum / eval_steps)
     totals /= eval_steps
