@@ -67,6 +67,14 @@ def load_baseline(rev: str, modules: tuple[str, ...] = ("generate", "model")) ->
     return loaded
 
 
+def has_file(rev: str, path: str) -> bool:
+    """Whether git revision `rev` holds `path` (relative to the repository)."""
+    found = subprocess.run(
+        ["git", "cat-file", "-e", f"{rev}:{path}"], cwd=ROOT, capture_output=True
+    )
+    return found.returncode == 0
+
+
 def fail(message: str) -> NoReturn:
     """Bad input: the message on stderr, exit status 2."""
     print(f"error: {message}", file=sys.stderr)

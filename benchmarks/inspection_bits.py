@@ -24,9 +24,10 @@ value bit for bit:
 
 Today's side is the working tree's (the evaluation in `llmcli.evaluation.run` and
 `llmcli.evaluation.text`); the baseline's, its revision's own modules (`runs.loading`,
-`inspection.capture`, `inspection.attention`, `inspection.ablation`, `inspection.evaluate`), so
-`--baseline` must be a revision that has them, such as 5b00014. Each comparison reports `equal`
-and `max_abs_diff`; `all_equal` sums them up. Everything runs on the CPU.
+`inspection.capture`, `inspection.attention`, `inspection.ablation`, and its evaluation:
+`inspection.evaluate`, or `evaluation.text` and `evaluation.run` from 8bdabf1 on), so
+`--baseline` must be a revision that has them, such as 5b00014 or 8bdabf1. Each comparison
+reports `equal` and `max_abs_diff`; `all_equal` sums them up. Everything runs on the CPU.
 
 Prints one JSON object.
 """
@@ -39,11 +40,12 @@ import platform
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import torch
-from git_baseline import fail, load_run_sides
+from git_baseline import fail, has_file, load_run_sides
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -58,8 +60,11 @@ BASELINE_MODULES = (
     "inspection.capture",
     "inspection.attention",
     "inspection.ablation",
-    "inspection.evaluate",
 )
+# Where a revision keeps `eval_tokens`, `window_starts`, `window_batches` and `evaluate_run`: in
+# `inspection.evaluate` before evaluation had a package of its own (5b00014), in
+# `evaluation.text` and `evaluation.run` since (8bdabf1 and later).
+OLD_EVALUATION, EVALUATION = ("inspection.evaluate",), ("evaluation.text", "evaluation.run")
 METHODS = ("zero", "mean")
 EVAL_FIELDS = (
     "loss",
@@ -73,8 +78,15 @@ EVAL_FIELDS = (
 
 
 def load_sides(run_dir: Path, rev: str) -> tuple[Any, Any, dict[str, Any]]:
-    """Today's loaded run, the baseline's loaded run, the baseline's modules (or exit 2)."""
-    return load_run_sides(run_dir, rev, BASELINE_MODULES)
+    """Today's loaded run, the baseline's loaded run, the baseline's modules (or exit 2); the
+    baseline's evaluation under "inspection.evaluate" whichever modules hold it."""
+    old_layout = has_file(rev, "llmcli/inspection/evaluate.py")
+    modules = BASELINE_MODULES + (OLD_EVALUATION if old_layout else EVALUATION)
+    today, old, baseline = load_run_sides(run_dir, rev, modules)
+    if not old_layout:
+        parts = {**vars(baseline["evaluation.text"]), **vars(baseline["evaluation.run"])}
+        baseline["inspection.evaluate"] = SimpleNamespace(**parts)
+    return today, old, baseline
 
 
 def compare(ours: Any, theirs: Any) -> dict[str, Any]:
