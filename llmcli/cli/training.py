@@ -20,7 +20,7 @@ from llmcli.cli.options import (
 from llmcli.errors import InputError
 
 if TYPE_CHECKING:
-    from llmcli.training.loop import TrainSummary
+    from llmcli.training.log import TrainSummary
 
 
 @app.command("config", cls=UsageCommand)

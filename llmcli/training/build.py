@@ -10,12 +10,16 @@ the save back when resuming (`llmcli.training.checkpoint.restore`), and wraps th
 on, so that a bad input on one rank stops them all with its message.
 
 What it builds is a `Run`: a record of the parts, each with a narrow job, that the loop
-(`llmcli.training.loop.fit`) hands to the helpers that use them.
+(`llmcli.training.loop.fit`) hands to the helpers that use them. `started` builds it inside what
+a run trains within (its threads, the process group, out-of-memory messages).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,20 +29,28 @@ from torch.nn.parallel import DistributedDataParallel
 
 from llmcli.config import Config
 from llmcli.data.tokens import TokenData, prepare_data
-from llmcli.errors import CheckpointError
+from llmcli.device import resolve_device, torch_threads
+from llmcli.errors import CheckpointError, InputError
 from llmcli.evaluation.probe import make_probe
 from llmcli.model.gpt import Transformer
-from llmcli.runs.directory import META_FILE, check_fresh_start, prepare_run_dir, resumes
+from llmcli.runs.directory import (
+    META_FILE,
+    check_fresh_start,
+    default_run_dir,
+    prepare_run_dir,
+    resumes,
+)
 from llmcli.runs.formats import read_meta
 from llmcli.runs.loading import load_tokenizer_file
+from llmcli.runs.trackers import check_available
 from llmcli.training.batch import resolve_batch, with_micro_batch
 from llmcli.training.checkpoint import Checkpointer, restore
 from llmcli.training.compiling import MEASURE_S, choose, compile_key, compiled, inductor_cache
-from llmcli.training.distributed import DistInfo, agreed, gather
+from llmcli.training.distributed import DistInfo, agreed, dist_from_env, gather, process_group
 from llmcli.training.evaluate import EVAL_SEED_OFFSET, Evaluator, split_sampler
-from llmcli.training.guard import SpikeGuard
+from llmcli.training.guard import Divergence, SpikeGuard
 from llmcli.training.init_from import load_init_weights, resolve_init_from
-from llmcli.training.memory import check_memory
+from llmcli.training.memory import check_memory, out_of_memory_is_bad_input
 from llmcli.training.optim import build_optimizer
 from llmcli.training.plan import measure_step
 from llmcli.training.precision import Precision
@@ -64,6 +76,7 @@ class Run:
         checkpoints: saves the run and rolls it back.
         evaluate: the loop's evaluation.
         guard: the spike guard (`train.spike_guard`), the step's `before_update`; else None.
+        divergence: stops the run when its loss is not finite.
         shrinks: whether running out of memory in the first steps may shrink the micro-batch
             (an automatic one, in a fresh run in one process: under DDP one rank alone cannot
             change the batch).
@@ -79,7 +92,44 @@ class Run:
     checkpoints: Checkpointer
     evaluate: Evaluator
     guard: SpikeGuard | None
+    divergence: Divergence
     shrinks: bool
+
+
+@contextlib.contextmanager
+def started(
+    config: Config, out_dir: str | Path | None, resume: bool | str, overwrite: bool
+) -> Iterator[Run]:
+    """The run `build_run` builds, inside what it trains within: its CPU threads (`train.threads`),
+    the process group under torchrun, and out-of-memory errors turned into messages.
+
+    Args:
+        config: a validated config.
+        out_dir: the run directory (None: `train.out_dir`, else `checkpoints/<config name>`).
+        resume: continue the run saved there; "auto": if there is one.
+        overwrite: start afresh over a run (or files that are not a run's, which are kept).
+
+    Raises:
+        InputError: both `resume` and `overwrite`, a missing tracker package, a bad device;
+            and whatever building the run refuses.
+    """
+    session_start = time.perf_counter()
+    if resume and overwrite:
+        raise InputError(
+            f"--resume{' auto' if resume == 'auto' else ''} and --overwrite contradict each "
+            "other: continue the run in the folder, or start it afresh; give one of them."
+        )
+    check_available(config.train.loggers)  # a missing tracker package: before any work
+    info = dist_from_env()
+    device = resolve_device(config.train.device, info.local_rank)
+    precision = Precision.resolve(device, config.train.dtype)
+    run_dir = Path(out_dir) if out_dir is not None else default_run_dir(config)
+    with (
+        torch_threads(config.train.threads),
+        process_group(info, device),
+        out_of_memory_is_bad_input(device, run_dir),
+    ):
+        yield build_run(config, info, precision, run_dir, resume, overwrite, session_start)
 
 
 def build_run(
@@ -141,6 +191,7 @@ def build_run(
         checkpoints=Checkpointer(facts, info, model, trainer, guard),
         evaluate=Evaluator(evaluated, model, data, precision, info, probe),
         guard=guard,
+        divergence=Divergence(tc, run_dir, guarded=guard is not None),
         shrinks=auto_batch and not info.enabled and saved is None,
     )
 

@@ -26,7 +26,8 @@ from llmcli.runs.directory import STATE_FILE, save_checkpoint
 from llmcli.runs.formats import load_weights
 from llmcli.runs.versions import record as record_versions
 from llmcli.training.distributed import DistInfo, agreed, gather
-from llmcli.training.guard import SpikeGuard
+from llmcli.training.guard import Divergence, SpikeGuard
+from llmcli.training.interrupt import Preempted
 from llmcli.training.log import TrainLog
 from llmcli.training.state import ResumeState, RunFacts, TrainState, rng_state, set_rng_state
 from llmcli.training.step import Trainer
@@ -164,6 +165,44 @@ class Checkpointer:
             "guard", lambda: events.append(guard.rolled_back(step, to_step, loss, saved.guard))
         )
         return events[0]
+
+    def refused(self, state: TrainState, log: TrainLog, divergence: Divergence) -> bool:
+        """After the spike guard refused a step: log the skip, and roll the run back to its
+        last save when the guard says so (True), or stop it (`DivergenceError`) when it
+        cannot recover."""
+        guard = self.guard
+        assert guard is not None and guard.verdict is not None
+        event = guard.verdict.event
+        assert event is not None
+        step, loss = event["step"], event["loss"]
+        log.event(event, f"step {step} skipped ({event['reason']}, loss {loss:.4g})")
+        can_roll_back = state.last_saved >= 0
+        if guard.verdict.action == "rollback" and can_roll_back:
+            back = self.rollback(state, log, step, loss)
+            log.event(
+                back,
+                f"rolled back to step {back['to_step']} (rollback {back['rollback']}): learning "
+                f"rate x {back['lr_factor']:g} until step {back['lr_until_step']}, on new batches",
+            )
+            return True
+        if guard.verdict.action != "skip":
+            what = guard.stop_advice(event, can_roll_back)
+            raise divergence.error(what, state.last_saved)
+        return False
+
+    def stop(self, state: TrainState, config: Config, log: TrainLog, preempted: bool) -> None:
+        """Save (unless this step was just saved) and leave the loop with KeyboardInterrupt, or
+        `Preempted` (its subclass) after SIGTERM."""
+        if state.last_saved != state.step:
+            self.save(state, config, log, best=False)
+        if self.info.main:
+            logger.warning(
+                "stopped at step %d; the checkpoint in '%s' is saved: "
+                "continue with the same command and --resume (or --resume auto)",
+                state.step,
+                self.run_dir,
+            )
+        raise Preempted if preempted else KeyboardInterrupt
 
 
 def restore(

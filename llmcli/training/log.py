@@ -18,6 +18,7 @@ up to its save and writes the later ones again, so that they read as if it was n
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import time
 from dataclasses import dataclass
@@ -25,12 +26,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from llmcli.config import Config
 from llmcli.data.prepared import TokenData
 from llmcli.errors import CheckpointError, describe_os_error
 from llmcli.evaluation.metrics import perplexity
 from llmcli.fileio import remove_stale_temp_files
+from llmcli.progress import format_count
 from llmcli.runs.directory import (
     HEAD_METRICS_FILE,
     METRICS_FILE,
@@ -43,6 +46,7 @@ from llmcli.runs.metrics import JsonLinesLog, plot_losses
 from llmcli.runs.trackers import open_trackers
 from llmcli.training.distributed import DistInfo, mean_over_ranks
 from llmcli.training.evaluate import Evaluation
+from llmcli.training.guard import SpikeGuard
 from llmcli.training.interrupt import StopRequest
 from llmcli.training.layers import LayerWatch
 from llmcli.training.state import RunFacts, TrainState
@@ -124,8 +128,17 @@ class TrainLog:
         run_dir: Path,
         metrics: JsonLinesLog | None = None,
         heads: JsonLinesLog | None = None,
+        log_layers: bool = False,
     ) -> None:
         self.run_dir, self.metrics, self.heads = run_dir, metrics, heads
+        self.log_layers = log_layers  # train.log_layers
+
+    def layer_watch(self, model: nn.Module, log_step: bool) -> LayerWatch | None:
+        """What measures each layer in a step whose record is written (`train.log_layers`,
+        rank 0, log steps); None for the other steps."""
+        if not (self.log_layers and log_step and self.metrics is not None):
+            return None
+        return LayerWatch(model)
 
     @classmethod
     def open(cls, config: Config, data: TokenData, facts: RunFacts, main: bool) -> TrainLog:
@@ -158,7 +171,8 @@ class TrainLog:
                 f"cannot write the run files in '{run_dir}': {describe_os_error(exc)}. "
                 "Any checkpoint saved there is intact; fix the problem and run again."
             ) from None
-        return cls(run_dir, metrics, heads)
+        _announce(config, facts)
+        return cls(run_dir, metrics, heads, config.train.log_layers)
 
     def train_step(
         self,
@@ -254,3 +268,84 @@ class TrainLog:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _announce(config: Config, facts: RunFacts) -> None:
+    """Say what starts: the notes on a short run, then the run, its size, device and steps."""
+    for note in config.train.short_run_notes():
+        logger.warning(note)
+    logger.info(
+        "%s run '%s': %s parameters, %s on %s%s, %d tokens per step, steps %d..%d",
+        "resuming" if facts.resumed_from is not None else "starting",
+        facts.run_dir,
+        format_count(facts.n_params),
+        facts.dtype,
+        facts.device,
+        f" x{facts.world_size}" if facts.world_size > 1 else "",
+        facts.tokens_per_step,
+        (facts.resumed_from or 0) + 1,
+        config.train.max_steps,
+    )
+
+
+@dataclass
+class TrainSummary:
+    """What a finished (or already complete) run reports."""
+
+    run_dir: Path
+    step: int
+    max_steps: int
+    tokens: int
+    elapsed_s: float
+    train_loss: float | None
+    val_loss: float | None
+    val_ppl: float | None
+    best_val_loss: float | None
+    tokens_per_s: float | None
+    n_params: int
+    device: str
+    dtype: str
+    world_size: int
+    rank: int
+    resumed_from: int | None
+    saves: int = 0  # checkpoints written in this session
+    save_s: float | None = None  # the longest of them, seconds (what a preemption must allow)
+    skipped: int = 0  # steps the spike guard skipped, in the whole run
+    rollbacks: int = 0  # ... and its rollbacks
+
+    @classmethod
+    def of(
+        cls,
+        state: TrainState,
+        facts: RunFacts,
+        max_steps: int,
+        save_seconds: list[float],
+        guard: SpikeGuard | None,
+        elapsed_s: float,
+        tokens_per_s: float | None,
+    ) -> TrainSummary:
+        """The summary of a run at `state`, whose saves in this session took `save_seconds`,
+        after `elapsed_s` seconds of training at `tokens_per_s` (None: no step this session)."""
+        val = state.last_eval.get("val")
+        return cls(
+            run_dir=facts.run_dir,
+            step=state.step,
+            max_steps=max_steps,
+            tokens=state.tokens,
+            elapsed_s=elapsed_s,
+            train_loss=state.last_eval.get("train"),
+            val_loss=val,
+            val_ppl=perplexity(val) if val is not None else None,
+            best_val_loss=state.best_val_loss if math.isfinite(state.best_val_loss) else None,
+            tokens_per_s=tokens_per_s,
+            n_params=facts.n_params,
+            device=facts.device,
+            dtype=facts.dtype,
+            world_size=facts.world_size,
+            rank=facts.rank,
+            resumed_from=facts.resumed_from,
+            saves=len(save_seconds),
+            save_s=max(save_seconds, default=None),
+            skipped=guard.state.skips if guard is not None else 0,
+            rollbacks=guard.state.rollbacks if guard is not None else 0,
+        )

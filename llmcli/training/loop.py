@@ -4,8 +4,8 @@
 writes a run directory (layout in `llmcli.runs.directory`). Everything the loop works with is
 built first (`llmcli.training.build`); `fit` is the loop, as in nanoGPT: set the learning rate,
 take one step (`llmcli.training.step.train_step`), then log, evaluate and save when due. What
-keeps a run safe sits beside it, each part with a narrow job: the spike guard is the step's
-`before_update` (`llmcli.training.guard`), the checkpointer saves and rolls back
+keeps a run safe sits beside it, parts of the run with a narrow job each: the spike guard is the
+step's `before_update` (`llmcli.training.guard`), the checkpointer saves, rolls back and stops
 (`llmcli.training.checkpoint`), the log reads the device and writes the records
 (`llmcli.training.log`), `llmcli.training.interrupt` turns Ctrl-C into a stop, and an automatic
 micro-batch that runs out of memory in the first steps shrinks (`llmcli.training.batch`).
@@ -29,24 +29,12 @@ import torch
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from llmcli.config import Config, TrainConfig
-from llmcli.device import resolve_device, torch_threads
-from llmcli.errors import InputError
-from llmcli.evaluation.metrics import perplexity
-from llmcli.progress import Progress, format_count
-from llmcli.runs.directory import default_run_dir
-from llmcli.runs.trackers import check_available
+from llmcli.progress import Progress
 from llmcli.training.batch import may_shrink, shrink_micro_batch
-from llmcli.training.build import Run, build_run
-from llmcli.training.checkpoint import Checkpointer, finite_or_none
-from llmcli.training.distributed import dist_from_env, process_group
-from llmcli.training.guard import Divergence, SpikeGuard
-from llmcli.training.interrupt import Preempted, StopRequest
-from llmcli.training.layers import LayerWatch
-from llmcli.training.log import LossLog, TokenRate, TrainLog, agreed_flags
-from llmcli.training.memory import out_of_memory_is_bad_input
+from llmcli.training.build import Run, started
+from llmcli.training.interrupt import StopRequest
+from llmcli.training.log import LossLog, TokenRate, TrainLog, TrainSummary, agreed_flags
 from llmcli.training.optim import apply_lr
-from llmcli.training.precision import Precision
-from llmcli.training.state import RunFacts, TrainState
 from llmcli.training.step import all_of, train_step
 
 logger = logging.getLogger(__name__)
@@ -82,47 +70,26 @@ def train(
             (`DivergenceError`); each message says what to change.
         KeyboardInterrupt: after Ctrl-C, once the checkpoint is saved.
     """
-    session_start = time.perf_counter()
-    if resume and overwrite:
-        raise InputError(
-            f"--resume{' auto' if resume == 'auto' else ''} and --overwrite contradict each "
-            "other: continue the run in the folder, or start it afresh; give one of them."
-        )
-    check_available(config.train.loggers)  # a missing tracker package: before any work
-    info = dist_from_env()
-    device = resolve_device(config.train.device, info.local_rank)
-    precision = Precision.resolve(device, config.train.dtype)
-    run_dir = Path(out_dir) if out_dir is not None else default_run_dir(config)
-    with (
-        torch_threads(config.train.threads),
-        process_group(info, device),
-        out_of_memory_is_bad_input(device, run_dir),
-    ):
-        run = build_run(config, info, precision, run_dir, resume, overwrite, session_start)
-        if run.state.step >= run.config.train.max_steps:
-            if info.main:
+    with started(config, out_dir, resume, overwrite) as run:
+        state, max_steps = run.state, run.config.train.max_steps
+        if state.step >= max_steps:
+            if run.info.main:
                 logger.info(
                     "'%s' already finished at step %d (train.max_steps = %d): raise "
                     "train.max_steps to train further",
-                    run_dir,
-                    run.state.step,
-                    run.config.train.max_steps,
+                    run.facts.run_dir,
+                    state.step,
+                    max_steps,
                 )
-            return summarize(run, run.state.elapsed_base, None)
-        log = TrainLog.open(run.config, run.data, run.facts, info.main)
-        if info.main:
-            _announce(run.config, run.facts, run.state.step)
-        with log:
+            return _summary(run, state.elapsed_base, None)
+        with TrainLog.open(run.config, run.data, run.facts, run.info.main) as log:
             return fit(run, log, progress, on_step or (lambda step: None))
 
 
-def fit(
-    run: Run, log: TrainLog, progress: bool, on_step: Callable[[int], None] = lambda step: None
-) -> TrainSummary:
+def fit(run: Run, log: TrainLog, progress: bool, on_step: Callable[[int], None]) -> TrainSummary:
     """Step, log, evaluate, save: until `max_steps`, a divergence or Ctrl-C."""
     config, state, trainer, info, guard = run.config, run.state, run.trainer, run.info, run.guard
-    tc, checkpoints = config.train, run.checkpoints
-    divergence = Divergence(tc, run.facts.run_dir, guarded=guard is not None)
+    tc, checkpoints, divergence = config.train, run.checkpoints, run.divergence
     bar = Progress(
         tc.max_steps, desc="train", unit="step", initial=state.step, enabled=progress and info.main
     )
@@ -131,9 +98,10 @@ def fit(
     checkpoints.saved_at = loop_start
     with StopRequest(escalate=not info.enabled) as stop, logging_redirect_tqdm(), bar:
         while state.step < tc.max_steps:
-            lr = apply_lr(trainer.optimizer, state.step, tc, _lr_scale(guard, state.step))
+            lr_scale = guard.lr_scale(state.step) if guard is not None else 1.0  # a rollback's
+            lr = apply_lr(trainer.optimizer, state.step, tc, lr_scale)
             due = _due(state.step + 1, tc)  # known before the step: a log step's layers
-            watch = LayerWatch(run.model) if tc.log_layers and due.log and info.main else None
+            watch = log.layer_watch(run.model, due.log)
             try:
                 loss, norm, applied = train_step(trainer, before_update=all_of(watch, guard))
             except torch.OutOfMemoryError:
@@ -147,8 +115,8 @@ def fit(
                 log.rewrite_config(config)
                 continue
             if not applied:  # the spike guard refused the update
-                assert guard is not None
-                _refused(guard, checkpoints, log, losses, divergence)
+                if checkpoints.refused(state, log, divergence):  # rolled back
+                    losses.clear()  # the losses of the steps undone are not logged
                 speed.rewind(state.tokens)
                 continue
             losses.add(loss)
@@ -162,16 +130,14 @@ def fit(
                 continue
             # The one place the host reads the device: the losses, and every rank's flags.
             step_losses = losses.read(info)
-            first = state.step - len(step_losses) + 1
-            divergence.check(step_losses, first, state.last_saved)
+            divergence.check(step_losses, state.step - len(step_losses) + 1, state.last_saved)
             timed = checkpoints.due_by_clock(tc.save_interval_s)
             flags = agreed_flags(stop, timed, info, trainer.precision.device)
             tok_s = speed.read(state.tokens)
             if due.log:  # (a stop between log steps writes no record)
                 log.train_step(state, lr, step_losses[-1], tok_s, norm, watch)
-                bar.report(
-                    {"loss": f"{step_losses[-1]:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tok_s:,.0f}"}
-                )
+                loss_now = step_losses[-1]
+                bar.report({"loss": f"{loss_now:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tok_s:,.0f}"})
             if due.evaluate or due.save or flags.timed_save:
                 best = False
                 if due.evaluate:  # each evaluation saves
@@ -182,11 +148,10 @@ def fit(
                 checkpoints.save(state, config, log, best)
                 speed.restart(state.tokens)  # tokens/s leaves evaluations and saves out
             if flags.stop:
-                _save_and_stop(checkpoints, state, config, log, preempted=flags.terminated)
+                checkpoints.stop(state, config, log, preempted=flags.terminated)
     session_s = time.perf_counter() - loop_start
-    steps = state.step - loop_step
-    tok_rate = steps * run.facts.tokens_per_step / session_s if session_s > 0 else None
-    return summarize(run, state.elapsed, tok_rate)
+    tokens = (state.step - loop_step) * run.facts.tokens_per_step
+    return _summary(run, state.elapsed, tokens / session_s if session_s > 0 else None)
 
 
 @dataclass(frozen=True)
@@ -209,123 +174,9 @@ def _due(step: int, tc: TrainConfig) -> _Due:
     )
 
 
-def _lr_scale(guard: SpikeGuard | None, step: int) -> float:
-    """The spike guard's factor on the learning rate (lowered for a while after a rollback)."""
-    return guard.lr_scale(step) if guard is not None else 1.0
-
-
-def _refused(
-    guard: SpikeGuard,
-    checkpoints: Checkpointer,
-    log: TrainLog,
-    losses: LossLog,
-    divergence: Divergence,
-) -> None:
-    """After the spike guard refused a step: log the skip, and roll the run back to its last
-    save when the guard says so, or stop it (`DivergenceError`) when it cannot recover."""
-    verdict, state = guard.verdict, guard.counters
-    assert verdict is not None and verdict.event is not None
-    step, loss = verdict.event["step"], verdict.event["loss"]
-    log.event(verdict.event, f"step {step} skipped ({verdict.event['reason']}, loss {loss:.4g})")
-    can_roll_back = state.last_saved >= 0
-    if verdict.action == "rollback" and can_roll_back:
-        event = checkpoints.rollback(state, log, step, loss)
-        losses.clear()  # the losses of the steps undone are not logged
-        log.event(
-            event,
-            f"rolled back to step {event['to_step']} (rollback {event['rollback']}): learning "
-            f"rate x {event['lr_factor']:g} until step {event['lr_until_step']}, on new batches",
-        )
-    elif verdict.action != "skip":
-        what = guard.stop_advice(verdict.event, can_roll_back)
-        raise divergence.error(what, state.last_saved)
-
-
-def _save_and_stop(
-    checkpoints: Checkpointer, state: TrainState, config: Config, log: TrainLog, preempted: bool
-) -> None:
-    """Save (unless this step was just saved) and leave the loop with KeyboardInterrupt, or
-    `Preempted` (its subclass) after SIGTERM."""
-    if state.last_saved != state.step:
-        checkpoints.save(state, config, log, best=False)
-    if checkpoints.info.main:
-        logger.warning(
-            "stopped at step %d; the checkpoint in '%s' is saved: "
-            "continue with the same command and --resume (or --resume auto)",
-            state.step,
-            checkpoints.run_dir,
-        )
-    raise Preempted if preempted else KeyboardInterrupt
-
-
-def _announce(config: Config, facts: RunFacts, step: int) -> None:
-    """Say what starts: the notes on a short run, then the run, its size, device and steps."""
-    for note in config.train.short_run_notes():
-        logger.warning(note)
-    logger.info(
-        "%s run '%s': %s parameters, %s on %s%s, %d tokens per step, steps %d..%d",
-        "resuming" if facts.resumed_from is not None else "starting",
-        facts.run_dir,
-        format_count(facts.n_params),
-        facts.dtype,
-        facts.device,
-        f" x{facts.world_size}" if facts.world_size > 1 else "",
-        facts.tokens_per_step,
-        step + 1,
-        config.train.max_steps,
-    )
-
-
-def summarize(run: Run, elapsed_s: float, tok_rate: float | None) -> TrainSummary:
+def _summary(run: Run, elapsed_s: float, tokens_per_s: float | None) -> TrainSummary:
     """What the run reports at its end."""
-    state, facts, guard = run.state, run.facts, run.guard
-    val = state.last_eval.get("val")
-    saves = run.checkpoints.save_seconds
-    return TrainSummary(
-        run_dir=facts.run_dir,
-        step=state.step,
-        max_steps=run.config.train.max_steps,
-        tokens=state.tokens,
-        elapsed_s=elapsed_s,
-        train_loss=state.last_eval.get("train"),
-        val_loss=val,
-        val_ppl=perplexity(val) if val is not None else None,
-        best_val_loss=finite_or_none(state.best_val_loss),
-        tokens_per_s=tok_rate,
-        n_params=facts.n_params,
-        device=facts.device,
-        dtype=facts.dtype,
-        world_size=facts.world_size,
-        rank=facts.rank,
-        resumed_from=facts.resumed_from,
-        saves=len(saves),
-        save_s=max(saves, default=None),
-        skipped=guard.state.skips if guard is not None else 0,
-        rollbacks=guard.state.rollbacks if guard is not None else 0,
+    saves, max_steps = run.checkpoints.save_seconds, run.config.train.max_steps
+    return TrainSummary.of(
+        run.state, run.facts, max_steps, saves, run.guard, elapsed_s, tokens_per_s
     )
-
-
-@dataclass
-class TrainSummary:
-    """What a finished (or already complete) run reports."""
-
-    run_dir: Path
-    step: int
-    max_steps: int
-    tokens: int
-    elapsed_s: float
-    train_loss: float | None
-    val_loss: float | None
-    val_ppl: float | None
-    best_val_loss: float | None
-    tokens_per_s: float | None
-    n_params: int
-    device: str
-    dtype: str
-    world_size: int
-    rank: int
-    resumed_from: int | None
-    saves: int = 0  # checkpoints written in this session
-    save_s: float | None = None  # the longest of them, seconds (what a preemption must allow)
-    skipped: int = 0  # steps the spike guard skipped, in the whole run
-    rollbacks: int = 0  # ... and its rollbacks
