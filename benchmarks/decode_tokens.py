@@ -48,8 +48,8 @@ from git_baseline import NAME, fail, load_run_sides
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from llmcli.generation.engine import generate_ids  # noqa: E402
 from llmcli.generation.fast_decode import FastDecoder  # noqa: E402
-from llmcli.generation.generate import generate_ids  # noqa: E402
 
 BASELINE_MODULES = ("generation.generate", "generation.sample", "runs.loading")
 POLICIES = ("shift", "exact")

@@ -59,8 +59,8 @@ from git_baseline import load_baseline
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmcli.config import ModelConfig, SampleConfig  # noqa: E402
+from llmcli.generation.engine import generate  # noqa: E402
 from llmcli.generation.fast_decode import FastDecoder  # noqa: E402
-from llmcli.generation.generate import generate  # noqa: E402
 from llmcli.generation.sample import threads_for  # noqa: E402
 from llmcli.generation.sampling import sample_next  # noqa: E402
 from llmcli.generation.threads import torch_threads  # noqa: E402

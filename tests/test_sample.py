@@ -9,12 +9,12 @@ import logging
 
 import pytest
 from conftest import save_tiny_run
-from test_generate import make_model
+from test_engine import make_model
 
 from llmcli.config import SampleConfig
 from llmcli.data.tokenizer import BPETokenizer, CharTokenizer
 from llmcli.errors import ConfigError, InputError
-from llmcli.generation.generate import generate_ids
+from llmcli.generation.engine import generate_ids
 from llmcli.generation.sample import (
     OrderedWriter,
     SampleOptions,

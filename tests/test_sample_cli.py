@@ -18,7 +18,7 @@ from test_sample import count_checks
 from llmcli.cli import main
 from llmcli.config import SampleConfig
 from llmcli.data.tokenizer import BPETokenizer, CharTokenizer
-from llmcli.generation.generate import generate_ids
+from llmcli.generation.engine import generate_ids
 from llmcli.generation.sample import SampleOptions, sample_run
 from llmcli.runs.loading import load_run
 

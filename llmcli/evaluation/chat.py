@@ -38,7 +38,7 @@ from llmcli.data.chat import conversation_windows
 from llmcli.data.tokens import prepare_data
 from llmcli.errors import InputError
 from llmcli.evaluation.metrics import perplexity
-from llmcli.generation.generate import generate
+from llmcli.generation.engine import generate
 from llmcli.progress import Progress
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 
 `sample_texts(model, tokenizer, prompts, config, options)` encodes the prompts, generates
 `options.num_samples` continuations of each in batches with the settings of a `SampleConfig`
-(`llmcli.generation.generate`), and turns the new tokens into text as they come: streaming
+(`llmcli.generation.engine`), and turns the new tokens into text as they come: streaming
 (`TextSink`, `OrderedWriter` keeps samples generated together in order), stop strings and stop
 ids, multi-byte characters split over byte tokens, per-sample speed. `sample_batch` runs one
 batch of `SampleJob`s, each with its own seed (how `llmcli serve` batches requests from several
@@ -30,8 +30,8 @@ from llmcli.config import SampleConfig
 from llmcli.data.tokenizer import CharTokenizer, Tokenizer
 from llmcli.device import check_threads, resolve_device
 from llmcli.errors import InputError
+from llmcli.generation.engine import generate
 from llmcli.generation.fast_decode import FastDecoder
-from llmcli.generation.generate import generate
 from llmcli.generation.prompts import encode_prompt, parse_prompts, read_prompt_file
 from llmcli.generation.sampling import make_generators
 from llmcli.generation.threads import decode_bound, sampling_threads, torch_threads
@@ -259,7 +259,7 @@ class SampleOptions:
         stop_ids: a sample ends when it generates one of these ids (not part of its text);
             `sample_run` adds the run's end-of-text id.
         batch_size: most samples generated at once.
-        use_cache: use the KV cache (see `llmcli.generation.generate.generate`).
+        use_cache: use the KV cache (see `llmcli.generation.engine.generate`).
         threads: CPU threads while `sample_run` generates (None: `threads_for` picks).
         weights: the weights `sample_run` loads, "best" or "last" (see
             `llmcli.runs.loading.load_run`).
@@ -320,7 +320,7 @@ def sample_texts(
         model: a `Transformer` in eval mode.
         tokenizer: the run's tokenizer.
         prompts: texts; an empty one starts from the tokenizer's start ids.
-        config: the sampling settings (see `llmcli.generation.generate.generate`).
+        config: the sampling settings (see `llmcli.generation.engine.generate`).
         options: samples per prompt, stop strings and ids, batch size, KV cache.
         sink: receives each sample's text as it becomes final (streaming), then `end(r)`.
         notify: receives a one-line notice when prompts are cropped to the context.
@@ -393,7 +393,7 @@ def sample_batch(
         sink: receives each sample's text as it becomes final, under `job.r`, then `end(job.r)`.
         live: checked for every unfinished sample at every step with its `job.r`; a sample
             for which it is False ends there, without more text or `end` (a client gone).
-        observe: see `llmcli.generation.generate.generate` (row `b` is `batch[b]`).
+        observe: see `llmcli.generation.engine.generate` (row `b` is `batch[b]`).
 
     Returns:
         The samples, in the order of `batch`.
