@@ -4,7 +4,8 @@ plain crop-and-recompute loop, `shift` against a plain keep-and-recompute loop, 
 either against each prompt alone, the window's model inputs, the checks); left padding
 (`padded_mask` and `padded_positions` against their definitions written out, and the model under
 them: a padded batch row computes what that prompt computes alone, and nothing is NaN). The
-opt-in `decode` step: test_fast_decode.py."""
+engine against the plain loop of llmcli/generation/loop.py: test_loop.py; the opt-in `decode`
+step: test_fast_decode.py."""
 
 from __future__ import annotations
 

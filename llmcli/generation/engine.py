@@ -4,8 +4,9 @@ token ids out; what `llmcli sample`, `llmcli chat`, `llmcli serve` and `llmcli b
 `generate(model, prompts_ids, config)` is an iterator that yields the `(B,)` new ids of each step,
 drawn with the settings of a `llmcli.config.SampleConfig`. The KV cache is prefilled with the
 prompts, then fed one token per step, through the model's own forward (or an opt-in faster
-step, `decode`: `llmcli.generation.fast_decode`). What it adds to a plain loop is speed and
-batches:
+step, `decode`: `llmcli.generation.fast_decode`). It computes what the plain loop of
+`llmcli.generation.loop` computes for each prompt alone (the tests check it token for token);
+what it adds is speed and batches:
 
 - left padding: prompts of different lengths run as one batch, left-padded so that all rows end
   at one column. `padded_mask` and `padded_positions` build what the model's forward takes
