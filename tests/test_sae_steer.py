@@ -48,7 +48,8 @@ def test_steering_adds_the_scaled_direction_and_ablation_removes_the_feature(run
 
 def test_sample_steer_generates_as_the_hand_hooked_model_does(run, folder) -> None:
     settings = {"temperature": 0.0, "max_new_tokens": 12}
-    steered = sample_run(run, ["the "], settings, SampleOptions(steer=(f"{folder}:7=20",)))
+    hooks = lambda model: steering_hooks(model, [f"{folder}:7=20"])  # noqa: E731 (as the CLI's)
+    steered = sample_run(run, ["the "], settings, hooks=hooks)
     plain = sample_run(run, ["the "], settings)
     loaded = load_run(run)
     direction = load_sae(folder).sae.W_dec[7].detach()

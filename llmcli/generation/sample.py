@@ -35,11 +35,16 @@ from llmcli.generation.fast_decode import FastDecoder
 from llmcli.generation.prompts import encode_prompt, parse_prompts, read_prompt_file
 from llmcli.generation.sampling import make_generators
 from llmcli.generation.threads import decode_bound, sampling_threads, torch_threads
+from llmcli.model.hooks import HookFn
 from llmcli.runs.loading import LoadedRun, load_run
 
 logger = logging.getLogger(__name__)
 
 BATCH_SIZE = 64  # most samples generated at once by default
+
+#: Hook functions made for a loaded model: `model -> {hook point: [function, ...]}`, for
+#: `model.hooks` while it generates (`llmcli sample --steer` makes SAE steering ones).
+HookFactory = Callable[[Any], Mapping[str, HookFn | list[HookFn]]]
 
 
 class TextSink(Protocol):
@@ -264,8 +269,6 @@ class SampleOptions:
         weights: the weights `sample_run` loads, "best" or "last" (see
             `llmcli.runs.loading.load_run`).
         device: where `sample_run` runs the model: "auto", "cpu", "cuda" or "mps".
-        steer: `SAE_DIR:FEATURE=SCALE` each: `sample_run` adds SCALE times the feature's
-            decoder direction at its SAE's hook point while it generates (`llmcli.sae.steer`).
     """
 
     num_samples: int = 1
@@ -276,7 +279,6 @@ class SampleOptions:
     threads: int | None = None
     weights: str = "best"
     device: str = "auto"
-    steer: Sequence[str] = ()
 
     def __post_init__(self) -> None:
         n = self.num_samples
@@ -542,6 +544,7 @@ def sample_run(
     overrides: Mapping[str, Any] | None = None,
     options: SampleOptions = SampleOptions(),
     *,
+    hooks: HookFactory | None = None,
     write: Callable[[str], Any] | None = None,
     notify: Callable[[str], Any] = logger.warning,
 ) -> list[Sample]:
@@ -559,6 +562,8 @@ def sample_run(
             run's.
         options: the rest: samples per prompt, stop strings, CPU threads, which weights, the
             device (see `SampleOptions`).
+        hooks: makes the hook functions to run while sampling from the loaded model (called once
+            the run is loaded, before any sample; its errors propagate), or None.
         write: receives the formatted output as it is generated (`OrderedWriter`), or None.
         notify: receives one-line notices (which run is used, version differences).
 
@@ -568,20 +573,17 @@ def sample_run(
     run, config, options = load_for_sampling(checkpoint, overrides, options, notify)
     headers = [p for p in prompts for _ in range(options.num_samples)]
     sink = None if write is None else OrderedWriter(write, headers)
-    with torch_threads(sample_threads(run.model, config, options)), steering(run, options):
+    threads = sample_threads(run.model, config, options)
+    with torch_threads(threads), hooked(run.model, hooks):
         return sample_texts(
             run.model, run.tokenizer, prompts, config, options, sink=sink, notify=notify
         )
 
 
-def steering(run: LoadedRun, options: SampleOptions) -> AbstractContextManager[None]:
-    """The `--steer` hook functions at their points while the block runs (`llmcli.sae.steer`
-    makes them; with none, nothing changes). Any hook point makes each step a full forward."""
-    if not options.steer:
-        return nullcontext()
-    from llmcli.sae.steer import steering_hooks
-
-    return run.model.hooks(steering_hooks(run.model, options.steer))
+def hooked(model: Any, hooks: HookFactory | None) -> AbstractContextManager[None]:
+    """`model.hooks` with the functions `hooks` makes for `model` while the block runs (with
+    None, nothing changes). Any hook function at work makes each step a full forward."""
+    return nullcontext() if hooks is None else model.hooks(hooks(model))
 
 
 def load_for_sampling(
