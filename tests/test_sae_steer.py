@@ -15,7 +15,8 @@ from sae_helpers import HOOK, small_run, trained_sae
 from llmcli.errors import InputError
 from llmcli.evaluation.run import EvalOptions, evaluate_run
 from llmcli.evaluation.text import eval_tokens, window_batches, window_starts
-from llmcli.generation.sample import SampleOptions, sample_run, sample_texts
+from llmcli.generation.batching import SampleOptions, sample_texts
+from llmcli.generation.sample import sample_run
 from llmcli.runs.loading import load_run
 from llmcli.sae.folder import load_sae
 from llmcli.sae.points import as_rows

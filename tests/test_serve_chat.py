@@ -21,7 +21,7 @@ from llmcli.chat.conversations import ConversationEncoder
 from llmcli.chat.template import default_template
 from llmcli.cli import main
 from llmcli.data.tokenizer import CharTokenizer
-from llmcli.generation.sample import unescape
+from llmcli.generation.prompts import unescape
 from llmcli.runs.loading import load_run
 from llmcli.serve.app import ServeSettings, create_app
 from llmcli.serve.protocol import Limits

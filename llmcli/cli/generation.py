@@ -17,7 +17,8 @@ from llmcli.config.sample import SETTING_KEYS, SampleConfig, option_name, settin
 from llmcli.errors import InputError
 
 if TYPE_CHECKING:
-    from llmcli.generation.sample import HookFactory, SampleOptions
+    from llmcli.generation.batching import SampleOptions
+    from llmcli.generation.sample import HookFactory
 
 # `llmcli sample`'s prompts and generation options; the sampling settings' options are made from
 # `SampleConfig`'s fields (`sample_setting_options`).
@@ -142,13 +143,9 @@ def sample_command(
     """Generate text from a trained run (KV-cached, batched), or talk to it (--interactive)."""
     import json
 
-    from llmcli.generation.sample import (
-        SampleOptions,
-        format_samples,
-        read_prompts,
-        sample_run,
-        unescape,
-    )
+    from llmcli.generation.batching import SampleOptions
+    from llmcli.generation.prompts import read_prompts, unescape
+    from llmcli.generation.sample import format_samples, sample_run
 
     write = ThrottledStdout()
     options = SampleOptions(
@@ -277,8 +274,10 @@ def chat_command(
     """Talk with a chat run: one message per line from stdin (a terminal or a pipe), each reply
     printed (on a pipe, as one line: newlines in it written \\n); /reset, /system TEXT, /quit,
     /help; Ctrl-C stops a reply, Ctrl-D exits."""
+    from llmcli.generation.batching import SampleOptions
     from llmcli.generation.chat import chat, open_session
-    from llmcli.generation.sample import SampleOptions, hooked, unescape
+    from llmcli.generation.prompts import unescape
+    from llmcli.generation.sample import hooked
 
     options = SampleOptions(
         stop=tuple(unescape(text) for text in stop or []),

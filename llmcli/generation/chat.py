@@ -37,18 +37,12 @@ from llmcli.chat.template import CHAT_TOKENS, require_run_template
 from llmcli.config import SampleConfig
 from llmcli.config.sample import SETTING_KEYS
 from llmcli.errors import InputError
+from llmcli.generation.batching import Sample, SampleJob, SampleOptions, sample_batch
 from llmcli.generation.interactive import apply_command, format_settings
-from llmcli.generation.sample import (
-    Sample,
-    SampleJob,
-    SampleOptions,
-    TextSink,
-    load_for_sampling,
-    sample_batch,
-    sample_threads,
-    unescape,
-)
-from llmcli.generation.threads import torch_threads
+from llmcli.generation.prompts import crop_chat_prompt, unescape
+from llmcli.generation.sample import load_for_sampling
+from llmcli.generation.streaming import TextSink
+from llmcli.generation.threads import sample_threads, torch_threads
 from llmcli.runs.loading import LoadedRun
 
 logger = logging.getLogger(__name__)
@@ -145,9 +139,9 @@ class ChatSession:
     def prompt(self, user: str) -> tuple[list[int], int]:
         """The ids of the prompt answering `user` (see `fit_history`), and the pairs left out."""
         head = [] if self.system is None else [{"role": "system", "content": self.system}]
-        C = self.run.model.context_length
-        room = reply_room(self.config, C)
-        _, ids, dropped = fit_history(self.encoder, head, self.turns, user, room, C)
+        ctx = self.run.model.context_length
+        room = reply_room(self.config, ctx)
+        _, ids, dropped = fit_history(self.encoder, head, self.turns, user, room, ctx)
         return ids, dropped
 
     def reply(
@@ -163,21 +157,17 @@ class ChatSession:
             InputError: the text holds a chat token, or the tokenizer cannot encode it.
         """
         ids, dropped = self.prompt(user)
-        C = self.run.model.context_length
+        ctx = self.run.model.context_length
         if dropped > self.dropped:
             notify(
-                f"the conversation is longer than the context ({C} tokens): its oldest "
+                f"the conversation is longer than the context ({ctx} tokens): its oldest "
                 f"{_pairs(dropped)} left out of the prompt."
             )
         self.dropped = dropped
-        if len(ids) > C:
-            notify(
-                f"the message is longer than the context ({len(ids)} > {C} tokens): the model "
-                f"sees only the last {C} tokens of the prompt."
-            )
+        ids = crop_chat_prompt(ids, ctx, notify)
         model, tokenizer = self.run.model, self.run.tokenizer
-        job = SampleJob(0, 0, 0, user, ids[-C:], self.config.seed)
-        with torch_threads(sample_threads(model, self.config, self.options)):
+        job = SampleJob(0, 0, 0, user, ids, self.config.seed)
+        with torch_threads(sample_threads(model, self.config, self.options.threads)):
             [sample] = sample_batch(model, tokenizer, [job], self.config, self.options, sink)
         self.turns += [
             {"role": "user", "content": user},
