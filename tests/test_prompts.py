@@ -20,6 +20,7 @@ from llmcli.generation.prompts import (
     parse_prompts,
     read_prompt_file,
     read_prompts,
+    too_long_message,
     unescape,
 )
 
@@ -201,6 +202,23 @@ def test_a_chat_prompt_is_cropped_with_a_notice() -> None:
         "the message is longer than the context (5 > 3 tokens): the model sees only the last 3 "
         "tokens of the prompt."
     ]
+
+
+def test_the_refusals_name_the_lengths_and_what_to_do() -> None:
+    assert too_long_message("--prompt", 17, 16, "shorten it to at most 16 tokens.") == (
+        "--prompt is 17 tokens long but the model's context_length is 16: shorten it to at most "
+        "16 tokens."
+    )
+    assert too_long_message("prompt 1", 40, 32, "shorten it.", served=True) == (
+        "prompt 1 is 40 tokens long but this model's context_length is 32 tokens: shorten it."
+    )
+    with pytest.raises(
+        InputError,
+        match=r"^--clean is 10 tokens long but the model's context_length is 8: shorten it to "
+        r"at most 8 tokens\.$",
+    ):
+        fix = "shorten it to at most 8 tokens."
+        encode_prompt(CHARS, "abcdefghij", 8, too_long="error", label="--clean", fix=fix)
 
 
 # ----------------------------------------------------------------------------- the command line

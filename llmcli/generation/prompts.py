@@ -6,9 +6,10 @@ contain newlines); `read_prompts` takes `llmcli sample`'s options, `unescape` th
 on a command line. `encode_prompt` either repairs a prompt that does not fit (an empty one starts
 from the tokenizer's start ids, a long one keeps its last `context_length` tokens), which is
 what sampling wants, or refuses it, for commands whose output must cover exactly the text given.
-`encode_prompts` (sampling: cropped, with one notice) and `crop_chat_prompt` (a chat turn, cropped
-with a notice) word the notices for prompts longer than the context. `check_prompt_ids` checks
-prompts given as token ids.
+Every message about a prompt longer than the context is worded here: `encode_prompts` (sampling:
+cropped, with one notice), `crop_chat_prompt` (a chat turn, cropped with a notice) and
+`too_long_message` (a refusal: `encode_prompt`'s, the inspection commands' in
+`llmcli.inspection.answers`, the server's). `check_prompt_ids` checks prompts given as token ids.
 """
 
 from __future__ import annotations
@@ -124,6 +125,7 @@ def encode_prompt(
     empty: Literal["start", "error"] = "start",
     too_long: Literal["crop", "error"] = "crop",
     label: str = "the prompt",
+    fix: str | None = None,
 ) -> tuple[list[int], bool]:
     """Token ids of `prompt`, at most `context_length` of them.
 
@@ -135,8 +137,10 @@ def encode_prompt(
             BPE drops): "start" from the tokenizer's start ids (`llmcli.data.tokenizer.start_ids`),
             or "error".
         too_long: for a prompt of more than `context_length` tokens: "crop" it to its last
-            `context_length` tokens, or "error" (the message suggests `--truncate`).
+            `context_length` tokens, or "error" (see `too_long_message`).
         label: how messages name the prompt, e.g. "prompt #2" ("" = "the prompt").
+        fix: what the "error" of a prompt too long tells the user to do (None: shorten it, or
+            pass `--truncate`).
 
     Returns:
         `(ids, cropped)`: `cropped` says the prompt was longer than `context_length`.
@@ -161,12 +165,23 @@ def encode_prompt(
             raise InputError(f"{what} encodes to no tokens: give some text.")
         ids = list(start_ids(tokenizer))
     if len(ids) > context_length and too_long == "error":
-        raise InputError(
-            f"{what} is {len(ids)} tokens long but the model's context_length is "
-            f"{context_length}: shorten it, or pass --truncate to keep its last "
-            f"{context_length} tokens."
-        )
+        if fix is None:
+            fix = f"shorten it, or pass --truncate to keep its last {context_length} tokens."
+        raise InputError(too_long_message(what, len(ids), context_length, fix))
     return ids[-context_length:], len(ids) > context_length
+
+
+def too_long_message(
+    what: str, n_tokens: int, context_length: int, fix: str, *, served: bool = False
+) -> str:
+    """Why a prompt of `n_tokens` tokens is refused: `{what} is {n_tokens} tokens long but the
+    model's context_length is {context_length}: {fix}` (`served`: the server's words for the
+    model it serves, "this model's context_length is {context_length} tokens")."""
+    if served:
+        limit = f"this model's context_length is {context_length} tokens"
+    else:
+        limit = f"the model's context_length is {context_length}"
+    return f"{what} is {n_tokens} tokens long but {limit}: {fix}"
 
 
 def encode_prompts(
