@@ -24,8 +24,9 @@ and `max_abs_logit_difference_fast_vs_forward`: the largest |logit| difference o
 `FastDecoder` step against the model's forward with a KV cache, over a greedy run inside the
 context (`steps_with_equal_logits` of how many). The exit status is 0 whatever differs: this
 reports. The baseline side calls its revision's own API (`runs.loading.load_run`,
-`generation.generate.generate`, `generation.sample.decode_kernels`), so `--baseline` must be a
-revision that has them, such as 5b00014. Everything runs on the CPU at one thread.
+`generation.generate.generate`, and `generation.sample.decode_kernels` or
+`generation.fast_decode.FastDecoder`), so `--baseline` must be a revision that has them, such as
+5b00014 or 8bdabf1. Everything runs on the CPU at one thread.
 
 Prints one JSON object.
 """
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import sys
 import time
@@ -41,13 +43,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from git_baseline import fail, load_run_sides
+from git_baseline import NAME, fail, load_run_sides
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from llmcli.generation.engine import generate_ids  # noqa: E402
 from llmcli.generation.fast_decode import FastDecoder  # noqa: E402
-from llmcli.generation.generate import generate_ids  # noqa: E402
 
 BASELINE_MODULES = ("generation.generate", "generation.sample", "runs.loading")
 POLICIES = ("shift", "exact")
@@ -57,8 +59,27 @@ def load_sides(run_dir: Path, rev: str) -> tuple[Any, Any, dict[str, Any]]:
     """Today's loaded run, the baseline's loaded run, the baseline's modules (or exit 2)."""
     today, old, baseline = load_run_sides(run_dir, rev, BASELINE_MODULES)
     if not hasattr(baseline["generation.sample"], "decode_kernels"):
-        fail(f"--baseline {rev} has no generation.sample.decode_kernels: use one such as 5b00014.")
+        try:  # a revision whose `llmcli sample` opts into `FastDecoder`, as today's does
+            baseline["generation.fast_decode"] = importlib.import_module(
+                f"{NAME}.generation.fast_decode"
+            )
+        except ImportError:
+            fail(
+                f"--baseline {rev} has neither generation.sample.decode_kernels nor "
+                "generation.fast_decode: use one such as 5b00014."
+            )
     return today, old, baseline
+
+
+def baseline_sample(baseline: dict[str, Any], model: Any, config: Any, vocab: int | None) -> Any:
+    """The baseline's tokens for the prompt [1], as its `llmcli sample` drew them: its
+    `generate` inside its `decode_kernels`, or with its `FastDecoder` step."""
+    generate_ids = baseline["generation.generate"].generate_ids
+    if "generation.fast_decode" in baseline:
+        decoder = baseline["generation.fast_decode"].FastDecoder.for_model(model)
+        return generate_ids(model, [[1]], config, vocab_size=vocab, decode=decoder)
+    with baseline["generation.sample"].decode_kernels(model, config, 1):
+        return generate_ids(model, [[1]], config, vocab_size=vocab)
 
 
 def same_weights(today: Any, old: Any) -> bool:
@@ -102,8 +123,6 @@ def main() -> None:
     torch.set_num_threads(1)
     today, old, baseline = load_sides(Path(args.run), args.baseline)
     model, tokenizer = today.model, today.tokenizer
-    old_generate = baseline["generation.generate"].generate_ids
-    decode_kernels = baseline["generation.sample"].decode_kernels
     # As `llmcli sample` does: only ids of the tokenizer's vocabulary, if the model's is padded.
     vocab = tokenizer.vocab_size if tokenizer.vocab_size < model.vocab_size else None
     sampling = {"temperature": args.temperature, "max_new_tokens": args.tokens}
@@ -118,8 +137,7 @@ def main() -> None:
                 model, [[1]], config, vocab_size=vocab, decode=FastDecoder.for_model(model)
             )
             plain = generate_ids(model, [[1]], config, vocab_size=vocab)
-            with decode_kernels(old.model, old_config, 1):
-                theirs = old_generate(old.model, [[1]], old_config, vocab_size=vocab)
+            theirs = baseline_sample(baseline, old.model, old_config, vocab)
             differ[f"{policy}_vs_baseline"] += fast != theirs
             differ[f"{policy}_fast_vs_plain"] += fast != plain
     sample = dataclasses.replace(today.config.sample, **sampling)

@@ -61,7 +61,7 @@ def llama_cpp_gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
 def llmcli_side(run_dir: Path, prompt: str, n: int) -> dict:
     """llmcli's prompt ids, prompt logits (T, V), greedy ids and `llmcli sample` text."""
     from llmcli.config import SampleConfig
-    from llmcli.generation.generate import generate_ids
+    from llmcli.generation.engine import generate_ids
     from llmcli.runs.loading import load_run
 
     run = load_run(run_dir, device="cpu")

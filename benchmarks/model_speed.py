@@ -69,8 +69,8 @@ from git_baseline import load_baseline
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmcli.config import ModelConfig, SampleConfig, TrainConfig  # noqa: E402
+from llmcli.generation.engine import generate  # noqa: E402
 from llmcli.generation.fast_decode import FastDecoder  # noqa: E402
-from llmcli.generation.generate import generate  # noqa: E402
 from llmcli.model.gpt import Transformer  # noqa: E402
 from llmcli.training.optim import build_optimizer  # noqa: E402
 from llmcli.training.precision import Precision  # noqa: E402

@@ -4,7 +4,7 @@ Every part runs on random weights (speed does not depend on them), scaled up so 
 not near-ties, with llmcli's default sampling (temperature 0.8, top-k 200, seed 1337) unless it
 says greedy. Contestants are interleaved round by round in one process, the order rotating, so
 that a noisy machine slows them alike; figures are medians over rounds. Each llmcli run uses the
-CPU threads `llmcli sample` would (`llmcli.generation.sample.threads_for`: 1 for the tiny model's
+CPU threads `llmcli sample` would (`llmcli.generation.threads.threads_for`: 1 for the tiny model's
 decode-bound runs, torch's own count otherwise); the others use torch's own count. The current
 llmcli contestants generate as `llmcli sample` does, `generate(model, prompts, config,
 decode=FastDecoder.for_model(model))` (`llmcli.generation.fast_decode`: the cached one-token
@@ -59,11 +59,10 @@ from git_baseline import load_baseline
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmcli.config import ModelConfig, SampleConfig  # noqa: E402
+from llmcli.generation.engine import generate  # noqa: E402
 from llmcli.generation.fast_decode import FastDecoder  # noqa: E402
-from llmcli.generation.generate import generate  # noqa: E402
-from llmcli.generation.sample import threads_for  # noqa: E402
 from llmcli.generation.sampling import sample_next  # noqa: E402
-from llmcli.generation.threads import torch_threads  # noqa: E402
+from llmcli.generation.threads import threads_for, torch_threads  # noqa: E402
 from llmcli.model.gpt import Transformer  # noqa: E402
 
 VOCAB = 65  # the bundled corpus' characters

@@ -6,7 +6,7 @@ values (everything else as the config says) and measured on random tokens:
 - training tokens/s: the training step of `llmcli.training.loop` (forward and loss under the run's
   precision, backward, gradient clipping, `llmcli.training.optim.build_optimizer`'s optimizer,
   zero_grad) at `train.batch_size` sequences of `context_length` tokens, after one warm-up step;
-- sampling tokens/s: `llmcli.generation.generate.generate` (KV cache, temperature 1, batch 1) from a
+- sampling tokens/s: `llmcli.generation.engine.generate` (KV cache, temperature 1, batch 1) from a
   one-token prompt, `min(sample_tokens, context_length - 1)` new tokens, so that the cache never
   slides;
 - forward latency: the median time of an eval-mode forward of one full-length sequence (1 x T);
@@ -49,8 +49,8 @@ from llmcli.data.tokenizer import load_tokenizer
 from llmcli.device import resolve_device, timed
 from llmcli.errors import ConfigError, InputError, describe_os_error
 from llmcli.fileio import atomic_write_bytes, atomic_write_json
+from llmcli.generation.engine import generate
 from llmcli.generation.fast_decode import FastDecoder
-from llmcli.generation.generate import generate
 from llmcli.model.gpt import Transformer
 from llmcli.progress import Progress, peak_rss_bytes
 from llmcli.training.optim import build_optimizer

@@ -21,7 +21,7 @@ import matplotlib.backends.backend_agg  # noqa: F401
 import llmcli.cli  # noqa: F401
 import llmcli.data.tokens
 import llmcli.fileio as fileio
-import llmcli.generation.generate
+import llmcli.generation.engine
 import llmcli.inspection.attention
 import llmcli.model.gpt
 import llmcli.training.loop as T

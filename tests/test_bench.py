@@ -28,7 +28,7 @@ from llmcli.bench import (
 from llmcli.cli import main
 from llmcli.config import config_from_dict
 from llmcli.errors import InputError
-from llmcli.generation.generate import generate
+from llmcli.generation.engine import generate
 from llmcli.model.gpt import Transformer
 from llmcli.training.step import train_step
 

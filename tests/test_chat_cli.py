@@ -19,6 +19,7 @@ from llmcli.data.chat_template import CHAT_TOKENS, default_template, require_run
 from llmcli.data.conversations import ConversationEncoder
 from llmcli.data.tokenizer import CharTokenizer
 from llmcli.errors import InputError
+from llmcli.generation.batching import SampleOptions
 from llmcli.generation.chat import (
     escape,
     fit_history,
@@ -26,7 +27,7 @@ from llmcli.generation.chat import (
     respond,
     session_command,
 )
-from llmcli.generation.sample import SampleOptions, unescape
+from llmcli.generation.prompts import unescape
 from llmcli.runs.loading import load_run
 
 pytestmark = pytest.mark.usefixtures("one_thread")

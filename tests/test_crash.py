@@ -448,7 +448,7 @@ def test_sigint_at_a_random_moment_of_train_saves_exits_130_and_resumes_exactly(
     [
         (
             ["sample", "--prompt", "ROMEO:", "--max-new-tokens", "50", "--no-stream"],
-            "llmcli.generation.generate.sample_next",
+            "llmcli.generation.engine.sample_next",
         ),
         (
             ["inspect-attention", "--prompt", "ROMEO: But soft", "--out", "{tmp}/attention"],

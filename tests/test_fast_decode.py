@@ -16,9 +16,8 @@ from model_helpers import gen, randomize_, tiny_model
 
 from llmcli.config import SampleConfig
 from llmcli.generation import fast_decode
+from llmcli.generation.engine import generate_ids, padded_mask, padded_positions
 from llmcli.generation.fast_decode import FastDecoder
-from llmcli.generation.generate import generate_ids
-from llmcli.generation.padding import padded_mask, padded_positions
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -18,8 +18,8 @@ from llmcli.config import SampleConfig
 from llmcli.data.tokenizer import CharTokenizer
 from llmcli.errors import InputError
 from llmcli.evaluation.run import EvalOptions, evaluate_run
+from llmcli.generation.engine import generate
 from llmcli.generation.fast_decode import FastDecoder
-from llmcli.generation.generate import generate
 from llmcli.inspection.attention import build_dumps
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,5 +1,5 @@
 """Tests of the generation cache (llmcli/model/kv_cache.py): cached decoding equals the full
-forward, with left padding too (the mask and positions of `llmcli.generation.padding`, and the
+forward, with left padding too (the mask and positions of `llmcli.generation.engine`, and the
 same built by hand), and the cache's own bookkeeping."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from model_helpers import (
 )
 
 from llmcli.errors import InputError
-from llmcli.generation.padding import padded_mask, padded_positions
+from llmcli.generation.engine import padded_mask, padded_positions
 from llmcli.model.gpt import MultiHeadAttention
 from llmcli.model.kv_cache import KVCache
 
@@ -71,7 +71,7 @@ def test_kv_cache_left_padded_batch_equals_each_prompt_alone(opts):
     W = idx.shape[1]
     tag = ",".join(opts) or "default"
     for by_hand in (False, True):
-        # The mask and positions from llmcli.generation.padding, or built here by hand (the
+        # The mask and positions from llmcli.generation.engine, or built here by hand (the
         # positions: real tokens before each, as `(~pad).cumsum - 1`, then the prompt length on).
         make_mask = hand_mask if by_hand else padded_mask
         cache = model.new_kv_cache(3)

@@ -2,7 +2,7 @@
 
 References: a NumPy float64 implementation of the per-head formula, a stack of `Head`s,
 `torch.nn.MultiheadAttention`, and Hugging Face `GPT2LMHeadModel`, each also under an attention
-mask built for padding (`llmcli.generation.padding`, or by hand). Everything runs in fp32 at tiny
+mask built for padding (`llmcli.generation.engine`, or by hand). Everything runs in fp32 at tiny
 sizes. Each comparison prints its max abs difference (`pytest -s` shows them).
 """
 
@@ -27,7 +27,7 @@ from torch import nn
 
 from llmcli.config import ModelConfig
 from llmcli.errors import InputError
-from llmcli.generation.padding import padded_mask, padded_positions
+from llmcli.generation.engine import padded_mask, padded_positions
 from llmcli.model import MLP, Block, Head, MultiHeadAttention, Transformer, causal_mask
 from llmcli.model.heads import fuse_heads, split_heads
 from llmcli.model.layers import RMSNorm

@@ -1,16 +1,28 @@
 """Prompt files and prompt encoding (llmcli/generation/prompts.py), in both modes: sampling's (an
 empty prompt starts from the start ids, a long one is cropped, a file starting with `[` may be
-lines) and strict (empty or long prompts refused, such a file must be JSON, blank lines skipped)."""
+lines) and strict (empty or long prompts refused, such a file must be JSON, blank lines skipped);
+the messages for prompts longer than the context, word for word; `llmcli sample`'s prompt options
+(`read_prompts`) and the escapes typed on a command line (`unescape`)."""
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
 
 from llmcli.data.tokenizer import BPETokenizer, CharTokenizer
 from llmcli.errors import InputError
-from llmcli.generation.prompts import encode_prompt, parse_prompts, read_prompt_file
+from llmcli.generation.prompts import (
+    crop_chat_prompt,
+    encode_prompt,
+    encode_prompts,
+    parse_prompts,
+    read_prompt_file,
+    read_prompts,
+    too_long_message,
+    unescape,
+)
 
 CHARS = CharTokenizer("abcdefghijklmnopqrstuvwxyz \n:.")
 STRICT = dict(strict_json=True, skip_blank=True)
@@ -153,3 +165,102 @@ def test_lone_surrogates_are_refused_as_not_text() -> None:
                 encode_prompt(tokenizer, prompt, 8, label="prompt 1")
     # A character past the BMP (a surrogate pair in JSON) is text.
     assert encode_prompt(bpe, "a\U0001f600", 8)[0] == bpe.encode("a\U0001f600")
+
+
+# ----------------------------------------------------------------------- longer than the context
+
+
+def test_sampling_notices_one_line_for_the_prompts_cropped() -> None:
+    notices: list[str] = []
+    assert encode_prompts(CHARS, ["abc", ""], 8, notices.append) == [
+        CHARS.encode("abc"),
+        CHARS.encode("\n"),
+    ]
+    assert notices == []
+    assert encode_prompts(CHARS, ["abcdefghij"], 8, notices.append) == [CHARS.encode("cdefghij")]
+    assert notices == [
+        "the prompt is longer than the model's context_length (8 tokens): the model sees only "
+        "its last 8 tokens."
+    ]
+    notices.clear()
+    prompts = ["a", *["abcdefghij"] * 6, "b"]
+    encode_prompts(CHARS, prompts, 8, notices.append)
+    assert notices == [
+        "6 prompts (index 1, 2, 3, 4, 5, ...) are longer than the model's context_length (8 "
+        "tokens): the model sees only the last 8 tokens of each."
+    ]
+    with pytest.raises(InputError, match="vocabulary lacks"):  # before any notice
+        encode_prompts(CHARS, ["abcdefghij", "Zebra"], 8, notices.append)
+    assert len(notices) == 1
+
+
+def test_a_chat_prompt_is_cropped_with_a_notice() -> None:
+    notices: list[str] = []
+    assert crop_chat_prompt([1, 2, 3], 3, notices.append) == [1, 2, 3] and notices == []
+    assert crop_chat_prompt([1, 2, 3, 4, 5], 3, notices.append) == [3, 4, 5]
+    assert notices == [
+        "the message is longer than the context (5 > 3 tokens): the model sees only the last 3 "
+        "tokens of the prompt."
+    ]
+
+
+def test_the_refusals_name_the_lengths_and_what_to_do() -> None:
+    assert too_long_message("--prompt", 17, 16, "shorten it to at most 16 tokens.") == (
+        "--prompt is 17 tokens long but the model's context_length is 16: shorten it to at most "
+        "16 tokens."
+    )
+    assert too_long_message("prompt 1", 40, 32, "shorten it.", served=True) == (
+        "prompt 1 is 40 tokens long but this model's context_length is 32 tokens: shorten it."
+    )
+    with pytest.raises(
+        InputError,
+        match=r"^--clean is 10 tokens long but the model's context_length is 8: shorten it to "
+        r"at most 8 tokens\.$",
+    ):
+        fix = "shorten it to at most 8 tokens."
+        encode_prompt(CHARS, "abcdefghij", 8, too_long="error", label="--clean", fix=fix)
+
+
+# ----------------------------------------------------------------------------- the command line
+
+
+def test_unescape_command_line_stops() -> None:
+    assert unescape(r"\n\nROMEO") == "\n\nROMEO"
+    assert unescape(r"a\tb\\n\x") == "a\tb\\n\\x"  # r"\\" is one backslash, r"\x" stays
+    assert unescape("é…") == "é…"
+
+
+def test_read_prompts(tmp_path) -> None:
+    lines = tmp_path / "p.txt"
+    lines.write_text("ROMEO:\n\n[Enter JULIET]\nJULIET: hi\n")
+    assert read_prompts(None, lines) == ["ROMEO:", "[Enter JULIET]", "JULIET: hi"]
+    js = tmp_path / "p.json"
+    js.write_text(json.dumps(["a\nb", "", "c"]))
+    assert read_prompts(None, js) == ["a\nb", "", "c"]
+    listy = tmp_path / "list.txt"
+    listy.write_text('["x", "y"]')
+    assert read_prompts(None, listy) == ["x", "y"]
+    assert read_prompts("-", None, io.StringIO("from stdin\n")) == ["from stdin\n"]
+    assert read_prompts(None, "-", io.StringIO("a\nb\n")) == ["a", "b"]
+    assert read_prompts(None, None) == [""]
+    assert read_prompts("ROMEO:", None) == ["ROMEO:"]
+
+
+@pytest.mark.parametrize(
+    ("content", "name", "message"),
+    [
+        (None, "missing.txt", "does not exist"),
+        (b"\n\n", "empty.txt", "holds no prompts"),
+        (b'{"a": 1}', "p.json", "JSON list of strings"),
+        (b"[1, 2", "p.json", "not valid JSON"),
+        (b"\xff\xfe\x00bad", "bin.txt", "not UTF-8"),
+    ],
+)
+def test_bad_prompt_options(tmp_path, content, name, message) -> None:
+    path = tmp_path / name
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(InputError, match=message):
+        read_prompts(None, path)
+    with pytest.raises(InputError, match="not both"):
+        read_prompts("x", path)

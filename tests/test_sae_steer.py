@@ -15,7 +15,8 @@ from sae_helpers import HOOK, small_run, trained_sae
 from llmcli.errors import InputError
 from llmcli.evaluation.run import EvalOptions, evaluate_run
 from llmcli.evaluation.text import eval_tokens, window_batches, window_starts
-from llmcli.generation.sample import SampleOptions, sample_run, sample_texts
+from llmcli.generation.batching import SampleOptions, sample_texts
+from llmcli.generation.sample import sample_run
 from llmcli.inspection.sae.folder import load_sae
 from llmcli.inspection.sae.points import as_rows
 from llmcli.inspection.sae.steer import ablation_hooks, steering_hooks
@@ -48,7 +49,8 @@ def test_steering_adds_the_scaled_direction_and_ablation_removes_the_feature(run
 
 def test_sample_steer_generates_as_the_hand_hooked_model_does(run, folder) -> None:
     settings = {"temperature": 0.0, "max_new_tokens": 12}
-    steered = sample_run(run, ["the "], settings, SampleOptions(steer=(f"{folder}:7=20",)))
+    hooks = lambda model: steering_hooks(model, [f"{folder}:7=20"])  # noqa: E731 (as the CLI's)
+    steered = sample_run(run, ["the "], settings, hooks=hooks)
     plain = sample_run(run, ["the "], settings)
     loaded = load_run(run)
     direction = load_sae(folder).sae.W_dec[7].detach()

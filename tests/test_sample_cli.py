@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 from conftest import default_sigint, save_tiny_run
-from test_sample import count_checks
+from test_batching import count_checks
 
 from llmcli.cli import main
 from llmcli.config import SampleConfig
 from llmcli.data.tokenizer import BPETokenizer, CharTokenizer
-from llmcli.generation.generate import generate_ids
-from llmcli.generation.sample import SampleOptions, sample_run
+from llmcli.generation.batching import SampleOptions
+from llmcli.generation.engine import generate_ids
+from llmcli.generation.sample import sample_run
 from llmcli.runs.loading import load_run
 
 ROOT = Path(__file__).resolve().parents[1]

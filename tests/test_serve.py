@@ -28,7 +28,7 @@ from fastapi.testclient import TestClient
 
 from llmcli.cli import main
 from llmcli.data.tokenizer import CharTokenizer
-from llmcli.generation.sample import SampleOptions, sample_texts
+from llmcli.generation.batching import SampleOptions, sample_texts
 from llmcli.runs.loading import load_run
 from llmcli.serve.app import ServeSettings, create_app
 from llmcli.serve.batcher import Batcher, Done, End, Text, Work

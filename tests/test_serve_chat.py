@@ -21,7 +21,7 @@ from llmcli.cli import main
 from llmcli.data.chat_template import default_template
 from llmcli.data.conversations import ConversationEncoder
 from llmcli.data.tokenizer import CharTokenizer
-from llmcli.generation.sample import unescape
+from llmcli.generation.prompts import unescape
 from llmcli.runs.loading import load_run
 from llmcli.serve.app import ServeSettings, create_app
 from llmcli.serve.protocol import Limits

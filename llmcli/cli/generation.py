@@ -17,7 +17,8 @@ from llmcli.config.sample import SETTING_KEYS, SampleConfig, option_name, settin
 from llmcli.errors import InputError
 
 if TYPE_CHECKING:
-    from llmcli.generation.sample import SampleOptions
+    from llmcli.generation.batching import SampleOptions
+    from llmcli.generation.sample import HookFactory
 
 # `llmcli sample`'s prompts and generation options; the sampling settings' options are made from
 # `SampleConfig`'s fields (`sample_setting_options`).
@@ -142,13 +143,9 @@ def sample_command(
     """Generate text from a trained run (KV-cached, batched), or talk to it (--interactive)."""
     import json
 
-    from llmcli.generation.sample import (
-        SampleOptions,
-        format_samples,
-        read_prompts,
-        sample_run,
-        unescape,
-    )
+    from llmcli.generation.batching import SampleOptions
+    from llmcli.generation.prompts import read_prompts, unescape
+    from llmcli.generation.sample import format_samples, sample_run
 
     write = ThrottledStdout()
     options = SampleOptions(
@@ -157,8 +154,8 @@ def sample_command(
         threads=threads,
         weights=weights,
         device=device,
-        steer=tuple(steer or ()),
     )
+    hooks = _steering(steer)
     # The run's sample: config, changed by the options given (None: not given).
     overrides = {key: value for key, value in settings.items() if value is not None}
     if interactive:
@@ -166,7 +163,7 @@ def sample_command(
             raise InputError(
                 "--interactive reads its prompts from stdin: leave out --prompt-file and --json."
             )
-        _interactive(checkpoint, prompt, overrides, options, write)
+        _interactive(checkpoint, prompt, overrides, options, hooks, write)
         return
     streaming = (sys.stdout.isatty() if stream is None else stream) and not json_
     prompts = read_prompts(prompt, prompt_file)
@@ -175,6 +172,7 @@ def sample_command(
         prompts,
         overrides,
         options,
+        hooks=hooks,
         write=write if streaming else None,
         notify=notify,
     )
@@ -186,16 +184,29 @@ def sample_command(
     sys.stdout.flush()
 
 
+def _steering(steer: Optional[list[str]]) -> HookFactory | None:
+    """`--steer`'s hook functions (`llmcli.inspection.sae.steer`), made once the run is
+    loaded: the specs are checked against its model, after it loads and before any output;
+    None without one."""
+    if not steer:
+        return None
+    from llmcli.inspection.sae.steer import steering_hooks
+
+    specs = tuple(steer)
+    return lambda model: steering_hooks(model, specs)
+
+
 def _interactive(
     checkpoint: Optional[Path],
     prompt: Optional[str],
     overrides: dict,
     options: SampleOptions,
+    hooks: HookFactory | None,
     write: ThrottledStdout,
 ) -> None:
     """`sample --interactive`: load the run once, then answer stdin's lines (a first --prompt)."""
     from llmcli.generation.interactive import interactive
-    from llmcli.generation.sample import load_for_sampling, steering
+    from llmcli.generation.sample import hooked, load_for_sampling
 
     run, config, options = load_for_sampling(checkpoint, overrides, options, notify)
     tty = sys.stdin.isatty()
@@ -204,7 +215,7 @@ def _interactive(
 
         notify(f"{run.run_dir}: type a prompt; /help lists the commands, Ctrl-D exits")
     pending = [prompt] if prompt is not None else []
-    with steering(run, options):
+    with hooked(run.model, hooks):
         interactive(run, config, options, _stdin_lines("> ", pending), write, notify)
     sys.stdout.flush()
 
@@ -264,16 +275,18 @@ def chat_command(
     """Talk with a chat run: one message per line from stdin (a terminal or a pipe), each reply
     printed (on a pipe, as one line: newlines in it written \\n); /reset, /system TEXT, /quit,
     /help; Ctrl-C stops a reply, Ctrl-D exits."""
+    from llmcli.generation.batching import SampleOptions
     from llmcli.generation.chat import chat, open_session
-    from llmcli.generation.sample import SampleOptions, steering, unescape
+    from llmcli.generation.prompts import unescape
+    from llmcli.generation.sample import hooked
 
     options = SampleOptions(
         stop=tuple(unescape(text) for text in stop or []),
         threads=threads,
         weights=weights,
         device=device,
-        steer=tuple(steer or ()),
     )
+    hooks = _steering(steer)
     overrides = {key: value for key, value in settings.items() if value is not None}
     session = open_session(checkpoint, system, overrides, options, notify)
     if sys.stdin.isatty():
@@ -281,6 +294,6 @@ def chat_command(
 
         notify(f"{session.run.run_dir}: type a message; /help lists the commands, Ctrl-D exits")
     one_line = not sys.stdout.isatty()
-    with steering(session.run, options):
+    with hooked(session.run.model, hooks):
         chat(session, _stdin_lines("you> ", []), ThrottledStdout(), notify, one_line=one_line)
     sys.stdout.flush()

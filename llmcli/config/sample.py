@@ -54,7 +54,7 @@ def _setting(
 @dataclass(frozen=True)
 class SampleConfig:
     """Generation settings: a run's `sample:` section, with `llmcli sample`'s options applied by
-    `dataclasses.replace`; what `llmcli.generation.generate` takes.
+    `dataclasses.replace`; what `llmcli.generation.engine` takes.
 
     Every setting is checked as the config is made (`dataclasses.replace` makes a new one), so a
     `SampleConfig` holds valid settings; `context_keep` also depends on the model's context and
@@ -101,7 +101,7 @@ class SampleConfig:
         rule="must be an integer in 0..2**63-1 (torch's seed range; row b of a batch is "
         "seeded seed + b)",
     )
-    # Past model.context_length (see llmcli.generation.context_window; why shift:
+    # Past model.context_length (see llmcli.generation.engine; why shift:
     # docs/sampling.md).
     context_policy: Literal["exact", "shift"] = _setting(
         "shift",

@@ -39,7 +39,7 @@ from llmcli.data.tokens import prepare_data
 from llmcli.errors import InputError
 from llmcli.evaluation.metrics import perplexity
 from llmcli.evaluation.text import token_losses
-from llmcli.generation.generate import generate
+from llmcli.generation.engine import generate
 from llmcli.progress import Progress
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 
 A `ChatSession` holds the conversation: an optional system message and the user and assistant
 turns so far. `reply(text)` renders the conversation with the run's chat template
-(`llmcli.chat.conversations.ConversationEncoder.prompt`) and generates the assistant's turn with
+(`llmcli.data.conversations.ConversationEncoder.prompt`) and generates the assistant's turn with
 `sample_batch`, the code `llmcli sample` and `llmcli serve` run, from a generator seeded with the
 session's `seed`: a reply is exactly what `POST /v1/chat/completions` answers for the same
 messages and seed. A reply ends at a chat token (`<|end|>`, or a role marker, which can only start
@@ -37,18 +37,12 @@ from llmcli.config.sample import SETTING_KEYS
 from llmcli.data.chat_template import CHAT_TOKENS, require_run_template
 from llmcli.data.conversations import ConversationEncoder, Messages, check_messages
 from llmcli.errors import InputError
+from llmcli.generation.batching import Sample, SampleJob, SampleOptions, sample_batch
 from llmcli.generation.interactive import apply_command, format_settings
-from llmcli.generation.sample import (
-    Sample,
-    SampleJob,
-    SampleOptions,
-    TextSink,
-    load_for_sampling,
-    sample_batch,
-    sample_threads,
-    unescape,
-)
-from llmcli.generation.threads import torch_threads
+from llmcli.generation.prompts import crop_chat_prompt, unescape
+from llmcli.generation.sample import load_for_sampling
+from llmcli.generation.streaming import TextSink
+from llmcli.generation.threads import sample_threads, torch_threads
 from llmcli.runs.loading import LoadedRun
 
 logger = logging.getLogger(__name__)
@@ -145,9 +139,9 @@ class ChatSession:
     def prompt(self, user: str) -> tuple[list[int], int]:
         """The ids of the prompt answering `user` (see `fit_history`), and the pairs left out."""
         head = [] if self.system is None else [{"role": "system", "content": self.system}]
-        C = self.run.model.context_length
-        room = reply_room(self.config, C)
-        _, ids, dropped = fit_history(self.encoder, head, self.turns, user, room, C)
+        ctx = self.run.model.context_length
+        room = reply_room(self.config, ctx)
+        _, ids, dropped = fit_history(self.encoder, head, self.turns, user, room, ctx)
         return ids, dropped
 
     def reply(
@@ -163,21 +157,17 @@ class ChatSession:
             InputError: the text holds a chat token, or the tokenizer cannot encode it.
         """
         ids, dropped = self.prompt(user)
-        C = self.run.model.context_length
+        ctx = self.run.model.context_length
         if dropped > self.dropped:
             notify(
-                f"the conversation is longer than the context ({C} tokens): its oldest "
+                f"the conversation is longer than the context ({ctx} tokens): its oldest "
                 f"{_pairs(dropped)} left out of the prompt."
             )
         self.dropped = dropped
-        if len(ids) > C:
-            notify(
-                f"the message is longer than the context ({len(ids)} > {C} tokens): the model "
-                f"sees only the last {C} tokens of the prompt."
-            )
+        ids = crop_chat_prompt(ids, ctx, notify)
         model, tokenizer = self.run.model, self.run.tokenizer
-        job = SampleJob(0, 0, 0, user, ids[-C:], self.config.seed)
-        with torch_threads(sample_threads(model, self.config, self.options)):
+        job = SampleJob(0, 0, 0, user, ids, self.config.seed)
+        with torch_threads(sample_threads(model, self.config, self.options.threads)):
             [sample] = sample_batch(model, tokenizer, [job], self.config, self.options, sink)
         self.turns += [
             {"role": "user", "content": user},

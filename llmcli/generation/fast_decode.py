@@ -14,7 +14,7 @@ over and over). The model does not know this module exists.
 It applies to a `Transformer` in eval mode with no hook function at work and no autocast
 (`FastDecoder.for_model`, and at every step: hooks must see every step, so a hooked model decodes
 through its forward). Callers opt in: `generate(..., decode=FastDecoder.for_model(model))`, as
-`llmcli sample` and `llmcli serve` do; the plain loop is the model's forward.
+`llmcli sample` and `llmcli serve` do; without it every step is the model's forward.
 
 The logits equal the forward's bit for bit, except that on the CPU a small GELU runs on ATen's
 kernel rather than oneDNN's (`_AtenGeluHidden`): they then equal the forward run with oneDNN

@@ -30,8 +30,9 @@ from llmcli.config import SampleConfig
 from llmcli.config.loading import parse_scalar
 from llmcli.config.sample import SETTING_KEYS, broken_rule, setting_info
 from llmcli.errors import InputError
-from llmcli.generation.sample import SampleOptions, sample_texts, sample_threads, unescape
-from llmcli.generation.threads import torch_threads
+from llmcli.generation.batching import SampleOptions, sample_texts
+from llmcli.generation.prompts import unescape
+from llmcli.generation.threads import sample_threads, torch_threads
 from llmcli.runs.loading import LoadedRun
 
 logger = logging.getLogger(__name__)
@@ -162,7 +163,7 @@ def answer(
     stream = _Stream(write)
     stopped = False
     try:
-        with torch_threads(sample_threads(run.model, config, options)):
+        with torch_threads(sample_threads(run.model, config, options.threads)):
             sample_texts(
                 run.model, run.tokenizer, [prompt], config, options, sink=stream, notify=notify
             )

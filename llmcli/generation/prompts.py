@@ -1,19 +1,25 @@
-"""Prompts: reading a file of prompts, and turning one prompt into token ids that fit a model.
+"""Prompts: reading them (a file, the command line), and turning them into token ids that fit a
+model, with the messages for prompts that do not.
 
 A prompt file holds one prompt per line, or a JSON list of strings (the form for prompts that
-contain newlines). `encode_prompt` either repairs a prompt that does not fit (an empty one starts
+contain newlines); `read_prompts` takes `llmcli sample`'s options, `unescape` the escapes typed
+on a command line. `encode_prompt` either repairs a prompt that does not fit (an empty one starts
 from the tokenizer's start ids, a long one keeps its last `context_length` tokens), which is
 what sampling wants, or refuses it, for commands whose output must cover exactly the text given.
-`check_prompt_ids` checks prompts given as token ids.
+Every message about a prompt longer than the context is worded here: `encode_prompts` (sampling:
+cropped, with one notice), `crop_chat_prompt` (a chat turn, cropped with a notice) and
+`too_long_message` (a refusal: `encode_prompt`'s, the inspection commands' in
+`llmcli.inspection.answers`, the server's). `check_prompt_ids` checks prompts given as token ids.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import IO, Any, Literal
 
 from llmcli.data.tokenizer import Tokenizer, start_ids
 from llmcli.errors import InputError
@@ -119,6 +125,7 @@ def encode_prompt(
     empty: Literal["start", "error"] = "start",
     too_long: Literal["crop", "error"] = "crop",
     label: str = "the prompt",
+    fix: str | None = None,
 ) -> tuple[list[int], bool]:
     """Token ids of `prompt`, at most `context_length` of them.
 
@@ -130,8 +137,10 @@ def encode_prompt(
             BPE drops): "start" from the tokenizer's start ids (`llmcli.data.tokenizer.start_ids`),
             or "error".
         too_long: for a prompt of more than `context_length` tokens: "crop" it to its last
-            `context_length` tokens, or "error" (the message suggests `--truncate`).
+            `context_length` tokens, or "error" (see `too_long_message`).
         label: how messages name the prompt, e.g. "prompt #2" ("" = "the prompt").
+        fix: what the "error" of a prompt too long tells the user to do (None: shorten it, or
+            pass `--truncate`).
 
     Returns:
         `(ids, cropped)`: `cropped` says the prompt was longer than `context_length`.
@@ -156,12 +165,66 @@ def encode_prompt(
             raise InputError(f"{what} encodes to no tokens: give some text.")
         ids = list(start_ids(tokenizer))
     if len(ids) > context_length and too_long == "error":
-        raise InputError(
-            f"{what} is {len(ids)} tokens long but the model's context_length is "
-            f"{context_length}: shorten it, or pass --truncate to keep its last "
-            f"{context_length} tokens."
-        )
+        if fix is None:
+            fix = f"shorten it, or pass --truncate to keep its last {context_length} tokens."
+        raise InputError(too_long_message(what, len(ids), context_length, fix))
     return ids[-context_length:], len(ids) > context_length
+
+
+def too_long_message(
+    what: str, n_tokens: int, context_length: int, fix: str, *, served: bool = False
+) -> str:
+    """Why a prompt of `n_tokens` tokens is refused: `{what} is {n_tokens} tokens long but the
+    model's context_length is {context_length}: {fix}` (`served`: the server's words for the
+    model it serves, "this model's context_length is {context_length} tokens")."""
+    if served:
+        limit = f"this model's context_length is {context_length} tokens"
+    else:
+        limit = f"the model's context_length is {context_length}"
+    return f"{what} is {n_tokens} tokens long but {limit}: {fix}"
+
+
+def encode_prompts(
+    tokenizer: Tokenizer,
+    prompts: Sequence[str],
+    context_length: int,
+    notify: Callable[[str], Any],
+) -> list[list[int]]:
+    """Each prompt's token ids as sampling takes them (`encode_prompt`: an empty prompt starts
+    from the start ids, a long one keeps its last `context_length` tokens), with one notice on
+    `notify` for the prompts cropped, if any.
+
+    Raises:
+        InputError: a prompt that cannot be encoded (see `encode_prompt`), before any notice.
+    """
+    encoded = [encode_prompt(tokenizer, p, context_length) for p in prompts]
+    cropped = [i for i, (_, was_cropped) in enumerate(encoded) if was_cropped]
+    if len(cropped) == 1 and len(prompts) == 1:
+        notify(
+            f"the prompt is longer than the model's context_length ({context_length} tokens): "
+            f"the model sees only its last {context_length} tokens."
+        )
+    elif cropped:
+        shown = ", ".join(str(i) for i in cropped[:5]) + (", ..." if len(cropped) > 5 else "")
+        notify(
+            f"{len(cropped)} prompts (index {shown}) are longer than the model's "
+            f"context_length ({context_length} tokens): the model sees only the last "
+            f"{context_length} tokens of each."
+        )
+    return [ids for ids, _ in encoded]
+
+
+def crop_chat_prompt(
+    ids: list[int], context_length: int, notify: Callable[[str], Any]
+) -> list[int]:
+    """A chat prompt's ids (the conversation rendered with its template, ending with the start
+    of the reply) cut to its last `context_length`, with a notice when that cuts the message."""
+    if len(ids) > context_length:
+        notify(
+            f"the message is longer than the context ({len(ids)} > {context_length} tokens): "
+            f"the model sees only the last {context_length} tokens of the prompt."
+        )
+    return ids[-context_length:]
 
 
 def check_prompt_ids(prompts_ids: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:
@@ -188,3 +251,39 @@ def check_prompt_ids(prompts_ids: Sequence[Sequence[int]], vocab_size: int) -> l
             )
         rows.append(row)
     return rows
+
+
+def read_prompts(
+    prompt: str | None, prompt_file: str | Path | None, stdin: IO[str] | None = None
+) -> list[str]:
+    """The prompts of `llmcli sample`: `--prompt TEXT`, `--prompt -` (stdin), `--prompt-file`.
+
+    A prompt file holds one prompt per line (empty lines are skipped), or a JSON list of strings
+    (a `.json` file must be one; another file is read as JSON when it parses as such a list);
+    see `parse_prompts`. `--prompt-file -` reads it from stdin. With neither option there is one
+    empty prompt.
+
+    Raises:
+        InputError: both options, an unreadable or empty file, a JSON file of the wrong shape.
+    """
+    if prompt is not None and prompt_file is not None:
+        raise InputError("give either --prompt or --prompt-file, not both.")
+    stdin = sys.stdin if stdin is None else stdin
+    if prompt == "-":
+        return [stdin.read()]
+    if prompt is not None:
+        return [prompt]
+    if prompt_file is None:
+        return [""]
+    if str(prompt_file) == "-":
+        return parse_prompts(stdin.read(), "-")
+    return read_prompt_file(prompt_file)
+
+
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def unescape(text: str) -> str:
+    """Turn the escapes `\\n`, `\\t`, `\\r` and `\\\\` typed on a command line into the characters;
+    any other backslash is kept as is (so `--stop '\\n\\n'` stops at a blank line)."""
+    return re.sub(r"\\(.)", lambda m: _ESCAPES.get(m.group(1), m.group(0)), text)

@@ -1,6 +1,14 @@
-"""CPU threads for generation: how many a sample runs on, and applying a count for a while."""
+"""CPU threads for generation: how many a sample runs on, and applying a count for a while.
+
+`threads_for` is the count a generation runs on (`llmcli serve`'s batches): 1 for a small model
+whose steps are mostly one-token decode steps (`decode_bound`, `sampling_threads`), torch's own
+count otherwise; `sample_threads` is `llmcli sample`'s and `llmcli chat`'s, `--threads` where
+given. `torch_threads` (`llmcli.device`) applies a count while a block runs.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,3 +37,16 @@ def sampling_threads(model: nn.Module, device: torch.device, decode_bound: bool)
         return None
     n_params = model.num_parameters(non_embedding=True)  # type: ignore[operator]
     return 1 if n_params <= ONE_THREAD_DECODE_PARAMS else None
+
+
+def sample_threads(model: Any, config: SampleConfig, threads: int | None) -> int | None:
+    """The CPU threads to sample with: `threads` (`--threads`) where given, else `threads_for`."""
+    if threads is not None:
+        return threads
+    return threads_for(model, next(model.parameters()).device, config)
+
+
+def threads_for(model: Any, device: torch.device, config: SampleConfig) -> int | None:
+    """CPU threads for a sample (`sampling_threads`): 1 for a small model whose steps are mostly
+    decode steps (`decode_bound`), else torch's own count (None)."""
+    return sampling_threads(model, device, decode_bound(config, model.context_length))

@@ -67,13 +67,11 @@ def encode_text(tokenizer: Any, text: str, context_length: int, what: str) -> li
         InputError: an empty prompt, one longer than the context (both lengths named) or one
             with text outside the vocabulary.
     """
-    ids, cropped = encode_prompt(tokenizer, text, context_length, empty="error", label=what)
-    if cropped:  # a lens or a patch of the cropped text would not be of the text given
-        n = len(tokenizer.encode(text))
-        raise InputError(
-            f"{what} is {n} tokens long but the model's context_length is {context_length}: "
-            f"shorten it to at most {context_length} tokens."
-        )
+    # A lens or a patch of a cropped text would not be of the text given: refused.
+    fix = f"shorten it to at most {context_length} tokens."
+    ids, _ = encode_prompt(
+        tokenizer, text, context_length, empty="error", too_long="error", label=what, fix=fix
+    )
     return ids
 
 

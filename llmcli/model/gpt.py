@@ -11,7 +11,7 @@ QK-norm (`llmcli.model.layers`), a ReLU² MLP, an untied LM head.
 A forward is the maths on `(B, T, C)`. What a caller builds goes in beside it: an attention
 `mask` (bool, True = may attend; default causal), the positions `input_pos` of the new tokens
 (default `past .. past + T - 1`) and a `KVCache` (`llmcli.model.kv_cache`); generation builds
-them for left-padded batches (`llmcli.generation.padding`). Hook points (`llmcli.model.hooks`,
+them for left-padded batches (`llmcli.generation.engine`). Hook points (`llmcli.model.hooks`,
 shapes where they are made) name what a reader may see or change: `Transformer.hook_names()`.
 """
 

@@ -10,7 +10,7 @@ overwritten next time.
 Cached keys depend on absolute positions (and, past the first layer, on every earlier token), so
 generation beyond `max_len` cannot just drop the oldest entry: `reset()` and prefill the last
 window again (or `crop(n)` to go back to a shared prefix); what to keep past the context is
-`llmcli.generation.context_window`'s.
+`llmcli.generation.engine`'s.
 """
 
 from __future__ import annotations

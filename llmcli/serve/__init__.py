@@ -4,6 +4,6 @@
 `protocol` (a request body checked into a `CompletionRequest`, or a `ChatRequest` for
 `/v1/chat/completions`; responses and OpenAI's error JSON) -> `logprobs` (log-probs kept in step
 with a choice's text) -> `batcher` (the generation thread:
-requests that arrive together run as one padded batch through `llmcli.generation.sample`) ->
+requests that arrive together run as one padded batch through `llmcli.generation.batching`) ->
 `app` (the FastAPI app: endpoints, streaming, API key, limits) -> `server` (load a run, listen).
 """

@@ -35,7 +35,7 @@ from llmcli.data.conversations import ConversationEncoder
 from llmcli.data.tokenizer import CharTokenizer
 from llmcli.errors import InputError
 from llmcli.generation.chat import reply_stop_ids
-from llmcli.generation.prompts import encode_prompt
+from llmcli.generation.prompts import encode_prompt, too_long_message
 from llmcli.runs.loading import LoadedRun
 from llmcli.serve.batcher import Batcher, Done, Echo, End, Event, Text, Work
 from llmcli.serve.logprobs import TokenLogprob, logprobs_json
@@ -283,24 +283,22 @@ def encode_prompts(run: LoadedRun, prompts: list[str]) -> list[list[int]]:
     """Each prompt's token ids; a prompt longer than the context is refused, as is text the
     tokenizer cannot encode (generation past the context is the context policy's business, but
     a prompt cut short would answer another question)."""
-    C = run.model.context_length
+    ctx = run.model.context_length
     out = []
     for i, prompt in enumerate(prompts):
         label = "the prompt" if len(prompts) == 1 else f"prompt {i}"
         try:
-            ids, cropped = encode_prompt(run.tokenizer, prompt, C, label=label)
+            ids, cropped = encode_prompt(run.tokenizer, prompt, ctx, label=label)
         except InputError as exc:
             raise APIError(400, str(exc), param="prompt", code="invalid_value") from None
         if cropped:
-            raise APIError(
-                400,
-                f"{label} is {len(run.tokenizer.encode(prompt))} tokens long but this model's "
-                f"context_length is {C} tokens: shorten it (the completion itself may go on "
-                f"past the context: the run's context policy is "
-                f"{run.config.sample.context_policy}).",
-                param="prompt",
-                code="context_length_exceeded",
+            fix = (
+                "shorten it (the completion itself may go on past the context: the run's "
+                f"context policy is {run.config.sample.context_policy})."
             )
+            n_tokens = len(run.tokenizer.encode(prompt))
+            message = too_long_message(label, n_tokens, ctx, fix, served=True)
+            raise APIError(400, message, param="prompt", code="context_length_exceeded")
         out.append(ids)
     return out
 
@@ -348,12 +346,12 @@ class ChatEncoding:
             ids = encoder.prompt(request.messages)
         except InputError as exc:
             raise APIError(400, str(exc), param="messages", code="invalid_value") from None
-        C = self.context_length
-        if len(ids) > C:
+        ctx = self.context_length
+        if len(ids) > ctx:
             raise APIError(
                 400,
                 f"the conversation is {len(ids)} tokens long once rendered with the chat template, "
-                f"but this model's context_length is {C} tokens: leave out its oldest turns.",
+                f"but this model's context_length is {ctx} tokens: leave out its oldest turns.",
                 param="messages",
                 code="context_length_exceeded",
             )

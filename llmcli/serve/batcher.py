@@ -4,7 +4,7 @@ The server's request handlers `submit` a `Work` (a checked request and its promp
 its `Event`s. The generation thread takes the oldest waiting request, waits `wait_s` for more when
 nothing else is waiting, and runs every waiting request that shares its settings
 (`CompletionRequest.batch_key`: all but the seed, and the stop strings and ids), up to `max_rows`
-rows, through `llmcli.generation.sample.sample_batch`. Each row draws from its own generator
+rows, through `llmcli.generation.batching.sample_batch`. Each row draws from its own generator
 seeded with its request's seed + its choice index, so a request's text is the text `llmcli sample`
 gives with the same settings and seed, whatever it is batched with. A request whose client went
 away is `cancel`led: its rows end at the next step, and a batch of only such rows stops.
@@ -23,8 +23,8 @@ from typing import Any, NamedTuple
 from torch import Tensor
 
 from llmcli.data.tokenizer import Tokenizer
-from llmcli.generation.sample import Sample, SampleJob, SampleOptions, sample_batch, threads_for
-from llmcli.generation.threads import torch_threads
+from llmcli.generation.batching import Sample, SampleJob, SampleOptions, sample_batch
+from llmcli.generation.threads import threads_for, torch_threads
 from llmcli.serve.logprobs import (
     RowLogprobs,
     TokenLogprob,

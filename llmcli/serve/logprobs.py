@@ -3,7 +3,7 @@ kept in step with a choice's text.
 
 The log-probs are the model's own distribution (`log_softmax` of the logits a step drew from,
 before temperature, top-k and top-p), as OpenAI's are. A choice's text is released only when it
-can no longer be the start of a stop string (`llmcli.generation.sample`), so `RowLogprobs` holds
+can no longer be the start of a stop string (`llmcli.generation.detokenize`), so `RowLogprobs` holds
 each token until the text released covers it, and at the end keeps only the tokens that begin
 inside the final text (a stop string's tokens are not part of it).
 """
