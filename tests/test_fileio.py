@@ -1,5 +1,5 @@
 """llmcli.fileio: reading JSON files, whatever is wrong with them, and the newest of some files.
-(Atomic writes under crashes: tests/test_checkpoint.py and tests/test_crash.py.)"""
+(Atomic writes: tests/test_run_directory.py; under crashes, tests/test_crash.py.)"""
 
 from __future__ import annotations
 

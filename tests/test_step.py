@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from llmcli.training.precision import Precision
-from llmcli.training.step import Trainer, train_step
+from llmcli.training.step import Trainer, all_of, train_step
 
 
 class Batches:
@@ -153,3 +153,20 @@ def test_forgetting_an_abandoned_step_keeps_the_scale() -> None:
     t.optimizer.zero_grad(set_to_none=True)
     train_step(t)  # unscales again: no "unscale_() has already been called"
     assert precision.scaler.get_scale() == 2.0**7
+
+
+def test_all_of_runs_the_checks_in_order_until_one_refuses() -> None:
+    calls: list[str] = []
+
+    def check(name: str, verdict: bool):
+        def run(loss: torch.Tensor, norm: torch.Tensor) -> bool:
+            calls.append(name)
+            return verdict
+
+        return run
+
+    loss, norm = torch.tensor(1.0), torch.tensor(2.0)
+    assert all_of(None, None) is None
+    assert all_of(check("a", True), None, check("b", True))(loss, norm) is True
+    assert all_of(check("c", False), check("d", True))(loss, norm) is False
+    assert calls == ["a", "b", "c"]  # d is never asked once c refuses
