@@ -62,7 +62,7 @@ class Checkpointer:
             trainer,
             guard,
         )
-        self.saved_at = time.perf_counter()  # the end of the last save, or the start
+        self.saved_at = time.perf_counter()  # the end of the last save, or the run's start
         self.save_seconds: list[float] = []  # this session's saves
 
     @property

@@ -95,7 +95,6 @@ def fit(run: Run, log: TrainLog, progress: bool, on_step: Callable[[int], None])
     )
     losses, loop_start, loop_step = LossLog(), time.perf_counter(), state.step
     speed = TokenRate(loop_start, state.tokens)
-    checkpoints.saved_at = loop_start
     with StopRequest(escalate=not info.enabled) as stop, logging_redirect_tqdm(), bar:
         while state.step < tc.max_steps:
             lr_scale = guard.lr_scale(state.step) if guard is not None else 1.0  # a rollback's
