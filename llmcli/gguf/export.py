@@ -22,13 +22,13 @@ from typing import Any
 
 import numpy as np
 
-from llmcli.data.chat_template import ChatTemplate, load_run_template
-from llmcli.data.conversations import ConversationEncoder
+from llmcli.data.chat_template import ChatTemplate
 from llmcli.errors import InputError, describe_os_error
 from llmcli.fileio import atomic_path
 from llmcli.gguf.architectures import GGUFArch, choose, gguf_tensors
 from llmcli.gguf.vocab import PRE_TOKENIZER, GGUFVocab, gguf_vocab
 from llmcli.hf.common import NORM_EPS
+from llmcli.hf.export import run_chat
 from llmcli.runs.loading import load_run
 
 logger = logging.getLogger(__name__)
@@ -144,9 +144,7 @@ def export_gguf(
     model = run.model
     arch = choose(run.config.model)
     vocab = gguf_vocab(run.tokenizer, model.vocab_size)
-    template = load_run_template(run.run_dir)
-    # A chat run's tokenizer holds the chat tokens (the encoder says which it lacks otherwise).
-    end_id = None if template is None else ConversationEncoder(template, run.tokenizer).end_id
+    template, end_id = run_chat(run.run_dir, run.tokenizer)
     tensors = gguf_tensors(model, arch)
     eps = getattr(model.ln_f, "eps", NORM_EPS)
     try:

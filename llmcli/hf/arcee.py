@@ -31,6 +31,7 @@ from llmcli.config import ModelConfig
 from llmcli.hf.common import (
     Problem,
     activation,
+    config_file,
     cpu,
     field,
     leftovers,
@@ -59,10 +60,7 @@ def hf_config(
     model_cfg: ModelConfig, vocab_size: int, eot_id: int | None, eps: float
 ) -> dict[str, Any]:
     """The `config.json` of the Arcee equivalent of `model_cfg`."""
-    return {
-        "architectures": [HF_CLASS],
-        "model_type": MODEL_TYPE,
-        "vocab_size": vocab_size,
+    settings = {
         "hidden_size": model_cfg.n_embed,
         "intermediate_size": 4 * model_cfg.n_embed,
         "num_hidden_layers": model_cfg.n_layer,
@@ -80,12 +78,8 @@ def hf_config(
         "mlp_bias": model_cfg.bias,
         "attention_dropout": model_cfg.attention_dropout,
         "initializer_range": 0.02,
-        "use_cache": True,
-        "bos_token_id": eot_id,
-        "eos_token_id": eot_id,
-        "tie_word_embeddings": model_cfg.tie_embeddings,
-        "torch_dtype": "float32",
     }
+    return config_file(HF_CLASS, MODEL_TYPE, vocab_size, settings, eot_id, model_cfg.tie_embeddings)
 
 
 def to_hf(model: Transformer) -> dict[str, torch.Tensor]:

@@ -69,6 +69,30 @@ def mismatches(
     return found
 
 
+def config_file(
+    hf_class: str,
+    model_type: str,
+    vocab_size: int,
+    settings: dict[str, Any],
+    eot_id: int | None,
+    tie_embeddings: bool,
+) -> dict[str, Any]:
+    """An architecture's `config.json`: its class, model type and vocabulary size, then its own
+    `settings` (shape, activation, norm, positions, dropout), then what every export ends with:
+    the KV cache on, the end-of-text token as BOS and EOS, head tying, and float32 weights."""
+    return {
+        "architectures": [hf_class],
+        "model_type": model_type,
+        "vocab_size": vocab_size,
+        **settings,
+        "use_cache": True,
+        "bos_token_id": eot_id,
+        "eos_token_id": eot_id,
+        "tie_word_embeddings": tie_embeddings,
+        "torch_dtype": "float32",
+    }
+
+
 def model_shape(
     hf_cfg: dict[str, Any],
     source: str,

@@ -101,6 +101,20 @@ def hf_tokenizer_files(
     return files
 
 
+def run_chat(run_dir: Path, tokenizer: Tokenizer) -> tuple[ChatTemplate | None, int | None]:
+    """A chat run's template and its end-of-turn token id, which both exports carry; `(None,
+    None)` for a run trained on plain text.
+
+    Raises:
+        InputError: an unreadable template, or a tokenizer without the chat tokens (named).
+    """
+    template = load_run_template(run_dir)
+    if template is None:
+        return None, None
+    # A chat run's tokenizer holds the chat tokens (the encoder says which it lacks otherwise).
+    return template, ConversationEncoder(template, tokenizer).end_id
+
+
 def _generation_config(
     config: Config, eot_id: int | None, end_id: int | None = None
 ) -> dict[str, Any]:
@@ -200,9 +214,7 @@ def export_hf(
         )
     eps = getattr(model.ln_f, "eps", NORM_EPS)
     hf_config = arch.hf_config(run.config.model, model.vocab_size, eot_id, eps)
-    template = load_run_template(run.run_dir)
-    # A chat run's tokenizer holds the chat tokens (the encoder says which it lacks otherwise).
-    end_id = None if template is None else ConversationEncoder(template, tokenizer).end_id
+    template, end_id = run_chat(run.run_dir, tokenizer)
     files: dict[str, bytes] = {
         HF_CONFIG_FILE: _json_bytes(hf_config),
         HF_GENERATION_FILE: _json_bytes(_generation_config(run.config, eot_id, end_id)),

@@ -37,6 +37,9 @@ from llmcli.hf.common import (
     NORM_EPS,
     Problem,
     activation,
+    bias_or_zeros,
+    config_file,
+    cpu,
     field,
     mismatches,
     model_shape,
@@ -111,18 +114,13 @@ def to_hf(model: Transformer) -> dict[str, torch.Tensor]:
             continue
         if mod_name == "lm_head" and model.tie_embeddings:
             continue  # GPT-2 ties it to transformer.wte.weight
-        weight = module.weight.detach().to("cpu")
+        weight = cpu(module.weight)
         hf_weight = _hf_name(f"{mod_name}.weight")
-        out[hf_weight] = (weight.t() if _is_conv1d(hf_weight) else weight).contiguous()
+        out[hf_weight] = weight.t().contiguous() if _is_conv1d(hf_weight) else weight
         if mod_name == "lm_head" or isinstance(module, torch.nn.Embedding):
             continue  # GPT-2's LM head and embeddings have no bias
-        bias = module.bias
         n_out = weight.shape[0]  # Linear (out, in) and LayerNorm (C,) alike
-        out[_hf_name(f"{mod_name}.bias")] = (
-            bias.detach().to("cpu").contiguous()
-            if bias is not None
-            else torch.zeros(n_out, dtype=weight.dtype)
-        )
+        out[_hf_name(f"{mod_name}.bias")] = bias_or_zeros(module, n_out)
     return out
 
 
@@ -185,10 +183,7 @@ def hf_config(
     model_cfg: ModelConfig, vocab_size: int, eot_id: int | None, eps: float = NORM_EPS
 ) -> dict[str, Any]:
     """The `config.json` of the GPT-2 equivalent of `model_cfg` (a plain dict)."""
-    return {
-        "architectures": [HF_CLASS],
-        "model_type": MODEL_TYPE,
-        "vocab_size": vocab_size,
+    settings = {
         "n_positions": model_cfg.context_length,
         "n_embd": model_cfg.n_embed,
         "n_layer": model_cfg.n_layer,
@@ -204,12 +199,8 @@ def hf_config(
         "scale_attn_by_inverse_layer_idx": False,
         "reorder_and_upcast_attn": False,
         "add_cross_attention": False,
-        "use_cache": True,
-        "bos_token_id": eot_id,
-        "eos_token_id": eot_id,
-        "tie_word_embeddings": model_cfg.tie_embeddings,
-        "torch_dtype": "float32",
     }
+    return config_file(HF_CLASS, MODEL_TYPE, vocab_size, settings, eot_id, model_cfg.tie_embeddings)
 
 
 def model_config(hf_cfg: dict[str, Any], base: ModelConfig, source: str) -> ModelConfig:

@@ -29,6 +29,7 @@ from llmcli.hf.common import (
     Problem,
     activation,
     bias_or_zeros,
+    config_file,
     cpu,
     field,
     leftovers,
@@ -57,10 +58,7 @@ def hf_config(
     model_cfg: ModelConfig, vocab_size: int, eot_id: int | None, eps: float
 ) -> dict[str, Any]:
     """The `config.json` of the GPT-NeoX equivalent of `model_cfg`."""
-    return {
-        "architectures": [HF_CLASS],
-        "model_type": MODEL_TYPE,
-        "vocab_size": vocab_size,
+    settings = {
         "hidden_size": model_cfg.n_embed,
         "num_hidden_layers": model_cfg.n_layer,
         "num_attention_heads": model_cfg.n_head,
@@ -81,12 +79,8 @@ def hf_config(
         "attention_dropout": model_cfg.attention_dropout,
         "hidden_dropout": model_cfg.dropout,
         "initializer_range": 0.02,
-        "use_cache": True,
-        "bos_token_id": eot_id,
-        "eos_token_id": eot_id,
-        "tie_word_embeddings": model_cfg.tie_embeddings,
-        "torch_dtype": "float32",
     }
+    return config_file(HF_CLASS, MODEL_TYPE, vocab_size, settings, eot_id, model_cfg.tie_embeddings)
 
 
 def _by_head(kind_major: torch.Tensor, n_head: int) -> torch.Tensor:

@@ -86,6 +86,19 @@ class HeadDeltas:
     batches: int
     tokens: int
 
+    @classmethod
+    def from_sums(
+        cls, clean: float, deltas: dict[str, np.ndarray], batches: int, tokens: int
+    ) -> HeadDeltas:
+        """Per-token means of nats summed over `tokens` tokens of `batches` batches: `clean`,
+        the clean loss, and `deltas`, method -> `(L, H)` the rise with each head removed."""
+        return cls(
+            base_loss=clean / tokens,
+            delta={method: d / tokens for method, d in deltas.items()},
+            batches=batches,
+            tokens=tokens,
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "base_loss": self.base_loss,
@@ -168,12 +181,7 @@ def head_deltas(
                         removed = _remove_heads(model, layer, streams[layer], y, heads, mean)
                         nats[method][layer, heads] += removed - clean_nats
             bar.update()
-    return HeadDeltas(
-        base_loss=clean / tokens,
-        delta={method: d / tokens for method, d in nats.items()},
-        batches=len(batches),
-        tokens=tokens,
-    )
+    return HeadDeltas.from_sums(clean, nats, len(batches), tokens)
 
 
 def _remove_heads(
@@ -227,12 +235,7 @@ def head_deltas_full(
                         with model.hooks(ablation_hooks(mask, head_mean)):
                             logits, _ = model(x)
                         nats[method][layer, head] += summed_nats(logits, y).item() - clean_nats
-    return HeadDeltas(
-        base_loss=clean / tokens,
-        delta={method: d / tokens for method, d in nats.items()},
-        batches=len(batches),
-        tokens=tokens,
-    )
+    return HeadDeltas.from_sums(clean, nats, len(batches), tokens)
 
 
 # --------------------------------------------------------------------------------------------

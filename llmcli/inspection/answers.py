@@ -25,6 +25,7 @@ from torch import Tensor
 
 from llmcli.device import resolve_device
 from llmcli.errors import InputError, describe_os_error
+from llmcli.fileio import atomic_write_json
 from llmcli.generation.prompts import encode_prompt
 from llmcli.runs.loading import LoadedRun, load_run
 
@@ -225,3 +226,29 @@ def writing_into(folder: Path) -> Iterator[Path]:
         raise InputError(
             f"cannot write into {str(folder)!r}: {describe_os_error(exc)}; or choose --out DIR."
         ) from None
+
+
+def write_result(
+    options: RunOptions,
+    run: LoadedRun,
+    name: str,
+    stem: str,
+    data: dict[str, Any],
+    plot: Callable[[Path], Path],
+    notify: Callable[[str], Any],
+) -> list[Path]:
+    """Write a command's result into its folder (`output_folder(options, run, name)`):
+    `<stem>.json` holding `data` and the picture `plot` draws at `<stem>.png`; then refresh the
+    run's viewer pages (`refresh_pages`).
+
+    Returns:
+        The files written: the JSON, the picture, the pages.
+
+    Raises:
+        InputError: the folder cannot be created or written into (see `writing_into`).
+    """
+    with writing_into(output_folder(options, run, name)) as folder:
+        atomic_write_json(folder / f"{stem}.json", data)
+        files = [folder / f"{stem}.json", plot(folder / f"{stem}.png")]
+        files += refresh_pages(options, run, notify)
+    return files

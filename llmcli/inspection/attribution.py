@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,18 +33,15 @@ import torch
 from torch import Tensor, nn
 
 from llmcli.errors import InputError
-from llmcli.fileio import atomic_write_json
 from llmcli.inspection.answers import (
     AnswerMetric,
     RunOptions,
     encode_text,
     model_device,
     open_run,
-    output_folder,
     record,
-    refresh_pages,
     token_texts,
-    writing_into,
+    write_result,
 )
 from llmcli.inspection.pictures import Grid, plot_grids
 from llmcli.model.layers import RMSNorm
@@ -233,8 +231,6 @@ def run_attribution(
     metric = AnswerMetric.from_texts(run.tokenizer, *metric_texts)
     ids = encode_text(run.tokenizer, prompt, run.model.context_length, "--prompt")
     result = attribute(run.model, run.tokenizer, ids, metric)
-    with writing_into(output_folder(options, run, "attribute")) as folder:
-        atomic_write_json(folder / "attribution.json", result.to_dict())
-        files = [folder / "attribution.json", plot_attribution(result, folder / "attribution.png")]
-        files += refresh_pages(options, run, notify)
+    plot = partial(plot_attribution, result)
+    files = write_result(options, run, "attribute", "attribution", result.to_dict(), plot, notify)
     return result, files

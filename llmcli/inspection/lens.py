@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,17 +23,14 @@ import numpy as np
 import torch
 
 from llmcli.errors import InputError
-from llmcli.fileio import atomic_write_json
 from llmcli.inspection.answers import (
     RunOptions,
     encode_text,
     model_device,
     open_run,
-    output_folder,
     record,
-    refresh_pages,
     token_texts,
-    writing_into,
+    write_result,
 )
 from llmcli.inspection.pictures import Grid, plot_grids, token_label
 
@@ -163,8 +161,5 @@ def run_lens(
     run = open_run(options, notify)
     ids = encode_text(run.tokenizer, prompt, run.model.context_length, "--prompt")
     result = logit_lens(run.model, run.tokenizer, ids)
-    with writing_into(output_folder(options, run, "lens")) as folder:
-        atomic_write_json(folder / "lens.json", result.to_dict())
-        files = [folder / "lens.json", plot_lens(result, folder / "lens.png")]
-        files += refresh_pages(options, run, notify)
-    return result, files
+    plot = partial(plot_lens, result)
+    return result, write_result(options, run, "lens", "lens", result.to_dict(), plot, notify)

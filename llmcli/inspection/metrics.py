@@ -38,6 +38,14 @@ def _check_maps(attn: np.ndarray) -> np.ndarray:
     return attn
 
 
+def _query_mean(per_query: np.ndarray) -> np.ndarray:
+    """`[..., T-1]` scores of the queries 1..T-1 -> their mean `[...]`; NaN where there are
+    none (T == 1)."""
+    if per_query.shape[-1] == 0:
+        return np.full(per_query.shape[:-1], np.nan)
+    return per_query.mean(-1)
+
+
 def entropy_score(attn: np.ndarray) -> np.ndarray:
     """Normalised entropy: mean over queries q >= 1 of H(row q) / log(q + 1).
 
@@ -52,12 +60,10 @@ def entropy_score(attn: np.ndarray) -> np.ndarray:
     """
     attn = _check_maps(attn)
     T = attn.shape[-1]
-    if T < 2:
-        return np.full(attn.shape[:-2], np.nan)
     p = attn[..., 1:, :]  # (..., T-1, T)
     plogp = np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0)
     ent = -plogp.sum(-1)  # (..., T-1)
-    return (ent / np.log(np.arange(2, T + 1))).mean(-1)
+    return _query_mean(ent / np.log(np.arange(2, T + 1)))
 
 
 def prev_token_score(attn: np.ndarray) -> np.ndarray:
@@ -70,9 +76,7 @@ def prev_token_score(attn: np.ndarray) -> np.ndarray:
         `[...]` scores in [0, 1] (NaN when T == 1).
     """
     attn = _check_maps(attn)
-    if attn.shape[-1] < 2:
-        return np.full(attn.shape[:-2], np.nan)
-    return np.diagonal(attn, offset=-1, axis1=-2, axis2=-1).mean(-1)  # (..., T-1) -> (...)
+    return _query_mean(np.diagonal(attn, offset=-1, axis1=-2, axis2=-1))  # (..., T-1) -> (...)
 
 
 def first_token_score(attn: np.ndarray) -> np.ndarray:
@@ -85,9 +89,8 @@ def first_token_score(attn: np.ndarray) -> np.ndarray:
         `[...]` scores in [0, 1] (NaN when T == 1).
     """
     attn = _check_maps(attn)
-    if attn.shape[-1] < 2:
-        return np.full(attn.shape[:-2], np.nan)
-    return attn[..., 1:, 0].mean(-1)
+    # The column as a slice (..., T-1, 1) summed, not indexed: maps of no tokens have no key 0.
+    return _query_mean(attn[..., 1:, :1].sum(-1))  # (..., T-1) -> (...)
 
 
 def mean_distance(attn: np.ndarray) -> np.ndarray:
@@ -103,16 +106,23 @@ def mean_distance(attn: np.ndarray) -> np.ndarray:
         `[...]` distances in tokens (NaN when T == 1).
     """
     attn = _check_maps(attn)
-    T = attn.shape[-1]
-    if T < 2:
-        return np.full(attn.shape[:-2], np.nan)
-    pos = np.arange(T)
+    pos = np.arange(attn.shape[-1])
     dist = np.abs(pos[:, None] - pos[None, :])  # (T, T)
-    return (attn[..., 1:, :] * dist[1:]).sum(-1).mean(-1)  # (..., T-1) -> (...)
+    return _query_mean((attn[..., 1:, :] * dist[1:]).sum(-1))  # (..., T-1) -> (...)
 
 
-def _repeat_score(attn: np.ndarray, targets: np.ndarray, queries: np.ndarray) -> np.ndarray:
-    """Mean over the chosen queries of the weight each puts on its target keys (NaN for none)."""
+def _repeat_score(
+    attn: np.ndarray, earlier: np.ndarray, targets: np.ndarray, unique: bool
+) -> np.ndarray:
+    """Mean, over the queries whose token occurred before (exactly once with `unique`), of the
+    weight each puts on its `targets` keys (NaN for no such query).
+
+    Shape:
+        attn `[..., T, T]`; earlier, targets `(T, T)` bool: `earlier[q, k]` where token k is an
+        earlier occurrence of query q's -> `[...]`.
+    """
+    count = earlier.sum(-1)  # (T,)
+    queries = count == 1 if unique else count >= 1
     attn = _check_maps(attn)
     if attn.shape[-1] != len(queries):
         raise ValueError(f"attention maps of {attn.shape[-1]} tokens for {len(queries)} ids")
@@ -140,10 +150,9 @@ def induction_score(attn: np.ndarray, ids: np.ndarray, *, unique: bool = False) 
         `[...]` scores in [0, 1] (NaN when no query qualifies).
     """
     earlier = earlier_occurrences(ids)  # (T, T)
-    count = earlier.sum(-1)  # (T,)
     targets = np.zeros_like(earlier)
     targets[:, 1:] = earlier[:, :-1]  # (q, k + 1) for each earlier occurrence k; k + 1 <= q
-    return _repeat_score(attn, targets, count == 1 if unique else count >= 1)
+    return _repeat_score(attn, earlier, targets, unique)
 
 
 def duplicate_token_score(attn: np.ndarray, ids: np.ndarray, *, unique: bool = False) -> np.ndarray:
@@ -160,8 +169,7 @@ def duplicate_token_score(attn: np.ndarray, ids: np.ndarray, *, unique: bool = F
         `[...]` scores in [0, 1] (NaN when no query qualifies).
     """
     earlier = earlier_occurrences(ids)  # (T, T)
-    count = earlier.sum(-1)  # (T,)
-    return _repeat_score(attn, earlier, count == 1 if unique else count >= 1)
+    return _repeat_score(attn, earlier, earlier, unique)
 
 
 def head_metrics(attn: np.ndarray) -> np.ndarray:

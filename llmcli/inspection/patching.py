@@ -35,18 +35,15 @@ import torch
 from torch import Tensor
 
 from llmcli.errors import InputError
-from llmcli.fileio import atomic_write_json
 from llmcli.inspection.answers import (
     AnswerMetric,
     RunOptions,
     encode_text,
     model_device,
     open_run,
-    output_folder,
     record,
-    refresh_pages,
     token_texts,
-    writing_into,
+    write_result,
 )
 from llmcli.inspection.pictures import Grid, plot_grids, token_label
 from llmcli.progress import format_fixed
@@ -333,8 +330,5 @@ def run_patch(
         clean,
         corrupt,
     )
-    with writing_into(output_folder(options, run, "patch")) as folder:
-        atomic_write_json(folder / "patch.json", result.to_dict())
-        files = [folder / "patch.json", plot_patch(result, folder / "patch.png")]
-        files += refresh_pages(options, run, notify)
-    return result, files
+    plot = partial(plot_patch, result)
+    return result, write_result(options, run, "patch", "patch", result.to_dict(), plot, notify)
