@@ -33,16 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from llmcli.errors import InputError
-from llmcli.inspection.answers import (
-    AnswerMetric,
-    RunOptions,
-    encode_text,
-    model_device,
-    open_run,
-    record,
-    token_texts,
-    write_result,
-)
+from llmcli.inspection import answers
 from llmcli.inspection.pictures import Grid, plot_grids
 from llmcli.model.layers import RMSNorm
 from llmcli.progress import format_fixed
@@ -70,7 +61,7 @@ class Attribution:
     heads: np.ndarray
     mlp: np.ndarray
     rest: float
-    metric: AnswerMetric
+    metric: answers.AnswerMetric
     tokens: list[str]
     prompt: str = ""
 
@@ -127,7 +118,7 @@ def head_outputs(z: Tensor, proj_weight: Tensor) -> Tensor:
 
 @torch.no_grad()
 def attribute(
-    model: torch.nn.Module, tokenizer: Any, ids: list[int], metric: AnswerMetric
+    model: torch.nn.Module, tokenizer: Any, ids: list[int], metric: answers.AnswerMetric
 ) -> Attribution:
     """Direct logit attribution of the prompt `ids` at its last position (see the module doc).
 
@@ -137,7 +128,9 @@ def attribute(
     L = model.n_layer
     last = f"blocks.{L - 1}.resid_post" if L else "embed"
     names = ["embed", last] + [f"blocks.{i}.{p}" for i in range(L) for p in ("attn.z", "mlp_out")]
-    acts, logits = record(model, torch.tensor([ids], device=model_device(model)), names)
+    acts, logits = answers.record(
+        model, torch.tensor([ids], device=answers.model_device(model)), names
+    )
     at = {name: _cpu64(act[0, -1]) for name, act in acts.items()}  # the last position
     scale, gain, bias, centre = frozen_norm(model.ln_f, at[last])
     direction = _cpu64(metric.direction(model.lm_head.weight))  # (C,)
@@ -162,7 +155,7 @@ def attribute(
         mlp=np.array(mlp),
         rest=rest,
         metric=metric,
-        tokens=token_texts(tokenizer, ids),
+        tokens=answers.token_texts(tokenizer, ids),
         prompt=tokenizer.decode(ids),
     )
 
@@ -207,7 +200,7 @@ def format_attribution(result: Attribution) -> str:
 
 
 def run_attribution(
-    options: RunOptions,
+    options: answers.RunOptions,
     prompt: str,
     metric_texts: tuple[str, str | None],
     *,
@@ -227,10 +220,12 @@ def run_attribution(
         InputError: an empty prompt or one longer than the context, an answer that is not one
             token, an unwritable folder.
     """
-    run = open_run(options, notify)
-    metric = AnswerMetric.from_texts(run.tokenizer, *metric_texts)
-    ids = encode_text(run.tokenizer, prompt, run.model.context_length, "--prompt")
+    run = answers.open_run(options, notify)
+    metric = answers.AnswerMetric.from_texts(run.tokenizer, *metric_texts)
+    ids = answers.encode_text(run.tokenizer, prompt, run.model.context_length, "--prompt")
     result = attribute(run.model, run.tokenizer, ids, metric)
     plot = partial(plot_attribution, result)
-    files = write_result(options, run, "attribute", "attribution", result.to_dict(), plot, notify)
+    files = answers.write_result(
+        options, run, "attribute", "attribution", result.to_dict(), plot, notify
+    )
     return result, files

@@ -23,15 +23,7 @@ import numpy as np
 import torch
 
 from llmcli.errors import InputError
-from llmcli.inspection.answers import (
-    RunOptions,
-    encode_text,
-    model_device,
-    open_run,
-    record,
-    token_texts,
-    write_result,
-)
+from llmcli.inspection import answers
 from llmcli.inspection.pictures import Grid, plot_grids, token_label
 
 log = logging.getLogger(__name__)
@@ -93,9 +85,9 @@ def logit_lens(model: torch.nn.Module, tokenizer: Any, ids: Sequence[int]) -> Le
             f"the prompt is {len(ids)} token long: the lens reads the prompt's own next tokens, "
             "so give at least 2 tokens."
         )
-    x = torch.tensor([list(ids)], device=model_device(model))  # (1, T)
+    x = torch.tensor([list(ids)], device=answers.model_device(model))  # (1, T)
     names = boundary_names(model.n_layer)
-    acts, _ = record(model, x, names)
+    acts, _ = answers.record(model, x, names)
     streams = torch.cat([acts[name] for name in names])  # (L + 1, T, C)
     logp = torch.log_softmax(model.to_logits(streams).float(), dim=-1)  # (L + 1, T, V)
     nxt = x[0, 1:].expand(len(names), -1)  # (L + 1, T - 1)
@@ -104,7 +96,7 @@ def logit_lens(model: torch.nn.Module, tokenizer: Any, ids: Sequence[int]) -> Le
     texts = {t: tokenizer.decode([t]) for row in top for t in row}
     return LensResult(
         layers=["embed"] + [str(i) for i in range(model.n_layer)],
-        tokens=token_texts(tokenizer, ids),
+        tokens=answers.token_texts(tokenizer, ids),
         logprobs=read.double().cpu().numpy(),
         top_tokens=[[texts[t] for t in row] for row in top],
         prompt=tokenizer.decode(list(ids)),
@@ -147,7 +139,7 @@ def format_lens(result: LensResult) -> str:
 
 
 def run_lens(
-    options: RunOptions, prompt: str, *, notify: Callable[[str], Any] = log.warning
+    options: answers.RunOptions, prompt: str, *, notify: Callable[[str], Any] = log.warning
 ) -> tuple[LensResult, list[Path]]:
     """`llmcli lens`: load the run, read the prompt at every boundary, write `lens.json` and
     `lens.png` into `options.out_dir` (default `<run>/lens/`).
@@ -158,8 +150,10 @@ def run_lens(
     Raises:
         InputError: no run, an empty prompt or one longer than the context, an unwritable folder.
     """
-    run = open_run(options, notify)
-    ids = encode_text(run.tokenizer, prompt, run.model.context_length, "--prompt")
+    run = answers.open_run(options, notify)
+    ids = answers.encode_text(run.tokenizer, prompt, run.model.context_length, "--prompt")
     result = logit_lens(run.model, run.tokenizer, ids)
     plot = partial(plot_lens, result)
-    return result, write_result(options, run, "lens", "lens", result.to_dict(), plot, notify)
+    return result, answers.write_result(
+        options, run, "lens", "lens", result.to_dict(), plot, notify
+    )

@@ -35,16 +35,7 @@ import torch
 from torch import Tensor
 
 from llmcli.errors import InputError
-from llmcli.inspection.answers import (
-    AnswerMetric,
-    RunOptions,
-    encode_text,
-    model_device,
-    open_run,
-    record,
-    token_texts,
-    write_result,
-)
+from llmcli.inspection import answers
 from llmcli.inspection.pictures import Grid, plot_grids, token_label
 from llmcli.progress import format_fixed
 
@@ -119,7 +110,7 @@ def patched_metrics(
     stream: Tensor,
     clean_acts: dict[str, Tensor],
     sites: Sites,
-    metric: AnswerMetric,
+    metric: answers.AnswerMetric,
     rows: int | None = None,
 ) -> Tensor:
     """The metric of the corrupted prompt with each row's clean activations put in.
@@ -165,7 +156,7 @@ class PatchResult:
     corrupt: float
     tokens: list[str]
     corrupt_tokens: list[str]
-    metric: AnswerMetric
+    metric: answers.AnswerMetric
     clean_prompt: str = ""
     corrupt_prompt: str = ""
 
@@ -187,7 +178,7 @@ def patch_grids(
     model: torch.nn.Module,
     clean: Tensor,
     corrupt: Tensor,
-    metric: AnswerMetric,
+    metric: answers.AnswerMetric,
     rows: int | None = None,
 ) -> tuple[dict[str, np.ndarray], float, float]:
     """Every grid of `GRIDS` for the prompts `clean` and `corrupt`, both `(1, T)`.
@@ -200,8 +191,10 @@ def patch_grids(
     """
     L = model.n_layer
     names = [f"blocks.{i}.{p}" for i in range(L) for p in GRIDS.values()]
-    clean_acts, clean_logits = record(model, clean, names)
-    streams, corrupt_logits = record(model, corrupt, [f"blocks.{i}.resid_pre" for i in range(L)])
+    clean_acts, clean_logits = answers.record(model, clean, names)
+    streams, corrupt_logits = answers.record(
+        model, corrupt, [f"blocks.{i}.resid_pre" for i in range(L)]
+    )
     clean_value = float(metric(clean_logits[:, -1])[0])
     corrupt_value = float(metric(corrupt_logits[:, -1])[0])
     gap = clean_value - corrupt_value
@@ -282,7 +275,7 @@ def format_patch(result: PatchResult) -> str:
 
 
 def run_patch(
-    options: RunOptions,
+    options: answers.RunOptions,
     clean: str,
     corrupt: str,
     metric_texts: tuple[str, str | None],
@@ -302,18 +295,18 @@ def run_patch(
         InputError: prompts of different lengths, empty or too long; an answer that is not one
             token; prompts that give the same metric; an unwritable folder.
     """
-    run = open_run(options, notify)
+    run = answers.open_run(options, notify)
     tok, ctx = run.tokenizer, run.model.context_length
-    metric = AnswerMetric.from_texts(tok, *metric_texts)
-    clean_ids = encode_text(tok, clean, ctx, "--clean")
-    corrupt_ids = encode_text(tok, corrupt, ctx, "--corrupt")
+    metric = answers.AnswerMetric.from_texts(tok, *metric_texts)
+    clean_ids = answers.encode_text(tok, clean, ctx, "--clean")
+    corrupt_ids = answers.encode_text(tok, corrupt, ctx, "--corrupt")
     if len(clean_ids) != len(corrupt_ids):
         raise InputError(
             f"--clean is {len(clean_ids)} tokens long and --corrupt {len(corrupt_ids)}: "
             "patching puts each position's activation in the same position of the other, so "
             "give two prompts of the same number of tokens."
         )
-    device = model_device(run.model)
+    device = answers.model_device(run.model)
     grids, clean_value, corrupt_value = patch_grids(
         run.model,
         torch.tensor([clean_ids], device=device),
@@ -324,11 +317,13 @@ def run_patch(
         grids,
         clean_value,
         corrupt_value,
-        token_texts(tok, clean_ids),
-        token_texts(tok, corrupt_ids),
+        answers.token_texts(tok, clean_ids),
+        answers.token_texts(tok, corrupt_ids),
         metric,
         clean,
         corrupt,
     )
     plot = partial(plot_patch, result)
-    return result, write_result(options, run, "patch", "patch", result.to_dict(), plot, notify)
+    return result, answers.write_result(
+        options, run, "patch", "patch", result.to_dict(), plot, notify
+    )
