@@ -1,4 +1,5 @@
-"""The `llmcli` Typer app and what its commands share: messages to stderr, streamed stdout.
+"""The `llmcli` Typer app and what its commands share: messages to stderr, the result as JSON or
+text, streamed stdout.
 
 The commands are in the modules beside this one, by what they work on; `llmcli.cli` gathers them
 and holds `main`, which maps errors to exit statuses.
@@ -6,9 +7,11 @@ and holds `main`, which maps errors to exit statuses.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
-from typing import Annotated
+from collections.abc import Callable
+from typing import Annotated, Any
 
 import typer
 from typer.core import TyperGroup
@@ -46,6 +49,11 @@ app = typer.Typer(
 def notify(line: str) -> None:
     """Lines for the user that are not the command's result (which run, warnings) go to stderr."""
     typer.echo(line, err=True)
+
+
+def result_text(result: Any, as_json: bool, format_text: Callable[[Any], str]) -> str:
+    """A command's result as `--json` asks: its `to_dict()` as one line of JSON, else as text."""
+    return json.dumps(result.to_dict()) if as_json else format_text(result)
 
 
 class ThrottledStdout:

@@ -143,21 +143,13 @@ def sample_command(
     """Generate text from a trained run (KV-cached, batched), or talk to it (--interactive)."""
     import json
 
-    from llmcli.generation.batching import SampleOptions
-    from llmcli.generation.prompts import read_prompts, unescape
+    from llmcli.generation.prompts import read_prompts
     from llmcli.generation.sample import format_samples, sample_run
 
     write = ThrottledStdout()
-    options = SampleOptions(
-        num_samples=num_samples,
-        stop=tuple(unescape(text) for text in stop or []),
-        threads=threads,
-        weights=weights,
-        device=device,
-    )
+    options = _sample_options(stop, threads, weights, device, num_samples=num_samples)
     hooks = _steering(steer)
-    # The run's sample: config, changed by the options given (None: not given).
-    overrides = {key: value for key, value in settings.items() if value is not None}
+    overrides = _given(settings)
     if interactive:
         if prompt_file is not None or json_:
             raise InputError(
@@ -182,6 +174,33 @@ def sample_command(
     elif not streaming:
         write(format_samples(samples))
     sys.stdout.flush()
+
+
+def _sample_options(
+    stop: Optional[list[str]],
+    threads: Optional[int],
+    weights: str,
+    device: str,
+    num_samples: int = 1,
+) -> SampleOptions:
+    """`sample`'s and `chat`'s options around generation: --stop's texts (\\n, \\t unescaped),
+    --threads, --weights, --device and `sample --num-samples`."""
+    from llmcli.generation.batching import SampleOptions
+    from llmcli.generation.prompts import unescape
+
+    return SampleOptions(
+        num_samples=num_samples,
+        stop=tuple(unescape(text) for text in stop or []),
+        threads=threads,
+        weights=weights,
+        device=device,
+    )
+
+
+def _given(settings: dict[str, Any]) -> dict[str, Any]:
+    """The sampling settings given as options: they change the run's sample: config (None: not
+    given, the run's value stays)."""
+    return {key: value for key, value in settings.items() if value is not None}
 
 
 def _steering(steer: Optional[list[str]]) -> HookFactory | None:
@@ -209,23 +228,30 @@ def _interactive(
     from llmcli.generation.sample import hooked, load_for_sampling
 
     run, config, options = load_for_sampling(checkpoint, overrides, options, notify)
+    read_line = _stdin_lines(
+        "> ",
+        f"{run.run_dir}: type a prompt; /help lists the commands, Ctrl-D exits",
+        first=prompt,
+    )
+    with hooked(run.model, hooks):
+        interactive(run, config, options, read_line, write, notify)
+    sys.stdout.flush()
+
+
+def _stdin_lines(
+    tty_prompt: str, greeting: str, first: Optional[str] = None
+) -> Callable[[], str | None]:
+    """The `read_line` of a session on stdin: the line `first` if given, then a terminal's lines
+    typed after `tty_prompt` (with line editing; `greeting` is said first), or a pipe's; None at
+    the end of the input."""
+    from llmcli.generation.interactive import decode_line, not_utf8
+
+    pending = [first] if first is not None else []
     tty = sys.stdin.isatty()
     if tty:
         import readline  # noqa: F401  (line editing and history for input())
 
-        notify(f"{run.run_dir}: type a prompt; /help lists the commands, Ctrl-D exits")
-    pending = [prompt] if prompt is not None else []
-    with hooked(run.model, hooks):
-        interactive(run, config, options, _stdin_lines("> ", pending), write, notify)
-    sys.stdout.flush()
-
-
-def _stdin_lines(tty_prompt: str, pending: list[str]) -> Callable[[], str | None]:
-    """The `read_line` of a session on stdin: `pending` lines first, then a terminal's lines
-    typed after `tty_prompt` (with line editing), or a pipe's; None at the end of the input."""
-    from llmcli.generation.interactive import decode_line, not_utf8
-
-    tty = sys.stdin.isatty()
+        notify(greeting)
     # A pipe is read as bytes, each line decoded alone: bytes that are not UTF-8 are that line's
     # error, where text-mode stdin would stop the session (or, under some locales, pass them on
     # as surrogates).
@@ -275,25 +301,17 @@ def chat_command(
     """Talk with a chat run: one message per line from stdin (a terminal or a pipe), each reply
     printed (on a pipe, as one line: newlines in it written \\n); /reset, /system TEXT, /quit,
     /help; Ctrl-C stops a reply, Ctrl-D exits."""
-    from llmcli.generation.batching import SampleOptions
     from llmcli.generation.chat import chat, open_session
-    from llmcli.generation.prompts import unescape
     from llmcli.generation.sample import hooked
 
-    options = SampleOptions(
-        stop=tuple(unescape(text) for text in stop or []),
-        threads=threads,
-        weights=weights,
-        device=device,
-    )
+    options = _sample_options(stop, threads, weights, device)
     hooks = _steering(steer)
-    overrides = {key: value for key, value in settings.items() if value is not None}
+    overrides = _given(settings)
     session = open_session(checkpoint, system, overrides, options, notify)
-    if sys.stdin.isatty():
-        import readline  # noqa: F401  (line editing and history for input())
-
-        notify(f"{session.run.run_dir}: type a message; /help lists the commands, Ctrl-D exits")
+    read_line = _stdin_lines(
+        "you> ", f"{session.run.run_dir}: type a message; /help lists the commands, Ctrl-D exits"
+    )
     one_line = not sys.stdout.isatty()
     with hooked(session.run.model, hooks):
-        chat(session, _stdin_lines("you> ", []), ThrottledStdout(), notify, one_line=one_line)
+        chat(session, read_line, ThrottledStdout(), notify, one_line=one_line)
     sys.stdout.flush()

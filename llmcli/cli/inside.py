@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from llmcli.cli.app import app, log_to_stderr, notify
+from llmcli.cli.app import app, log_to_stderr, notify, result_text
 from llmcli.cli.options import (
     AblationCommand,
     CheckpointOption,
@@ -231,7 +231,7 @@ def eval_command(
     )
     hooks = feature_ablation(options.ablate_feature)
     result = evaluate_run(checkpoint, data, options, hooks=hooks, progress=progress, notify=notify)
-    summary = json.dumps(result.to_dict()) if json_ else format_result(result)
+    summary = result_text(result, json_, format_result)
     if result.per_token is None:
         typer.echo(summary)
         return

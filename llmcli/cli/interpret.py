@@ -3,12 +3,13 @@ answer, and which parts write it directly."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
-from llmcli.cli.app import app, notify
+from llmcli.cli.app import app, notify, result_text
 from llmcli.cli.options import CheckpointOption, DeviceOption, JsonOption, WeightsOption
 
 PromptOption = Annotated[
@@ -37,8 +38,10 @@ def _out_option(name: str) -> object:
     return typer.Option("--out", help=f"Output folder (default: <run>/{name}/).", metavar="DIR")
 
 
-def _wrote(files: list[Path]) -> None:
-    """The result's files, then the run's viewer pages that now show it."""
+def _report(result: Any, files: list[Path], json_: bool, format_text: Callable[[Any], str]) -> None:
+    """The result on stdout (text, or one line of JSON with --json); on stderr, the files it was
+    written to, then the run's viewer pages that now show it."""
+    typer.echo(result_text(result, json_, format_text), nl=json_)
     folder = files[0].parent
     notify(f"wrote {folder}/: " + ", ".join(p.name for p in files if p.parent == folder))
     pages = [str(p) for p in files if p.parent != folder]
@@ -56,15 +59,12 @@ def lens_command(
     json_: JsonOption = False,
 ) -> None:
     """Logit lens: the final norm and LM head applied after every layer, per position."""
-    import json
-
     from llmcli.inspection.answers import RunOptions
     from llmcli.inspection.lens import format_lens, run_lens
 
     options = RunOptions(checkpoint, weights, device, out)
     result, files = run_lens(options, prompt, notify=notify)
-    typer.echo(json.dumps(result.to_dict()) if json_ else format_lens(result), nl=json_)
-    _wrote(files)
+    _report(result, files, json_, format_lens)
 
 
 @app.command("patch")
@@ -85,15 +85,12 @@ def patch_command(
     json_: JsonOption = False,
 ) -> None:
     """Activation patching: how much of the clean answer each clean activation restores."""
-    import json
-
     from llmcli.inspection.answers import RunOptions
     from llmcli.inspection.patching import format_patch, run_patch
 
     options = RunOptions(checkpoint, weights, device, out)
     result, files = run_patch(options, clean, corrupt, (answer, wrong), notify=notify)
-    typer.echo(json.dumps(result.to_dict()) if json_ else format_patch(result), nl=json_)
-    _wrote(files)
+    _report(result, files, json_, format_patch)
 
 
 @app.command("attribute")
@@ -108,12 +105,9 @@ def attribute_command(
     json_: JsonOption = False,
 ) -> None:
     """Direct logit attribution: each head's, MLP's and the embedding's part of the answer."""
-    import json
-
     from llmcli.inspection.answers import RunOptions
     from llmcli.inspection.attribution import format_attribution, run_attribution
 
     options = RunOptions(checkpoint, weights, device, out)
     result, files = run_attribution(options, prompt, (answer, wrong), notify=notify)
-    typer.echo(json.dumps(result.to_dict()) if json_ else format_attribution(result), nl=json_)
-    _wrote(files)
+    _report(result, files, json_, format_attribution)

@@ -47,6 +47,11 @@ WeightsOption = Annotated[
     str, typer.Option(help="Which weights of the run: best or last.", metavar="WHICH")
 ]
 DeviceOption = Annotated[str, typer.Option(help="auto, cpu, cuda or mps.", metavar="DEVICE")]
+# plan's and bench's, which take a CONFIG: its train.device is the default.
+ConfigDeviceOption = Annotated[
+    Optional[str],
+    typer.Option(help="auto, cpu, cuda or mps (default: train.device).", metavar="DEVICE"),
+]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
 DataOption = Annotated[
     Optional[Path],

@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
-
 import typer
 
 from llmcli.cli.app import app, log_to_stderr, notify
-from llmcli.cli.options import ConfigArg, JsonOption, SetOption
+from llmcli.cli.options import ConfigArg, ConfigDeviceOption, JsonOption, SetOption
 
 
 @app.command("plan")
 def plan_command(
     config: ConfigArg,
     set_: SetOption = None,
-    device: Annotated[
-        Optional[str],
-        typer.Option(help="auto, cpu, cuda or mps (default: train.device).", metavar="DEVICE"),
-    ] = None,
+    device: ConfigDeviceOption = None,
     json_: JsonOption = False,
 ) -> None:
     """Before training: parameters, FLOPs per token, memory per step and whether it fits, the

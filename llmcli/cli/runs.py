@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmcli.cli.app import app, notify
+from llmcli.cli.app import app, notify, result_text
 from llmcli.cli.options import CheckpointOption, JsonOption, UsageCommand, WeightsOption
 
 
@@ -136,8 +136,6 @@ def compare_command(
 ) -> None:
     """Compare runs: their curves in one PNG and a table (best val loss, steps, tokens, time,
     tokens/s, and the config keys that differ); with --reference, against the reference curve."""
-    import json
-
     from llmcli.runs.compare import compare_runs, format_table
 
     if out is None and not json_:
@@ -146,8 +144,6 @@ def compare_command(
     comparison = compare_runs(runs, metric=metric, x=axis, out=out, reference=reference)
     if comparison.replaced:
         notify(f"note: {comparison.picture} was there already: replaced it")
-    if json_:
-        typer.echo(json.dumps(comparison.to_dict()))
-        return
-    typer.echo(format_table(comparison))
-    typer.echo(f"wrote {comparison.picture}")
+    typer.echo(result_text(comparison, json_, format_table))
+    if not json_:
+        typer.echo(f"wrote {comparison.picture}")

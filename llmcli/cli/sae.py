@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmcli.cli.app import app, log_to_stderr, notify
+from llmcli.cli.app import app, log_to_stderr, notify, result_text
 from llmcli.cli.options import (
     CheckpointOption,
     DataOption,
@@ -160,23 +160,12 @@ def sae_eval_command(
 ) -> None:
     """Explained variance, L0, dead features, and the loss with the SAE spliced in against the
     clean, zero- and mean-ablated losses (ce_recovered)."""
-    import json
-
     from llmcli.inspection.sae.evaluate import ReadOptions, evaluate_sae, format_eval
 
     log_to_stderr()
-    options = ReadOptions(
-        sae=sae,
-        checkpoint=checkpoint,
-        data=data,
-        steps=steps,
-        batch_size=batch_size,
-        weights=weights,
-        device=device,
-        threads=threads,
-    )
+    options = ReadOptions(sae, checkpoint, data, steps, batch_size, weights, device, threads)
     result = evaluate_sae(options, progress=progress, notify=notify)
-    typer.echo(json.dumps(result.to_dict()) if json_ else format_eval(result))
+    typer.echo(result_text(result, json_, format_eval))
 
 
 @sae_app.command("features")
@@ -217,16 +206,7 @@ def sae_features_command(
     from llmcli.inspection.sae.page import write_features_page
 
     log_to_stderr()
-    options = ReadOptions(
-        sae=sae,
-        checkpoint=checkpoint,
-        data=data,
-        steps=steps,
-        batch_size=batch_size,
-        weights=weights,
-        device=device,
-        threads=threads,
-    )
+    options = ReadOptions(sae, checkpoint, data, steps, batch_size, weights, device, threads)
     report = feature_report(options, feature or (), top=top, progress=progress, notify=notify)
     if json_:
         typer.echo(json.dumps(report.to_dict(), ensure_ascii=False))

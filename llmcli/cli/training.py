@@ -12,6 +12,7 @@ from llmcli.cli.app import app, log_to_stderr
 from llmcli.cli.options import (
     RESUME_VALUES,
     ConfigArg,
+    ConfigDeviceOption,
     ProgressOption,
     SetOption,
     TrainCommand,
@@ -201,10 +202,7 @@ def bench_command(
             help="Sequence lengths (context_length) to try, comma-separated.", metavar="LIST"
         ),
     ] = "64,128,256,512",
-    device: Annotated[
-        Optional[str],
-        typer.Option(help="auto, cpu, cuda or mps (default: train.device).", metavar="DEVICE"),
-    ] = None,
+    device: ConfigDeviceOption = None,
     out: Annotated[
         Optional[Path],
         typer.Option(
