@@ -190,8 +190,8 @@ def main() -> None:
     from llmcli.runs.directory import STATE_FILE
     from llmcli.runs.formats import load_state, read_weights
     from llmcli.runs.loading import load_run
+    from llmcli.training import checkpoint, log  # where the loop's saves and plots are made
     from llmcli.training import loop as train_module
-    from llmcli.training import records  # where the loop's saves and plots are made
 
     torch.set_num_threads(1)  # the children too: bitwise comparisons need the same kernels
     rng = random.Random(args.seed)
@@ -206,17 +206,17 @@ def main() -> None:
 
     # --- the reference, with its weights at every save --------------------------------------
     snapshots: dict[int, dict[str, torch.Tensor]] = {}
-    real_save, real_plot = records.save_checkpoint, records.plot_losses
+    real_save, real_plot = checkpoint.save_checkpoint, log.plot_losses
 
     def save(run_dir, model, state, meta, **kwargs):
         snapshots[meta["step"]] = {k: v.detach().clone() for k, v in state["model"].items()}
         real_save(run_dir, model, state, meta, **kwargs)
 
-    records.save_checkpoint, records.plot_losses = save, lambda *a: None
+    checkpoint.save_checkpoint, log.plot_losses = save, lambda *a: None
     try:
         train_module.train(config_from_dict(raw), out_dir=work / "reference", progress=False)
     finally:
-        records.save_checkpoint, records.plot_losses = real_save, real_plot
+        checkpoint.save_checkpoint, log.plot_losses = real_save, real_plot
     assert sorted(snapshots) == saves, (sorted(snapshots), saves)
 
     def check(run_dir: Path) -> tuple[int, int | None, bool]:

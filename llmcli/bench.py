@@ -26,7 +26,6 @@ a `bench.png` of each measure against the sequence length, one line per head cou
 from __future__ import annotations
 
 import dataclasses
-import io
 import logging
 import multiprocessing
 import os
@@ -48,7 +47,7 @@ from llmcli.config import Config, ModelConfig, SampleConfig
 from llmcli.data.tokenizer import load_tokenizer
 from llmcli.device import resolve_device, timed
 from llmcli.errors import ConfigError, InputError, describe_os_error
-from llmcli.fileio import atomic_write_bytes, atomic_write_json
+from llmcli.fileio import atomic_write_json, write_figure
 from llmcli.generation.engine import generate
 from llmcli.generation.fast_decode import FastDecoder
 from llmcli.model.gpt import Transformer
@@ -464,7 +463,7 @@ def write_report(
         out.mkdir(parents=True, exist_ok=True)
         json_path, png_path = out / JSON_FILE, out / PLOT_FILE
         atomic_write_json(json_path, {**(meta or {}), "results": [r.to_dict() for r in results]})
-        atomic_write_bytes(png_path, plot_png(results))
+        write_figure(png_path, bench_figure(results))
     except OSError as exc:
         raise InputError(
             f"cannot write the bench report into '{out}': {describe_os_error(exc)}."
@@ -480,7 +479,7 @@ PANELS = (
 )
 
 
-def plot_png(results: Sequence[BenchResult]) -> bytes:
+def bench_figure(results: Sequence[BenchResult]) -> Figure:
     """A 2 x 2 figure: each measure against the sequence length, one line per head count."""
     ok = [r for r in results if r.status == "ok"]
     fig = Figure(figsize=(10, 7), dpi=100)
@@ -516,9 +515,7 @@ def plot_png(results: Sequence[BenchResult]) -> bytes:
                 color="gray",
             )
     fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    return buffer.getvalue()
+    return fig
 
 
 def bench_and_report(

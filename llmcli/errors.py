@@ -5,7 +5,9 @@ file, a prompt the tokenizer cannot encode. The CLI prints the message and exits
 never a traceback. Anything else is an internal error (exit status 1).
 """
 
+import difflib
 import errno
+from collections.abc import Iterable
 
 
 class InputError(ValueError):
@@ -27,3 +29,17 @@ def describe_os_error(exc: OSError) -> str:
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return f"{exc.strerror or 'permission denied'} (check the folder's permissions)"
     return exc.strerror or str(exc)
+
+
+def did_you_mean(
+    word: str,
+    choices: Iterable[str],
+    form: str = " Did you mean '{}'?",
+    n: int = 1,
+    cutoff: float = 0.5,
+) -> str:
+    """The hint of a message that names an unknown `word`: `form` holding the `n` closest of
+    `choices` (joined by ", "; `difflib`'s similarity at least `cutoff`), or "" when none is
+    close enough to be meant."""
+    close = difflib.get_close_matches(word, list(choices), n=n, cutoff=cutoff)
+    return form.format(", ".join(close)) if close else ""

@@ -95,6 +95,13 @@ def atomic_write_json(path: str | Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
+def write_figure(path: str | Path, figure: Any, **savefig: Any) -> None:
+    """Save a matplotlib figure to `path` as a PNG, atomically (see `atomic_path`); `savefig`
+    are matplotlib's options (`dpi`, `bbox_inches`)."""
+    with atomic_path(path) as tmp:
+        figure.savefig(tmp, format="png", **savefig)
+
+
 def append_json_line(fh: Any, path: Path, record: dict[str, Any]) -> int:
     """Append `record` as one flushed JSON line to the open binary file `fh` (a log such as
     `metrics.jsonl`: a crash can only leave a torn last line); the bytes written.

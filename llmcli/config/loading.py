@@ -11,7 +11,6 @@ wrong types and unreadable files are `ConfigError`s whose message names the key 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import re
 import reprlib
@@ -24,7 +23,7 @@ import yaml
 
 from llmcli.config.sections import SECTIONS, Config
 from llmcli.config.shipped import bundled_paths, find_config
-from llmcli.errors import ConfigError, InputError
+from llmcli.errors import ConfigError, InputError, did_you_mean
 from llmcli.fileio import read_user_text
 
 
@@ -91,8 +90,7 @@ def apply_overrides(raw: Any, overrides: list[str]) -> Any:
     for text in overrides:
         section, key, value = parse_override(text)
         if section not in SECTIONS:
-            close = difflib.get_close_matches(section, list(SECTIONS), n=1, cutoff=0.5)
-            hint = f" Did you mean '{close[0]}'?" if close else ""
+            hint = did_you_mean(section, SECTIONS)
             raise ConfigError(
                 f"--set {text!r}: unknown section '{section}'.{hint} The sections are "
                 f"{', '.join(SECTIONS)}."
@@ -163,8 +161,7 @@ def config_from_dict(raw: Any, name: str = "run") -> Config:
         )
     for key in raw:
         if key not in SECTIONS:
-            close = difflib.get_close_matches(str(key), list(SECTIONS), n=1, cutoff=0.5)
-            hint = f" Did you mean '{close[0]}'?" if close else ""
+            hint = did_you_mean(str(key), SECTIONS)
             raise ConfigError(
                 f"unknown config section '{key}'.{hint} The sections are {', '.join(SECTIONS)}."
             )
@@ -190,8 +187,7 @@ def _build_section(section: str, raw: Any) -> Any:
     values = {}
     for key, value in raw.items():
         if not isinstance(key, str) or key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.5)
-            hint = f" Did you mean '{section}.{close[0]}'?" if close else ""
+            hint = did_you_mean(str(key), known, f" Did you mean '{section}.{{}}'?")
             raise ConfigError(
                 f"unknown key '{section}.{key}'.{hint} Known keys in '{section}': "
                 f"{', '.join(known)}."

@@ -187,7 +187,8 @@ def evaluate_run(
     run = load_run(checkpoint, weights=options.weights, device=dev, notify=notify)
     with torch_threads(options.threads or run.config.train.threads):
         if is_conversations(data) or (data is None and run.config.data.format == "chat"):
-            return _evaluate_chat(run, data, options, t0, hooks=hooks, progress=progress)
+            _refuse_text_options(options, hooks)
+            return _evaluate_chat(run, data, options, t0, progress=progress)
         if options.answers:
             raise InputError(
                 "--answers compares greedy replies with the assistant's turns of conversations: "
@@ -196,16 +197,8 @@ def evaluate_run(
         return _evaluate(run, data, options, t0, hooks=hooks, progress=progress)
 
 
-def _evaluate_chat(
-    run: Any,
-    data: str | Path | None,
-    options: EvalOptions,
-    t0: float,
-    *,
-    hooks: Hooks | None,
-    progress: bool,
-) -> ChatEvalResult:
-    """`evaluate_run` on conversations: the options that apply to text windows are refused."""
+def _refuse_text_options(options: EvalOptions, hooks: Hooks | None) -> None:
+    """Refuse, on conversations, what applies to text windows only."""
     refused = {"--ablate": options.ablate, "--per-token": options.per_token}
     refused["--ablate-feature"] = bool(options.ablate_feature) or hooks is not None
     option = next((name for name, given in refused.items() if given), None)
@@ -214,6 +207,12 @@ def _evaluate_chat(
             f"{option} scores text windows, not conversations: drop it, or give a text file "
             "as --data."
         )
+
+
+def _evaluate_chat(
+    run: Any, data: str | Path | None, options: EvalOptions, t0: float, *, progress: bool
+) -> ChatEvalResult:
+    """`evaluate_run` on conversations (`llmcli.evaluation.chat`)."""
     return evaluate_conversations(
         run,
         None if data is None else Path(data),

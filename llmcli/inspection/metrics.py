@@ -67,27 +67,15 @@ def entropy_score(attn: np.ndarray) -> np.ndarray:
 
 
 def prev_token_score(attn: np.ndarray) -> np.ndarray:
-    """Previous-token score: mean over queries q >= 1 of attn[q, q - 1].
-
-    Args:
-        attn: attention maps `[..., T, T]`.
-
-    Returns:
-        `[...]` scores in [0, 1] (NaN when T == 1).
-    """
+    """Previous-token score `[...]` of maps `[..., T, T]`: mean over queries q >= 1 of
+    attn[q, q - 1], in [0, 1]."""
     attn = _check_maps(attn)
     return _query_mean(np.diagonal(attn, offset=-1, axis1=-2, axis2=-1))  # (..., T-1) -> (...)
 
 
 def first_token_score(attn: np.ndarray) -> np.ndarray:
-    """First-token (attention sink) score: mean over queries q >= 1 of attn[q, 0].
-
-    Args:
-        attn: attention maps `[..., T, T]`.
-
-    Returns:
-        `[...]` scores in [0, 1] (NaN when T == 1).
-    """
+    """First-token (attention sink) score `[...]` of maps `[..., T, T]`: mean over queries
+    q >= 1 of attn[q, 0], in [0, 1]."""
     attn = _check_maps(attn)
     # The column as a slice (..., T-1, 1) summed, not indexed: maps of no tokens have no key 0.
     return _query_mean(attn[..., 1:, :1].sum(-1))  # (..., T-1) -> (...)
@@ -156,18 +144,9 @@ def induction_score(attn: np.ndarray, ids: np.ndarray, *, unique: bool = False) 
 
 
 def duplicate_token_score(attn: np.ndarray, ids: np.ndarray, *, unique: bool = False) -> np.ndarray:
-    """Duplicate-token score: like `induction_score`, the weight on the earlier occurrences of
-    the query's own token themselves (not on the tokens after them). 1 for an ideal
-    duplicate-token head.
-
-    Args:
-        attn: attention maps `[..., T, T]` over the sequence.
-        ids: the sequence's token ids `[T]`.
-        unique: score only queries with exactly one earlier occurrence.
-
-    Returns:
-        `[...]` scores in [0, 1] (NaN when no query qualifies).
-    """
+    """Duplicate-token score: like `induction_score` (the same arguments and range), the weight
+    on the earlier occurrences of the query's own token themselves, not on the tokens after
+    them. 1 for an ideal duplicate-token head."""
     earlier = earlier_occurrences(ids)  # (T, T)
     return _repeat_score(attn, earlier, earlier, unique)
 

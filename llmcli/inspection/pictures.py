@@ -14,7 +14,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from llmcli.fileio import atomic_path
+from llmcli.fileio import write_figure
 from llmcli.inspection.dump import AttentionDump
 
 
@@ -85,8 +85,7 @@ def plot_layers(dump: AttentionDump, out_dir: str | Path) -> list[Path]:
         fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.6, label="attention weight")
         fig.suptitle(f"layer {layer} ({T} tokens)", fontsize=11)
         path = out_dir / f"layer-{layer}.png"
-        with atomic_path(path) as tmp:
-            fig.savefig(tmp, dpi=100, format="png", bbox_inches="tight")
+        write_figure(path, fig, dpi=100, bbox_inches="tight")
         paths.append(path)
     return paths
 
@@ -127,8 +126,7 @@ def plot_head_deltas(delta: dict[str, np.ndarray], path: str | Path, title: str 
                 ax.text(j, i, f"{v:.3f}", ha="center", va="center", fontsize=6, color=colour)
     fig.colorbar(im, ax=list(axes), shrink=0.8, label="Δloss (nats/token)")
     fig.suptitle(title or "loss increase when one head is removed", fontsize=10)
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=100, format="png", bbox_inches="tight")
+    write_figure(path, fig, dpi=100, bbox_inches="tight")
     return path
 
 
@@ -244,6 +242,5 @@ def plot_grids(
     fig.colorbar(im, cax=cax, label=colour_label)
     if title:
         fig.suptitle(title, fontsize=10)
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=100, format="png")  # constrained layout: nothing to trim
+    write_figure(path, fig, dpi=100)  # constrained layout: nothing to trim
     return path

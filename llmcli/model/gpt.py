@@ -289,6 +289,9 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.vocab_size, self.dropout = vocab_size, config.dropout
+        # The config's sizes, which readers of a model ask for often.
+        self.n_layer, self.n_head, self.n_embed = config.n_layer, config.n_head, config.n_embed
+        self.context_length, self.tie_embeddings = config.context_length, config.tie_embeddings
         C = config.n_embed
         self.wte = nn.Embedding(vocab_size, C)
         self.wpe = nn.Embedding(config.context_length, C) if config.pos_emb == "learned" else None
@@ -300,27 +303,6 @@ class Transformer(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.wte.weight  # one tensor, used twice
         self._init_weights(generator)
-
-    # The config's sizes, which readers of a model ask for often.
-    @property
-    def n_layer(self) -> int:
-        return self.config.n_layer
-
-    @property
-    def n_head(self) -> int:
-        return self.config.n_head
-
-    @property
-    def n_embed(self) -> int:
-        return self.config.n_embed
-
-    @property
-    def context_length(self) -> int:
-        return self.config.context_length
-
-    @property
-    def tie_embeddings(self) -> bool:
-        return self.config.tie_embeddings
 
     def _init_weights(self, generator: torch.Generator | None) -> None:
         std = 0.02

@@ -16,13 +16,12 @@ computed at all only while a function is at it (see `MultiHeadAttention`).
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 
 from torch import Tensor, nn
 
-from llmcli.errors import InputError
+from llmcli.errors import InputError, did_you_mean
 
 HookFn = Callable[[Tensor], Tensor | None]
 
@@ -97,8 +96,7 @@ def hooked(module: nn.Module, fns: Mapping[str, HookFn | list[HookFn]]) -> Itera
     each = [(name, f) for name, fn in fns.items() for f in (fn if isinstance(fn, list) else [fn])]
     for name, fn in each:
         if name not in points:
-            close = difflib.get_close_matches(name, list(points), n=3, cutoff=0.6)
-            hint = f"did you mean {', '.join(close)}? " if close else ""
+            hint = did_you_mean(name, points, "did you mean {}? ", n=3, cutoff=0.6)
             raise InputError(
                 f"{name!r} is not a hook point of this model: {hint}`model.hook_names()` lists "
                 f"them all ({', '.join(list(points)[:4])}, ...)."

@@ -10,7 +10,6 @@ between the runs (only those). With `reference`, each run's shipped config's ref
 from __future__ import annotations
 
 import glob
-import io
 import logging
 import math
 from dataclasses import asdict, dataclass, field
@@ -21,7 +20,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from llmcli.errors import InputError, describe_os_error
-from llmcli.fileio import atomic_write_bytes
+from llmcli.fileio import write_figure
 from llmcli.runs.directory import CONFIG_FILE, META_FILE, METRICS_FILE
 from llmcli.runs.formats import read_meta
 from llmcli.runs.loading import load_config_file
@@ -197,7 +196,7 @@ def compare_runs(
         replaced = picture.exists()
         curves = _reference_curves(summaries)
         try:
-            atomic_write_bytes(picture, _plot(records, metric, x, curves))
+            write_figure(picture, curves_figure(records, metric, x, curves))
         except OSError as exc:
             raise InputError(f"cannot write '{picture}': {describe_os_error(exc)}.") from None
     return Comparison(summaries, differing, metric, x, picture, replaced)
@@ -239,18 +238,6 @@ def _points(records: list[dict[str, Any]], metric: str, x: str) -> list[tuple[fl
         and isinstance(r.get(x), (int, float))
         and math.isfinite(r[metric])
     ]
-
-
-def _plot(
-    records: dict[Path, list[dict[str, Any]]],
-    metric: str,
-    x: str,
-    references: dict[str, list[dict[str, Any]]] | None = None,
-) -> bytes:
-    """The picture as PNG bytes."""
-    buffer = io.BytesIO()
-    curves_figure(records, metric, x, references).savefig(buffer, format="png")
-    return buffer.getvalue()
 
 
 def curves_figure(

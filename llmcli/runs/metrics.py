@@ -9,7 +9,6 @@ rather than twice. `loss.png` is redrawn from the file at every evaluation.
 
 from __future__ import annotations
 
-import io
 import json
 import math
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from llmcli.fileio import append_json_line, atomic_write_bytes
+from llmcli.fileio import append_json_line, atomic_write_bytes, write_figure
 from llmcli.runs.trackers import Trackers
 
 
@@ -171,9 +170,7 @@ def plot_losses(metrics_path: Path, out_path: Path) -> None:
     if train or evals:
         ax.legend()
     fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    atomic_write_bytes(out_path, buffer.getvalue())
+    write_figure(out_path, fig)
 
 
 def best_eval(records: list[dict[str, Any]]) -> tuple[float | None, int | None]:

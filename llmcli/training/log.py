@@ -327,8 +327,9 @@ class TrainSummary:
         """The summary of a run at `state`, whose saves in this session took `save_seconds`,
         after `elapsed_s` seconds of training at `tokens_per_s` (None: no step this session)."""
         val = state.last_eval.get("val")
+        repeated = ("run_dir", "n_params", "device", "dtype", "world_size", "rank", "resumed_from")
         return cls(
-            run_dir=facts.run_dir,
+            **{name: getattr(facts, name) for name in repeated},
             step=state.step,
             max_steps=max_steps,
             tokens=state.tokens,
@@ -338,12 +339,6 @@ class TrainSummary:
             val_ppl=perplexity(val) if val is not None else None,
             best_val_loss=state.best_val_loss if math.isfinite(state.best_val_loss) else None,
             tokens_per_s=tokens_per_s,
-            n_params=facts.n_params,
-            device=facts.device,
-            dtype=facts.dtype,
-            world_size=facts.world_size,
-            rank=facts.rank,
-            resumed_from=facts.resumed_from,
             saves=len(save_seconds),
             save_s=max(save_seconds, default=None),
             skipped=guard.state.skips if guard is not None else 0,
