@@ -17,6 +17,7 @@ message says what is wrong in a few words; each reader decides what a bad file m
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import stat
@@ -96,10 +97,11 @@ def atomic_write_json(path: str | Path, obj: Any) -> None:
 
 
 def write_figure(path: str | Path, figure: Any, **savefig: Any) -> None:
-    """Save a matplotlib figure to `path` as a PNG, atomically (see `atomic_path`); `savefig`
+    """Save a matplotlib figure to `path` as a PNG, atomically (`atomic_write_bytes`); `savefig`
     are matplotlib's options (`dpi`, `bbox_inches`)."""
-    with atomic_path(path) as tmp:
-        figure.savefig(tmp, format="png", **savefig)
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", **savefig)
+    atomic_write_bytes(path, buffer.getvalue())
 
 
 def append_json_line(fh: Any, path: Path, record: dict[str, Any]) -> int:
