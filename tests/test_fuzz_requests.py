@@ -3,7 +3,7 @@ refusal is OpenAI's error JSON (`{"error": {"message", "type", "param", "code"}}
 
 Hypothesis builds bodies from the completions fields with random JSON values (integers past any
 range, NaN, lone surrogates, lists for numbers, nested values), JSON that is not an object, and
-random or cut bytes. Two levels: the request's checks (`parse_completion`, `encode_prompts`,
+random or cut bytes. Two levels: the request's checks (`parse_completion`, `request_prompt_ids`,
 `error_response`), many examples and no server, on a char and a BPE run; and fewer whole HTTP
 requests through the app (Starlette's test client), on a tiny model allowed 3 new tokens.
 `test_serve.py` pins the bodies once answered with a 500, one by one. Chat completions get the
@@ -32,8 +32,8 @@ from llmcli.serve.app import (
     ChatEncoding,
     ServeSettings,
     create_app,
-    encode_prompts,
     error_response,
+    request_prompt_ids,
 )
 from llmcli.serve.protocol import APIError, Limits, parse_chat_completion, parse_completion
 
@@ -148,7 +148,7 @@ def run(request, tmp_path_factory) -> LoadedRun:
 def test_every_body_is_a_request_or_a_4xx_error(run, body) -> None:
     try:
         request = parse_completion(body, run.config.sample, LIMITS, "tiny")
-        ids = encode_prompts(run, request.prompts)
+        ids = request_prompt_ids(run, request.prompts)
     except APIError as exc:
         check_error(exc.status, error_response(exc).body)
         return

@@ -101,7 +101,7 @@ def create_app(run: LoadedRun, settings: ServeSettings = ServeSettings()) -> Fas
     async def completions(http: Request) -> Response:
         body = await read_json(http, settings.limits.max_body_bytes)
         request = parse_completion(body, run.config.sample, settings.limits, model_id)
-        ids = encode_prompts(run, request.prompts)
+        ids = request_prompt_ids(run, request.prompts)
         return await _respond(batcher, _Answer(request, ids, model_id, http.scope), ids, http)
 
     chat = ChatEncoding(run)
@@ -279,7 +279,7 @@ async def read_json(request: Request, limit: int) -> Any:
         ) from None
 
 
-def encode_prompts(run: LoadedRun, prompts: list[str]) -> list[list[int]]:
+def request_prompt_ids(run: LoadedRun, prompts: list[str]) -> list[list[int]]:
     """Each prompt's token ids; a prompt longer than the context is refused, as is text the
     tokenizer cannot encode (generation past the context is the context policy's business, but
     a prompt cut short would answer another question)."""

@@ -55,13 +55,8 @@ class Checkpointer:
         trainer: Trainer,
         guard: SpikeGuard | None,
     ) -> None:
-        self.facts, self.info, self.model, self.trainer, self.guard = (
-            facts,
-            info,
-            model,
-            trainer,
-            guard,
-        )
+        self.facts, self.info, self.model = facts, info, model
+        self.trainer, self.guard = trainer, guard
         self.saved_at = time.perf_counter()  # the end of the last save, or the run's start
         self.save_seconds: list[float] = []  # this session's saves
 
