@@ -131,10 +131,28 @@ def newest(paths: Iterable[Path]) -> Path | None:
 
 
 def remove_stale_temp_files(folder: Path) -> None:
-    """Delete the temporary files a killed process left in `folder` (nothing reads them)."""
+    """Delete the temporary files that processes which are gone (killed part-way through a
+    write) left in `folder`; nothing reads them. A live process's are its own to finish."""
     for tmp in folder.glob(TMP_GLOB):
-        with contextlib.suppress(OSError):
-            tmp.unlink()
+        if not _writer_alive(tmp):
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+
+def _writer_alive(tmp: Path) -> bool:
+    """Whether the process named in a temporary file's name (`atomic_path`) still runs here."""
+    pid = tmp.name.rpartition(TMP_MARK)[2]
+    if not pid.isdigit() or int(pid) <= 0:
+        return False
+    if os.name == "nt":  # os.kill there ends the process: keep the file
+        return True
+    try:
+        os.kill(int(pid), 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process (EPERM), or a platform that cannot tell
+        return True
+    return True
 
 
 # What `os.stat` can say a path is, besides a regular file or a folder.

@@ -4,12 +4,14 @@
 import ast
 import csv
 import json
+import logging
 import os
 import random
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -96,6 +98,54 @@ def test_cache_is_reused_and_invalidated(tmp_path: Path, text: str, monkeypatch)
     # Same text, other tokenizer: a new cache entry too.
     prep(tmp_path, path=str(path), tokenizer="bpe", vocab_size=300)
     assert len(calls) == 3
+
+
+def test_two_prepares_of_one_entry_at_once_tokenize_it_once(
+    tmp_path: Path, text: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = write(tmp_path / "corpus.txt", text)
+    alone = prep(tmp_path / "alone", path=str(path), tokenizer="bpe", vocab_size=300)
+    trainings, tokenizings, inside, waited = [], [], threading.Event(), threading.Event()
+    real_train, real_tokenize = D.train_tokenizer, D._tokenize_to_file
+
+    def tokenize(*args):  # the first prepare, holding the entry's claim, waits for the second
+        tokenizings.append(threading.current_thread().name)
+        inside.set()
+        assert waited.wait(timeout=60), "the second prepare did not wait for the entry"
+        return real_tokenize(*args)
+
+    class Waited(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "which is writing the token cache entry" in record.getMessage():
+                waited.set()
+
+    monkeypatch.setattr(D, "train_tokenizer", lambda *a: trainings.append(1) or real_train(*a))
+    monkeypatch.setattr(D, "_tokenize_to_file", tokenize)
+    results = {}
+
+    def run(name: str) -> None:
+        results[name] = prep(tmp_path, path=str(path), tokenizer="bpe", vocab_size=300)
+
+    first = threading.Thread(target=run, args=("first",), name="first")
+    first.start()
+    assert inside.wait(timeout=60)
+    handler = Waited()
+    claim_log = logging.getLogger("llmcli.claim")
+    claim_log.addHandler(handler)
+    claim_log.setLevel(logging.INFO)
+    try:
+        run("second")
+    finally:
+        claim_log.removeHandler(handler)
+        claim_log.setLevel(logging.NOTSET)
+        first.join()
+    assert trainings == [1] and tokenizings == ["first"]  # the second read the first's
+    assert results["first"].cache_files == results["second"].cache_files
+    (file,) = results["second"].cache_files
+    assert file.read_bytes() == alone.cache_files[0].read_bytes()
+    assert sorted(p.name for p in file.parent.iterdir() if p.suffix != ".lock") == sorted(
+        [file.name, file.with_suffix(".json").name]
+    )
 
 
 def test_given_tokenizer_is_used_as_is(tmp_path: Path) -> None:

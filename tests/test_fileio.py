@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from llmcli.fileio import JSONFileError, newest, read_json
+from llmcli.fileio import TMP_MARK, JSONFileError, newest, read_json, remove_stale_temp_files
 
 
 def test_read_json_reads_any_json_value(tmp_path: Path) -> None:
@@ -76,3 +78,29 @@ def test_newest_leaves_out_folders_and_missing_paths(tmp_path: Path) -> None:
     assert newest([]) is None
     (tmp_path / "f").write_text("x")
     assert newest([tmp_path / "folder", tmp_path / "f"]) == tmp_path / "f"
+
+
+def test_only_the_temporary_files_of_processes_that_are_gone_are_removed(tmp_path: Path) -> None:
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        text=True,
+        capture_output=True,
+        check=True,
+    )
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        names = {
+            "gone": f".state.pt{TMP_MARK}{gone.stdout.strip()}",  # killed mid-write, say
+            "live": f".state.pt{TMP_MARK}{live.pid}",  # another process, writing now
+            "mine": f".meta.json{TMP_MARK}{os.getpid()}",
+            "no pid": f".loss.png{TMP_MARK}x",
+        }
+        for name in names.values():
+            (tmp_path / name).write_bytes(b"part")
+        (tmp_path / "state.pt").write_bytes(b"whole")
+        remove_stale_temp_files(tmp_path)
+    finally:
+        live.kill()
+        live.wait()
+    kept = sorted(p.name for p in tmp_path.iterdir())
+    assert kept == sorted([names["live"], names["mine"], "state.pt"])

@@ -531,6 +531,34 @@ def test_sigkill_and_sigint_leave_a_run_that_resumes_bitwise_exactly(
 
 
 @pytest.mark.slow
+def test_a_second_train_into_a_live_run_is_refused_and_the_first_ends_intact(
+    reference: Path, corpus: Path, tmp_path: Path, capsys
+) -> None:
+    config = write_config(make_config(corpus), tmp_path / "t.yaml")
+    run_dir, marker = tmp_path / "run", tmp_path / "pause"
+    proc = start_pausing(config, run_dir, marker, 17)  # holds its run between two saves
+    wait_for(marker, proc)
+    try:
+        before = sorted((p.name, p.stat().st_mtime_ns) for p in run_dir.iterdir())
+        for extra in ([], ["--overwrite"], ["--resume"]):
+            status, err = cli(capsys, "train", config, "--out", run_dir, "--no-progress", *extra)
+            assert status == 2, (extra, err)
+            assert f"'{run_dir}' is being written by process {proc.pid} " in err, err
+            assert "pausing_child.py train" in err and "--out DIR" in err
+        # The refused starts touched nothing, not even the first run's temporary files.
+        assert sorted((p.name, p.stat().st_mtime_ns) for p in run_dir.iterdir()) == before
+    finally:
+        marker.with_suffix(".go").write_text("")
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    assert_same_weights(reference, run_dir)
+    assert stable_metrics(run_dir) == stable_metrics(reference)
+    # Its claim ended with it: the next start into the folder is a writer again.
+    status, err = cli(capsys, "train", config, "--out", run_dir, "--resume", "--no-progress")
+    assert status == 0, err
+
+
+@pytest.mark.slow
 def test_an_unwritable_run_directory_exits_2_with_a_message(corpus: Path, tmp_path: Path) -> None:
     # (The other bad inputs raise InputError in process, tested above; the CLI maps every
     # InputError to exit status 2.)

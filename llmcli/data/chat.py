@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from llmcli.claim import claimed
 from llmcli.data.chat_template import CHAT_TOKENS, ChatTemplate, chat_template
 from llmcli.data.conversations import (
     ConversationEncoder,
@@ -265,9 +266,24 @@ def _cached(
     paths = _cache_paths(cache / "tokens", key)
     dtype = token_dtype(encoder.tokenizer.vocab_size)
     meta = _whole(paths, dtype)
-    if meta is not None:
-        log.info("token cache hit for %s: %s", source.label, paths["tokens"])
-        return paths, meta["n_conversations"]
+    if meta is None:  # another prepare of the same entry may be writing it: wait for it
+        lock = cache / "tokens" / f"{key}.lock"
+        with claimed(lock, f"the token cache entry '{paths['tokens']}'", wait=True):
+            meta = _whole(paths, dtype)
+            if meta is None:
+                return _encode_into_cache(encoder, source, source_hash, paths, dtype)
+    log.info("token cache hit for %s: %s", source.label, paths["tokens"])
+    return paths, meta["n_conversations"]
+
+
+def _encode_into_cache(
+    encoder: ConversationEncoder,
+    source: Conversations,
+    source_hash: str,
+    paths: dict[str, Path],
+    dtype: np.dtype,
+) -> tuple[dict[str, Path], int]:
+    """Encode `source`'s conversations into the cache files `paths`."""
     log.info(
         "encoding %d conversations of %s into %s", len(source.rows), source.label, paths["tokens"]
     )

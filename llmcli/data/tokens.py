@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
 
+from llmcli.claim import claimed
 from llmcli.data.chat import prepare_chat_data
 from llmcli.data.corpus import FileSource, Source, StreamSource, open_sources
 from llmcli.data.prepared import (
@@ -307,10 +308,33 @@ def _cached_tokens(tok: Tokenizer, source: Source, source_hash: str, cache_dir: 
     folder.mkdir(parents=True, exist_ok=True)
     bin_path, meta_path = folder / f"{key}.bin", folder / f"{key}.json"
     dtype = token_dtype(tok.vocab_size)
+    n_tokens = _whole_tokens(bin_path, meta_path, dtype)
+    if n_tokens is None:  # another prepare of the same entry may be writing it: wait for it
+        with claimed(folder / f"{key}.lock", f"the token cache entry '{bin_path}'", wait=True):
+            n_tokens = _whole_tokens(bin_path, meta_path, dtype)
+            if n_tokens is None:
+                return _write_tokens(tok, source, source_hash, tok_hash, bin_path, dtype)
+    log.info("token cache hit for %s: %s (%d tokens)", source.label, bin_path, n_tokens)
+    return bin_path
+
+
+def _whole_tokens(bin_path: Path, meta_path: Path, dtype: np.dtype) -> int | None:
+    """The number of tokens in the cached token file, if it is there whole; else None."""
     meta = _read_meta(meta_path)
     if meta and bin_path.exists() and bin_path.stat().st_size == meta["n_tokens"] * dtype.itemsize:
-        log.info("token cache hit for %s: %s (%d tokens)", source.label, bin_path, meta["n_tokens"])
-        return bin_path
+        return meta["n_tokens"]
+    return None
+
+
+def _write_tokens(
+    tok: Tokenizer,
+    source: Source,
+    source_hash: str,
+    tok_hash: str,
+    bin_path: Path,
+    dtype: np.dtype,
+) -> Path:
+    """Tokenize `source` into the cache's `bin_path`, then write its record beside it."""
     log.info("tokenizing %s into %s", source.label, bin_path)
     streamed = isinstance(source, StreamSource)
     try:
@@ -326,7 +350,7 @@ def _cached_tokens(tok: Tokenizer, source: Source, source_hash: str, cache_dir: 
             "tokenizer_sha256": tok_hash,
             "source": source.label,
         }
-        atomic_write_text(meta_path, json.dumps(meta, indent=1))
+        atomic_write_text(bin_path.with_suffix(".json"), json.dumps(meta, indent=1))
         if streamed:  # the file and its metadata are whole: its pieces are no longer needed
             shutil.rmtree(_parts_folder(bin_path), ignore_errors=True)
     except OSError as exc:  # reading the corpus raises InputError: this is the cache's
@@ -367,17 +391,52 @@ def _trained_tokenizer(
     key = hashlib.sha256(f"{FORMAT_VERSION}\0{source_hash}\0{spec}".encode()).hexdigest()[:40]
     path = cache_dir / "tokenizers" / f"{key}.json"
     about_path = path.with_name(f"{key}.training.json")
-    if path.exists():
-        try:
-            tok = load_tokenizer(path)
-            # A tokenizer cached before its record was kept: the record it would have had.
-            fed = (min(limit, corpus) if corpus is not None else limit) if sampled else corpus
-            guess = _training_record(data_cfg, tok, fed, corpus, sampled)
-            about = read_cache_json(about_path)
-            return tok, about if about and isinstance(about.get("kind"), str) else guess
-        except InputError:
-            log.warning("ignoring unreadable cached tokenizer %s", path)
+    fed = (min(limit, corpus) if corpus is not None else limit) if sampled else corpus
+    cached = _cached_tokenizer(path, about_path, data_cfg, fed, corpus, sampled)
+    if cached is not None:
+        return cached
+    # Another prepare of the same corpus may be training it: wait for it, then read its result.
+    with claimed(path.with_suffix(".lock"), f"the tokenizer cache entry '{path}'", wait=True):
+        cached = _cached_tokenizer(path, about_path, data_cfg, fed, corpus, sampled)
+        if cached is not None:
+            return cached
+        return _train_and_cache(data_cfg, sources, sizes, limit, sampled, path, about_path)
 
+
+def _cached_tokenizer(
+    path: Path,
+    about_path: Path,
+    data_cfg: DataConfig,
+    fed: int | None,
+    corpus: int | None,
+    sampled: bool,
+) -> tuple[Tokenizer, dict] | None:
+    """The tokenizer cached at `path` with its training record, if there is a readable one."""
+    if not path.exists():
+        return None
+    try:
+        tok = load_tokenizer(path)
+    except InputError:
+        log.warning("ignoring unreadable cached tokenizer %s", path)
+        return None
+    # A tokenizer cached before its record was kept: the record it would have had.
+    guess = _training_record(data_cfg, tok, fed, corpus, sampled)
+    about = read_cache_json(about_path)
+    return tok, about if about and isinstance(about.get("kind"), str) else guess
+
+
+def _train_and_cache(
+    data_cfg: DataConfig,
+    sources: list[Source],
+    sizes: list[int | None],
+    limit: int | None,
+    sampled: bool,
+    path: Path,
+    about_path: Path,
+) -> tuple[Tokenizer, dict]:
+    """Train the tokenizer on `sources` (a sample of `limit` bytes when `sampled`) and cache it
+    at `path`, with its training record at `about_path`."""
+    corpus = _total(sizes)
     fed = 0
 
     def texts() -> Iterator[str]:

@@ -35,9 +35,11 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from llmcli.claim import LOCK_FILE, claimed_folder, missing_folders, note_path
 from llmcli.config import Config, dump_yaml
 from llmcli.data.chat_template import TEMPLATE_FILE, ChatTemplate
 from llmcli.data.tokenizer import Tokenizer
@@ -89,6 +91,8 @@ _WRITTEN = frozenset(
         WANDB_DIR,
         WANDB_ID_FILE,
         _WRITE_TEST,
+        LOCK_FILE,
+        note_path(Path(LOCK_FILE)).name,
     )
 )
 
@@ -125,6 +129,28 @@ def foreign_files(run_dir: Path) -> list[str]:
         if entry.name not in _WRITTEN
         and not fnmatch.fnmatch(entry.name, TMP_GLOB)  # a killed save's, removed at the start
     )
+
+
+@contextlib.contextmanager
+def claim_run_dir(run_dir: Path) -> Iterator[None]:
+    """Hold the run directory's claim while a run writes it (`llmcli.claim`): a second run into
+    it is refused at once, naming this one. A folder made here for the claim is removed again if
+    the run leaves nothing else in it (a start refused for bad input).
+
+    Raises:
+        CheckpointError: the folder cannot be made or written.
+        Busy: another process is writing the run.
+    """
+    made = missing_folders(run_dir)
+    ensure_run_dir(run_dir)
+    with claimed_folder(
+        run_dir,
+        made,
+        f"the run directory '{run_dir}'",
+        fix="Wait for that run to end (or stop it: Ctrl-C saves a checkpoint) and continue it "
+        "with --resume, or write this run elsewhere with --out DIR.",
+    ):
+        yield
 
 
 def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:

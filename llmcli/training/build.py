@@ -36,6 +36,7 @@ from llmcli.model.gpt import Transformer
 from llmcli.runs.directory import (
     META_FILE,
     check_fresh_start,
+    claim_run_dir,
     default_run_dir,
     prepare_run_dir,
     resumes,
@@ -110,8 +111,9 @@ def started(
         overwrite: start afresh over a run (or files that are not a run's, which are kept).
 
     Raises:
-        InputError: both `resume` and `overwrite`, a missing tracker package, a bad device;
-            and whatever building the run refuses.
+        InputError: both `resume` and `overwrite`, a missing tracker package, a bad device,
+            another process writing the run directory (`claim_run_dir`); and whatever
+            building the run refuses.
     """
     session_start = time.perf_counter()
     if resume and overwrite:
@@ -127,8 +129,12 @@ def started(
     with (
         torch_threads(config.train.threads),
         process_group(info, device),
+        contextlib.ExitStack() as claim,
         out_of_memory_is_bad_input(device, run_dir),
     ):
+        with agreed(info, device):  # rank 0 writes the run; refused, it stops every rank
+            if info.main:
+                claim.enter_context(claim_run_dir(run_dir))
         yield build_run(config, info, precision, run_dir, resume, overwrite, session_start)
 
 

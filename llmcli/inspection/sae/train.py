@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from llmcli.claim import claimed_folder, missing_folders
 from llmcli.data.batches import BatchSampler
 from llmcli.data.tokens import prepare_data
 from llmcli.device import check_threads, resolve_device, torch_threads
@@ -197,8 +198,22 @@ def train_sae(
     """
     device = resolve_device(options.device, what="--device")
     run = load_run(options.checkpoint, weights=options.weights, device=device, notify=notify)
-    with torch_threads(options.threads or run.config.train.threads):
-        training = _build(config, options, run, device, notify)
+    folder = sae_folder(run, config.hook, options.out)
+    if folder.exists() and not folder.is_dir():
+        raise InputError(f"--out '{folder}' is a file: give a folder for the SAE.")
+    made = missing_folders(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    with (
+        claimed_folder(
+            folder,
+            made,
+            f"the SAE folder '{folder}'",
+            fix="Wait for it to end (Ctrl-C saves its state) and go on with --resume, or "
+            "write this SAE elsewhere with --out DIR.",
+        ),
+        torch_threads(options.threads or run.config.train.threads),
+    ):
+        training = _build(config, options, run, folder, device, notify)
         log = JsonLinesLog(training.folder / METRICS_FILE, training.metrics_bytes)
         try:
             return _loop(training, log, progress)
@@ -216,15 +231,16 @@ def _build(
     config: SAEConfig,
     options: TrainOptions,
     run: LoadedRun,
+    folder: Path,
     device: torch.device,
     notify: Callable[[str], Any],
 ) -> _Training:
-    """The SAE, its optimizer and the window stream, fresh or restored from `state.pt`."""
+    """The SAE in `folder` (claimed), its optimizer and the window stream, fresh or restored
+    from `state.pt`."""
     model = run.model
     d_in = check_hook(model, config.hook)
     features = config.features or DEFAULT_EXPANSION * d_in
     config = dataclasses.replace(config, features=features)  # checks k <= features
-    folder = sae_folder(run, config.hook, options.out)
     _check_folder(folder, options)
     ctx = model.context_length
     data = prepare_data(run.config.data, ctx, tokenizer=run.tokenizer)
@@ -244,8 +260,6 @@ def _build(
 
 def _check_folder(folder: Path, options: TrainOptions) -> None:
     """A fresh start needs a folder without an SAE (or --overwrite); a resume, a state."""
-    if folder.exists() and not folder.is_dir():
-        raise InputError(f"--out '{folder}' is a file: give a folder for the SAE.")
     held = [name for name in (CFG_FILE, STATE_FILE) if (folder / name).is_file()]
     if options.resume and not (folder / STATE_FILE).is_file():
         raise InputError(
@@ -257,7 +271,6 @@ def _check_folder(folder: Path, options: TrainOptions) -> None:
             f"'{folder}' already holds an SAE ({', '.join(held)}): --resume goes on training "
             "it, --overwrite trains a new one in its place, --out DIR writes elsewhere."
         )
-    folder.mkdir(parents=True, exist_ok=True)
     remove_stale_temp_files(folder)
 
 
