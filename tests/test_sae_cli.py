@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import sys
 
 import pytest
 from sae_helpers import HOOK, small_run
 
+from llmcli.claim import LOCK_FILE, claimed
 from llmcli.cli import main
 from llmcli.inspection.sae.folder import CFG_FILE, WEIGHTS_FILE
 
@@ -74,6 +76,24 @@ def test_train_prints_where_it_got_to_and_writes_the_folder(run, tmp_path, capsy
         "--resume",
         *SMALL,
     )
+    assert code == 0 and "resuming the SAE" in err
+
+
+def test_a_second_train_into_a_folder_being_written_exits_2_naming_the_writer(
+    run, tmp_path, capsys
+) -> None:
+    out = tmp_path / "sae"
+    args = ["sae", "train", "--checkpoint", str(run), "--hook", HOOK, "--steps", "2"]
+    assert cli(capsys, *args, "--out", str(out), *SMALL)[0] == 0
+    with claimed(out / LOCK_FILE, "the SAE folder"):  # as a live `sae train` holds it
+        files = sorted((p.name, p.read_bytes()) for p in out.iterdir() if p.is_file())
+        for extra in ([], ["--overwrite"], ["--resume"]):
+            code, _, err = cli(capsys, *args, "--out", str(out), *SMALL, *extra)
+            assert code == 2, err
+            assert f"the SAE folder '{out}' is being written by process {os.getpid()} " in err
+            assert "--out DIR" in " ".join(err.split())
+        assert sorted((p.name, p.read_bytes()) for p in out.iterdir() if p.is_file()) == files
+    code, _, err = cli(capsys, *args[:-1], "3", "--out", str(out), "--resume", *SMALL)
     assert code == 0 and "resuming the SAE" in err
 
 

@@ -16,7 +16,9 @@ metadata), `tokenizers/<key>.json` (trained tokenizers, so that a rerun does not
 `datasets/` (the `datasets` library's Arrow cache for local json/csv/parquet files; hub datasets
 use that library's own cache). Deleting it is always safe. A stream (`data.streaming`) is
 tokenized into `tokens/<key>.parts/` first, piece by piece, so that an interrupted prepare
-continues where it stopped (`_tokenize_stream`); the pieces become `<key>.bin` at its end.
+continues where it stopped (`_tokenize_stream`); the pieces become `<key>.bin` at its end. Two
+processes preparing one entry at once take turns (`llmcli.claim`): the second waits for the
+first, then reads its file.
 
 Documents (files of a folder or glob, rows of a dataset) are joined with the end-of-text token
 (BPE) or a newline (char). Long documents are cut into pieces at line boundaries
