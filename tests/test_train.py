@@ -548,6 +548,14 @@ def test_a_second_train_into_a_live_run_is_refused_and_the_first_ends_intact(
             assert "pausing_child.py train" in err and "--out DIR" in err
         # The refused starts touched nothing, not even the first run's temporary files.
         assert sorted((p.name, p.stat().st_mtime_ns) for p in run_dir.iterdir()) == before
+        # Readers need no claim: they read the last whole save (step 10).
+        assert load_run(run_dir).step == 10
+        status, err = cli(capsys, "info", "--checkpoint", run_dir, "--json")
+        assert status == 0, err
+        status, err = cli(
+            capsys, "sample", "--checkpoint", run_dir, "--prompt", "the", "--max-new-tokens", 4
+        )
+        assert status == 0, err
     finally:
         marker.with_suffix(".go").write_text("")
     _, stderr = proc.communicate(timeout=120)
