@@ -330,5 +330,7 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_bitwise_equal(
         assert out.returncode == 0, out.stderr[-3000:]
         if name == "killed":  # rank 1 died after step 14; the group resumed from step 10
             assert "exitcode: -9" in out.stderr and "steps 11..20" in out.stderr
+            # The restarted rank 0 took the run directory's claim again: not refused.
+            assert "is being written by" not in out.stderr
     assert_same_weights(runs["killed"], runs["uninterrupted"])
     assert stable_metrics(runs["killed"]) == stable_metrics(runs["uninterrupted"])
