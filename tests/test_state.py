@@ -39,6 +39,7 @@ KEYS = [
     "sampler",
     "guard",
     "head_metrics_bytes",
+    "eval_pending",
 ]
 
 
@@ -50,6 +51,7 @@ def make_state() -> ResumeState:
         best_val_loss=1.25,
         best_step=10,
         last_eval={"train": 1.5, "val": 1.25},
+        eval_pending=True,
     )
     return ResumeState(
         counters=counters,
@@ -77,6 +79,7 @@ def test_the_file_holds_the_keys_earlier_versions_wrote_and_reads_back(tmp_path:
     assert (c.step, c.tokens, c.best_val_loss, c.best_step) == (20, 640, 1.25, 10)
     assert c.last_eval == {"train": 1.5, "val": 1.25} and c.elapsed_base == saved["elapsed_s"]
     assert c.last_saved == 20  # the save a run resumes from is its latest
+    assert c.eval_pending is True
     assert torch.equal(back.model["w"], state.model["w"])
     assert (back.metrics_bytes, back.vocab_size, back.source_hash) == (1234, 65, "ab" * 32)
     assert back.head_metrics_bytes == 567

@@ -73,10 +73,20 @@ class ThrottledStdout:
 
 
 def log_to_stderr() -> None:
-    """Show the library's INFO messages (run notes, plain progress lines) on stderr."""
+    """Show the library's INFO messages (run notes, plain progress lines) on stderr: whatever
+    `sys.stderr` is when a message comes (a redirect, a caller's capture), not the one it was
+    when logging was set up."""
     import logging
 
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    class Stderr(logging.StreamHandler):
+        stream = property(lambda self: sys.stderr, lambda self, value: None)
+
+    root = logging.getLogger()
+    if not any(type(h).__name__ == "Stderr" for h in root.handlers):
+        handler = Stderr()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
 
 
 def _version(value: bool) -> None:

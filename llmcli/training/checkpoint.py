@@ -185,11 +185,9 @@ class Checkpointer:
             raise divergence.error(what, state.last_saved)
         return False
 
-    def stop(self, state: TrainState, config: Config, log: TrainLog, preempted: bool) -> None:
-        """Save (unless this step was just saved) and leave the loop with KeyboardInterrupt, or
-        `Preempted` (its subclass) after SIGTERM."""
-        if state.last_saved != state.step:
-            self.save(state, config, log, best=False)
+    def stop(self, state: TrainState, preempted: bool) -> None:
+        """Leave the run, saved at this step, with KeyboardInterrupt, or `Preempted` (its
+        subclass) after SIGTERM."""
         if self.info.main:
             logger.warning(
                 "stopped at step %d; the checkpoint in '%s' is saved: "
@@ -198,6 +196,20 @@ class Checkpointer:
                 self.run_dir,
             )
         raise Preempted if preempted else KeyboardInterrupt
+
+    def quit_message(self, state: TrainState) -> str:
+        """What quitting at once (a second Ctrl-C) now keeps and loses."""
+        step, last_saved = state.step, state.last_saved
+        if last_saved < 0:
+            return (
+                f"quitting without saving: no checkpoint was saved yet, so the {step} steps of "
+                "this run are lost (a run saves at each evaluation, train.eval_interval)"
+            )
+        lost = f"steps {last_saved + 1}-{step} are lost" if step > last_saved else "nothing is lost"
+        return (
+            f"quitting without saving: the checkpoint of step {last_saved} in '{self.run_dir}' "
+            f"is kept (continue with --resume); {lost}"
+        )
 
 
 def restore(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -27,30 +28,34 @@ class Preempted(KeyboardInterrupt):
 class StopRequest:
     """Turns SIGINT (Ctrl-C) and SIGTERM into a request to save and stop after the current step.
 
-    Alone, a second signal raises KeyboardInterrupt at once (every file is written atomically,
-    so even that leaves a loadable run). Under torchrun (`escalate=False`) a second signal is
-    expected, since torchrun forwards the terminal's Ctrl-C to workers that got it already, and
-    only repeats the request. Installed only in the main thread, where signals arrive.
+    Alone, a second signal quits at once, saying what that keeps and loses (`quit_message`),
+    with KeyboardInterrupt (every file is written atomically, so even that leaves the last
+    save loadable). Under torchrun (`escalate=False`) a second signal is expected, since
+    torchrun forwards the terminal's Ctrl-C to workers that got it already, and only repeats
+    the request. Installed only in the main thread, where signals arrive.
     """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self, escalate: bool = True) -> None:
+    def __init__(
+        self, escalate: bool = True, quit_message: Callable[[], str] = lambda: "quitting"
+    ) -> None:
         self.requested = False
         self.signum: int | None = None  # the signal that asked first
-        self.escalate = escalate
+        self.escalate, self.quit_message = escalate, quit_message
         self._previous: dict[int, Any] = {}
 
     def _handler(self, signum: int, frame: Any) -> None:
         if self.requested:
             if self.escalate:
+                logger.warning("%s", self.quit_message())
                 raise KeyboardInterrupt
             return
         self.requested, self.signum = True, signum
         logger.warning(
             "%s: saving a checkpoint after this step%s",
             signal.Signals(signum).name,
-            " (press Ctrl-C again to quit at once)"
+            " (Ctrl-C again quits at once, without saving)"
             if self.escalate and signum == signal.SIGINT
             else "",
         )

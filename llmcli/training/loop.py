@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -72,7 +73,7 @@ def train(
     """
     with started(config, out_dir, resume, overwrite) as run:
         state, max_steps = run.state, run.config.train.max_steps
-        if state.step >= max_steps:
+        if state.step >= max_steps and not state.eval_pending:
             if run.info.main:
                 logger.info(
                     "'%s' already finished at step %d (train.max_steps = %d): raise "
@@ -95,7 +96,9 @@ def fit(run: Run, log: TrainLog, progress: bool, on_step: Callable[[int], None])
     )
     losses, loop_start, loop_step = LossLog(), time.perf_counter(), state.step
     speed = TokenRate(loop_start, state.tokens)
-    with StopRequest(escalate=not info.enabled) as stop, logging_redirect_tqdm(), bar:
+    stopped, quit_message = None, partial(checkpoints.quit_message, state)  # a 2nd Ctrl-C's
+    with StopRequest(not info.enabled, quit_message) as stop, logging_redirect_tqdm(), bar:
+        _evaluate_pending(run, log)  # a stop saved just before an evaluation: it comes first
         while state.step < tc.max_steps:
             lr_scale = guard.lr_scale(state.step) if guard is not None else 1.0  # a rollback's
             lr = apply_lr(trainer.optimizer, state.step, tc, lr_scale)
@@ -137,20 +140,43 @@ def fit(run: Run, log: TrainLog, progress: bool, on_step: Callable[[int], None])
                 log.train_step(state, lr, step_losses[-1], tok_s, norm, watch)
                 loss_now = step_losses[-1]
                 bar.report({"loss": f"{loss_now:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tok_s:,.0f}"})
+            if flags.stop:  # save at once; an evaluation due now waits for the resumed run
+                state.eval_pending = due.evaluate
+                checkpoints.save(state, config, log, best=False)
+                stopped = flags
+                break
             if due.evaluate or due.save or flags.timed_save:
-                best = False
-                if due.evaluate:  # each evaluation saves
-                    result = run.evaluate(config)
-                    divergence.check([result.losses["val"]], state.step, state.last_saved)
-                    best = state.record_eval(result.losses)
-                    log.evaluation(state, lr, result, best)
+                best = _evaluate(run, config, log, lr) if due.evaluate else False  # each saves
                 checkpoints.save(state, config, log, best)
                 speed.restart(state.tokens)  # tokens/s leaves evaluations and saves out
-            if flags.stop:
-                checkpoints.stop(state, config, log, preempted=flags.terminated)
+    if stopped is not None:  # once the bar is closed: the last line says how the run ended
+        checkpoints.stop(state, preempted=stopped.terminated)
     session_s = time.perf_counter() - loop_start
     tokens = (state.step - loop_step) * run.facts.tokens_per_step
     return _summary(run, state.elapsed, tokens / session_s if session_s > 0 else None)
+
+
+def _evaluate(run: Run, config: Config, log: TrainLog, lr: float) -> bool:
+    """Estimate the losses (and score the heads) at this step and log them; True when the
+    validation loss is the best so far."""
+    state = run.state
+    result = run.evaluate(config)
+    run.divergence.check([result.losses["val"]], state.step, state.last_saved)
+    best = state.record_eval(result.losses)
+    log.evaluation(state, lr, result, best)
+    return best
+
+
+def _evaluate_pending(run: Run, log: TrainLog) -> None:
+    """The evaluation a stop saved just before (`TrainState.eval_pending`), if any, at the rate
+    of the step it follows, then its save: the records an uninterrupted run writes there."""
+    state, tc, guard = run.state, run.config.train, run.guard
+    if not state.eval_pending:
+        return
+    lr_scale = guard.lr_scale(state.step - 1) if guard is not None else 1.0
+    lr = apply_lr(run.trainer.optimizer, state.step - 1, tc, lr_scale)
+    state.eval_pending = False
+    run.checkpoints.save(state, run.config, log, _evaluate(run, run.config, log, lr))
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,8 @@ class TrainState:
         best_val_loss: the lowest validation loss so far (inf before the first evaluation).
         best_step: the step of `best_val_loss`.
         last_eval: the latest evaluation's mean loss per split ("train", "val").
+        eval_pending: the evaluation due at `step` has not run yet (a stop saved before it: the
+            resumed run makes it first).
         last_saved: the step of the latest save in this run (-1: none yet); not saved.
         session_start: `time.perf_counter()` when this session started; not saved.
     """
@@ -64,6 +66,7 @@ class TrainState:
     best_val_loss: float = math.inf
     best_step: int | None = None
     last_eval: dict[str, float] = field(default_factory=dict)
+    eval_pending: bool = False
     last_saved: int = -1
     session_start: float = field(default_factory=time.perf_counter)
 
@@ -144,6 +147,7 @@ _OPTIONAL: dict[str, type | tuple[type, ...]] = {
     "best_val_loss": (int, float),
     "best_step": (int, type(None)),
     "last_eval": dict,
+    "eval_pending": bool,
     "vocab_size": (int, type(None)),
     "source_hash": (str, type(None)),
     "scaler": (dict, type(None)),
@@ -213,6 +217,7 @@ class ResumeState:
             "sampler": self.sampler,
             "guard": self.guard,
             "head_metrics_bytes": self.head_metrics_bytes,
+            "eval_pending": counters.eval_pending,
         }
 
     @classmethod
@@ -248,6 +253,7 @@ class ResumeState:
                 best_val_loss=float(saved.get("best_val_loss", math.inf)),
                 best_step=saved.get("best_step"),
                 last_eval=dict(saved.get("last_eval", {})),
+                eval_pending=saved.get("eval_pending", False),
                 last_saved=int(saved["step"]),  # the save a run resumes from is its latest
             ),
             metrics_bytes=int(saved["metrics_bytes"]),
