@@ -45,7 +45,7 @@ from matplotlib.figure import Figure
 
 from llmcli.config import Config, ModelConfig, SampleConfig
 from llmcli.data.tokenizer import load_tokenizer
-from llmcli.device import resolve_device, timed
+from llmcli.device import resolve_device, timed, usable_cpus
 from llmcli.errors import ConfigError, InputError, describe_os_error
 from llmcli.fileio import atomic_write_json, write_figure
 from llmcli.generation.engine import generate
@@ -436,7 +436,7 @@ def machine_info(device: str) -> dict[str, Any]:
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(),
+        "cpus": usable_cpus(),  # the CPUs the figures could use, not the host's
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "device": device,

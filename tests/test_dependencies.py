@@ -46,7 +46,7 @@ FLOORS = {
     ),
     "safetensors": (
         "0.4.3",
-        ["safetensors.torch.save", "safetensors.torch.load", "safetensors.safe_open"],
+        ["safetensors.torch.save", "safetensors.torch.load_file", "safetensors.safe_open"],
     ),
     "typer": (
         "0.26",

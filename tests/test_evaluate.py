@@ -16,6 +16,7 @@ from conftest import save_tiny_run
 
 from llmcli.cli import main
 from llmcli.data.tokenizer import BPETokenizer, CharTokenizer
+from llmcli.device import usable_cpus
 from llmcli.errors import InputError
 from llmcli.evaluation.run import EvalOptions, evaluate_run
 from llmcli.evaluation.text import score_tokens, window_batches, window_starts
@@ -405,7 +406,7 @@ def test_eval_runs_on_the_threads_asked_for_else_the_runs_own(tmp_path, monkeypa
     before = torch.get_num_threads()
     own = evaluate_run(run, tmp_path / "t.txt")
     one = evaluate_run(run, tmp_path / "t.txt", EvalOptions(threads=1))
-    assert seen == [min(2, os.cpu_count() or 1), 1]  # the run's train.threads, then --threads
+    assert seen == [min(2, usable_cpus()), 1]  # the run's train.threads, then --threads
     assert torch.get_num_threads() == before  # put back after
     assert one.loss == pytest.approx(own.loss, rel=1e-6)
     with pytest.raises(InputError, match=r"--threads \(0\) must be in 1\.\."):

@@ -30,6 +30,7 @@ from llmcli.errors import InputError
 from llmcli.generation.engine import padded_mask, padded_positions
 from llmcli.model import MLP, Block, Head, MultiHeadAttention, Transformer, causal_mask
 from llmcli.model.heads import fuse_heads, split_heads
+from llmcli.model.kv_cache import KVCache
 from llmcli.model.layers import RMSNorm
 
 OPTIONS = {
@@ -285,11 +286,34 @@ def test_input_longer_than_context_raises():
     assert cache.length == 10
 
 
+LAYERS = {
+    "head": (Head, 32 // 4),
+    "mha": (MultiHeadAttention, 32),
+    "block": (Block, 32),
+}
+
+
+@pytest.mark.parametrize("layer, width", LAYERS.values(), ids=LAYERS.keys())
+def test_a_layer_refuses_more_positions_than_its_context(layer, width):
+    module = randomize_(layer(**SHAPE)).eval()  # context_length 8
+    with pytest.raises(ValueError, match=r"^input has 9 positions but context_length is 8\b"):
+        module(torch.randn(1, 9, 32, generator=gen(1)))
+    x = torch.randn(2, 8, 32, generator=gen(1))
+    y = module(x)  # exactly context_length: accepted, and causal as with fewer positions
+    assert y.shape == (2, 8, width) and y.isfinite().all()
+    assert_close(y[:, :7], module(x[:, :7]), f"{layer.__name__} at 8 vs 7 positions")
+
+
 def test_a_rotary_layer_alone_refuses_positions_past_its_context():
-    # The layers have no length check of their own; rotary tables end at context_length.
+    # A cached layer sees few new tokens at later positions; the rotary tables end at
+    # context_length, so positions 5..8 are refused though T = 4 is within it.
     mha = MultiHeadAttention(n_head=4, n_embed=32, context_length=8, pos_emb="rope")
-    with pytest.raises(InputError, match=r"rotary positions 0\.\.8 .*context_length \(8\)"):
-        mha(torch.randn(1, 9, 32))
+    cache = KVCache(1, 1, 4, 8, 16)  # room for more than the context: the rotary table refuses
+    mha(torch.randn(1, 5, 32), kv_cache=cache)
+    cache.advance(5)
+    with pytest.raises(InputError, match=r"rotary positions 5\.\.8 .*context_length \(8\)"):
+        mha(torch.randn(1, 4, 32), kv_cache=cache)
+    assert mha(torch.randn(1, 3, 32), kv_cache=cache).shape == (1, 3, 32)  # 5..7 fit
 
 
 def test_an_integer_mask_is_refused_not_read_as_bool():

@@ -6,20 +6,22 @@ from __future__ import annotations
 import errno
 import os
 import time
+import tracemalloc
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from safetensors.torch import save
 
 from llmcli import fileio
 from llmcli.config import Config, ModelConfig
 from llmcli.data.tokenizer import CharTokenizer
 from llmcli.errors import CheckpointError, describe_os_error
 from llmcli.model.gpt import Transformer
-from llmcli.runs import loading
+from llmcli.runs import formats, loading
 from llmcli.runs.directory import STATE_FILE, ensure_run_dir, save_model_run
-from llmcli.runs.formats import WEIGHTS_FORMAT, load_state, save_state
+from llmcli.runs.formats import WEIGHTS_FORMAT, load_state, read_weights, save_state
 from llmcli.runs.loading import find_latest_run, load_run
 
 TEXT = "To be, or not to be, that is the question.\n"
@@ -173,6 +175,62 @@ def test_truncated_weights_are_reported_as_corrupt_naming_the_file(
     with pytest.raises(CheckpointError, match="truncated|corrupt|not a safetensors") as info:
         load_run(tmp_path / "run")
     assert str(path) in str(info.value)
+
+
+def test_weights_cut_by_one_byte_are_truncated_and_whole_ones_load(tmp_path: Path) -> None:
+    path = tmp_path / "w.safetensors"
+    w = torch.arange(10.0)
+    data = save({"w": w}, metadata={"format": WEIGHTS_FORMAT})
+    path.write_bytes(data)
+    tensors, metadata = read_weights(path)  # every byte the header promises: loads
+    assert torch.equal(tensors["w"], w) and metadata == {"format": WEIGHTS_FORMAT}
+    path.write_bytes(data[:-1])
+    with pytest.raises(CheckpointError, match=rf"truncated: {len(data) - 1} bytes, {len(data)} "):
+        read_weights(path)
+    path.write_bytes(data[:9])  # the length, and the first byte of the header it gives
+    with pytest.raises(CheckpointError, match=r"truncated: its header says \d+ bytes .* 9 in all"):
+        read_weights(path)
+    path.write_bytes(data[:7])  # not even the length
+    with pytest.raises(CheckpointError, match=r"truncated \(7 bytes\)"):
+        read_weights(path)
+
+
+def test_weights_are_mapped_not_read_into_a_second_copy(tmp_path: Path) -> None:
+    # Reading the file into bytes and deserializing those held it twice; tracemalloc sees
+    # Python's buffers (a bytes copy) but not torch's tensors, so the peak would be the file.
+    path = tmp_path / "w.safetensors"
+    w = torch.randn(2 * 1024 * 1024, generator=torch.Generator().manual_seed(0))  # 8 MiB
+    path.write_bytes(save({"w": w}, metadata={"format": WEIGHTS_FORMAT}))
+    size = path.stat().st_size
+    tracemalloc.start()
+    try:
+        tensors, _ = read_weights(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert torch.equal(tensors["w"], w)
+    assert peak < size / 16, f"peak {peak} bytes of Python memory for a {size}-byte file"
+
+
+def test_weights_replaced_while_read_come_from_the_file_opened(tmp_path, monkeypatch) -> None:
+    # A run saved while it is read replaces the file by a rename: the mapping keeps the old
+    # file, so the tensors and metadata read are one file's, never a mix.
+    path, newer = tmp_path / "w.safetensors", tmp_path / "newer.safetensors"
+    path.write_bytes(save({"w": torch.zeros(1000)}, metadata={"format": WEIGHTS_FORMAT, "s": "1"}))
+    newer.write_bytes(save({"w": torch.ones(1000)}, metadata={"format": WEIGHTS_FORMAT, "s": "2"}))
+    real = formats.safe_open
+
+    def open_then_replace(*args, **kwargs):
+        opened = real(*args, **kwargs)
+        os.replace(newer, path)  # the atomic save of another process, after the open
+        return opened
+
+    monkeypatch.setattr(formats, "safe_open", open_then_replace)
+    tensors, metadata = read_weights(path)
+    assert torch.equal(tensors["w"], torch.zeros(1000)) and metadata["s"] == "1"
+    monkeypatch.undo()
+    tensors, metadata = read_weights(path)
+    assert torch.equal(tensors["w"], torch.ones(1000)) and metadata["s"] == "2"
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.3, 0.9])

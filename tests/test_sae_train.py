@@ -10,6 +10,7 @@ import torch
 from sae_helpers import HOOK, small_config, small_run, trained_sae
 
 from llmcli.errors import InputError
+from llmcli.inspection.sae import train as sae_train
 from llmcli.inspection.sae.folder import CFG_FILE, METRICS_FILE, STATE_FILE, WEIGHTS_FILE, load_sae
 from llmcli.inspection.sae.model import SparseAutoencoder
 from llmcli.inspection.sae.points import read_activations
@@ -44,18 +45,46 @@ def test_the_default_folder_is_in_the_run_and_the_width_sets_the_features(run) -
     assert load_sae(summary.folder).sae.d_sae == 16 * 16  # 16 x n_embed
 
 
-def test_a_resumed_training_ends_with_the_same_weights_bit_for_bit(run, tmp_path) -> None:
+def test_a_resumed_training_ends_with_the_same_weights_bit_for_bit(
+    run, tmp_path, monkeypatch
+) -> None:
     straight = load_sae(trained_sae(run, tmp_path / "straight", steps=6)).sae
-    half = trained_sae(run, tmp_path / "half", steps=3)
+    real, calls = sae_train.BatchSampler.next, []
+
+    def interrupted(self):  # Ctrl-C as the fifth step draws its windows
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real(self)
+
+    monkeypatch.setattr(sae_train.BatchSampler, "next", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        trained_sae(run, tmp_path / "half", steps=6)
+    assert SAEState.load(tmp_path / "half" / STATE_FILE).step == 4  # saved at the Ctrl-C
+    monkeypatch.undo()
+    half = tmp_path / "half"
     train_sae(small_config(steps=6), TrainOptions(checkpoint=run, out=half, resume=True))
     resumed = load_sae(half).sae
     for name, tensor in straight.state_dict().items():
         assert torch.equal(tensor, resumed.state_dict()[name]), name
-    # each record once: the first session's (up to its last step, 3), then the second's
+    # each record once: the first session's (steps 2 and 4), then the second's
     lines = (half / METRICS_FILE).read_text().splitlines()
-    assert [json.loads(line)["step"] for line in lines] == [2, 3, 4, 6]
+    assert [json.loads(line)["step"] for line in lines] == [2, 4, 6]
     state = SAEState.load(half / STATE_FILE)
     assert (state.step, state.tokens) == (6, 6 * 128)
+
+
+def test_a_resume_with_more_steps_goes_on_under_the_longer_schedule(run, tmp_path) -> None:
+    # The first session's last step ran at its floor, 0; the steps added follow the new
+    # schedule, so the weights are not a 6-step training's, and the step at lr 0 moved nothing
+    # but Adam's moments.
+    half = trained_sae(run, tmp_path / "half", steps=3)
+    records = [json.loads(line) for line in (half / METRICS_FILE).read_text().splitlines()]
+    assert [(r["step"], r["lr"]) for r in records] == [(2, 1e-3), (3, 0.0)]
+    train_sae(small_config(steps=6), TrainOptions(checkpoint=run, out=half, resume=True))
+    records = [json.loads(line) for line in (half / METRICS_FILE).read_text().splitlines()]
+    assert [(r["step"], r["lr"]) for r in records] == [(2, 1e-3), (3, 0.0), (4, 1e-3), (6, 0.0)]
+    assert SAEState.load(half / STATE_FILE).step == 6
 
 
 def test_the_dead_features_are_counted_and_trained_by_auxk(run, tmp_path) -> None:
@@ -86,9 +115,14 @@ def test_the_sae_reads_the_activation_where_the_hook_point_is(run) -> None:
     assert rows.shape == (32, 16) and torch.equal(rows, seen[0].reshape(32, 16))
 
 
-def test_the_learning_rate_decays_to_zero_over_the_last_fifth() -> None:
-    config = small_config(steps=10, lr=1.0)
-    assert [lr_at(config, s) for s in range(10)] == [1.0] * 8 + [1.0, 0.5]
+def test_the_learning_rate_decays_to_zero_at_the_last_step_over_the_last_fifth() -> None:
+    config = small_config(steps=10, lr=1.0)  # a fifth: steps 8 and 9
+    assert [lr_at(config, s) for s in range(10)] == [1.0] * 8 + [1.0, 0.0]
+    config = small_config(steps=100, lr=2e-3)  # a fifth: steps 80..99
+    assert lr_at(config, 79) == lr_at(config, 80) == 2e-3  # the first decay step: the peak
+    assert lr_at(config, 81) == pytest.approx(2e-3 * 18 / 19)
+    assert lr_at(config, 98) == pytest.approx(2e-3 / 19)
+    assert lr_at(config, 99) == 0.0  # the last step: the floor the docs give
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,7 @@ from test_batching import count_checks
 from llmcli.cli import main
 from llmcli.config import SampleConfig
 from llmcli.data.tokenizer import BPETokenizer, CharTokenizer
+from llmcli.device import usable_cpus
 from llmcli.generation.batching import SampleOptions
 from llmcli.generation.engine import generate_ids
 from llmcli.generation.sample import sample_run
@@ -331,7 +332,7 @@ def test_threads_option_gives_the_same_text_and_restores_the_count(capsys, run_d
 
     before = torch.get_num_threads()
     texts = []
-    for threads in ([], ["--threads", "1"], ["--threads", str(min(2, os.cpu_count() or 1))]):
+    for threads in ([], ["--threads", "1"], ["--threads", str(min(2, usable_cpus()))]):
         args = ["sample", "--checkpoint", str(run_dir), "--prompt", "ROMEO:", "--json", *threads]
         code, out, err = cli(capsys, *args)
         assert code == 0, err

@@ -25,6 +25,7 @@ from conftest import default_sigint
 
 from llmcli import fileio
 from llmcli.config import Config, config_from_dict, dump_yaml
+from llmcli.device import usable_cpus
 from llmcli.errors import CheckpointError, InputError
 from llmcli.evaluation.probe import make_probe, probe_scores
 from llmcli.runs.directory import STATE_FILE
@@ -679,7 +680,7 @@ def test_training_runs_on_train_threads_and_puts_the_count_back(small_corpus, tm
             progress=False,
             on_step=lambda _: seen.append(torch.get_num_threads()),
         )
-        expected = before if threads is None else min(threads, os.cpu_count() or 1)
+        expected = before if threads is None else min(threads, usable_cpus())
         assert seen == [expected, expected]
         assert torch.get_num_threads() == before
     with pytest.raises(InputError, match=r"train.threads \(0\) must be a number of CPU threads"):

@@ -121,8 +121,8 @@ def train_command(
     threads: Annotated[
         Optional[int],
         typer.Option(
-            help="CPU threads (default: train.threads, auto: the CPUs nothing else is using); "
-            "more pays only on cores that nothing else uses.",
+            help="CPU threads (default: train.threads, auto: the CPUs this process may use "
+            "that nothing else is using); more pays only on cores that nothing else uses.",
             metavar="N",
         ),
     ] = None,

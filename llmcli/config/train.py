@@ -20,10 +20,11 @@ class TrainConfig:
     # auto picks CUDA, then MPS, then the CPU
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
     # CPU threads for training, and for `eval` and `inspect-attention` on the run: a number,
-    # "auto" (the CPUs nothing else is using when the run starts; torch's count where
-    # OMP_NUM_THREADS is set) or null (torch's own count, one per core). Threads on a busy core
-    # cost far more than they bring: 30 steps of `tiny` on 2 shared cores took 9-10 s on 1
-    # thread and 61-88 s on 2; on 2 idle cores 2 threads are faster (docs/training.md, "Threads").
+    # "auto" (of the CPUs this process may use, by affinity and cgroup quota, those nothing else
+    # is using when the run starts; OMP_NUM_THREADS where it is set) or null (torch's own count,
+    # one per core). Threads on a busy core cost far more than they bring: 30 steps of `tiny` on
+    # 2 shared cores took 9-10 s on 1 thread and 61-88 s on 2; on 2 idle cores 2 threads are
+    # faster (docs/training.md, "Threads").
     threads: int | Literal["auto"] | None = "auto"
     # auto: fp32 on CPU and MPS, bf16 autocast on CUDA (else fp16 with loss scaling)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"

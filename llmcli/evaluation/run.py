@@ -113,7 +113,7 @@ class EvalOptions:
 
     Raises:
         InputError: `steps` or `batch_size` below 1, an unknown `ablation`, or one without
-            `ablate`; `threads` outside 1..this machine's CPUs.
+            `ablate`; `threads` outside 1..the CPUs this process may use.
     """
 
     steps: int | None = None

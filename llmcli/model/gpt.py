@@ -49,6 +49,18 @@ def causal_mask(T: int, T_k: int, device: torch.device | str | None = None) -> T
     return torch.ones(T, T_k, dtype=torch.bool, device=device).tril(T_k - T)
 
 
+def check_length(T: int, context_length: int) -> None:
+    """Raise `InputError` (a `ValueError`) when one call holds more than `context_length`
+    positions: a layer alone keeps the model's contract, `T <= context_length`, rather than
+    computing an answer for lengths the model was never trained on. With a KV cache `T` counts
+    the new tokens; the cache's own room is the cache's to check."""
+    if T > context_length:
+        raise InputError(
+            f"input has {T} positions but context_length is {context_length}: give at most "
+            f"{context_length}"
+        )
+
+
 def attention_weights(q: Tensor, k: Tensor, mask: Tensor | None) -> Tensor:
     """`softmax(Q K^T / sqrt(hs))` under `mask` (None: causal), written out: what
     `F.scaled_dot_product_attention` computes before its `@ V`, for the same masks (bool, True =
@@ -77,9 +89,8 @@ class Head(nn.Module):
     the fused layer (`llmcli.model.heads.split_heads`), so it takes no KV cache.
 
     Shape:
-        x `(B, T, C)`, mask `(T, T)` or `(B, 1, T, T)` bool (default causal) -> `(B, T, hs)`.
-        `T` is not limited here (rotary tables end at `context_length`); `Transformer` refuses
-        longer inputs.
+        x `(B, T, C)`, mask `(T, T)` or `(B, 1, T, T)` bool (default causal) -> `(B, T, hs)`,
+        `T <= context_length` (`InputError` otherwise).
     """
 
     def __init__(self, config: ModelConfig | None = None, **kwargs: Any) -> None:
@@ -94,6 +105,7 @@ class Head(nn.Module):
 
     def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         B, T, C = x.shape
+        check_length(T, self.config.context_length)
         k = self.key(x)  # (B, T, hs)
         q = self.query(x)  # (B, T, hs)
         if self.config.qk_norm:
@@ -135,6 +147,7 @@ class MultiHeadAttention(nn.Module):
         self.config = config = model_config(config, kwargs)
         self.layer_idx = layer_idx
         self.n_head, self.head_size = config.n_head, config.head_size
+        self.context_length = config.context_length
         self.dropout, self.attn_dropout = config.dropout, config.attention_dropout
         self.qk_norm = config.qk_norm
         self.qkv = nn.Linear(config.n_embed, 3 * config.n_embed, bias=config.bias)
@@ -153,7 +166,8 @@ class MultiHeadAttention(nn.Module):
         """Attend over `x`, and over the keys a `kv_cache` holds.
 
         Args:
-            x: `(B, T, C)`.
+            x: `(B, T, C)`, `T <= context_length` (`InputError` otherwise); with a cache, `T`
+                counts the new tokens only.
             mask: bool, True = may attend: `(T, T_k)` or `(B, 1, T, T_k)`; None for causal
                 attention (the new tokens see every cached key and the new ones up to their own).
             input_pos: `(T,)` or `(B, T)` long positions of the new tokens, for rotary
@@ -166,6 +180,7 @@ class MultiHeadAttention(nn.Module):
             `(B, T, C)`.
         """
         B, T, C = x.shape
+        check_length(T, self.context_length)
         nh, hs = self.n_head, self.head_size
         # view + unbind + transpose (not a 5-D permute): SDPA's backward hands back gradients
         # whose memory is (B, T, nh, hs), so the backward of this is one stack, no extra copy.
@@ -261,7 +276,8 @@ class Block(nn.Module):
         input_pos: Tensor | None = None,
         kv_cache: KVCache | None = None,
     ) -> Tensor:
-        """See `MultiHeadAttention.forward`: `(B, T, C)` -> `(B, T, C)`."""
+        """See `MultiHeadAttention.forward` (which refuses `T > context_length`):
+        `(B, T, C)` -> `(B, T, C)`."""
         x = self.resid_pre(x)
         attn = self.attn(self.ln1(x), mask, input_pos, kv_cache)  # (B, T, C)
         x = self.resid_mid(x + self.attn_out(attn))  # (B, T, C)

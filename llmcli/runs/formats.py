@@ -12,14 +12,16 @@ import io
 import json
 import logging
 import math
+import os
 import pickle
 import struct
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
-from safetensors.torch import load, save
+from safetensors import safe_open
+from safetensors.torch import save
 
 from llmcli.errors import CheckpointError
 from llmcli.fileio import JSONFileError, atomic_write_bytes, read_json
@@ -60,47 +62,55 @@ def weights_bytes(model: Any, metadata: dict[str, Any]) -> bytes:
 def read_weights(path: str | Path) -> tuple[dict[str, Any], dict[str, str]]:
     """Read a safetensors file into CPU tensors and its metadata, refusing anything else.
 
+    The tensors are memory-mapped from the file (copy on write), not read into a buffer first,
+    so a model's weights are in memory once. They and the metadata come from the one file
+    opened: a run saved meanwhile (an atomic rename over the path) leaves the mapping as it was.
+
     Raises:
         CheckpointError: missing, not safetensors (a pickle, say), truncated or corrupt.
     """
     path = Path(path)
     try:
-        data = path.read_bytes()
+        with path.open("rb") as f:
+            _check_safetensors_header(path, f)
+        with safe_open(path, framework="pt") as st:
+            tensors = {name: st.get_tensor(name) for name in st.keys()}
+            metadata = st.metadata() or {}
     except FileNotFoundError:
         raise CheckpointError(f"weights file '{path}' is missing.") from None
     except OSError as exc:
         raise CheckpointError(f"cannot read weights file '{path}': {exc.strerror}.") from None
-    header = _safetensors_header(path, data)
-    try:
-        tensors = load(data)
-    except Exception as exc:  # safetensors raises its own error types for bad buffers
+    except CheckpointError:
+        raise
+    except Exception as exc:  # safetensors raises its own error types for bad data
         raise CheckpointError(
             f"weights file '{path}' is corrupt or truncated ({exc}); retrain, or use the "
             "other weights file of the run (--weights last / best)."
         ) from None
-    metadata = header.get("__metadata__") or {}
     return tensors, {str(k): str(v) for k, v in metadata.items()}
 
 
-def _safetensors_header(path: Path, data: bytes) -> dict[str, Any]:
+def _check_safetensors_header(path: Path, f: BinaryIO) -> None:
     # A safetensors file starts with an 8-byte little-endian header length and a JSON header.
-    # Checking it first turns pickles and other foreign files into a clear message.
+    # Checking it first turns pickles and other foreign files into a clear message; only the
+    # header is read, the tensors are safetensors' to map.
     not_st = (
         f"weights file '{path}' is not a safetensors file (a pickle or other format?); "
         "llmcli only loads safetensors weights, which cannot run code."
     )
-    if len(data) < 8:
-        raise CheckpointError(f"weights file '{path}' is truncated ({len(data)} bytes).")
-    (n,) = struct.unpack("<Q", data[:8])
-    if n < 2 or n > 100_000_000 or data[8:9] != b"{":
+    size = os.fstat(f.fileno()).st_size
+    if size < 8:
+        raise CheckpointError(f"weights file '{path}' is truncated ({size} bytes).")
+    (n,) = struct.unpack("<Q", f.read(8))
+    if n < 2 or n > 100_000_000 or f.read(1) != b"{":
         raise CheckpointError(not_st)
-    if 8 + n > len(data):
+    if 8 + n > size:
         raise CheckpointError(
             f"weights file '{path}' is truncated: its header says {n} bytes but the file has "
-            f"{len(data)} in all."
+            f"{size} in all."
         )
     try:
-        header = json.loads(data[8 : 8 + n])
+        header = json.loads(b"{" + f.read(n - 1))
     except ValueError:
         raise CheckpointError(not_st) from None
     if not isinstance(header, dict):
@@ -112,11 +122,10 @@ def _safetensors_header(path: Path, data: bytes) -> dict[str, Any]:
         for o in offsets
         if isinstance(o, list) and len(o) == 2 and all(type(x) is int and x >= 0 for x in o)
     ]
-    if ends and 8 + n + max(ends) > len(data):
+    if ends and 8 + n + max(ends) > size:
         raise CheckpointError(
-            f"weights file '{path}' is truncated: {len(data)} bytes, {8 + n + max(ends)} expected."
+            f"weights file '{path}' is truncated: {size} bytes, {8 + n + max(ends)} expected."
         )
-    return header
 
 
 def load_weights(model: Any, tensors: dict[str, Any], path: str | Path) -> None:

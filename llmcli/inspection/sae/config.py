@@ -43,7 +43,8 @@ class SAEConfig:
         activation: "topk" or "batchtopk" (see `ACTIVATIONS`).
         steps: optimizer steps to train for, in all (a resume goes on up to it).
         batch_tokens: activations per step, rounded up to whole windows of `context_length`.
-        lr: Adam's learning rate; it decays linearly to 0 over the last fifth of the steps.
+        lr: Adam's learning rate; it decays linearly over the last fifth of the steps, to 0 at
+            the last step.
         aux_coef: weight of the auxiliary loss that gives dead features a gradient (AuxK).
         dead_tokens: a feature that has not fired for this many tokens counts as dead.
         seed: seeds the initial weights and the order of the training windows.

@@ -10,8 +10,8 @@ reconstruction's squared error (summed over channels, averaged over tokens) plus
 life. Dead features are counted, not resampled: `dead_fraction` in `metrics.jsonl` and in `sae
 eval` is the share of features that have not fired for `dead_tokens` tokens (in eval: on any
 token scored). The decoder rows are kept at unit norm (the gradient along a row is dropped
-before the step, the row rescaled after). The learning rate is constant, then decays linearly to
-0 over the last fifth of the steps.
+before the step, the row rescaled after). The learning rate is constant, then decays linearly
+over the last fifth of the steps, to 0 at the last step.
 
 A save writes the SAE (SAELens's format, `llmcli.inspection.sae.folder`), then the resume state
 (`llmcli.inspection.sae.state`) last: every `save_interval` steps, at the end, and at Ctrl-C.
@@ -52,6 +52,7 @@ from llmcli.inspection.sae.state import SAEState
 from llmcli.progress import Progress
 from llmcli.runs.loading import LoadedRun, load_run
 from llmcli.runs.metrics import JsonLinesLog
+from llmcli.training.optim import learning_rate
 
 logger = logging.getLogger(__name__)
 
@@ -121,10 +122,18 @@ class _Training:
 
 
 def lr_at(config: SAEConfig, step: int) -> float:
-    """The learning rate of step `step` (0-based): constant, then down to 0 linearly over the
-    last `DECAY_FRACTION` of the steps."""
-    decay = max(1, round(config.steps * DECAY_FRACTION))
-    return config.lr * min(1.0, (config.steps - step) / decay)
+    """The learning rate of step `step` (0-based): `config.lr`, then down linearly over the
+    last `DECAY_FRACTION` of the steps to 0 at the last step (`train`'s wsd schedule, without
+    warmup)."""
+    return learning_rate(
+        step,
+        lr=config.lr,
+        min_lr=0.0,
+        warmup_steps=0,
+        max_steps=config.steps,
+        schedule="wsd",
+        decay_fraction=DECAY_FRACTION,
+    )
 
 
 def sae_step(
