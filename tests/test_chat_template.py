@@ -294,6 +294,17 @@ def parity_run(tmp_path_factory) -> Path:
     return save_tiny_run(tmp_path_factory.mktemp("parity") / "run", BPETokenizer(grown), raw)
 
 
+def mask_runs(ids: list[int], mask: list[bool], tokenizer) -> list[str]:
+    """The text of each run of marked tokens."""
+    runs: list[list[int]] = []
+    for i, (token, marked) in enumerate(zip(ids, mask, strict=True)):
+        if marked:
+            if i == 0 or not mask[i - 1]:
+                runs.append([])
+            runs[-1].append(token)
+    return [tokenizer.decode(run) for run in runs]
+
+
 @pytest.mark.parametrize("name", [*sorted(p.name for p in TEMPLATES.glob("*.jinja")), "built-in"])
 def test_an_exported_runs_apply_chat_template_gives_llmclis_ids(
     name, parity_run, tmp_path, frozen_clock, monkeypatch
@@ -301,7 +312,8 @@ def test_an_exported_runs_apply_chat_template_gives_llmclis_ids(
     """The run holding a published template, exported: `AutoTokenizer`'s
     `apply_chat_template(..., tokenize=True)` gives the ids llmcli encodes (special tokens
     from the export's tokenizer_config.json, dates from the frozen clock, tools as schemas), and
-    for the built-in template llmcli's mask is transformers' assistant mask."""
+    llmcli's mask marks each assistant turn's text to its end of turn (the prefix rule) or, for
+    the built-in template, what transformers' assistant mask marks."""
     from transformers import AutoTokenizer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -332,11 +344,76 @@ def test_an_exported_runs_apply_chat_template_gives_llmclis_ids(
         )
         assert encoder.prompt(messages[:-1], tools=tools) == list(prompt["input_ids"])
 
+        written = mask_runs(ours.ids.tolist(), ours.mask.tolist(), tokenizer)
         if name == "built-in":
             masked = hf_tok.apply_chat_template(
                 messages, return_dict=True, return_assistant_tokens_mask=True
             )["assistant_masks"]
             assert ours.mask.astype(int).tolist() == list(masked)
+        else:
+            spans = template.render_training(messages, tools=tools, **SPECIAL).spans
+            assert written == [text[a:b] for a, b in spans]
+        # Every assistant turn's text is among what the model writes, the rest is not.
+        replies = [m.get("content") for m in messages if m["role"] == "assistant"]
+        for reply in filter(None, replies):
+            assert sum(reply.strip() in w for w in written) == 1
+        assert not any(m["content"] in w for m in messages if m["role"] == "user" for w in written)
+
+
+# --- What a model writes, without {% generation %} -----------------------------------------
+
+
+def test_the_prefix_rule_marks_each_assistant_turn_after_its_generation_prompt():
+    """Qwen2.5's template has no {% generation %}: each assistant turn writes what it adds to
+    the conversation before it with the generation prompt, the tool call or the text, its
+    `<|im_end|>` and the newline after it, and nothing of the system, user or tool turns."""
+    template = template_from_file(TEMPLATES / "qwen2.5-instruct.jinja")
+    assert not template.marks_generation and default_template().marks_generation
+    rendered = template.render_training(TOOL_CHAT, tools=TOOLS, **SPECIAL)
+    assert [rendered.text[a:b] for a, b in rendered.spans] == [
+        '<tool_call>\n{"name": "get_weather", "arguments": '
+        '{"city": "Zürich", "unit": "°C", "note": "<b>&\'\\""}}\n</tool_call><|im_end|>\n',
+        'It is 22°C & "sunny" <3<|im_end|>\n',
+    ]
+    prompt = template.render(TOOL_CHAT[:2], True, tools=TOOLS, **SPECIAL).text
+    assert rendered.spans[0][0] == len(prompt)  # the first turn starts where the prompt ends
+    # Zephyr's turns end with its eos_token (the run's end of text) and a newline.
+    zephyr = template_from_file(TEMPLATES / "zephyr-7b-beta.jinja")
+    rendered = zephyr.render_training(CONVERSATIONS[1], **SPECIAL)
+    assert [rendered.text[a:b] for a, b in rendered.spans] == [
+        f"c-a-t{EOT}\n",
+        f"d-o-g{EOT}\n",
+    ]
+
+
+def test_the_prefix_rule_marks_tokens_of_the_encoded_conversation():
+    """The mask over a char tokenizer's ids, by hand: a template without {% generation %}."""
+    source = "{% for m in messages %}{{ m['role'][0] + ':' + m['content'] + '.' }}{% endfor %}"
+    source += "{% if add_generation_prompt %}{{ 'a:' }}{% endif %}"
+    encoder = ConversationEncoder(ChatTemplate(source), chat_tokenizer())
+    encoded = encoder.encode(CONVERSATIONS[1])
+    text = "u:Spell cat..a:c-a-t.u:And dog?.a:d-o-g."
+    assert chat_tokenizer().decode(encoded.ids.tolist()) == text
+    # "a:" is the generation prompt, so each reply is its text and its ".".
+    expected = [False] * len("u:Spell cat..a:") + [True] * len("c-a-t.")
+    expected += [False] * len("u:And dog?.a:") + [True] * len("d-o-g.")
+    assert encoded.mask.tolist() == expected
+
+
+def test_a_template_that_rerenders_earlier_turns_is_refused_naming_the_fix():
+    """The last turn written differently from the same turn followed by others: no prefix
+    tells what the assistant wrote, and the error asks for {% generation %}."""
+    source = (
+        "{% for m in messages %}{{ m['role'] + ':' + m['content'] }}"
+        "{% if loop.last %}{{ ' (last)' }}{% endif %}{{ '\\n' }}{% endfor %}"
+    )
+    template = ChatTemplate(source, origin="mine.jinja")
+    with pytest.raises(
+        InputError, match=r"mine\.jinja has no \{% generation %\}.*message 1 \(the assistant's\)"
+    ):
+        template.render_training(CONVERSATIONS[1])
+    with pytest.raises(InputError, match=r"Put \{% generation %\}\.\.\.\{% endgeneration %\}"):
+        template.render_training(CONVERSATIONS[1])
 
 
 def test_bad_templates_and_messages_exit_2_with_the_reason(tmp_path, capsys):
@@ -354,6 +431,9 @@ def test_bad_templates_and_messages_exit_2_with_the_reason(tmp_path, capsys):
     data.write_text(json.dumps({"messages": CONVERSATIONS[1]}) + "\n")
     templates = {
         "{{ raise_exception('no dogs here') }}": "does not render these messages.*no dogs here",
+        "{% for m in messages %}{{ m['content'] }}{% if loop.last %}!{% endif %}{% endfor %}": (
+            r"no \{% generation %\} tags"
+        ),
     }
     for source, message in templates.items():
         (run_dir / TEMPLATE_FILE).write_text(source, encoding="utf-8")

@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Part of every chat cache key: bump it when what is cached changes. v2: templates read the
-# special tokens.
+# special tokens, and one without {% generation %} marks its assistant turns by the prefix rule.
 FORMAT_VERSION = "llmcli-chat-v2"
 MESSAGES_COLUMN = "messages"  # a dataset's column of conversations
 

@@ -33,6 +33,17 @@ written for the Hub gives the text it gives there:
   keys of a message whose value is None are left out, and a message's reasoning (under
   `reasoning_content`, `thinking` or `reasoning`) is given as `reasoning_content` and, unless it
   has one, `thinking`.
+
+What a model writes in a training conversation (`ChatTemplate.render_training`, which the loss
+mask of `llmcli.data.conversations` marks): the spans inside `{% generation %}` when the
+template has the tag. Most templates on the Hub do not, and `transformers` then marks nothing;
+llmcli takes the prefix rule instead: assistant turn i writes what `render(messages[:i + 1])`
+adds to `render(messages[:i], add_generation_prompt=True)`, its text, its end-of-turn token and
+whatever the template writes after that before the next turn (ChatML's newline). The rule needs
+each of those texts to start with the one before it, and the whole conversation's text to start
+with each: a template that renders a turn differently once later turns follow (one that drops
+earlier turns' reasoning, as Qwen3's does) is refused with an `InputError` that asks for
+`{% generation %}` around the assistant's text.
 """
 
 from __future__ import annotations
@@ -169,6 +180,17 @@ def _environment() -> Any:
     return env
 
 
+def _marks_generation(tree: Any) -> bool:
+    """Whether a parsed template holds a `{% generation %}` block (a call of its `_record`)."""
+    import jinja2
+
+    return any(
+        isinstance(block.call.node, jinja2.nodes.ExtensionAttribute)
+        and block.call.node.name == "_record"
+        for block in tree.find_all(jinja2.nodes.CallBlock)
+    )
+
+
 @contextmanager
 def _recording() -> Iterator[tuple[list[str], list[tuple[int, int]]]]:
     tracking: tuple[list[str], list[tuple[int, int]]] = ([], [])
@@ -256,12 +278,15 @@ class ChatTemplate:
 
         self.source, self.origin = source, origin
         try:
-            self._template = _environment().from_string(source)
+            env = _environment()
+            tree = env.parse(source)
+            self._template = env.from_string(tree)
         except jinja2.TemplateError as exc:
             raise InputError(
                 f"{origin} is not a valid Jinja template ({_describe(exc)}): fix it, or leave "
                 "data.chat_template unset for the built-in one."
             ) from None
+        self.marks_generation = _marks_generation(tree)
 
     def render(
         self,
@@ -317,6 +342,41 @@ class ChatTemplate:
         if not text:
             raise InputError(f"{self.origin} renders these messages as empty text: fix it.")
         return Rendered(text, tuple(spans))
+
+    def render_training(self, messages: Sequence[Mapping[str, Any]], **context: Any) -> Rendered:
+        """A training conversation's text, with the spans of what a model writes: those inside
+        `{% generation %}`, or for a template without the tag, by the prefix rule (the module's
+        docstring): each assistant turn's text after the generation prompt before it.
+
+        Args:
+            messages: the conversation.
+            context: `render`'s keywords (`tools`, `documents`, special tokens, ...).
+
+        Raises:
+            InputError: the template fails on the messages, or has no `{% generation %}` and
+                renders a turn differently once later turns follow.
+        """
+        whole = self.render(messages, False, **context)
+        if self.marks_generation:
+            return whole
+        spans = []
+        for i, message in enumerate(messages):
+            if message.get("role") != "assistant":
+                continue
+            before = self.render(messages[:i], True, **context).text
+            through = self.render(messages[: i + 1], False, **context).text
+            if not (through.startswith(before) and whole.text.startswith(through)):
+                raise InputError(
+                    f"{self.origin} has no {{% generation %}} tags, and llmcli cannot tell which "
+                    f"tokens of message {i} (the assistant's) the model writes: its text for "
+                    f"messages[:{i + 1}] does not start with its text for messages[:{i}] with "
+                    "add_generation_prompt, or the whole conversation's text does not start "
+                    "with it (the template renders a turn differently depending on what follows "
+                    "it). Put {% generation %}...{% endgeneration %} around what the assistant "
+                    "writes in the template."
+                )
+            spans.append((len(before), len(through)))
+        return Rendered(whole.text, tuple(spans))
 
     def save(self, run_dir: str | Path) -> None:
         """Write the template into a run directory (`chat_template.jinja`)."""

@@ -3,11 +3,13 @@
 A conversation is OpenAI's and Hugging Face's shape, `[{"role": ..., "content": ...}, ...]`:
 an optional `system` message first, then `user` and `assistant` turns in turn, starting with the
 user, with at least one assistant turn. `encode` renders it with the run's chat template and
-marks the tokens the model is trained to write, those inside the template's
-`{% generation %}` spans (the assistant's text and its end-of-turn token), as `transformers`'
-`return_assistant_tokens_mask` does: a token is marked when any of its characters is. The
-template reads the tokenizer's special tokens (`bos_token`, `eos_token`) as the Hugging Face
-export declares them (`llmcli.data.tokenizer.special_tokens`).
+marks the tokens the model is trained to write, those of the spans the template says the model
+writes (`ChatTemplate.render_training`: inside `{% generation %}`, the assistant's text and its
+end-of-turn token; for a template without the tag, each assistant turn's text after the
+generation prompt before it), as `transformers`' `return_assistant_tokens_mask` does: a token is
+marked when any of its characters is. The template reads the tokenizer's special tokens
+(`bos_token`, `eos_token`) as the Hugging Face export declares them
+(`llmcli.data.tokenizer.special_tokens`).
 """
 
 from __future__ import annotations
@@ -186,7 +188,9 @@ class ConversationEncoder:
     ) -> Encoded:
         """A training conversation's ids and mask (`tools` and `documents` for a template that
         writes them)."""
-        rendered = self.render(messages, False, tools=tools, documents=documents)
+        rendered = self.template.render_training(
+            messages, tools=tools, documents=documents, **self.special_tokens
+        )
         encoding = self._encode(rendered.text)
         mask = np.zeros(len(encoding.ids), dtype=bool)
         starts = np.array([s for s, _ in encoding.offsets], dtype=np.int64)
