@@ -271,10 +271,17 @@ def test_templates_that_do_not_parse_or_render_and_tokenizers_without_chat_token
     config.chat_template = str(refusing)
     with pytest.raises(InputError, match=r"train\.jsonl line 1: .* does not render .*no system"):
         prepare_chat_data(config, 32)
+    # Without {% generation %}, the prefix rule marks what the assistant's turn adds.
     unmarked = tmp_path / "unmarked.jinja"
     unmarked.write_text("{% for m in messages %}{{ m['content'] + '<|end|>' }}{% endfor %}")
     config.chat_template = str(unmarked)
-    with pytest.raises(InputError, match=r"unmarked\.jinja\) marks none of the train split"):
+    data = prepare_chat_data(config, 32)
+    assert np.asarray(data.train).tolist() == ids_of("Hi", END, "Yo", END)
+    assert np.asarray(data.chat.train.mask).tolist() == [0, 0, 0, 1, 1, 1]
+    empty = tmp_path / "empty.jinja"  # a {% generation %} around nothing marks nothing
+    empty.write_text(unmarked.read_text() + "{% generation %}{% endgeneration %}")
+    config.chat_template = str(empty)
+    with pytest.raises(InputError, match=r"empty\.jinja\) marks none of the train split"):
         prepare_chat_data(config, 32)
     config.chat_template = None
     from llmcli.data.tokenizer import CharTokenizer

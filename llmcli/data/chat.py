@@ -53,7 +53,7 @@ from llmcli.data.prepared import (
     read_cache_json,
     token_dtype,
 )
-from llmcli.data.tokenizer import Tokenizer, train_tokenizer
+from llmcli.data.tokenizer import EOT, Tokenizer, special_tokens, train_tokenizer
 from llmcli.errors import InputError, describe_os_error
 from llmcli.fileio import atomic_path, atomic_write_json
 
@@ -62,7 +62,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = "llmcli-chat-v1"  # part of every chat cache key: bump it when the format changes
+# Part of every chat cache key: bump it when what is cached changes. v2: templates read the
+# special tokens, and one without {% generation %} marks its assistant turns by the prefix rule.
+FORMAT_VERSION = "llmcli-chat-v2"
 MESSAGES_COLUMN = "messages"  # a dataset's column of conversations
 
 
@@ -148,15 +150,18 @@ def _content_hash(conversations: Conversations, template: ChatTemplate) -> str:
 
 
 def _plain_texts(template: ChatTemplate, sources: list[Conversations]) -> Iterator[str]:
-    """Each conversation as the template renders it, without the chat tokens (added to the
-    tokenizer as special tokens, they are not text to learn merges or characters from)."""
+    """Each conversation as the template renders it, without the chat tokens and the end of
+    text (special tokens of the tokenizer, they are not text to learn merges or characters
+    from). The template reads the special tokens of the tokenizer to be trained, whose end of
+    text is `EOT` for char and BPE alike."""
+    special = special_tokens(EOT)
     for source in sources:
         for messages, where in zip(source.rows, source.wheres, strict=True):
             try:
-                text = template.render(messages, add_generation_prompt=False).text
+                text = template.render(messages, False, **special).text
             except InputError as exc:
                 raise InputError(f"{where}: {exc}") from None
-            for token in CHAT_TOKENS:
+            for token in (*CHAT_TOKENS, EOT):
                 text = text.replace(token, "")
             yield text
 

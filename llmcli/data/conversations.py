@@ -3,23 +3,33 @@
 A conversation is OpenAI's and Hugging Face's shape, `[{"role": ..., "content": ...}, ...]`:
 an optional `system` message first, then `user` and `assistant` turns in turn, starting with the
 user, with at least one assistant turn. `encode` renders it with the run's chat template and
-marks the tokens the model is trained to write, those inside the template's
-`{% generation %}` spans (the assistant's text and its end-of-turn token), as `transformers`'
-`return_assistant_tokens_mask` does: a token is marked when any of its characters is.
+marks the tokens the model is trained to write, those of the spans the template says the model
+writes (`ChatTemplate.render_training`: inside `{% generation %}`, the assistant's text and its
+end-of-turn token; for a template without the tag, each assistant turn's text after the
+generation prompt before it), as `transformers`' `return_assistant_tokens_mask` does: a token is
+marked when any of its characters is. The template reads the tokenizer's special tokens
+(`bos_token`, `eos_token`) as the Hugging Face export declares them
+(`llmcli.data.tokenizer.special_tokens`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from llmcli.data.chat_template import CHAT_TOKENS, ROLES, ChatTemplate
-from llmcli.data.tokenizer import BPETokenizer, CharTokenizer, Tokenizer
+from llmcli.data.chat_template import CHAT_TOKENS, ROLES, ChatTemplate, Rendered
+from llmcli.data.tokenizer import (
+    BPETokenizer,
+    CharTokenizer,
+    Tokenizer,
+    eot_text,
+    special_tokens,
+)
 from llmcli.errors import InputError
 
 Messages = list[dict[str, str]]
@@ -152,10 +162,35 @@ class ConversationEncoder:
                 "chat tokens (add_chat_tokens adds them)."
             )
         self.end_id: int = self._hf.token_to_id(CHAT_TOKENS[-1])
+        # What the template reads as bos_token and eos_token: the export's, so that its
+        # apply_chat_template renders the text (and ids) encoded here.
+        self.special_tokens = special_tokens(eot_text(tokenizer))
 
-    def encode(self, messages: Sequence[dict[str, str]]) -> Encoded:
-        """A training conversation's ids and mask."""
-        rendered = self.template.render(messages, add_generation_prompt=False)
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+    ) -> Rendered:
+        """The template's text of `messages`, with this tokenizer's special tokens."""
+        return self.template.render(
+            messages, add_generation_prompt, tools=tools, documents=documents, **self.special_tokens
+        )
+
+    def encode(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+    ) -> Encoded:
+        """A training conversation's ids and mask (`tools` and `documents` for a template that
+        writes them)."""
+        rendered = self.template.render_training(
+            messages, tools=tools, documents=documents, **self.special_tokens
+        )
         encoding = self._encode(rendered.text)
         mask = np.zeros(len(encoding.ids), dtype=bool)
         starts = np.array([s for s, _ in encoding.offsets], dtype=np.int64)
@@ -164,9 +199,16 @@ class ConversationEncoder:
             mask |= (starts < hi) & (ends > lo)
         return Encoded(np.asarray(encoding.ids, dtype=np.int64), mask)
 
-    def prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def prompt(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
         """The ids of a conversation to be answered: its turns and the start of the reply."""
-        return list(self._encode(self.template.render(messages, True).text).ids)
+        rendered = self.render(messages, True, tools=tools, documents=documents)
+        return list(self._encode(rendered.text).ids)
 
     def _encode(self, text: str) -> Any:
         try:

@@ -499,6 +499,22 @@ def named_tokenizer(name: str, *, what: str) -> Tokenizer:
     return load_tokenizer(where)
 
 
+def eot_text(tok: Tokenizer) -> str | None:
+    """The end-of-text token's text, or None for a tokenizer without one."""
+    return None if tok.eot_id is None else tok.decode([tok.eot_id])
+
+
+def special_tokens(eot: str | None) -> dict[str, str]:
+    """The named special tokens, as Hugging Face names them, of a tokenizer whose end-of-text
+    token is `eot` (`eot_text`): it is the `bos_token` and the `eos_token` (none without one).
+
+    The one source of what the Hugging Face export's `tokenizer_config.json` declares and of the
+    variables a chat template is rendered with (`llmcli.data.conversations`), so that
+    `apply_chat_template` on an export reads the values llmcli trained with.
+    """
+    return {} if eot is None else {"bos_token": eot, "eos_token": eot}
+
+
 def separator_ids(tok: Tokenizer) -> list[int]:
     """What joins two documents of a corpus, so also what an empty prompt starts from.
 

@@ -30,7 +30,7 @@ from safetensors.torch import save
 from llmcli.config import Config
 from llmcli.data.chat_template import CHAT_TOKENS, TEMPLATE_FILE, ChatTemplate, load_run_template
 from llmcli.data.conversations import ConversationEncoder
-from llmcli.data.tokenizer import Tokenizer
+from llmcli.data.tokenizer import Tokenizer, eot_text, special_tokens
 from llmcli.errors import InputError, describe_os_error
 from llmcli.fileio import atomic_write_bytes
 from llmcli.hf.architectures import choose
@@ -65,11 +65,6 @@ _STALE_FILES = (
 # ---------------------------------------------------------------------------------------------
 
 
-def _eot_token(tokenizer: Tokenizer) -> str | None:
-    """The end-of-text token's text (None without one): BOS and EOS of the export."""
-    return None if tokenizer.eot_id is None else tokenizer.decode([tokenizer.eot_id])
-
-
 def hf_tokenizer_files(
     tokenizer: Tokenizer, context_length: int, template: ChatTemplate | None = None
 ) -> dict[str, str]:
@@ -77,8 +72,8 @@ def hf_tokenizer_files(
     (a `PreTrainedTokenizerFast` that adds no special tokens when encoding, as llmcli); with a
     chat `template`, also `chat_template.jinja`, the template in the config too, and the chat
     tokens as additional special tokens (skipped by `decode(skip_special_tokens=True)`)."""
-    eot = _eot_token(tokenizer)
-    special: dict[str, Any] = {"bos_token": eot, "eos_token": eot} if eot is not None else {}
+    # The end of text as BOS and EOS: what a chat template reads too (the ids llmcli trained on).
+    special: dict[str, Any] = dict(special_tokens(eot_text(tokenizer)))
     if template is not None:
         special["additional_special_tokens"] = list(CHAT_TOKENS)
     tokenizer_config = {

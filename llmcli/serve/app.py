@@ -342,7 +342,7 @@ class ChatEncoding:
         """The prompt's text and ids; a conversation longer than the context is refused (the
         client chooses what to leave out, where `llmcli chat` drops the oldest turns)."""
         try:
-            text = encoder.template.render(request.messages, add_generation_prompt=True).text
+            text = encoder.render(request.messages, add_generation_prompt=True).text
             ids = encoder.prompt(request.messages)
         except InputError as exc:
             raise APIError(400, str(exc), param="messages", code="invalid_value") from None
