@@ -22,7 +22,7 @@ from llmcli.model.gpt import Transformer
 from llmcli.runs import formats, loading
 from llmcli.runs.directory import STATE_FILE, ensure_run_dir, save_model_run
 from llmcli.runs.formats import WEIGHTS_FORMAT, load_state, read_weights, save_state
-from llmcli.runs.loading import find_latest_run, load_run
+from llmcli.runs.loading import find_latest_run, latest_run_notice, load_run, run_kind
 
 TEXT = "To be, or not to be, that is the question.\n"
 
@@ -129,6 +129,29 @@ def test_find_latest_run_picks_the_newest_weights(tmp_path: Path) -> None:
     make_run(tmp_path / "group" / "c")  # runs in sub-folders count too
     os.utime(tmp_path / "group" / "c" / "model.safetensors", (now + 200, now + 200))
     assert find_latest_run(tmp_path) == tmp_path / "group" / "c"
+
+
+def test_the_latest_run_of_the_kind_a_command_wants_comes_first_and_the_notice_says_so(
+    tmp_path: Path,
+) -> None:
+    make_run(tmp_path / "tiny")
+    make_run(tmp_path / "chat")
+    (tmp_path / "chat" / "chat_template.jinja").write_text("{{ messages }}")
+    now = time.time()
+    os.utime(tmp_path / "tiny" / "model.safetensors", (now - 100, now - 100))
+    os.utime(tmp_path / "chat" / "model.safetensors", (now, now))  # the chat run is newer
+    assert run_kind(tmp_path / "chat") == "chat" and run_kind(tmp_path / "tiny") == "text"
+    assert find_latest_run(tmp_path) == tmp_path / "chat"
+    assert find_latest_run(tmp_path, kind="chat") == tmp_path / "chat"
+    assert find_latest_run(tmp_path, kind="text") == tmp_path / "tiny"
+    chat, tiny = tmp_path / "chat", tmp_path / "tiny"
+    assert latest_run_notice(tiny, tmp_path) == (
+        f"using the latest text run: {tiny} (the newer chat run is {chat}: --checkpoint {chat} "
+        "picks it)"
+    )
+    assert latest_run_notice(chat, tmp_path) == f"using the latest chat run: {chat}"
+    # With no run of the kind wanted, the latest of the other kind (the notice names its kind).
+    assert find_latest_run(tmp_path / "chat", kind="text") == chat
 
 
 def test_missing_run_and_missing_files_are_named(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ import dataclasses
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -323,8 +324,20 @@ def test_latest_run_is_used_and_named(capsys, tmp_path, monkeypatch) -> None:
     os.utime(tmp_path / "checkpoints" / "old" / "model.safetensors", (1, 1))
     code, out, err = cli(capsys, "sample", "--prompt", "ROMEO:", "--no-stream")
     assert code == 0
-    assert str(Path("checkpoints") / "new") in err
+    assert f"using the latest text run: {Path('checkpoints') / 'new'}\n" in err
     assert out == "ROMEO:" + expected_completion(newest, "ROMEO:", 20, seed=3) + "\n"
+
+    # A newer chat run does not take its place: sample keeps to text, and says what it left.
+    chat = tmp_path / "checkpoints" / "chat"
+    shutil.copytree(newest, chat)
+    (chat / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    os.utime(newest / "model.safetensors", (2, 2))
+    code, out2, err = cli(capsys, "sample", "--prompt", "ROMEO:", "--no-stream")
+    assert code == 0 and out2 == out
+    assert (
+        f"using the latest text run: {Path('checkpoints') / 'new'} (the newer chat run is " in err
+    )
+    assert f"--checkpoint {Path('checkpoints') / 'chat'} picks it)" in err
 
 
 def test_threads_option_gives_the_same_text_and_restores_the_count(capsys, run_dir) -> None:

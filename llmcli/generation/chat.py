@@ -214,7 +214,7 @@ def open_session(
     """Load a run and start a conversation with it: what `llmcli chat` does before its first line.
 
     Args:
-        checkpoint: a run directory (or a weights file in one); None = the latest run.
+        checkpoint: a run directory (or a weights file in one); None = the latest chat run.
         system: the system message, or None.
         overrides: sampling settings by `SampleConfig` key, over the run's `sample:` config.
         options: stop strings, threads, which weights, the device (`num_samples` must be 1).
@@ -227,7 +227,7 @@ def open_session(
         raise InputError("chat gives one reply per message: leave out --num-samples.")
     if system is not None:
         check_system(system)  # before the run loads
-    run, config, options = load_for_sampling(checkpoint, overrides, options, notify)
+    run, config, options = load_for_sampling(checkpoint, overrides, options, notify, "chat")
     return new_session(run, config, options, system)
 
 

@@ -85,14 +85,16 @@ def load_for_sampling(
     overrides: Mapping[str, Any] | None,
     options: SampleOptions,
     notify: Callable[[str], Any] = logger.warning,
+    kind: str = "text",
 ) -> tuple[LoadedRun, SampleConfig, SampleOptions]:
-    """Load a run to sample from, as `sample_run` does: the run, its `sample:` config with
+    """Load a run to sample from, as `sample_run` does: the run (with no `checkpoint`, the
+    latest of `kind`: "text" to continue text, "chat" to chat), its `sample:` config with
     `overrides` applied (checked before the run loads, `context_keep` against its model), and
     `options` with the run's end-of-text id added to the stop ids."""
     overrides = dict(overrides or {})
     SampleConfig(**overrides)  # a mistyped setting fails at once, before the run loads
     device = resolve_device(options.device, what="--device")
-    run = load_run(checkpoint, weights=options.weights, device=device, notify=notify)
+    run = load_run(checkpoint, weights=options.weights, device=device, notify=notify, kind=kind)
     config = replace(run.config.sample, **overrides)
     # context_keep depends on the model: checked before any output (generate checks it again,
     # for callers that bring a model alone).

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from llmcli.config import Config, config_from_dict, read_yaml
+from llmcli.data.chat_template import TEMPLATE_FILE
 from llmcli.data.tokenizer import Tokenizer, load_tokenizer
 from llmcli.errors import CheckpointError, InputError
 from llmcli.fileio import newest
@@ -39,21 +40,40 @@ class LoadedRun:
     weights_path: Path | None = None
 
 
-def find_latest_run(root: str | Path = Path("checkpoints")) -> Path:
-    """The run under `root` (at any depth) whose `model.safetensors` was written most recently.
+def run_kind(run_dir: Path) -> str:
+    """ "chat" for a run trained on conversations (it holds a chat template), else "text"."""
+    return "chat" if (run_dir / TEMPLATE_FILE).is_file() else "text"
+
+
+def find_latest_run(root: str | Path = Path("checkpoints"), kind: str | None = None) -> Path:
+    """The run under `root` (at any depth) whose `model.safetensors` was written most recently;
+    with `kind` ("text" or "chat"), the latest of that kind if there is one.
 
     Raises:
         CheckpointError: no run under `root`, saying how to train one.
     """
     root = Path(root)
     # Runs may sit in sub-folders (--out a/b/run).
-    weights = newest(root.rglob(MODEL_FILE)) if root.is_dir() else None
+    runs = [w.parent for w in root.rglob(MODEL_FILE)] if root.is_dir() else []
+    weights = newest(run / MODEL_FILE for run in runs if kind in (None, run_kind(run)))
+    weights = weights or newest(run / MODEL_FILE for run in runs)
     if weights is None:
         raise CheckpointError(
             f"no trained run found under '{root}/': {TRAIN_HINT}, or pass --checkpoint DIR "
             "pointing at a run directory."
         )
     return weights.parent
+
+
+def latest_run_notice(run_dir: Path, root: str | Path = Path("checkpoints")) -> str:
+    """The line that says which run a command took by default, of which kind, and the newer
+    run of the other kind it left aside, if any (how to pick that one instead)."""
+    kind = run_kind(run_dir)
+    line = f"using the latest {kind} run: {run_dir}"
+    newer = find_latest_run(root)
+    if newer != run_dir:
+        line += f" (the newer {run_kind(newer)} run is {newer}: --checkpoint {newer} picks it)"
+    return line
 
 
 def _run_file(run_dir: Path, name: str) -> Path:
@@ -122,26 +142,29 @@ def load_run(
     weights: str = "best",
     device: str | torch.device = "cpu",
     notify: Callable[[str], None] | None = None,
+    kind: str | None = None,
 ) -> LoadedRun:
     """Load a run for reading (sampling, inspection, eval): config, tokenizer, model in eval mode.
 
     Args:
-        run_dir: a run directory; None picks `find_latest_run()`. A path to a `.safetensors`
-            file inside a run loads that file.
+        run_dir: a run directory; None picks `find_latest_run(kind=kind)`. A path to a
+            `.safetensors` file inside a run loads that file.
         weights: "best" (`best.safetensors`, falling back to `model.safetensors` if a run has
             no best yet) or "last" (`model.safetensors`).
         device: where to put the model ("cpu", "cuda", "mps").
         notify: called with a line for the user (stderr): which run was picked when `run_dir`
             is None, and a warning for each library whose installed version differs from the
             run's in a way that can change results.
+        kind: the kind of run ("text", "chat") the command is for, when `run_dir` is None:
+            the latest run of that kind is taken before a newer one of the other kind.
 
     Raises:
         CheckpointError: a missing, incomplete, corrupt or mismatched run (names the file).
     """
     if run_dir is None:
-        run_dir = find_latest_run()
+        run_dir = find_latest_run(kind=kind)
         if notify is not None:
-            notify(f"using the latest run: {run_dir}")
+            notify(latest_run_notice(run_dir))
     run = _load_run_files(Path(run_dir), weights, device)
     if notify is not None:
         for line in versions.warnings_for(run.meta.get("versions")):

@@ -39,7 +39,7 @@ from llmcli.inspection.sae.points import as_rows, check_hook, replacing
 from llmcli.inspection.sae.steer import splice
 from llmcli.progress import Progress
 from llmcli.runs.directory import CONFIG_FILE, MODEL_FILE
-from llmcli.runs.loading import LoadedRun, find_latest_run, load_run
+from llmcli.runs.loading import LoadedRun, find_latest_run, latest_run_notice, load_run
 
 #: Batches scored when `--steps` is not given: about 80K tokens on the tiny run (context 64).
 DEFAULT_STEPS = 40
@@ -115,7 +115,7 @@ def open_sae(
     else:
         if checkpoint is None:
             checkpoint = find_latest_run()
-            notify(f"using the latest run: {checkpoint}")
+            notify(latest_run_notice(checkpoint))
         run = load_run(checkpoint, weights=options.weights, device=device, notify=notify)
         folder = find_sae(run.run_dir)
         notify(f"using the latest SAE of the run: {folder}")
