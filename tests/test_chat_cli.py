@@ -144,6 +144,15 @@ def test_seed_is_respected_and_a_message_starting_with_a_slash(
     assert code == 0 and "vocabulary lacks: '/'" in err
 
 
+def test_sample_on_a_chat_run_names_the_character_its_vocabulary_lacks(capsys, run_dir) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["sample", "--checkpoint", str(run_dir), "--prompt", "café", "--no-stream"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert exit_.value.code == 2
+    assert "the text holds 1 character(s) that the tokenizer's vocabulary lacks: 'é'." in err
+    assert "damaged" not in err
+
+
 # The turns of CONVERSATIONS[1] and a last user turn, counted by hand with the char tokenizer
 # (one token per character, one per chat token): a turn is its role token, "\n", its text,
 # <|end|>, "\n"; the prompt ends with <|assistant|> "\n".

@@ -216,25 +216,9 @@ class ConversationEncoder:
         except Exception as exc:  # tokenizers raises plain Exceptions from its model
             raise self._cannot_encode(text, exc) from None
 
-    def _known(self, char: str) -> bool:
-        try:
-            return self._hf.token_to_id(char) is not None
-        except Exception:  # a lone surrogate is no string tokenizers can take
-            return False
-
     def _cannot_encode(self, text: str, exc: Exception) -> InputError:
         """The characters a char tokenizer lacks, named; else what the tokenizer said."""
-        for token in CHAT_TOKENS:
-            text = text.replace(token, "")
-        unknown = sorted({c for c in set(text) if not self._known(c)})
-        if unknown:
-            shown = ", ".join(repr(c) for c in unknown[:20])
-            more = f" and {len(unknown) - 20} more" if len(unknown) > 20 else ""
-            return InputError(
-                f"the conversation holds {len(unknown)} character(s) that the tokenizer's "
-                f"vocabulary lacks: {shown}{more}. Remove them, or train on text that has them."
-            )
-        return InputError(f"the tokenizer cannot encode this conversation ({exc}).")
+        return BPETokenizer(self._hf).cannot_encode(text, exc, "conversation")
 
 
 def add_chat_tokens(tokenizer: Tokenizer) -> Tokenizer:

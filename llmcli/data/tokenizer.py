@@ -113,6 +113,16 @@ def _list_chars(chars: Iterable[str]) -> str:
     return shown + more
 
 
+def lacking_characters(chars: Iterable[str], what: str = "text") -> InputError:
+    """The error for a `what` ("text", "conversation") holding characters that a character
+    vocabulary lacks: it names them."""
+    chars = set(chars)
+    return InputError(
+        f"the {what} holds {len(chars)} character(s) that the tokenizer's vocabulary lacks: "
+        f"{_list_chars(chars)}. Remove them, or train on a corpus that has them."
+    )
+
+
 class CharTokenizer:
     """One token per character; ids are the characters' ranks in sorted order, then `eot`.
 
@@ -162,11 +172,7 @@ class CharTokenizer:
         np.minimum(ids, len(self.chars) - 1, out=ids)
         unknown = self._codepoints[ids] != points
         if unknown.any():
-            bad = {chr(p) for p in np.unique(points[unknown])}
-            raise InputError(
-                f"the text holds {len(bad)} character(s) that the char tokenizer's vocabulary "
-                f"lacks: {_list_chars(bad)}. Remove them, or train on a corpus that has them."
-            )
+            raise lacking_characters(chr(p) for p in np.unique(points[unknown]))
         return ids.astype(np.int64, copy=False)
 
     def encode(self, text: str) -> list[int]:
@@ -286,15 +292,36 @@ class BPETokenizer:
         try:
             return self.hf.encode(text, add_special_tokens=False).ids
         except Exception as exc:  # tokenizers raises plain Exceptions from its model
-            raise _cannot_encode(exc) from None
+            raise self.cannot_encode(text, exc) from None
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Encode many texts in parallel (Rust threads); same ids, and errors, as `encode`."""
         try:
             encodings = self.hf.encode_batch_fast(texts, add_special_tokens=False)
         except Exception as exc:  # as in `encode`
-            raise _cannot_encode(exc) from None
+            raise self.cannot_encode("".join(texts), exc) from None
         return [e.ids for e in encodings]
+
+    def cannot_encode(self, text: str, exc: Exception, what: str = "text") -> InputError:
+        """Why the model failed on `text`: the characters a character-level vocabulary (a chat
+        run's, which has no unknown token) lacks, named; else what the tokenizer said."""
+        added = {token.content for token in self.hf.get_added_tokens_decoder().values()}
+        vocab = self.hf.get_vocab(with_added_tokens=False)
+        for token in added:
+            text = text.replace(token, "")
+        unknown = {c for c in set(text) if not self._knows(c)}
+        if unknown and all(len(t) == 1 or t in added for t in vocab):  # one token a character
+            return lacking_characters(unknown, what)
+        return InputError(
+            f"the tokenizer cannot encode this {what} ({exc}); its tokenizer.json is damaged or "
+            "its model has no usable unknown token: use another data.tokenizer."
+        )
+
+    def _knows(self, char: str) -> bool:
+        try:
+            return self.hf.token_to_id(char) is not None
+        except Exception:  # a lone surrogate is no string tokenizers can take
+            return False
 
     def decode(self, ids: Iterable[int]) -> str:
         ids = _checked_ids(ids, self.vocab_size, "vocabulary")
@@ -308,13 +335,6 @@ class BPETokenizer:
 
     def __repr__(self) -> str:
         return f"BPETokenizer(vocab_size={self.vocab_size}, eot_id={self.eot_id})"
-
-
-def _cannot_encode(exc: Exception) -> InputError:
-    return InputError(
-        f"the tokenizer cannot encode this text ({exc}); its tokenizer.json is damaged or its "
-        "model has no usable unknown token: use another data.tokenizer."
-    )
 
 
 def _lines_in_batches(texts: Iterable[str], lines_per_batch: int = 1000) -> Iterator[list[str]]:
