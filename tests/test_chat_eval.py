@@ -9,6 +9,7 @@ forward (no cache, no batching).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ from conftest import save_tiny_run
 from hf_helpers import greedy_llmcli
 
 from llmcli.cli import main
+from llmcli.config import load_config
 from llmcli.data.chat_template import END_OF_TURN, ROLE_TOKENS, default_template
 from llmcli.data.tokenizer import CharTokenizer
 from llmcli.runs.directory import save_model_run
@@ -228,7 +230,7 @@ def test_exact_matches_equal_a_hand_greedy_loop(trained_run, tmp_path, capsys):
     assert f"answers: {result['matches']} of 8 greedy replies exact" in out
 
 
-def test_bad_input_exits_2_naming_what_to_fix(tmp_path, capsys):
+def test_bad_input_exits_2_naming_what_to_fix(tmp_path, capsys, monkeypatch):
     run_dir = save_chat_run(tmp_path / "run")
     before = sorted(p.name for p in run_dir.iterdir())
     bad = tmp_path / "bad.jsonl"
@@ -247,6 +249,12 @@ def test_bad_input_exits_2_naming_what_to_fix(tmp_path, capsys):
     good = write_jsonl(tmp_path / "chat.jsonl", CONVERSATIONS)
     code, _, err = run_eval(capsys, text_run, good, "--answers")
     assert code == 2 and "has no chat template" in err and "train.init_from" in err
+    # The command it suggests works from any folder: it names the shipped config, no path.
+    name, init = re.search(r"`llmcli train (\S+) --set (train\.init_from=\S+)`", err).groups()
+    with monkeypatch.context() as m:
+        m.chdir(tmp_path)
+        config = load_config(name, [init])
+    assert config.data.format == "chat" and config.train.init_from == str(text_run)
     code, _, err = run_eval(capsys, run_dir, good, "--per-token")
     assert code == 2 and "--per-token scores text windows" in err
     code, _, err = run_eval(capsys, run_dir, good, "--ablate-feature", f"{tmp_path}/sae:1")

@@ -56,7 +56,7 @@ def read_yaml(path: str | Path) -> Any:
     if not text.strip():
         raise ConfigError(
             f"config file {str(p)!r} is empty: write at least one section, for example "
-            "'model: {n_layer: 4}', or copy configs/tiny.yaml."
+            "'model: {n_layer: 4}', or start from a shipped one: `llmcli config tiny > my.yaml`."
         )
     try:
         raw = yaml.safe_load(text)
