@@ -158,10 +158,11 @@ class ChatSession:
         """
         ids, dropped = self.prompt(user)
         ctx = self.run.model.context_length
-        if dropped > self.dropped:
+        if dropped and not self.dropped:  # once: each turn after it leaves out more
             notify(
-                f"the conversation is longer than the context ({ctx} tokens): its oldest "
-                f"{_pairs(dropped)} left out of the prompt."
+                f"the conversation no longer fits the context ({ctx} tokens): its oldest "
+                f"{_pairs(dropped)} left out of the prompt, and from now on each reply reads "
+                "only the latest exchanges that fit (/reset starts afresh)."
             )
         self.dropped = dropped
         ids = crop_chat_prompt(ids, ctx, notify)
