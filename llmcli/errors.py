@@ -38,8 +38,10 @@ def did_you_mean(
     n: int = 1,
     cutoff: float = 0.5,
 ) -> str:
-    """The hint of a message that names an unknown `word`: `form` holding the `n` closest of
-    `choices` (joined by ", "; `difflib`'s similarity at least `cutoff`), or "" when none is
-    close enough to be meant."""
-    close = difflib.get_close_matches(word, list(choices), n=n, cutoff=cutoff)
+    """The hint of a message that names an unknown `word`: `form` holding the one choice that
+    `word` begins (`/temp` for `/temperature`), else the `n` closest of `choices` (joined by
+    ", "; `difflib`'s similarity at least `cutoff`), or "" when none is close enough."""
+    choices = list(choices)
+    started = [choice for choice in choices if word and choice.startswith(word)]
+    close = started if len(started) == 1 else difflib.get_close_matches(word, choices, n, cutoff)
     return form.format(", ".join(close)) if close else ""

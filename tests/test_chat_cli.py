@@ -108,6 +108,15 @@ def test_replies_equal_a_greedy_loop_and_commands_change_the_history(
     fourth, _ = greedy_reply(run, [user("Hello"), assistant(third), user("Bye")], 20)
     assert replies == [first, second, third, fourth]
     assert "unknown command /bogus" in err and "/help" in err
+    # The quit lines of `sample --interactive`; a near miss of a command is named.
+    for quit_line in ("/quit", "/exit", "/bye", "exit", "quit"):
+        code, replies, err = chat_cli(
+            capsys, monkeypatch, run_dir, ["Hello", quit_line, "Hi"], *GREEDY
+        )
+        assert code == 0 and replies == [first] and "error" not in err, (quit_line, err)
+    code, _, err = chat_cli(capsys, monkeypatch, run_dir, ["/rest", "/temp 0.3"], *GREEDY)
+    assert "unknown command /rest. Did you mean /reset?" in err
+    assert "unknown command /temp. Did you mean /temperature?" in err
 
 
 def test_a_reply_is_one_line_on_a_pipe(run_dir, capsys, monkeypatch) -> None:

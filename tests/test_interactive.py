@@ -93,6 +93,18 @@ def test_answers_equal_llmcli_sample_and_settings_take_effect(tmp_path, capsys, 
     assert "temperature=0.5 top_k=None top_p=1.0 seed=11" in err
 
 
+@pytest.mark.parametrize("quit_line", ["/quit", "/exit", "/bye", "exit", " quit "])
+def test_a_quit_line_ends_the_session_as_in_chat(tmp_path, capsys, monkeypatch, quit_line):
+    run_dir = make_run(tmp_path / "run")
+    code, out, err = cli(
+        capsys,
+        "sample", "--checkpoint", str(run_dir), "--interactive", "--max-new-tokens", "5",
+        stdin=f"ROMEO\n{quit_line}\nJULIET\n", monkeypatch=monkeypatch,
+    )  # fmt: skip
+    assert code == 0 and "error" not in err, err
+    assert out == sampled(capsys, run_dir, "ROMEO", "--max-new-tokens", "5")  # one answer
+
+
 def test_commands_are_checked_by_sample_config():
     config = SampleConfig()
     new, message = apply_command(config, "/top_p 0.9", context_length=16)
@@ -101,7 +113,8 @@ def test_commands_are_checked_by_sample_config():
     for line, named in [
         ("/context_keep 16", "context_keep"),  # must be below the context
         ("/top_k 0", "top_k"),
-        ("/temprature 1", "unknown command /temprature"),
+        ("/temprature 1", r"unknown command /temprature\. Did you mean /temperature\?"),
+        ("/temp 0.3", r"unknown command /temp\. Did you mean /temperature\?"),
         ("/seed", "needs a value"),
         ("/top_k [", r"/top_k \[: the value is not a YAML scalar"),
         ("/seed [1, 2]", "must be a single scalar"),

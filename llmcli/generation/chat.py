@@ -36,9 +36,9 @@ from llmcli.config import SampleConfig
 from llmcli.config.sample import SETTING_KEYS
 from llmcli.data.chat_template import CHAT_TOKENS, require_run_template
 from llmcli.data.conversations import ConversationEncoder, Messages, check_messages
-from llmcli.errors import InputError
+from llmcli.errors import InputError, did_you_mean
 from llmcli.generation.batching import Sample, SampleJob, SampleOptions, sample_batch
-from llmcli.generation.interactive import apply_command, format_settings
+from llmcli.generation.interactive import apply_command, format_settings, is_quit
 from llmcli.generation.prompts import crop_chat_prompt, unescape
 from llmcli.generation.sample import load_for_sampling
 from llmcli.generation.streaming import TextSink
@@ -53,7 +53,7 @@ starting with // is a message starting with /).
   /reset        forget the conversation (the system message stays)
   /system TEXT  set the system message; /system alone removes it
   /settings     show the sampling settings; /KEY VALUE changes one ({keys})
-  /quit         end the session (as Ctrl-D does)
+  /quit         end the session, as Ctrl-D does (also /exit, /bye, `quit` or `exit` alone)
   /help         this text
 Ctrl-C stops the current reply; it is left out of the conversation."""
 
@@ -270,10 +270,10 @@ def session_command(session: ChatSession, line: str) -> tuple[str | None, bool]:
     Raises:
         InputError: an unknown command, or a setting's value its rule refuses.
     """
+    if is_quit(line):
+        return None, True
     name, _, raw = line[1:].strip().partition(" ")
     key = name.replace("-", "_")
-    if key in ("quit", "exit", "q"):
-        return None, True
     if key == "reset":
         session.reset()
         return "the conversation is forgotten" + (
@@ -287,10 +287,12 @@ def session_command(session: ChatSession, line: str) -> tuple[str | None, bool]:
     if key == "settings":
         return format_settings(session.config), False
     if key not in SETTING_KEYS:
+        commands = ("reset", "system", "quit", "settings", *SETTING_KEYS)
+        hint = did_you_mean(key, commands, " Did you mean /{}?")
         raise InputError(
-            f"unknown command /{name}: the commands are /reset, /system TEXT, /quit, /settings, "
-            "/KEY VALUE for a sampling setting; /help says more (a message starting with / is "
-            "typed //)."
+            f"unknown command /{name}.{hint} The commands are /reset, /system TEXT, /quit, "
+            "/settings, /KEY VALUE for a sampling setting; /help says more (a message starting "
+            "with / is typed //)."
         )
     session.config, message = apply_command(session.config, line, session.run.model.context_length)
     return message, False
@@ -345,7 +347,7 @@ def chat(
         # A line that cannot be read or answered gets its reason, and the next line its turn:
         # one bad line in a piped script must not leave the rest unanswered.
         try:
-            if (line := read_line()) is None:
+            if (line := read_line()) is None or is_quit(line):
                 return replied
             if line.startswith("/") and not line.startswith("//"):
                 message, done = session_command(session, line)

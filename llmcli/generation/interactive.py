@@ -8,7 +8,8 @@ seeded with the current `seed`. A line starting with `/` changes a setting inste
 in `--set`), checked by `SampleConfig` through `dataclasses.replace`: a bad value is reported and
 the previous one kept. `/settings` shows them, `/help` the commands with each setting's help
 from `SampleConfig`. Ctrl-C (`KeyboardInterrupt`) during an answer stops that answer; the end of
-the input (Ctrl-D) ends the session. A line that cannot be answered (bytes that are not UTF-8,
+the input (Ctrl-D) or a quit line (`is_quit`: /quit, /exit, /bye, `quit` or `exit`, as in
+`llmcli chat`) ends the session. A line that cannot be answered (bytes that are not UTF-8,
 characters outside the vocabulary, a bad command) gets its reason and the session goes on; a
 prompt longer than the context is answered from its last `context_length` tokens, with a notice.
 
@@ -29,7 +30,7 @@ import yaml
 from llmcli.config import SampleConfig
 from llmcli.config.loading import parse_scalar
 from llmcli.config.sample import SETTING_KEYS, broken_rule, setting_info
-from llmcli.errors import InputError
+from llmcli.errors import InputError, did_you_mean
 from llmcli.generation.batching import SampleOptions, sample_texts
 from llmcli.generation.prompts import unescape
 from llmcli.generation.threads import sample_threads, torch_threads
@@ -38,6 +39,13 @@ from llmcli.runs.loading import LoadedRun
 logger = logging.getLogger(__name__)
 
 _WIDTH = 79  # of /help's lines
+# The lines that end an interactive session (`sample --interactive`, `chat`), as Ctrl-D does.
+QUIT_LINES = ("/quit", "/exit", "/bye", "/q", "quit", "exit")
+
+
+def is_quit(line: str) -> bool:
+    """Whether `line` ends the session: /quit, /exit, /bye, or `quit` or `exit` alone."""
+    return line.strip() in QUIT_LINES
 
 
 def help_text(config: SampleConfig) -> str:
@@ -63,7 +71,8 @@ def help_text(config: SampleConfig) -> str:
                 for command, key in commands.items()
             ),
             "  /settings  show the settings    /help  this text",
-            "Ctrl-C stops the current answer; Ctrl-D (end of input) exits.",
+            "  /quit      end the session (also /exit, /bye, or `quit` or `exit` alone)",
+            "Ctrl-C stops the current answer; Ctrl-D (end of input) exits too.",
         ]
     )
 
@@ -98,9 +107,10 @@ def apply_command(config: SampleConfig, line: str, context_length: int) -> tuple
     if key == "settings":
         return config, format_settings(config)
     if key not in SETTING_KEYS:
+        hint = did_you_mean(key, SETTING_KEYS, " Did you mean /{}?")
         raise InputError(
-            f"unknown command /{name}: the settings are /{', /'.join(SETTING_KEYS)}; "
-            "/settings shows them, /help the commands."
+            f"unknown command /{name}.{hint} The settings are /{', /'.join(SETTING_KEYS)}; "
+            "/settings shows them, /help the commands, /quit ends the session."
         )
     if not raw.strip():
         raise InputError(f"/{key} needs a value, e.g. /{key} {getattr(config, key)}")
@@ -206,7 +216,7 @@ def interactive(
         # A line that cannot be read, run or answered gets its reason, and the next line its
         # turn: one bad line in a piped script must not leave the rest unanswered.
         try:
-            if (line := read_line()) is None:
+            if (line := read_line()) is None or is_quit(line):
                 return answered
             if line.startswith("/"):
                 config, message = apply_command(config, line, run.model.context_length)
