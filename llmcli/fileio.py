@@ -130,6 +130,28 @@ def newest(paths: Iterable[Path]) -> Path | None:
     return max(found)[2] if found else None
 
 
+def near_path(path: str | Path) -> Path | None:
+    """An existing path a typo away from the missing `path`: each missing part replaced by the
+    closest name in its folder (`checkpoint/tiny` -> `checkpoints/tiny`); None if there is none.
+    """
+    import difflib
+
+    path = Path(path)
+    current = Path(path.anchor) if path.is_absolute() else Path()
+    for part in path.parts[1 if path.is_absolute() else 0 :]:
+        if not (current / part).exists():
+            try:
+                names = [entry.name for entry in current.iterdir()]
+            except OSError:
+                return None
+            close = difflib.get_close_matches(part, names, n=1, cutoff=0.75)
+            if not close:
+                return None
+            part = close[0]
+        current = current / part
+    return current if current != path else None
+
+
 def remove_stale_temp_files(folder: Path) -> None:
     """Delete the temporary files that processes which are gone (killed part-way through a
     write) left in `folder`; nothing reads them. A live process's are its own to finish."""

@@ -77,6 +77,24 @@ def test_usage_errors_exit_2(tmp_path: Path) -> None:
         assert out.returncode == 2, args
         assert "Traceback" not in out.stderr + out.stdout
         assert out.stderr.strip(), args
+        assert "error: " in out.stderr and "Error:" not in out.stderr, out.stderr  # one spelling
+
+
+def test_near_misses_get_a_hint(tmp_path: Path) -> None:
+    out = run_cli("config", "tiney")
+    assert out.returncode == 2 and "Did you mean 'tiny'?" in out.stderr
+    out = run_cli("config", "tiny", "--set", "train.max_steps", "10")
+    assert out.returncode == 2
+    assert out.stderr.endswith(
+        "error: Got unexpected extra argument(s) (10): --set takes KEY=VALUE as one word, e.g. "
+        "--set train.max_steps=10\n"
+    )
+    (tmp_path / "checkpoints" / "tiny").mkdir(parents=True)
+    out = run_cli("sample", "--checkpoint", "checkpoint/tiny", "--prompt", "hi", cwd=tmp_path)
+    assert out.returncode == 2
+    assert "run directory 'checkpoint/tiny' does not exist: did you mean 'checkpoints/tiny'?" in (
+        out.stderr
+    )
 
 
 # --- options whose value may be left out: parsed by the real command line -----------------------

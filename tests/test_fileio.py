@@ -11,7 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from llmcli.fileio import TMP_MARK, JSONFileError, newest, read_json, remove_stale_temp_files
+from llmcli.fileio import (
+    TMP_MARK,
+    JSONFileError,
+    near_path,
+    newest,
+    read_json,
+    remove_stale_temp_files,
+)
 
 
 def test_read_json_reads_any_json_value(tmp_path: Path) -> None:
@@ -104,3 +111,11 @@ def test_only_the_temporary_files_of_processes_that_are_gone_are_removed(tmp_pat
         live.wait()
     kept = sorted(p.name for p in tmp_path.iterdir())
     assert kept == sorted([names["live"], names["mine"], "state.pt"])
+
+
+def test_near_path_mends_each_missing_part_by_its_closest_neighbour(tmp_path: Path) -> None:
+    (tmp_path / "checkpoints" / "tiny").mkdir(parents=True)
+    assert near_path(tmp_path / "checkpoint" / "tiny") == tmp_path / "checkpoints" / "tiny"
+    assert near_path(tmp_path / "checkpoints" / "tiyn") == tmp_path / "checkpoints" / "tiny"
+    assert near_path(tmp_path / "checkpoints" / "tiny") is None  # not missing
+    assert near_path(tmp_path / "elsewhere" / "tiny") is None  # nothing close

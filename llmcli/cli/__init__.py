@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:
         # Typer ships its own copy of click, so match its exceptions by what they offer.
         if hasattr(exc, "show") and hasattr(exc, "exit_code"):  # usage errors: exit 2
-            exc.show()
+            _show_usage_error(exc, args)
             sys.exit(exc.exit_code)
         if hasattr(exc, "exit_code"):  # typer.Exit
             sys.exit(exc.exit_code)
@@ -63,3 +63,17 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(130)
         raise
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _show_usage_error(exc: Exception, args: list[str]) -> None:
+    """A usage error as click shows it, with `error:` spelt as every other error, and a hint for
+    the commonest slip: `--set KEY VALUE` for `--set KEY=VALUE`."""
+    ctx = getattr(exc, "ctx", None)
+    if ctx is not None:
+        typer.echo(f"{ctx.get_usage()}\nTry '{ctx.command_path} -h' for help.\n", err=True)
+    message = exc.format_message()  # type: ignore[attr-defined]
+    for option, value, extra in zip(args, args[1:], args[2:], strict=False):
+        if option == "--set" and "=" not in value and "unexpected extra argument" in message:
+            message += f": --set takes KEY=VALUE as one word, e.g. --set {value}={extra}"
+            break
+    typer.echo(f"error: {message}", err=True)

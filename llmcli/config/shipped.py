@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from llmcli.errors import ConfigError
+from llmcli.errors import ConfigError, did_you_mean
 
 # In a wheel the shipped configs and corpora are package data (`llmcli/configs/`,
 # `llmcli/corpora/`); in a checkout (or an editable install) they are the repository's top-level
@@ -62,9 +62,11 @@ def find_config(spec: str | Path) -> tuple[Path, bool]:
         folder = shipped_dir("configs").resolve()
         return path, path.is_file() and path.resolve().parent == folder
     names = ", ".join(shipped) or "none (this installation lacks its configs: reinstall llmcli)"
+    hint = did_you_mean(name, shipped) if len(path.parts) == 1 else ""
     raise ConfigError(
-        f"config {str(spec)!r} does not exist, as a file or as a shipped config: check the path, "
-        f"or give one of the shipped names: {names} (`llmcli config --list` describes them)."
+        f"config {str(spec)!r} does not exist, as a file or as a shipped config.{hint} Check "
+        f"the path, or give one of the shipped names: {names} (`llmcli config --list` "
+        "describes them)."
     )
 
 

@@ -18,7 +18,7 @@ from llmcli.config import Config, config_from_dict, read_yaml
 from llmcli.data.chat_template import TEMPLATE_FILE
 from llmcli.data.tokenizer import Tokenizer, load_tokenizer
 from llmcli.errors import CheckpointError, InputError
-from llmcli.fileio import newest
+from llmcli.fileio import near_path, newest
 from llmcli.model.gpt import Transformer
 from llmcli.runs import versions
 from llmcli.runs.directory import BEST_FILE, CONFIG_FILE, META_FILE, MODEL_FILE, TOKENIZER_FILE
@@ -192,8 +192,10 @@ def _load_run_files(run_dir: Path, weights: str, device: str | torch.device) -> 
     if run_dir.is_file() and run_dir.suffix == ".safetensors":
         weights_path, run_dir = run_dir, run_dir.parent
     if not run_dir.exists():
+        near = near_path(run_dir)
+        hint = f"did you mean '{near}'? Or " if near is not None else ""
         raise CheckpointError(
-            f"run directory '{run_dir}' does not exist: {TRAIN_HINT}, or check the path."
+            f"run directory '{run_dir}' does not exist: {hint}{TRAIN_HINT}, or check the path."
         )
     if not run_dir.is_dir():
         raise CheckpointError(
