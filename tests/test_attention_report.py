@@ -214,7 +214,8 @@ def test_command_end_to_end(run_dir, tmp_path, capsys, monkeypatch) -> None:
     monkeypatch.chdir(run_dir.parent.parent)  # checkpoints/tiny is the latest run
     code, out, err = cli(["inspect-attention", "--prompt", "Speak, speak.", "--induction"], capsys)
     assert code == 0, err
-    assert "checkpoint: checkpoints/tiny" in err
+    assert err.count("checkpoints/tiny") == 1  # named once, by the notice of the latest run
+    assert "using the latest text run: checkpoints/tiny" in err
     table = [line.split() for line in out.splitlines()]
     assert ["layer", "head", *METRIC_NAMES, "induction", "probe_induction"] in table
     assert "probe_induction: on a fixed probe, the same for every prompt" in out

@@ -277,7 +277,7 @@ def _cached(
             meta = _whole(paths, dtype)
             if meta is None:
                 return _encode_into_cache(encoder, source, source_hash, paths, dtype)
-    log.info("token cache hit for %s: %s", source.label, paths["tokens"])
+    log.info("%s: %d conversations, from the token cache", source.label, meta["n_conversations"])
     return paths, meta["n_conversations"]
 
 

@@ -316,7 +316,7 @@ def _cached_tokens(tok: Tokenizer, source: Source, source_hash: str, cache_dir: 
             n_tokens = _whole_tokens(bin_path, meta_path, dtype)
             if n_tokens is None:
                 return _write_tokens(tok, source, source_hash, tok_hash, bin_path, dtype)
-    log.info("token cache hit for %s: %s (%d tokens)", source.label, bin_path, n_tokens)
+    log.info("%s: %s tokens, from the token cache", source.label, format_count(n_tokens))
     return bin_path
 
 

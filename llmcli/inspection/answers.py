@@ -48,10 +48,9 @@ class RunOptions:
 
 
 def open_run(options: RunOptions, notify: Callable[[str], Any]) -> LoadedRun:
-    """Load the run `options` names on its device, saying which one on `notify`."""
+    """Load the run `options` names on its device (`notify` hears which when none is named)."""
     device = resolve_device(options.device, what="--device")
     run = load_run(options.checkpoint, weights=options.weights, device=device, notify=notify)
-    notify(f"checkpoint: {run.run_dir}")
     return run
 
 

@@ -470,7 +470,6 @@ def inspect_attention(
         prompts += read_prompt_file(prompt_file, **PROMPT_FILE)
     device = resolve_device(options.device, what="--device")
     run = load_run(checkpoint, weights=options.weights, device=device, notify=notify)
-    notify(f"checkpoint: {run.run_dir}")
     model = run.model
     # Check the selection before any work, with the model's own sizes in the message.
     select_indices(options.layers, model.n_layer, "layer")

@@ -123,9 +123,9 @@ def choose(
     """Whether a run compiles: `train.compile` true or false as set; `auto` by `pays`, unless
     the run is resumed with its choice recorded (`resumed`), which it keeps."""
     if setting is not True and setting != "auto":
-        return Choice(False, "train.compile false")
+        return Choice(False, "")  # as asked: nothing to say
     if setting is True:
-        return Choice(True, "train.compile true")
+        return Choice(True, "train.compile true: the step runs compiled (torch.compile)")
     if resumed is not None:
         return Choice(resumed, f"train.compile auto: as the run chose at its start ({resumed})")
     if steps_left <= 0 or device not in SAVING:
@@ -138,7 +138,8 @@ def choose(
 def compiled(model: nn.Module, choice: Choice, key: str) -> nn.Module:
     """`model` compiled (with inductor's cache on disk) when `choice` says so, else itself; the
     cache's record notes `key` once the first compiled forward has run."""
-    log.info("%s", choice.reason)
+    if choice.reason:
+        log.info("%s", choice.reason)
     if not choice.compile:
         return model
     cache = inductor_cache()

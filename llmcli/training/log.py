@@ -226,7 +226,9 @@ class TrainLog:
             losses["train"],
             val,
             perplexity(val),
-            f", induction_max {result.summary['induction_max']:.3f}" if result.summary else "",
+            f", strongest induction head {result.summary['induction_max']:.3f}"
+            if result.summary
+            else "",
             ", best so far" if best else "",
         )
         try:
