@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -271,3 +272,25 @@ def test_a_closed_stdout_ends_quietly_with_status_0(tmp_path) -> None:
     finally:
         os.close(write)
     assert (proc.returncode, proc.stderr) == (0, b"")
+
+
+def test_config_list_gives_whole_sentences_wrapped_at_80_columns() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "llmcli", "config", "--list"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "80"},
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert max(map(len, lines)) < 80
+    entries: dict[str, str] = {}  # name -> its description, its wrapped lines joined
+    for line in lines:
+        if not line.startswith(" "):
+            name, entries[line.split()[0]] = line.split()[0], ""
+        entries[name] += " " + " ".join(line.split()[0 if line.startswith(" ") else 1 :])
+    assert set(entries) == {p.stem for p in (ROOT / "configs").glob("*.yaml")}
+    assert all(text.endswith(".") for text in entries.values()), entries  # whole sentences
+    assert "2 CPU cores (`llmcli train speedrun-cpu`, start to exit;" in entries["speedrun-cpu"]

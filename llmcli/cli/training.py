@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import textwrap
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
@@ -41,8 +43,11 @@ def config_command(
     if list_:
         rows = describe_shipped()
         width = max((len(name) for name, _ in rows), default=0)
-        for name, line in rows:
-            typer.echo(f"{name:<{width}}  {line}")
+        columns = max(shutil.get_terminal_size().columns - 1, width + 30)
+        for name, line in rows:  # wrapped at spaces, under the descriptions' column
+            first, rest = f"{name:<{width}}  ", " " * (width + 2)
+            wrap = textwrap.TextWrapper(columns, first, rest, break_on_hyphens=False)
+            typer.echo(wrap.fill(line))
         return
     if config is None:
         raise InputError("give a CONFIG (a YAML file or a shipped name), or --list.")

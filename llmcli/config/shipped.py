@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,18 +30,16 @@ def shipped_configs() -> dict[str, Path]:
 
 
 def describe_shipped() -> list[tuple[str, str]]:
-    """(name, the first line of its leading comment) for every shipped config."""
+    """(name, the first sentence of its leading comment) for every shipped config."""
     rows = []
     for name, path in shipped_configs().items():
-        first = next(
-            (
-                line
-                for line in path.read_text(encoding="utf-8").splitlines()
-                if line.startswith("#")
-            ),
-            "#",
+        lines = iter(path.read_text(encoding="utf-8").splitlines())
+        comment = itertools.takewhile(
+            lambda line: line.startswith("#") and line.strip() != "#",
+            itertools.dropwhile(lambda line: not line.startswith("#"), lines),
         )
-        rows.append((name, first.lstrip("#").strip()))
+        paragraph = " ".join(line.lstrip("#").strip() for line in comment)
+        rows.append((name, re.split(r"(?<=[.!?])\s+(?=[A-Z])", paragraph)[0]))
     return rows
 
 
