@@ -37,15 +37,32 @@ def stderr_is_terminal() -> bool:
         return False
 
 
+def stderr_columns() -> int | None:
+    """The width of the terminal stderr writes to; None when it is unknown."""
+    try:
+        return os.get_terminal_size(sys.stderr.fileno()).columns
+    except (AttributeError, ValueError, OSError):  # no descriptor, or not a terminal
+        return None
+
+
 def stderr_bar_fits() -> bool:
     """True when stderr is a terminal wide enough for a bar (or of unknown width)."""
     if not stderr_is_terminal():
         return False
-    try:
-        columns = os.get_terminal_size(sys.stderr.fileno()).columns
-    except (AttributeError, ValueError, OSError):  # no descriptor: the width is unknown
-        return True
-    return columns >= MIN_BAR_COLUMNS
+    columns = stderr_columns()
+    return columns is None or columns >= MIN_BAR_COLUMNS
+
+
+# A bar without tqdm's own rate, for work that reports a better one (training's tok/s): on an
+# 80-column terminal, the loss and the speed then fit beside a bar.
+WITHOUT_RATE = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]"
+# Columns a bar leaves free at the right: the terminal echoes Ctrl-C as "^C" where the bar
+# ends, and on a full line that would wrap below, where clearing the line cannot reach it.
+ECHO_ROOM = 3
+
+
+def _with_room_for_echo(columns: int | None, rows: int | None) -> tuple[int | None, int | None]:
+    return (columns - ECHO_ROOM if columns and columns > ECHO_ROOM else columns), rows
 
 
 class Progress:
@@ -89,6 +106,8 @@ class Progress:
             disable=not self.live,
             **bar_options,
         )
+        if callable(shape := getattr(self.bar, "dynamic_ncols", None)):  # the terminal's size
+            self.bar.dynamic_ncols = lambda fp: _with_room_for_echo(*shape(fp))
 
     def _tenth(self, k: int) -> int:
         """The count at which tenth `k` (1..10) is reached: ceil(k * total / 10)."""
@@ -113,11 +132,24 @@ class Progress:
             self._line({})
 
     def report(self, fields: dict[str, str]) -> None:
-        """Show figures of the moment: beside the bar on a terminal, else as one log line."""
+        """Show figures of the moment: beside the bar on a terminal (as many as fit its width
+        beside a bar of `MIN_BAR_COLUMNS` cells, the first ones first), else as one log line."""
         if self.live:
-            self.bar.set_postfix(fields, refresh=False)
+            self.bar.set_postfix(self._fitting(fields), refresh=False)
         elif self.plain:
             self._line(fields)
+
+    def _fitting(self, fields: dict[str, str]) -> dict[str, str]:
+        """The first of `fields` that fit beside the bar on this terminal."""
+        columns = self.bar.format_dict["ncols"] or stderr_columns()
+        shown = dict(fields)
+        while shown:
+            postfix = ", ".join(f"{key}={value}" for key, value in shown.items())
+            meter = {**self.bar.format_dict, "postfix": postfix, "ncols": None}
+            if columns is None or len(self.bar.format_meter(**meter)) <= columns - 1:
+                break
+            shown.popitem()  # a bar with the fields cut off at the edge reads worse
+        return shown
 
     def _line(self, fields: dict[str, str]) -> None:
         done = f"{self.n:,}/{self.total:,}" if self.total else f"{self.n:,}"

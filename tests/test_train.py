@@ -12,6 +12,7 @@ import errno
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import default_sigint
+from terminal_helpers import CTRL_C, Terminal
 
 from llmcli import fileio
 from llmcli.config import Config, config_from_dict, dump_yaml
@@ -530,6 +532,70 @@ def test_sigkill_and_sigint_leave_a_run_that_resumes_bitwise_exactly(
     assert "Traceback" not in out.stderr and "step 30/30" in out.stdout
     assert_same_weights(reference, run_dir)
     assert stable_metrics(run_dir) == stable_metrics(reference)
+
+
+def in_terminal(config: Path, run_dir: Path, marker: Path, at: int) -> Terminal:
+    """`llmcli train` on an 80-column terminal, pausing after step `at` (see `start_pausing`)."""
+    args = [sys.executable, str(PAUSING_CHILD), "train", str(config), "--out", str(run_dir)]
+    env = cli_env(PAUSE_AT=str(at), PAUSE_MARKER=str(marker))
+    return Terminal(args, columns=80, cwd=ROOT, env=env)
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_a_terminal_saves_at_once_and_its_outcome_is_the_last_line(
+    reference: Path, corpus: Path, tmp_path: Path
+) -> None:
+    config = write_config(make_config(corpus), tmp_path / "t.yaml")
+    run_dir, marker = tmp_path / "run", tmp_path / "pause"
+    term = in_terminal(config, run_dir, marker, 20)  # 20: an evaluation is due after it
+    term.wait_for("steps 1..30")  # a status line wrapped at words, never mid-word
+    term.wait_until(marker.exists)
+    # Start-up lines a user can read: what and why, in words (the cache is the reference's).
+    start = term.text()
+    assert "30.0K tokens, from the token cache" in start and ".bin" not in start
+    assert "train.compile" not in start and "strongest induction head" in start, start
+    term.press(CTRL_C)
+    term.wait_for("SIGINT: saving a checkpoint after this step (Ctrl-C again quits at once")
+    marker.with_suffix(".go").write_text("")
+    assert term.wait() == 130, term.lines()
+    # At 80 columns the bar keeps its cells and shows whole fields (those that fit).
+    [bar] = [line for line in term.lines() if line.startswith("train:")]
+    assert len(bar) <= 80 and bar.endswith("]"), bar
+    assert re.search(r"\| *20/30 \[", bar) and re.search(r"\|[█▏▎▍▌▋▊▉ ]{10,}\|", bar), bar
+    assert re.search(r"loss=\d\.\d{4}, tok/s=[\d,]+[,\]]", bar), bar
+    # The last words on screen are the outcome: no bar redrawn after them.
+    assert term.text().endswith(
+        f"stopped at step 20; the checkpoint in '{run_dir}' is saved: continue with the same "
+        "command and --resume (or --resume auto)"
+    ), term.lines()
+    # Saved at once, before the evaluation due at step 20, which the resumed run makes first:
+    # it then ends as the uninterrupted run did, records included.
+    state = load_state(run_dir / STATE_FILE)
+    assert state["step"] == 20 and state["eval_pending"] is True
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "val_loss" in r] == [10]
+    out = run_cli("train", str(config), "--out", str(run_dir), "--resume", "--no-progress")
+    assert out.returncode == 0, out.stderr
+    assert_same_weights(reference, run_dir)
+    assert stable_metrics(run_dir) == stable_metrics(reference)
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_quits_at_once_saying_what_it_keeps_and_loses(
+    corpus: Path, tmp_path: Path
+) -> None:
+    config = write_config(make_config(corpus), tmp_path / "t.yaml")
+    run_dir, marker = tmp_path / "run", tmp_path / "pause"
+    term = in_terminal(config, run_dir, marker, 17)  # saved at step 10
+    term.wait_until(marker.exists)
+    term.press(CTRL_C)
+    term.wait_for("Ctrl-C again quits at once, without saving")
+    term.press(CTRL_C)
+    assert term.wait() == 130, term.lines()
+    assert term.text().endswith(
+        f"quitting without saving: the checkpoint of step 10 in '{run_dir}' is kept (continue "
+        "with --resume); steps 11-17 are lost"
+    ), term.lines()
+    assert load_state(run_dir / STATE_FILE)["step"] == 10
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ and holds `main`, which maps errors to exit statuses.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from collections.abc import Callable
@@ -76,7 +77,6 @@ def log_to_stderr() -> None:
     """Show the library's INFO messages (run notes, plain progress lines) on stderr: whatever
     `sys.stderr` is when a message comes (a redirect, a caller's capture), not the one it was
     when logging was set up."""
-    import logging
 
     class Stderr(logging.StreamHandler):
         stream = property(lambda self: sys.stderr, lambda self, value: None)
@@ -84,9 +84,32 @@ def log_to_stderr() -> None:
     root = logging.getLogger()
     if not any(type(h).__name__ == "Stderr" for h in root.handlers):
         handler = Stderr()
-        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler.setFormatter(WrappedLines())
         root.addHandler(handler)
         root.setLevel(logging.INFO)
+
+
+class WrappedLines(logging.Formatter):
+    """A message as it is; on a terminal, wrapped at spaces to its width (the terminal would
+    break it mid-word) and clearing its line. The bar's log handler takes this formatter too."""
+
+    def format(self, record: Any) -> str:
+        import textwrap
+
+        from llmcli.progress import stderr_columns, stderr_is_terminal
+
+        text = super().format(record)
+        if not stderr_is_terminal():
+            return text
+        columns = stderr_columns()
+        if columns and len(text) >= columns:
+            wrap = textwrap.TextWrapper(
+                columns - 1, break_long_words=False, break_on_hyphens=False, subsequent_indent="  "
+            )
+            text = "\n".join(wrap.fill(line) for line in text.splitlines())
+        # Erase the rest of the line first: a key's echo (Ctrl-C's "^C") may sit beyond the
+        # end of the bar this message takes the place of.
+        return "\x1b[K" + text
 
 
 def _version(value: bool) -> None:

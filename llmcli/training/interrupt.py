@@ -28,8 +28,8 @@ class Preempted(KeyboardInterrupt):
 class StopRequest:
     """Turns SIGINT (Ctrl-C) and SIGTERM into a request to save and stop after the current step.
 
-    Alone, a second signal quits at once, saying what that keeps and loses (`quit_message`),
-    with KeyboardInterrupt (every file is written atomically, so even that leaves the last
+    Alone, a second signal quits at once, with KeyboardInterrupt after `on_quit` (which says
+    what that keeps and loses) (every file is written atomically, so even that leaves the last
     save loadable). Under torchrun (`escalate=False`) a second signal is expected, since
     torchrun forwards the terminal's Ctrl-C to workers that got it already, and only repeats
     the request. Installed only in the main thread, where signals arrive.
@@ -37,18 +37,16 @@ class StopRequest:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(
-        self, escalate: bool = True, quit_message: Callable[[], str] = lambda: "quitting"
-    ) -> None:
+    def __init__(self, escalate: bool = True, on_quit: Callable[[], Any] = lambda: None) -> None:
         self.requested = False
         self.signum: int | None = None  # the signal that asked first
-        self.escalate, self.quit_message = escalate, quit_message
+        self.escalate, self.on_quit = escalate, on_quit
         self._previous: dict[int, Any] = {}
 
     def _handler(self, signum: int, frame: Any) -> None:
         if self.requested:
             if self.escalate:
-                logger.warning("%s", self.quit_message())
+                self.on_quit()
                 raise KeyboardInterrupt
             return
         self.requested, self.signum = True, signum

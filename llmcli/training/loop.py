@@ -30,12 +30,14 @@ import torch
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from llmcli.config import Config, TrainConfig
-from llmcli.progress import Progress
+from llmcli.progress import WITHOUT_RATE, Progress
 from llmcli.training.batch import may_shrink, shrink_micro_batch
 from llmcli.training.build import Run, started
+from llmcli.training.checkpoint import Checkpointer
 from llmcli.training.interrupt import StopRequest
 from llmcli.training.log import LossLog, TokenRate, TrainLog, TrainSummary, agreed_flags
 from llmcli.training.optim import apply_lr
+from llmcli.training.state import TrainState
 from llmcli.training.step import all_of, train_step
 
 logger = logging.getLogger(__name__)
@@ -92,12 +94,16 @@ def fit(run: Run, log: TrainLog, progress: bool, on_step: Callable[[int], None])
     config, state, trainer, info, guard = run.config, run.state, run.trainer, run.info, run.guard
     tc, checkpoints, divergence = config.train, run.checkpoints, run.divergence
     bar = Progress(
-        tc.max_steps, desc="train", unit="step", initial=state.step, enabled=progress and info.main
+        tc.max_steps,
+        desc="train",
+        initial=state.step,
+        enabled=progress and info.main,
+        bar_format=WITHOUT_RATE,  # tok/s instead
     )
     losses, loop_start, loop_step = LossLog(), time.perf_counter(), state.step
     speed = TokenRate(loop_start, state.tokens)
-    stopped, quit_message = None, partial(checkpoints.quit_message, state)  # a 2nd Ctrl-C's
-    with StopRequest(not info.enabled, quit_message) as stop, logging_redirect_tqdm(), bar:
+    stopped, on_quit = None, partial(_quit_at_once, bar, checkpoints, state)  # a 2nd Ctrl-C
+    with StopRequest(not info.enabled, on_quit) as stop, logging_redirect_tqdm(), bar:
         _evaluate_pending(run, log)  # a stop saved just before an evaluation: it comes first
         while state.step < tc.max_steps:
             lr_scale = guard.lr_scale(state.step) if guard is not None else 1.0  # a rollback's
@@ -139,7 +145,7 @@ def fit(run: Run, log: TrainLog, progress: bool, on_step: Callable[[int], None])
             if due.log:  # (a stop between log steps writes no record)
                 log.train_step(state, lr, step_losses[-1], tok_s, norm, watch)
                 loss_now = step_losses[-1]
-                bar.report({"loss": f"{loss_now:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tok_s:,.0f}"})
+                bar.report({"loss": f"{loss_now:.4f}", "tok/s": f"{tok_s:,.0f}", "lr": f"{lr:.2e}"})
             if flags.stop:  # save at once; an evaluation due now waits for the resumed run
                 state.eval_pending = due.evaluate
                 checkpoints.save(state, config, log, best=False)
@@ -154,6 +160,12 @@ def fit(run: Run, log: TrainLog, progress: bool, on_step: Callable[[int], None])
     session_s = time.perf_counter() - loop_start
     tokens = (state.step - loop_step) * run.facts.tokens_per_step
     return _summary(run, state.elapsed, tokens / session_s if session_s > 0 else None)
+
+
+def _quit_at_once(bar: Progress, checkpoints: Checkpointer, state: TrainState) -> None:
+    """A second Ctrl-C: the bar ends, then the last line says what is kept and what is lost."""
+    bar.close()
+    logger.warning("%s", checkpoints.quit_message(state))
 
 
 def _evaluate(run: Run, config: Config, log: TrainLog, lr: float) -> bool:
