@@ -4,6 +4,8 @@ refusals that keep a saved SAE safe."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from llmcli.inspection.sae.points import read_activations
 from llmcli.inspection.sae.state import SAEState
 from llmcli.inspection.sae.train import TrainOptions, lr_at, train_sae
 from llmcli.runs.loading import load_run
+from llmcli.training.interrupt import Preempted
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -51,16 +54,17 @@ def test_a_resumed_training_ends_with_the_same_weights_bit_for_bit(
     straight = load_sae(trained_sae(run, tmp_path / "straight", steps=6)).sae
     real, calls = sae_train.BatchSampler.next, []
 
-    def interrupted(self):  # Ctrl-C as the fifth step draws its windows
+    def interrupted(self):  # Ctrl-C as the fifth step draws its windows: the step ends first
         calls.append(1)
         if len(calls) == 5:
-            raise KeyboardInterrupt
+            os.kill(os.getpid(), signal.SIGINT)
         return real(self)
 
     monkeypatch.setattr(sae_train.BatchSampler, "next", interrupted)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt) as stopped:
         trained_sae(run, tmp_path / "half", steps=6)
-    assert SAEState.load(tmp_path / "half" / STATE_FILE).step == 4  # saved at the Ctrl-C
+    assert not isinstance(stopped.value, Preempted)  # Ctrl-C: exit 130, not SIGTERM's 143
+    assert SAEState.load(tmp_path / "half" / STATE_FILE).step == 5  # saved at the Ctrl-C
     monkeypatch.undo()
     half = tmp_path / "half"
     train_sae(small_config(steps=6), TrainOptions(checkpoint=run, out=half, resume=True))
@@ -150,3 +154,21 @@ def test_a_bad_hook_point_is_named_with_the_close_ones(run, tmp_path) -> None:
         train_sae(small_config(hook="blocks.0.attn.pattern"), options)
     with pytest.raises(InputError, match="no state.pt to go on from"):
         train_sae(small_config(), TrainOptions(checkpoint=run, out=tmp_path / "y", resume=True))
+
+
+def test_sigterm_saves_at_the_end_of_the_step_and_stops_as_preempted(
+    run, tmp_path, monkeypatch
+) -> None:
+    real, calls = sae_train.sae_step, []
+
+    def step(*args, **kwargs):  # SIGTERM in the middle of the third step's update
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sae_train, "sae_step", step)
+    with pytest.raises(Preempted):
+        trained_sae(run, tmp_path / "sae", steps=6)
+    state = SAEState.load(tmp_path / "sae" / STATE_FILE)
+    assert (state.step, state.tokens) == (3, 3 * 128)

@@ -111,6 +111,7 @@ def sae_train_command(
     saves and stops; --resume goes on)."""
     from llmcli.inspection.sae.config import SAEConfig
     from llmcli.inspection.sae.train import TrainOptions, train_sae
+    from llmcli.training.interrupt import EXIT_TERMINATED, Preempted
 
     log_to_stderr()
     config = SAEConfig(
@@ -132,7 +133,10 @@ def sae_train_command(
         device=device,
         threads=threads,
     )
-    summary = train_sae(config, options, progress=progress, notify=notify)
+    try:
+        summary = train_sae(config, options, progress=progress, notify=notify)
+    except Preempted:  # saved: the status schedulers read as "preempted, requeue"
+        raise typer.Exit(EXIT_TERMINATED) from None
     typer.echo(
         f"SAE {summary.folder}: step {summary.step}/{summary.steps}, {summary.tokens:,} "
         f"activations, {summary.elapsed_s:.0f} s"

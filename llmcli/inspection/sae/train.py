@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ from llmcli.inspection.sae.state import SAEState
 from llmcli.progress import Progress
 from llmcli.runs.loading import LoadedRun, load_run
 from llmcli.runs.metrics import JsonLinesLog
+from llmcli.training.interrupt import Preempted, StopRequest
 from llmcli.training.optim import learning_rate
 
 logger = logging.getLogger(__name__)
@@ -337,7 +339,9 @@ def _loop(training: _Training, log: JsonLinesLog, progress: bool) -> TrainSummar
     )
     window: list[dict[str, Any]] = []  # the figures of the steps since the last log line
     last: dict[str, float] = {}
-    try:
+    # Ctrl-C or SIGTERM asks for a stop at the end of the step: a step cut short would save
+    # a sampler one batch ahead of the weights (or half an optimizer update).
+    with StopRequest() as stop, bar:
         while training.step < config.steps:
             x, _ = training.sampler.next()  # (B, T)
             acts = read_activations(model, config.hook, x)  # (B * T, d_in)
@@ -365,13 +369,18 @@ def _loop(training: _Training, log: JsonLinesLog, progress: bool) -> TrainSummar
                     {k: f"{last[k]:.3f}" for k in ("explained_variance", "l0", "dead_fraction")}
                 )
                 window = []
-            if training.step % config.save_interval == 0:
+            if training.step % config.save_interval == 0 or stop.requested:
                 _save(training, log, elapsed())
-    except KeyboardInterrupt:
-        _save(training, log, elapsed())
-        raise
-    finally:
-        bar.close()
+            if stop.requested:
+                break
+    if stop.requested:  # once the bar is closed: the last line says how it ended
+        logger.warning(
+            "stopped at step %d; the SAE in '%s' is saved: continue with the same command and "
+            "--resume",
+            training.step,
+            training.folder,
+        )
+        raise Preempted if stop.signum == signal.SIGTERM else KeyboardInterrupt
     _save(training, log, elapsed())
     return TrainSummary(
         training.folder, training.step, config.steps, training.tokens, elapsed(), last
