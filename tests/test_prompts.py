@@ -186,9 +186,16 @@ def test_sampling_notices_one_line_for_the_prompts_cropped() -> None:
     prompts = ["a", *["abcdefghij"] * 6, "b"]
     encode_prompts(CHARS, prompts, 8, notices.append)
     assert notices == [
-        "6 prompts (index 1, 2, 3, 4, 5, ...) are longer than the model's context_length (8 "
+        "6 prompts (indices 1, 2, 3, 4, 5, ...) are longer than the model's context_length (8 "
         "tokens): the model sees only the last 8 tokens of each."
     ]
+    notices.clear()  # one of several: named alone, in the singular
+    encode_prompts(CHARS, ["a", "abcdefghij", "b"], 8, notices.append)
+    assert notices == [
+        "prompt 1 is longer than the model's context_length (8 tokens): the model sees only its "
+        "last 8 tokens."
+    ]
+    notices.clear()
     with pytest.raises(InputError, match="vocabulary lacks"):  # before any notice
         encode_prompts(CHARS, ["abcdefghij", "Zebra"], 8, notices.append)
     assert len(notices) == 1

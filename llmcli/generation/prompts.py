@@ -204,10 +204,15 @@ def encode_prompts(
             f"the prompt is longer than the model's context_length ({context_length} tokens): "
             f"the model sees only its last {context_length} tokens."
         )
+    elif len(cropped) == 1:
+        notify(
+            f"prompt {cropped[0]} is longer than the model's context_length ({context_length} "
+            f"tokens): the model sees only its last {context_length} tokens."
+        )
     elif cropped:
         shown = ", ".join(str(i) for i in cropped[:5]) + (", ..." if len(cropped) > 5 else "")
         notify(
-            f"{len(cropped)} prompts (index {shown}) are longer than the model's "
+            f"{len(cropped)} prompts (indices {shown}) are longer than the model's "
             f"context_length ({context_length} tokens): the model sees only the last "
             f"{context_length} tokens of each."
         )
