@@ -202,7 +202,11 @@ def test_char_tokenizer_cached_in_the_old_format_is_reused(
     cfg = DataConfig(path=str(corpus), tokenizer="char")
     first = prepare_data(cfg, 8, cache_dir=tmp_path / "cache")
     folder = tmp_path / "cache" / "tokenizers"
-    [cached] = [f for f in folder.iterdir() if not f.name.endswith(".training.json")]
+    [cached] = [
+        f
+        for f in folder.iterdir()
+        if f.suffix == ".json" and not f.name.endswith((".training.json", ".lock.json"))
+    ]
     chars = first.tokenizer.chars
     cached.write_text(json.dumps({"kind": "llmcli-char", "version": 2, "chars": chars, "eot": EOT}))
 

@@ -15,7 +15,7 @@ import sys
 
 import typer
 
-from llmcli.cli.app import PipeClosed, app
+from llmcli.cli.app import PipeClosed, app, stop_logging_to_stderr
 from llmcli.errors import InputError
 
 # Importing the command modules registers their commands, in the order `llmcli --help` lists them.
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
         # imports torch; a value the user set wins.
         os.environ.setdefault("PYTORCH_ENABLE_MPS_FALLBACK", "1")
     try:
-        code = app(args=args, prog_name="llmcli", standalone_mode=False)
+        code = _run(args)
     except InputError as exc:
         typer.echo(f"error: {exc}", err=True)
         sys.exit(2)
@@ -63,6 +63,13 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(130)
         raise
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _run(args: list[str]) -> object:
+    try:
+        return app(args=args, prog_name="llmcli", standalone_mode=False)
+    finally:
+        stop_logging_to_stderr()
 
 
 def _show_usage_error(exc: Exception, args: list[str]) -> None:

@@ -78,15 +78,26 @@ def log_to_stderr() -> None:
     `sys.stderr` is when a message comes (a redirect, a caller's capture), not the one it was
     when logging was set up."""
 
-    class Stderr(logging.StreamHandler):
-        stream = property(lambda self: sys.stderr, lambda self, value: None)
-
     root = logging.getLogger()
-    if not any(type(h).__name__ == "Stderr" for h in root.handlers):
+    if not any(isinstance(h, Stderr) for h in root.handlers):
         handler = Stderr()
         handler.setFormatter(WrappedLines())
         root.addHandler(handler)
         root.setLevel(logging.INFO)
+
+
+class Stderr(logging.StreamHandler):
+    """`log_to_stderr`'s handler: writes to `sys.stderr` as it is when a message comes."""
+
+    stream = property(lambda self: sys.stderr, lambda self, value: None)
+
+
+def stop_logging_to_stderr() -> None:
+    """Remove `log_to_stderr`'s handler (a command is over: a caller of `main` in the same
+    process, a test say, sees no more of the library's log lines on its stderr)."""
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if isinstance(h, Stderr)]:
+        root.removeHandler(handler)
 
 
 class WrappedLines(logging.Formatter):

@@ -438,6 +438,7 @@ def require_run_template(run_dir: str | Path) -> ChatTemplate:
         raise InputError(
             f"the run {str(run_dir)!r} has no chat template ({TEMPLATE_FILE}): it was trained on "
             "plain text. Fine-tune it on conversations first, e.g. `llmcli train chat --set "
-            f"train.init_from={run_dir}` (the shipped chat config), then chat with that run."
+            f"train.init_from={run_dir}` (the shipped chat config, data.format: chat), then chat "
+            "with that run."
         )
     return template
