@@ -2,7 +2,7 @@
 
 `BatchSampler` draws each window's start uniformly over the stream with its own
 `torch.Generator` (rank r of a DDP job draws its own stream), reads the windows from the token
-file (`llmcli.data.tokens.WindowReader`, which keeps memory flat however large the corpus), and
+file (`llmcli.data.windows.WindowReader`, which keeps memory flat however large the corpus), and
 puts them on the device. Saving `state_dict()` and loading it into a new sampler continues the
 exact stream: what a resumed run needs to see the batches an uninterrupted one would.
 Conversations (`data.format: chat`) have a sampler of their own, `llmcli.data.chat.ChatSampler`.
@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from llmcli.data.tokens import WindowReader
+from llmcli.data.windows import WindowReader
 from llmcli.errors import InputError
 
 
