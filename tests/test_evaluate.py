@@ -117,6 +117,25 @@ def test_steps_scores_only_the_first_batches(char_run: Path, text_file: Path) ->
     assert whole.loss == pytest.approx(evaluate_run(char_run, text_file).loss, rel=1e-6)
 
 
+@pytest.mark.parametrize(
+    ("n", "expected"),
+    [
+        (9, [[0, 4]]),  # n - 1 = 2T: two full windows, no token left over
+        (10, [[0, 4], [8]]),  # one token more: a last window predicting it alone
+        (8, [[0], [4]]),  # one fewer: the second window is the short one, alone in its batch
+        (2, [[0]]),  # the shortest stream: one window predicting one token
+    ],
+)
+def test_windows_predict_every_token_after_the_first_once_up_to_the_streams_end(
+    n, expected
+) -> None:
+    starts = window_starts(n, 4, 8)
+    assert starts == expected
+    tokens = np.arange(n)
+    targets = [y.flatten() for _, y in window_batches(tokens, 4, starts, "cpu")]
+    assert torch.cat(targets).tolist() == list(range(1, n))
+
+
 def test_default_data_is_the_runs_validation_split(tmp_path: Path) -> None:
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TEXT * 4, encoding="utf-8")
