@@ -14,11 +14,12 @@ import pytest
 import torch
 from conftest import save_tiny_run
 
+import llmcli.evaluation.text
 from llmcli.cli import main
 from llmcli.data.tokenizer import BPETokenizer, CharTokenizer
 from llmcli.errors import InputError
 from llmcli.evaluation.run import EvalOptions, evaluate_run
-from llmcli.evaluation.text import score_tokens, window_batches, window_starts
+from llmcli.evaluation.text import score_tokens, text_bytes, window_batches, window_starts
 
 CTX, BATCH = 16, 3
 # Multi-byte characters (é: 2 bytes, —: 3 bytes) make bytes differ from characters.
@@ -172,6 +173,21 @@ def test_bpe_bits_per_byte_counts_bytes_and_leaves_special_tokens_out(tmp_path: 
     assert result.bits_per_byte == pytest.approx(
         nll[is_text].sum() / math.log(2) / text_bytes, rel=1e-5
     )
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5, 7, 64])
+def test_text_bytes_counts_a_character_split_over_a_decoding_chunks_edge_once(
+    monkeypatch, chunk
+) -> None:
+    """Byte-level BPE spells a character it has no token for in byte tokens (é: 2, —: 3, 🙂:
+    4); where a decoding chunk ends between them, the character still counts its own bytes,
+    not two replacement characters' (3 bytes each)."""
+    tok = BPETokenizer.train(["hello world abc " * 50], vocab_size=260)
+    text = "ab é — x🙂<|endoftext|>yz 🙂"
+    ids = np.asarray(tok.encode(text), dtype=np.int64)
+    assert len(ids) > 12  # the rare characters are several tokens each
+    monkeypatch.setattr(llmcli.evaluation.text, "DECODE_CHUNK", chunk)
+    assert text_bytes(tok, ids) == len(text.replace("<|endoftext|>", "").encode("utf-8"))
 
 
 def test_per_token_losses_are_the_hand_computed_cross_entropies(
