@@ -278,6 +278,20 @@ def test_a_rows_entries_come_out_with_the_text_that_ends_them_listing_its_own_to
     assert [e.token for e in row.release(3)] == ["c"]
 
 
+def test_logprobs_take_0_to_5_as_openai_does(run) -> None:
+    for n in (0, 5):
+        body = {"prompt": "a", "logprobs": n}
+        assert parse_completion(body, run.config.sample, LIMITS, "tiny").logprobs == n
+    for n in (-1, 6):
+        with pytest.raises(APIError) as exc:
+            parse_completion({"prompt": "a", "logprobs": n}, run.config.sample, LIMITS, "tiny")
+        assert (exc.value.status, exc.value.param, exc.value.code) == (
+            400,
+            "logprobs",
+            "invalid_value",
+        )
+
+
 def test_streamed_logprobs_equal_the_whole_answer_and_stop_at_the_stop(url) -> None:
     body = {"prompt": "JULIET:", "max_tokens": 30, "seed": 2, "logprobs": 1, "stop": ["e", "t"]}
     whole = httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]
