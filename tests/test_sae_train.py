@@ -14,7 +14,7 @@ from llmcli.inspection.sae.folder import CFG_FILE, METRICS_FILE, STATE_FILE, WEI
 from llmcli.inspection.sae.model import SparseAutoencoder
 from llmcli.inspection.sae.points import read_activations
 from llmcli.inspection.sae.state import SAEState
-from llmcli.inspection.sae.train import TrainOptions, lr_at, train_sae
+from llmcli.inspection.sae.train import TrainOptions, lr_at, sae_step, train_sae
 from llmcli.runs.loading import load_run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -74,6 +74,37 @@ def test_the_dead_features_are_counted_and_trained_by_auxk(run, tmp_path) -> Non
         assert never.any()
         moved = ~torch.isclose(load_sae(folder).sae.W_dec[never], initial[never]).all(1)
         assert moved.all() if aux_coef else not moved.any()
+
+
+def test_a_feature_silent_for_exactly_dead_tokens_is_trained_by_auxk_at_the_next_step(
+    run, tmp_path
+) -> None:
+    """128 activations a step: with dead_tokens 128 a feature that did not fire in step 1 is
+    dead in step 2, and AuxK moves its decoder row; with 129 it is not dead yet."""
+    initial = SparseAutoencoder(16, 64, 1, generator=torch.Generator().manual_seed(0)).W_dec
+    for dead_tokens, dead in ((128, True), (129, False)):
+        folder = trained_sae(
+            run, tmp_path / str(dead_tokens), k=1, steps=2, dead_tokens=dead_tokens, aux_coef=1.0
+        )
+        never = SAEState.load(folder / STATE_FILE).since_fired == 2 * 128
+        assert never.any()
+        moved = ~torch.isclose(load_sae(folder).sae.W_dec[never], initial[never]).all(1)
+        assert moved.all() if dead else not moved.any()
+
+
+def test_a_step_counts_only_positive_activations_as_active_and_fired() -> None:
+    """TopK keeps each row's k largest pre-activations through a ReLU: a kept one that is 0 or
+    below is not active (`l0`) and does not fire."""
+    sae = SparseAutoencoder(4, 6, 3, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        sae.W_enc.zero_()  # every row's pre-activations are b_enc
+        sae.b_enc.copy_(torch.tensor([2.0, 1.0, 0.0, -1.0, -2.0, -3.0]))
+    optimizer = torch.optim.Adam(sae.parameters())
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    no_dead = torch.zeros(6, dtype=torch.bool)
+    figures = sae_step(sae, optimizer, x, no_dead, aux_coef=0.0, lr=1e-3)
+    assert figures["l0"] == 2.0
+    assert figures["fired"].tolist() == [True, True, False, False, False, False]
 
 
 def test_the_sae_reads_the_activation_where_the_hook_point_is(run) -> None:
