@@ -11,7 +11,7 @@ from sae_helpers import HOOK, small_config, small_run, trained_sae
 
 from llmcli.errors import InputError
 from llmcli.inspection.sae.folder import CFG_FILE, METRICS_FILE, STATE_FILE, WEIGHTS_FILE, load_sae
-from llmcli.inspection.sae.model import SparseAutoencoder
+from llmcli.inspection.sae.model import SparseAutoencoder, aux_reconstruction
 from llmcli.inspection.sae.points import read_activations
 from llmcli.inspection.sae.state import SAEState
 from llmcli.inspection.sae.train import TrainOptions, lr_at, sae_step, train_sae
@@ -105,6 +105,32 @@ def test_a_step_counts_only_positive_activations_as_active_and_fired() -> None:
     figures = sae_step(sae, optimizer, x, no_dead, aux_coef=0.0, lr=1e-3)
     assert figures["l0"] == 2.0
     assert figures["fired"].tolist() == [True, True, False, False, False, False]
+
+
+@pytest.mark.parametrize(("n_dead", "scale"), [(2, 2 / 8), (8, 1.0), (12, 1.0)])
+def test_auxk_is_scaled_down_when_fewer_features_are_dead_than_it_uses(n_dead, scale) -> None:
+    """AuxK reconstructs with the d_in / 2 = 8 largest dead features; with fewer dead, its loss
+    is scaled by n_dead / 8 (Gao et al. 2024, appendix B.1, as EleutherAI's sparsify does). One
+    plain SGD step of rate 1 moves `W_enc` by minus its gradient: with AuxK on, by that much
+    more of the AuxK loss's gradient."""
+
+    def fresh() -> SparseAutoencoder:
+        return SparseAutoencoder(16, 64, 4, generator=torch.Generator().manual_seed(0))
+
+    def step(aux_coef: float) -> torch.Tensor:
+        sae = fresh()
+        sae_step(sae, torch.optim.SGD(sae.parameters()), x, dead, aux_coef=aux_coef, lr=1.0)
+        return sae.W_enc.detach()
+
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(1))
+    dead = torch.zeros(64, dtype=torch.bool)
+    dead[-n_dead:] = True
+    sae = fresh()
+    pre = sae.pre_acts(x)  # (32, 64)
+    residual = (x - sae.decode_sparse(*sae.select(pre), 32)).detach()  # (32, 16)
+    aux = aux_reconstruction(sae, pre, dead, residual, min(8, n_dead)) - residual
+    (grad,) = torch.autograd.grad(aux.pow(2).sum(-1).mean(), sae.W_enc)
+    torch.testing.assert_close(step(1.0) - step(0.0), -scale * grad)
 
 
 def test_the_sae_reads_the_activation_where_the_hook_point_is(run) -> None:
