@@ -119,7 +119,9 @@ def test_export_loads_in_transformers_with_equal_logits_and_greedy_text(tmp_path
     ],
     ids=["greedy", "sampled"],
 )
-def test_generation_config_holds_the_runs_sampling_defaults(tmp_path, sample, expected):
+def test_generation_config_holds_the_runs_sampling_defaults_and_the_context_length(
+    tmp_path, sample, expected
+):
     tok = CharTokenizer.train([TEXT])
     model_cfg = ModelConfig(n_layer=1, n_head=2, n_embed=16, context_length=16)
     sampling = SampleConfig(max_new_tokens=7, **sample)
@@ -130,6 +132,8 @@ def test_generation_config_holds_the_runs_sampling_defaults(tmp_path, sample, ex
     eot = tok.eot_id
     ids = {"bos_token_id": eot, "eos_token_id": eot, "pad_token_id": eot}
     assert got == {"max_new_tokens": 7, **expected, **ids}
+    tokenizer_config = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    assert tokenizer_config["model_max_length"] == 16  # the context length, every position of it
 
 
 def harness_rolling_nats(model, ids: list[int], prefix: int, T: int) -> float:
