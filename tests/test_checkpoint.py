@@ -182,6 +182,23 @@ def test_a_resume_puts_back_the_loss_scale(small_corpus, tmp_path, monkeypatch) 
         assert resumed.trainer.precision.scaler.get_scale() == 2.0**12
 
 
+def test_a_resume_judges_the_next_step_against_the_saved_loss_window(
+    small_corpus, tmp_path
+) -> None:
+    """The spike guard's window of recent losses is part of the save: a resumed run skips a
+    spike at once, where a fresh window (not yet full) would apply it."""
+    config = config_from_dict(raw(small_corpus, spike_guard=True, spike_window=3))
+    run_dir = tmp_path / "run"
+    with started(config, run_dir, False, False) as run:
+        with TrainLog.open(run.config, run.data, run.facts, main=True) as log:
+            for step in (1, 2, 3):
+                assert run.guard.check(step, 2.0, grad_norm=1.0).action == "apply"
+            run.checkpoints.save(run.state, run.config, log, best=False)
+    with started(config, run_dir, True, False) as resumed:
+        assert resumed.guard.state.recent == [2.0, 2.0, 2.0]
+        assert resumed.guard.check(4, 50.0, grad_norm=1.0).action == "skip"
+
+
 def test_a_rollback_goes_back_to_the_save_and_keeps_the_events_and_the_clock(
     small_corpus, tmp_path
 ) -> None:
