@@ -22,7 +22,9 @@ from llmcli.model.gpt import Transformer
 from llmcli.runs.formats import read_weights
 from llmcli.training.batch import (
     AUTO_HEADROOM,
+    OOM_RETRY_STEPS,
     choose_micro_batch,
+    may_shrink,
     resolve_batch,
     smaller_micro_batch,
 )
@@ -144,6 +146,14 @@ def test_smaller_micro_batch_halves_or_takes_the_next_divisor_down() -> None:
     assert smaller(6, 2) == 3
     assert smaller(3, 4) == 1  # 12 sequences: 1 is the only divisor <= 1.5
     assert smaller(1, 8) is None
+
+
+def test_running_out_of_memory_shrinks_the_micro_batch_in_the_first_steps_only() -> None:
+    config = _config(batch_size=8, grad_accum=1)
+    last = OOM_RETRY_STEPS - 1  # the last 0-based step that may still shrink
+    assert may_shrink(config, 0) and may_shrink(config, last)
+    assert not may_shrink(config, last + 1)
+    assert not may_shrink(_config(batch_size=1, grad_accum=8), 0)  # already one sequence
 
 
 # --- training with an automatic micro-batch --------------------------------------------------

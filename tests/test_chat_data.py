@@ -130,6 +130,16 @@ def test_windows_of_hand_made_masks() -> None:
     assert counts == {"conversations": 3, "kept": 0, "truncated": 2, "skipped": 1}
 
 
+def test_a_window_with_nothing_to_learn_after_its_first_token_is_skipped() -> None:
+    # Three conversations: one to learn from; one whose only written token is its first (a
+    # custom template's), which nothing predicts; one with no written token at all.
+    mask = np.array([0, 1, 1, 1, 0, 0, 0, 0, 0, 0], dtype=np.uint8)
+    offsets = np.array([0, 3, 6, 10])
+    starts, lengths, counts = conversation_windows(mask, offsets, 8)
+    assert starts.tolist() == [0] and lengths.tolist() == [3]
+    assert counts == {"conversations": 3, "kept": 1, "truncated": 0, "skipped": 2}
+
+
 def test_the_cache_is_reused_and_keyed_by_the_template(
     tmp_path: Path, tokenizer_file: Path
 ) -> None:

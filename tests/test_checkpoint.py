@@ -22,6 +22,7 @@ from llmcli.training.build import Run, started
 from llmcli.training.guard import DivergenceError, Verdict
 from llmcli.training.interrupt import Preempted
 from llmcli.training.log import TrainLog
+from llmcli.training.precision import Precision
 from llmcli.training.step import train_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -92,6 +93,109 @@ def test_a_save_restored_into_a_fresh_run_goes_on_as_the_run_saved(small_corpus,
             random.random(),
         )
         assert resumed.state.tokens == run.state.tokens
+
+
+def test_dropout_after_a_resume_draws_from_the_saved_torch_generator(
+    small_corpus, tmp_path
+) -> None:
+    """Dropout's masks come from torch's global generator, which the steps move on: a resume
+    that reseeded it instead of putting the save's state back would draw other masks."""
+    raw_config = raw(small_corpus)
+    raw_config["model"]["dropout"] = 0.2
+    config = config_from_dict(raw_config)
+    run_dir = tmp_path / "run"
+    with started(config, run_dir, False, False) as run:
+        with TrainLog.open(run.config, run.data, run.facts, main=True) as log:
+            steps(run, 3)
+            run.checkpoints.save(run.state, run.config, log, best=False)
+            steps(run, 2)
+            after = weights(run)
+    with started(config, run_dir, True, False) as resumed:
+        steps(resumed, 2)
+        assert all(torch.equal(after[k], v) for k, v in weights(resumed).items())
+
+
+def test_a_resume_puts_back_every_counter(small_corpus, tmp_path) -> None:
+    config = config_from_dict(raw(small_corpus))
+    run_dir = tmp_path / "run"
+    with started(config, run_dir, False, False) as run:
+        with TrainLog.open(run.config, run.data, run.facts, main=True) as log:
+            steps(run, 3)
+            state = run.state
+            state.elapsed_base = 1000.0  # as if earlier sessions had trained for 1000 s
+            state.record_eval({"train": 2.5, "val": 2.75})  # step 3's evaluation, the best
+            run.checkpoints.save(state, run.config, log, best=False)
+            saved_elapsed = load_state(run_dir / STATE_FILE)["elapsed_s"]
+    with started(config, run_dir, True, False) as resumed:
+        got = resumed.state
+        assert (got.step, got.tokens, got.last_saved) == (3, state.tokens, 3)
+        assert (got.best_val_loss, got.best_step) == (2.75, 3)
+        assert got.last_eval == {"train": 2.5, "val": 2.75}
+        assert got.elapsed_base == saved_elapsed and 1000.0 < saved_elapsed < got.elapsed
+
+
+def test_a_resume_takes_todays_learning_rate_and_decay_with_the_saved_moments(
+    small_corpus, tmp_path
+) -> None:
+    """The optimizer's moments come from the save, its hyperparameters from the config the
+    run resumes with (`--set train.lr=...`), not from the save's param groups."""
+    run_dir = tmp_path / "run"
+    with started(config_from_dict(raw(small_corpus)), run_dir, False, False) as run:
+        with TrainLog.open(run.config, run.data, run.facts, main=True) as log:
+            steps(run, 2)
+            run.checkpoints.save(run.state, run.config, log, best=False)
+            moments = {id(p): run.trainer.optimizer.state[p] for p in run.model.parameters()}
+            names = {id(p): n for n, p in run.model.named_parameters()}
+            saved_moments = {names[i]: m["exp_avg"].clone() for i, m in moments.items()}
+    today = config_from_dict(raw(small_corpus, lr=0.02, weight_decay=0.25, beta2=0.9))
+    with started(today, run_dir, True, False) as resumed:
+        optimizer = resumed.trainer.optimizer
+        decay, no_decay = optimizer.param_groups
+        assert (decay["base_lr"], decay["weight_decay"], decay["betas"]) == (0.02, 0.25, (0.9, 0.9))
+        assert (no_decay["base_lr"], no_decay["weight_decay"]) == (0.02, 0.0)
+        for name, p in resumed.model.named_parameters():
+            assert torch.equal(optimizer.state[p]["exp_avg"], saved_moments[name]), name
+
+
+def test_a_resume_puts_back_the_loss_scale(small_corpus, tmp_path, monkeypatch) -> None:
+    """fp16's GradScaler (here on the CPU, over float32 maths) doubles its scale every 2 steps
+    without an overflow: a resume goes on from the save's scale and count, not a fresh one."""
+
+    def scaled(cls, device, dtype):
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+        return Precision("float32", device, None, scaler)
+
+    monkeypatch.setattr(Precision, "resolve", classmethod(scaled))
+    config = config_from_dict(raw(small_corpus))
+    run_dir = tmp_path / "run"
+    with started(config, run_dir, False, False) as run:
+        with TrainLog.open(run.config, run.data, run.facts, main=True) as log:
+            steps(run, 3)
+            assert run.trainer.precision.scaler.get_scale() == 2.0**11
+            run.checkpoints.save(run.state, run.config, log, best=False)
+            steps(run, 1)  # the 4th step without an overflow doubles it again
+            assert run.trainer.precision.scaler.get_scale() == 2.0**12
+    with started(config, run_dir, True, False) as resumed:
+        assert resumed.trainer.precision.scaler.get_scale() == 2.0**11
+        steps(resumed, 1)
+        assert resumed.trainer.precision.scaler.get_scale() == 2.0**12
+
+
+def test_a_resume_judges_the_next_step_against_the_saved_loss_window(
+    small_corpus, tmp_path
+) -> None:
+    """The spike guard's window of recent losses is part of the save: a resumed run skips a
+    spike at once, where a fresh window (not yet full) would apply it."""
+    config = config_from_dict(raw(small_corpus, spike_guard=True, spike_window=3))
+    run_dir = tmp_path / "run"
+    with started(config, run_dir, False, False) as run:
+        with TrainLog.open(run.config, run.data, run.facts, main=True) as log:
+            for step in (1, 2, 3):
+                assert run.guard.check(step, 2.0, grad_norm=1.0).action == "apply"
+            run.checkpoints.save(run.state, run.config, log, best=False)
+    with started(config, run_dir, True, False) as resumed:
+        assert resumed.guard.state.recent == [2.0, 2.0, 2.0]
+        assert resumed.guard.check(4, 50.0, grad_norm=1.0).action == "skip"
 
 
 def test_a_rollback_goes_back_to_the_save_and_keeps_the_events_and_the_clock(

@@ -149,6 +149,32 @@ def test_cache_feeds_one_token_per_step_until_the_window_slides() -> None:
     assert lengths == [(3, True)] + [("decode", n) for n in range(3, 8)] + [(8, False)] * 4
 
 
+def test_a_prompt_of_exactly_context_length_is_seen_whole_then_the_window_slides() -> None:
+    """A prompt that fills the context: the first step sees all of it, uncropped, and every
+    later one slides the window, so no KV cache is filled; one token shorter, the cache serves
+    the prefill and one decode step before the window slides."""
+    model = make_model()
+    short = [(CONTEXT - 1, True), (1, True), (CONTEXT, False), (CONTEXT, False)]
+    cases = [
+        (list(range(1, CONTEXT + 1)), [(CONTEXT, False)] * 4),
+        (list(range(1, CONTEXT)), short),
+    ]
+    expected = [reference(model, p, 4, policy="exact", temperature=0.0) for p, _ in cases]
+    lengths = []
+    forward = model.forward
+
+    def spy(idx, *args, **kwargs):
+        lengths.append((idx.shape[1], kwargs.get("kv_cache") is not None))
+        return forward(idx, *args, **kwargs)
+
+    model.forward = spy
+    config = sample_config(4, temperature=0.0, context_policy="exact")
+    for (prompt, forwards), tokens in zip(cases, expected, strict=True):
+        lengths.clear()
+        assert generate_ids(model, [prompt], config) == [tokens]
+        assert lengths == forwards, len(prompt)
+
+
 # ----------------------------------------------------------------------------- batches
 
 

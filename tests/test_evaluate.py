@@ -14,12 +14,13 @@ import pytest
 import torch
 from conftest import save_tiny_run
 
+import llmcli.evaluation.text
 from llmcli.cli import main
 from llmcli.data.tokenizer import BPETokenizer, CharTokenizer
 from llmcli.device import usable_cpus
 from llmcli.errors import InputError
 from llmcli.evaluation.run import EvalOptions, evaluate_run
-from llmcli.evaluation.text import score_tokens, window_batches, window_starts
+from llmcli.evaluation.text import score_tokens, text_bytes, window_batches, window_starts
 
 CTX, BATCH = 16, 3
 # Multi-byte characters (é: 2 bytes, —: 3 bytes) make bytes differ from characters.
@@ -118,6 +119,25 @@ def test_steps_scores_only_the_first_batches(char_run: Path, text_file: Path) ->
     assert whole.loss == pytest.approx(evaluate_run(char_run, text_file).loss, rel=1e-6)
 
 
+@pytest.mark.parametrize(
+    ("n", "expected"),
+    [
+        (9, [[0, 4]]),  # n - 1 = 2T: two full windows, no token left over
+        (10, [[0, 4], [8]]),  # one token more: a last window predicting it alone
+        (8, [[0], [4]]),  # one fewer: the second window is the short one, alone in its batch
+        (2, [[0]]),  # the shortest stream: one window predicting one token
+    ],
+)
+def test_windows_predict_every_token_after_the_first_once_up_to_the_streams_end(
+    n, expected
+) -> None:
+    starts = window_starts(n, 4, 8)
+    assert starts == expected
+    tokens = np.arange(n)
+    targets = [y.flatten() for _, y in window_batches(tokens, 4, starts, "cpu")]
+    assert torch.cat(targets).tolist() == list(range(1, n))
+
+
 def test_default_data_is_the_runs_validation_split(tmp_path: Path) -> None:
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TEXT * 4, encoding="utf-8")
@@ -154,6 +174,21 @@ def test_bpe_bits_per_byte_counts_bytes_and_leaves_special_tokens_out(tmp_path: 
     assert result.bits_per_byte == pytest.approx(
         nll[is_text].sum() / math.log(2) / text_bytes, rel=1e-5
     )
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5, 7, 64])
+def test_text_bytes_counts_a_character_split_over_a_decoding_chunks_edge_once(
+    monkeypatch, chunk
+) -> None:
+    """Byte-level BPE spells a character it has no token for in byte tokens (é: 2, —: 3, 🙂:
+    4); where a decoding chunk ends between them, the character still counts its own bytes,
+    not two replacement characters' (3 bytes each)."""
+    tok = BPETokenizer.train(["hello world abc " * 50], vocab_size=260)
+    text = "ab é — x🙂<|endoftext|>yz 🙂"
+    ids = np.asarray(tok.encode(text), dtype=np.int64)
+    assert len(ids) > 12  # the rare characters are several tokens each
+    monkeypatch.setattr(llmcli.evaluation.text, "DECODE_CHUNK", chunk)
+    assert text_bytes(tok, ids) == len(text.replace("<|endoftext|>", "").encode("utf-8"))
 
 
 def test_per_token_losses_are_the_hand_computed_cross_entropies(

@@ -149,6 +149,63 @@ def test_near_zero_loss_a_multiple_of_the_median_is_no_spike_under_the_margin() 
     assert verdict.action == "skip" and verdict.event["reason"] == "loss above 2 x the median"
 
 
+def test_a_loss_exactly_at_the_threshold_is_applied_and_one_ulp_above_is_skipped() -> None:
+    """The rule is `loss > max(factor x median, median + margin)`: equal is no spike, on both
+    sides of the max (values exact in binary, so the products and sums are exact)."""
+    for median, margin, threshold in [(1.0, 0.5, 2.0), (0.25, 0.5, 0.75)]:
+        config = config_from_dict(
+            {"train": {"spike_factor": 2.0, "spike_window": 3, "spike_margin": margin}}
+        ).train
+        guard = SpikeGuard(config, TrainState())
+        for step in (1, 2, 3):
+            assert guard.check(step, median, grad_norm=1.0).action == "apply"
+        assert guard.check(4, threshold, grad_norm=1.0).action == "apply", median
+        above = math.nextafter(threshold, math.inf)
+        assert guard.check(5, above, grad_norm=1.0).action == "skip", median
+
+
+def test_the_factor_test_starts_once_the_window_is_full() -> None:
+    config = config_from_dict({"train": {"spike_window": 3}}).train
+    guard = SpikeGuard(config, TrainState())
+    assert guard.check(1, 1.0, grad_norm=1.0).action == "apply"
+    assert guard.check(2, 1.0, grad_norm=1.0).action == "apply"
+    assert guard.check(3, 100.0, grad_norm=1.0).action == "apply"  # 2 losses seen: no median
+    verdict = guard.check(4, 100.0, grad_norm=1.0)  # 3 seen: the median of [1, 1, 100] is 1
+    assert verdict.action == "skip" and verdict.event["median"] == 1.0
+
+
+def test_skips_count_within_the_last_spike_window_steps_only() -> None:
+    """With a window of 5, a skip at step 6 still counts at step 10 (steps 6-10) and no longer
+    at step 11 (steps 7-11)."""
+    config = config_from_dict({"train": {"spike_window": 5, "spike_skips": 2}}).train
+    for second, action in [(10, "rollback"), (11, "skip")]:
+        guard = SpikeGuard(config, TrainState())
+        for step in range(1, 6):
+            assert guard.check(step, 1.0, grad_norm=1.0).action == "apply"
+        assert guard.check(6, math.nan, grad_norm=1.0).action == "skip"
+        for step in range(7, second):
+            assert guard.check(step, 1.0, grad_norm=1.0).action == "apply"
+        assert guard.check(second, math.nan, grad_norm=1.0).action == action, second
+
+
+def test_a_rollback_lowers_the_rate_for_exactly_spike_lr_steps_steps() -> None:
+    """Back to the save of step 10 (10 steps done), with spike_lr_steps 4: the 0-based steps
+    10-13 run at the lowered rate, step 14 at the full one; the streak of rollbacks ends with
+    the first step applied past them (1-based step 15, the 0-based step 14)."""
+    config = config_from_dict(
+        {"train": {"spike_window": 3, "spike_lr_steps": 4, "spike_lr_factor": 0.25}}
+    ).train
+    guard = SpikeGuard(config, TrainState())
+    event = guard.rolled_back(step=12, to_step=10, loss=math.nan, saved=None)
+    assert event["lr_until_step"] == 14 and guard.state.streak == 1
+    assert [guard.lr_scale(s) for s in range(10, 16)] == [0.25, 0.25, 0.25, 0.25, 1.0, 1.0]
+    for step in range(11, 15):  # 1-based steps 11-14: the 0-based steps 10-13
+        assert guard.check(step, 1.0, grad_norm=1.0).action == "apply"
+        assert guard.state.streak == 1, step
+    assert guard.check(15, 1.0, grad_norm=1.0).action == "apply"
+    assert guard.state.streak == 0
+
+
 def test_guard_settings_out_of_range_name_the_key() -> None:
     for key, value in [
         ("spike_factor", 1.0),

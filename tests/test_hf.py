@@ -19,7 +19,7 @@ import torch
 from conftest import cache_repo
 from hf_helpers import PROMPT, TEXT, assert_close, cli, greedy_llmcli, make_run
 
-from llmcli.config import Config, DataConfig, ModelConfig, TrainConfig
+from llmcli.config import Config, DataConfig, ModelConfig, SampleConfig, TrainConfig
 from llmcli.data.tokenizer import BPETokenizer, CharTokenizer, load_tokenizer
 from llmcli.errors import InputError
 from llmcli.hf import export as hf_export
@@ -106,6 +106,34 @@ def test_export_loads_in_transformers_with_equal_logits_and_greedy_text(tmp_path
     assert generated == expected
     assert hf_tok.decode(generated) == tok.decode(expected)
     assert len(set(expected)) > 1  # not a degenerate single-token loop
+
+
+@pytest.mark.parametrize(
+    ("sample", "expected"),
+    [
+        ({"temperature": 0.0, "top_k": 5}, {"do_sample": False}),  # 0 is greedy: no sampling keys
+        (
+            {"temperature": 0.7, "top_k": 5, "top_p": 0.9},
+            {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "top_k": 5},
+        ),
+    ],
+    ids=["greedy", "sampled"],
+)
+def test_generation_config_holds_the_runs_sampling_defaults_and_the_context_length(
+    tmp_path, sample, expected
+):
+    tok = CharTokenizer.train([TEXT])
+    model_cfg = ModelConfig(n_layer=1, n_head=2, n_embed=16, context_length=16)
+    sampling = SampleConfig(max_new_tokens=7, **sample)
+    config = Config(model=model_cfg, data=DataConfig(tokenizer="char"), sample=sampling)
+    save_model_run(tmp_path / "run", config, tok, Transformer(model_cfg, tok.vocab_size))
+    assert cli("export", "--checkpoint", tmp_path / "run", "--out", tmp_path / "hf") == 0
+    got = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    eot = tok.eot_id
+    ids = {"bos_token_id": eot, "eos_token_id": eot, "pad_token_id": eot}
+    assert got == {"max_new_tokens": 7, **expected, **ids}
+    tokenizer_config = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    assert tokenizer_config["model_max_length"] == 16  # the context length, every position of it
 
 
 def harness_rolling_nats(model, ids: list[int], prefix: int, T: int) -> float:

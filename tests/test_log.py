@@ -64,6 +64,22 @@ def test_a_resumed_run_cuts_each_log_to_its_size_at_the_save(run) -> None:
     assert [r["step"] for r in lines(run_dir / HEAD_METRICS_FILE)] == [5, 10]
 
 
+def test_a_log_one_byte_longer_than_at_the_save_is_cut_back_to_it(run) -> None:
+    """A run killed just after a save may have written one byte of the next record."""
+    run_dir = run.facts.run_dir
+    sizes = write_logs(run_dir)
+    for name, size in zip((METRICS_FILE, HEAD_METRICS_FILE), sizes, strict=True):
+        path = run_dir / name
+        path.write_bytes(path.read_bytes()[: size + 1])
+    facts = dataclasses.replace(
+        run.facts, resumed_from=10, metrics_bytes=sizes[0], head_metrics_bytes=sizes[1]
+    )
+    with TrainLog.open(run.config, run.data, facts, main=True) as log:
+        assert log.sizes() == sizes
+    assert [r["step"] for r in lines(run_dir / METRICS_FILE)] == [5, 10]
+    assert [r["step"] for r in lines(run_dir / HEAD_METRICS_FILE)] == [5, 10]
+
+
 def test_a_state_that_did_not_record_the_head_log_cuts_it_at_its_step(run) -> None:
     run_dir = run.facts.run_dir
     metrics_bytes, _ = write_logs(run_dir)

@@ -105,6 +105,33 @@ def test_wsd_warms_up_holds_then_decays_linearly_to_min_lr() -> None:
     assert got[-1] == min_lr
 
 
+def test_cosine_with_a_warmup_up_to_the_last_step_ends_at_min_lr() -> None:
+    """W = N - 1: the peak's step and the last are next to each other; the decay is a single
+    step from lr to min_lr (a span of 0, not a division by it)."""
+    got = [learning_rate(s, lr=1.0, min_lr=0.25, warmup_steps=4, max_steps=5) for s in range(5)]
+    assert got == [0.2, 0.4, 0.6, 0.8, 0.25]
+
+
+@pytest.mark.parametrize(
+    ("w", "n", "frac", "expected"),
+    [
+        # 0.04 x 10 rounds to 0 decay steps: the last step still decays, alone.
+        (0, 10, 0.04, [1.0] * 9 + [0.0]),
+        # The last 5 of 10 steps would begin inside the 7-step warmup: the decay starts at the
+        # peak, step 7, and reaches min_lr at step 9.
+        (7, 10, 0.5, [1 / 8, 2 / 8, 3 / 8, 4 / 8, 5 / 8, 6 / 8, 7 / 8, 1.0, 0.5, 0.0]),
+    ],
+)
+def test_wsd_decays_over_at_least_the_last_step_and_after_the_warmup(w, n, frac, expected) -> None:
+    got = [
+        learning_rate(
+            s, lr=1.0, min_lr=0.0, warmup_steps=w, max_steps=n, schedule="wsd", decay_fraction=frac
+        )
+        for s in range(n)
+    ]
+    np.testing.assert_allclose(got, expected, rtol=1e-12)
+
+
 def test_apply_lr_scales_every_group_from_its_own_peak() -> None:
     model = tiny_model()
     train = TrainConfig(lr=1e-3, min_lr=1e-4, warmup_steps=5, max_steps=50)

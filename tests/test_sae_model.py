@@ -71,6 +71,15 @@ def test_batchtopk_keeps_k_per_token_on_average_then_runs_as_a_jumprelu() -> Non
     assert_close(acts, expected, "jumprelu")
 
 
+def test_batchtopk_inference_keeps_what_is_above_the_threshold_not_what_equals_it() -> None:
+    sae = random_sae(d_sae=4, activation="batchtopk").eval()
+    with torch.no_grad():
+        sae.threshold.fill_(0.5)
+    rows, features, values = sae.select(torch.tensor([[1.0, 0.5, 0.25, 0.5000001]]))
+    assert (rows.tolist(), features.tolist()) == ([0, 0], [0, 3])
+    assert values.tolist() == [1.0, torch.tensor(0.5000001).item()]
+
+
 def test_the_batchtopk_threshold_follows_the_smallest_kept_activation() -> None:
     sae = random_sae(activation="batchtopk")
     sae.update_threshold(torch.tensor([0.0, 2.0, 3.0]))

@@ -14,10 +14,10 @@ from sae_helpers import HOOK, small_config, small_run, trained_sae
 from llmcli.errors import InputError
 from llmcli.inspection.sae import train as sae_train
 from llmcli.inspection.sae.folder import CFG_FILE, METRICS_FILE, STATE_FILE, WEIGHTS_FILE, load_sae
-from llmcli.inspection.sae.model import SparseAutoencoder
+from llmcli.inspection.sae.model import SparseAutoencoder, aux_reconstruction
 from llmcli.inspection.sae.points import read_activations
 from llmcli.inspection.sae.state import SAEState
-from llmcli.inspection.sae.train import TrainOptions, lr_at, train_sae
+from llmcli.inspection.sae.train import TrainOptions, lr_at, sae_step, train_sae
 from llmcli.runs.loading import load_run
 from llmcli.training.interrupt import Preempted
 
@@ -107,6 +107,63 @@ def test_the_dead_features_are_counted_and_trained_by_auxk(run, tmp_path) -> Non
         assert never.any()
         moved = ~torch.isclose(load_sae(folder).sae.W_dec[never], initial[never]).all(1)
         assert moved.all() if aux_coef else not moved.any()
+
+
+def test_a_feature_silent_for_exactly_dead_tokens_is_trained_by_auxk_at_the_next_step(
+    run, tmp_path
+) -> None:
+    """128 activations a step: with dead_tokens 128 a feature that did not fire in step 1 is
+    dead in step 2, and AuxK moves its decoder row; with 129 it is not dead yet."""
+    initial = SparseAutoencoder(16, 64, 1, generator=torch.Generator().manual_seed(0)).W_dec
+    for dead_tokens, dead in ((128, True), (129, False)):
+        folder = trained_sae(
+            run, tmp_path / str(dead_tokens), k=1, steps=2, dead_tokens=dead_tokens, aux_coef=1.0
+        )
+        never = SAEState.load(folder / STATE_FILE).since_fired == 2 * 128
+        assert never.any()
+        moved = ~torch.isclose(load_sae(folder).sae.W_dec[never], initial[never]).all(1)
+        assert moved.all() if dead else not moved.any()
+
+
+def test_a_step_counts_only_positive_activations_as_active_and_fired() -> None:
+    """TopK keeps each row's k largest pre-activations through a ReLU: a kept one that is 0 or
+    below is not active (`l0`) and does not fire."""
+    sae = SparseAutoencoder(4, 6, 3, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        sae.W_enc.zero_()  # every row's pre-activations are b_enc
+        sae.b_enc.copy_(torch.tensor([2.0, 1.0, 0.0, -1.0, -2.0, -3.0]))
+    optimizer = torch.optim.Adam(sae.parameters())
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    no_dead = torch.zeros(6, dtype=torch.bool)
+    figures = sae_step(sae, optimizer, x, no_dead, aux_coef=0.0, lr=1e-3)
+    assert figures["l0"] == 2.0
+    assert figures["fired"].tolist() == [True, True, False, False, False, False]
+
+
+@pytest.mark.parametrize(("n_dead", "scale"), [(2, 2 / 8), (8, 1.0), (12, 1.0)])
+def test_auxk_is_scaled_down_when_fewer_features_are_dead_than_it_uses(n_dead, scale) -> None:
+    """AuxK reconstructs with the d_in / 2 = 8 largest dead features; with fewer dead, its loss
+    is scaled by n_dead / 8 (Gao et al. 2024, appendix B.1, as EleutherAI's sparsify does). One
+    plain SGD step of rate 1 moves `W_enc` by minus its gradient: with AuxK on, by that much
+    more of the AuxK loss's gradient."""
+
+    def fresh() -> SparseAutoencoder:
+        return SparseAutoencoder(16, 64, 4, generator=torch.Generator().manual_seed(0))
+
+    def step(aux_coef: float) -> torch.Tensor:
+        sae = fresh()
+        sae_step(sae, torch.optim.SGD(sae.parameters()), x, dead, aux_coef=aux_coef, lr=1.0)
+        return sae.W_enc.detach()
+
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(1))
+    dead = torch.zeros(64, dtype=torch.bool)
+    dead[-n_dead:] = True
+    sae = fresh()
+    pre = sae.pre_acts(x)  # (32, 64)
+    residual = (x - sae.decode_sparse(*sae.select(pre), 32)).detach()  # (32, 16)
+    aux = aux_reconstruction(sae, pre, dead, residual, min(8, n_dead)) - residual
+    (grad,) = torch.autograd.grad(aux.pow(2).sum(-1).mean(), sae.W_enc)
+    torch.testing.assert_close(step(1.0) - step(0.0), -scale * grad)
 
 
 def test_the_sae_reads_the_activation_where_the_hook_point_is(run) -> None:

@@ -3,6 +3,8 @@ logits against a numpy reference, draw frequencies, inverse-CDF edge cases."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -84,6 +86,29 @@ def test_filter_keeps_exactly_k_and_the_smallest_nucleus(logits, top_k, top_p) -
         assert int(kept.sum()) == min(top_k, len(logits))
     np.testing.assert_allclose(probs.numpy(), numpy_filter(logits, 1.0, top_k, top_p), atol=1e-6)
     assert abs(float(probs.sum()) - 1.0) < 1e-6
+
+
+@pytest.mark.parametrize(
+    ("logits", "top_p", "kept"),
+    [
+        ([0.0, 0.0, 0.0, 0.0], 0.5, [0, 1]),  # 0.25 + 0.25 reaches 0.5 exactly: two tokens
+        ([0.0, 0.0, 0.0, 0.0], 0.5000001, [0, 1, 2]),  # a hair more needs a third
+        ([0.0, 0.0, 0.0, 0.0], 0.25, [0]),  # the first token alone reaches 0.25
+        ([math.log(2.0), 0.0, 0.0], 0.75, [0, 1]),  # 0.5 + 0.25, exact in float32
+    ],
+)
+def test_top_p_stops_at_the_first_token_whose_mass_reaches_it_exactly(logits, top_p, kept) -> None:
+    """Probabilities exact in binary, so the cumulative sum meets `top_p` without rounding: the
+    token after the mass reaches `top_p` is dropped."""
+    probs = filter_probs(torch.tensor([logits]), top_p=top_p)[0]
+    assert torch.nonzero(probs).flatten().tolist() == kept
+
+
+def test_temperature_zero_takes_the_first_best_token_whatever_top_k_top_p_and_generator() -> None:
+    logits = torch.tensor([[0.0, 2.0, -1.0, 2.0], [5.0, 1.0, 5.0, 4.0]])  # ties at the top
+    for seed in range(3):
+        ids = sample_next(logits, torch.Generator().manual_seed(seed), 0.0, top_k=3, top_p=0.1)
+        assert ids.tolist() == [1, 0]
 
 
 def test_top_k_keeps_exactly_k_tokens_on_ties() -> None:

@@ -32,6 +32,7 @@ from llmcli.generation.batching import SampleOptions, sample_texts
 from llmcli.runs.loading import load_run
 from llmcli.serve.app import ServeSettings, create_app
 from llmcli.serve.batcher import Batcher, Done, End, Text, Work
+from llmcli.serve.logprobs import RowLogprobs, TokenTexts, step_logprobs
 from llmcli.serve.protocol import APIError, Limits, parse_completion
 from llmcli.serve.server import bind
 
@@ -246,6 +247,49 @@ def test_logprobs_and_echo_match_a_plain_forward(run, client) -> None:
     # Greedy: every generated token is the most likely one.
     for t in range(len(prompt), len(ids)):
         assert logprobs.token_logprobs[t] == pytest.approx(lp[t - 1].max(), abs=1e-4)
+
+
+def test_step_logprobs_list_the_top_n_or_the_whole_vocabulary_when_it_is_smaller() -> None:
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0], [3.0, 0.0, 0.5, 1.0]])  # (2, 4)
+    logp = torch.log_softmax(logits, dim=-1)
+    ids = torch.tensor([2, 0])
+    chosen, tops = step_logprobs(logits, ids, top_k=2)
+    assert chosen == pytest.approx([logp[0, 2].item(), logp[1, 0].item()])
+    assert [[i for i, _ in row] for row in tops] == [[1, 2], [0, 3]]
+    assert tops[0][0][1] == pytest.approx(logp[0, 1].item())
+    _, tops = step_logprobs(logits, ids, top_k=4)  # as many as the vocabulary
+    assert [[i for i, _ in row] for row in tops] == [[1, 2, 0, 3], [0, 3, 2, 1]]
+    _, tops = step_logprobs(logits, ids, top_k=5)  # more: all 4
+    assert [len(row) for row in tops] == [4, 4]
+    assert step_logprobs(logits, ids, top_k=0)[1] == [[], []]
+
+
+def test_a_rows_entries_come_out_with_the_text_that_ends_them_listing_its_own_top_n() -> None:
+    """A batch computes the largest top-N of its rows; a row that asked for 1 lists 1. An
+    entry is released once the text sent reaches its end, not a character later."""
+    row = RowLogprobs(TokenTexts(CharTokenizer(["a", "b", "c"], eot=None)), top_k=1)
+    top = [(2, -0.1), (1, -2.0), (0, -3.0)]  # the batch's top 3: another row asked for 3
+    for token in (0, 1, 2):
+        row.add(token, -1.0, top)
+    first = row.release(2)  # "ab" sent: the tokens that end at 1 and at 2
+    assert [(e.token, e.start) for e in first] == [("a", 0), ("b", 1)]
+    assert all(e.top == {"c": -0.1} for e in first)
+    assert row.release(2) == []
+    assert [e.token for e in row.release(3)] == ["c"]
+
+
+def test_logprobs_take_0_to_5_as_openai_does(run) -> None:
+    for n in (0, 5):
+        body = {"prompt": "a", "logprobs": n}
+        assert parse_completion(body, run.config.sample, LIMITS, "tiny").logprobs == n
+    for n in (-1, 6):
+        with pytest.raises(APIError) as exc:
+            parse_completion({"prompt": "a", "logprobs": n}, run.config.sample, LIMITS, "tiny")
+        assert (exc.value.status, exc.value.param, exc.value.code) == (
+            400,
+            "logprobs",
+            "invalid_value",
+        )
 
 
 def test_streamed_logprobs_equal_the_whole_answer_and_stop_at_the_stop(url) -> None:

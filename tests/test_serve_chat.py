@@ -198,6 +198,15 @@ def test_bad_requests_get_openai_errors(url, body, param, code, words) -> None:
     assert words in check_openai_error(response, 400, param, code)
 
 
+def test_a_conversation_of_exactly_context_length_tokens_is_answered(url) -> None:
+    # 58 characters + the template's 6 tokens: 64, the whole context; one character more is not.
+    fits = httpx.post(f"{url}/v1/chat/completions", json={**said("a" * 58), "max_tokens": 1})
+    assert fits.status_code == 200, fits.text
+    assert json.loads(fits.text)["usage"]["prompt_tokens"] == 64
+    longer = httpx.post(f"{url}/v1/chat/completions", json=said("a" * 59))
+    assert "65 tokens" in check_openai_error(longer, 400, "messages", "context_length_exceeded")
+
+
 def test_the_openai_client_sees_the_errors(client) -> None:
     with pytest.raises(openai.BadRequestError, match="unknown role"):
         client.chat.completions.create(model="chat", messages=[{"role": "bot", "content": "x"}])

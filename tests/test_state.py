@@ -68,6 +68,19 @@ def make_state() -> ResumeState:
     )
 
 
+def test_an_evaluation_is_the_best_only_below_the_best_so_far() -> None:
+    """A tie keeps the earlier best (and its `best.safetensors`); any lower loss replaces it."""
+    state = TrainState(step=10)
+    assert state.record_eval({"train": 2.0, "val": 1.5})
+    state.step = 20
+    assert not state.record_eval({"train": 1.9, "val": 1.5})
+    assert (state.best_val_loss, state.best_step) == (1.5, 10)
+    assert state.last_eval == {"train": 1.9, "val": 1.5}
+    state.step = 30
+    assert state.record_eval({"train": 1.8, "val": math.nextafter(1.5, 0.0)})
+    assert state.best_step == 30
+
+
 def test_the_file_holds_the_keys_earlier_versions_wrote_and_reads_back(tmp_path: Path) -> None:
     state = make_state()
     save_state(tmp_path / STATE_FILE, state.to_dict())

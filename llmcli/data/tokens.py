@@ -7,8 +7,8 @@ vocabulary fits, else uint32) under a cache folder. The file is keyed by a hash 
 content and of the tokenizer, so an unchanged corpus is not tokenized again and a changed one is.
 `TokenData` (`llmcli.data.prepared`) holds the splits as `np.memmap`s of that file;
 `llmcli.data.windows.WindowReader` reads windows of them from the file (`os.pread`), so memory
-does not grow with the corpus, for the batches (`llmcli.data.batches`). Conversations (`data.format: chat`) are
-read and encoded by `llmcli.data.chat` into the same cache.
+does not grow with the corpus, for the batches (`llmcli.data.batches`). Conversations
+(`data.format: chat`) are read and encoded by `llmcli.data.chat` into the same cache.
 
 Cache folder: the `cache_dir` argument, else `data.cache_dir`, else `$LLMCLI_CACHE`, else
 `$XDG_CACHE_HOME/llmcli`, else `~/.cache/llmcli`. It holds `tokens/<key>.bin` (+ `.json`

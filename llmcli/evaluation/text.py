@@ -58,14 +58,27 @@ def read_text(path: str | Path) -> str:
 
 
 def text_bytes(tokenizer: Any, ids: np.ndarray) -> int:
-    """UTF-8 bytes of the text of `ids` (special tokens left out), decoded in chunks."""
+    """UTF-8 bytes of the text of `ids` (special tokens left out), decoded in chunks.
+
+    A chunk whose text ends inside a character (byte-level BPE spells a rare one in up to 4 byte
+    tokens) takes up to 3 more tokens: cut there, each part would decode to a replacement
+    character of 3 bytes.
+    """
     eot = getattr(tokenizer, "eot_id", None)
     if eot is not None:
         ids = ids[ids != eot]
-    return sum(
-        len(tokenizer.decode(ids[i : i + DECODE_CHUNK].tolist()).encode("utf-8"))
-        for i in range(0, len(ids), DECODE_CHUNK)
-    )
+    total, start = 0, 0
+    while start < len(ids):
+        end = min(start + DECODE_CHUNK, len(ids))
+        text = tokenizer.decode(ids[start:end].tolist())
+        for _ in range(3):
+            if end == len(ids) or not text.endswith("\ufffd"):
+                break
+            end += 1
+            text = tokenizer.decode(ids[start:end].tolist())
+        total += len(text.encode("utf-8"))
+        start = end
+    return total
 
 
 def window_starts(

@@ -168,10 +168,12 @@ def sae_step(
     loss, aux = mse, torch.zeros(())
     n_dead = int(dead.sum())
     if n_dead and aux_coef > 0:
-        k_aux = min(sae.d_in // 2, n_dead)
+        # Gao et al. (2024), appendix B.1: the d_in / 2 largest dead features, and a loss
+        # scaled down when fewer are dead (the scale is taken before k_aux is cut to n_dead).
+        k_aux = max(1, sae.d_in // 2)
         residual = (x - x_hat).detach()  # (N, d_in)
-        aux = (aux_reconstruction(sae, pre, dead, residual, k_aux) - residual).pow(2)
-        aux = aux.sum(-1).mean()
+        aux_hat = aux_reconstruction(sae, pre, dead, residual, min(k_aux, n_dead))  # (N, d_in)
+        aux = (aux_hat - residual).pow(2).sum(-1).mean()
         loss = loss + aux_coef * min(n_dead / k_aux, 1.0) * aux
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
