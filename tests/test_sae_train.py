@@ -113,13 +113,14 @@ def test_a_feature_silent_for_exactly_dead_tokens_is_trained_by_auxk_at_the_next
     run, tmp_path
 ) -> None:
     """128 activations a step: with dead_tokens 128 a feature that did not fire in step 1 is
-    dead in step 2, and AuxK moves its decoder row; with 129 it is not dead yet."""
+    dead in step 2, and AuxK moves its decoder row; with 129 it is not dead yet. (Step 3 runs
+    at the schedule's last rate, 0, and moves nothing.)"""
     initial = SparseAutoencoder(16, 64, 1, generator=torch.Generator().manual_seed(0)).W_dec
     for dead_tokens, dead in ((128, True), (129, False)):
         folder = trained_sae(
-            run, tmp_path / str(dead_tokens), k=1, steps=2, dead_tokens=dead_tokens, aux_coef=1.0
+            run, tmp_path / str(dead_tokens), k=1, steps=3, dead_tokens=dead_tokens, aux_coef=1.0
         )
-        never = SAEState.load(folder / STATE_FILE).since_fired == 2 * 128
+        never = SAEState.load(folder / STATE_FILE).since_fired == 3 * 128
         assert never.any()
         moved = ~torch.isclose(load_sae(folder).sae.W_dec[never], initial[never]).all(1)
         assert moved.all() if dead else not moved.any()
