@@ -1,4 +1,5 @@
-"""The CLI shell: version, help, exit statuses and the `config` command (llmcli/cli/)."""
+"""The CLI shell: version, help, exit statuses and the `config` command (llmcli/cli/); most
+tests here start `python -m llmcli` in a new process."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from llmcli import __version__
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.slow  # every test here starts `python -m llmcli` in a new process
+pytestmark = pytest.mark.slow  # most start `python -m llmcli` in a new process
 
 
 def run_cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -81,21 +82,27 @@ def test_usage_errors_exit_2(tmp_path: Path) -> None:
         assert "error: " in out.stderr and "Error:" not in out.stderr, out.stderr  # one spelling
 
 
-def test_near_misses_get_a_hint(tmp_path: Path) -> None:
-    out = run_cli("config", "tiney")
-    assert out.returncode == 2 and "Did you mean 'tiny'?" in out.stderr
-    out = run_cli("config", "tiny", "--set", "train.max_steps", "10")
-    assert out.returncode == 2
-    assert out.stderr.endswith(
+def test_near_misses_get_a_hint(tmp_path: Path, capsys, monkeypatch) -> None:
+    from llmcli.cli import main
+
+    def cli(*args: str) -> tuple[int, str]:  # in this process: no start-up to wait for
+        with pytest.raises(SystemExit) as exit_:
+            main(list(args))
+        return exit_.value.code, capsys.readouterr().err
+
+    code, err = cli("config", "tiney")
+    assert code == 2 and "Did you mean 'tiny'?" in err
+    code, err = cli("config", "tiny", "--set", "train.max_steps", "10")
+    assert code == 2
+    assert err.endswith(
         "error: Got unexpected extra argument(s) (10): --set takes KEY=VALUE as one word, e.g. "
         "--set train.max_steps=10\n"
     )
     (tmp_path / "checkpoints" / "tiny").mkdir(parents=True)
-    out = run_cli("sample", "--checkpoint", "checkpoint/tiny", "--prompt", "hi", cwd=tmp_path)
-    assert out.returncode == 2
-    assert "run directory 'checkpoint/tiny' does not exist: did you mean 'checkpoints/tiny'?" in (
-        out.stderr
-    )
+    monkeypatch.chdir(tmp_path)
+    code, err = cli("sample", "--checkpoint", "checkpoint/tiny", "--prompt", "hi")
+    assert code == 2
+    assert "run directory 'checkpoint/tiny' does not exist: did you mean 'checkpoints/tiny'?" in err
 
 
 # --- options whose value may be left out: parsed by the real command line -----------------------
