@@ -35,7 +35,9 @@ from llmcli.errors import InputError
 Messages = list[dict[str, str]]
 
 
-def check_messages(messages: Any, where: str, *, complete: bool = True) -> Messages:
+def check_messages(
+    messages: Any, where: str, *, complete: bool = True, field: str = "messages"
+) -> Messages:
     """`messages` as a list of `{"role", "content"}` dicts, or an `InputError` naming `where`.
 
     Args:
@@ -43,9 +45,10 @@ def check_messages(messages: Any, where: str, *, complete: bool = True) -> Messa
         where: where it came from, for the message ("data.jsonl line 4").
         complete: a training conversation, which needs an assistant turn; False for a prompt
             (chat, a request), which ends with the user's turn to answer.
+        field: the row's key that holds them, for the message ("prompt" in a preference row).
     """
     if not isinstance(messages, list) or not messages:
-        raise InputError(f"{where}: 'messages' must be a non-empty list of {{role, content}}.")
+        raise InputError(f"{where}: {field!r} must be a non-empty list of {{role, content}}.")
     checked: Messages = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or set(message) - {"role", "content", "name"}:
@@ -98,6 +101,24 @@ def read_jsonl(path: Path) -> Iterator[tuple[Messages, str]]:
     Raises:
         InputError: a line that is not JSON or not such a row, naming the file and line.
     """
+    for row, where in read_jsonl_rows(path, ("messages",), '"messages": [...]'):
+        yield check_messages(row["messages"], where), where
+
+
+def read_jsonl_rows(
+    path: Path, keys: Sequence[str], shape: str
+) -> Iterator[tuple[dict[str, Any], str]]:
+    """Each non-blank line of a JSONL file as an object that has `keys`, and where it is
+    ("file line N").
+
+    Args:
+        shape: what a row holds, for the message on a row that lacks a key
+            ('"messages": [...]').
+
+    Raises:
+        InputError: a line that is not UTF-8, not JSON, not an object, or lacks one of `keys`,
+            naming the file and line.
+    """
     try:
         fh = path.open("rb")  # lines decoded one by one, so that bad bytes have a line number
     except OSError as exc:
@@ -110,19 +131,21 @@ def read_jsonl(path: Path) -> Iterator[tuple[Messages, str]]:
             except UnicodeDecodeError:
                 raise InputError(f"{where}: the text is not UTF-8.") from None
             if line.strip():
-                yield check_messages(_row_messages(line, where), where), where
+                yield _row(line, where, keys, shape), where
 
 
-def _row_messages(line: str, where: str) -> Any:
+def _row(line: str, where: str, keys: Sequence[str], shape: str) -> dict[str, Any]:
     try:
         row = json.loads(line)
     except json.JSONDecodeError as exc:
         raise InputError(f"{where} is not JSON (column {exc.colno}: {exc.msg}).") from None
-    except RecursionError:  # nested deeper than Python's parser goes: no conversation either
-        raise InputError(f"{where} is JSON nested too deeply to be a row of messages.") from None
-    if not isinstance(row, dict) or "messages" not in row:
-        raise InputError(f'{where}: a row must be an object with "messages": [...].')
-    return row["messages"]
+    except RecursionError:  # nested deeper than Python's parser goes: no row either
+        raise InputError(f"{where} is JSON nested too deeply to be a row of {shape}.") from None
+    missing = [key for key in keys if not isinstance(row, dict) or key not in row]
+    if missing:
+        lacks = "" if not isinstance(row, dict) else f" (it has no {', '.join(map(repr, missing))})"
+        raise InputError(f"{where}: a row must be an object with {shape}{lacks}.")
+    return row
 
 
 # --- Ids and the loss mask -----------------------------------------------------------------
