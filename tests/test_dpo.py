@@ -1,0 +1,145 @@
+"""The DPO maths against formulas written out: NumPy for the values, plain torch ops for one
+step's gradients, and TRL's own log-softmax where TRL is installed."""
+
+import numpy as np
+import pytest
+import torch
+from model_helpers import assert_close, gen, randomize_, tiny_model
+
+from llmcli.training.dpo import dpo_loss, sequence_logps
+
+BETA = 0.1
+TRL_NAMES = {
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+}
+
+
+def numpy_sequence_logps(logits: np.ndarray, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Position by position: log softmax of the logits before each completion token, at it."""
+    out = np.zeros(len(ids))
+    for b in range(len(ids)):
+        for t in range(1, ids.shape[1]):
+            if mask[b, t]:
+                row = logits[b, t - 1].astype(np.float64)
+                out[b] += row[ids[b, t]] - (np.log(np.exp(row - row.max()).sum()) + row.max())
+    return out
+
+
+def test_sequence_logps_sums_the_completion_tokens_only():
+    g = gen(0)
+    logits = torch.randn(3, 6, 11, generator=g) * 3
+    ids = torch.randint(0, 11, (3, 6), generator=g)
+    mask = torch.tensor(
+        [
+            [0, 0, 1, 1, 1, 1],
+            [0, 1, 1, 0, 0, 0],  # then padding, left out
+            [1, 1, 1, 1, 1, 1],  # a first token is never scored: nothing predicts it
+        ],
+        dtype=torch.bool,
+    )
+    expected = numpy_sequence_logps(logits.numpy(), ids.numpy(), mask.numpy())
+    got = sequence_logps(logits, ids, mask)
+    assert got.shape == (3,) and got.dtype == torch.float32
+    np.testing.assert_allclose(got.numpy(), expected, rtol=1e-6, atol=1e-5)
+    # Garbage logits on padding positions change nothing.
+    logits[1, 3:] = float("nan")
+    np.testing.assert_allclose(sequence_logps(logits, ids, mask)[1].item(), expected[1], rtol=1e-6)
+
+
+def test_the_loss_and_metrics_equal_the_formula():
+    pc = np.array([-12.0, -30.5, -7.25, -4.0])
+    pr = np.array([-15.0, -28.0, -7.25, -9.5])
+    rc = np.array([-13.0, -29.0, -7.0, -5.0])
+    rr = np.array([-14.0, -29.0, -7.5, -8.5])  # the third pair ties: no accuracy for it
+    loss, metrics = dpo_loss(*(torch.tensor(x) for x in (pc, pr, rc, rr)), beta=BETA)
+
+    z = BETA * ((pc - rc) - (pr - rr))
+    np.testing.assert_allclose(loss.item(), np.mean(np.logaddexp(0.0, -z)), rtol=1e-12)
+    chosen, rejected = BETA * (pc - rc), BETA * (pr - rr)
+    expected = {
+        "rewards/chosen": chosen.mean(),
+        "rewards/rejected": rejected.mean(),
+        "rewards/accuracies": 0.5,  # pairs 1 and 4; pair 3's rewards are equal
+        "rewards/margins": (chosen - rejected).mean(),
+        "logps/chosen": pc.mean(),
+        "logps/rejected": pr.mean(),
+    }
+    assert set(metrics) == TRL_NAMES
+    for name, value in expected.items():
+        np.testing.assert_allclose(metrics[name].item(), value, rtol=1e-12, err_msg=name)
+        assert not metrics[name].requires_grad
+
+
+def test_the_gradient_on_the_scores_is_the_formulas():
+    # d/d(policy_chosen) of mean(-logsigmoid(beta * delta)) = -beta * sigmoid(-beta * delta) / B
+    scores = [torch.tensor(x, requires_grad=True) for x in ([-3.0, -8.0], [-5.0, -2.0])]
+    ref = [torch.tensor([-4.0, -7.0], requires_grad=True), torch.tensor([-4.5, -3.0])]
+    loss, _ = dpo_loss(*scores, *ref, beta=BETA)
+    loss.backward()
+    delta = np.array([(-3 + 4) - (-5 + 4.5), (-8 + 7) - (-2 + 3)])
+    pull = BETA / (1 + np.exp(BETA * delta)) / 2
+    np.testing.assert_allclose(scores[0].grad.numpy(), -pull, rtol=1e-6)
+    np.testing.assert_allclose(scores[1].grad.numpy(), pull, rtol=1e-6)
+    assert ref[0].grad is None  # the reference is frozen
+
+
+def test_one_steps_gradients_equal_the_loss_written_out_by_hand():
+    policy = randomize_(tiny_model(vocab_size=13), seed=1)
+    reference = randomize_(tiny_model(vocab_size=13), seed=2)
+    # Two pairs; rows are [chosen..., rejected...], each a prompt, a completion, then padding.
+    ids = torch.randint(0, 13, (4, 9), generator=gen(3))
+    mask = torch.zeros(4, 9, dtype=torch.bool)
+    for row, (start, end) in enumerate([(3, 9), (2, 5), (3, 6), (4, 8)]):
+        mask[row, start:end] = True
+
+    logits, _ = policy(ids)
+    with torch.no_grad():
+        ref_logits, _ = reference(ids)
+    logps = sequence_logps(logits, ids, mask)
+    ref_logps = sequence_logps(ref_logits, ids, mask)
+    loss, _ = dpo_loss(logps[:2], logps[2:], ref_logps[:2], ref_logps[2:], beta=BETA)
+    got = torch.autograd.grad(loss, list(policy.parameters()))
+
+    def score(logits: torch.Tensor, b: int) -> torch.Tensor:
+        """Row b's completion log-probability, one token at a time."""
+        total = logits.new_zeros(())
+        for t in range(1, 9):
+            if mask[b, t]:
+                row = logits[b, t - 1]
+                total = total + row[ids[b, t]] - torch.log(torch.exp(row).sum())
+        return total
+
+    def by_hand(logits: torch.Tensor) -> torch.Tensor:
+        losses = []
+        for chosen, rejected in [(0, 2), (1, 3)]:
+            chosen_ratio = score(logits, chosen) - score(ref_logits, chosen)
+            rejected_ratio = score(logits, rejected) - score(ref_logits, rejected)
+            z = BETA * (chosen_ratio - rejected_ratio)
+            losses.append(-torch.log(1 / (1 + torch.exp(-z))))
+        return (losses[0] + losses[1]) / 2
+
+    logits, _ = policy(ids)
+    expected_loss = by_hand(logits)
+    assert_close(loss, expected_loss, "loss", atol=1e-6, rtol=1e-6)
+    expected = torch.autograd.grad(expected_loss, list(policy.parameters()))
+    for (name, _), g, e in zip(policy.named_parameters(), got, expected, strict=True):
+        assert_close(g, e, name, atol=1e-6, rtol=1e-5)
+    assert any(g.abs().max() > 0 for g in got)
+
+
+def test_sequence_logps_equals_trls_log_softmax():
+    utils = pytest.importorskip("trl.trainer.utils")
+    g = gen(4)
+    logits = torch.randn(2, 7, 19, generator=g)
+    ids = torch.randint(0, 19, (2, 7), generator=g)
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    # TRL's DPOTrainer: per-token log-probabilities of the shifted labels, summed where the
+    # shifted completion mask is set.
+    per_token = utils.selective_log_softmax(logits[:, :-1], ids[:, 1:])
+    expected = (per_token * mask[:, 1:]).sum(dim=1)
+    assert_close(sequence_logps(logits, ids, mask), expected, "logps", atol=1e-6, rtol=1e-6)
