@@ -382,3 +382,36 @@ def test_a_warmup_longer_than_the_run_is_cut_to_it_with_a_note() -> None:
     rates = [lr_at(s, train) for s in range(20)]
     assert rates == pytest.approx([train.lr * (s + 1) / 21 for s in range(20)])
     assert load_config("tiny").train.short_run_notes() == []
+
+
+# --- DPO: train.objective and data.format preference ---------------------------------------
+
+DPO = {
+    "data": {"path": "prefs.jsonl", "format": "preference"},
+    "train": {"objective": "dpo", "init_from": "checkpoints/chat"},
+}
+
+
+def test_dpo_reads_preference_pairs_from_a_run_with_beta_by_default() -> None:
+    config = config_from_dict(DPO)
+    assert (config.train.objective, config.train.dpo_beta) == ("dpo", 0.1)
+    assert Config().train.objective == "next_token"
+
+
+@pytest.mark.parametrize(
+    ("data", "train", "pattern"),
+    [
+        ({}, {"init_from": None}, r"train.objective \('dpo'\) .*set train.init_from"),
+        ({"format": "chat"}, {}, r"data.format is 'chat'.*set data.format: preference"),
+        ({}, {"objective": "next_token"}, r"only DPO reads.*set train.objective: dpo"),
+        ({}, {"dpo_beta": 0.0}, r"train.dpo_beta \(0.0\) must be > 0"),
+        ({}, {"objective": "ppo"}, r"train.objective must be 'next_token' or 'dpo'"),
+        ({"format": "pairs"}, {}, r"data.format \('pairs'\) must be .*'preference'"),
+        ({"path": None, "dataset": "x/y"}, {}, r"data.dataset \('x/y'\) is not read"),
+        ({"chat_template": "t.jinja"}, {}, r"data.chat_template .*only with data.format: chat"),
+    ],
+)
+def test_dpo_config_errors_name_the_fix(data: dict, train: dict, pattern: str) -> None:
+    raw = {"data": {**DPO["data"], **data}, "train": {**DPO["train"], **train}}
+    with pytest.raises(ConfigError, match=pattern):
+        config_from_dict(raw)

@@ -32,7 +32,10 @@ class DataConfig:
     cache_dir: str | None = None  # token cache (default: $LLMCLI_CACHE, else ~/.cache/llmcli)
     # text: plain text; chat: conversations, rows of {"messages": [{role, content}, ...]} in
     # .jsonl files (data.path) or a dataset's messages column, with the loss on the assistant's
-    # turns only; one longer than the context is cut after a reply that fits, or skipped
+    # turns only; one longer than the context is cut after a reply that fits, or skipped;
+    # preference: TRL's preference pairs for train.objective dpo, rows of {"prompt", "chosen",
+    # "rejected"} (text, or messages rendered by the init_from run's chat template) in .jsonl
+    # files (data.path); a pair longer than the context has its completions cut, or is skipped
     format: str = "text"
     # chat: a Jinja chat template file in Hugging Face's format (default: the built-in one)
     chat_template: str | None = None
@@ -66,11 +69,20 @@ class DataConfig:
             "must be between 0 and 1 (exclusive)",
         )
         require(
-            self.format in ("text", "chat"),
+            self.format in ("text", "chat", "preference"),
             "data",
             "format",
             self.format,
-            "must be 'text' (plain text) or 'chat' (JSONL conversations)",
+            "must be 'text' (plain text), 'chat' (JSONL conversations) or 'preference' (JSONL "
+            "preference pairs, for train.objective dpo)",
+        )
+        require(
+            self.format != "preference" or self.path is not None,
+            "data",
+            "dataset",
+            self.dataset,
+            "is not read with data.format: preference yet: give the pairs as .jsonl files in "
+            "data.path",
         )
         require(
             self.chat_template is None or self.format == "chat",
@@ -80,11 +92,11 @@ class DataConfig:
             "is read only with data.format: chat",
         )
         require(
-            not (self.streaming and self.format == "chat"),
+            not (self.streaming and self.format != "text"),
             "data",
             "streaming",
             self.streaming,
-            "is for plain text: data.format chat reads its conversations whole (set "
+            f"is for plain text: data.format {self.format} reads its rows whole (set "
             "data.streaming: false)",
         )
         require(

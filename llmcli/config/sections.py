@@ -33,12 +33,29 @@ class Config:
         for section in (self.model, self.data, self.train):
             section.validate()
         self.sample.keep_for(self.model.context_length)
+        self._validate_objective()
         tokens, T = self.train.tokens_per_step, self.model.context_length
         if tokens is not None and tokens % T:
             raise ConfigError(
                 f"train.tokens_per_step ({tokens}) must be a multiple of model.context_length "
                 f"({T}): a step is whole sequences; for example {max(T, tokens // T * T)} or "
                 f"{(tokens // T + 1) * T}."
+            )
+
+    def _validate_objective(self) -> None:
+        """DPO reads preference pairs, and preference pairs are read only by DPO."""
+        dpo, pairs = self.train.objective == "dpo", self.data.format == "preference"
+        if dpo and not pairs:
+            raise ConfigError(
+                f"train.objective is dpo, which learns from preference pairs, but data.format is "
+                f"{self.data.format!r}: set data.format: preference and data.path to .jsonl files "
+                'of {"prompt", "chosen", "rejected"} rows.'
+            )
+        if pairs and not dpo:
+            raise ConfigError(
+                f"data.format is preference, which only DPO reads, but train.objective is "
+                f"{self.train.objective!r}: set train.objective: dpo (and train.init_from to "
+                "the run to start from), or data.format: chat for conversations."
             )
 
     def to_dict(self) -> dict[str, dict[str, Any]]:

@@ -67,6 +67,13 @@ class TrainConfig:
     # start from an llmcli run directory (its weights, tokenizer and model shape; fine-tuning)
     # or a Hugging Face folder or Hub name (nanoGPT's init_from)
     init_from: str | None = None
+    # next_token: the language-model loss on every token (or the replies, for chat data); dpo:
+    # Direct Preference Optimization on data.format preference pairs, from the init_from run,
+    # which stays the frozen reference (llmcli.training.dpo)
+    objective: Literal["next_token", "dpo"] = "next_token"
+    # DPO's beta (TRL's default): how far the policy may move from the reference; larger keeps
+    # it closer
+    dpo_beta: float = 0.1
     # Experiment trackers besides metrics.jsonl: none, tensorboard, wandb, or a list of them.
     logger: str | list[str] = "none"
     wandb_project: str | None = None  # default: the config's name
@@ -119,6 +126,21 @@ class TrainConfig:
             require(getattr(self, key) > 0, "train", key, getattr(self, key), "must be positive")
         self._validate_batch()
         require(self.lr > 0, "train", "lr", self.lr, "must be > 0")
+        require(
+            math.isfinite(self.dpo_beta) and self.dpo_beta > 0,
+            "train",
+            "dpo_beta",
+            self.dpo_beta,
+            "must be > 0",
+        )
+        require(
+            self.objective != "dpo" or self.init_from is not None,
+            "train",
+            "objective",
+            self.objective,
+            "starts from a trained run, which stays the frozen reference: set train.init_from "
+            "to a run directory (a chat run, for conversational pairs)",
+        )
         require(self.muon_lr > 0, "train", "muon_lr", self.muon_lr, "must be > 0")
         require(
             0 <= self.muon_momentum < 1,

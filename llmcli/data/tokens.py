@@ -548,6 +548,12 @@ def prepare_data(
     """
     if data_cfg.format == "chat":
         return prepare_chat_data(data_cfg, context_length, tokenizer, cache_dir)
+    if data_cfg.format == "preference":
+        # Pairs are not a token stream: `llmcli.data.preference_data` reads them for DPO.
+        raise InputError(
+            "data.format preference holds preference pairs for train.objective dpo, which "
+            "training cannot run yet (issue 51): they are not a token stream to prepare."
+        )
     return _prepare_text(data_cfg, context_length, tokenizer, cache_dir)
 
 
