@@ -549,7 +549,7 @@ def prepare_data(
     if data_cfg.format == "chat":
         return prepare_chat_data(data_cfg, context_length, tokenizer, cache_dir)
     if data_cfg.format == "preference":
-        # Pairs are not a token stream: `llmcli.data.preference_data` reads them for DPO.
+        # Pairs are not a token stream: `llmcli.data.preference_data` reads them.
         raise InputError(
             "data.format preference holds preference pairs for train.objective dpo, which "
             "training cannot run yet (issue 51): they are not a token stream to prepare."

@@ -1,0 +1,254 @@
+"""Preference data (`data.format: preference`): JSONL preference pairs to the padded batches DPO
+trains on.
+
+The pairs are read from `data.path` (a `.jsonl` file, a folder of `.jsonl` files or a glob,
+resolved as chat data's files are) and encoded with the tokenizer and chat template of the run
+DPO starts from (`llmcli.data.preferences.PreferenceEncoder`). The validation split is
+`data.val_path`, else the last `data.val_fraction` of the pairs.
+
+A pair is two sequences, the prompt then each completion, and both must fit one window of
+`context_length + 1` tokens (the model reads the first `context_length`, and each position's
+logits score the next token, as chat windows are). A longer pair keeps its prompt whole and has
+both completions cut to the room left (truncated, as TRL's `max_completion_length` cuts them);
+it is skipped when the prompt leaves no room for a completion token, or when the cut leaves the
+two completions the same (no preference left to learn).
+
+The encoded pairs are kept in memory, not in the token cache that chat data writes: preference
+sets are small (thousands of pairs) and encoding them takes seconds. A cache like
+`llmcli.data.chat`'s is the next step if sets grow.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from llmcli.data.batches import BatchSampler, stream_seed
+from llmcli.data.chat_template import ChatTemplate
+from llmcli.data.corpus import resolve_files
+from llmcli.data.preferences import EncodedPair, Preference, PreferenceEncoder, read_preferences
+from llmcli.data.tokenizer import Tokenizer
+from llmcli.errors import InputError
+
+if TYPE_CHECKING:
+    from llmcli.config import DataConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PreferenceSplit:
+    """A split's pairs that fit, as flat arrays.
+
+    `chosen` and `rejected` hold each pair's whole sequence (prompt then completion), pair i at
+    `chosen[chosen_offsets[i]:chosen_offsets[i + 1]]` (likewise rejected); `prompt_lengths[i]`
+    is how many of its first tokens are the prompt. `counts`: pairs, kept, truncated, skipped.
+    """
+
+    chosen: np.ndarray  # (N_c,) int64
+    chosen_offsets: np.ndarray  # (P + 1,) int64
+    rejected: np.ndarray  # (N_r,) int64
+    rejected_offsets: np.ndarray  # (P + 1,) int64
+    prompt_lengths: np.ndarray  # (P,) int64
+    counts: dict[str, int]
+
+    def __len__(self) -> int:
+        return len(self.prompt_lengths)
+
+
+@dataclass
+class PreferenceData:
+    """Both splits, and the id that pads a batch's rows after their ends."""
+
+    train: PreferenceSplit
+    val: PreferenceSplit
+    pad_id: int
+
+
+def fit_pair(pair: EncodedPair, limit: int) -> tuple[EncodedPair | None, str]:
+    """`pair` within `limit` tokens per sequence, and what was done: "kept", "truncated" (both
+    completions cut to the room the prompt leaves) or "skipped" (None: no room, or the cut
+    completions are the same)."""
+    room = limit - len(pair.prompt)
+    if len(pair.chosen) <= room and len(pair.rejected) <= room:
+        return pair, "kept"
+    if room < 1:
+        return None, "skipped"
+    chosen, rejected = pair.chosen[:room], pair.rejected[:room]
+    if np.array_equal(chosen, rejected):
+        return None, "skipped"
+    return EncodedPair(pair.prompt, chosen, rejected), "truncated"
+
+
+def encode_split(
+    pairs: Iterable[Preference], encoder: PreferenceEncoder, context_length: int
+) -> PreferenceSplit:
+    """The pairs encoded and fitted to windows of `context_length + 1` tokens (`fit_pair`).
+
+    Raises:
+        InputError: what `PreferenceEncoder.encode` refuses, naming the row.
+    """
+    counts = {"pairs": 0, "kept": 0, "truncated": 0, "skipped": 0}
+    chosen: list[np.ndarray] = []
+    rejected: list[np.ndarray] = []
+    prompts: list[int] = []
+    for pair in pairs:
+        counts["pairs"] += 1
+        fitted, outcome = fit_pair(encoder.encode(pair), context_length + 1)
+        counts[outcome] += 1
+        if fitted is not None:
+            chosen.append(np.concatenate([fitted.prompt, fitted.chosen]))
+            rejected.append(np.concatenate([fitted.prompt, fitted.rejected]))
+            prompts.append(len(fitted.prompt))
+    return PreferenceSplit(
+        *_flat(chosen), *_flat(rejected), np.asarray(prompts, dtype=np.int64), counts
+    )
+
+
+def _flat(rows: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([len(r) for r in rows], dtype=np.int64)
+    ids = np.concatenate(rows).astype(np.int64) if rows else np.zeros(0, dtype=np.int64)
+    return ids, offsets
+
+
+def _read(spec: str, key: str) -> list[Preference]:
+    files = resolve_files(spec, key, suffix=".jsonl", what="JSONL")
+    pairs = [pair for path in files for pair in read_preferences(path)]
+    if not pairs:
+        raise InputError(f"{key} ({spec!r}) holds no preference pairs: add some.")
+    return pairs
+
+
+def _describe(name: str, counts: dict[str, int]) -> str:
+    return (
+        f"{name} {counts['pairs']} pairs: {counts['kept']} kept, {counts['truncated']} with "
+        f"their completions cut, {counts['skipped']} skipped"
+    )
+
+
+def prepare_preference_data(
+    data_cfg: DataConfig,
+    context_length: int,
+    tokenizer: Tokenizer,
+    template: ChatTemplate | None,
+) -> PreferenceData:
+    """Read the pairs of `data.path` (and `data.val_path`), encode them with the run's tokenizer
+    and chat template (the `train.init_from` run's; None: text rows only) and fit them to
+    `context_length`.
+
+    Raises:
+        InputError: a missing or empty source; a malformed row (file and line); a row the
+            encoder refuses; too few pairs to hold out `val_fraction`; a split whose pairs were
+            all skipped.
+    """
+    if data_cfg.path is None:
+        raise InputError(
+            "data.format preference reads .jsonl files of pairs: set data.path (data.dataset "
+            "is not read for preference pairs yet)."
+        )
+    encoder = PreferenceEncoder(tokenizer, template)
+    train_pairs = _read(data_cfg.path, "data.path")
+    if data_cfg.val_path is not None:
+        val_pairs = _read(data_cfg.val_path, "data.val_path")
+    else:
+        n_train = int(len(train_pairs) * (1 - data_cfg.val_fraction))
+        if n_train < 1 or n_train == len(train_pairs):
+            raise InputError(
+                f"data.path ({data_cfg.path!r}) holds {len(train_pairs)} preference pairs: too "
+                f"few to hold out the last data.val_fraction ({data_cfg.val_fraction}) for "
+                "validation. Add pairs, change data.val_fraction, or give data.val_path."
+            )
+        train_pairs, val_pairs = train_pairs[:n_train], train_pairs[n_train:]
+    train = encode_split(train_pairs, encoder, context_length)
+    val = encode_split(val_pairs, encoder, context_length)
+    for name, split in (("train", train), ("validation", val)):
+        if len(split) == 0:
+            raise InputError(
+                f"the {name} split has no preference pair whose prompt leaves room for its "
+                f"completions within model.context_length + 1 ({context_length + 1}) tokens "
+                f"({split.counts['pairs']} pairs, all skipped): raise model.context_length, or "
+                "shorten the prompts."
+            )
+    log.info(
+        "preference data: %s; %s", _describe("train", train.counts), _describe("val", val.counts)
+    )
+    pad_id = encoder.conversations.end_id if encoder.conversations is not None else 0
+    return PreferenceData(train, val, pad_id)
+
+
+class PreferenceSampler:
+    """Random batches of preference pairs, drawn with the sampler's own generator.
+
+    Each batch is B pairs as `2B` rows, the chosen sequences then the rejected ones in the same
+    order (row i and row B + i are pair i), each padded to `context_length + 1` tokens: what
+    `llmcli.training.dpo` scores. Its state is saved and loaded as `BatchSampler`'s, so a
+    resumed run sees the batches an uninterrupted one would.
+
+    Args:
+        split: the split's pairs (`PreferenceSplit`).
+        pad_id: the id after a sequence's end (never in the completion mask).
+        batch_size: B, pairs per batch.
+        context_length, seed, rank, world_size, device: as `BatchSampler`'s.
+    """
+
+    def __init__(
+        self,
+        split: PreferenceSplit,
+        pad_id: int,
+        batch_size: int,
+        context_length: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if len(split) == 0:
+            raise InputError("the split has no preference pair to draw from.")
+        if batch_size < 1:
+            raise ValueError(f"batch_size ({batch_size}) must be positive")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank ({rank}) must be in [0, world_size={world_size})")
+        self.split, self.pad_id = split, pad_id
+        self.batch_size = batch_size
+        self.context_length = context_length
+        self.device = torch.device(device)
+        self.generator = torch.Generator().manual_seed(stream_seed(seed, rank))
+        self.batches = 0
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next batch: `ids` `(2B, T+1)` int64 and `completion_mask` `(2B, T+1)` bool, True
+        on each completion's tokens; rows `:B` are the chosen sequences, `B:` the rejected."""
+        B, split = self.batch_size, self.split
+        picks = torch.randint(len(split), (B,), generator=self.generator).tolist()
+        ids = np.full((2 * B, self.context_length + 1), self.pad_id, dtype=np.int64)  # (2B, T+1)
+        mask = np.zeros(ids.shape, dtype=bool)  # (2B, T+1)
+        for half, (tokens, offsets) in enumerate(
+            ((split.chosen, split.chosen_offsets), (split.rejected, split.rejected_offsets))
+        ):
+            for i, k in enumerate(picks):
+                row, start, stop = half * B + i, offsets[k], offsets[k + 1]
+                ids[row, : stop - start] = tokens[start:stop]
+                mask[row, split.prompt_lengths[k] : stop - start] = True
+        self.batches += 1
+        ids_t, mask_t = torch.from_numpy(ids), torch.from_numpy(mask)
+        return ids_t.to(self.device), mask_t.to(self.device)
+
+    __next__ = next
+
+    def __iter__(self) -> PreferenceSampler:
+        return self
+
+    def close(self) -> None:
+        """Nothing to close: the pairs are in memory."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Generator state and batch count, as `BatchSampler.state_dict`."""
+        return {"rng_state": self.generator.get_state(), "batches": self.batches}
+
+    load_state_dict = BatchSampler.load_state_dict

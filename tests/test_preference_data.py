@@ -1,0 +1,120 @@
+"""Preference pairs read from JSONL, fitted to the context and drawn as padded DPO batches."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from chat_helpers import chat_tokenizer
+
+from llmcli.config import DataConfig
+from llmcli.data.chat_template import default_template
+from llmcli.data.preference_data import (
+    PreferenceSampler,
+    fit_pair,
+    prepare_preference_data,
+)
+from llmcli.data.preferences import EncodedPair
+from llmcli.errors import InputError
+
+
+def ids(*values: int) -> np.ndarray:
+    return np.asarray(values, dtype=np.int64)
+
+
+@pytest.mark.parametrize(
+    ("pair", "limit", "expected", "outcome"),
+    [
+        ((ids(1, 2), ids(3, 4), ids(5)), 4, (ids(1, 2), ids(3, 4), ids(5)), "kept"),
+        ((ids(1, 2), ids(3, 4, 6), ids(5)), 4, (ids(1, 2), ids(3, 4), ids(5)), "truncated"),
+        ((ids(1, 2, 3, 4), ids(5), ids(6)), 4, None, "skipped"),  # no room for a completion
+        ((ids(1, 2), ids(3, 4, 6), ids(3, 4, 7)), 4, None, "skipped"),  # the same once cut
+    ],
+)
+def test_a_pair_too_long_has_its_completions_cut_or_is_skipped(pair, limit, expected, outcome):
+    fitted, done = fit_pair(EncodedPair(*pair), limit)
+    assert done == outcome
+    if expected is None:
+        assert fitted is None
+    else:
+        assert fitted is not None
+        got = (fitted.prompt, fitted.chosen, fitted.rejected)
+        assert [a.tolist() for a in got] == [a.tolist() for a in expected]
+
+
+def write_pairs(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def conversational(i: int, reply: str = "yes") -> dict:
+    return {
+        "prompt": [{"role": "user", "content": f"question {'x' * i}?"}],
+        "chosen": [{"role": "assistant", "content": reply}],
+        "rejected": [{"role": "assistant", "content": "no"}],
+    }
+
+
+def prepare(tmp_path: Path, rows: list[dict], context_length: int = 64, **data):
+    cfg = DataConfig(path=str(write_pairs(tmp_path / "p.jsonl", rows)), format="preference", **data)
+    return prepare_preference_data(cfg, context_length, chat_tokenizer(), default_template())
+
+
+def test_pairs_are_split_counted_and_drawn_as_chosen_then_rejected_rows(tmp_path: Path):
+    rows = [conversational(i) for i in range(9)] + [conversational(60), conversational(1, "y" * 60)]
+    data = prepare(tmp_path, rows, val_fraction=0.2)
+    # 8 train pairs; 3 held out: one kept, one whose long reply is cut, one whose prompt fills
+    # the window.
+    assert data.train.counts == {"pairs": 8, "kept": 8, "truncated": 0, "skipped": 0}
+    assert data.val.counts == {"pairs": 3, "kept": 1, "truncated": 1, "skipped": 1}
+
+    T = 64
+    sampler = PreferenceSampler(data.train, data.pad_id, batch_size=3, context_length=T, seed=0)
+    x, mask = sampler.next()
+    assert x.shape == mask.shape == (6, T + 1)
+    assert (x.dtype, mask.dtype) == (torch.int64, torch.bool)
+    for i in range(3):
+        chosen, rejected = x[i], x[3 + i]
+        start = int(mask[i].nonzero()[0])
+        # The same prompt before both completions, which start where the mask does.
+        assert torch.equal(chosen[:start], rejected[:start])
+        assert start == int(mask[3 + i].nonzero()[0])
+        assert chosen[mask[i]].tolist() != rejected[mask[3 + i]].tolist()
+        # Nothing after a sequence's end is in the mask: it is padding.
+        last = int(mask[i].nonzero()[-1])
+        assert (x[i, last + 1 :] == data.pad_id).all() and not mask[i, last + 1 :].any()
+
+    val = PreferenceSampler(data.val, data.pad_id, batch_size=4, context_length=T, seed=0)
+    x, mask = val.next()
+    assert int(mask.sum(dim=1).max()) <= T + 1
+
+
+def test_the_sampler_is_seeded_and_resumes_its_stream(tmp_path: Path):
+    data = prepare(tmp_path, [conversational(i) for i in range(20)])
+    make = lambda seed: PreferenceSampler(data.train, data.pad_id, 2, 64, seed=seed)  # noqa: E731
+    a, b = make(1), make(1)
+    for _ in range(3):
+        (xa, ma), (xb, mb) = a.next(), b.next()
+        assert torch.equal(xa, xb) and torch.equal(ma, mb)
+    assert not torch.equal(make(2).next()[0], make(1).next()[0])
+    state = a.state_dict()
+    expected = a.next()
+    resumed = make(99)
+    resumed.load_state_dict(state)
+    got = resumed.next()
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert resumed.batches == a.batches == 4
+
+
+def test_sources_that_cannot_train_are_refused_with_the_fix(tmp_path: Path):
+    with pytest.raises(InputError, match=r"holds 1 preference pairs: too few.*data.val_path"):
+        prepare(tmp_path, [conversational(1)])
+    with pytest.raises(InputError, match=r"no preference pair whose prompt .*raise model.context"):
+        prepare(tmp_path, [conversational(50)] * 4, context_length=16)
+    with pytest.raises(
+        InputError, match=r"p.jsonl line 2: a row must be .* no .chosen., .rejected."
+    ):
+        prepare(tmp_path, [conversational(1), {"prompt": "x"}])
