@@ -6,7 +6,7 @@ import pytest
 import torch
 from model_helpers import assert_close, gen, randomize_, tiny_model
 
-from llmcli.training.dpo import dpo_loss, sequence_logps
+from llmcli.training.dpo import dpo_loss, dpo_step, sequence_logps
 
 BETA = 0.1
 TRL_NAMES = {
@@ -143,3 +143,41 @@ def test_sequence_logps_equals_trls_log_softmax():
     per_token = utils.selective_log_softmax(logits[:, :-1], ids[:, 1:])
     expected = (per_token * mask[:, 1:]).sum(dim=1)
     assert_close(sequence_logps(logits, ids, mask), expected, "logps", atol=1e-6, rtol=1e-6)
+
+
+def test_dpo_step_scores_rows_of_t_plus_1_tokens_and_trains_the_policy_only():
+    policy = randomize_(tiny_model(vocab_size=13), seed=1)  # context_length 16
+    reference = randomize_(tiny_model(vocab_size=13), seed=2)
+    # Two pairs as the preference sampler gives them: (2B, T+1), chosen rows then rejected.
+    ids = torch.randint(0, 13, (4, 17), generator=gen(4))
+    mask = torch.zeros(4, 17, dtype=torch.bool)
+    for row, (start, end) in enumerate([(3, 17), (2, 9), (3, 12), (4, 17)]):
+        mask[row, start:end] = True
+
+    loss, metrics = dpo_step(policy, reference, ids, mask, BETA)
+    # The models read T tokens; causal, so the logits on them are the full rows' but the last,
+    # which scores nothing: sequence_logps on (logits of the first T, then one unused row).
+    logits, _ = policy(ids[:, :-1])
+    with torch.no_grad():
+        ref_logits, _ = reference(ids[:, :-1])
+    pad = lambda t: torch.cat([t, t[:, -1:]], dim=1)  # noqa: E731  (B, T+1, V)
+    logps = sequence_logps(pad(logits), ids, mask)
+    ref_logps = sequence_logps(pad(ref_logits), ids, mask)
+    expected, expected_metrics = dpo_loss(logps[:2], logps[2:], ref_logps[:2], ref_logps[2:], BETA)
+    assert_close(loss, expected, "loss", atol=1e-6, rtol=1e-6)
+    for name, value in expected_metrics.items():
+        assert_close(metrics[name], value, name, atol=1e-6, rtol=1e-6)
+
+    loss.backward()
+    assert all(p.grad is not None for p in policy.parameters())
+    assert all(p.grad is None for p in reference.parameters())
+
+
+def test_dpo_step_from_the_reference_itself_is_log_2_with_no_reward():
+    policy = randomize_(tiny_model(vocab_size=13), seed=1)
+    ids = torch.randint(0, 13, (2, 17), generator=gen(5))
+    mask = torch.zeros(2, 17, dtype=torch.bool)
+    mask[:, 5:] = True
+    loss, metrics = dpo_step(policy, policy, ids, mask, BETA)
+    assert_close(loss, torch.tensor(np.log(2.0), dtype=torch.float32), "loss")
+    assert metrics["rewards/margins"] == 0 and metrics["rewards/accuracies"] == 0

@@ -8,15 +8,15 @@ started from):
 
     loss = -logsigmoid(beta * ((policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)))
 
-The pieces here are the maths only; the training objective that feeds them batches of pairs
-(`train.objective: dpo`, `llmcli.data.preferences` for the data) is still to come.
+`dpo_step` scores one batch of `llmcli.data.preference_data.PreferenceSampler` under the policy
+and the reference; the training loop that runs it (`train.objective: dpo`) is still to come.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 
 def sequence_logps(logits: Tensor, ids: Tensor, completion_mask: Tensor) -> Tensor:
@@ -33,13 +33,54 @@ def sequence_logps(logits: Tensor, ids: Tensor, completion_mask: Tensor) -> Tens
     Returns:
         `(B,)` float32.
     """
+    return target_logps(logits[:, :-1], ids[:, 1:], completion_mask[:, 1:])
+
+
+def target_logps(logits: Tensor, targets: Tensor, target_mask: Tensor) -> Tensor:
+    """Each row's summed log-probability of the targets `target_mask` marks, where
+    `logits[:, t]` scores `targets[:, t]` (`sequence_logps` with the shift already made).
+
+    Args:
+        logits: `(B, T, V)`.
+        targets: `(B, T)` int64.
+        target_mask: `(B, T)` bool.
+
+    Returns:
+        `(B,)` float32.
+    """
     B, T, V = logits.shape
     # cross_entropy is log_softmax and gather in one, without a (B, T, V) log-probability copy;
     # float32 so that a bf16 run's sums over long replies keep their precision.
     token_logps = -F.cross_entropy(
-        logits[:, :-1].reshape(-1, V).float(), ids[:, 1:].reshape(-1), reduction="none"
-    ).view(B, T - 1)  # (B, T-1): the log-probability of each next token
-    return torch.where(completion_mask[:, 1:], token_logps, 0.0).sum(dim=1)
+        logits.reshape(-1, V).float(), targets.reshape(-1), reduction="none"
+    ).view(B, T)  # (B, T): the log-probability of each target
+    return torch.where(target_mask, token_logps, 0.0).sum(dim=1)
+
+
+def dpo_step(
+    policy: nn.Module, reference: nn.Module, ids: Tensor, completion_mask: Tensor, beta: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The DPO loss of one batch of pairs, and its metrics (`dpo_loss`'s).
+
+    The models read the first `T` tokens of each row and their logits score the next ones, as
+    a chat batch is scored: rows of `T + 1` tokens fill a `T`-token context. The reference runs
+    under `torch.no_grad`, so only the policy gets gradients (and no activations of the
+    reference are kept).
+
+    Args:
+        policy: the model being trained, `model(idx) -> (logits, loss)`.
+        reference: the frozen model it started as.
+        ids: `(2B, T+1)` int64, the chosen sequences then the rejected ones (pair i is rows
+            i and B + i), padded after their ends.
+        completion_mask: `(2B, T+1)` bool, True on the completions' tokens.
+        beta: DPO's beta (`train.dpo_beta`).
+    """
+    x, targets, mask = ids[:, :-1], ids[:, 1:], completion_mask[:, 1:]  # each (2B, T)
+    B = ids.shape[0] // 2
+    logps = target_logps(policy(x)[0], targets, mask)  # (2B,)
+    with torch.no_grad():
+        ref_logps = target_logps(reference(x)[0], targets, mask)  # (2B,)
+    return dpo_loss(logps[:B], logps[B:], ref_logps[:B], ref_logps[B:], beta)
 
 
 def dpo_loss(
