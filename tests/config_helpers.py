@@ -180,6 +180,9 @@ GOOD: dict[str, dict[str, st.SearchStrategy]] = {
         "muon_momentum": UNIT,
         "decay_fraction": reals(0, 1, exclude_min=True),
         "init_from": st.none() | NAMES,
+        # dpo needs data.format preference and init_from together: tests/test_config.py's
+        "objective": st.just("next_token"),
+        "dpo_beta": reals(0, 100, exclude_min=True) | st.integers(1, 10),
         "logger": st.sampled_from([*TRACKERS, "tensorboard, wandb"])
         | st.lists(st.sampled_from(TRACKERS), max_size=3),
         "wandb_project": st.none() | WORD,
@@ -359,8 +362,8 @@ RANGE_RULES = [
     setting(
         "data",
         "format",
-        WORD.filter(lambda w: w not in ("text", "chat")),
-        "must be 'text' (plain text) or 'chat'",
+        WORD.filter(lambda w: w not in ("text", "chat", "preference")),
+        "must be 'text' (plain text), 'chat'",
     ),
     *[
         setting("train", key, COUNT_NOT_POSITIVE, "must be positive")
@@ -376,6 +379,7 @@ RANGE_RULES = [
     ),
     setting("train", "lr", NOT_POSITIVE, "must be > 0"),
     setting("train", "muon_lr", NOT_POSITIVE, "must be > 0"),
+    setting("train", "dpo_beta", NOT_POSITIVE, "must be > 0"),
     setting("train", "muon_momentum", OUT_OF_UNIT, "must be in [0, 1)"),
     setting("train", "min_lr", NEGATIVE, "must be >= 0"),
     setting("train", "warmup_steps", st.integers(max_value=-1), "must be >= 0"),
