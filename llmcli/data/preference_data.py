@@ -20,6 +20,7 @@ sets are small (thousands of pairs) and encoding them takes seconds. A cache lik
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from llmcli.data.batches import BatchSampler, stream_seed
 from llmcli.data.chat_template import ChatTemplate
 from llmcli.data.corpus import resolve_files
 from llmcli.data.preferences import EncodedPair, Preference, PreferenceEncoder, read_preferences
+from llmcli.data.prepared import TokenData
 from llmcli.data.tokenizer import Tokenizer
 from llmcli.errors import InputError
 
@@ -63,11 +65,13 @@ class PreferenceSplit:
 
 @dataclass
 class PreferenceData:
-    """Both splits, and the id that pads a batch's rows after their ends."""
+    """Both splits, the id that pads a batch's rows after their ends, and the chat template
+    the pairs were encoded with (None: text rows only)."""
 
     train: PreferenceSplit
     val: PreferenceSplit
     pad_id: int
+    template: ChatTemplate | None = None
 
 
 def fit_pair(pair: EncodedPair, limit: int) -> tuple[EncodedPair | None, str]:
@@ -179,7 +183,25 @@ def prepare_preference_data(
         "preference data: %s; %s", _describe("train", train.counts), _describe("val", val.counts)
     )
     pad_id = encoder.conversations.end_id if encoder.conversations is not None else 0
-    return PreferenceData(train, val, pad_id)
+    return PreferenceData(train, val, pad_id, template)
+
+
+def preference_token_data(
+    data_cfg: DataConfig,
+    context_length: int,
+    tokenizer: Tokenizer,
+    template: ChatTemplate | None,
+) -> TokenData:
+    """`prepare_preference_data`'s pairs as the run's `TokenData` (its `preference`; no token
+    stream), their `source_hash` the sha256 of the encoded pairs of both splits."""
+    pairs = prepare_preference_data(data_cfg, context_length, tokenizer, template)
+    digest = hashlib.sha256()
+    for split in (pairs.train, pairs.val):
+        for ids in (split.chosen, split.chosen_offsets, split.rejected, split.rejected_offsets):
+            digest.update(ids.tobytes())
+        digest.update(split.prompt_lengths.tobytes())
+    empty = np.zeros(0, dtype=np.int64)
+    return TokenData(tokenizer, empty, empty, digest.hexdigest(), preference=pairs)
 
 
 class PreferenceSampler:

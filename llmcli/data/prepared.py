@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -19,6 +20,9 @@ from llmcli.data.chat_template import ChatTemplate
 from llmcli.data.tokenizer import Tokenizer
 from llmcli.errors import InputError
 from llmcli.fileio import JSONFileError, read_json
+
+if TYPE_CHECKING:
+    from llmcli.data.preference_data import PreferenceData
 
 
 def default_cache_dir() -> Path:
@@ -107,6 +111,8 @@ class TokenData:
             None for a tokenizer passed in (a resumed run's).
         text_bytes: the sources' UTF-8 text (None: a stream's, not counted).
         chat: with `data.format: chat`, each split's mask and windows; None for plain text.
+        preference: with `data.format: preference`, each split's encoded pairs (`train` and
+            `val` then hold no tokens); else None.
     """
 
     tokenizer: Tokenizer
@@ -117,3 +123,4 @@ class TokenData:
     tokenizer_training: dict | None = None
     text_bytes: int | None = None
     chat: ChatData | None = None
+    preference: PreferenceData | None = None

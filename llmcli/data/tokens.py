@@ -552,7 +552,7 @@ def prepare_data(
         # Pairs are not a token stream: `llmcli.data.preference_data` reads them.
         raise InputError(
             "data.format preference holds preference pairs for train.objective dpo, which "
-            "training cannot run yet (issue 51): they are not a token stream to prepare."
+            "reads them itself (llmcli.data.preference_data): they are not a token stream."
         )
     return _prepare_text(data_cfg, context_length, tokenizer, cache_dir)
 

@@ -28,6 +28,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from llmcli.config import Config
+from llmcli.data.preference_data import preference_token_data
+from llmcli.data.tokenizer import Tokenizer
 from llmcli.data.tokens import TokenData, prepare_data
 from llmcli.device import resolve_device, torch_threads
 from llmcli.errors import CheckpointError, InputError
@@ -48,9 +50,10 @@ from llmcli.training.batch import resolve_batch, with_micro_batch
 from llmcli.training.checkpoint import Checkpointer, restore
 from llmcli.training.compiling import MEASURE_S, choose, compile_key, compiled, inductor_cache
 from llmcli.training.distributed import DistInfo, agreed, dist_from_env, gather, process_group
+from llmcli.training.dpo import dpo_objective, reference_model
 from llmcli.training.evaluate import EVAL_SEED_OFFSET, Evaluator, split_sampler
 from llmcli.training.guard import Divergence, SpikeGuard
-from llmcli.training.init_from import load_init_weights, resolve_init_from
+from llmcli.training.init_from import init_encoding, load_init_weights, resolve_init_from
 from llmcli.training.memory import check_memory, out_of_memory_is_bad_input
 from llmcli.training.optim import build_optimizer
 from llmcli.training.plan import measure_step
@@ -195,7 +198,7 @@ def build_run(
         state=state,
         facts=facts,
         checkpoints=Checkpointer(facts, info, model, trainer, guard),
-        evaluate=Evaluator(evaluated, model, data, precision, info, probe),
+        evaluate=Evaluator(evaluated, model, data, precision, info, probe, trainer.loss_fn),
         guard=guard,
         divergence=Divergence(tc, run_dir, guarded=guard is not None),
         shrinks=auto_batch and not info.enabled and saved is None,
@@ -226,6 +229,8 @@ def _model_and_trainer(
         grad_accum=tc.grad_accum,
         grad_clip=tc.grad_clip,
     )
+    if tc.objective == "dpo":  # scored against the frozen model it starts from
+        trainer.loss_fn = dpo_objective(reference_model(config, vocab, device), tc.dpo_beta)
     return model, trainer
 
 
@@ -319,10 +324,10 @@ def _prepare(
     data = None
     with agreed(info, device):
         if info.main:
-            data = prepare_data(config.data, config.model.context_length, tokenizer=tokenizer)
+            data = _read_data(config, tokenizer)
     with agreed(info, device):
         if not info.main:
-            data = prepare_data(config.data, config.model.context_length, tokenizer=tokenizer)
+            data = _read_data(config, tokenizer)
     assert data is not None
     with agreed(info, device):
         if info.main and not resume:
@@ -335,6 +340,18 @@ def _prepare(
                 "not match an uninterrupted one"
             )
     return saved, data
+
+
+def _read_data(config: Config, tokenizer: Tokenizer | None) -> TokenData:
+    """The run's data: `prepare_data`'s tokens, or for `train.objective: dpo` the preference
+    pairs encoded with the `train.init_from` run's tokenizer and chat template (a resumed run's
+    tokenizer, `tokenizer`, is the same one)."""
+    if config.train.objective == "dpo":
+        init_tokenizer, template = init_encoding(config)
+        return preference_token_data(
+            config.data, config.model.context_length, tokenizer or init_tokenizer, template
+        )
+    return prepare_data(config.data, config.model.context_length, tokenizer=tokenizer)
 
 
 def _check_same_save(saved: ResumeState | None, run_dir: Path, info: DistInfo) -> None:

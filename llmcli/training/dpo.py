@@ -9,14 +9,22 @@ started from):
     loss = -logsigmoid(beta * ((policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)))
 
 `dpo_step` scores one batch of `llmcli.data.preference_data.PreferenceSampler` under the policy
-and the reference; the training loop that runs it (`train.objective: dpo`) is still to come.
+and the reference. With `train.objective: dpo` the run's step takes its loss from
+`dpo_objective` (the trainer's `loss_fn`), and the reference is `reference_model`: the
+`train.init_from` weights, frozen. The loop itself is the same as next-token training's.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from llmcli.config import Config
+from llmcli.model.gpt import Transformer
+from llmcli.training.init_from import load_init_weights
 
 
 def sequence_logps(logits: Tensor, ids: Tensor, completion_mask: Tensor) -> Tensor:
@@ -119,3 +127,27 @@ def dpo_loss(
         "logps/rejected": policy_rejected.detach().mean(),
     }
     return loss, metrics
+
+
+def reference_model(config: Config, vocab_size: int, device: torch.device) -> Transformer:
+    """The frozen reference: `train.init_from`'s weights (as the policy starts from them, also
+    when a run resumes), in eval mode (no dropout) and without gradients."""
+    assert config.train.init_from, "DPO's reference is train.init_from's model"
+    reference = Transformer(config.model, vocab_size)
+    load_init_weights(reference, config.train.init_from)
+    reference.to(device).eval()
+    reference.requires_grad_(False)
+    return reference
+
+
+def dpo_batch_loss(
+    reference: nn.Module, beta: float, policy: nn.Module, batch: tuple[Tensor, Tensor]
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """`dpo_step` on a `PreferenceSampler` batch `(ids, completion_mask)`, each `(2B, T+1)`."""
+    ids, completion_mask = batch
+    return dpo_step(policy, reference, ids, completion_mask, beta)
+
+
+def dpo_objective(reference: nn.Module, beta: float) -> partial:
+    """The step's `loss_fn` for `train.objective: dpo`: `loss_fn(policy, batch)`."""
+    return partial(dpo_batch_loss, reference, beta)

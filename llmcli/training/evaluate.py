@@ -30,12 +30,14 @@ from torch import nn
 from llmcli.config import Config
 from llmcli.data.batches import BatchSampler
 from llmcli.data.chat_batches import IGNORE, ChatSampler
+from llmcli.data.preference_data import PreferenceSampler
 from llmcli.data.prepared import TokenData
 from llmcli.evaluation.metrics import icl_score
 from llmcli.evaluation.probe import Probe, probe_scores
 from llmcli.evaluation.text import token_losses
 from llmcli.training.distributed import DistInfo, mean_over_ranks
 from llmcli.training.precision import Precision
+from llmcli.training.step import LossFn, next_token_loss
 
 # Evaluation batches come from their own samplers with this seed offset, re-created at every
 # evaluation: the same batches each time, and the training stream is never touched.
@@ -60,17 +62,20 @@ def evaluate_loss(
     info: DistInfo,
     *,
     by_position: bool = False,
+    loss_fn: LossFn = next_token_loss,
 ) -> EvalLosses:
     """The training loop's estimate: mean loss over `eval_steps` batches of each sampler.
 
     Args:
         model: the model to evaluate (put in eval mode here, back to train mode after).
-        samplers: split name -> a fresh sampler whose `next()` gives `(x, y)`, each `(B, T)`.
+        samplers: split name -> a fresh sampler whose `next()` gives a batch: `(x, y)`, each
+            `(B, T)`, unless `loss_fn` reads another kind.
         eval_steps: batches per split.
         precision: the autocast the training steps use.
         info: under DDP the means are averaged over the ranks.
         by_position: also measure each split's mean loss at each position of the context, from
-            the same logits (for `icl_score`).
+            the same logits (for `icl_score`; next-token batches only).
+        loss_fn: a batch's loss (the training step's; DPO's scores preference pairs).
 
     Returns:
         Each split's mean loss (and, with `by_position`, its loss by position).
@@ -82,9 +87,13 @@ def evaluate_loss(
     for i, sampler in enumerate(samplers.values()):
         position_sum = torch.zeros((), device=precision.device)
         for _ in range(eval_steps):
-            x, y = sampler.next()  # (B, T), (B, T)
+            batch = sampler.next()
             with precision.autocast():
-                logits, loss = model(x, y)
+                if by_position:
+                    x, y = batch  # (B, T), (B, T)
+                    logits, loss = model(x, y)
+                else:
+                    loss, _ = loss_fn(model, batch)
             totals[i] += loss.float()
             if by_position:
                 token_loss = token_losses(logits, y)  # (B, T), 0 where ignored
@@ -133,6 +142,7 @@ class Evaluator:
         precision: the autocast the training steps use.
         info: this process's place under torchrun.
         probe: what each head is scored on (rank 0 with `train.head_metrics`), else None.
+        loss_fn: a batch's loss, the training step's (`llmcli.training.step.LossFn`).
     """
 
     def __init__(
@@ -143,11 +153,13 @@ class Evaluator:
         precision: Precision,
         info: DistInfo,
         probe: Probe | None,
+        loss_fn: LossFn = next_token_loss,
     ) -> None:
         self.model, self.unwrapped, self.data = model, unwrapped, data
         self.precision, self.info, self.probe = precision, info, probe
+        self.loss_fn = loss_fn
 
-    def samplers(self, config: Config) -> dict[str, BatchSampler | ChatSampler]:
+    def samplers(self, config: Config) -> dict[str, BatchSampler | ChatSampler | PreferenceSampler]:
         """Fresh samplers over both splits, seeded apart from the training stream."""
         seed, device = config.train.seed + EVAL_SEED_OFFSET, self.precision.device
         return {
@@ -165,7 +177,8 @@ class Evaluator:
             tc.eval_steps,
             self.precision,
             self.info,
-            by_position=tc.head_metrics and self.data.chat is None,
+            by_position=tc.head_metrics and self.data.chat is None and self.data.preference is None,
+            loss_fn=self.loss_fn,
         )
         if self.probe is None or not math.isfinite(estimate.mean["val"]):
             return Evaluation(estimate.mean)  # (a diverged run stops on its val loss)
@@ -181,10 +194,15 @@ class Evaluator:
 
 def split_sampler(
     data: TokenData, split: str, config: Config, seed: int, info: DistInfo, device: torch.device
-) -> BatchSampler | ChatSampler:
-    """The sampler of `data`'s split ("train" or "val"): conversation windows for chat data,
-    else windows of the token stream; this rank's, seeded with `seed`."""
+) -> BatchSampler | ChatSampler | PreferenceSampler:
+    """The sampler of `data`'s split ("train" or "val"): preference pairs for DPO, conversation
+    windows for chat data, else windows of the token stream; this rank's, seeded with `seed`."""
     batch, context = config.train.batch_size, config.model.context_length
+    if data.preference is not None:
+        pairs = data.preference.train if split == "train" else data.preference.val
+        return PreferenceSampler(
+            pairs, data.preference.pad_id, batch, context, seed, info.rank, info.world_size, device
+        )
     if data.chat is not None:
         chat = data.chat.train if split == "train" else data.chat.val
         return ChatSampler(

@@ -4,7 +4,8 @@ A folder that holds `config.yaml` is an llmcli run (`llmcli.runs.directory`): th
 comes from its config (the fine-tune's `model.dropout` and `attn_dropout` kept, as for a Hugging
 Face folder), the tokenizer is its `tokenizer.json`, the weights its `best.safetensors` (else
 `model.safetensors`: what `llmcli sample` reads), through safetensors only. With
-`data.format: chat` and no `data.chat_template`, a run that holds a chat template passes it on.
+`data.format: chat` or `preference` and no `data.chat_template`, a run that holds a chat template
+passes it on; `init_encoding` loads the two that preference pairs are encoded with.
 Anything else is a Hugging Face folder or Hub name (`llmcli.hf.load`).
 
 With `data.format: chat` the tokenizer gains the chat tokens at new ids after its last
@@ -24,7 +25,8 @@ from typing import Any
 import torch
 
 from llmcli.config import Config
-from llmcli.data.chat_template import TEMPLATE_FILE
+from llmcli.data.chat_template import TEMPLATE_FILE, ChatTemplate, template_from_file
+from llmcli.data.tokenizer import Tokenizer, load_tokenizer
 from llmcli.errors import CheckpointError
 from llmcli.hf.load import config_from_base, hf_weights
 from llmcli.hf.load import resolve_init_from as resolve_hf_init_from
@@ -67,9 +69,22 @@ def resolve_init_from(config: Config) -> Config:
     )
     data = dataclasses.replace(config.data, tokenizer=str(run_dir / TOKENIZER_FILE))
     template = run_dir / TEMPLATE_FILE
-    if data.format == "chat" and data.chat_template is None and template.is_file():
+    if data.format in ("chat", "preference") and data.chat_template is None and template.is_file():
         data = dataclasses.replace(data, chat_template=str(template))
     return config_from_base(config, model, data, run_dir, "init_from run")
+
+
+def init_encoding(config: Config) -> tuple[Tokenizer, ChatTemplate | None]:
+    """The tokenizer and chat template (None: the base has none) of a config that
+    `resolve_init_from` resolved: the `train.init_from` run's, which DPO encodes pairs with.
+
+    Raises:
+        InputError: an unreadable tokenizer or template file.
+    """
+    data = config.data
+    assert data.tokenizer, "init_encoding needs a config resolve_init_from resolved"
+    template = None if data.chat_template is None else template_from_file(data.chat_template)
+    return load_tokenizer(data.tokenizer), template
 
 
 def load_init_weights(model: Transformer, init_from: str) -> None:

@@ -154,6 +154,8 @@ class TrainLog:
             return cls(run_dir)
         remove_stale_temp_files(run_dir)
         template = data.chat.template if data.chat is not None else None
+        if data.preference is not None:  # the init_from run's, passed on to the DPO run
+            template = data.preference.template
         try:
             write_config_and_tokenizer(run_dir, config, data.tokenizer, template)
             trackers = open_trackers(config, run_dir, facts.resumed_from)

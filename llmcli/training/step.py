@@ -25,6 +25,16 @@ from llmcli.training.precision import Precision
 #: before the weights change; False refuses the update (the spike guard).
 BeforeUpdate = Callable[[Tensor, Tensor], bool]
 
+#: A micro-batch's loss and its metrics (0-d tensors by name, e.g. DPO's rewards; {} for none):
+#: `loss_fn(model, batch)`, where `batch` is what the training stream's `next()` gives.
+LossFn = Callable[[nn.Module, Any], tuple[Tensor, dict[str, Tensor]]]
+
+
+def next_token_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, dict]:
+    """The language-modelling loss: `batch` is `(x, y)`, each `(B, T)`; no metrics."""
+    x, y = batch
+    return model(x, y)[1], {}
+
 
 @dataclass
 class Trainer:
@@ -36,9 +46,12 @@ class Trainer:
         params: the model's parameters, clipped together.
         optimizer: updates them (`llmcli.training.optim`).
         precision: the autocast context and the GradScaler (which does nothing unless fp16).
-        batches: the training stream; `next()` gives `(x, y)`, each `(B, T)` on the device.
+        batches: the training stream; `next()` gives a batch on the device: `(x, y)`, each
+            `(B, T)`, for next-token training; `(ids, completion_mask)` for DPO.
         grad_accum: micro-batches per step.
         grad_clip: the largest global gradient norm (0: no clipping).
+        loss_fn: a micro-batch's loss (`train.objective`: `next_token_loss`, or DPO's,
+            `llmcli.training.dpo.dpo_objective`).
     """
 
     model: nn.Module
@@ -48,6 +61,7 @@ class Trainer:
     batches: Any
     grad_accum: int
     grad_clip: float
+    loss_fn: LossFn = next_token_loss
 
 
 def train_step(
@@ -64,12 +78,12 @@ def train_step(
     ddp = isinstance(model, DistributedDataParallel)
     loss_sum = torch.zeros((), device=trainer.precision.device)
     for micro in range(trainer.grad_accum):
-        x, y = trainer.batches.next()  # (B, T), (B, T)
+        batch = trainer.batches.next()  # (x, y): (B, T), (B, T)
         # Under DDP the gradients are averaged over the ranks once, in the last backward.
         last = micro == trainer.grad_accum - 1
         with nullcontext() if last or not ddp else model.no_sync():
             with trainer.precision.autocast():
-                _, loss = model(x, y)
+                loss, _ = trainer.loss_fn(model, batch)
             loss = loss / trainer.grad_accum  # the micro-batches' mean, summed by backward
             scaler.scale(loss).backward()  # fp16: scaled, so that small gradients stay > 0
         loss_sum += loss.detach()
