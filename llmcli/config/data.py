@@ -85,11 +85,11 @@ class DataConfig:
             "data.path",
         )
         require(
-            self.chat_template is None or self.format == "chat",
+            self.chat_template is None or self.format in ("chat", "preference"),
             "data",
             "chat_template",
             self.chat_template,
-            "is read only with data.format: chat",
+            "is read only with data.format: chat or preference",
         )
         require(
             not (self.streaming and self.format != "text"),

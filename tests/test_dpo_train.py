@@ -1,0 +1,114 @@
+"""DPO training (`train.objective: dpo`, llmcli/training/build.py, step.py's `loss_fn`,
+dpo.py's `dpo_objective` and `reference_model`): a tiny chat run fine-tuned on preference pairs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from chat_helpers import save_chat_run
+
+from llmcli.config import Config, config_from_dict
+from llmcli.data.chat_template import default_template
+from llmcli.data.preference_data import PreferenceSampler, preference_token_data
+from llmcli.model.gpt import Transformer
+from llmcli.runs.loading import load_tokenizer_file
+from llmcli.runs.metrics import read_metrics
+from llmcli.training import build
+from llmcli.training.dpo import dpo_step
+from llmcli.training.init_from import load_init_weights, resolve_init_from
+from llmcli.training.loop import train
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def pair(i: int) -> dict:
+    a, b = LETTERS[i % 26], LETTERS[(3 * i + 1) % 26]
+    return {
+        "prompt": [{"role": "user", "content": f"spell {a}{b}"}],
+        "chosen": [{"role": "assistant", "content": f"{a}-{b}"}],
+        "rejected": [{"role": "assistant", "content": "no idea"}],
+    }
+
+
+def write_pairs(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def dpo_config(base: Path, folder: Path, **train: object) -> Config:
+    raw = {
+        "model": {"dropout": 0.0},
+        "data": {
+            "format": "preference",
+            "path": str(write_pairs(folder / "train.jsonl", [pair(i) for i in range(12)])),
+            "val_path": str(write_pairs(folder / "val.jsonl", [pair(i) for i in range(12, 16)])),
+        },
+        "train": {
+            "objective": "dpo",
+            "dpo_beta": 0.5,
+            "init_from": str(base),
+            "device": "cpu",
+            "batch_size": 4,
+            "max_steps": 8,
+            "warmup_steps": 1,
+            "lr": 3e-3,
+            "min_lr": 3e-3,
+            "eval_interval": 4,
+            "eval_steps": 1,
+            "log_interval": 1,
+            "seed": 5,
+            **train,
+        },
+    }
+    return config_from_dict(raw, name="dpo")
+
+
+def test_dpo_run_starts_at_log_2_learns_the_pairs_and_never_moves_the_reference(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    base = save_chat_run(tmp_path / "base", n_layer=1, n_embed=16, context_length=32)
+    config = dpo_config(base, tmp_path)
+    references: list[Transformer] = []
+    made = build.reference_model
+
+    def kept_reference(*args, **kwargs) -> Transformer:  # the run's reference, kept to check
+        references.append(made(*args, **kwargs))
+        return references[-1]
+
+    monkeypatch.setattr(build, "reference_model", kept_reference)
+    train(config, out_dir=tmp_path / "dpo", progress=False)
+
+    # Step 1's batch by hand: the training stream's first draw, scored by the initial weights
+    # as both policy and reference (the same model: every log-ratio is 0, the loss log 2).
+    resolved = resolve_init_from(config)
+    tokenizer = load_tokenizer_file(base)
+    data = preference_token_data(resolved.data, 32, tokenizer, default_template())
+    assert data.preference is not None
+    sampler = PreferenceSampler(data.preference.train, data.preference.pad_id, 4, 32, seed=5)
+    ids, mask = sampler.next()
+    initial = Transformer(resolved.model, tokenizer.vocab_size)
+    load_init_weights(initial, str(base))
+    initial.eval()
+    with torch.no_grad():
+        by_hand, metrics = dpo_step(initial, initial, ids, mask, beta=0.5)
+    assert by_hand.item() == pytest.approx(math.log(2), abs=1e-6)
+    assert metrics["rewards/margins"].item() == 0.0
+
+    records = [r for r in read_metrics(tmp_path / "dpo" / "metrics.jsonl") if r["kind"] == "train"]
+    losses = [r["train_loss"] for r in records]
+    assert len(losses) == 8
+    assert losses[0] == pytest.approx(by_hand.item(), abs=1e-5)
+    assert max(losses[-3:]) < losses[0] - 0.05  # the policy learns to prefer the chosen replies
+
+    (reference,) = references
+    assert not reference.training
+    assert not any(p.requires_grad for p in reference.parameters())
+    for name, tensor in initial.state_dict().items():
+        torch.testing.assert_close(reference.state_dict()[name], tensor, rtol=0, atol=0)
