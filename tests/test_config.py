@@ -408,7 +408,6 @@ def test_dpo_reads_preference_pairs_from_a_run_with_beta_by_default() -> None:
         ({}, {"objective": "ppo"}, r"train.objective must be 'next_token' or 'dpo'"),
         ({"format": "pairs"}, {}, r"data.format \('pairs'\) must be .*'preference'"),
         ({"path": None, "dataset": "x/y"}, {}, r"data.dataset \('x/y'\) is not read"),
-        ({"chat_template": "t.jinja"}, {}, r"data.chat_template .*only with data.format: chat"),
     ],
 )
 def test_dpo_config_errors_name_the_fix(data: dict, train: dict, pattern: str) -> None:
