@@ -123,9 +123,9 @@ SETTINGS = [
 ]
 
 
-def test_cache_feeds_one_token_per_step_until_the_window_slides() -> None:
-    model = make_model()
-    lengths = []
+def spy_on_forward(model) -> list[tuple[int, bool]]:
+    """The (positions, with a KV cache) of each forward call the model gets from now on."""
+    lengths: list[tuple[int, bool]] = []
     forward = model.forward
 
     def spy(idx, *args, **kwargs):
@@ -133,6 +133,12 @@ def test_cache_feeds_one_token_per_step_until_the_window_slides() -> None:
         return forward(idx, *args, **kwargs)
 
     model.forward = spy
+    return lengths
+
+
+def test_cache_feeds_one_token_per_step_until_the_window_slides() -> None:
+    model = make_model()
+    lengths: list = spy_on_forward(model)
     config = sample_config(10, temperature=0.0, context_policy="exact")
     plain = generate_ids(model, [[1, 2, 3]], config)
     # prefill 3, five single tokens (sequence reaches 8 = context), then the sliding window.
@@ -160,14 +166,7 @@ def test_a_prompt_of_exactly_context_length_is_seen_whole_then_the_window_slides
         (list(range(1, CONTEXT)), short),
     ]
     expected = [reference(model, p, 4, policy="exact", temperature=0.0) for p, _ in cases]
-    lengths = []
-    forward = model.forward
-
-    def spy(idx, *args, **kwargs):
-        lengths.append((idx.shape[1], kwargs.get("kv_cache") is not None))
-        return forward(idx, *args, **kwargs)
-
-    model.forward = spy
+    lengths = spy_on_forward(model)
     config = sample_config(4, temperature=0.0, context_policy="exact")
     for (prompt, forwards), tokens in zip(cases, expected, strict=True):
         lengths.clear()
