@@ -235,7 +235,7 @@ def today_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> Step
                 inspect()
                 return True  # the update goes ahead
 
-        loss, norm, _ = train_step(trainer, before_update)
+        loss, norm, _, _ = train_step(trainer, before_update)
         return loss, norm
 
     return step

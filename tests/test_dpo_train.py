@@ -17,9 +17,11 @@ from llmcli.data.chat_template import default_template
 from llmcli.data.preference_data import PreferenceSampler, preference_token_data
 from llmcli.model.gpt import Transformer
 from llmcli.runs.loading import load_tokenizer_file
+from llmcli.runs.formats import load_weights, read_weights
 from llmcli.runs.metrics import read_metrics
 from llmcli.training import build
 from llmcli.training.dpo import dpo_step
+from llmcli.training.evaluate import EVAL_SEED_OFFSET
 from llmcli.training.init_from import load_init_weights, resolve_init_from
 from llmcli.training.loop import train
 
@@ -101,11 +103,32 @@ def test_dpo_run_starts_at_log_2_learns_the_pairs_and_never_moves_the_reference(
     assert by_hand.item() == pytest.approx(math.log(2), abs=1e-6)
     assert metrics["rewards/margins"].item() == 0.0
 
-    records = [r for r in read_metrics(tmp_path / "dpo" / "metrics.jsonl") if r["kind"] == "train"]
+    all_records = read_metrics(tmp_path / "dpo" / "metrics.jsonl")
+    records = [r for r in all_records if r["kind"] == "train"]
     losses = [r["train_loss"] for r in records]
     assert len(losses) == 8
     assert losses[0] == pytest.approx(by_hand.item(), abs=1e-5)
     assert max(losses[-3:]) < losses[0] - 0.05  # the policy learns to prefer the chosen replies
+    for name, value in metrics.items():  # each log step records its step's metrics, TRL's names
+        assert records[0][name] == pytest.approx(value.item(), abs=1e-5), name
+    assert records[-1]["rewards/accuracies"] > 0.5 and records[-1]["rewards/margins"] > 0
+
+    # The last evaluation by hand: the final weights against the reference on the validation
+    # pairs the evaluation sampler draws (its own seed), TRL's metrics under "val_".
+    (last_eval,) = [r for r in all_records if r["kind"] == "eval" and r["step"] == 8]
+    final = Transformer(resolved.model, tokenizer.vocab_size)
+    weights = tmp_path / "dpo" / "model.safetensors"
+    load_weights(final, read_weights(weights)[0], weights)
+    final.eval()
+    val = PreferenceSampler(
+        data.preference.val, data.preference.pad_id, 4, 32, 5 + EVAL_SEED_OFFSET
+    )
+    with torch.no_grad():
+        val_loss, val_metrics = dpo_step(final, initial, *val.next(), beta=0.5)
+    assert last_eval["val_loss"] == pytest.approx(val_loss.item(), abs=1e-5)
+    for name, value in val_metrics.items():
+        assert last_eval[f"val_{name}"] == pytest.approx(value.item(), abs=1e-5), name
+    assert "val_ppl" not in last_eval  # a DPO loss is no perplexity
 
     (reference,) = references
     assert not reference.training

@@ -120,3 +120,17 @@ def test_the_losses_stay_on_the_device_until_one_read() -> None:
     losses.clear()
     losses.add(torch.tensor(0.5))
     assert losses.read(DistInfo()) == [0.5]
+
+
+def test_a_log_step_reads_its_own_steps_metrics_and_a_rollback_forgets_them() -> None:
+    losses = LossLog()
+    losses.add(torch.tensor(2.0), {"rewards/margins": torch.tensor(0.25)})
+    losses.add(
+        torch.tensor(1.5),
+        {"rewards/margins": torch.tensor(0.5), "logps/chosen": torch.tensor(-3.0)},
+    )
+    assert losses.read_metrics(DistInfo()) == {"logps/chosen": -3.0, "rewards/margins": 0.5}
+    losses.clear()  # the steps a rollback undoes
+    assert losses.read_metrics(DistInfo()) == {}
+    losses.add(torch.tensor(1.0))  # next-token training: no metrics
+    assert losses.read_metrics(DistInfo()) == {}

@@ -81,7 +81,7 @@ def test_train_step_is_the_plain_loop(grad_accum: int, clip: float) -> None:
     t = trainer(ours, pairs, grad_accum, clip)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     for step in range(2):  # momentum: the second step depends on the first
-        loss, norm, applied = train_step(t)
+        loss, norm, applied, _ = train_step(t)
         ref_loss, ref_norm = plain_step(ref, ref_opt, pairs[step * grad_accum :][:grad_accum], clip)
         assert applied
         torch.testing.assert_close(loss.item(), ref_loss, rtol=1e-6, atol=1e-6)
@@ -100,7 +100,7 @@ def test_a_refused_update_changes_nothing_but_drops_the_gradients() -> None:
     weights = [p.detach().clone() for p in model.parameters()]
     moments = {k: v["momentum_buffer"].clone() for k, v in t.optimizer.state.items()}
     seen = []
-    loss, norm, applied = train_step(t, lambda loss, norm: seen.append((loss, norm)) or False)
+    loss, norm, applied, _ = train_step(t, lambda loss, norm: seen.append((loss, norm)) or False)
     assert not applied and len(seen) == 1
     assert seen[0][0] is loss and seen[0][1] is norm  # what the guard judged is what it returns
     for p, w in zip(model.parameters(), weights, strict=True):
@@ -116,8 +116,8 @@ def test_a_scaled_loss_gives_the_step_of_the_unscaled_one() -> None:
     ours, ref = Regression(0), Regression(0)
     pairs = batches(2)
     t_ours, t_ref = trainer(ours, pairs, 2, 0.5, scaled), trainer(ref, pairs, 2, 0.5)
-    loss, norm, _ = train_step(t_ours)
-    ref_loss, ref_norm, _ = train_step(t_ref)
+    loss, norm, _, _ = train_step(t_ours)
+    ref_loss, ref_norm, _, _ = train_step(t_ref)
     assert scaled.scales_loss and scaled.scaler.get_scale() == 2.0**10  # no overflow: kept
     torch.testing.assert_close(loss, ref_loss)
     torch.testing.assert_close(norm, ref_norm)  # the true norm, unscaled before it is taken
@@ -132,7 +132,7 @@ def test_an_overflowing_scaled_step_is_skipped_and_the_scale_lowered() -> None:
     x, y = batches(1)[0]
     t = trainer(model, [(x * float("inf"), y)], 1, 0.0, scaled)
     weights = [p.detach().clone() for p in model.parameters()]
-    _, _, applied = train_step(t)
+    _, _, applied, _ = train_step(t)
     assert applied  # the loop's verdict; the scaler itself skipped the update
     assert scaled.scaler.get_scale() == 2.0**9
     for p, w in zip(model.parameters(), weights, strict=True):

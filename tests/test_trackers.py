@@ -138,6 +138,11 @@ def test_each_record_field_goes_under_its_documented_tag() -> None:
         "heads/induction_max": 0.625,
         "heads/prev_token_max": 0.875,
     }
+    # DPO's metrics keep TRL's names, under the record's group.
+    dpo_train = {"kind": "train", "step": 3, "train_loss": 0.5, "rewards/margins": 0.25}
+    assert tags(dpo_train) == {"train/loss": 0.5, "train/rewards/margins": 0.25}
+    dpo_eval = {"kind": "eval", "step": 4, "val_loss": 0.625, "val_rewards/accuracies": 0.75}
+    assert tags(dpo_eval) == {"eval/val_loss": 0.625, "eval/val_rewards/accuracies": 0.75}
     skipped = {"kind": "event", "event": "skipped", "step": 9, "loss": 7.5, "grad_norm": 40.0}
     assert tags(skipped) == {"guard/skipped_loss": 7.5}
     rollback = {"kind": "event", "event": "rollback", "step": 10, "loss": 8.5, "rollback": 2}

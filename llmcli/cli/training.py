@@ -187,10 +187,10 @@ def _print_summary(summary: TrainSummary) -> None:
         f"{summary.tokens:,} tokens, {summary.elapsed_s:.0f} s{rate}{saves}{guard}"
     )
     if summary.val_loss is not None:
+        ppl = f" (perplexity {summary.val_ppl:.2f})" if summary.val_ppl is not None else ""
         typer.echo(
-            f"val loss {summary.val_loss:.4f} (perplexity {summary.val_ppl:.2f}), "
-            f"train loss {summary.train_loss:.4f}, best val loss "
-            f"{summary.best_val_loss:.4f}"
+            f"val loss {summary.val_loss:.4f}{ppl}, train loss {summary.train_loss:.4f}, "
+            f"best val loss {summary.best_val_loss:.4f}"
         )
 
 

@@ -7,7 +7,8 @@ every record the training loop writes to `metrics.jsonl` (rank 0 only), with the
   `progress/tokens`, `progress/elapsed_s`;
 - an evaluation: `eval/train_loss`, `eval/val_loss`, `eval/val_ppl`, and with
   `train.head_metrics` `eval/icl_score`, `heads/induction_max`, `heads/prev_token_max`;
-
+- with `train.objective: dpo`, TRL's names under those groups: `train/rewards/accuracies`, ...,
+  and `eval/val_rewards/accuracies`, `eval/train_rewards/accuracies`, ...;
 - with `train.log_layers`, a train step also: `layers/<group>/grad_norm`,
   `layers/<group>/update_ratio` (`llmcli.training.layers`);
 - a spike-guard event (`llmcli.training.guard`): `guard/skipped_loss`, or `guard/rollback_loss`
@@ -78,6 +79,10 @@ def tags(record: dict[str, Any]) -> dict[str, float]:
     else:
         names = _EVAL_TAGS if kind == "eval" else _TRAIN_TAGS
     scalars = {tag: float(record[key]) for key, tag in names.items() if _is_number(record.get(key))}
+    group = "eval" if kind == "eval" else "train"
+    for key, value in record.items():  # an objective's metrics, named as TRL names them
+        if "/" in key and _is_number(value):  # DPO's rewards/margins, eval's val_rewards/margins
+            scalars[f"{group}/{key}"] = float(value)
     for group, values in (record.get("layers") or {}).items():  # train.log_layers
         for key, value in values.items():
             if _is_number(value):

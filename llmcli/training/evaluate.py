@@ -47,10 +47,12 @@ EVAL_SEED_OFFSET = 1_000_003
 @dataclass
 class EvalLosses:
     """What `evaluate_loss` measured: each split's mean loss and, when asked, its mean loss at
-    each position of the context (position t predicts token t + 1 from t + 1 tokens)."""
+    each position of the context (position t predicts token t + 1 from t + 1 tokens); with a
+    `loss_fn` that gives metrics (DPO's), each split's mean of each, as `"val_rewards/margins"`."""
 
     mean: dict[str, float]
     by_position: dict[str, list[float]] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @torch.no_grad()
@@ -78,13 +80,15 @@ def evaluate_loss(
         loss_fn: a batch's loss (the training step's; DPO's scores preference pairs).
 
     Returns:
-        Each split's mean loss (and, with `by_position`, its loss by position).
+        Each split's mean loss (and, with `by_position`, its loss by position; and the means of
+        `loss_fn`'s metrics).
     """
     was_training = model.training
     model.eval()
     totals = torch.zeros(len(samplers), device=precision.device)
     positions: list[torch.Tensor] = []  # each split's summed loss at each position, (T,)
-    for i, sampler in enumerate(samplers.values()):
+    metric_sums: dict[str, torch.Tensor] = {}  # "split_name" -> its sum over the batches
+    for i, (split, sampler) in enumerate(samplers.items()):
         position_sum = torch.zeros((), device=precision.device)
         for _ in range(eval_steps):
             batch = sampler.next()
@@ -92,9 +96,13 @@ def evaluate_loss(
                 if by_position:
                     x, y = batch  # (B, T), (B, T)
                     logits, loss = model(x, y)
+                    extras = {}
                 else:
-                    loss, _ = loss_fn(model, batch)
+                    loss, extras = loss_fn(model, batch)
             totals[i] += loss.float()
+            for name, value in extras.items():
+                key = f"{split}_{name}"
+                metric_sums[key] = metric_sums.get(key, 0.0) + value.float()
             if by_position:
                 token_loss = token_losses(logits, y)  # (B, T), 0 where ignored
                 counted = (y != IGNORE).sum(0).clamp(min=1)  # (T,)
@@ -103,13 +111,24 @@ def evaluate_loss(
     totals /= eval_steps
     by_split = torch.stack(positions) if by_position else None  # (splits, T)
     mean_over_ranks(totals, info)
+    metrics = _means(metric_sums, eval_steps, info)
     if by_split is not None:
         mean_over_ranks(by_split, info)
     model.train(was_training)
     mean = dict(zip(samplers, totals.tolist(), strict=True))
     if by_split is None:
-        return EvalLosses(mean)
-    return EvalLosses(mean, dict(zip(samplers, by_split.tolist(), strict=True)))
+        return EvalLosses(mean, metrics=metrics)
+    return EvalLosses(mean, dict(zip(samplers, by_split.tolist(), strict=True)), metrics)
+
+
+def _means(sums: dict[str, torch.Tensor], steps: int, info: DistInfo) -> dict[str, float]:
+    """Each sum over `steps` batches as their mean (under DDP, over the ranks too)."""
+    if not sums:
+        return {}
+    names = sorted(sums)
+    means = torch.stack([sums[name] for name in names]) / steps
+    mean_over_ranks(means, info)
+    return dict(zip(names, means.tolist(), strict=True))
 
 
 @dataclass
@@ -118,8 +137,9 @@ class Evaluation:
 
     Attributes:
         losses: each split's mean loss ("train", "val").
-        summary: with head metrics, the strongest heads' scores and the in-context learning
-            score (for `metrics.jsonl`); else empty.
+        summary: more figures for `metrics.jsonl`: with head metrics, the strongest heads'
+            scores and the in-context learning score; with DPO, each split's rewards (e.g.
+            `val_rewards/accuracies`); else empty.
         heads: with head metrics, the probe, every head's score grids and the loss by
             position (for `head_metrics.jsonl`); else None.
     """
@@ -181,7 +201,7 @@ class Evaluator:
             loss_fn=self.loss_fn,
         )
         if self.probe is None or not math.isfinite(estimate.mean["val"]):
-            return Evaluation(estimate.mean)  # (a diverged run stops on its val loss)
+            return Evaluation(estimate.mean, estimate.metrics)  # (a diverged run stops on val)
         scores = probe_scores(self.unwrapped, self.probe)  # touches no RNG
         by_position = estimate.by_position.get("val")
         icl = {}
@@ -189,7 +209,7 @@ class Evaluator:
             icl = {"val_loss_by_position": by_position, "icl_score": icl_score(by_position)}
         heads = {"probe": self.probe.describe(), **scores.grids(), **icl}
         icl.pop("val_loss_by_position", None)
-        return Evaluation(estimate.mean, {**scores.summary(), **icl}, heads)
+        return Evaluation(estimate.mean, {**estimate.metrics, **scores.summary(), **icl}, heads)
 
 
 def split_sampler(

@@ -55,16 +55,29 @@ logger = logging.getLogger(__name__)
 
 
 class LossLog:
-    """Each applied step's loss, kept on the device until the loop reads them all at once."""
+    """Each applied step's loss, kept on the device until the loop reads them all at once, and
+    the latest step's metrics (`llmcli.training.step.train_step`'s: DPO's rewards), which a log
+    step records beside its loss."""
 
     def __init__(self) -> None:
         self.pending: list[torch.Tensor] = []
+        self.metrics: dict[str, torch.Tensor] = {}
 
-    def add(self, loss: torch.Tensor) -> None:
+    def add(self, loss: torch.Tensor, metrics: dict[str, torch.Tensor] | None = None) -> None:
         self.pending.append(loss)
+        self.metrics = metrics or {}
 
     def clear(self) -> None:
-        self.pending = []
+        self.pending, self.metrics = [], {}
+
+    def read_metrics(self, info: DistInfo) -> dict[str, float]:
+        """The latest step's metrics by name (under DDP the mean over ranks; every rank must
+        call this at the same step, as `read`)."""
+        if not self.metrics:
+            return {}
+        values = torch.stack([self.metrics[name] for name in sorted(self.metrics)])
+        mean_over_ranks(values, info)
+        return dict(zip(sorted(self.metrics), values.tolist(), strict=True))
 
     def read(self, info: DistInfo) -> list[float]:
         """The loss of each step since the last read (under DDP the mean over ranks, which
@@ -184,8 +197,10 @@ class TrainLog:
         tok_s: float,
         norm: torch.Tensor,
         watch: LayerWatch | None,
+        metrics: dict[str, float] | None = None,
     ) -> None:
-        """A log step's record: the step's loss, learning rate, speed and gradient norm."""
+        """A log step's record: the step's loss, learning rate, speed and gradient norm, and
+        its objective's `metrics` by name (DPO's `rewards/accuracies`, ...)."""
         if self.metrics is None:
             return
         record = {
@@ -197,6 +212,7 @@ class TrainLog:
             "train_loss": loss,
             "tok_per_s": round(tok_s, 1),
             "grad_norm": norm.item(),  # the gradient norm of this step, before clipping
+            **(metrics or {}),
         }
         if watch is not None:
             record["layers"] = watch.record()
@@ -210,7 +226,7 @@ class TrainLog:
         losses = result.losses
         if self.heads is not None and result.heads is not None:
             self.heads.write({"step": state.step, "tokens": state.tokens, **result.heads})
-        val = losses["val"]
+        val, summary = losses["val"], result.summary
         record = {
             "kind": "eval",
             "step": state.step,
@@ -219,17 +235,22 @@ class TrainLog:
             "lr": lr,
             "train_loss": losses["train"],
             "val_loss": val,
-            "val_ppl": perplexity(val),
         }
-        self.metrics.write({**record, **result.summary})
+        rewards = "val_rewards/accuracies" in summary  # DPO's loss has no perplexity
+        if not rewards:
+            record["val_ppl"] = perplexity(val)
+        self.metrics.write({**record, **summary})
         logger.info(
-            "step %d: train loss %.4f, val loss %.4f (ppl %.2f)%s%s",
+            "step %d: train loss %.4f, val loss %.4f%s%s%s",
             state.step,
             losses["train"],
             val,
-            perplexity(val),
-            f", strongest induction head {result.summary['induction_max']:.3f}"
-            if result.summary
+            f", val reward accuracy {summary['val_rewards/accuracies']:.3f}, margin "
+            f"{summary['val_rewards/margins']:.3f}"
+            if rewards
+            else f" (ppl {perplexity(val):.2f})",
+            f", strongest induction head {summary['induction_max']:.3f}"
+            if "induction_max" in summary
             else "",
             ", best so far" if best else "",
         )

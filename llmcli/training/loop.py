@@ -111,7 +111,9 @@ def fit(run: Run, log: TrainLog, progress: bool, on_step: Callable[[int], None])
             due = _due(state.step + 1, tc)  # known before the step: a log step's layers
             watch = log.layer_watch(run.model, due.log)
             try:
-                loss, norm, applied = train_step(trainer, before_update=all_of(watch, guard))
+                loss, norm, applied, metrics = train_step(
+                    trainer, before_update=all_of(watch, guard)
+                )
             except torch.OutOfMemoryError:
                 if not (run.shrinks and may_shrink(config, state.step)):
                     raise
@@ -127,7 +129,7 @@ def fit(run: Run, log: TrainLog, progress: bool, on_step: Callable[[int], None])
                     losses.clear()  # the losses of the steps undone are not logged
                 speed.rewind(state.tokens)
                 continue
-            losses.add(loss)
+            losses.add(loss, metrics)
             state.step += 1
             state.tokens += run.facts.tokens_per_step
             bar.update(1)
@@ -143,7 +145,8 @@ def fit(run: Run, log: TrainLog, progress: bool, on_step: Callable[[int], None])
             flags = agreed_flags(stop, timed, info, trainer.precision.device)
             tok_s = speed.read(state.tokens)
             if due.log:  # (a stop between log steps writes no record)
-                log.train_step(state, lr, step_losses[-1], tok_s, norm, watch)
+                metrics_now = losses.read_metrics(info)
+                log.train_step(state, lr, step_losses[-1], tok_s, norm, watch, metrics_now)
                 loss_now = step_losses[-1]
                 bar.report({"loss": f"{loss_now:.4f}", "tok/s": f"{tok_s:,.0f}", "lr": f"{lr:.2e}"})
             if flags.stop:  # save at once; an evaluation due now waits for the resumed run
@@ -214,6 +217,9 @@ def _due(step: int, tc: TrainConfig) -> _Due:
 def _summary(run: Run, elapsed_s: float, tokens_per_s: float | None) -> TrainSummary:
     """What the run reports at its end."""
     saves, max_steps = run.checkpoints.save_seconds, run.config.train.max_steps
-    return TrainSummary.of(
+    summary = TrainSummary.of(
         run.state, run.facts, max_steps, saves, run.guard, elapsed_s, tokens_per_s
     )
+    if run.config.train.objective != "next_token":  # a DPO loss has no perplexity
+        summary.val_ppl = None
+    return summary

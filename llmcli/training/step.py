@@ -66,27 +66,31 @@ class Trainer:
 
 def train_step(
     trainer: Trainer, before_update: BeforeUpdate | None = None
-) -> tuple[Tensor, Tensor, bool]:
+) -> tuple[Tensor, Tensor, bool, dict[str, Tensor]]:
     """One optimizer step over `grad_accum` micro-batches of the training stream.
 
     Returns:
-        `(loss, norm, applied)`: the micro-batches' mean loss and the global gradient norm
-        before clipping, 0-d tensors left on the device (reading them would wait for it), and
-        whether the weights were updated (`before_update` may refuse).
+        `(loss, norm, applied, metrics)`: the micro-batches' mean loss and the global gradient
+        norm before clipping, 0-d tensors left on the device (reading them would wait for it),
+        whether the weights were updated (`before_update` may refuse), and the micro-batches'
+        mean of each metric `loss_fn` gives (on the device too; {} for next-token training).
     """
     model, optimizer, scaler = trainer.model, trainer.optimizer, trainer.precision.scaler
     ddp = isinstance(model, DistributedDataParallel)
     loss_sum = torch.zeros((), device=trainer.precision.device)
+    metrics: dict[str, Tensor] = {}
     for micro in range(trainer.grad_accum):
-        batch = trainer.batches.next()  # (x, y): (B, T), (B, T)
+        batch = trainer.batches.next()  # next-token: (x, y), each (B, T)
         # Under DDP the gradients are averaged over the ranks once, in the last backward.
         last = micro == trainer.grad_accum - 1
         with nullcontext() if last or not ddp else model.no_sync():
             with trainer.precision.autocast():
-                loss, _ = trainer.loss_fn(model, batch)
+                loss, extras = trainer.loss_fn(model, batch)
             loss = loss / trainer.grad_accum  # the micro-batches' mean, summed by backward
             scaler.scale(loss).backward()  # fp16: scaled, so that small gradients stay > 0
         loss_sum += loss.detach()
+        for name, value in extras.items():
+            metrics[name] = metrics.get(name, 0.0) + value.detach().float() / trainer.grad_accum
     scaler.unscale_(optimizer)  # the true gradients, to measure and clip
     grads = [p.grad for p in trainer.params if p.grad is not None]
     norm = nn.utils.get_total_norm(grads, foreach=True)
@@ -97,7 +101,7 @@ def train_step(
         scaler.step(optimizer)  # fp16: skipped where a gradient overflowed
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    return loss_sum, norm, applied
+    return loss_sum, norm, applied, metrics
 
 
 def all_of(*checks: BeforeUpdate | None) -> BeforeUpdate | None:
