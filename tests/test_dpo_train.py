@@ -16,8 +16,8 @@ from llmcli.config import Config, config_from_dict
 from llmcli.data.chat_template import default_template
 from llmcli.data.preference_data import PreferenceSampler, preference_token_data
 from llmcli.model.gpt import Transformer
-from llmcli.runs.loading import load_tokenizer_file
 from llmcli.runs.formats import load_weights, read_weights
+from llmcli.runs.loading import load_tokenizer_file
 from llmcli.runs.metrics import read_metrics
 from llmcli.training import build
 from llmcli.training.dpo import dpo_step
