@@ -255,7 +255,7 @@ def _time_training(
         params=list(model.parameters()),
         optimizer=build_optimizer(model, tc, precision.device.type),
         precision=precision,
-        batches=SameBatch(x, y),
+        batches=SameBatch((x, y)),
         grad_accum=1,
         grad_clip=tc.grad_clip,
     )

@@ -4,8 +4,11 @@ dpo.py's `dpo_objective` and `reference_model`): a tiny chat run fine-tuned on p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -17,13 +20,15 @@ from llmcli.data.chat_template import default_template
 from llmcli.data.preference_data import PreferenceSampler, preference_token_data
 from llmcli.model.gpt import Transformer
 from llmcli.runs.formats import load_weights, read_weights
-from llmcli.runs.loading import load_tokenizer_file
+from llmcli.runs.info import format_info, run_info
+from llmcli.runs.loading import load_run, load_tokenizer_file
 from llmcli.runs.metrics import read_metrics
 from llmcli.training import build
 from llmcli.training.dpo import dpo_step
 from llmcli.training.evaluate import EVAL_SEED_OFFSET
 from llmcli.training.init_from import load_init_weights, resolve_init_from
 from llmcli.training.loop import train
+from llmcli.training.plan import format_plan, make_plan
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -135,3 +140,66 @@ def test_dpo_run_starts_at_log_2_learns_the_pairs_and_never_moves_the_reference(
     assert not any(p.requires_grad for p in reference.parameters())
     for name, tensor in initial.state_dict().items():
         torch.testing.assert_close(reference.state_dict()[name], tensor, rtol=0, atol=0)
+
+
+def test_a_dpo_plan_counts_two_rows_a_pair_and_the_reference(tmp_path: Path) -> None:
+    base = save_chat_run(tmp_path / "base", n_layer=2, n_embed=16, context_length=32)
+    config = dpo_config(base, tmp_path, grad_accum=3, memory_limit="1GiB")
+    plan = make_plan(config, "cpu", measure_s=1.0)
+    vocab = load_tokenizer_file(base).vocab_size
+    n = Transformer(resolve_init_from(config).model, vocab).num_parameters(non_embedding=False)
+    B, L, T, C = 4, 2, 32, 16
+    got = plan.to_json()
+    assert plan.vocab_size == vocab and plan.missing is None
+    assert got["tokens_per_step"] == B * 2 * T * 3  # pairs x their two rows x grad_accum
+    # llmcli/training/memory.py's formula for next-token training, on 2B rows, plus the
+    # reference's logits per token and its fp32 weights.
+    activations = 2 * B * T * 4 * (L * 20 * C + 4 * C + 4 * vocab + vocab)
+    assert got["memory"]["activations"] == activations
+    assert got["memory"]["reference"] == 4 * n
+    assert got["memory"]["peak"] == 16 * n + 4 * n + activations + 80 * 2**20
+    assert plan.timing is not None and plan.timing.steps >= 1
+    assert "4 pairs (2 rows each) x 64 tokens x grad_accum 3" in format_plan(plan)
+
+
+def test_a_resumed_dpo_run_is_bitwise_the_uninterrupted_one(tmp_path: Path, ctrl_c_raises) -> None:
+    base = save_chat_run(tmp_path / "base", n_layer=1, n_embed=16, context_length=32)
+    # Dropout on: the resumed run must also draw the masks the uninterrupted one drew.
+    config = dpo_config(base, tmp_path, max_steps=10, eval_interval=5, grad_accum=2)
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, dropout=0.1))
+    straight = tmp_path / "straight"
+    train(config, out_dir=straight, progress=False)
+
+    def interrupt(step: int) -> None:
+        if step == 5:  # a Ctrl-C at an evaluation step: it runs when the run resumes
+            signal.raise_signal(signal.SIGINT)
+
+    resumed = tmp_path / "resumed"
+    with pytest.raises(KeyboardInterrupt):
+        train(config, out_dir=resumed, progress=False, on_step=interrupt)
+    summary = train(config, out_dir=resumed, resume=True, progress=False)
+    assert summary.resumed_from == 5 and summary.step == 10
+    a, b = (read_weights(run / "model.safetensors")[0] for run in (straight, resumed))
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{name} differs bitwise"
+    records = [read_metrics(run / "metrics.jsonl") for run in (straight, resumed)]
+    drop = ("elapsed_s", "tok_per_s")
+    assert [{k: v for k, v in r.items() if k not in drop} for r in records[0]] == [
+        {k: v for k, v in r.items() if k not in drop} for r in records[1]
+    ]
+
+    # meta.json and `llmcli info` say how the pairs fit and what the run is scored against.
+    run = load_run(resumed)
+    counts = {"pairs": 4, "kept": 4, "truncated": 0, "skipped": 0}
+    assert run.meta["preference_data"] == {
+        "train": {**counts, "pairs": 12, "kept": 12},
+        "val": counts,
+    }
+    info = run_info(resumed)
+    assert info["preference"] == {
+        "beta": 0.5,
+        "reference": str(base.resolve()),
+        "data": run.meta["preference_data"],
+    }
+    row = f"dpo +beta 0.5 against {re.escape(str(base.resolve()))}; 12 training pairs: 12 kept"
+    assert re.search(row, format_info(info))

@@ -68,6 +68,7 @@ def test_plan_counts_the_built_model_and_the_formulas(small_corpus: Path) -> Non
         "grads": 4 * n,
         "optimizer": 8 * n,
         "activations": activations,
+        "reference": 0,  # DPO's frozen model
         "peak": 16 * n + activations + 80 * 2**20,
     }
     assert got["device_free"] == 2**30 and got["fits"] is True
@@ -95,7 +96,7 @@ def test_measuring_stays_within_its_budget(
 
     def fake_step(trainer: Trainer) -> None:
         real_step(trainer)
-        now[0] += trainer.grad_accum * len(trainer.batches.x) * 0.010 + 0.002
+        now[0] += trainer.grad_accum * len(trainer.batches.batch[0]) * 0.010 + 0.002
 
     clock = SimpleNamespace(perf_counter=lambda: now[0])
     monkeypatch.setattr(plan_module, "time", clock)  # the budget
@@ -171,6 +172,7 @@ def test_cli_prints_json_and_text_and_refuses_a_limit_below_the_weights(
         "grads",
         "optimizer",
         "activations",
+        "reference",
         "peak",
     }
     assert got["fits"] is True and got["step_s"] > 0 and math.isfinite(got["eta_s"])

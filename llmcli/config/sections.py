@@ -34,13 +34,25 @@ class Config:
             section.validate()
         self.sample.keep_for(self.model.context_length)
         self._validate_objective()
-        tokens, T = self.train.tokens_per_step, self.model.context_length
+        tokens, T = self.train.tokens_per_step, self.example_tokens
         if tokens is not None and tokens % T:
-            raise ConfigError(
-                f"train.tokens_per_step ({tokens}) must be a multiple of model.context_length "
-                f"({T}): a step is whole sequences; for example {max(T, tokens // T * T)} or "
-                f"{(tokens // T + 1) * T}."
+            what = (
+                "2 x model.context_length"
+                if self.train.objective == "dpo"
+                else ("model.context_length")
             )
+            raise ConfigError(
+                f"train.tokens_per_step ({tokens}) must be a multiple of {what} ({T}): a step "
+                f"is whole {'pairs' if self.train.objective == 'dpo' else 'sequences'}; for "
+                f"example {max(T, tokens // T * T)} or {(tokens // T + 1) * T}."
+            )
+
+    @property
+    def example_tokens(self) -> int:
+        """The tokens one example of a batch (one of `train.batch_size`) trains on: a sequence
+        of `model.context_length`, or with DPO a pair, whose chosen and rejected rows are two."""
+        rows = 2 if self.train.objective == "dpo" else 1
+        return rows * self.model.context_length
 
     def _validate_objective(self) -> None:
         """DPO reads preference pairs, and preference pairs are read only by DPO."""

@@ -73,6 +73,10 @@ class PreferenceData:
     pad_id: int
     template: ChatTemplate | None = None
 
+    def counts(self) -> dict[str, dict[str, int]]:
+        """Each split's pair counts (for meta.json): pairs, kept, truncated, skipped."""
+        return {"train": self.train.counts, "val": self.val.counts}
+
 
 def fit_pair(pair: EncodedPair, limit: int) -> tuple[EncodedPair | None, str]:
     """`pair` within `limit` tokens per sequence, and what was done: "kept", "truncated" (both

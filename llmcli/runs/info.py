@@ -73,6 +73,7 @@ def run_info(
             "template": (run.run_dir / TEMPLATE_FILE).is_file(),
             "data": meta.get("chat_data"),
         },
+        "preference": _preference(config, meta),
         "generation": config["sample"],
         "versions": {"recorded": meta.get("versions"), "installed": record()},
         "version_warnings": warnings_for(meta.get("versions")),
@@ -119,6 +120,7 @@ def format_info(info: dict[str, Any]) -> str:
         ),
         ("tokenizer", describe_tokenizer(info["tokenizer"])),
         ("chat template", describe_chat(info["chat"])),
+        *([("dpo", describe_preference(info["preference"]))] if info["preference"] else []),
         ("generation", ", ".join(f"{k}={v}" for k, v in info["generation"].items())),
         *describe(ReferenceCheck(**info["reference"])),
     ]
@@ -142,6 +144,31 @@ def describe_chat(chat: dict[str, Any]) -> str:
     if train:
         text += (
             f"; {train['conversations']:,} training conversations: {train['kept']:,} kept, "
+            f"{train['truncated']:,} truncated, {train['skipped']:,} skipped"
+        )
+    return text
+
+
+def _preference(config: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any] | None:
+    """A DPO run's objective: its beta, its reference (`train.init_from`) and how its pairs
+    fit (None for other runs)."""
+    train = config["train"]
+    if train.get("objective") != "dpo":
+        return None
+    return {
+        "beta": train.get("dpo_beta"),
+        "reference": train.get("init_from"),
+        "data": meta.get("preference_data"),
+    }
+
+
+def describe_preference(preference: dict[str, Any]) -> str:
+    """The DPO row: beta, the reference, and how the training pairs fit."""
+    text = f"beta {preference['beta']} against {preference['reference']}"
+    train = (preference.get("data") or {}).get("train")
+    if train:
+        text += (
+            f"; {train['pairs']:,} training pairs: {train['kept']:,} kept, "
             f"{train['truncated']:,} truncated, {train['skipped']:,} skipped"
         )
     return text

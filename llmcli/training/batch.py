@@ -90,19 +90,20 @@ def resolve_batch(
 
 
 def step_sequences(config: Config, world_size: int = 1) -> int:
-    """The sequences each rank trains on per optimizer step, from `train.tokens_per_step`.
+    """The sequences (DPO: pairs) each rank trains on per optimizer step, from
+    `train.tokens_per_step`.
 
     Raises:
         InputError: the tokens do not split into whole sequences on every rank.
     """
-    tokens, T = config.train.tokens_per_step, config.model.context_length
+    tokens, T = config.train.tokens_per_step, config.example_tokens
     assert tokens is not None
     per_seq = T * world_size
     if tokens % per_seq:
         raise InputError(
-            f"train.tokens_per_step ({tokens}) must be a multiple of model.context_length "
-            f"({T}) x the {world_size} processes ({per_seq}), so that every rank trains on "
-            f"whole sequences: for example {max(1, tokens // per_seq) * per_seq}."
+            f"train.tokens_per_step ({tokens}) must be a multiple of the {T} tokens of an "
+            f"example x the {world_size} processes ({per_seq}), so that every rank trains on "
+            f"whole ones: for example {max(1, tokens // per_seq) * per_seq}."
         )
     return tokens // (T * world_size)
 

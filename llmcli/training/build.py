@@ -256,10 +256,7 @@ def _facts(
         dtype=trainer.precision.name,
         world_size=info.world_size,
         rank=info.rank,
-        tokens_per_step=tc.batch_size
-        * config.model.context_length
-        * tc.grad_accum
-        * info.world_size,
+        tokens_per_step=tc.batch_size * config.example_tokens * tc.grad_accum * info.world_size,
         resumed_from=saved.counters.step if saved is not None else None,
         config_name=config.name,
         compiled=trainer.model is not model,
@@ -268,6 +265,7 @@ def _facts(
         if saved is not None
         else data.tokenizer_training,
         chat_data=data.chat.counts() if data.chat is not None else None,
+        preference_data=data.preference.counts() if data.preference is not None else None,
         metrics_bytes=saved.metrics_bytes if saved is not None else None,
         head_metrics_bytes=saved.head_metrics_bytes if saved is not None else None,
     )

@@ -141,6 +141,8 @@ class Checkpointer:
         }
         if facts.chat_data is not None:  # how many conversations fit, were cut or left out
             meta["chat_data"] = facts.chat_data
+        if facts.preference_data is not None:  # ... and how many preference pairs
+            meta["preference_data"] = facts.preference_data
         return meta
 
     def rollback(self, state: TrainState, log: TrainLog, step: int, loss: float) -> dict[str, Any]:

@@ -13,10 +13,8 @@ and the reference. With `train.objective: dpo` the run's step takes its loss fro
 `dpo_objective` (the trainer's `loss_fn`), and the reference is `reference_model`: the
 `train.init_from` weights, frozen. The loop itself is the same as next-token training's.
 
-Not yet done: the metrics `dpo_loss` returns reach no record (the step drops `loss_fn`'s extras;
-logging them needs the trainer to keep their means for the log step), and `batch_size: auto`,
-`check_memory` and `tokens_per_step` still count B rows of `T` tokens, not DPO's 2B rows and
-the reference's forward.
+A batch of B pairs is 2B rows, as `train.batch_size`, the memory estimate, `llmcli plan` and
+the tokens a step counts take it (`Config.example_tokens`).
 """
 
 from __future__ import annotations

@@ -43,8 +43,10 @@ class MemoryEstimate:
         weights: fp32 weights, plus autocast's half-precision copies of them.
         grads: fp32 gradients (twice under DDP, whose buckets hold a copy).
         optimizer: the optimizer's state (AdamW: two moments; Muon: one momentum per matrix).
-        activations: what the forward keeps for the backward pass, at the micro-batch.
+        activations: what the forward keeps for the backward pass, at the micro-batch (with
+            DPO, two rows per pair, and the reference's logits beside them).
         runtime: the framework's own working memory (`RUNTIME_BYTES`).
+        reference: with DPO, the frozen reference model's fp32 weights.
     """
 
     params: int
@@ -54,11 +56,13 @@ class MemoryEstimate:
     optimizer: int
     activations: int
     runtime: int
+    reference: int = 0
 
     @property
     def peak(self) -> int:
         """All of it at once: what a micro-step of accumulation holds at its forward's end."""
-        return self.weights + self.grads + self.optimizer + self.activations + self.runtime
+        held = self.weights + self.grads + self.optimizer + self.reference
+        return held + self.activations + self.runtime
 
     def as_dict(self) -> dict[str, int]:
         """The parts `llmcli plan --json` prints, in bytes."""
@@ -67,6 +71,7 @@ class MemoryEstimate:
             "grads": self.grads,
             "optimizer": self.optimizer,
             "activations": self.activations,
+            "reference": self.reference,
             "peak": self.peak,
         }
 
@@ -114,14 +119,19 @@ def estimate_memory(
         per_token += 2 * L * 2 * C
     if keeps_weights:  # in fp32 also under autocast, which runs softmax in fp32
         per_token += 4 * L * 5 * nh * T
+    dpo = tc.objective == "dpo"
+    rows = 2 * B if dpo else B  # a pair is its chosen and its rejected row
+    if dpo:  # the reference's fp32 logits, alive while the policy's activations are kept
+        per_token += 4 * vocab_size
     return MemoryEstimate(
         params=params,
         params_non_embedding=non_embedding,
         weights=4 * params + (2 * params if half else 0),
         grads=4 * params * (2 if world_size > 1 else 1),
         optimizer=4 * momenta,
-        activations=B * T * per_token,
+        activations=rows * T * per_token,
         runtime=RUNTIME_BYTES.get(device_type, 0),
+        reference=4 * params if dpo else 0,
     )
 
 

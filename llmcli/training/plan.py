@@ -29,6 +29,7 @@ from llmcli.model.gpt import Transformer
 from llmcli.progress import format_bytes, format_count
 from llmcli.training.batch import resolve_batch
 from llmcli.training.distributed import dist_from_env
+from llmcli.training.dpo import dpo_objective
 from llmcli.training.init_from import resolve_init_from
 from llmcli.training.memory import MemoryEstimate, device_free_bytes, estimate_memory
 from llmcli.training.optim import build_optimizer
@@ -89,7 +90,7 @@ class Plan:
     def tokens_per_step(self) -> int:
         tc = self.config.train
         assert isinstance(tc.batch_size, int)
-        return tc.batch_size * self.config.model.context_length * tc.grad_accum * self.world_size
+        return tc.batch_size * self.config.example_tokens * tc.grad_accum * self.world_size
 
     @property
     def fits(self) -> bool | None:
@@ -168,6 +169,8 @@ def plan_vocab(config: Config) -> tuple[int, str | None]:
     """(the vocabulary, None) from the data as `train` prepares it (tokenized into the cache,
     which `train` then reuses); or, when the data cannot be read, (the vocabulary the tokenizer's
     settings give or an assumed one, a note saying what is missing and what was assumed)."""
+    if config.data.format == "preference":  # encoded with train.init_from's tokenizer
+        return int(load_tokenizer(config.data.tokenizer).vocab_size), None
     try:
         data = prepare_data(config.data, config.model.context_length)
         return int(data.tokenizer.vocab_size), None
@@ -195,15 +198,18 @@ def measure_step(
     quarter of `budget_s`. Then, while the time spent stays within `budget_s` (at most
     `TIMED_STEPS` rounds), steps of one and of two micro-batches in turn: their difference is a
     micro-batch, the rest the update (clip, optimizer step). A step of the run is `grad_accum`
-    micro-batches, scaled to the run's micro-batch, and one update.
+    micro-batches, scaled to the run's micro-batch, and one update. With DPO a sequence is a
+    pair: two rows through the model, and two through a frozen reference.
     """
     tc, T, device = config.train, config.model.context_length, precision.device
     assert isinstance(tc.batch_size, int)
     start = time.perf_counter()
     gen = torch.Generator().manual_seed(tc.seed)
     model = Transformer(config.model, vocab_size, generator=gen).to(device)
-    tokens = torch.randint(0, vocab_size, (tc.batch_size, T + 1), generator=gen).to(device)
-    batches = SameBatch(tokens[:1, :-1], tokens[:1, 1:])  # (1, T) inputs, targets
+    dpo = tc.objective == "dpo"
+    rows = (2 if dpo else 1) * tc.batch_size
+    tokens = torch.randint(0, vocab_size, (rows, T + 1), generator=gen).to(device)
+    batches = SameBatch(_timing_batch(tokens, 1, dpo))
     trainer = Trainer(
         model=model,
         params=list(model.parameters()),
@@ -213,6 +219,9 @@ def measure_step(
         grad_accum=1,
         grad_clip=tc.grad_clip,
     )
+    if dpo:  # the reference: the same shape, frozen
+        reference = Transformer(config.model, vocab_size).to(device).eval().requires_grad_(False)
+        trainer.loss_fn = dpo_objective(reference, tc.dpo_beta)
 
     def step(micro_batches: int) -> float:
         trainer.grad_accum = micro_batches
@@ -220,7 +229,7 @@ def measure_step(
 
     cold = step(1)  # one sequence, one update
     batch = max(1, min(tc.batch_size, math.floor(budget_s / 4 / max(cold, 1e-9))))
-    batches.x, batches.y = tokens[:batch, :-1], tokens[:batch, 1:]  # (batch, T) each
+    batches.batch = _timing_batch(tokens, batch, dpo)
     ones, twos = [], []
     while len(ones) < TIMED_STEPS and time.perf_counter() - start + 3 * cold * batch <= budget_s:
         ones.append(step(1))
@@ -229,7 +238,9 @@ def measure_step(
     micro, update = (max(two - one, 0.0), max(2 * one - two, 0.0)) if ones else (one, 0.0)
     model.eval()
     with torch.no_grad():
-        forward_s = timed(lambda: micro_forward(model, tokens[:batch], precision), device)
+        forward_s = timed(
+            lambda: micro_forward(model, tokens[: batch * (2 if dpo else 1)], precision), device
+        )
     scale = tc.batch_size / batch
     return StepTiming(
         step_s=tc.grad_accum * micro * scale + update,
@@ -242,13 +253,22 @@ def measure_step(
 
 @dataclass
 class SameBatch:
-    """A batch stream that gives the same `(x, y)`, each `(B, T)`, at every step (for timing)."""
+    """A batch stream that gives the same batch at every step (for timing)."""
 
-    x: torch.Tensor
-    y: torch.Tensor
+    batch: tuple[torch.Tensor, torch.Tensor]
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.x, self.y
+        return self.batch
+
+
+def _timing_batch(tokens: torch.Tensor, n: int, dpo: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`n` examples of `tokens` `(rows, T + 1)` as the step reads them: `(x, y)`, each `(n, T)`;
+    with DPO, `n` pairs `(ids, completion_mask)`, each `(2n, T + 1)`, every token a completion's."""
+    if not dpo:
+        return tokens[:n, :-1], tokens[:n, 1:]
+    half = tokens.shape[0] // 2  # chosen rows, then rejected ones
+    ids = torch.cat([tokens[:n], tokens[half : half + n]])
+    return ids, torch.ones_like(ids, dtype=torch.bool)
 
 
 def micro_forward(model: Transformer, tokens: torch.Tensor, precision: Precision) -> None:
@@ -259,8 +279,9 @@ def micro_forward(model: Transformer, tokens: torch.Tensor, precision: Precision
 
 def format_plan(plan: Plan) -> str:
     """The plan as a table for people."""
-    tc, m, mem = plan.config.train, plan.config.model, plan.memory
+    config, tc, mem = plan.config, plan.config.train, plan.memory
     ranks = f" x {plan.world_size} processes" if plan.world_size > 1 else ""
+    examples = "pairs (2 rows each)" if tc.objective == "dpo" else "sequences"
     rows = [
         ("run", f"{plan.config.name} on {plan.device}, {plan.dtype}{ranks}"),
         (
@@ -271,15 +292,16 @@ def format_plan(plan: Plan) -> str:
         ("FLOPs per token", f"{format_count(plan.flops_per_token)} (6 N + 12 L T C)"),
         (
             "tokens per step",
-            f"{plan.tokens_per_step:,} ({tc.batch_size} sequences x {m.context_length} tokens "
-            f"x grad_accum {tc.grad_accum}{ranks})",
+            f"{plan.tokens_per_step:,} ({tc.batch_size} {examples} x {config.example_tokens} "
+            f"tokens x grad_accum {tc.grad_accum}{ranks})",
         ),
         ("memory per step", f"{format_bytes(mem.peak)} at most, of which"),
         (
             "",
             f"weights {format_bytes(mem.weights)}, gradients {format_bytes(mem.grads)}, "
             f"optimizer {format_bytes(mem.optimizer)}, activations "
-            f"{format_bytes(mem.activations)}, runtime {format_bytes(mem.runtime)}",
+            f"{format_bytes(mem.activations)}, runtime {format_bytes(mem.runtime)}"
+            + (f", reference model {format_bytes(mem.reference)}" if mem.reference else ""),
         ),
         ("memory free", _fits_line(plan)),
         ("step time", _timing_line(plan)),

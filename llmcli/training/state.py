@@ -107,6 +107,7 @@ class RunFacts:
         source_hash: the corpus's content hash (a resume warns when it changed).
         tokenizer_training: how the tokenizer was made, as `meta.json` records it.
         chat_data: a chat run's conversation counts (kept, cut, left out); None for text.
+        preference_data: a DPO run's pair counts, likewise; None for others.
         metrics_bytes, head_metrics_bytes: the logs' sizes at the save a run resumed from,
             where it cuts them back (`llmcli.training.log.TrainLog.open`); None: not known.
     """
@@ -125,6 +126,7 @@ class RunFacts:
     source_hash: str | None
     tokenizer_training: dict | None
     chat_data: dict | None = None
+    preference_data: dict | None = None
     metrics_bytes: int | None = None
     head_metrics_bytes: int | None = None
 
