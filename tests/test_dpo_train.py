@@ -7,15 +7,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from chat_helpers import save_chat_run
 
-from llmcli.config import Config, config_from_dict
+from llmcli.config import Config, config_from_dict, dump_yaml
 from llmcli.data.chat_template import default_template
 from llmcli.data.preference_data import PreferenceSampler, preference_token_data
 from llmcli.model.gpt import Transformer
@@ -31,6 +34,8 @@ from llmcli.training.loop import train
 from llmcli.training.plan import format_plan, make_plan
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+ROOT = Path(__file__).resolve().parents[1]
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
@@ -203,3 +208,78 @@ def test_a_resumed_dpo_run_is_bitwise_the_uninterrupted_one(tmp_path: Path, ctrl
     }
     row = f"dpo +beta 0.5 against {re.escape(str(base.resolve()))}; 12 training pairs: 12 kept"
     assert re.search(row, format_info(info))
+
+
+@pytest.mark.slow
+def test_ddp_dpo_on_two_processes_is_one_process_on_the_union_of_their_pairs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import llmcli.training.evaluate
+
+    base = save_chat_run(tmp_path / "base", n_layer=1, n_embed=16, context_length=32)
+    steps = dict(max_steps=6, eval_interval=3, log_interval=3, batch_size=2)
+    config_file = tmp_path / "ddp.yaml"
+    config_file.write_text(dump_yaml(dpo_config(base, tmp_path, **steps)))
+    ddp_dir = tmp_path / "ddp"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    out = subprocess.run(
+        [
+            *command,
+            "-m",
+            "llmcli",
+            "train",
+            str(config_file),
+            "--out",
+            str(ddp_dir),
+            "--no-progress",
+        ],
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+
+    # One process, 4 pairs a batch: rank 0's 2 pairs then rank 1's, chosen rows then rejected.
+    Sampler = PreferenceSampler
+
+    class Union:
+        def __init__(self, pairs, pad_id, batch_size, context_length, seed, rank, world, device):
+            self.parts = [
+                Sampler(pairs, pad_id, batch_size // 2, context_length, seed, r, 2, device)
+                for r in range(2)
+            ]
+
+        def next(self):
+            (ids0, mask0), (ids1, mask1) = (part.next() for part in self.parts)
+            half = len(ids0) // 2
+            ids = torch.cat([ids0[:half], ids1[:half], ids0[half:], ids1[half:]])
+            mask = torch.cat([mask0[:half], mask1[:half], mask0[half:], mask1[half:]])
+            return ids, mask
+
+        def state_dict(self):
+            return {"parts": [part.state_dict() for part in self.parts]}
+
+    monkeypatch.setattr(llmcli.training.evaluate, "PreferenceSampler", Union)
+    one_dir = tmp_path / "one"
+    train(dpo_config(base, tmp_path, **{**steps, "batch_size": 4}), out_dir=one_dir, progress=False)
+
+    ddp, one = (read_metrics(run / "metrics.jsonl") for run in (ddp_dir, one_dir))
+    assert [(r["kind"], r["step"], r["tokens"]) for r in ddp] == [
+        (r["kind"], r["step"], r["tokens"]) for r in one
+    ]
+    for a, b in zip(ddp, one, strict=True):  # the losses and DPO's metrics, averaged over ranks
+        for name in (
+            "train_loss",
+            "grad_norm",
+            "val_loss",
+            "rewards/margins",
+            "val_rewards/margins",
+        ):
+            if name in b:
+                assert a[name] == pytest.approx(b[name], abs=1e-5), (b["step"], name)
+    # (AdamW's update divides by the gradients' size: where they are near 0, the order the
+    # ranks' sums were added in shows in the weights' last digits.)
+    a, b = (read_weights(run / "model.safetensors")[0] for run in (ddp_dir, one_dir))
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-4)
