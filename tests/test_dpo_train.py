@@ -16,11 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from chat_helpers import save_chat_run
+from chat_helpers import CHARS, save_chat_run
+from conftest import save_tiny_run
 
+from llmcli.cli import main
 from llmcli.config import Config, config_from_dict, dump_yaml
 from llmcli.data.chat_template import default_template
 from llmcli.data.preference_data import PreferenceSampler, preference_token_data
+from llmcli.data.tokenizer import CharTokenizer
 from llmcli.model.gpt import Transformer
 from llmcli.runs.formats import load_weights, read_weights
 from llmcli.runs.info import format_info, run_info
@@ -283,3 +286,55 @@ def test_ddp_dpo_on_two_processes_is_one_process_on_the_union_of_their_pairs(
     a, b = (read_weights(run / "model.safetensors")[0] for run in (ddp_dir, one_dir))
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-4)
+
+
+def _train_cli(capsys, *args: object) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", *map(str, args), "--no-progress"])
+    return exit_.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({"prompt": "spell ab", "chosen": "a-b"}, "line 3: a row must be an object with"),
+        ({"prompt": "spell ab", "chosen": "a-b", "rejected": "a-b"}, "line 3: 'chosen' and "),
+        ({"prompt": 5, "chosen": "a-b", "rejected": "no"}, "line 3: 'prompt' must be text or"),
+    ],
+)
+def test_a_bad_row_exits_2_naming_its_line_and_writes_nothing(
+    tmp_path: Path, capsys, row: dict, message: str
+) -> None:
+    base = save_chat_run(tmp_path / "base", n_layer=1, n_embed=16, context_length=32)
+    config = dpo_config(base, tmp_path)
+    write_pairs(Path(config.data.path), [pair(0), pair(1), row, pair(2)])
+    config_file = tmp_path / "dpo.yaml"
+    config_file.write_text(dump_yaml(config))
+    status, err = _train_cli(capsys, config_file, "--out", tmp_path / "run")
+    assert status == 2 and "Traceback" not in err
+    assert f"train.jsonl {message}" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_dpo_without_init_from_and_a_changed_reference_exit_2_and_keep_the_run(
+    tmp_path: Path, capsys
+) -> None:
+    base = save_chat_run(tmp_path / "base", n_layer=1, n_embed=16, context_length=32)
+    config = dpo_config(base, tmp_path, max_steps=2)
+    config_file = tmp_path / "dpo.yaml"
+    config_file.write_text(dump_yaml(config).replace(f"init_from: {base}", "init_from: null"))
+    status, err = _train_cli(capsys, config_file, "--out", tmp_path / "run")
+    assert status == 2 and "set train.init_from to a run directory" in err, err
+    assert not (tmp_path / "run").exists()
+
+    config_file.write_text(dump_yaml(config))
+    assert _train_cli(capsys, config_file, "--out", tmp_path / "run")[0] == 0
+    saved = {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir() if p.is_file()}
+    # The reference run trained on: its tokenizer is not the one the DPO run scored pairs with.
+    save_tiny_run(base, CharTokenizer(CHARS + "#"), {"data": {"format": "chat"}})
+    status, err = _train_cli(
+        capsys, config_file, "--out", tmp_path / "run", "--set", "train.max_steps=4", "--resume"
+    )
+    assert status == 2 and "now has another tokenizer than this DPO run" in err, err
+    after = {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir() if p.is_file()}
+    assert after == saved

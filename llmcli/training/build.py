@@ -343,11 +343,18 @@ def _prepare(
 def _read_data(config: Config, tokenizer: Tokenizer | None) -> TokenData:
     """The run's data: `prepare_data`'s tokens, or for `train.objective: dpo` the preference
     pairs encoded with the `train.init_from` run's tokenizer and chat template (a resumed run's
-    tokenizer, `tokenizer`, is the same one)."""
+    tokenizer, `tokenizer`, must be that one)."""
     if config.train.objective == "dpo":
         init_tokenizer, template = init_encoding(config)
+        if tokenizer is not None and tokenizer.to_json() != init_tokenizer.to_json():
+            raise InputError(
+                f"the reference run '{config.train.init_from}' (train.init_from) now has another "
+                "tokenizer than this DPO run, which started from it: DPO scores both models on "
+                "the same tokens. Point train.init_from at the run this one started from, or "
+                "start afresh with --overwrite."
+            )
         return preference_token_data(
-            config.data, config.model.context_length, tokenizer or init_tokenizer, template
+            config.data, config.model.context_length, init_tokenizer, template
         )
     return prepare_data(config.data, config.model.context_length, tokenizer=tokenizer)
 
