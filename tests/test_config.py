@@ -407,7 +407,6 @@ def test_dpo_reads_preference_pairs_from_a_run_with_beta_by_default() -> None:
         ({}, {"dpo_beta": 0.0}, r"train.dpo_beta \(0.0\) must be > 0"),
         ({}, {"objective": "ppo"}, r"train.objective must be 'next_token' or 'dpo'"),
         ({"format": "pairs"}, {}, r"data.format \('pairs'\) must be .*'preference'"),
-        ({"path": None, "dataset": "x/y"}, {}, r"data.dataset \('x/y'\) is not read"),
     ],
 )
 def test_dpo_config_errors_name_the_fix(data: dict, train: dict, pattern: str) -> None:

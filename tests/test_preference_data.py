@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -118,3 +119,40 @@ def test_sources_that_cannot_train_are_refused_with_the_fix(tmp_path: Path):
         InputError, match=r"p.jsonl line 2: a row must be .* no .chosen., .rejected."
     ):
         prepare(tmp_path, [conversational(1), {"prompt": "x"}])
+
+
+def implicit(row: dict) -> dict:
+    """TRL's implicit-prompt form of an explicit conversational row."""
+    return {key: row["prompt"] + row[key] for key in ("chosen", "rejected")}
+
+
+def test_a_datasets_source_and_implicit_prompts_read_as_the_same_pairs(tmp_path: Path):
+    rows = [conversational(i, reply="yes" * (i % 3 + 1)) for i in range(10)]
+    expected = prepare(tmp_path, rows, val_fraction=0.2)
+    # The same rows through `datasets` (a local JSONL file as data.dataset), half of them
+    # without their prompt, which the shared first messages give.
+    mixed = [implicit(r) if i % 2 else r for i, r in enumerate(rows)]
+    short = write_pairs(tmp_path / "short.jsonl", mixed[:1])
+    cfg = DataConfig(
+        path=None,
+        dataset=str(short),
+        format="preference",
+        val_fraction=0.2,
+        cache_dir=str(tmp_path),
+    )
+    with pytest.raises(InputError, match=r"holds 1 preference pairs: too few"):
+        prepare_preference_data(cfg, 64, chat_tokenizer(), default_template())
+    cfg = dataclasses.replace(cfg, dataset=str(write_pairs(tmp_path / "d.jsonl", mixed)))
+    got = prepare_preference_data(cfg, 64, chat_tokenizer(), default_template())
+    for split in ("train", "val"):
+        a, b = getattr(expected, split), getattr(got, split)
+        assert a.counts == b.counts
+        for name in ("chosen", "chosen_offsets", "rejected", "rejected_offsets", "prompt_lengths"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+
+    bad = write_pairs(tmp_path / "bad.jsonl", [{"prompt": "a", "answer": "b"}])
+    cfg = dataclasses.replace(cfg, dataset=str(bad))
+    with pytest.raises(
+        InputError, match=r"has no 'chosen' and 'rejected' columns .*prompt, answer"
+    ):
+        prepare_preference_data(cfg, 64, chat_tokenizer(), default_template())

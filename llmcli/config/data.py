@@ -35,7 +35,8 @@ class DataConfig:
     # turns only; one longer than the context is cut after a reply that fits, or skipped;
     # preference: TRL's preference pairs for train.objective dpo, rows of {"prompt", "chosen",
     # "rejected"} (text, or messages rendered by the init_from run's chat template) in .jsonl
-    # files (data.path); a pair longer than the context has its completions cut, or is skipped
+    # files (data.path) or a dataset's columns; a pair longer than the context has its
+    # completions cut, or is skipped
     format: str = "text"
     # chat: a Jinja chat template file in Hugging Face's format (default: the built-in one)
     chat_template: str | None = None
@@ -75,14 +76,6 @@ class DataConfig:
             self.format,
             "must be 'text' (plain text), 'chat' (JSONL conversations) or 'preference' (JSONL "
             "preference pairs, for train.objective dpo)",
-        )
-        require(
-            self.format != "preference" or self.path is not None,
-            "data",
-            "dataset",
-            self.dataset,
-            "is not read with data.format: preference yet: give the pairs as .jsonl files in "
-            "data.path",
         )
         require(
             self.chat_template is None or self.format in ("chat", "preference"),

@@ -2,9 +2,11 @@
 trains on.
 
 The pairs are read from `data.path` (a `.jsonl` file, a folder of `.jsonl` files or a glob,
-resolved as chat data's files are) and encoded with the tokenizer and chat template of the run
-DPO starts from (`llmcli.data.preferences.PreferenceEncoder`). The validation split is
-`data.val_path`, else the last `data.val_fraction` of the pairs.
+resolved as chat data's files are) or `data.dataset` (a `datasets` source with `chosen` and
+`rejected` columns, and `prompt` unless it is implicit), and encoded with the tokenizer and chat
+template of the run DPO starts from (`llmcli.data.preferences.PreferenceEncoder`). The
+validation split is `data.val_path` (or `data.val_split`), else the last `data.val_fraction` of
+the pairs.
 
 A pair is two sequences, the prompt then each completion, and both must fit one window of
 `context_length + 1` tokens (the model reads the first `context_length`, and each position's
@@ -24,6 +26,7 @@ import hashlib
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -31,9 +34,16 @@ import torch
 
 from llmcli.data.batches import BatchSampler, stream_seed
 from llmcli.data.chat_template import ChatTemplate
-from llmcli.data.corpus import resolve_files
-from llmcli.data.preferences import EncodedPair, Preference, PreferenceEncoder, read_preferences
-from llmcli.data.prepared import TokenData
+from llmcli.data.corpus import _load_dataset, resolve_files
+from llmcli.data.preferences import (
+    SHAPE,
+    EncodedPair,
+    Preference,
+    PreferenceEncoder,
+    check_preference,
+    read_preferences,
+)
+from llmcli.data.prepared import TokenData, cache_folder, default_cache_dir
 from llmcli.data.tokenizer import Tokenizer
 from llmcli.errors import InputError
 
@@ -125,11 +135,55 @@ def _flat(rows: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return ids, offsets
 
 
-def _read(spec: str, key: str) -> list[Preference]:
+def read_pairs(data_cfg: DataConfig) -> tuple[list[Preference], list[Preference] | None]:
+    """The training pairs and the separate validation ones (None: the last `val_fraction` of
+    the training ones are held out), from JSONL files (`data.path`, `data.val_path`) or a
+    `datasets` source (`data.dataset` with `data.split`, and `data.val_split` or
+    `data.val_path`), read as chat data's conversations are.
+
+    Raises:
+        InputError: a missing or empty source, a malformed row (its file and line, or its
+            dataset row).
+    """
+    if data_cfg.path is not None:
+        if data_cfg.val_split is not None:
+            raise InputError(
+                f"data.val_split ({data_cfg.val_split!r}) applies to data.dataset only; with "
+                "data.path give a separate validation file as data.val_path."
+            )
+        val = _read_files(data_cfg.val_path, "data.val_path") if data_cfg.val_path else None
+        return _read_files(data_cfg.path, "data.path"), val
+    assert data_cfg.dataset is not None  # DataConfig.validate: one of them is set
+    cache = cache_folder(Path(data_cfg.cache_dir or default_cache_dir()))
+    train = _read_dataset(data_cfg.dataset, data_cfg.split, "data.dataset", cache)
+    if data_cfg.val_path is None and data_cfg.val_split is None:
+        return train, None
+    spec = data_cfg.val_path or data_cfg.dataset
+    key = "data.val_path" if data_cfg.val_path else "data.dataset"
+    return train, _read_dataset(spec, data_cfg.val_split or data_cfg.split, key, cache)
+
+
+def _read_files(spec: str, key: str) -> list[Preference]:
     files = resolve_files(spec, key, suffix=".jsonl", what="JSONL")
-    pairs = [pair for path in files for pair in read_preferences(path)]
+    return _some([pair for path in files for pair in read_preferences(path)], f"{key} ({spec!r})")
+
+
+def _read_dataset(spec: str, split: str, key: str, cache: Path) -> list[Preference]:
+    """The rows of a `datasets` source's split, each checked as a JSONL line is."""
+    dataset = _load_dataset(spec, split, key, cache)
+    label = f"{key} ({spec!r}, split {split!r})"
+    if not {"chosen", "rejected"} <= set(dataset.column_names):
+        raise InputError(
+            f"{label} has no 'chosen' and 'rejected' columns (its columns are: "
+            f"{', '.join(dataset.column_names)}): data.format preference reads rows of {SHAPE}."
+        )
+    rows = (check_preference(row, f"{label} row {i}") for i, row in enumerate(dataset))
+    return _some(list(rows), label)
+
+
+def _some(pairs: list[Preference], label: str) -> list[Preference]:
     if not pairs:
-        raise InputError(f"{key} ({spec!r}) holds no preference pairs: add some.")
+        raise InputError(f"{label} holds no preference pairs: add some.")
     return pairs
 
 
@@ -155,16 +209,9 @@ def prepare_preference_data(
             encoder refuses; too few pairs to hold out `val_fraction`; a split whose pairs were
             all skipped.
     """
-    if data_cfg.path is None:
-        raise InputError(
-            "data.format preference reads .jsonl files of pairs: set data.path (data.dataset "
-            "is not read for preference pairs yet)."
-        )
     encoder = PreferenceEncoder(tokenizer, template)
-    train_pairs = _read(data_cfg.path, "data.path")
-    if data_cfg.val_path is not None:
-        val_pairs = _read(data_cfg.val_path, "data.val_path")
-    else:
+    train_pairs, val_pairs = read_pairs(data_cfg)
+    if val_pairs is None:
         n_train = int(len(train_pairs) * (1 - data_cfg.val_fraction))
         if n_train < 1 or n_train == len(train_pairs):
             raise InputError(

@@ -5,7 +5,8 @@ A row is TRL's shape (`DPOTrainer`'s "explicit prompt" preference data), in one 
 - text: `{"prompt": "...", "chosen": "...", "rejected": "..."}`;
 - conversational: `{"prompt": [messages], "chosen": [one assistant message], "rejected": [one
   assistant message]}`, the prompt a conversation that ends with the user's turn
-  (`llmcli.data.conversations.check_messages`).
+  (`llmcli.data.conversations.check_messages`); or TRL's implicit-prompt form, without
+  `prompt`, each reply a whole conversation whose shared first messages are the prompt.
 
 `PreferenceEncoder` turns a pair into ids as TRL's `DPOTrainer._prepare_dataset` does: the prompt
 and each prompt + completion are encoded whole (a conversation through the run's chat template,
@@ -63,6 +64,7 @@ def check_preference(row: Mapping[str, Any], where: str) -> Preference:
             (a text prompt with message replies), a reply that is not one assistant message,
             chosen identical to rejected.
     """
+    row = with_explicit_prompt(row)
     missing = [key for key in KEYS if key not in row]
     if missing:
         raise InputError(
@@ -87,6 +89,28 @@ def check_preference(row: Mapping[str, Any], where: str) -> Preference:
             "learn: fix the row or drop it."
         )
     return Preference(prompt, chosen, rejected, where)
+
+
+def with_explicit_prompt(row: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A row in TRL's implicit-prompt form (no `prompt`; `chosen` and `rejected` whole
+    conversations that share their first messages, as many Hub preference sets are) split as
+    TRL's `extract_prompt` splits it: the shared messages are the prompt, the rest each reply.
+    Any other row is returned as it is."""
+    chosen, rejected = row.get("chosen"), row.get("rejected")
+    # (A `datasets` table whose other rows have a prompt gives this one None.)
+    if row.get("prompt") is not None or not (
+        isinstance(chosen, list) and isinstance(rejected, list)
+    ):
+        return row
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+        shared += 1
+    return {
+        **row,
+        "prompt": chosen[:shared],
+        "chosen": chosen[shared:],
+        "rejected": rejected[shared:],
+    }
 
 
 def _text_reply(reply: Any, key: str, where: str) -> str:
@@ -120,7 +144,7 @@ def read_preferences(path: Path) -> Iterator[Preference]:
     Raises:
         InputError: a line that is not JSON or not a preference row, naming the file and line.
     """
-    for row, where in read_jsonl_rows(path, KEYS, SHAPE):
+    for row, where in read_jsonl_rows(path, KEYS[1:], SHAPE):  # the prompt may be implicit
         yield check_preference(row, where)
 
 
