@@ -127,7 +127,8 @@ def inspect_attention_command(
     typer.echo(format_report(result), nl=False)
 
 
-# eval's --data also takes conversations (on a chat run), which --answers answers.
+# eval's --data also takes conversations (on a chat run), which --answers answers, and
+# preference pairs, which --reference scores against.
 EvalDataOption = Annotated[
     Optional[Path],
     typer.Option(
@@ -135,8 +136,21 @@ EvalDataOption = Annotated[
         "the run's validation split). On a chat run, a .jsonl file of conversations (rows of "
         '{"messages": [{"role", "content"}, ...]}), as its validation split, is scored on the '
         "assistant's tokens only, a conversation too long for the context cut after its last "
-        "assistant turn that fits.",
+        "assistant turn that fits. A .jsonl file of preference pairs (TRL's rows of "
+        '{"prompt", "chosen", "rejected"}, '
+        "text or messages), as a DPO run's validation split, gets DPO's loss, reward accuracy "
+        "and margins against the reference (--reference), and the share of pairs whose chosen "
+        "reply the run scores higher.",
         metavar="PATH",
+    ),
+]
+ReferenceOption = Annotated[
+    Optional[Path],
+    typer.Option(
+        help="With preference pairs: the run DPO's rewards are measured against, with the "
+        "run's tokenizer (default: a DPO run's train.init_from; a run trained otherwise has "
+        "none, and reports its own log-probabilities only).",
+        metavar="RUN",
     ),
 ]
 AnswersOption = Annotated[
@@ -174,7 +188,8 @@ def eval_command(
     batch_size: Annotated[
         Optional[int],
         typer.Option(
-            help="Windows of context_length tokens per batch (default: the run's train.batch_size)."
+            help="Windows of context_length tokens per batch, or conversations, or preference "
+            "pairs (default: the run's train.batch_size)."
         ),
     ] = None,
     ablate: Annotated[
@@ -208,13 +223,16 @@ def eval_command(
         ),
     ] = False,
     answers: AnswersOption = False,
+    reference: ReferenceOption = None,
     threads: RunThreadsOption = None,
     progress: ProgressOption = True,
 ) -> None:
-    """Mean loss, perplexity and bits per byte of a run on its validation split or a text."""
+    """Mean loss, perplexity and bits per byte of a run on its validation split or a text; on
+    conversations, the assistant's loss; on preference pairs, DPO's loss and rewards."""
     import json
 
     from llmcli.evaluation.run import EvalOptions, evaluate_run, format_result
+    from llmcli.training.dpo import reference_model
 
     log_to_stderr()
     options = EvalOptions(
@@ -228,9 +246,18 @@ def eval_command(
         threads=threads,
         answers=answers,
         ablate_feature=tuple(ablate_feature or ()),
+        reference=reference,
     )
     hooks = feature_ablation(options.ablate_feature)
-    result = evaluate_run(checkpoint, data, options, hooks=hooks, progress=progress, notify=notify)
+    result = evaluate_run(
+        checkpoint,
+        data,
+        options,
+        hooks=hooks,
+        load_reference=reference_model,  # a DPO run's reference, built as training builds it
+        progress=progress,
+        notify=notify,
+    )
     summary = result_text(result, json_, format_result)
     if result.per_token is None:
         typer.echo(summary)
