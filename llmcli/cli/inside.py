@@ -162,6 +162,33 @@ AnswersOption = Annotated[
     ),
 ]
 
+# eval's batches: of text windows, conversations or preference pairs.
+EvalStepsOption = Annotated[
+    Optional[int],
+    typer.Option(
+        help="Score only the first N batches (default: all of the data; --steps 20 takes "
+        "seconds on the tiny run).",
+        metavar="N",
+    ),
+]
+EvalBatchSizeOption = Annotated[
+    Optional[int],
+    typer.Option(
+        help="Windows of context_length tokens per batch, or conversations, or preference "
+        "pairs (default: the run's train.batch_size)."
+    ),
+]
+PerTokenOption = Annotated[
+    bool,
+    typer.Option(
+        "--per-token",
+        help="Print each scored token's loss as JSON lines, one object per window: "
+        '{"window": k, "start": s, "ids": [...], "tokens": [...], "losses": [...]}, '
+        "tokens[i] being token s+1+i of the text and losses[i] its loss in nats; the "
+        "summary goes to stderr (as JSON with --json).",
+    ),
+]
+
 # eval's --ablate-feature: SAE features removed at their hook points (`feature_ablation`).
 AblateFeatureOption = Annotated[
     Optional[list[str]],
@@ -177,21 +204,8 @@ AblateFeatureOption = Annotated[
 def eval_command(
     checkpoint: CheckpointOption = None,
     data: EvalDataOption = None,
-    steps: Annotated[
-        Optional[int],
-        typer.Option(
-            help="Score only the first N batches (default: the whole text; --steps 20 takes "
-            "seconds on the tiny run).",
-            metavar="N",
-        ),
-    ] = None,
-    batch_size: Annotated[
-        Optional[int],
-        typer.Option(
-            help="Windows of context_length tokens per batch, or conversations, or preference "
-            "pairs (default: the run's train.batch_size)."
-        ),
-    ] = None,
+    steps: EvalStepsOption = None,
+    batch_size: EvalBatchSizeOption = None,
     ablate: Annotated[
         Optional[list[str]],
         typer.Option(
@@ -212,16 +226,7 @@ def eval_command(
     weights: WeightsOption = "best",
     device: DeviceOption = "auto",
     json_: JsonOption = False,
-    per_token: Annotated[
-        bool,
-        typer.Option(
-            "--per-token",
-            help="Print each scored token's loss as JSON lines, one object per window: "
-            '{"window": k, "start": s, "ids": [...], "tokens": [...], "losses": [...]}, '
-            "tokens[i] being token s+1+i of the text and losses[i] its loss in nats; the "
-            "summary goes to stderr (as JSON with --json).",
-        ),
-    ] = False,
+    per_token: PerTokenOption = False,
     answers: AnswersOption = False,
     reference: ReferenceOption = None,
     threads: RunThreadsOption = None,
@@ -249,15 +254,9 @@ def eval_command(
         reference=reference,
     )
     hooks = feature_ablation(options.ablate_feature)
-    result = evaluate_run(
-        checkpoint,
-        data,
-        options,
-        hooks=hooks,
-        load_reference=reference_model,  # a DPO run's reference, built as training builds it
-        progress=progress,
-        notify=notify,
-    )
+    # A DPO run's reference is built as training builds it: evaluation sits below training.
+    evaluate = partial(evaluate_run, load_reference=reference_model, notify=notify)
+    result = evaluate(checkpoint, data, options, hooks=hooks, progress=progress)
     summary = result_text(result, json_, format_result)
     if result.per_token is None:
         typer.echo(summary)
