@@ -180,6 +180,8 @@ def test_without_data_a_dpo_run_scores_its_validation_pairs(runs, capsys):
     code, out, err = run_eval(capsys, runs["dpo"], "--json")
     assert code == 0, err
     split = json.loads(out)
+    counts = ("pairs", "truncated", "skipped", "skipped_at")
+    assert {*TRL_NAMES, "logps/accuracies", *counts, "reference", "beta", "per_pair"} <= set(split)
     assert split["data"] == f"validation pairs of {runs['val']}" and split["pairs"] == 3
     code, out, err = run_eval(capsys, runs["dpo"], "--data", runs["val"], "--json")
     assert code == 0, err
