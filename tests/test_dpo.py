@@ -6,7 +6,8 @@ import pytest
 import torch
 from model_helpers import assert_close, gen, randomize_, tiny_model
 
-from llmcli.training.dpo import dpo_loss, dpo_step, sequence_logps
+from llmcli.evaluation.preference_scores import dpo_loss, sequence_logps
+from llmcli.training.dpo import dpo_step
 
 BETA = 0.1
 TRL_NAMES = {

@@ -16,6 +16,7 @@ from llmcli.data.chat_template import default_template
 from llmcli.data.preference_data import (
     PreferenceSampler,
     fit_pair,
+    pair_batch,
     prepare_preference_data,
 )
 from llmcli.data.preferences import EncodedPair
@@ -71,6 +72,11 @@ def test_pairs_are_split_counted_and_drawn_as_chosen_then_rejected_rows(tmp_path
     # the window.
     assert data.train.counts == {"pairs": 8, "kept": 8, "truncated": 0, "skipped": 0}
     assert data.val.counts == {"pairs": 3, "kept": 1, "truncated": 1, "skipped": 1}
+    source = tmp_path / "p.jsonl"
+    assert data.val.where == [f"{source} line 9", f"{source} line 11"]
+    assert data.val.truncated.tolist() == [False, True]
+    assert data.val.skipped_at == [f"{source} line 10"]
+    assert data.train.where[0] == f"{source} line 1" and not data.train.truncated.any()
 
     T = 64
     sampler = PreferenceSampler(data.train, data.pad_id, batch_size=3, context_length=T, seed=0)
@@ -91,6 +97,24 @@ def test_pairs_are_split_counted_and_drawn_as_chosen_then_rejected_rows(tmp_path
     val = PreferenceSampler(data.val, data.pad_id, batch_size=4, context_length=T, seed=0)
     x, mask = val.next()
     assert int(mask.sum(dim=1).max()) <= T + 1
+
+
+def test_a_batch_in_order_is_padded_to_its_longest_sequence(tmp_path: Path):
+    data = prepare(tmp_path, [conversational(i, "y" * (3 * i + 1)) for i in range(6)])
+    ids, mask = pair_batch(data.train, [3, 0], data.pad_id)
+    split = data.train
+    lengths = [
+        np.diff(offsets)[[3, 0]] for offsets in (split.chosen_offsets, split.rejected_offsets)
+    ]
+    assert ids.shape == mask.shape == (4, max(int(n.max()) for n in lengths))
+    # Row 0 is pair 3's chosen sequence whole, row 3 pair 0's rejected one, then padding.
+    chosen = split.chosen[split.chosen_offsets[3] : split.chosen_offsets[4]]
+    assert ids[0, : len(chosen)].tolist() == chosen.tolist()
+    rejected = split.rejected[split.rejected_offsets[0] : split.rejected_offsets[1]]
+    assert ids[3, : len(rejected)].tolist() == rejected.tolist()
+    assert (ids[3, len(rejected) :] == data.pad_id).all()
+    assert mask[3].nonzero()[0].item() == split.prompt_lengths[0]
+    assert not mask[3, len(rejected) :].any()
 
 
 def test_the_sampler_is_seeded_and_resumes_its_stream(tmp_path: Path):

@@ -127,7 +127,8 @@ def inspect_attention_command(
     typer.echo(format_report(result), nl=False)
 
 
-# eval's --data also takes conversations (on a chat run), which --answers answers.
+# eval's --data also takes conversations (on a chat run), which --answers answers, and
+# preference pairs, which --reference scores against.
 EvalDataOption = Annotated[
     Optional[Path],
     typer.Option(
@@ -135,8 +136,21 @@ EvalDataOption = Annotated[
         "the run's validation split). On a chat run, a .jsonl file of conversations (rows of "
         '{"messages": [{"role", "content"}, ...]}), as its validation split, is scored on the '
         "assistant's tokens only, a conversation too long for the context cut after its last "
-        "assistant turn that fits.",
+        "assistant turn that fits. A .jsonl file of preference pairs (TRL's rows of "
+        '{"prompt", "chosen", "rejected"}, '
+        "text or messages), as a DPO run's validation split, gets DPO's loss, reward accuracy "
+        "and margins against the reference (--reference), and the share of pairs whose chosen "
+        "reply the run scores higher.",
         metavar="PATH",
+    ),
+]
+ReferenceOption = Annotated[
+    Optional[Path],
+    typer.Option(
+        help="With preference pairs: the run DPO's rewards are measured against, with the "
+        "run's tokenizer (default: a DPO run's train.init_from; a run trained otherwise has "
+        "none, and reports its own log-probabilities only).",
+        metavar="RUN",
     ),
 ]
 AnswersOption = Annotated[
@@ -145,6 +159,33 @@ AnswersOption = Annotated[
         "--answers",
         help="With conversations (--data FILE.jsonl): also reply greedily to each assistant "
         "turn and count the replies exactly equal to it (--json lists each expected and got).",
+    ),
+]
+
+# eval's batches: of text windows, conversations or preference pairs.
+EvalStepsOption = Annotated[
+    Optional[int],
+    typer.Option(
+        help="Score only the first N batches (default: all of the data; --steps 20 takes "
+        "seconds on the tiny run).",
+        metavar="N",
+    ),
+]
+EvalBatchSizeOption = Annotated[
+    Optional[int],
+    typer.Option(
+        help="Windows of context_length tokens per batch, or conversations, or preference "
+        "pairs (default: the run's train.batch_size)."
+    ),
+]
+PerTokenOption = Annotated[
+    bool,
+    typer.Option(
+        "--per-token",
+        help="Print each scored token's loss as JSON lines, one object per window: "
+        '{"window": k, "start": s, "ids": [...], "tokens": [...], "losses": [...]}, '
+        "tokens[i] being token s+1+i of the text and losses[i] its loss in nats; the "
+        "summary goes to stderr (as JSON with --json).",
     ),
 ]
 
@@ -163,20 +204,8 @@ AblateFeatureOption = Annotated[
 def eval_command(
     checkpoint: CheckpointOption = None,
     data: EvalDataOption = None,
-    steps: Annotated[
-        Optional[int],
-        typer.Option(
-            help="Score only the first N batches (default: the whole text; --steps 20 takes "
-            "seconds on the tiny run).",
-            metavar="N",
-        ),
-    ] = None,
-    batch_size: Annotated[
-        Optional[int],
-        typer.Option(
-            help="Windows of context_length tokens per batch (default: the run's train.batch_size)."
-        ),
-    ] = None,
+    steps: EvalStepsOption = None,
+    batch_size: EvalBatchSizeOption = None,
     ablate: Annotated[
         Optional[list[str]],
         typer.Option(
@@ -197,24 +226,18 @@ def eval_command(
     weights: WeightsOption = "best",
     device: DeviceOption = "auto",
     json_: JsonOption = False,
-    per_token: Annotated[
-        bool,
-        typer.Option(
-            "--per-token",
-            help="Print each scored token's loss as JSON lines, one object per window: "
-            '{"window": k, "start": s, "ids": [...], "tokens": [...], "losses": [...]}, '
-            "tokens[i] being token s+1+i of the text and losses[i] its loss in nats; the "
-            "summary goes to stderr (as JSON with --json).",
-        ),
-    ] = False,
+    per_token: PerTokenOption = False,
     answers: AnswersOption = False,
+    reference: ReferenceOption = None,
     threads: RunThreadsOption = None,
     progress: ProgressOption = True,
 ) -> None:
-    """Mean loss, perplexity and bits per byte of a run on its validation split or a text."""
+    """Mean loss, perplexity and bits per byte of a run on its validation split or a text; on
+    conversations, the assistant's loss; on preference pairs, DPO's loss and rewards."""
     import json
 
     from llmcli.evaluation.run import EvalOptions, evaluate_run, format_result
+    from llmcli.training.dpo import reference_model
 
     log_to_stderr()
     options = EvalOptions(
@@ -228,9 +251,12 @@ def eval_command(
         threads=threads,
         answers=answers,
         ablate_feature=tuple(ablate_feature or ()),
+        reference=reference,
     )
     hooks = feature_ablation(options.ablate_feature)
-    result = evaluate_run(checkpoint, data, options, hooks=hooks, progress=progress, notify=notify)
+    # A DPO run's reference is built as training builds it: evaluation sits below training.
+    evaluate = partial(evaluate_run, load_reference=reference_model, notify=notify)
+    result = evaluate(checkpoint, data, options, hooks=hooks, progress=progress)
     summary = result_text(result, json_, format_result)
     if result.per_token is None:
         typer.echo(summary)

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +60,8 @@ class PreferenceSplit:
     `chosen` and `rejected` hold each pair's whole sequence (prompt then completion), pair i at
     `chosen[chosen_offsets[i]:chosen_offsets[i + 1]]` (likewise rejected); `prompt_lengths[i]`
     is how many of its first tokens are the prompt. `counts`: pairs, kept, truncated, skipped.
+    `where` names each kept pair's row ("prefs.jsonl line 4") and `truncated` says whether its
+    completions were cut; `skipped_at` names the rows left out.
     """
 
     chosen: np.ndarray  # (N_c,) int64
@@ -68,6 +70,9 @@ class PreferenceSplit:
     rejected_offsets: np.ndarray  # (P + 1,) int64
     prompt_lengths: np.ndarray  # (P,) int64
     counts: dict[str, int]
+    where: list[str] = field(default_factory=list)  # (P,)
+    truncated: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))  # (P,)
+    skipped_at: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.prompt_lengths)
@@ -115,16 +120,29 @@ def encode_split(
     chosen: list[np.ndarray] = []
     rejected: list[np.ndarray] = []
     prompts: list[int] = []
+    where: list[str] = []
+    truncated: list[bool] = []
+    skipped_at: list[str] = []
     for pair in pairs:
         counts["pairs"] += 1
         fitted, outcome = fit_pair(encoder.encode(pair), context_length + 1)
         counts[outcome] += 1
-        if fitted is not None:
-            chosen.append(np.concatenate([fitted.prompt, fitted.chosen]))
-            rejected.append(np.concatenate([fitted.prompt, fitted.rejected]))
-            prompts.append(len(fitted.prompt))
+        if fitted is None:
+            skipped_at.append(pair.where)
+            continue
+        chosen.append(np.concatenate([fitted.prompt, fitted.chosen]))
+        rejected.append(np.concatenate([fitted.prompt, fitted.rejected]))
+        prompts.append(len(fitted.prompt))
+        where.append(pair.where)
+        truncated.append(outcome == "truncated")
     return PreferenceSplit(
-        *_flat(chosen), *_flat(rejected), np.asarray(prompts, dtype=np.int64), counts
+        *_flat(chosen),
+        *_flat(rejected),
+        np.asarray(prompts, dtype=np.int64),
+        counts,
+        where,
+        np.asarray(truncated, dtype=bool),
+        skipped_at,
     )
 
 
@@ -233,8 +251,7 @@ def prepare_preference_data(
     log.info(
         "preference data: %s; %s", _describe("train", train.counts), _describe("val", val.counts)
     )
-    pad_id = encoder.conversations.end_id if encoder.conversations is not None else 0
-    return PreferenceData(train, val, pad_id, template)
+    return PreferenceData(train, val, encoder.pad_id, template)
 
 
 def preference_token_data(
@@ -253,6 +270,27 @@ def preference_token_data(
         digest.update(split.prompt_lengths.tobytes())
     empty = np.zeros(0, dtype=np.int64)
     return TokenData(tokenizer, empty, empty, digest.hexdigest(), preference=pairs)
+
+
+def pair_batch(
+    split: PreferenceSplit, picks: Sequence[int], pad_id: int, length: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pairs `picks` of `split` as one batch: `ids` `(2B, L)` int64 and `completion_mask`
+    `(2B, L)` bool, True on each completion's tokens; rows `:B` are the chosen sequences, `B:`
+    the rejected ones (row i and row B + i are pair `picks[i]`), each padded with `pad_id`
+    after its end to `length` tokens (None: the batch's longest sequence)."""
+    B = len(picks)
+    halves = ((split.chosen, split.chosen_offsets), (split.rejected, split.rejected_offsets))
+    if length is None:
+        length = max(int(np.diff(offsets)[list(picks)].max()) for _, offsets in halves)
+    ids = np.full((2 * B, length), pad_id, dtype=np.int64)  # (2B, L)
+    mask = np.zeros(ids.shape, dtype=bool)  # (2B, L)
+    for half, (tokens, offsets) in enumerate(halves):
+        for i, k in enumerate(picks):
+            row, start, stop = half * B + i, offsets[k], offsets[k + 1]
+            ids[row, : stop - start] = tokens[start:stop]
+            mask[row, split.prompt_lengths[k] : stop - start] = True
+    return torch.from_numpy(ids), torch.from_numpy(mask)
 
 
 class PreferenceSampler:
@@ -297,20 +335,10 @@ class PreferenceSampler:
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next batch: `ids` `(2B, T+1)` int64 and `completion_mask` `(2B, T+1)` bool, True
         on each completion's tokens; rows `:B` are the chosen sequences, `B:` the rejected."""
-        B, split = self.batch_size, self.split
-        picks = torch.randint(len(split), (B,), generator=self.generator).tolist()
-        ids = np.full((2 * B, self.context_length + 1), self.pad_id, dtype=np.int64)  # (2B, T+1)
-        mask = np.zeros(ids.shape, dtype=bool)  # (2B, T+1)
-        for half, (tokens, offsets) in enumerate(
-            ((split.chosen, split.chosen_offsets), (split.rejected, split.rejected_offsets))
-        ):
-            for i, k in enumerate(picks):
-                row, start, stop = half * B + i, offsets[k], offsets[k + 1]
-                ids[row, : stop - start] = tokens[start:stop]
-                mask[row, split.prompt_lengths[k] : stop - start] = True
+        picks = torch.randint(len(self.split), (self.batch_size,), generator=self.generator)
+        ids, mask = pair_batch(self.split, picks.tolist(), self.pad_id, self.context_length + 1)
         self.batches += 1
-        ids_t, mask_t = torch.from_numpy(ids), torch.from_numpy(mask)
-        return ids_t.to(self.device), mask_t.to(self.device)
+        return ids.to(self.device), mask.to(self.device)
 
     __next__ = next
 

@@ -15,7 +15,8 @@ with both (tokens may merge across the join, and a template may render a prompt 
 A text completion gets the end-of-text token appended first, as TRL appends `eos_token` to text
 completions; a conversational one ends with the end-of-turn token the template writes.
 
-The training objective that reads these pairs (`train.objective: dpo`) is still to come.
+DPO trains on these pairs (`train.objective: dpo`, `llmcli.training.dpo`), and `llmcli eval` scores
+a run on them (`llmcli.evaluation.preferences`).
 """
 
 from __future__ import annotations
@@ -168,6 +169,12 @@ class PreferenceEncoder:
         self.tokenizer = tokenizer
         self.conversations = None if template is None else ConversationEncoder(template, tokenizer)
         self.eot = eot_text(tokenizer)
+
+    @property
+    def pad_id(self) -> int:
+        """The id after a sequence's end in a batch (never scored): the end-of-turn token with
+        a template, else 0."""
+        return self.conversations.end_id if self.conversations is not None else 0
 
     def encode(self, pair: Preference) -> EncodedPair:
         """`pair`'s prompt and completion ids, as TRL's `DPOTrainer` tokenizes the row.

@@ -11,7 +11,9 @@ A caller's own hook functions (the command line's `--ablate-feature`, SAE featur
 in as `hooks`, made from the loaded model, and run after the heads'.
 A `.jsonl` file is conversations instead, as a chat run's validation split is: scored on the
 assistant's tokens (`llmcli.evaluation.chat`), with `answers` also the exact-match rate of
-greedy replies.
+greedy replies. Preference pairs (a `.jsonl` file of TRL's rows, any `.jsonl` file but
+conversations on a DPO run, or a DPO run's own validation pairs) are scored as DPO scores them,
+against the run's reference (`llmcli.evaluation.preferences`).
 
 Figures, over the predicted tokens:
 - `loss`: mean cross-entropy in nats per token; `perplexity = exp(loss)`;
@@ -44,6 +46,15 @@ from llmcli.evaluation.chat import (
 )
 from llmcli.evaluation.heads import ablation_hooks, check_method, head_means, parse_ablate
 from llmcli.evaluation.metrics import perplexity
+from llmcli.evaluation.preferences import (
+    PreferenceEvalResult,
+    Reference,
+    ReferenceLoader,
+    evaluate_preferences,
+    format_preference_result,
+    is_preference_data,
+    pair_reference,
+)
 from llmcli.evaluation.text import (
     eval_tokens,
     per_token_records,
@@ -110,6 +121,8 @@ class EvalOptions:
             each (`--ablate-feature`): named in the result, refused on conversations.
         answers: with conversations (`--data FILE.jsonl` on a chat run), also answer every
             assistant turn greedily and count the exact matches (`llmcli.evaluation.chat`).
+        reference: with preference pairs, the run DPO's rewards are measured against (None: a
+            DPO run's `train.init_from`; a run trained otherwise has none).
 
     Raises:
         InputError: `steps` or `batch_size` below 1, an unknown `ablation`, or one without
@@ -126,6 +139,7 @@ class EvalOptions:
     threads: int | None = None
     answers: bool = False
     ablate_feature: Sequence[str] = ()
+    reference: str | Path | None = None
 
     def __post_init__(self) -> None:
         check_threads(self.threads)
@@ -154,22 +168,28 @@ def evaluate_run(
     options: EvalOptions = EvalOptions(),
     *,
     hooks: Hooks | None = None,
+    load_reference: ReferenceLoader | None = None,
     progress: bool = False,
     notify: Callable[[str], None] | None = None,
-) -> EvalResult | ChatEvalResult:
+) -> EvalResult | ChatEvalResult | PreferenceEvalResult:
     """Mean loss, perplexity and bits per byte of a run's model on a text; on conversations
-    (a `.jsonl` `data`), the assistant tokens' loss (`llmcli.evaluation.chat`).
+    (a `.jsonl` `data`), the assistant tokens' loss (`llmcli.evaluation.chat`); on preference
+    pairs, DPO's loss and rewards (`llmcli.evaluation.preferences`).
 
     Args:
         checkpoint: a run directory (None: the latest run under `checkpoints/`).
-        data: a UTF-8 text file to score (None: the run's validation split, see `eval_tokens`),
-            or a `.jsonl` file of conversations, which needs a chat run.
+        data: a UTF-8 text file to score (None: the run's validation split, see `eval_tokens`,
+            or a DPO run's validation pairs), a `.jsonl` file of conversations, which needs a
+            chat run, or one of preference pairs (`preferences.is_preference_data`).
         options: how many batches of what size, the heads to remove and how, which weights and
             the device (see `EvalOptions`, checked as it was made).
         hooks: more hook functions while the text is scored, run after the removed heads':
             `{hook point: function or list}`, or a function of the loaded model that returns
             them (the command line's `--ablate-feature`: `options.ablate_feature` names what
             they remove). Text only: refused on conversations, as `--ablate-feature` is.
+        load_reference: builds a DPO run's reference from its config, as training does
+            (`llmcli.training.dpo.reference_model`, which the command line passes: evaluation
+            sits below training); needed for a DPO run's pairs without `options.reference`.
         progress: show progress (a bar on a terminal, plain lines elsewhere): of the scoring
             pass, and of the first pass that mean ablation needs.
         notify: called with one line per warning (installed versions differ from the run's).
@@ -177,8 +197,10 @@ def evaluate_run(
     Raises:
         InputError: a bad run directory or data file, a head of `options.ablate` the model does
             not have (see `eval_tokens`, `ablation.parse_ablate`); conversations on a run with
-            no chat template; `options.answers` without conversations.
-        ValueError: `options.ablate_feature` without the `hooks` that remove them.
+            no chat template; `options.answers` without conversations; `options.reference`
+            without pairs, or with another tokenizer than the run's.
+        ValueError: `options.ablate_feature` without the `hooks` that remove them; a DPO run's
+            pairs without `load_reference` or `options.reference`.
     """
     if options.ablate_feature and hooks is None:
         raise ValueError("options.ablate_feature names what `hooks` remove: pass the hooks too.")
@@ -186,8 +208,18 @@ def evaluate_run(
     dev = resolve_device(options.device, what="--device")
     run = load_run(checkpoint, weights=options.weights, device=dev, notify=notify)
     with torch_threads(options.threads or run.config.train.threads):
+        if is_preference_data(data, run.config.train.objective == "dpo"):
+            _refuse_text_options(options, hooks, "preference pairs", answers=True)
+            reference = pair_reference(run, options.reference, load_reference, dev, notify)
+            return _evaluate_pairs(run, data, reference, options, t0, progress=progress)
+        if options.reference is not None:
+            raise InputError(
+                "--reference is what DPO's rewards on preference pairs are measured against: "
+                'give pairs as --data FILE.jsonl (rows of {"prompt", "chosen", "rejected"}), or '
+                "drop it."
+            )
         if is_conversations(data) or (data is None and run.config.data.format == "chat"):
-            _refuse_text_options(options, hooks)
+            _refuse_text_options(options, hooks, "conversations")
             return _evaluate_chat(run, data, options, t0, progress=progress)
         if options.answers:
             raise InputError(
@@ -197,15 +229,21 @@ def evaluate_run(
         return _evaluate(run, data, options, t0, hooks=hooks, progress=progress)
 
 
-def _refuse_text_options(options: EvalOptions, hooks: Hooks | None) -> None:
-    """Refuse, on conversations, what applies to text windows only."""
+def _refuse_text_options(
+    options: EvalOptions, hooks: Hooks | None, what: str, *, answers: bool = False
+) -> None:
+    """Refuse, on `what` (conversations, preference pairs), what applies to text windows only
+    (and with `answers`, `--answers`, which answers conversations)."""
     refused = {"--ablate": options.ablate, "--per-token": options.per_token}
     refused["--ablate-feature"] = bool(options.ablate_feature) or hooks is not None
     option = next((name for name, given in refused.items() if given), None)
     if option is not None:
         raise InputError(
-            f"{option} scores text windows, not conversations: drop it, or give a text file "
-            "as --data."
+            f"{option} scores text windows, not {what}: drop it, or give a text file as --data."
+        )
+    if answers and options.answers:
+        raise InputError(
+            f"--answers replies to the assistant's turns of conversations, not {what}: drop it."
         )
 
 
@@ -219,6 +257,27 @@ def _evaluate_chat(
         options.batch_size or run.config.train.batch_size,
         steps=options.steps,
         answers=options.answers,
+        progress=progress,
+        t0=t0,
+    )
+
+
+def _evaluate_pairs(
+    run: Any,
+    data: str | Path | None,
+    reference: Reference | None,
+    options: EvalOptions,
+    t0: float,
+    *,
+    progress: bool,
+) -> PreferenceEvalResult:
+    """`evaluate_run` on preference pairs (`llmcli.evaluation.preferences`)."""
+    return evaluate_preferences(
+        run,
+        None if data is None else Path(data),
+        reference,
+        options.batch_size or run.config.train.batch_size,
+        steps=options.steps,
         progress=progress,
         t0=t0,
     )
@@ -285,10 +344,12 @@ def _evaluate(
     )
 
 
-def format_result(result: EvalResult | ChatEvalResult) -> str:
+def format_result(result: EvalResult | ChatEvalResult | PreferenceEvalResult) -> str:
     """A few human-readable lines."""
     if isinstance(result, ChatEvalResult):
         return format_chat_result(result)
+    if isinstance(result, PreferenceEvalResult):
+        return format_preference_result(result)
     text = (
         f"run {result.run_dir} (step {result.step}, {Path(result.weights).name})\n"
         f"data: {result.data}: {result.tokens:,} tokens predicted, {result.bytes:,} bytes, "
