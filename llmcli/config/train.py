@@ -126,21 +126,6 @@ class TrainConfig:
             require(getattr(self, key) > 0, "train", key, getattr(self, key), "must be positive")
         self._validate_batch()
         require(self.lr > 0, "train", "lr", self.lr, "must be > 0")
-        require(
-            math.isfinite(self.dpo_beta) and self.dpo_beta > 0,
-            "train",
-            "dpo_beta",
-            self.dpo_beta,
-            "must be > 0",
-        )
-        require(
-            self.objective != "dpo" or self.init_from is not None,
-            "train",
-            "objective",
-            self.objective,
-            "starts from a trained run, which stays the frozen reference: set train.init_from "
-            "to a run directory (a chat run, for conversational pairs)",
-        )
         require(self.muon_lr > 0, "train", "muon_lr", self.muon_lr, "must be > 0")
         require(
             0 <= self.muon_momentum < 1,
@@ -202,8 +187,27 @@ class TrainConfig:
                 value,
                 "must be positive, or null to save only at evaluations",
             )
+        self._validate_objective()
         self._validate_loggers()
         self._validate_guard()
+
+    def _validate_objective(self) -> None:
+        """DPO's beta, and its reference: the run it starts from."""
+        require(
+            math.isfinite(self.dpo_beta) and self.dpo_beta > 0,
+            "train",
+            "dpo_beta",
+            self.dpo_beta,
+            "must be > 0",
+        )
+        require(
+            self.objective != "dpo" or self.init_from is not None,
+            "train",
+            "objective",
+            self.objective,
+            "starts from a trained run, which stays the frozen reference: set train.init_from "
+            "to a run directory (a chat run, for conversational pairs)",
+        )
 
     def _validate_guard(self) -> None:
         for key, ok, rule in (

@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +42,13 @@ from llmcli.data.preferences import (
     check_preference,
     read_preferences,
 )
-from llmcli.data.prepared import TokenData, cache_folder, default_cache_dir
+from llmcli.data.prepared import (
+    PreferenceData,
+    PreferenceSplit,
+    TokenData,
+    cache_folder,
+    default_cache_dir,
+)
 from llmcli.data.tokenizer import Tokenizer
 from llmcli.errors import InputError
 
@@ -51,46 +56,6 @@ if TYPE_CHECKING:
     from llmcli.config import DataConfig
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class PreferenceSplit:
-    """A split's pairs that fit, as flat arrays.
-
-    `chosen` and `rejected` hold each pair's whole sequence (prompt then completion), pair i at
-    `chosen[chosen_offsets[i]:chosen_offsets[i + 1]]` (likewise rejected); `prompt_lengths[i]`
-    is how many of its first tokens are the prompt. `counts`: pairs, kept, truncated, skipped.
-    `where` names each kept pair's row ("prefs.jsonl line 4") and `truncated` says whether its
-    completions were cut; `skipped_at` names the rows left out.
-    """
-
-    chosen: np.ndarray  # (N_c,) int64
-    chosen_offsets: np.ndarray  # (P + 1,) int64
-    rejected: np.ndarray  # (N_r,) int64
-    rejected_offsets: np.ndarray  # (P + 1,) int64
-    prompt_lengths: np.ndarray  # (P,) int64
-    counts: dict[str, int]
-    where: list[str] = field(default_factory=list)  # (P,)
-    truncated: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))  # (P,)
-    skipped_at: list[str] = field(default_factory=list)
-
-    def __len__(self) -> int:
-        return len(self.prompt_lengths)
-
-
-@dataclass
-class PreferenceData:
-    """Both splits, the id that pads a batch's rows after their ends, and the chat template
-    the pairs were encoded with (None: text rows only)."""
-
-    train: PreferenceSplit
-    val: PreferenceSplit
-    pad_id: int
-    template: ChatTemplate | None = None
-
-    def counts(self) -> dict[str, dict[str, int]]:
-        """Each split's pair counts (for meta.json): pairs, kept, truncated, skipped."""
-        return {"train": self.train.counts, "val": self.val.counts}
 
 
 def fit_pair(pair: EncodedPair, limit: int) -> tuple[EncodedPair | None, str]:

@@ -3,7 +3,8 @@
 `TokenData` is what `llmcli.data.tokens.prepare_data` returns: the train and validation ids as
 memory maps of the cache's token files, with the tokenizer and the key of the sources; for
 conversations (`data.format: chat`, `llmcli.data.chat`) also `ChatData`, each split's loss mask
-and windows. The cache folder is the `cache_dir` argument, else `data.cache_dir`, else
+and windows; for preference pairs (`data.format: preference`, `llmcli.data.preference_data`)
+`PreferenceData`. The cache folder is the `cache_dir` argument, else `data.cache_dir`, else
 `$LLMCLI_CACHE`, else `$XDG_CACHE_HOME/llmcli`, else `~/.cache/llmcli`.
 """
 
@@ -12,7 +13,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -20,9 +20,6 @@ from llmcli.data.chat_template import ChatTemplate
 from llmcli.data.tokenizer import Tokenizer
 from llmcli.errors import InputError
 from llmcli.fileio import JSONFileError, read_json
-
-if TYPE_CHECKING:
-    from llmcli.data.preference_data import PreferenceData
 
 
 def default_cache_dir() -> Path:
@@ -92,6 +89,46 @@ class ChatData:
 
     def counts(self) -> dict[str, dict[str, int]]:
         """Each split's conversation counts (for meta.json)."""
+        return {"train": self.train.counts, "val": self.val.counts}
+
+
+@dataclass
+class PreferenceSplit:
+    """A split's pairs that fit, as flat arrays.
+
+    `chosen` and `rejected` hold each pair's whole sequence (prompt then completion), pair i at
+    `chosen[chosen_offsets[i]:chosen_offsets[i + 1]]` (likewise rejected); `prompt_lengths[i]`
+    is how many of its first tokens are the prompt. `counts`: pairs, kept, truncated, skipped.
+    `where` names each kept pair's row ("prefs.jsonl line 4") and `truncated` says whether its
+    completions were cut; `skipped_at` names the rows left out.
+    """
+
+    chosen: np.ndarray  # (N_c,) int64
+    chosen_offsets: np.ndarray  # (P + 1,) int64
+    rejected: np.ndarray  # (N_r,) int64
+    rejected_offsets: np.ndarray  # (P + 1,) int64
+    prompt_lengths: np.ndarray  # (P,) int64
+    counts: dict[str, int]
+    where: list[str] = field(default_factory=list)  # (P,)
+    truncated: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))  # (P,)
+    skipped_at: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.prompt_lengths)
+
+
+@dataclass
+class PreferenceData:
+    """Both splits, the id that pads a batch's rows after their ends, and the chat template
+    the pairs were encoded with (None: text rows only)."""
+
+    train: PreferenceSplit
+    val: PreferenceSplit
+    pad_id: int
+    template: ChatTemplate | None = None
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """Each split's pair counts (for meta.json): pairs, kept, truncated, skipped."""
         return {"train": self.train.counts, "val": self.val.counts}
 
 
