@@ -36,8 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from llmcli.config import ModelConfig, TrainConfig  # noqa: E402
+from llmcli.evaluation.preference_scores import dpo_loss, target_logps  # noqa: E402
 from llmcli.model.gpt import Transformer  # noqa: E402
-from llmcli.training.dpo import dpo_loss, dpo_objective, target_logps  # noqa: E402
+from llmcli.training.dpo import dpo_objective  # noqa: E402
 from llmcli.training.optim import build_optimizer  # noqa: E402
 from llmcli.training.precision import Precision  # noqa: E402
 from llmcli.training.step import Trainer, train_step  # noqa: E402

@@ -2,7 +2,6 @@
 step's gradients, and TRL's own log-softmax."""
 
 import numpy as np
-import pytest
 import torch
 from model_helpers import assert_close, gen, randomize_, tiny_model
 

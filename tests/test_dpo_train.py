@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from chat_helpers import CHARS, save_chat_run
@@ -22,15 +23,16 @@ from conftest import save_tiny_run
 from llmcli.cli import main
 from llmcli.config import Config, config_from_dict, dump_yaml
 from llmcli.data.chat_template import default_template
-from llmcli.data.preference_data import PreferenceSampler, preference_token_data
+from llmcli.data.preference_data import PreferenceSampler, pair_batch, preference_token_data
 from llmcli.data.tokenizer import CharTokenizer
+from llmcli.evaluation.preference_scores import completion_logps
 from llmcli.model.gpt import Transformer
 from llmcli.runs.formats import load_weights, read_weights
 from llmcli.runs.info import format_info, run_info
 from llmcli.runs.loading import load_run, load_tokenizer_file
 from llmcli.runs.metrics import read_metrics
 from llmcli.training import build
-from llmcli.training.dpo import dpo_step
+from llmcli.training.dpo import dpo_step, score_pairs_once
 from llmcli.training.evaluate import EVAL_SEED_OFFSET
 from llmcli.training.init_from import load_init_weights, resolve_init_from
 from llmcli.training.loop import train
@@ -253,12 +255,13 @@ def test_ddp_dpo_on_two_processes_is_one_process_on_the_union_of_their_pairs(
                 for r in range(2)
             ]
 
-        def next(self):
-            (ids0, mask0), (ids1, mask1) = (part.next() for part in self.parts)
-            half = len(ids0) // 2
-            ids = torch.cat([ids0[:half], ids1[:half], ids0[half:], ids1[half:]])
-            mask = torch.cat([mask0[:half], mask1[:half], mask0[half:], mask1[half:]])
-            return ids, mask
+        def next(self):  # each part's rows: ids, masks and the reference's scores
+            parts = [part.next() for part in self.parts]
+            half = len(parts[0][0]) // 2
+            return tuple(
+                torch.cat([a[:half], b[:half], a[half:], b[half:]])
+                for a, b in zip(*parts, strict=True)
+            )
 
         def state_dict(self):
             return {"parts": [part.state_dict() for part in self.parts]}
@@ -338,3 +341,31 @@ def test_dpo_without_init_from_and_a_changed_reference_exit_2_and_keep_the_run(
     assert status == 2 and "now has another tokenizer than this DPO run" in err, err
     after = {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir() if p.is_file()}
     assert after == saved
+
+
+def test_pairs_drawn_more_than_once_are_scored_by_the_reference_once(tmp_path: Path) -> None:
+    base = save_chat_run(tmp_path / "base", n_layer=1, n_embed=16, context_length=32)
+    config = resolve_init_from(dpo_config(base, tmp_path, max_steps=3))  # 12 draws, 12 pairs
+    tokenizer = load_tokenizer_file(base)
+    pairs = preference_token_data(config.data, 32, tokenizer, default_template()).preference
+    reference = build.reference_model(config, tokenizer.vocab_size, torch.device("cpu"))
+    assert not score_pairs_once(reference, pairs, config, world_size=1)
+    assert pairs.train.reference_logps is None  # each pair drawn about once: scored in the steps
+    assert score_pairs_once(reference, pairs, config, world_size=2)  # 24 draws
+    for split in (pairs.train, pairs.val):
+        for k in range(len(split)):  # each pair alone, unpadded: the same scores
+            ids, mask = pair_batch(split, [k], pairs.pad_id)
+            with torch.no_grad():
+                alone = completion_logps(reference, ids, mask)
+            np.testing.assert_allclose(split.reference_logps[k], alone.numpy(), atol=1e-5)
+    # The sampler hands the scores on in its rows' order: a step scored from them is the step
+    # scored by the reference itself.
+    sampler = PreferenceSampler(pairs.train, pairs.pad_id, 4, 32, seed=1)
+    ids, mask, scores = sampler.next()
+    policy = Transformer(config.model, tokenizer.vocab_size)
+    load_init_weights(policy, str(base))
+    cached, cached_metrics = dpo_step(policy, scores, ids, mask, beta=0.5)
+    live, live_metrics = dpo_step(policy, reference, ids, mask, beta=0.5)
+    assert cached.item() == pytest.approx(live.item(), abs=1e-6)
+    for name in live_metrics:
+        assert cached_metrics[name].item() == pytest.approx(live_metrics[name].item(), abs=1e-5)

@@ -297,13 +297,18 @@ class PreferenceSampler:
         self.generator = torch.Generator().manual_seed(stream_seed(seed, rank))
         self.batches = 0
 
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def next(self) -> tuple[torch.Tensor, ...]:
         """The next batch: `ids` `(2B, T+1)` int64 and `completion_mask` `(2B, T+1)` bool, True
-        on each completion's tokens; rows `:B` are the chosen sequences, `B:` the rejected."""
+        on each completion's tokens; rows `:B` are the chosen sequences, `B:` the rejected. When
+        the split holds the reference's scores, they follow: `(2B,)` float32, in row order."""
         picks = torch.randint(len(self.split), (self.batch_size,), generator=self.generator)
         ids, mask = pair_batch(self.split, picks.tolist(), self.pad_id, self.context_length + 1)
         self.batches += 1
-        return ids.to(self.device), mask.to(self.device)
+        batch = [ids.to(self.device), mask.to(self.device)]
+        if self.split.reference_logps is not None:
+            scores = torch.from_numpy(self.split.reference_logps[picks.numpy()])  # (B, 2)
+            batch.append(scores.T.reshape(-1).to(self.device))  # (2B,): chosen, then rejected
+        return tuple(batch)
 
     __next__ = next
 

@@ -112,6 +112,9 @@ class PreferenceSplit:
     where: list[str] = field(default_factory=list)  # (P,)
     truncated: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))  # (P,)
     skipped_at: list[str] = field(default_factory=list)
+    # DPO's reference scores of each pair's chosen and rejected completion, (P, 2) float32,
+    # once computed (`llmcli.training.dpo.score_reference`); None: scored in each step.
+    reference_logps: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.prompt_lengths)

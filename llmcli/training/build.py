@@ -50,7 +50,7 @@ from llmcli.training.batch import resolve_batch, with_micro_batch
 from llmcli.training.checkpoint import Checkpointer, restore
 from llmcli.training.compiling import MEASURE_S, choose, compile_key, compiled, inductor_cache
 from llmcli.training.distributed import DistInfo, agreed, dist_from_env, gather, process_group
-from llmcli.training.dpo import dpo_objective, reference_model
+from llmcli.training.dpo import dpo_objective, reference_model, score_pairs_once
 from llmcli.training.evaluate import EVAL_SEED_OFFSET, Evaluator, split_sampler
 from llmcli.training.guard import Divergence, SpikeGuard
 from llmcli.training.init_from import init_encoding, load_init_weights, resolve_init_from
@@ -230,7 +230,10 @@ def _model_and_trainer(
         grad_clip=tc.grad_clip,
     )
     if tc.objective == "dpo":  # scored against the frozen model it starts from
-        trainer.loss_fn = dpo_objective(reference_model(config, vocab, device), tc.dpo_beta)
+        assert data.preference is not None
+        reference = reference_model(config, vocab, device)
+        score_pairs_once(reference, data.preference, config, info.world_size)
+        trainer.loss_fn = dpo_objective(reference, tc.dpo_beta)
     return model, trainer
 
 

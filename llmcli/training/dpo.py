@@ -9,7 +9,10 @@ run it started from). The scores and the loss are `llmcli.evaluation.preference_
 `dpo_step` scores one batch of `llmcli.data.preference_data.PreferenceSampler` under the policy
 and the reference. With `train.objective: dpo` the run's step takes its loss from
 `dpo_objective` (the trainer's `loss_fn`), and the reference is `reference_model`: the
-`train.init_from` weights, frozen. The loop itself is the same as next-token training's.
+`train.init_from` weights, frozen. The loop itself is the same as next-token training's. When
+the run draws each pair more than once, the reference scores every pair once before the first
+step (`score_pairs_once`) and the steps read its scores: a step without the reference's
+forward takes about 0.69 of one with it (benchmarks/dpo_reference.py, tiny's shape).
 
 A batch of B pairs is 2B rows, as `train.batch_size`, the memory estimate, `llmcli plan` and
 the tokens a step counts take it (`Config.example_tokens`).
@@ -19,17 +22,24 @@ from __future__ import annotations
 
 from functools import partial
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
 from llmcli.config import Config
+from llmcli.data.preference_data import pair_batch
+from llmcli.data.prepared import PreferenceData, PreferenceSplit
 from llmcli.evaluation.preference_scores import completion_logps, dpo_loss
 from llmcli.model.gpt import Transformer
 from llmcli.training.init_from import load_init_weights
 
 
 def dpo_step(
-    policy: nn.Module, reference: nn.Module, ids: Tensor, completion_mask: Tensor, beta: float
+    policy: nn.Module,
+    reference: nn.Module | Tensor,
+    ids: Tensor,
+    completion_mask: Tensor,
+    beta: float,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The DPO loss of one batch of pairs, and its metrics (`dpo_loss`'s).
 
@@ -40,7 +50,8 @@ def dpo_step(
 
     Args:
         policy: the model being trained, `model(idx) -> (logits, loss)`.
-        reference: the frozen model it started as.
+        reference: the frozen model it started as, or its scores of the rows, `(2B,)`
+            (`score_reference`'s, read by the sampler).
         ids: `(2B, T+1)` int64, the chosen sequences then the rejected ones (pair i is rows
             i and B + i), padded after their ends.
         completion_mask: `(2B, T+1)` bool, True on the completions' tokens.
@@ -48,8 +59,11 @@ def dpo_step(
     """
     B = ids.shape[0] // 2
     logps = completion_logps(policy, ids, completion_mask)  # (2B,)
-    with torch.no_grad():
-        ref_logps = completion_logps(reference, ids, completion_mask)  # (2B,)
+    if isinstance(reference, Tensor):
+        ref_logps = reference
+    else:
+        with torch.no_grad():
+            ref_logps = completion_logps(reference, ids, completion_mask)  # (2B,)
     return dpo_loss(logps[:B], logps[B:], ref_logps[:B], ref_logps[B:], beta)
 
 
@@ -64,12 +78,50 @@ def reference_model(config: Config, vocab_size: int, device: torch.device) -> Tr
     return reference
 
 
+def score_reference(
+    reference: nn.Module, split: PreferenceSplit, pad_id: int, batch_size: int, length: int
+) -> np.ndarray:
+    """The reference's score of every pair's chosen and rejected completion, `(P, 2)` float32:
+    the pairs in order, `batch_size` at a time, padded to `length` tokens as a training batch
+    is. Scored once, they save each later step the reference's forward (about a quarter of a
+    step's time: benchmarks/dpo_reference.py)."""
+    scores = np.zeros((len(split), 2), dtype=np.float32)
+    device = next(reference.parameters()).device
+    with torch.no_grad():
+        for start in range(0, len(split), batch_size):
+            picks = list(range(start, min(start + batch_size, len(split))))
+            ids, mask = pair_batch(split, picks, pad_id, length)
+            logps = completion_logps(reference, ids.to(device), mask.to(device)).cpu()  # (2B,)
+            scores[picks] = logps.view(2, -1).T.numpy()  # (B, 2)
+    return scores
+
+
+def score_pairs_once(
+    reference: nn.Module, pairs: PreferenceData, config: Config, world_size: int
+) -> bool:
+    """Score both splits' pairs with the reference once (`score_reference`), when training
+    draws more pairs than the training split holds: each step then reads its batch's scores
+    instead of running the reference. A run that draws each pair about once keeps scoring
+    them in its steps, which costs no more. Returns whether it scored them."""
+    tc = config.train
+    draws = tc.max_steps * tc.batch_size * tc.grad_accum * world_size
+    if draws <= len(pairs.train):
+        return False
+    length = config.model.context_length + 1
+    for split in (pairs.train, pairs.val):
+        split.reference_logps = score_reference(
+            reference, split, pairs.pad_id, tc.batch_size, length
+        )
+    return True
+
+
 def dpo_batch_loss(
-    reference: nn.Module, beta: float, policy: nn.Module, batch: tuple[Tensor, Tensor]
+    reference: nn.Module, beta: float, policy: nn.Module, batch: tuple[Tensor, ...]
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """`dpo_step` on a `PreferenceSampler` batch `(ids, completion_mask)`, each `(2B, T+1)`."""
-    ids, completion_mask = batch
-    return dpo_step(policy, reference, ids, completion_mask, beta)
+    """`dpo_step` on a `PreferenceSampler` batch `(ids, completion_mask)`, each `(2B, T+1)`,
+    followed by the reference's scores of its rows when the split holds them."""
+    ids, completion_mask, *scored = batch
+    return dpo_step(policy, scored[0] if scored else reference, ids, completion_mask, beta)
 
 
 def dpo_objective(reference: nn.Module, beta: float) -> partial:
