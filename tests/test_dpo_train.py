@@ -124,8 +124,12 @@ def test_dpo_run_starts_at_log_2_learns_the_pairs_and_never_moves_the_reference(
     assert len(losses) == 8
     assert losses[0] == pytest.approx(by_hand.item(), abs=1e-5)
     assert max(losses[-3:]) < losses[0] - 0.05  # the policy learns to prefer the chosen replies
-    for name, value in metrics.items():  # each log step records its step's metrics, TRL's names
-        assert records[0][name] == pytest.approx(value.item(), abs=1e-5), name
+    # Each log step records its step's metrics under TRL's names. (Step 1's rewards are 0 up to
+    # the last bits of the reference's scores, computed once in other batches: which of each
+    # pair's two is higher, the accuracy, is those bits' to decide.)
+    for name, value in metrics.items():
+        if name != "rewards/accuracies":
+            assert records[0][name] == pytest.approx(value.item(), abs=1e-5), name
     assert records[-1]["rewards/accuracies"] > 0.5 and records[-1]["rewards/margins"] > 0
 
     # The last evaluation by hand: the final weights against the reference on the validation

@@ -228,10 +228,12 @@ def score_pairs(
     batch_size: int,
     *,
     count: int | None = None,
+    length: int | None = None,
     progress: bool = False,
 ) -> PairLogps:
     """The first `count` pairs of `split` (None: all) scored in order, `batch_size` at a time,
-    each batch padded to its longest sequence (`pair_batch`): attention is causal, so the
+    each batch padded to its longest sequence (`pair_batch`; or to `length` tokens, as training
+    pads them, which gives its steps' scores to the last bit): attention is causal, so the
     padding after a sequence changes none of its logits, and it is never in the mask."""
     device = next(model.parameters()).device
     count = len(split) if count is None else min(count, len(split))
@@ -239,7 +241,8 @@ def score_pairs(
     bar = Progress(len(starts), desc="eval", unit="batch", enabled=progress, tenths=True)
     scores: dict[str, list[Tensor]] = {"policy": [], "reference": []}
     for lo in starts:
-        ids, mask = pair_batch(split, range(lo, min(lo + batch_size, count)), pad_id)  # (2B, L)
+        picks = range(lo, min(lo + batch_size, count))
+        ids, mask = pair_batch(split, picks, pad_id, length)  # (2B, L)
         ids, mask = ids.to(device), mask.to(device)
         scores["policy"].append(completion_logps(model, ids, mask).cpu())  # (2B,)
         if reference is not None:

@@ -22,14 +22,13 @@ from __future__ import annotations
 
 from functools import partial
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
 from llmcli.config import Config
-from llmcli.data.preference_data import pair_batch
-from llmcli.data.prepared import PreferenceData, PreferenceSplit
+from llmcli.data.prepared import PreferenceData
 from llmcli.evaluation.preference_scores import completion_logps, dpo_loss
+from llmcli.evaluation.preferences import score_pairs
 from llmcli.model.gpt import Transformer
 from llmcli.training.init_from import load_init_weights
 
@@ -51,7 +50,7 @@ def dpo_step(
     Args:
         policy: the model being trained, `model(idx) -> (logits, loss)`.
         reference: the frozen model it started as, or its scores of the rows, `(2B,)`
-            (`score_reference`'s, read by the sampler).
+            (`score_pairs_once`'s, read by the sampler).
         ids: `(2B, T+1)` int64, the chosen sequences then the rejected ones (pair i is rows
             i and B + i), padded after their ends.
         completion_mask: `(2B, T+1)` bool, True on the completions' tokens.
@@ -78,28 +77,11 @@ def reference_model(config: Config, vocab_size: int, device: torch.device) -> Tr
     return reference
 
 
-def score_reference(
-    reference: nn.Module, split: PreferenceSplit, pad_id: int, batch_size: int, length: int
-) -> np.ndarray:
-    """The reference's score of every pair's chosen and rejected completion, `(P, 2)` float32:
-    the pairs in order, `batch_size` at a time, padded to `length` tokens as a training batch
-    is. Scored once, they save each later step the reference's forward (about a quarter of a
-    step's time: benchmarks/dpo_reference.py)."""
-    scores = np.zeros((len(split), 2), dtype=np.float32)
-    device = next(reference.parameters()).device
-    with torch.no_grad():
-        for start in range(0, len(split), batch_size):
-            picks = list(range(start, min(start + batch_size, len(split))))
-            ids, mask = pair_batch(split, picks, pad_id, length)
-            logps = completion_logps(reference, ids.to(device), mask.to(device)).cpu()  # (2B,)
-            scores[picks] = logps.view(2, -1).T.numpy()  # (B, 2)
-    return scores
-
-
 def score_pairs_once(
     reference: nn.Module, pairs: PreferenceData, config: Config, world_size: int
 ) -> bool:
-    """Score both splits' pairs with the reference once (`score_reference`), when training
+    """Score both splits' pairs with the reference once (`PreferenceSplit.reference_logps`, by
+    `llmcli.evaluation.preferences.score_pairs`), when training
     draws more pairs than the training split holds: each step then reads its batch's scores
     instead of running the reference. A run that draws each pair about once keeps scoring
     them in its steps, which costs no more. Returns whether it scored them."""
@@ -107,11 +89,10 @@ def score_pairs_once(
     draws = tc.max_steps * tc.batch_size * tc.grad_accum * world_size
     if draws <= len(pairs.train):
         return False
-    length = config.model.context_length + 1
-    for split in (pairs.train, pairs.val):
-        split.reference_logps = score_reference(
-            reference, split, pairs.pad_id, tc.batch_size, length
-        )
+    length = config.model.context_length + 1  # padded as the steps pad their rows
+    for split in (pairs.train, pairs.val):  # in order, as `llmcli eval` scores pairs
+        scores = score_pairs(reference, None, split, pairs.pad_id, tc.batch_size, length=length)
+        split.reference_logps = torch.stack([scores.chosen, scores.rejected], dim=1).numpy()
     return True
 
 
