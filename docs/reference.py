@@ -139,6 +139,8 @@ def _type_name(tp: typing.Any) -> str:
         return " \\| ".join(_type_name(arg) for arg in typing.get_args(tp))
     if typing.get_origin(tp) is list:
         return f"list of {_type_name(typing.get_args(tp)[0])}"
+    if dataclasses.is_dataclass(tp):
+        return "mapping"
     return f"`{getattr(tp, '__name__', str(tp))}`"
 
 
@@ -179,9 +181,30 @@ def config_part() -> str:
                 _cell(text),
             ]
             lines.append("| " + " | ".join(row) + " |")
+            lines += _nested_rows(f"{section}.{field.name}", hints[field.name])
         lines.append("")
     start, end = markers("config keys")
     return "\n".join([start, "", *lines, end])
+
+
+def _nested_rows(key: str, tp: typing.Any) -> list[str]:
+    """The rows of the keys inside a key that holds a mapping (`train.lora.rank`, ...)."""
+    nested = [a for a in (tp, *typing.get_args(tp)) if dataclasses.is_dataclass(a)]
+    if not nested:
+        return []
+    cls = nested[0]
+    hints, comments = typing.get_type_hints(cls), _field_comments(cls)
+    rows = []
+    for field in dataclasses.fields(cls):
+        default = field.default_factory() if callable(field.default_factory) else field.default
+        row = [
+            f"`{key}.{field.name}`",
+            _type_name(hints[field.name]),
+            _default(default),
+            _cell(comments.get(field.name, "")),
+        ]
+        rows.append("| " + " | ".join(row) + " |")
+    return rows
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ which together validate; and the rules a config can break (`RULES` for a file, `
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime
 import math
 import re
@@ -22,7 +23,7 @@ from typing import Any, Literal
 import yaml
 from hypothesis import strategies as st
 
-from llmcli.config import SECTIONS, TRACKERS
+from llmcli.config import LORA_TARGETS, SECTIONS, TRACKERS, LoraConfig
 
 FIELDS: dict[str, dict[str, Any]] = {
     name: typing.get_type_hints(cls) for name, cls in SECTIONS.items()
@@ -183,6 +184,17 @@ GOOD: dict[str, dict[str, st.SearchStrategy]] = {
         # dpo needs data.format preference and init_from together: tests/test_config.py's
         "objective": st.just("next_token"),
         "dpo_beta": reals(0, 100, exclude_min=True) | st.integers(1, 10),
+        # rank at most the smallest n_embed; fix_up gives it an init_from
+        "lora": st.none()
+        | st.fixed_dictionaries(
+            {},
+            optional={
+                "rank": st.integers(1, 32),
+                "alpha": reals(0, 100, exclude_min=True) | st.integers(1, 64),
+                "dropout": UNIT,
+                "targets": st.lists(st.sampled_from(LORA_TARGETS), min_size=1, unique=True),
+            },
+        ),
         "logger": st.sampled_from([*TRACKERS, "tensorboard, wandb"])
         | st.lists(st.sampled_from(TRACKERS), max_size=3),
         "wandb_project": st.none() | WORD,
@@ -243,6 +255,8 @@ def fix_up(doc: dict) -> dict:
         data["format"] = "chat"
     if isinstance(data, dict) and data.get("format") == "chat" and data.get("streaming"):
         data["streaming"] = False
+    if isinstance(train, dict) and train.get("lora") is not None and not train.get("init_from"):
+        train["init_from"] = "base"
     if isinstance(train, dict) and train.get("batch_size") == "auto":
         train["tokens_per_step"] = train.get("tokens_per_step") or 64 * 4
     return doc
@@ -266,6 +280,9 @@ def printed(section: str, key: str, value: Any) -> Any:
     hint = FIELDS[section][key]
     if float in (hint, *typing.get_args(hint)) and type(value) in (int, str):
         return float(value)
+    if LoraConfig in typing.get_args(hint) and isinstance(value, dict):  # defaults filled in
+        floats = {k: float(v) for k, v in value.items() if k in ("alpha", "dropout")}
+        return {**dataclasses.asdict(LoraConfig()), **value, **floats}
     return value
 
 

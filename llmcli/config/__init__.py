@@ -16,6 +16,7 @@ from llmcli.config.loading import (
     parse_override,
     read_yaml,
 )
+from llmcli.config.lora import LORA_TARGETS, LoraConfig
 from llmcli.config.model import ModelConfig
 from llmcli.config.sample import CONTEXT_POLICIES, SampleConfig, default_keep, keep_range
 from llmcli.config.sections import SECTIONS, Config
@@ -24,10 +25,12 @@ from llmcli.config.train import TRACKERS, TrainConfig
 
 __all__ = [
     "CONTEXT_POLICIES",
+    "LORA_TARGETS",
     "SECTIONS",
     "TRACKERS",
     "Config",
     "DataConfig",
+    "LoraConfig",
     "ModelConfig",
     "SampleConfig",
     "TrainConfig",

@@ -89,6 +89,7 @@ def apply_overrides(raw: Any, overrides: list[str]) -> Any:
     merged = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
     for text in overrides:
         section, key, value = parse_override(text)
+        key, _, inner = key.partition(".")
         if section not in SECTIONS:
             hint = did_you_mean(section, SECTIONS)
             raise ConfigError(
@@ -100,25 +101,33 @@ def apply_overrides(raw: Any, overrides: list[str]) -> Any:
             current = merged[section] = {}
         if not isinstance(current, dict):
             raise ConfigError(f"--set {text!r}: section '{section}' in the file is not a mapping.")
+        if inner:  # a key of a nested mapping (train.lora.rank): the mapping made if null
+            nested = current.get(key)
+            nested = {} if nested is None else nested
+            if not isinstance(nested, dict):
+                raise ConfigError(f"--set {text!r}: '{section}.{key}' is not a mapping.")
+            value = {**nested, inner: value}
         current[key] = value
     return merged
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
-    """Parse one `--set section.key=value` into (section, key, YAML scalar value)."""
+    """Parse one `--set section.key=value` into (section, key, YAML scalar value); the key of
+    a nested mapping comes back dotted (`--set train.lora.rank=4`: "train", "lora.rank")."""
     if "=" not in text:
         raise ConfigError(
             f"--set {text!r}: expected section.key=value, for example --set train.max_steps=200."
         )
     dotted, _, raw_value = text.partition("=")
     parts = dotted.strip().split(".")
-    if len(parts) != 2 or not all(parts):
+    if len(parts) not in (2, 3) or not all(parts):
         raise ConfigError(
             f"--set {text!r}: the key must be section.key with a section among "
-            f"{', '.join(SECTIONS)} (for example model.n_head=8)."
+            f"{', '.join(SECTIONS)} (for example model.n_head=8), or section.key.key for a "
+            "mapping's key (train.lora.rank=8)."
         )
     value = parse_scalar(raw_value, f"--set {text!r}", f"--set '{dotted.strip()}=\"...\"'")
-    return parts[0], parts[1], value
+    return parts[0], ".".join(parts[1:]), value
 
 
 def parse_scalar(raw: str, what: str, quoted: str) -> Any:
@@ -174,7 +183,6 @@ def config_from_dict(raw: Any, name: str = "run") -> Config:
 
 
 def _build_section(section: str, raw: Any) -> Any:
-    cls = SECTIONS[section]
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -182,6 +190,12 @@ def _build_section(section: str, raw: Any) -> Any:
             f"config section '{section}' must be a mapping of keys to values, "
             f"not {type(raw).__name__} ({_short(raw)})."
         )
+    return _build_fields(section, SECTIONS[section], raw)
+
+
+def _build_fields(section: str, cls: type, raw: dict) -> Any:
+    """`cls` built from the mapping `raw`, each value checked against its annotation; `section`
+    names the mapping in messages (`train`, or `train.lora` for a mapping inside one)."""
     hints = typing.get_type_hints(cls)
     known = [f.name for f in dataclasses.fields(cls)]
     values = {}
@@ -192,6 +206,10 @@ def _build_section(section: str, raw: Any) -> Any:
                 f"unknown key '{section}.{key}'.{hint} Known keys in '{section}': "
                 f"{', '.join(known)}."
             )
+        nested = _nested_class(hints[key])
+        if nested is not None and isinstance(value, dict):
+            values[key] = _build_fields(f"{section}.{key}", nested, value)
+            continue
         ok, converted = _coerce(hints[key], value)
         if not ok:
             raise ConfigError(
@@ -200,6 +218,14 @@ def _build_section(section: str, raw: Any) -> Any:
             )
         values[key] = converted
     return cls(**values)
+
+
+def _nested_class(tp: Any) -> type | None:
+    """The settings class of a key that holds a mapping (`LoraConfig | None`), else None."""
+    for arg in (tp, *typing.get_args(tp)):
+        if isinstance(arg, type) and dataclasses.is_dataclass(arg):
+            return arg
+    return None
 
 
 def _coerce(tp: Any, value: Any) -> tuple[bool, Any]:
@@ -223,6 +249,8 @@ def _coerce(tp: Any, value: Any) -> tuple[bool, Any]:
         return _coerce_float(value)
     if tp in (type(None), bool, int, str):  # exactly that type: True is not an int
         return type(value) is tp, value
+    if dataclasses.is_dataclass(tp):  # a mapping was built by _build_fields; not a mapping
+        return False, value
     raise TypeError(f"unsupported config annotation {tp!r}")
 
 
@@ -250,6 +278,8 @@ def _type_name(tp: Any) -> str:
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
     if typing.get_origin(tp) is list:
         return f"a list of {_type_name(typing.get_args(tp)[0]).removeprefix('a ')}s"
+    if dataclasses.is_dataclass(tp):
+        return f"a mapping of {', '.join(f.name for f in dataclasses.fields(tp))}"
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
         tp, getattr(tp, "__name__", str(tp))
     )

@@ -34,6 +34,13 @@ class Config:
             section.validate()
         self.sample.keep_for(self.model.context_length)
         self._validate_objective()
+        lora = self.train.lora
+        if lora is not None and lora.rank > self.model.n_embed:
+            raise ConfigError(
+                f"train.lora.rank ({lora.rank}) is larger than the layers it adapts, whose "
+                f"smaller side is model.n_embed ({self.model.n_embed}): choose a rank of at "
+                f"most {self.model.n_embed} (8 or 16 are usual)."
+            )
         tokens, T = self.train.tokens_per_step, self.example_tokens
         if tokens is not None and tokens % T:
             what = (

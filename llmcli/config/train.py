@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from llmcli.config.lora import LoraConfig
 from llmcli.config.rules import check_choices, require, require_size, size_bytes
 from llmcli.errors import ConfigError
 
@@ -74,6 +75,9 @@ class TrainConfig:
     # DPO's beta (TRL's default): how far the policy may move from the reference; larger keeps
     # it closer
     dpo_beta: float = 0.1
+    # Low-rank adapters on the frozen init_from model instead of a full fine-tune, for any
+    # objective: a mapping of rank, alpha, dropout and targets (llmcli.config.lora), or null
+    lora: LoraConfig | None = None
     # Experiment trackers besides metrics.jsonl: none, tensorboard, wandb, or a list of them.
     logger: str | list[str] = "none"
     wandb_project: str | None = None  # default: the config's name
@@ -192,7 +196,7 @@ class TrainConfig:
         self._validate_guard()
 
     def _validate_objective(self) -> None:
-        """DPO's beta, and its reference: the run it starts from."""
+        """DPO's beta and its reference, and LoRA's settings: both start from a trained run."""
         require(
             math.isfinite(self.dpo_beta) and self.dpo_beta > 0,
             "train",
@@ -208,6 +212,14 @@ class TrainConfig:
             "starts from a trained run, which stays the frozen reference: set train.init_from "
             "to a run directory (a chat run, for conversational pairs)",
         )
+        if self.lora is not None:
+            self.lora.validate()
+            if self.init_from is None:
+                raise ConfigError(
+                    "train.lora trains adapters on a trained model: set train.init_from to the "
+                    "run directory or Hugging Face model to adapt (or remove train.lora to "
+                    "train from scratch)."
+                )
 
     def _validate_guard(self) -> None:
         for key, ok, rule in (
