@@ -255,7 +255,8 @@ def save_checkpoint(
 
     Args:
         run_dir: the run directory (exists, with config.yaml and tokenizer.json).
-        model: the unwrapped model (its weights go to `model.safetensors`).
+        model: the unwrapped model, or the state dict of the weights readers get (a LoRA
+            run's merged weights), which go to `model.safetensors`.
         state: the resume state, as `llmcli.training.state.ResumeState.to_dict()` gives it.
         meta: the `meta.json` content (must include "step" and "vocab_size").
         best: also write the weights to `best.safetensors`.

@@ -37,14 +37,16 @@ WEIGHTS_FORMAT = "llmcli-1"
 
 
 def unique_state_dict(model: Any) -> dict[str, Any]:
-    """The model's state dict with tied tensors (same storage) kept once, contiguous, on CPU.
+    """The model's state dict (or `model` itself, a state dict) with tied tensors (same
+    storage) kept once, contiguous, on CPU.
 
     safetensors refuses tensors that share memory (tied embedding / LM head); the first name
     keeps the tensor and `load_weights` restores the alias through the model itself.
     """
     out: dict[str, Any] = {}
     seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
-    for name, tensor in model.state_dict().items():
+    tensors = model if isinstance(model, dict) else model.state_dict()
+    for name, tensor in tensors.items():
         key = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
         if tensor.numel() > 0 and key in seen:
             continue
@@ -54,7 +56,8 @@ def unique_state_dict(model: Any) -> dict[str, Any]:
 
 
 def weights_bytes(model: Any, metadata: dict[str, Any]) -> bytes:
-    """Serialize `model`'s weights to safetensors bytes with string `metadata`."""
+    """Serialize `model`'s weights (or a state dict) to safetensors bytes with string
+    `metadata`."""
     meta = {"format": WEIGHTS_FORMAT, **{k: str(v) for k, v in metadata.items()}}
     return save(unique_state_dict(model), metadata=meta)
 

@@ -54,6 +54,7 @@ from llmcli.training.dpo import dpo_objective, reference_model, score_pairs_once
 from llmcli.training.evaluate import EVAL_SEED_OFFSET, Evaluator, split_sampler
 from llmcli.training.guard import Divergence, SpikeGuard
 from llmcli.training.init_from import init_encoding, load_init_weights, resolve_init_from
+from llmcli.training.lora import adapt
 from llmcli.training.memory import check_memory, out_of_memory_is_bad_input
 from llmcli.training.optim import build_optimizer
 from llmcli.training.plan import measure_step
@@ -215,14 +216,18 @@ def _model_and_trainer(
     model = Transformer(config.model, vocab, generator=torch.Generator().manual_seed(tc.seed))
     if tc.init_from and fresh:  # a resumed run's weights come from its state
         load_init_weights(model, tc.init_from)
+    no_decay: list[str] = []
+    if tc.lora is not None:  # adapters on the frozen base (a resumed run's from its state)
+        assert tc.init_from, "train.lora needs train.init_from"
+        no_decay = adapt(model, tc.lora, tc.init_from, tc.seed)
     model.to(device)
-    optimizer = build_optimizer(model, tc, device.type)
+    optimizer = build_optimizer(model, tc, device.type, no_decay)
     seed_everything(tc.seed + info.rank)
     with agreed(info, device):
         sampler = split_sampler(data, "train", config, tc.seed, info, device)
     trainer = Trainer(
         model=model,
-        params=list(model.parameters()),
+        params=[p for p in model.parameters() if p.requires_grad],
         optimizer=optimizer,
         precision=precision,
         batches=sampler,

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from llmcli.config import Config
+from llmcli.model.lora import adapted_layers, merged_state_dict
 from llmcli.runs.directory import STATE_FILE, save_checkpoint
 from llmcli.runs.formats import load_weights
 from llmcli.runs.versions import record as record_versions
@@ -80,7 +81,7 @@ class Checkpointer:
         if self.info.main:
             save_checkpoint(
                 self.run_dir,
-                self.model,
+                self._weights(),
                 self._resume_state(state, config, log, rngs_and_samplers).to_dict(),
                 self._meta(state, config),
                 best=best,
@@ -89,6 +90,13 @@ class Checkpointer:
         state.last_saved = state.step
         self.saved_at = time.perf_counter()
         self.save_seconds.append(self.saved_at - start)
+
+    def _weights(self) -> Any:
+        """What `model.safetensors` gets: the model, or a LoRA run's merged weights (readers
+        see the plain model it equals; the adapters themselves are in the resume state)."""
+        if any(True for _ in adapted_layers(self.model)):
+            return merged_state_dict(self.model)
+        return self.model
 
     def _resume_state(
         self,

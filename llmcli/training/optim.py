@@ -18,6 +18,7 @@ Both reach their peak at step `W` and `min_lr` at the last step, `N - 1`.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -39,27 +40,32 @@ def _group(named: Named, **options: Any) -> dict[str, Any]:
     return {"params": [p for _, p in named], "names": [name for name, _ in named], **options}
 
 
-def _decay_split(named: Named) -> tuple[Named, Named]:
-    """(matrices and embeddings, dim >= 2: decayed; biases and norm gains: not decayed)."""
-    return [(n, p) for n, p in named if p.dim() >= 2], [(n, p) for n, p in named if p.dim() < 2]
+def _decay_split(named: Named, no_decay: Collection[str]) -> tuple[Named, Named]:
+    """(matrices and embeddings, dim >= 2: decayed; biases, norm gains and `no_decay`: not)."""
+    decayed = [(n, p) for n, p in named if p.dim() >= 2 and n not in no_decay]
+    return decayed, [(n, p) for n, p in named if p.dim() < 2 or n in no_decay]
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+def param_groups(
+    model: nn.Module, weight_decay: float, no_decay: Collection[str] = ()
+) -> list[dict[str, Any]]:
     """AdamW groups: weight decay on matrices and embeddings (dim >= 2), none on the rest.
 
     Biases and norm gains (dim < 2) are not decayed, as in GPT-2 / nanoGPT: shrinking them
     towards 0 does not regularise and hurts. A tied weight (embedding = LM head) appears once.
+    The parameters named in `no_decay` are not decayed either: a LoRA run's token embedding,
+    whose frozen rows decay would change (`llmcli.model.lora.train_token_rows`).
 
     Returns:
         `[{"params": decay, "weight_decay": weight_decay}, {"params": no_decay,
         "weight_decay": 0.0}]`, each with `"names"` listing the parameter names.
     """
-    decay, no_decay = _decay_split(_trainable(model))
-    return [_group(decay, weight_decay=weight_decay), _group(no_decay, weight_decay=0.0)]
+    decay, kept = _decay_split(_trainable(model), no_decay)
+    return [_group(decay, weight_decay=weight_decay), _group(kept, weight_decay=0.0)]
 
 
 def build_optimizer(
-    model: nn.Module, train: TrainConfig, device_type: str
+    model: nn.Module, train: TrainConfig, device_type: str, no_decay: Collection[str] = ()
 ) -> torch.optim.Optimizer:
     """The optimizer `train.optimizer` names, with its groups at their peak learning rate.
 
@@ -71,6 +77,7 @@ def build_optimizer(
         model: the (unwrapped) model whose parameters are optimised.
         train: the train section of the config (optimizer, lr, betas, weight_decay, ...).
         device_type: "cuda", "mps" or "cpu".
+        no_decay: names of matrices kept out of weight decay (`param_groups`).
 
     Raises:
         ConfigError: an optimizer this build does not provide.
@@ -78,7 +85,7 @@ def build_optimizer(
     # The fused kernel exists for CUDA and the CPU (about twice as fast as foreach there).
     fused = device_type in ("cuda", "cpu")
     if train.optimizer == "adamw":
-        groups = param_groups(model, train.weight_decay)
+        groups = param_groups(model, train.weight_decay, no_decay)
         for group in groups:
             group["base_lr"] = train.lr
             group["lr"] = train.lr
@@ -88,7 +95,7 @@ def build_optimizer(
         )
     if train.optimizer == "muon":
         return Muon(
-            muon_param_groups(model, train, param_groups(model, train.weight_decay)),
+            muon_param_groups(model, train, param_groups(model, train.weight_decay, no_decay)),
             momentum=train.muon_momentum,
             adamw=AdamWDefaults(betas=(train.beta1, train.beta2), eps=1e-8, fused=fused),
         )

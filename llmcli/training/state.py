@@ -361,9 +361,12 @@ SECTIONS_SAVED = ("model", "data", "train", "sample")
 
 
 def _plain(value: Any) -> bool:
-    """Whether `value` is YAML data: None, a bool, number or string, or a list of them."""
+    """Whether `value` is YAML data: None, a bool, number or string, or a list or a mapping
+    (`train.lora`) of them."""
     if isinstance(value, list):
         return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
     return value is None or isinstance(value, (bool, int, float, str))
 
 

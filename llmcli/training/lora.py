@@ -1,0 +1,69 @@
+"""`train.lora`: a run that trains low-rank adapters on its frozen `train.init_from` model.
+
+`adapt` turns the model a run built into the one it trains: adapters on the targeted layers
+(`llmcli.model.lora`), every base parameter frozen but the rows of tokens the run added to the
+base's vocabulary (the chat tokens). The optimizer then gets only what trains, and the step
+clips only that. The objective is untouched: next-token text and chat, and DPO, whose frozen
+reference is built apart from the policy without adapters (`llmcli.training.dpo`).
+
+What a LoRA run saves: `model.safetensors` and `best.safetensors` hold the merged weights (the
+plain model the adapted one equals), so every reader of a run works on it unchanged; the
+resume state holds the adapters unmerged with their optimizer state, so a resumed run goes on
+exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from llmcli.config import LoraConfig
+from llmcli.hf.load import check_hf_folder
+from llmcli.model.gpt import Transformer
+from llmcli.model.lora import add_lora, freeze_base, lora_parameters, train_token_rows
+from llmcli.runs.loading import load_tokenizer_file
+from llmcli.training.init_from import is_run_dir
+
+logger = logging.getLogger(__name__)
+
+# Offsets the adapters' initial values from the weights' seed: another stream of numbers.
+LORA_SEED_OFFSET = 7919
+
+
+def adapt(model: Transformer, lora: LoraConfig, init_from: str, seed: int) -> list[str]:
+    """Make `model` (built with `init_from`'s shape) a LoRA model to train, in place: adapters
+    on `lora.targets` (their `A` drawn from `seed`), the base frozen but for the rows of the
+    tokens `init_from`'s vocabulary lacks.
+
+    Returns:
+        The names of the matrices whose new rows train (none when the vocabulary did not grow):
+        they must not be weight-decayed, or their frozen rows would shrink.
+
+    Raises:
+        InputError: a rank larger than a layer.
+    """
+    add_lora(model, lora, torch.Generator().manual_seed(seed + LORA_SEED_OFFSET))
+    freeze_base(model)
+    rows = train_token_rows(model, base_vocab_size(init_from))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    logger.info(
+        "LoRA: %d adapter parameters (rank %d on %s)%s; %d of %d parameters train",
+        lora_parameters(model),
+        lora.rank,
+        ", ".join(lora.targets),
+        f", and the new token rows of {', '.join(rows)}" if rows else "",
+        trainable,
+        model.num_parameters(),
+    )
+    return rows
+
+
+def base_vocab_size(init_from: str) -> int:
+    """The vocabulary of the model a run starts from: an llmcli run's tokenizer, or a Hugging
+    Face folder's `config.json` `vocab_size` (the rows of its embedding)."""
+    if is_run_dir(init_from):
+        return int(load_tokenizer_file(Path(init_from).expanduser()).vocab_size)
+    _, hf_cfg = check_hf_folder(init_from)
+    return int(hf_cfg["vocab_size"])
