@@ -327,3 +327,49 @@ def test_the_config_keeps_lora_through_its_yaml() -> None:
     config = config_from_dict({"train": {"init_from": "x", "lora": {"rank": 2}}})
     again = config_from_dict(yaml.safe_load(dump_yaml(config)))
     assert again.train.lora == dataclasses.replace(LoraConfig(), rank=2)
+
+
+# --- PEFT's format ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "targets", [None, ["attn.proj"], ["mlp.proj", "attn.qkv"]], ids=["all", "attn", "some"]
+)
+def test_peft_loads_the_adapter_onto_the_exported_gpt2_with_equal_logits(
+    tmp_path: Path, targets: list[str] | None
+) -> None:
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from llmcli.hf.export import export_hf
+    from llmcli.hf.gpt2 import hf_name
+    from llmcli.hf.lora import write_peft_adapter
+
+    base = save_tiny_run(
+        tmp_path / "base", CharTokenizer(CHARS), {"model": {**BASE_MODEL, "dropout": 0.0}}
+    )
+    export_hf(base, tmp_path / "hf", fmt="gpt2")
+    run = load_run(base, device="cpu")
+    lora = LoraConfig(rank=4, alpha=8.0, **({"targets": targets} if targets else {}))
+    model = run.model
+    add_lora(model, lora, torch.Generator().manual_seed(1))
+    with_random_b(model)  # a trained adapter: B is not zero
+    model.eval()
+    (tmp_path / "adapter").mkdir()
+    write_peft_adapter(tmp_path / "adapter", model, lora, base=str(tmp_path / "hf"))
+
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
+    adapted = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    # PEFT adapts exactly the targeted layers (the two c_proj told apart by their parents)
+    theirs_adapted = {n for n, m in adapted.named_modules() if hasattr(m, "lora_A")}
+    ours_adapted = {
+        "base_model.model." + hf_name(f"{n}.weight").removesuffix(".weight")
+        for n, _ in adapted_layers(model)
+    }
+    assert theirs_adapted == ours_adapted
+    idx = torch.randint(0, len(CHARS), (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = model(idx)[0], adapted(idx).logits
+        torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-4)
+        # PEFT's merge equals the adapted model too
+        torch.testing.assert_close(adapted.merge_and_unload()(idx).logits, ours, rtol=0, atol=1e-4)

@@ -67,7 +67,7 @@ def problems(model_cfg: ModelConfig) -> list[Problem]:
     return mismatches(model_cfg, "GPT-2", pos_emb="learned", norm="layernorm")
 
 
-def _hf_name(name: str) -> str:
+def hf_name(name: str) -> str:
     """llmcli parameter name -> Hugging Face GPT-2 name (`blocks.0.attn.qkv.weight` ->
     `transformer.h.0.attn.c_attn.weight`)."""
     if name == "lm_head.weight":
@@ -115,12 +115,12 @@ def to_hf(model: Transformer) -> dict[str, torch.Tensor]:
         if mod_name == "lm_head" and model.tie_embeddings:
             continue  # GPT-2 ties it to transformer.wte.weight
         weight = cpu(module.weight)
-        hf_weight = _hf_name(f"{mod_name}.weight")
+        hf_weight = hf_name(f"{mod_name}.weight")
         out[hf_weight] = weight.t().contiguous() if _is_conv1d(hf_weight) else weight
         if mod_name == "lm_head" or isinstance(module, torch.nn.Embedding):
             continue  # GPT-2's LM head and embeddings have no bias
         n_out = weight.shape[0]  # Linear (out, in) and LayerNorm (C,) alike
-        out[_hf_name(f"{mod_name}.bias")] = bias_or_zeros(module, n_out)
+        out[hf_name(f"{mod_name}.bias")] = bias_or_zeros(module, n_out)
     return out
 
 
