@@ -193,6 +193,7 @@ def test_a_lora_run_changes_only_the_adapters_and_the_new_token_rows(
     saved, _ = read_weights(out / "model.safetensors")
     run = load_run(out)
     assert set(saved) == set(base) and not any("lora" in n for n in saved)
+    assert not (out / "adapter_config.json").exists()  # PEFT's trainable tokens: not yet
     idx = torch.randint(0, V0, (2, 16), generator=torch.Generator().manual_seed(0))
     adapted = Transformer(run.config.model, trained["wte.weight"].shape[0])
     add_lora(adapted, config.train.lora)
@@ -276,6 +277,21 @@ def test_dpo_with_lora_starts_at_log_2_against_the_reference_without_adapters(
     base_weights, _ = read_weights(base / "model.safetensors")
     for name, tensor in base_weights.items():  # no new tokens: the base is frozen whole
         assert torch.equal(trained[name], tensor), f"{name} changed"
+
+    # The run's adapters in PEFT's format, loaded onto the exported base, are the run's model.
+    assert json.loads((out / "adapter_config.json").read_text())["r"] == 2
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from llmcli.hf.export import export_hf
+
+    export_hf(base, tmp_path / "hf", fmt="gpt2")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
+    adapted = peft.PeftModel.from_pretrained(hf, out).eval()
+    idx = torch.randint(0, 40, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = load_run(out, weights="last", device="cpu").model(idx)[0]
+        torch.testing.assert_close(adapted(idx).logits, ours, rtol=0, atol=1e-4)
 
 
 # --- bad input through the command -----------------------------------------------------------

@@ -20,13 +20,12 @@ from typing import Any
 import torch
 from safetensors.torch import save
 
-from llmcli.config import LoraConfig
+from llmcli.config import LoraConfig, ModelConfig
 from llmcli.fileio import atomic_write_bytes, atomic_write_text
-from llmcli.hf.gpt2 import hf_name
-from llmcli.model.lora import adapted_layers
+from llmcli.hf.gpt2 import hf_name, problems
+from llmcli.model.lora import adapted_layers, token_row_params
+from llmcli.runs.directory import ADAPTER_CONFIG_FILE, ADAPTER_FILE
 
-ADAPTER_CONFIG_FILE = "adapter_config.json"
-ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 PREFIX = "base_model.model."
 
 
@@ -71,4 +70,12 @@ def write_peft_adapter(
     folder = Path(folder)
     atomic_write_text(folder / ADAPTER_CONFIG_FILE, json.dumps(peft_config(lora, base), indent=2))
     weights = save(peft_tensors(model), metadata={"format": "pt"})  # as PEFT saves them
-    atomic_write_bytes(folder / ADAPTER_WEIGHTS_FILE, weights)
+    atomic_write_bytes(folder / ADAPTER_FILE, weights)
+
+
+def writes_peft_adapter(model: torch.nn.Module, model_cfg: ModelConfig) -> bool:
+    """Whether a run's adapters can be written in PEFT's format here: the model is GPT-2's
+    architecture, and no token rows train beside the adapters (PEFT's trainable tokens are not
+    written yet, and without them the adapter would not fit the base's vocabulary)."""
+    rows_train = any(p.requires_grad for p in token_row_params(model).values())
+    return not problems(model_cfg) and not rows_train

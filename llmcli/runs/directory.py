@@ -17,6 +17,8 @@ A run directory (`checkpoints/<config name>/` by default) holds:
 | `head_metrics.jsonl` | every evaluation | with `train.head_metrics`: each head's scores on the |
 | | | repeated-token probe, the loss by position (`llmcli.runs.head_metrics`) |
 | `loss.png` | every evaluation | train and val loss against steps |
+| `adapter_config.json`, | every save | with `train.lora` on a model GPT-2 computes and no new |
+| `adapter_model.safetensors` | | tokens: the adapters alone, in PEFT's format (`llmcli.hf.lora`) |
 
 With `train.logger` the trackers add `tensorboard/`, `wandb/` and `wandb_run_id`
 (`llmcli.runs.trackers`). A run starts only in a new or empty folder, or one holding nothing but
@@ -59,6 +61,9 @@ STATE_FILE = "state.pt"
 METRICS_FILE = "metrics.jsonl"
 HEAD_METRICS_FILE = "head_metrics.jsonl"
 PLOT_FILE = "loss.png"
+# A LoRA run's adapters alone, in PEFT's format (`llmcli.hf.lora`)
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_FILE = "adapter_model.safetensors"
 
 
 def default_run_dir(config: Config) -> Path:
@@ -78,6 +83,8 @@ _RUN_FILES = (
     METRICS_FILE,
     HEAD_METRICS_FILE,
     PLOT_FILE,
+    ADAPTER_CONFIG_FILE,
+    ADAPTER_FILE,
 )
 _WRITE_TEST = ".write-test"  # `ensure_run_dir`'s probe
 # Every name a run writes at the top of its folder (temporary files aside); anything else there

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from llmcli.config import Config
+from llmcli.hf.lora import write_peft_adapter, writes_peft_adapter
 from llmcli.model.lora import adapted_layers, merged_state_dict
 from llmcli.runs.directory import STATE_FILE, save_checkpoint
 from llmcli.runs.formats import load_weights
@@ -79,6 +80,9 @@ class Checkpointer:
             (rng_state(device), self.trainer.batches.state_dict()), self.info
         )
         if self.info.main:
+            lora = config.train.lora
+            if lora is not None and writes_peft_adapter(self.model, config.model):
+                write_peft_adapter(self.run_dir, self.model, lora, config.train.init_from)
             save_checkpoint(
                 self.run_dir,
                 self._weights(),
