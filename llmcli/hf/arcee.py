@@ -82,6 +82,27 @@ def hf_config(
     return config_file(HF_CLASS, MODEL_TYPE, vocab_size, settings, eot_id, model_cfg.tie_embeddings)
 
 
+# llmcli's target inside a block -> Arcee's modules (the fused QKV is three).
+_LORA_MODULES = {
+    "attn.qkv": tuple(f"self_attn.{kind}" for kind in _PROJECTIONS),
+    "attn.proj": ("self_attn.o_proj",),
+    "mlp.fc": ("mlp.up_proj",),
+    "mlp.proj": ("mlp.down_proj",),
+}
+LORA_FAN_IN_FAN_OUT = False
+
+
+def lora_to_hf(name: str, B: torch.Tensor, n_head: int) -> dict[str, torch.Tensor]:
+    """An adapted layer (`blocks.0.attn.qkv`) -> the Arcee modules its adapter goes on, each
+    with its rows of `B (out, r)`: the fused QKV's adapter becomes three, q_proj, k_proj and
+    v_proj, that share `A` (`[Bq; Bk; Bv] A` is `Bq A`, `Bk A`, `Bv A` stacked; `n_head`
+    unused, the row blocks are whole kinds)."""
+    _, i, target = name.split(".", 2)
+    modules = [f"model.layers.{i}.{m}" for m in _LORA_MODULES[target]]
+    rows = B.chunk(3) if target == "attn.qkv" else (B,)
+    return {m: b.contiguous() for m, b in zip(modules, rows, strict=True)}
+
+
 def to_hf(model: Transformer) -> dict[str, torch.Tensor]:
     """The model's weights under Arcee names and layouts (CPU, contiguous)."""
     out = {"model.embed_tokens.weight": cpu(model.wte.weight)}

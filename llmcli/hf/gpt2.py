@@ -87,6 +87,16 @@ def hf_name(name: str) -> str:
     return "transformer." + name
 
 
+def lora_to_hf(name: str, B: torch.Tensor, n_head: int) -> dict[str, torch.Tensor]:
+    """An adapted layer (`blocks.0.attn.qkv`) -> the GPT-2 module its adapter goes on, with its
+    `B (out, r)` as it is: GPT-2's fused QKV orders its rows as llmcli's (`n_head` unused)."""
+    return {hf_name(f"{name}.weight").removesuffix(".weight"): B}
+
+
+# PEFT's `fan_in_fan_out`: GPT-2's Conv1D holds W as (in, out), so PEFT transposes the update.
+LORA_FAN_IN_FAN_OUT = True
+
+
 def _is_conv1d(hf_name: str) -> bool:
     return hf_name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight"))
 

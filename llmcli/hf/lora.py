@@ -1,38 +1,58 @@
-"""A LoRA run's adapters in PEFT's format, for the Hugging Face export's GPT-2 layout.
+"""A LoRA run's adapters in PEFT's format, for the Hugging Face export's layouts.
 
 PEFT (`peft.PeftModel.from_pretrained(base, folder)`) reads a folder of `adapter_config.json`
 and `adapter_model.safetensors`. Its tensors are named after the base model's modules with the
 prefix `base_model.model.` and the adapter's name left out:
 `base_model.model.transformer.h.0.attn.c_attn.lora_A.weight` `(r, in)` and `...lora_B.weight`
 `(out, r)`, PEFT's `nn.Linear` layers, in the same shapes as `llmcli.model.lora.LoRALinear`'s
-`A` and `B` whatever the base layer is. GPT-2's projections are `Conv1D` (`x @ W`, `W (in,
-out)`), which the config says with `fan_in_fan_out: true`: PEFT then transposes only the merged
-update, `(B A)^T`. The targets are named by their parents too (`attn.c_proj`, `mlp.c_proj`),
-since PEFT matches a name by its end and both blocks' output projections are `c_proj`.
+`A` and `B` whatever the base layer is.
+
+Each architecture module says where an adapter goes (`lora_to_hf`) and whether its weights are
+`(in, out)` (`LORA_FAN_IN_FAN_OUT`):
+- GPT-2: the same modules as the weights; its projections are `Conv1D` (`x @ W`, `W (in,
+  out)`), which the config says with `fan_in_fan_out: true` (PEFT then transposes only the
+  merged update, `(B A)^T`). The targets are named by their parents (`attn.c_proj`,
+  `mlp.c_proj`), since PEFT matches a name by its end and both output projections are `c_proj`.
+- GPT-NeoX: the fused QKV's `B` rows reordered by head as its weight's rows are; `A` as it is.
+- Arcee: the fused QKV is `q_proj`, `k_proj`, `v_proj`, so its adapter becomes three that share
+  `A`, each with its third of `B`'s rows.
+
+The layout is the one `llmcli export --format auto` picks for the run's model: only one
+architecture computes a given model exactly, so a run's adapters have one layout.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
 from safetensors.torch import save
 
 from llmcli.config import LoraConfig, ModelConfig
-from llmcli.fileio import atomic_write_bytes, atomic_write_text
-from llmcli.hf.gpt2 import hf_name, problems
-from llmcli.model.lora import adapted_layers, token_row_params
-from llmcli.runs.directory import ADAPTER_CONFIG_FILE, ADAPTER_FILE
+from llmcli.errors import CheckpointError, InputError
+from llmcli.hf.architectures import choose
+from llmcli.model.gpt import Transformer
+from llmcli.model.lora import adapted_layers, add_lora, token_row_params
+from llmcli.runs.directory import ADAPTER_CONFIG_FILE, ADAPTER_FILE, STATE_FILE
+from llmcli.runs.formats import load_state, load_weights
 
 PREFIX = "base_model.model."
+# The block part of a module's name (`transformer.h.0.`, `model.layers.12.`): target_modules
+# name what follows, which PEFT matches in every block.
+_BLOCK = re.compile(r"^.*?\.\d+\.")
 
 
-def peft_config(lora: LoraConfig, base: str | None = None) -> dict[str, Any]:
-    """`adapter_config.json` for adapters on GPT-2's layers (`base`: the base model's folder or
-    Hub name, which PEFT records and does not need)."""
-    targets = [hf_name(f"blocks.0.{target}.weight").split(".", 3)[3] for target in lora.targets]
+def peft_config(
+    lora: LoraConfig, arch: ModuleType, modules: list[str], base: str | None = None
+) -> dict[str, Any]:
+    """`adapter_config.json` for adapters on `modules` (PEFT's names, without the prefix) of
+    the `arch` layout (`base`: the base model's folder or Hub name, which PEFT records and
+    `AutoPeftModelForCausalLM` loads)."""
+    targets = sorted({_BLOCK.sub("", module) for module in modules})
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -40,9 +60,8 @@ def peft_config(lora: LoraConfig, base: str | None = None) -> dict[str, Any]:
         "r": lora.rank,
         "lora_alpha": lora.alpha,
         "lora_dropout": lora.dropout,
-        # e.g. "attn.c_attn": PEFT matches the end of a module's name
-        "target_modules": [name.removesuffix(".weight") for name in targets],
-        "fan_in_fan_out": True,  # GPT-2's Conv1D holds W as (in, out)
+        "target_modules": targets,  # e.g. "attn.c_attn": PEFT matches the end of a name
+        "fan_in_fan_out": arch.LORA_FAN_IN_FAN_OUT,
         "bias": "none",
         "use_rslora": False,
         "use_dora": False,
@@ -52,30 +71,59 @@ def peft_config(lora: LoraConfig, base: str | None = None) -> dict[str, Any]:
     }
 
 
-def peft_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every adapter's `A (r, in)` and `B (out, r)` under PEFT's names for GPT-2's layout."""
+def peft_tensors(model: torch.nn.Module, arch: ModuleType) -> dict[str, torch.Tensor]:
+    """Every adapter's `A (r, in)` and `B (out, r)` under PEFT's names for `arch`'s layout (an
+    adapter split over several modules gives each the same `A`)."""
     out = {}
     for name, layer in adapted_layers(model):
-        module = PREFIX + hf_name(f"{name}.weight").removesuffix(".weight")
-        out[f"{module}.lora_A.weight"] = layer.lora_A.detach().cpu().contiguous()
-        out[f"{module}.lora_B.weight"] = layer.lora_B.detach().cpu().contiguous()
+        A = layer.lora_A.detach().cpu().contiguous()
+        B = layer.lora_B.detach().cpu()
+        for module, rows in arch.lora_to_hf(name, B, model.n_head).items():
+            out[f"{PREFIX}{module}.lora_A.weight"] = A.clone()  # safetensors shares no memory
+            out[f"{PREFIX}{module}.lora_B.weight"] = rows.contiguous()
     return out
 
 
-def write_peft_adapter(
-    folder: str | Path, model: torch.nn.Module, lora: LoraConfig, base: str | None = None
-) -> None:
-    """Write `adapter_config.json` and `adapter_model.safetensors` into `folder` (which
-    exists), each file renamed into place."""
-    folder = Path(folder)
-    atomic_write_text(folder / ADAPTER_CONFIG_FILE, json.dumps(peft_config(lora, base), indent=2))
-    weights = save(peft_tensors(model), metadata={"format": "pt"})  # as PEFT saves them
-    atomic_write_bytes(folder / ADAPTER_FILE, weights)
+def peft_adapter_files(
+    model: torch.nn.Module, lora: LoraConfig, arch: ModuleType, base: str | None = None
+) -> dict[str, bytes]:
+    """The adapter folder's two files, `adapter_config.json` and `adapter_model.safetensors`,
+    by name, for the caller to write (atomically, with its own errors)."""
+    tensors = peft_tensors(model, arch)
+    modules = [name.removeprefix(PREFIX).rsplit(".", 2)[0] for name in tensors]
+    config = peft_config(lora, arch, modules, base)
+    return {
+        ADAPTER_CONFIG_FILE: (json.dumps(config, indent=2) + "\n").encode("utf-8"),
+        ADAPTER_FILE: save(tensors, metadata={"format": "pt"}),  # as PEFT saves them
+    }
 
 
-def writes_peft_adapter(model: torch.nn.Module, model_cfg: ModelConfig) -> bool:
-    """Whether a run's adapters can be written in PEFT's format here: the model is GPT-2's
-    architecture, and no token rows train beside the adapters (PEFT's trainable tokens are not
-    written yet, and without them the adapter would not fit the base's vocabulary)."""
-    rows_train = any(p.requires_grad for p in token_row_params(model).values())
-    return not problems(model_cfg) and not rows_train
+def adapter_layout(model: torch.nn.Module, model_cfg: ModelConfig) -> ModuleType | None:
+    """The architecture whose layout a run's adapters are written in (the one the export picks),
+    or None when they cannot be: no architecture computes the model, or token rows train beside
+    the adapters (PEFT's trainable tokens are not written yet, and without them the adapter
+    would not fit the base's vocabulary)."""
+    if any(p.requires_grad for p in token_row_params(model).values()):
+        return None
+    try:
+        return choose(model_cfg)
+    except InputError:
+        return None
+
+
+def saved_adapted_model(run_dir: Path, model_cfg: ModelConfig, lora: LoraConfig) -> Transformer:
+    """A LoRA run's model as its last save left it, unmerged: the base's weights as the run
+    loaded them (frozen, so bitwise `train.init_from`'s) with the adapters beside them, from
+    the resume state.
+
+    Raises:
+        CheckpointError: a missing or damaged `state.pt`, or one that does not fit the config.
+    """
+    path = run_dir / STATE_FILE
+    tensors = load_state(path).get("model")
+    if not isinstance(tensors, dict) or "wte.weight" not in tensors:
+        raise CheckpointError(f"resume state '{path}' holds no model weights: it is damaged.")
+    model = Transformer(model_cfg, tensors["wte.weight"].shape[0])
+    add_lora(model, lora)
+    load_weights(model, tensors, path)
+    return model.eval()

@@ -95,6 +95,25 @@ def _by_kind(head_major: torch.Tensor, n_head: int) -> torch.Tensor:
     return head_major.reshape(n_head, 3, -1, *rest).transpose(0, 1).reshape(head_major.shape)
 
 
+# llmcli's target inside a block -> GPT-NeoX's module (PEFT's LoRA layers are nn.Linear's).
+_LORA_MODULES = {
+    "attn.qkv": "attention.query_key_value",
+    "attn.proj": "attention.dense",
+    "mlp.fc": "mlp.dense_h_to_4h",
+    "mlp.proj": "mlp.dense_4h_to_h",
+}
+LORA_FAN_IN_FAN_OUT = False
+
+
+def lora_to_hf(name: str, B: torch.Tensor, n_head: int) -> dict[str, torch.Tensor]:
+    """An adapted layer (`blocks.0.attn.qkv`) -> the GPT-NeoX module its adapter goes on, with
+    its `B (out, r)`: the QKV's rows reordered by head as its weight's are (`B A`'s rows are
+    `B`'s, so `A` stays)."""
+    _, i, target = name.split(".", 2)
+    module = f"gpt_neox.layers.{i}.{_LORA_MODULES[target]}"
+    return {module: _by_head(B, n_head) if target == "attn.qkv" else B}
+
+
 def to_hf(model: Transformer) -> dict[str, torch.Tensor]:
     """The model's weights under GPT-NeoX names and layouts (CPU, contiguous)."""
     C, nh = model.n_embed, model.n_head

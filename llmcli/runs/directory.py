@@ -254,8 +254,10 @@ def save_checkpoint(
     *,
     best: bool,
     previous_step: int = -1,
+    extra_files: dict[str, bytes] | None = None,
 ) -> None:
-    """One save of a training run: weights, best weights (if `best`), meta, then resume state.
+    """One save of a training run: weights, best weights (if `best`), `extra_files`, meta, then
+    resume state.
 
     `state.pt` is written last: it is the commit point. A crash before it leaves the previous
     resume state, which holds its own weights, so resuming is exact either way.
@@ -268,6 +270,7 @@ def save_checkpoint(
         meta: the `meta.json` content (must include "step" and "vocab_size").
         best: also write the weights to `best.safetensors`.
         previous_step: the step of the previous save (-1: none), named if this one fails.
+        extra_files: more files of the save by name (a LoRA run's PEFT adapter).
 
     Raises:
         CheckpointError: a write failed (the file being written keeps its previous content);
@@ -279,6 +282,8 @@ def save_checkpoint(
         atomic_write_bytes(run_dir / MODEL_FILE, data)
         if best:
             atomic_write_bytes(run_dir / BEST_FILE, data)
+        for name, content in (extra_files or {}).items():
+            atomic_write_bytes(run_dir / name, content)
         atomic_write_json(run_dir / META_FILE, meta)
         save_state(run_dir / STATE_FILE, state)
     except OSError as exc:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from llmcli.config import Config
-from llmcli.hf.lora import write_peft_adapter, writes_peft_adapter
+from llmcli.hf.lora import adapter_layout, peft_adapter_files
 from llmcli.model.lora import adapted_layers, merged_state_dict
 from llmcli.runs.directory import STATE_FILE, save_checkpoint
 from llmcli.runs.formats import load_weights
@@ -80,9 +80,6 @@ class Checkpointer:
             (rng_state(device), self.trainer.batches.state_dict()), self.info
         )
         if self.info.main:
-            lora = config.train.lora
-            if lora is not None and writes_peft_adapter(self.model, config.model):
-                write_peft_adapter(self.run_dir, self.model, lora, config.train.init_from)
             save_checkpoint(
                 self.run_dir,
                 self._weights(),
@@ -90,6 +87,7 @@ class Checkpointer:
                 self._meta(state, config),
                 best=best,
                 previous_step=state.last_saved,
+                extra_files=self._adapter_files(config),
             )
         state.last_saved = state.step
         self.saved_at = time.perf_counter()
@@ -101,6 +99,16 @@ class Checkpointer:
         if any(True for _ in adapted_layers(self.model)):
             return merged_state_dict(self.model)
         return self.model
+
+    def _adapter_files(self, config: Config) -> dict[str, bytes]:
+        """A LoRA run's adapters in PEFT's format (`llmcli.hf.lora`), in the layout of the
+        architecture the run exports as; none for a full fine-tune, or adapters PEFT's format
+        cannot hold yet (new token rows)."""
+        lora = config.train.lora
+        arch = adapter_layout(self.model, config.model) if lora is not None else None
+        if lora is None or arch is None:
+            return {}
+        return peft_adapter_files(self.model, lora, arch, config.train.init_from)
 
     def _resume_state(
         self,
