@@ -347,45 +347,152 @@ def test_the_config_keeps_lora_through_its_yaml() -> None:
 
 # --- PEFT's format ---------------------------------------------------------------------------
 
+# The three layouts: GPT-2 (Conv1D, fan_in_fan_out), GPT-NeoX (QKV rows by head), Arcee (q, k, v)
+ARCHITECTURES = {
+    "gpt2": {},
+    "gpt-neox": {"pos_emb": "rope"},
+    "arcee": {"pos_emb": "rope", "norm": "rmsnorm"},
+}
 
-@pytest.mark.parametrize(
-    "targets", [None, ["attn.proj"], ["mlp.proj", "attn.qkv"]], ids=["all", "attn", "some"]
-)
-def test_peft_loads_the_adapter_onto_the_exported_gpt2_with_equal_logits(
-    tmp_path: Path, targets: list[str] | None
-) -> None:
+
+def write_adapter(folder: Path, model: torch.nn.Module, lora: LoraConfig, arch, base: str) -> Path:
+    from llmcli.hf.lora import peft_adapter_files
+
+    folder.mkdir()
+    for name, data in peft_adapter_files(model, lora, arch, base).items():
+        (folder / name).write_bytes(data)
+    return folder
+
+
+def assert_peft_equals(hf_folder: Path, adapter: Path, ours: torch.nn.Module) -> None:
+    """PEFT's adapter on the Hugging Face base, and PEFT's merge of it, give `ours`'s logits."""
     peft = pytest.importorskip("peft")
     from transformers import AutoModelForCausalLM
 
-    from llmcli.hf.export import export_hf
-    from llmcli.hf.gpt2 import hf_name
-    from llmcli.hf.lora import write_peft_adapter
+    hf = AutoModelForCausalLM.from_pretrained(hf_folder, local_files_only=True)
+    adapted = peft.PeftModel.from_pretrained(hf, adapter).eval()
+    idx = torch.randint(0, len(CHARS), (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = ours(idx)[0]
+        torch.testing.assert_close(adapted(idx).logits, expected, rtol=0, atol=1e-4)
+        merged = adapted.merge_and_unload()
+        torch.testing.assert_close(merged(idx).logits, expected, rtol=0, atol=1e-4)
 
-    base = save_tiny_run(
-        tmp_path / "base", CharTokenizer(CHARS), {"model": {**BASE_MODEL, "dropout": 0.0}}
-    )
-    export_hf(base, tmp_path / "hf", fmt="gpt2")
-    run = load_run(base, device="cpu")
+
+@pytest.mark.parametrize(
+    ("name", "targets"),
+    [
+        ("gpt2", None),
+        ("gpt2", ["attn.proj"]),
+        ("gpt2", ["mlp.proj", "attn.qkv"]),
+        ("gpt-neox", None),
+        ("arcee", None),
+        ("arcee", ["attn.qkv"]),
+    ],
+)
+def test_peft_loads_the_adapter_onto_the_exported_base_with_equal_logits(
+    tmp_path: Path, name: str, targets: list[str] | None
+) -> None:
+    pytest.importorskip("peft")
+    from llmcli.hf.architectures import ARCHITECTURES as LAYOUTS
+    from llmcli.hf.export import export_hf
+
+    arch = LAYOUTS[name]
+    model_cfg = {**BASE_MODEL, **ARCHITECTURES[name], "dropout": 0.0}
+    base = save_tiny_run(tmp_path / "base", CharTokenizer(CHARS), {"model": model_cfg})
+    export_hf(base, tmp_path / "hf", fmt=name)
+    model = load_run(base, device="cpu").model
     lora = LoraConfig(rank=4, alpha=8.0, **({"targets": targets} if targets else {}))
-    model = run.model
     add_lora(model, lora, torch.Generator().manual_seed(1))
     with_random_b(model)  # a trained adapter: B is not zero
     model.eval()
-    (tmp_path / "adapter").mkdir()
-    write_peft_adapter(tmp_path / "adapter", model, lora, base=str(tmp_path / "hf"))
+    adapter = write_adapter(tmp_path / "adapter", model, lora, arch, str(tmp_path / "hf"))
+
+    # PEFT adapts exactly the targeted layers (GPT-2's two c_proj told apart by their parents,
+    # Arcee's q, k and v for the fused QKV)
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
-    adapted = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
-    # PEFT adapts exactly the targeted layers (the two c_proj told apart by their parents)
+    adapted = peft.PeftModel.from_pretrained(hf, adapter)
     theirs_adapted = {n for n, m in adapted.named_modules() if hasattr(m, "lora_A")}
     ours_adapted = {
-        "base_model.model." + hf_name(f"{n}.weight").removesuffix(".weight")
-        for n, _ in adapted_layers(model)
+        "base_model.model." + module
+        for n, layer in adapted_layers(model)
+        for module in arch.lora_to_hf(n, layer.lora_B, model.n_head)
     }
     assert theirs_adapted == ours_adapted
+    assert_peft_equals(tmp_path / "hf", adapter, model)
+
+
+def text_lora_run(folder: Path, model: dict) -> Path:
+    """A LoRA text run on a base of the same vocabulary (so no token rows train): 4 steps."""
+    base = save_tiny_run(folder / "base", CharTokenizer(CHARS), {"model": model}, sharpen=3.0)
+    text = folder / "corpus.txt"
+    text.write_text(" ".join(f"spell {a}{b}" for a in LETTERS for b in LETTERS[:6]))
+    raw = {
+        "model": {"dropout": 0.0},
+        "data": {"path": str(text), "cache_dir": str(folder / "cache")},
+        "train": {
+            "init_from": str(base),
+            "lora": {"rank": 2, "alpha": 4, "targets": ["attn.qkv", "mlp.fc"]},
+            "device": "cpu",
+            "batch_size": 4,
+            "max_steps": 4,
+            "warmup_steps": 1,
+            "lr": 1e-2,
+            "eval_interval": 4,
+            "eval_steps": 1,
+            "log_interval": 1,
+        },
+    }
+    train(config_from_dict(raw, name="lora-text"), out_dir=folder / "run", progress=False)
+    return folder / "run"
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_llmcli_export_writes_the_base_and_the_adapter_or_the_merged_model(
+    tmp_path: Path, name: str
+) -> None:
+    pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from llmcli.hf.export import export_hf
+
+    run = text_lora_run(tmp_path, {**BASE_MODEL, **ARCHITECTURES[name]})
+    config = json.loads((run / "adapter_config.json").read_text())  # the run's own, each save
+    assert config["r"] == 2 and len(config["target_modules"]) == (4 if name == "arcee" else 2)
+    ours = load_run(run, weights="last").model  # the merged weights: the model the run trained
+
+    result = export_hf(run, tmp_path / "hf", weights="last")
+    assert result.architecture == name and result.adapter_dir == tmp_path / "hf" / "adapter"
+    adapter_config = json.loads((result.adapter_dir / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == str((tmp_path / "hf").resolve())
+    assert not (tmp_path / "hf" / "adapter_config.json").exists()  # transformers would follow it
+    # The base is bitwise the weights the run started from, not the merged weights.
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
+    start = load_run(tmp_path / "base").model
     idx = torch.randint(0, len(CHARS), (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        ours, theirs = model(idx)[0], adapted(idx).logits
-        torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-4)
-        # PEFT's merge equals the adapted model too
-        torch.testing.assert_close(adapted.merge_and_unload()(idx).logits, ours, rtol=0, atol=1e-4)
+        torch.testing.assert_close(base(idx).logits, start(idx)[0], rtol=0, atol=1e-5)
+        assert (ours(idx)[0] - start(idx)[0]).abs().max() > 1e-2  # the adapters trained
+    assert_peft_equals(tmp_path / "hf", result.adapter_dir, ours)
+
+    merged = export_hf(run, tmp_path / "merged", weights="last", merge=True)
+    assert merged.adapter_dir is None and not (tmp_path / "merged" / "adapter").exists()
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", local_files_only=True)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, ours(idx)[0], rtol=0, atol=1e-4)
+
+
+def test_an_unmerged_export_refuses_what_the_adapter_files_cannot_hold(
+    text_base: Path, tmp_path: Path
+) -> None:
+    from llmcli.errors import InputError
+    from llmcli.hf.export import export_hf
+
+    run = tmp_path / "run"  # a chat fine-tune of a text run: the chat tokens' rows train
+    train(lora_config(text_base, tmp_path), out_dir=run, progress=False)
+    with pytest.raises(InputError, match="new token rows .* pass --merge"):
+        export_hf(run, tmp_path / "hf", weights="last")
+    assert export_hf(run, tmp_path / "merged", weights="last", merge=True).adapter_dir is None

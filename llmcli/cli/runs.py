@@ -58,6 +58,13 @@ def export_command(
         bool, typer.Option(help="Write into a non-empty --out, replacing a previous export.")
     ] = False,
     weights: WeightsOption = "best",
+    merge: Annotated[
+        bool,
+        typer.Option(
+            help="A LoRA run: export the plain model with the adapters folded in, instead of "
+            "its base with the adapters in PEFT's format in PATH/adapter.",
+        ),
+    ] = False,
 ) -> None:
     """Export a run as a Hugging Face folder for transformers (no custom code needed), or as a
     GGUF file for llama.cpp."""
@@ -84,6 +91,7 @@ def export_command(
         fmt=format_,
         force=force,
         weights=weights,
+        merge=merge,
         notify=notify,
     )
     typer.echo(
@@ -91,6 +99,11 @@ def export_command(
         f"{result.n_params:,} parameters, "
         f"vocab {result.vocab_size}) to {result.out_dir}/: {', '.join(result.files)}"
     )
+    if result.adapter_dir is not None:
+        typer.echo(
+            f"the LoRA adapters in PEFT's format: {result.adapter_dir}/ (peft.PeftModel."
+            "from_pretrained(model, that folder); --merge exports the merged model instead)"
+        )
 
 
 @app.command("compare", cls=UsageCommand)

@@ -23,6 +23,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from safetensors.torch import save
@@ -45,7 +46,10 @@ from llmcli.hf.common import (
     HF_WEIGHTS_INDEX,
     NORM_EPS,
 )
-from llmcli.runs.loading import load_run
+from llmcli.hf.lora import peft_adapter_files, saved_adapted_model
+from llmcli.model.gpt import Transformer
+from llmcli.runs.directory import ADAPTER_CONFIG_FILE, ADAPTER_FILE
+from llmcli.runs.loading import LoadedRun, load_run
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +62,12 @@ _STALE_FILES = (
     "merges.txt",
     "added_tokens.json",
     TEMPLATE_FILE,  # a text run's export must not keep a chat export's template
+    # transformers would load the base it names and this adapter instead of this folder's model
+    ADAPTER_CONFIG_FILE,
+    ADAPTER_FILE,
 )
+# The subfolder a LoRA run's adapter goes to: beside the base, not in its folder (see above).
+ADAPTER_DIR = "adapter"
 
 # ---------------------------------------------------------------------------------------------
 # Tokenizer files
@@ -137,7 +146,7 @@ def _generation_config(
 
 @dataclass
 class ExportResult:
-    """What `export_hf` wrote."""
+    """What `export_hf` wrote (`adapter_dir`: a LoRA run's PEFT adapter folder, unless merged)."""
 
     architecture: str
     run_dir: Path
@@ -146,6 +155,7 @@ class ExportResult:
     n_params: int
     vocab_size: int
     step: int
+    adapter_dir: Path | None = None
 
 
 def _check_out_dir(out: Path, run_dir: Path, force: bool) -> None:
@@ -170,6 +180,7 @@ def export_hf(
     fmt: str = "auto",
     force: bool = False,
     weights: str = "best",
+    merge: bool = False,
     notify: Callable[[str], None] | None = None,
 ) -> ExportResult:
     """Write a run as a Hugging Face folder that `transformers` loads offline.
@@ -177,6 +188,8 @@ def export_hf(
     The folder holds `config.json`, `generation_config.json` (the run's sampling defaults),
     `model.safetensors` (float32, the architecture's names) and `tokenizer.json`,
     `tokenizer_config.json`, `special_tokens_map.json`, and for a chat run `chat_template.jinja`.
+    A LoRA run (`train.lora`) is exported as its base model, with the adapters in PEFT's format
+    in `adapter/` (see `lora_export_parts`); with `merge`, as the plain model it equals.
     Each file is written to a temporary name and renamed into place.
 
     Args:
@@ -186,17 +199,56 @@ def export_hf(
             `llmcli.hf.architectures.FORMATS`.
         force: write into a non-empty `out`, replacing the files of a previous export.
         weights: "best" or "last", as `llmcli sample`.
+        merge: a LoRA run's adapters folded into the weights (no effect on other runs).
         notify: called with lines for the user (the run picked, version warnings).
 
     Raises:
         InputError: a bad run, options no (or not the asked) architecture computes exactly,
-            or an `out` that is not usable.
+            an `out` that is not usable, or a LoRA run whose adapters cannot be exported
+            unmerged (the message says to pass `--merge`).
     """
     run = load_run(checkpoint, weights=weights, device="cpu", notify=notify)
     out = Path(out)
     _check_out_dir(out, run.run_dir, force)
     arch = choose(run.config.model, fmt)
-    model, tokenizer = run.model, run.tokenizer
+    model, adapter = run.model, {}
+    if run.config.train.lora is not None and not merge:
+        model, adapter = lora_export_parts(run, arch, base=str(out.resolve()))
+    files = _folder_files(run, arch, model, out)
+    adapter_dir = out / ADAPTER_DIR if adapter else None
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        # a previous LoRA export's adapter would apply a second time to merged weights
+        stale_adapter = [f"{ADAPTER_DIR}/{name}" for name in (ADAPTER_CONFIG_FILE, ADAPTER_FILE)]
+        for stale in (*_STALE_FILES, *stale_adapter):
+            if (out / stale).is_file():
+                logger.info("removing %s from '%s' (it would shadow the export)", stale, out)
+                (out / stale).unlink()
+        for name, data in files.items():
+            atomic_write_bytes(out / name, data)
+        if adapter_dir is not None:
+            adapter_dir.mkdir(exist_ok=True)
+            for name, data in adapter.items():
+                atomic_write_bytes(adapter_dir / name, data)
+    except OSError as exc:
+        raise InputError(f"cannot write the export to '{out}': {describe_os_error(exc)}.") from None
+    logger.info("exported '%s' (step %d) as %s to '%s'", run.run_dir, run.step, arch.NAME, out)
+    return ExportResult(
+        architecture=arch.NAME,
+        run_dir=run.run_dir,
+        out_dir=out,
+        files=list(files),
+        n_params=run.model.num_parameters(),  # the base's and the merged model's alike
+        vocab_size=run.model.vocab_size,
+        step=run.step,
+        adapter_dir=adapter_dir,
+    )
+
+
+def _folder_files(run: LoadedRun, arch: ModuleType, model: Transformer, out: Path) -> dict:
+    """The export folder's files by name: config, generation defaults, `model`'s weights in
+    `arch`'s layout, and the run's tokenizer (and chat template)."""
+    tokenizer = run.tokenizer
     eot_id = tokenizer.eot_id
     if eot_id is None:
         newline = tokenizer.encode("\n")
@@ -218,27 +270,42 @@ def export_hf(
     context_length = run.config.model.context_length
     for name, text in hf_tokenizer_files(tokenizer, context_length, template).items():
         files[name] = text.encode("utf-8")
+    return files
 
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        for stale in _STALE_FILES:
-            if (out / stale).is_file():
-                logger.info("removing %s from '%s' (it would shadow the export)", stale, out)
-                (out / stale).unlink()
-        for name, data in files.items():
-            atomic_write_bytes(out / name, data)
-    except OSError as exc:
-        raise InputError(f"cannot write the export to '{out}': {describe_os_error(exc)}.") from None
-    logger.info("exported '%s' (step %d) as %s to '%s'", run.run_dir, run.step, arch.NAME, out)
-    return ExportResult(
-        architecture=arch.NAME,
-        run_dir=run.run_dir,
-        out_dir=out,
-        files=list(files),
-        n_params=model.num_parameters(),
-        vocab_size=model.vocab_size,
-        step=run.step,
-    )
+
+def lora_export_parts(
+    run: LoadedRun, arch: ModuleType, base: str
+) -> tuple[Transformer, dict[str, bytes]]:
+    """A LoRA run's base model and its adapter files in PEFT's format for `arch`, which name
+    `base` (the export folder) as their base.
+
+    The base is the weights the run started from as they are, from the resume state (the base
+    is frozen, so they are bitwise `train.init_from`'s), rather than the merged weights less
+    `B A * alpha / r`, which would differ from them by rounding. The adapters are the last
+    save's: the resume state keeps no others.
+
+    Raises:
+        InputError: the weights asked for are not the last save's (the best step's adapters
+            are not kept), or the adapters train new token rows, which the adapter files do
+            not hold: `--merge` exports either.
+    """
+    lora, last = run.config.train.lora, run.meta.get("step")
+    assert lora is not None
+    if run.step != last:
+        raise InputError(
+            f"this LoRA run's best weights (step {run.step}) are not its last save (step "
+            f"{last}), and only the last save's adapters are kept: pass --weights last to "
+            "export the base and the last adapters, or --merge to export the best step's "
+            "merged weights."
+        )
+    if not (run.run_dir / ADAPTER_CONFIG_FILE).is_file():
+        raise InputError(
+            "this LoRA run trained new token rows (the chat tokens) beside its adapters, which "
+            "PEFT's adapter files written here do not hold: pass --merge to export the model "
+            "the run trained, adapters folded in."
+        )
+    model = saved_adapted_model(run.run_dir, run.config.model, lora)
+    return model, peft_adapter_files(model, lora, arch, base)
 
 
 def _json_bytes(obj: Any) -> bytes:
