@@ -485,6 +485,21 @@ def test_llmcli_export_writes_the_base_and_the_adapter_or_the_merged_model(
         torch.testing.assert_close(hf(idx).logits, ours(idx)[0], rtol=0, atol=1e-4)
 
 
+def test_the_best_steps_adapters_are_kept_beside_the_last_saves(tmp_path: Path) -> None:
+    from llmcli.errors import CheckpointError
+    from llmcli.hf.lora import saved_adapted_model
+    from llmcli.model.lora import adapter_state_dict
+
+    run = text_lora_run(tmp_path, BASE_MODEL)  # its best step is its last, 4
+    config = load_run(run).config
+    last = adapter_state_dict(saved_adapted_model(run, config.model, config.train.lora))
+    best = adapter_state_dict(saved_adapted_model(run, config.model, config.train.lora, 4))
+    assert last.keys() == best.keys() and len(best) == 4
+    assert all(torch.equal(last[name], best[name]) for name in best)
+    with pytest.raises(CheckpointError, match="adapters of step 4, not of the best .* step 3"):
+        saved_adapted_model(run, config.model, config.train.lora, 3)
+
+
 def test_an_unmerged_export_refuses_what_the_adapter_files_cannot_hold(
     text_base: Path, tmp_path: Path
 ) -> None:

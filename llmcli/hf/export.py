@@ -281,30 +281,26 @@ def lora_export_parts(
 
     The base is the weights the run started from as they are, from the resume state (the base
     is frozen, so they are bitwise `train.init_from`'s), rather than the merged weights less
-    `B A * alpha / r`, which would differ from them by rounding. The adapters are the last
-    save's: the resume state keeps no others.
+    `B A * alpha / r`, which would differ from them by rounding. The adapters are those of the
+    weights asked for: the last save's (the resume state), or the best step's
+    (`best_adapter.safetensors`).
 
     Raises:
-        InputError: the weights asked for are not the last save's (the best step's adapters
-            are not kept), or the adapters train new token rows, which the adapter files do
-            not hold: `--merge` exports either.
+        InputError: the adapters train new token rows, which the adapter files do not hold:
+            `--merge` exports the model.
+        CheckpointError: a missing or damaged file of the run.
     """
-    lora, last = run.config.train.lora, run.meta.get("step")
+    lora = run.config.train.lora
     assert lora is not None
-    if run.step != last:
-        raise InputError(
-            f"this LoRA run's best weights (step {run.step}) are not its last save (step "
-            f"{last}), and only the last save's adapters are kept: pass --weights last to "
-            "export the base and the last adapters, or --merge to export the best step's "
-            "merged weights."
-        )
     if not (run.run_dir / ADAPTER_CONFIG_FILE).is_file():
         raise InputError(
             "this LoRA run trained new token rows (the chat tokens) beside its adapters, which "
             "PEFT's adapter files written here do not hold: pass --merge to export the model "
             "the run trained, adapters folded in."
         )
-    model = saved_adapted_model(run.run_dir, run.config.model, lora)
+    is_last = run.step == run.meta.get("step")  # best.safetensors of the last save, or none
+    best = None if is_last else run.step
+    model = saved_adapted_model(run.run_dir, run.config.model, lora, best)
     return model, peft_adapter_files(model, lora, arch, base)
 
 

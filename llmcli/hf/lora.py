@@ -37,8 +37,13 @@ from llmcli.errors import CheckpointError, InputError
 from llmcli.hf.architectures import choose
 from llmcli.model.gpt import Transformer
 from llmcli.model.lora import adapted_layers, add_lora, token_row_params
-from llmcli.runs.directory import ADAPTER_CONFIG_FILE, ADAPTER_FILE, STATE_FILE
-from llmcli.runs.formats import load_state, load_weights
+from llmcli.runs.directory import (
+    ADAPTER_CONFIG_FILE,
+    ADAPTER_FILE,
+    BEST_ADAPTER_FILE,
+    STATE_FILE,
+)
+from llmcli.runs.formats import check_weights, load_state, load_weights, read_weights
 
 PREFIX = "base_model.model."
 # The block part of a module's name (`transformer.h.0.`, `model.layers.12.`): target_modules
@@ -111,13 +116,16 @@ def adapter_layout(model: torch.nn.Module, model_cfg: ModelConfig) -> ModuleType
         return None
 
 
-def saved_adapted_model(run_dir: Path, model_cfg: ModelConfig, lora: LoraConfig) -> Transformer:
-    """A LoRA run's model as its last save left it, unmerged: the base's weights as the run
-    loaded them (frozen, so bitwise `train.init_from`'s) with the adapters beside them, from
-    the resume state.
+def saved_adapted_model(
+    run_dir: Path, model_cfg: ModelConfig, lora: LoraConfig, step: int | None = None
+) -> Transformer:
+    """A LoRA run's model unmerged: the base's weights as the run loaded them (frozen, so
+    bitwise `train.init_from`'s) from the resume state, with the adapters beside them of its
+    last save, or of step `step` from `best_adapter.safetensors` (the best step's).
 
     Raises:
-        CheckpointError: a missing or damaged `state.pt`, or one that does not fit the config.
+        CheckpointError: a missing or damaged file, one that does not fit the config, or best
+            adapters of another step than `step`.
     """
     path = run_dir / STATE_FILE
     tensors = load_state(path).get("model")
@@ -126,4 +134,15 @@ def saved_adapted_model(run_dir: Path, model_cfg: ModelConfig, lora: LoraConfig)
     model = Transformer(model_cfg, tensors["wte.weight"].shape[0])
     add_lora(model, lora)
     load_weights(model, tensors, path)
+    if step is not None:
+        best = run_dir / BEST_ADAPTER_FILE
+        adapters, meta = read_weights(best)
+        if meta.get("step") != str(step):
+            raise CheckpointError(
+                f"'{best}' holds the adapters of step {meta.get('step')}, not of the best "
+                f"weights' step {step}: a save was cut short. Export --weights last."
+            )
+        check_weights(model, {**tensors, **adapters}, best)
+        with torch.no_grad():
+            model.load_state_dict(adapters, strict=False)
     return model.eval()

@@ -30,6 +30,9 @@ from torch import Tensor, nn
 from llmcli.config import LoraConfig
 from llmcli.errors import InputError
 
+# The names of an adapter's matrices end in these (`blocks.0.attn.qkv.lora_A`).
+ADAPTER_SUFFIXES = (".lora_A", ".lora_B")
+
 
 class LoRALinear(nn.Linear):
     """A linear layer with a trainable low-rank update beside its frozen weight.
@@ -106,7 +109,7 @@ def add_lora(
 def freeze_base(model: nn.Module) -> None:
     """Make only the adapters trainable: every other parameter's `requires_grad` False."""
     for name, p in model.named_parameters():
-        p.requires_grad_(name.endswith((".lora_A", ".lora_B")))
+        p.requires_grad_(name.endswith(ADAPTER_SUFFIXES))
 
 
 def token_row_params(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -143,8 +146,13 @@ def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
     return {
         name: merged.get(name, tensor)
         for name, tensor in model.state_dict().items()
-        if not name.endswith((".lora_A", ".lora_B"))
+        if not name.endswith(ADAPTER_SUFFIXES)
     }
+
+
+def adapter_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """The adapters' part of `model.state_dict()`: every `lora_A` and `lora_B`, by name."""
+    return {n: t for n, t in model.state_dict().items() if n.endswith(ADAPTER_SUFFIXES)}
 
 
 def merge_lora(model: nn.Module) -> None:

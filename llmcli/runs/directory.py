@@ -64,6 +64,8 @@ PLOT_FILE = "loss.png"
 # A LoRA run's adapters alone, in PEFT's format (`llmcli.hf.lora`)
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_FILE = "adapter_model.safetensors"
+# ... and the best step's adapters in llmcli's names (the resume state holds the last save's)
+BEST_ADAPTER_FILE = "best_adapter.safetensors"
 
 
 def default_run_dir(config: Config) -> Path:
@@ -85,6 +87,7 @@ _RUN_FILES = (
     PLOT_FILE,
     ADAPTER_CONFIG_FILE,
     ADAPTER_FILE,
+    BEST_ADAPTER_FILE,
 )
 _WRITE_TEST = ".write-test"  # `ensure_run_dir`'s probe
 # Every name a run writes at the top of its folder (temporary files aside); anything else there

@@ -23,9 +23,9 @@ from typing import Any
 
 from llmcli.config import Config
 from llmcli.hf.lora import adapter_layout, peft_adapter_files
-from llmcli.model.lora import adapted_layers, merged_state_dict
-from llmcli.runs.directory import STATE_FILE, save_checkpoint
-from llmcli.runs.formats import load_weights
+from llmcli.model.lora import adapted_layers, adapter_state_dict, merged_state_dict
+from llmcli.runs.directory import BEST_ADAPTER_FILE, STATE_FILE, save_checkpoint
+from llmcli.runs.formats import load_weights, weights_bytes
 from llmcli.runs.versions import record as record_versions
 from llmcli.training.distributed import DistInfo, agreed, gather
 from llmcli.training.guard import Divergence, SpikeGuard
@@ -87,7 +87,7 @@ class Checkpointer:
                 self._meta(state, config),
                 best=best,
                 previous_step=state.last_saved,
-                extra_files=self._adapter_files(config),
+                extra_files=self._adapter_files(config, state.step, best),
             )
         state.last_saved = state.step
         self.saved_at = time.perf_counter()
@@ -100,15 +100,19 @@ class Checkpointer:
             return merged_state_dict(self.model)
         return self.model
 
-    def _adapter_files(self, config: Config) -> dict[str, bytes]:
+    def _adapter_files(self, config: Config, step: int, best: bool) -> dict[str, bytes]:
         """A LoRA run's adapters in PEFT's format (`llmcli.hf.lora`), in the layout of the
-        architecture the run exports as; none for a full fine-tune, or adapters PEFT's format
-        cannot hold yet (new token rows)."""
+        architecture the run exports as, and at a best step also in `best_adapter.safetensors`
+        (the export's base + adapter of `--weights best`); none for a full fine-tune, or
+        adapters PEFT's format cannot hold yet (new token rows)."""
         lora = config.train.lora
         arch = adapter_layout(self.model, config.model) if lora is not None else None
         if lora is None or arch is None:
             return {}
-        return peft_adapter_files(self.model, lora, arch, config.train.init_from)
+        files = peft_adapter_files(self.model, lora, arch, config.train.init_from)
+        if best:
+            files[BEST_ADAPTER_FILE] = weights_bytes(adapter_state_dict(self.model), {"step": step})
+        return files
 
     def _resume_state(
         self,
