@@ -234,6 +234,25 @@ def test_a_resumed_lora_run_is_bitwise_the_uninterrupted_one(
     assert records[0] == records[1]
 
 
+def test_under_muon_the_adapters_train_with_adamw(text_base: Path, tmp_path: Path) -> None:
+    from llmcli.training.optim import build_optimizer
+
+    config = lora_config(text_base, tmp_path, optimizer="muon", max_steps=3, eval_interval=3)
+    model = load_run(text_base).model
+    add_lora(model, config.train.lora)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.endswith(("lora_A", "lora_B")))
+    optimizer = build_optimizer(model, config.train, "cpu")
+    muon, adamw = (
+        [n for g in optimizer.param_groups if g["use_muon"] == kind for n in g["names"]]
+        for kind in (True, False)
+    )
+    assert muon == [] and len(adamw) == 8  # A and B of the block's four layers
+    out = tmp_path / "run"
+    train(config, out_dir=out, progress=False)  # an empty Muon group steps as nothing
+    assert ResumeState.load(out).model["blocks.0.attn.qkv.lora_B"].any()
+
+
 def test_dpo_with_lora_starts_at_log_2_against_the_reference_without_adapters(
     tmp_path: Path,
 ) -> None:

@@ -52,6 +52,7 @@ from torch import Tensor, nn
 from torch.optim.adamw import adamw
 
 from llmcli.config import TrainConfig
+from llmcli.model.lora import ADAPTER_SUFFIXES
 
 # Quintic Newton-Schulz coefficients of KellerJordan/modded-nanogpt: the largest slope at 0
 # that still keeps every singular value within about [0.7, 1.2] after 5 steps.
@@ -310,13 +311,18 @@ def muon_param_groups(
     matrices, then the vectors): the 2-D hidden weight matrices move to a Muon group.
 
     Hidden matrices are the 2-D parameters that are neither an `nn.Embedding` table nor the
-    model's `lm_head` (attention QKV and output projections, MLP matrices). The embeddings and
-    the LM head stay with AdamW with weight decay, norm gains and biases with AdamW without.
+    model's `lm_head` (attention QKV and output projections, MLP matrices), nor a LoRA
+    adapter's. The embeddings, the LM head and the adapters stay with AdamW with weight decay,
+    norm gains and biases with AdamW without.
 
     Returns:
         `[muon, adamw decay, adamw no-decay]` groups, each with `"names"` and `"base_lr"`.
     """
     skip = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    # LoRA's A (r, in) and B (out, r) stay with AdamW, as PEFT trains them: Muon's
+    # orthogonalised step, scaled for a full matrix's shape and muon_lr, is untried on a factor
+    # of rank r whose B starts at zero (`llmcli.model.lora`).
+    skip |= {id(p) for n, p in model.named_parameters() if n.endswith(ADAPTER_SUFFIXES)}
     head = getattr(model, "lm_head", None)
     if isinstance(head, nn.Linear):
         skip.add(id(head.weight))
