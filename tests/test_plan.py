@@ -27,6 +27,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 JSON_FIELDS = {
     "params",
     "params_non_embedding",
+    "params_trainable",
     "flops_per_token",
     "tokens_per_step",
     "memory",
@@ -82,6 +83,40 @@ def test_plan_counts_the_built_model_and_the_formulas(small_corpus: Path) -> Non
     assert f"{n:,} ({n - embeddings:,} without embeddings" in text
     assert f"{4 * T * 3:,} (4 sequences x 16 tokens x grad_accum 3)" in text
     assert "1.0 GiB (train.memory_limit): fits" in text and f"{evals} evaluations" in text
+
+
+def test_a_lora_plan_holds_gradients_and_moments_of_the_adapters_alone(
+    small_corpus: Path, tmp_path: Path
+) -> None:
+    from conftest import save_tiny_run
+
+    from llmcli.training.lora import adapt
+
+    raw = _raw(small_corpus, memory_limit="1GiB")
+    tokenizer = prepare_data(config_from_dict(raw).data, 16).tokenizer
+    base = save_tiny_run(tmp_path / "base", tokenizer, {"model": raw["model"]})
+    targets = ["attn.qkv", "mlp.fc"]
+    raw["train"].update(init_from=str(base), lora={"rank": 4, "targets": targets})
+    plan = make_plan(config_from_dict(raw), "cpu", measure_s=0.5)
+    got = plan.to_json()
+    vocab, L, C = plan.vocab_size, 2, 32
+    n = Transformer(plan.config.model, vocab).num_parameters()
+    # r (in + out) per adapted layer: the QKV C -> 3C and the MLP's first C -> 4C
+    adapters = L * 4 * ((C + 3 * C) + (C + 4 * C))
+    model = Transformer(plan.config.model, vocab)
+    adapt(model, plan.config.train.lora, str(base), 0)  # as the run builds it
+    assert adapters == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert got["params"] == n + adapters and got["params_trainable"] == adapters
+    memory = got["memory"]
+    assert memory["weights"] == 4 * (n + adapters)
+    assert memory["grads"] == 4 * adapters and memory["optimizer"] == 8 * adapters
+    assert f"{adapters:,} train: {adapters:,} in LoRA adapters (rank 4 on attn.qkv, mlp.fc)" in (
+        format_plan(plan)
+    )
+    assert plan.timing is not None  # the adapted model's steps were timed
+
+    full = make_plan(config_from_dict(_raw(small_corpus, init_from=str(base))), "cpu", 0.5)
+    assert full.to_json()["params_trainable"] == n and full.memory.grads == 4 * n
 
 
 def test_measuring_stays_within_its_budget(

@@ -15,12 +15,13 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from llmcli.errors import InputError
+from llmcli.errors import CheckpointError, InputError
 from llmcli.progress import format_bytes, format_count
+from llmcli.training.lora import base_vocab_size
 
 if TYPE_CHECKING:
     from llmcli.config import Config
@@ -37,16 +38,21 @@ class MemoryEstimate:
     """The bytes one training step needs, by what holds them.
 
     Attributes:
-        params: the model's parameters (a tied weight counts once).
+        params: the model's parameters (a tied weight counts once), a LoRA run's adapters too.
         params_non_embedding: without position embeddings, and without the token embedding
-            unless it is tied to the LM head (as `Transformer.num_parameters` counts).
+            unless it is tied to the LM head (as `Transformer.num_parameters` counts), nor
+            adapters: what the forward's FLOPs scale with.
         weights: fp32 weights, plus autocast's half-precision copies of them.
-        grads: fp32 gradients (twice under DDP, whose buckets hold a copy).
+        grads: fp32 gradients of what trains (twice under DDP, whose buckets hold a copy).
         optimizer: the optimizer's state (AdamW: two moments; Muon: one momentum per matrix).
         activations: what the forward keeps for the backward pass, at the micro-batch (with
             DPO, two rows per pair, and the reference's logits beside them).
         runtime: the framework's own working memory (`RUNTIME_BYTES`).
         reference: with DPO, the frozen reference model's fp32 weights.
+        trainable: the parameters that train, whose gradients and optimizer state are held:
+            all of them, but a LoRA run's adapters (and the token embedding when it adds
+            tokens) alone.
+        adapters: a LoRA run's adapter parameters (in `params` and `trainable`).
     """
 
     params: int
@@ -57,6 +63,8 @@ class MemoryEstimate:
     activations: int
     runtime: int
     reference: int = 0
+    trainable: int = 0
+    adapters: int = 0
 
     @property
     def peak(self) -> int:
@@ -107,7 +115,8 @@ def estimate_memory(
     m, tc = config.model, config.train
     B = tc.batch_size if batch_size is None else batch_size
     assert isinstance(B, int), "resolve train.batch_size: auto first (llmcli.training.batch)"
-    params, non_embedding, momenta = _count_parameters(config, vocab_size)
+    counts = _count_parameters(config, vocab_size)
+    params, trainable = counts.base + counts.adapters, counts.trainable
     C, L, T, nh = m.n_embed, m.n_layer, m.context_length, m.n_head
     half = dtype in ("bfloat16", "float16")
     keeps_weights = device_type == "mps" or (
@@ -125,18 +134,28 @@ def estimate_memory(
         per_token += 4 * vocab_size
     return MemoryEstimate(
         params=params,
-        params_non_embedding=non_embedding,
+        params_non_embedding=counts.non_embedding,
         weights=4 * params + (2 * params if half else 0),
-        grads=4 * params * (2 if world_size > 1 else 1),
-        optimizer=4 * momenta,
+        grads=4 * trainable * (2 if world_size > 1 else 1),
+        optimizer=4 * counts.momenta,
         activations=rows * T * per_token,
         runtime=RUNTIME_BYTES.get(device_type, 0),
-        reference=4 * params if dpo else 0,
+        reference=4 * counts.base if dpo else 0,  # the model without adapters
+        trainable=trainable,
+        adapters=counts.adapters,
     )
 
 
-def _count_parameters(config: Config, vocab_size: int) -> tuple[int, int, int]:
-    """(parameters, non-embedding parameters, optimizer moment values) of the config's model.
+class _Counts(NamedTuple):
+    base: int  # the model's parameters, adapters aside
+    adapters: int  # a LoRA run's A and B
+    non_embedding: int  # as `Transformer.num_parameters(non_embedding=True)`
+    trainable: int
+    momenta: int  # the optimizer's state, in values
+
+
+def _count_parameters(config: Config, vocab_size: int) -> _Counts:
+    """The parameters of the config's model, by kind, and the optimizer's state.
 
     One `Block` and the final norm are built on the meta device, which allocates nothing; the
     embeddings are counted from their shapes. Neither the whole `Transformer` nor the rotary
@@ -146,7 +165,7 @@ def _count_parameters(config: Config, vocab_size: int) -> tuple[int, int, int]:
     from llmcli.model.gpt import Block
     from llmcli.model.layers import make_norm
 
-    m = config.model
+    m, lora = config.model, config.train.lora
     with torch.device("meta"):
         block = Block(dataclasses.replace(m, pos_emb="learned"))  # no parameters in the rotation
         final_norm = make_norm(m)
@@ -159,10 +178,29 @@ def _count_parameters(config: Config, vocab_size: int) -> tuple[int, int, int]:
     params = body + token + position + head
     # As `Transformer.num_parameters(non_embedding=True)`: a tied token embedding stays.
     non_embedding = body + (token if m.tie_embeddings else head)
-    momenta = 2 * params  # AdamW: exp_avg and exp_avg_sq
-    if config.train.optimizer == "muon":  # the blocks' matrices (see muon.muon_param_groups)
-        momenta -= matrices  # one momentum buffer each, instead of two moments
-    return params, non_embedding, momenta
+    if lora is None:
+        momenta = 2 * params  # AdamW: exp_avg and exp_avg_sq
+        if config.train.optimizer == "muon":  # the blocks' matrices (see muon.muon_param_groups)
+            momenta -= matrices  # one momentum buffer each, instead of two moments
+        return _Counts(params, 0, non_embedding, params, momenta)
+    # LoRA: r (in + out) for each adapted layer of each block (`llmcli.model.lora`)
+    layers = [block.get_submodule(target) for target in lora.targets]
+    adapters = m.n_layer * sum(lora.rank * (f.in_features + f.out_features) for f in layers)
+    # New tokens' rows train through the whole matrices' gradients and moments.
+    rows = token + head if _adds_tokens(config.train.init_from, vocab_size) else 0
+    trainable = adapters + rows
+    return _Counts(params, adapters, non_embedding, trainable, 2 * trainable)  # AdamW, even Muon
+
+
+def _adds_tokens(init_from: str | None, vocab_size: int) -> bool:
+    """Whether a LoRA run's vocabulary is larger than its base's (the chat tokens), whose rows
+    then train; True where the base cannot be read (the estimate stays an upper bound)."""
+    if not init_from:
+        return True
+    try:
+        return vocab_size > base_vocab_size(init_from)
+    except (InputError, CheckpointError):
+        return True
 
 
 def device_memory_bytes(device: torch.device) -> int | None:

@@ -31,6 +31,7 @@ from llmcli.training.batch import resolve_batch
 from llmcli.training.distributed import dist_from_env
 from llmcli.training.dpo import dpo_objective
 from llmcli.training.init_from import resolve_init_from
+from llmcli.training.lora import adapt
 from llmcli.training.memory import MemoryEstimate, device_free_bytes, estimate_memory
 from llmcli.training.optim import build_optimizer
 from llmcli.training.precision import Precision
@@ -121,6 +122,7 @@ class Plan:
         return {
             "params": self.memory.params,
             "params_non_embedding": self.memory.params_non_embedding,
+            "params_trainable": self.memory.trainable,
             "flops_per_token": self.flops_per_token,
             "tokens_per_step": self.tokens_per_step,
             "memory": self.memory.as_dict(),
@@ -208,14 +210,18 @@ def measure_step(
     start = time.perf_counter()
     gen = torch.Generator().manual_seed(tc.seed)
     model = Transformer(config.model, vocab_size, generator=gen).to(device)
+    no_decay = []
+    if tc.lora is not None:  # as the run: adapters, the base frozen (but new token rows)
+        assert tc.init_from, "train.lora needs train.init_from"
+        no_decay = adapt(model, tc.lora, tc.init_from, tc.seed)
     dpo = tc.objective == "dpo"
     rows = (2 if dpo else 1) * tc.batch_size
     tokens = torch.randint(0, vocab_size, (rows, T + 1), generator=gen).to(device)
     batches = SameBatch(_timing_batch(tokens, 1, dpo))
     trainer = Trainer(
         model=model,
-        params=list(model.parameters()),
-        optimizer=build_optimizer(model, tc, device.type),
+        params=[p for p in model.parameters() if p.requires_grad],
+        optimizer=build_optimizer(model, tc, device.type, no_decay),
         precision=precision,
         batches=batches,
         grad_accum=1,
@@ -289,7 +295,7 @@ def format_plan(plan: Plan) -> str:
         (
             "parameters",
             f"{mem.params:,} ({mem.params_non_embedding:,} without embeddings; "
-            f"vocabulary {plan.vocab_size:,})",
+            f"vocabulary {plan.vocab_size:,})" + _lora_text(plan),
         ),
         ("FLOPs per token", f"{format_count(plan.flops_per_token)} (6 N + 12 L T C)"),
         (
@@ -313,6 +319,19 @@ def format_plan(plan: Plan) -> str:
         rows.append(("missing", plan.missing))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _lora_text(plan: Plan) -> str:
+    """What trains of a LoRA run's model, which its gradients and optimizer state hold."""
+    lora, mem = plan.config.train.lora, plan.memory
+    if lora is None:
+        return ""
+    rows = mem.trainable - mem.adapters  # the matrices of new tokens' rows
+    return (
+        f"; {mem.trainable:,} train: {mem.adapters:,} in LoRA adapters (rank {lora.rank} on "
+        f"{', '.join(lora.targets)})"
+        + (f", {rows:,} in the token matrices, for the new tokens' rows" if rows else "")
+    )
 
 
 def _fits_line(plan: Plan) -> str:
