@@ -194,6 +194,9 @@ def test_a_lora_run_changes_only_the_adapters_and_the_new_token_rows(
     run = load_run(out)
     assert set(saved) == set(base) and not any("lora" in n for n in saved)
     assert not (out / "adapter_config.json").exists()  # PEFT's trainable tokens: not yet
+    counts = json.loads((out / "meta.json").read_text())["lora"]
+    assert counts["adapters"] == 4 * ((16 + 48) + (16 + 16) + (16 + 64) + (64 + 16))
+    assert counts["trainable"] >= counts["adapters"] + trained["wte.weight"].numel()
     idx = torch.randint(0, V0, (2, 16), generator=torch.Generator().manual_seed(0))
     adapted = Transformer(run.config.model, trained["wte.weight"].shape[0])
     add_lora(adapted, config.train.lora)
@@ -517,6 +520,30 @@ def test_the_best_steps_adapters_are_kept_beside_the_last_saves(tmp_path: Path) 
     assert all(torch.equal(last[name], best[name]) for name in best)
     with pytest.raises(CheckpointError, match="adapters of step 4, not of the best .* step 3"):
         saved_adapted_model(run, config.model, config.train.lora, 3)
+
+
+def test_info_shows_the_adapters_size(tmp_path: Path) -> None:
+    from llmcli.runs.info import format_info, run_info
+
+    run = text_lora_run(tmp_path, BASE_MODEL)
+    info = run_info(run)
+    adapters = 2 * ((16 + 3 * 16) + (16 + 4 * 16))  # r (in + out): the QKV and the MLP's fc
+    assert info["lora"] == {
+        "rank": 2,
+        "alpha": 4.0,
+        "dropout": 0.0,
+        "targets": ["attn.qkv", "mlp.fc"],
+        "base": str(tmp_path / "base"),
+        "adapter_parameters": adapters,
+        "trainable_parameters": adapters,  # no new tokens: the adapters alone
+        "peft_adapter": True,
+    }
+    assert info["model"]["parameters"] == load_run(tmp_path / "base").model.num_parameters()
+    assert (
+        f"rank 2, alpha 4 on attn.qkv, mlp.fc; {adapters:,} adapter parameters; base "
+        in format_info(info)
+    )
+    assert run_info(tmp_path / "base")["lora"] is None
 
 
 def test_an_unmerged_export_refuses_what_the_adapter_files_cannot_hold(

@@ -13,7 +13,7 @@ from typing import Any
 
 from llmcli.data.chat_template import TEMPLATE_FILE
 from llmcli.progress import format_bytes
-from llmcli.runs.directory import METRICS_FILE
+from llmcli.runs.directory import ADAPTER_CONFIG_FILE, METRICS_FILE
 from llmcli.runs.loading import load_run
 from llmcli.runs.metrics import best_eval, read_metrics
 from llmcli.runs.reference import ReferenceCheck, check_run, describe
@@ -34,7 +34,8 @@ def run_info(
         A JSON-ready dict with `run_dir`, `weights`, `model` (config and parameter counts),
         `training` (steps, tokens, elapsed, best val loss), `versions` (recorded and installed),
         `version_warnings`, `generation` (the `sample:` defaults), `tokenizer`, `chat` (whether
-        it holds a chat template, and meta.json's `chat_data`) and `reference`
+        it holds a chat template, and meta.json's `chat_data`), `preference` (a DPO run's),
+        `lora` (a LoRA run's adapters, see `_lora`; None for others) and `reference`
         (`ReferenceCheck.to_dict()`: the offset from the reference curve at the last
         evaluation and the differing curve keys, or `missing` saying why there is none).
     """
@@ -74,6 +75,7 @@ def run_info(
             "data": meta.get("chat_data"),
         },
         "preference": _preference(config, meta),
+        "lora": _lora(run.run_dir, config, meta),
         "generation": config["sample"],
         "versions": {"recorded": meta.get("versions"), "installed": record()},
         "version_warnings": warnings_for(meta.get("versions")),
@@ -121,6 +123,7 @@ def format_info(info: dict[str, Any]) -> str:
         ("tokenizer", describe_tokenizer(info["tokenizer"])),
         ("chat template", describe_chat(info["chat"])),
         *([("dpo", describe_preference(info["preference"]))] if info["preference"] else []),
+        *([("lora", describe_lora(info["lora"]))] if info.get("lora") else []),
         ("generation", ", ".join(f"{k}={v}" for k, v in info["generation"].items())),
         *describe(ReferenceCheck(**info["reference"])),
     ]
@@ -160,6 +163,36 @@ def _preference(config: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any] 
         "reference": train.get("init_from"),
         "data": meta.get("preference_data"),
     }
+
+
+def _lora(run_dir: Path, config: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any] | None:
+    """A LoRA run's adapters: `train.lora`'s settings, the base (`train.init_from`), the
+    adapter and trainable parameter counts `meta.json` records (None where it does not), and
+    whether the run holds them in PEFT's format (None for other runs)."""
+    train = config["train"]
+    if not train.get("lora"):
+        return None
+    counts = meta.get("lora") or {}
+    return {
+        **train["lora"],
+        "base": train.get("init_from"),
+        "adapter_parameters": counts.get("adapters"),
+        "trainable_parameters": counts.get("trainable"),
+        "peft_adapter": (run_dir / ADAPTER_CONFIG_FILE).is_file(),
+    }
+
+
+def describe_lora(lora: dict[str, Any]) -> str:
+    """The LoRA row: rank, alpha, targets, the parameters that train, and the PEFT files."""
+    text = f"rank {lora['rank']}, alpha {lora['alpha']:g} on {', '.join(lora['targets'])}"
+    if lora["adapter_parameters"] is not None:
+        text += f"; {lora['adapter_parameters']:,} adapter parameters"
+        if lora["trainable_parameters"] != lora["adapter_parameters"]:
+            text += f" ({lora['trainable_parameters']:,} train with the new tokens' matrices)"
+    text += f"; base {lora['base']}"
+    if lora["peft_adapter"]:
+        text += f"; in PEFT's format ({ADAPTER_CONFIG_FILE})"
+    return text
 
 
 def describe_preference(preference: dict[str, Any]) -> str:

@@ -167,6 +167,8 @@ class Checkpointer:
             meta["chat_data"] = facts.chat_data
         if facts.preference_data is not None:  # ... and how many preference pairs
             meta["preference_data"] = facts.preference_data
+        if facts.lora is not None:  # a LoRA run's adapter and trainable parameters
+            meta["lora"] = facts.lora
         return meta
 
     def rollback(self, state: TrainState, log: TrainLog, step: int, loss: float) -> dict[str, Any]:

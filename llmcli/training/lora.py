@@ -47,17 +47,25 @@ def adapt(model: Transformer, lora: LoraConfig, init_from: str, seed: int) -> li
     add_lora(model, lora, torch.Generator().manual_seed(seed + LORA_SEED_OFFSET))
     freeze_base(model)
     rows = train_token_rows(model, base_vocab_size(init_from))
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    counts = parameter_counts(model)
     logger.info(
         "LoRA: %d adapter parameters (rank %d on %s)%s; %d of %d parameters train",
-        lora_parameters(model),
+        counts["adapters"],
         lora.rank,
         ", ".join(lora.targets),
         f", and the new token rows of {', '.join(rows)}" if rows else "",
-        trainable,
+        counts["trainable"],
         model.num_parameters(),
     )
     return rows
+
+
+def parameter_counts(model: Transformer) -> dict[str, int]:
+    """An adapted model's `adapters` (every A and B) and `trainable` parameters (the adapters,
+    and the token matrices whose new rows train: whole, as their gradients are), which
+    `meta.json` records as `lora`."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"adapters": lora_parameters(model), "trainable": trainable}
 
 
 def base_vocab_size(init_from: str) -> int:

@@ -108,6 +108,8 @@ class RunFacts:
         tokenizer_training: how the tokenizer was made, as `meta.json` records it.
         chat_data: a chat run's conversation counts (kept, cut, left out); None for text.
         preference_data: a DPO run's pair counts, likewise; None for others.
+        lora: a LoRA run's parameter counts, `adapters` and `trainable` (with the token
+            matrices whose new rows train); None for a full training.
         metrics_bytes, head_metrics_bytes: the logs' sizes at the save a run resumed from,
             where it cuts them back (`llmcli.training.log.TrainLog.open`); None: not known.
     """
@@ -127,6 +129,7 @@ class RunFacts:
     tokenizer_training: dict | None
     chat_data: dict | None = None
     preference_data: dict | None = None
+    lora: dict | None = None
     metrics_bytes: int | None = None
     head_metrics_bytes: int | None = None
 
