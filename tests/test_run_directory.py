@@ -326,3 +326,23 @@ def test_a_broken_config_in_a_run_names_the_file(tmp_path: Path) -> None:
     (tmp_path / "run" / "config.yaml").write_text("model: {n_head: 3}\n")
     with pytest.raises(CheckpointError, match="config.yaml"):
         load_run(tmp_path / "run")
+
+
+def test_a_failed_extra_file_write_is_the_saves_checkpoint_error(tmp_path: Path) -> None:
+    # A LoRA run's adapter files go through the save: a failure names the save and the
+    # previous checkpoint, and the resume state (the commit point) is not written.
+    from llmcli.runs.directory import save_checkpoint
+
+    model = Transformer(ModelConfig(n_layer=1, n_head=2, n_embed=8, context_length=4), 10)
+    (tmp_path / "adapter_model.safetensors").mkdir()  # a folder where the file should go
+    with pytest.raises(CheckpointError, match=r"step 3 .* previous checkpoint \(step 1\)"):
+        save_checkpoint(
+            tmp_path,
+            model,
+            {},
+            {"step": 3, "vocab_size": 10},
+            best=False,
+            previous_step=1,
+            extra_files={"adapter_model.safetensors": b"x"},
+        )
+    assert not (tmp_path / STATE_FILE).exists()
