@@ -500,9 +500,10 @@ def test_llmcli_export_writes_the_base_and_the_adapter_or_the_merged_model(
         assert (ours(idx)[0] - start(idx)[0]).abs().max() > 1e-2  # the adapters trained
     assert_peft_equals(tmp_path / "hf", result.adapter_dir, ours)
 
-    merged = export_hf(run, tmp_path / "merged", weights="last", merge=True)
-    assert merged.adapter_dir is None and not (tmp_path / "merged" / "adapter").exists()
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", local_files_only=True)
+    # --force over the base + adapter export: the adapter must not stay to apply twice
+    merged = export_hf(run, tmp_path / "hf", weights="last", merge=True, force=True)
+    assert merged.adapter_dir is None and not (tmp_path / "hf" / "adapter").exists()
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
     with torch.no_grad():
         torch.testing.assert_close(hf(idx).logits, ours(idx)[0], rtol=0, atol=1e-4)
 

@@ -224,6 +224,12 @@ def export_hf(
             if (out / stale).is_file():
                 logger.info("removing %s from '%s' (it would shadow the export)", stale, out)
                 (out / stale).unlink()
+        if (
+            adapter_dir is None
+            and (out / ADAPTER_DIR).is_dir()
+            and not any((out / ADAPTER_DIR).iterdir())
+        ):
+            (out / ADAPTER_DIR).rmdir()  # what the stale adapter left
         for name, data in files.items():
             atomic_write_bytes(out / name, data)
         if adapter_dir is not None:
