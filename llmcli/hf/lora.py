@@ -131,8 +131,10 @@ def saved_adapted_model(
     tensors = load_state(path).get("model")
     if not isinstance(tensors, dict) or "wte.weight" not in tensors:
         raise CheckpointError(f"resume state '{path}' holds no model weights: it is damaged.")
-    model = Transformer(model_cfg, tensors["wte.weight"].shape[0])
-    add_lora(model, lora)
+    # Initial values are all replaced; a generator of their own leaves torch's global one be.
+    gen = torch.Generator().manual_seed(0)
+    model = Transformer(model_cfg, tensors["wte.weight"].shape[0], generator=gen)
+    add_lora(model, lora, gen)
     load_weights(model, tensors, path)
     if step is not None:
         best = run_dir / BEST_ADAPTER_FILE
