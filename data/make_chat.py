@@ -79,10 +79,16 @@ def conversation(words: list[str], names: list[str], rng: random.Random) -> dict
     return {"messages": messages}
 
 
+def held_out(text: str, rng: random.Random) -> tuple[tuple[list[str], list[str]], ...]:
+    """((training words, held-out words), (training names, held-out names)) of `text`: the
+    split every generated set on these words shares (`random.Random(SEED)` fresh)."""
+    words, names = vocabulary(text)
+    return split(words, rng), split(names, rng)
+
+
 def make(text: str, seed: int = SEED) -> tuple[list[dict], list[dict]]:
     rng = random.Random(seed)
-    words, names = vocabulary(text)
-    (train_words, val_words), (train_names, val_names) = split(words, rng), split(names, rng)
+    (train_words, val_words), (train_names, val_names) = held_out(text, rng)
     train = [conversation(train_words, train_names, rng) for _ in range(TRAIN_ROWS)]
     val = [conversation(val_words, val_names, rng) for _ in range(VAL_ROWS)]
     return train, val
