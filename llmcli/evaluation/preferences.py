@@ -78,7 +78,8 @@ def is_preference_data(data: str | Path | None, dpo: bool) -> bool:
     if not is_conversations(data):
         return False
     keys = _first_row_keys(Path(data))
-    return bool(keys & set(KEYS)) or (dpo and "messages" not in keys)
+    # (A file with no readable first row goes to the conversations' reader, which says why.)
+    return bool(keys & set(KEYS)) or (dpo and bool(keys) and "messages" not in keys)
 
 
 def _first_row_keys(path: Path) -> set[str]:
