@@ -243,9 +243,13 @@ def test_every_shipped_config_has_its_reference_measured_with_that_config(name: 
         base = differences.pop("train.init_from")[1]
         assert Path(base).parts[-2:] == Path(shipped.train.init_from).parts[-2:]
         assert differences.pop("data.tokenizer")[1] == str(Path(base) / "tokenizer.json")
+        if "data.chat_template" in differences:  # pairs are rendered with the base's template
+            assert differences.pop("data.chat_template")[1] == str(
+                Path(base) / "chat_template.jinja"
+            )
     assert differences == {}
     tc, measured = shipped.train, reference.measured
-    per_step = tc.batch_size * tc.grad_accum * shipped.model.context_length
+    per_step = tc.batch_size * tc.grad_accum * shipped.example_tokens  # a DPO pair is two rows
     assert measured["steps"] == tc.max_steps and measured["world_size"] == 1
     for point in reference.points:
         assert point["tokens"] == point["step"] * per_step and math.isfinite(point["val_loss"])
