@@ -38,6 +38,20 @@ def stream_seed(seed: int, rank: int) -> int:
     return int(np.random.SeedSequence([seed % (1 << 63), rank]).generate_state(1, np.uint64)[0])
 
 
+def rank_generator(batch_size: int, seed: int, rank: int, world_size: int) -> torch.Generator:
+    """A sampler's own generator, seeded for its rank (`stream_seed`), after checking the
+    batch size and the rank that every sampler takes.
+
+    Raises:
+        ValueError: `batch_size` below 1, or `rank` outside `[0, world_size)`.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size ({batch_size}) must be positive")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank ({rank}) must be in [0, world_size={world_size})")
+    return torch.Generator().manual_seed(stream_seed(seed, rank))
+
+
 class BatchSampler:
     """Random `(x, y)` windows of a token stream, drawn with the sampler's own generator.
 
@@ -66,15 +80,11 @@ class BatchSampler:
                 f"the token stream has {len(tokens)} tokens, but context_length "
                 f"({context_length}) needs at least {context_length + 1}."
             )
-        if batch_size < 1:
-            raise ValueError(f"batch_size ({batch_size}) must be positive")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank ({rank}) must be in [0, world_size={world_size})")
         self.tokens = tokens
         self.batch_size = batch_size
         self.context_length = context_length
         self.device = torch.device(device)
-        self.generator = torch.Generator().manual_seed(stream_seed(seed, rank))
+        self.generator = rank_generator(batch_size, seed, rank, world_size)
         self.batches = 0
         self.reader = WindowReader(tokens, context_length + 1)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from llmcli.data.batches import BatchSampler, stream_seed, to_device
+from llmcli.data.batches import BatchSampler, rank_generator, to_device
 from llmcli.data.prepared import ChatSplit
 from llmcli.errors import InputError
 
@@ -42,15 +42,11 @@ class ChatSampler:
     ) -> None:
         if len(split.starts) == 0:
             raise InputError("the split has no conversation window to draw from.")
-        if batch_size < 1:
-            raise ValueError(f"batch_size ({batch_size}) must be positive")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank ({rank}) must be in [0, world_size={world_size})")
         self.split, self.pad_id = split, pad_id
         self.batch_size = batch_size
         self.context_length = context_length
         self.device = torch.device(device)
-        self.generator = torch.Generator().manual_seed(stream_seed(seed, rank))
+        self.generator = rank_generator(batch_size, seed, rank, world_size)
         self.batches = 0
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from llmcli.data.batches import BatchSampler, stream_seed
+from llmcli.data.batches import BatchSampler, rank_generator
 from llmcli.data.chat_template import ChatTemplate
 from llmcli.data.corpus import _load_dataset, resolve_files
 from llmcli.data.preferences import (
@@ -286,15 +286,11 @@ class PreferenceSampler:
     ) -> None:
         if len(split) == 0:
             raise InputError("the split has no preference pair to draw from.")
-        if batch_size < 1:
-            raise ValueError(f"batch_size ({batch_size}) must be positive")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank ({rank}) must be in [0, world_size={world_size})")
         self.split, self.pad_id = split, pad_id
         self.batch_size = batch_size
         self.context_length = context_length
         self.device = torch.device(device)
-        self.generator = torch.Generator().manual_seed(stream_seed(seed, rank))
+        self.generator = rank_generator(batch_size, seed, rank, world_size)
         self.batches = 0
 
     def next(self) -> tuple[torch.Tensor, ...]:
