@@ -193,8 +193,11 @@ def test_a_lora_run_changes_only_the_adapters_and_the_new_token_rows(
     saved, _ = read_weights(out / "model.safetensors")
     run = load_run(out)
     assert set(saved) == set(base) and not any("lora" in n for n in saved)
-    assert not (out / "adapter_config.json").exists()  # PEFT's trainable tokens: not yet
+    peft_config = json.loads((out / "adapter_config.json").read_text())
+    V = trained["wte.weight"].shape[0]
+    assert peft_config["trainable_token_indices"] == list(range(V0, V))  # the chat tokens
     counts = json.loads((out / "meta.json").read_text())["lora"]
+    assert counts["base_vocab_size"] == V0
     assert counts["adapters"] == 4 * ((16 + 48) + (16 + 16) + (16 + 64) + (64 + 16))
     assert counts["trainable"] >= counts["adapters"] + trained["wte.weight"].numel()
     idx = torch.randint(0, V0, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -386,14 +389,18 @@ def write_adapter(folder: Path, model: torch.nn.Module, lora: LoraConfig, arch, 
     return folder
 
 
-def assert_peft_equals(hf_folder: Path, adapter: Path, ours: torch.nn.Module) -> None:
-    """PEFT's adapter on the Hugging Face base, and PEFT's merge of it, give `ours`'s logits."""
+def assert_peft_equals(
+    hf_folder: Path, adapter: Path, ours: torch.nn.Module, idx: torch.Tensor | None = None
+) -> None:
+    """PEFT's adapter on the Hugging Face base, and PEFT's merge of it, give `ours`'s logits
+    (on `idx`, by default random characters)."""
     peft = pytest.importorskip("peft")
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(hf_folder, local_files_only=True)
     adapted = peft.PeftModel.from_pretrained(hf, adapter).eval()
-    idx = torch.randint(0, len(CHARS), (2, 16), generator=torch.Generator().manual_seed(0))
+    if idx is None:
+        idx = torch.randint(0, len(CHARS), (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = ours(idx)[0]
         torch.testing.assert_close(adapted(idx).logits, expected, rtol=0, atol=1e-4)
@@ -547,14 +554,46 @@ def test_info_shows_the_adapters_size(tmp_path: Path) -> None:
     assert run_info(tmp_path / "base")["lora"] is None
 
 
-def test_an_unmerged_export_refuses_what_the_adapter_files_cannot_hold(
+def test_a_chat_lora_run_exports_its_new_tokens_as_peft_trainable_tokens(
     text_base: Path, tmp_path: Path
 ) -> None:
-    from llmcli.errors import InputError
+    """A chat fine-tune of a text run: the chat tokens' rows train, and PEFT's adapter with its
+    trainable tokens, on the exported base (those rows as the run started them), gives the
+    run's logits on text that uses them."""
+    pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
     from llmcli.hf.export import export_hf
 
-    run = tmp_path / "run"  # a chat fine-tune of a text run: the chat tokens' rows train
+    run = tmp_path / "run"
     train(lora_config(text_base, tmp_path), out_dir=run, progress=False)
-    with pytest.raises(InputError, match="new token rows .* pass --merge"):
-        export_hf(run, tmp_path / "hf", weights="last")
-    assert export_hf(run, tmp_path / "merged", weights="last", merge=True).adapter_dir is None
+    result = export_hf(run, tmp_path / "hf", weights="last")
+    ours = load_run(run, weights="last").model
+    V, V0 = ours.vocab_size, json.loads((run / "meta.json").read_text())["lora"]["base_vocab_size"]
+    config = json.loads((result.adapter_dir / "adapter_config.json").read_text())
+    assert config["trainable_token_indices"] == list(range(V0, V))
+
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
+    wte = base.get_input_embeddings().weight.detach()
+    start = load_run(text_base).model.wte.weight.detach()
+    assert torch.equal(wte[:V0], start)  # the base's rows, and its mean in the new ones
+    assert all(torch.equal(row, start.mean(dim=0)) for row in wte[V0:])
+    idx = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(0))
+    idx[:, ::3] = torch.arange(V0, V).repeat(6)[: idx[:, ::3].numel()].view(2, -1)
+    assert_peft_equals(tmp_path / "hf", result.adapter_dir, ours, idx)
+
+
+def test_an_untied_heads_new_rows_are_exported_merged(tmp_path: Path) -> None:
+    """PEFT's trainable tokens reach the input embedding only: the rows a run adds to an
+    untied LM head have no place in its adapter files, so there are none and the export
+    asks for --merge."""
+    from llmcli.hf.lora import adapter_layout
+    from llmcli.model.lora import freeze_base, train_token_rows
+
+    model_cfg = ModelConfig(**BASE_MODEL, tie_embeddings=False)
+    model = Transformer(model_cfg, 40)
+    add_lora(model, LoraConfig(rank=2))
+    freeze_base(model)
+    assert adapter_layout(model, model_cfg) is not None  # no new rows: the adapters fit
+    train_token_rows(model, 36)
+    assert adapter_layout(model, model_cfg) is None

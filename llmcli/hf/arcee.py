@@ -90,6 +90,8 @@ _LORA_MODULES = {
     "mlp.proj": ("mlp.down_proj",),
 }
 LORA_FAN_IN_FAN_OUT = False
+# The token embedding, whose rows a LoRA run adds train as PEFT's trainable tokens.
+LORA_EMBEDDING = "model.embed_tokens"
 
 
 def lora_to_hf(name: str, B: torch.Tensor, n_head: int) -> dict[str, torch.Tensor]:

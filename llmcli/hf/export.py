@@ -26,6 +26,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import torch
 from safetensors.torch import save
 
 from llmcli.config import Config
@@ -46,7 +47,7 @@ from llmcli.hf.common import (
     HF_WEIGHTS_INDEX,
     NORM_EPS,
 )
-from llmcli.hf.lora import peft_adapter_files, saved_adapted_model
+from llmcli.hf.lora import peft_adapter_files, restore_base_rows, saved_adapted_model
 from llmcli.model.gpt import Transformer
 from llmcli.runs.directory import ADAPTER_CONFIG_FILE, ADAPTER_FILE
 from llmcli.runs.loading import LoadedRun, load_run
@@ -289,25 +290,32 @@ def lora_export_parts(
     is frozen, so they are bitwise `train.init_from`'s), rather than the merged weights less
     `B A * alpha / r`, which would differ from them by rounding. The adapters are those of the
     weights asked for: the last save's (the resume state), or the best step's
-    (`best_adapter.safetensors`).
+    (`best_adapter.safetensors`). Tokens the run added keep their rows of the weights asked
+    for in the adapter, as PEFT's trainable tokens, and start as the run started them in the
+    base (`llmcli.hf.lora`).
 
     Raises:
-        InputError: the adapters train new token rows, which the adapter files do not hold:
-            `--merge` exports the model.
+        InputError: an untied LM head's new token rows trained, which PEFT's trainable tokens
+            do not reach: `--merge` exports the model.
         CheckpointError: a missing or damaged file of the run.
     """
     lora = run.config.train.lora
     assert lora is not None
-    if not (run.run_dir / ADAPTER_CONFIG_FILE).is_file():
+    base_vocab = (run.meta.get("lora") or {}).get("base_vocab_size")
+    if not (run.run_dir / ADAPTER_CONFIG_FILE).is_file() or base_vocab is None:
         raise InputError(
-            "this LoRA run trained new token rows (the chat tokens) beside its adapters, which "
-            "PEFT's adapter files written here do not hold: pass --merge to export the model "
-            "the run trained, adapters folded in."
+            "this LoRA run trained the new token rows of its untied LM head beside its "
+            "adapters, which PEFT's adapter files do not hold: pass --merge to export the "
+            "model the run trained, adapters folded in."
         )
     is_last = run.step == run.meta.get("step")  # best.safetensors of the last save, or none
     best = None if is_last else run.step
     model = saved_adapted_model(run.run_dir, run.config.model, lora, best)
-    return model, peft_adapter_files(model, lora, arch, base)
+    with torch.no_grad():  # the weights asked for: their rows are bitwise the run's at that step
+        model.wte.weight[base_vocab:] = run.model.wte.weight[base_vocab:]
+    files = peft_adapter_files(model, lora, arch, base, base_vocab)
+    restore_base_rows(model, base_vocab)
+    return model, files
 
 
 def _json_bytes(obj: Any) -> bytes:

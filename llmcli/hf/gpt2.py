@@ -95,6 +95,8 @@ def lora_to_hf(name: str, B: torch.Tensor, n_head: int) -> dict[str, torch.Tenso
 
 # PEFT's `fan_in_fan_out`: GPT-2's Conv1D holds W as (in, out), so PEFT transposes the update.
 LORA_FAN_IN_FAN_OUT = True
+# The token embedding, whose rows a LoRA run adds train as PEFT's trainable tokens.
+LORA_EMBEDDING = "transformer.wte"
 
 
 def _is_conv1d(hf_name: str) -> bool:

@@ -17,6 +17,15 @@ Each architecture module says where an adapter goes (`lora_to_hf`) and whether i
 - Arcee: the fused QKV is `q_proj`, `k_proj`, `v_proj`, so its adapter becomes three that share
   `A`, each with its third of `B`'s rows.
 
+Tokens the run added to the base's vocabulary (the chat tokens) train their rows of the token
+embedding beside the adapters. PEFT holds such rows as trainable tokens: the config lists their
+ids (`trainable_token_indices`) and the file their trained values, which replace the base's rows
+(`<embedding>.token_adapter.trainable_tokens_delta`, `(new tokens, C)`; `LORA_EMBEDDING` names
+the embedding). The base must then have those rows: the export writes it with the vocabulary
+grown as the run grew it (`llmcli.training.init_from.grow_vocab`: each new row the mean of the
+base's). PEFT's trainable tokens reach the embedding only, so a run with an untied LM head that
+adds tokens is exported merged.
+
 The layout is the one `llmcli export --format auto` picks for the run's model: only one
 architecture computes a given model exactly, so a run's adapters have one layout.
 """
@@ -36,7 +45,7 @@ from llmcli.config import LoraConfig, ModelConfig
 from llmcli.errors import CheckpointError, InputError
 from llmcli.hf.architectures import choose
 from llmcli.model.gpt import Transformer
-from llmcli.model.lora import adapted_layers, add_lora, token_row_params
+from llmcli.model.lora import adapted_layers, add_lora, grow_rows, token_row_params
 from llmcli.runs.directory import (
     ADAPTER_CONFIG_FILE,
     ADAPTER_FILE,
@@ -52,11 +61,15 @@ _BLOCK = re.compile(r"^.*?\.\d+\.")
 
 
 def peft_config(
-    lora: LoraConfig, arch: ModuleType, modules: list[str], base: str | None = None
+    lora: LoraConfig,
+    arch: ModuleType,
+    modules: list[str],
+    base: str | None = None,
+    new_tokens: list[int] | None = None,
 ) -> dict[str, Any]:
     """`adapter_config.json` for adapters on `modules` (PEFT's names, without the prefix) of
     the `arch` layout (`base`: the base model's folder or Hub name, which PEFT records and
-    `AutoPeftModelForCausalLM` loads)."""
+    `AutoPeftModelForCausalLM` loads; `new_tokens`: the ids whose embedding rows train)."""
     targets = sorted({_BLOCK.sub("", module) for module in modules})
     return {
         "peft_type": "LORA",
@@ -73,12 +86,17 @@ def peft_config(
         "init_lora_weights": True,
         "inference_mode": True,
         "modules_to_save": None,
+        # a list: the rows of the model's input embedding
+        "trainable_token_indices": new_tokens or None,
     }
 
 
-def peft_tensors(model: torch.nn.Module, arch: ModuleType) -> dict[str, torch.Tensor]:
+def peft_tensors(
+    model: torch.nn.Module, arch: ModuleType, base_vocab: int | None = None
+) -> dict[str, torch.Tensor]:
     """Every adapter's `A (r, in)` and `B (out, r)` under PEFT's names for `arch`'s layout (an
-    adapter split over several modules gives each the same `A`)."""
+    adapter split over several modules gives each the same `A`), and the token embedding's
+    rows from `base_vocab` on, when the model has more (the trainable tokens' values)."""
     out = {}
     for name, layer in adapted_layers(model):
         A = layer.lora_A.detach().cpu().contiguous()
@@ -86,17 +104,30 @@ def peft_tensors(model: torch.nn.Module, arch: ModuleType) -> dict[str, torch.Te
         for module, rows in arch.lora_to_hf(name, B, model.n_head).items():
             out[f"{PREFIX}{module}.lora_A.weight"] = A.clone()  # safetensors shares no memory
             out[f"{PREFIX}{module}.lora_B.weight"] = rows.contiguous()
+    if base_vocab is not None and base_vocab < model.vocab_size:
+        rows = model.wte.weight.detach()[base_vocab:].cpu().contiguous()  # (new tokens, C)
+        out[f"{PREFIX}{arch.LORA_EMBEDDING}.{_TOKEN_DELTA}"] = rows
     return out
 
 
+# What follows the embedding's name in PEFT's name of the trainable tokens' values.
+_TOKEN_DELTA = "token_adapter.trainable_tokens_delta"
+
+
 def peft_adapter_files(
-    model: torch.nn.Module, lora: LoraConfig, arch: ModuleType, base: str | None = None
+    model: torch.nn.Module,
+    lora: LoraConfig,
+    arch: ModuleType,
+    base: str | None = None,
+    base_vocab: int | None = None,
 ) -> dict[str, bytes]:
     """The adapter folder's two files, `adapter_config.json` and `adapter_model.safetensors`,
-    by name, for the caller to write (atomically, with its own errors)."""
-    tensors = peft_tensors(model, arch)
-    modules = [name.removeprefix(PREFIX).rsplit(".", 2)[0] for name in tensors]
-    config = peft_config(lora, arch, modules, base)
+    by name, for the caller to write (atomically, with its own errors). `base_vocab`: the
+    base's vocabulary size, when the run added tokens after it (see the module's docstring)."""
+    tensors = peft_tensors(model, arch, base_vocab)
+    modules = [name.removeprefix(PREFIX).rsplit(".", 2)[0] for name in tensors if ".lora_" in name]
+    new_tokens = list(range(base_vocab, model.vocab_size)) if base_vocab is not None else None
+    config = peft_config(lora, arch, modules, base, new_tokens)
     return {
         ADAPTER_CONFIG_FILE: (json.dumps(config, indent=2) + "\n").encode("utf-8"),
         ADAPTER_FILE: save(tensors, metadata={"format": "pt"}),  # as PEFT saves them
@@ -105,10 +136,10 @@ def peft_adapter_files(
 
 def adapter_layout(model: torch.nn.Module, model_cfg: ModelConfig) -> ModuleType | None:
     """The architecture whose layout a run's adapters are written in (the one the export picks),
-    or None when they cannot be: no architecture computes the model, or token rows train beside
-    the adapters (PEFT's trainable tokens are not written yet, and without them the adapter
-    would not fit the base's vocabulary)."""
-    if any(p.requires_grad for p in token_row_params(model).values()):
+    or None when they cannot be: no architecture computes the model, or an untied LM head's
+    rows train beside the adapters (PEFT's trainable tokens reach the embedding only)."""
+    head = token_row_params(model).get("lm_head.weight")
+    if head is not None and head.requires_grad:
         return None
     try:
         return choose(model_cfg)
@@ -148,3 +179,13 @@ def saved_adapted_model(
         with torch.no_grad():
             model.load_state_dict(adapters, strict=False)
     return model.eval()
+
+
+def restore_base_rows(model: Transformer, base_vocab: int) -> None:
+    """Put back, in place, the token embedding's rows from `base_vocab` on as the run started
+    them (the base's mean row): the base a LoRA export writes, whose trained rows are the
+    adapter's trainable tokens. Bitwise the run's start, as the base's rows are frozen."""
+    if base_vocab < model.vocab_size:
+        with torch.no_grad():
+            base_rows = model.wte.weight[:base_vocab]  # (V0, C)
+            model.wte.weight.copy_(grow_rows(base_rows.clone(), model.vocab_size))

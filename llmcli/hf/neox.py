@@ -103,6 +103,8 @@ _LORA_MODULES = {
     "mlp.proj": "mlp.dense_4h_to_h",
 }
 LORA_FAN_IN_FAN_OUT = False
+# The token embedding, whose rows a LoRA run adds train as PEFT's trainable tokens.
+LORA_EMBEDDING = "gpt_neox.embed_in"
 
 
 def lora_to_hf(name: str, B: torch.Tensor, n_head: int) -> dict[str, torch.Tensor]:

@@ -121,6 +121,14 @@ def token_row_params(model: nn.Module) -> dict[str, nn.Parameter]:
     return params
 
 
+def grow_rows(tensor: Tensor, rows: int) -> Tensor:
+    """`tensor (V0, ...)` with rows appended up to `rows` (> V0), each the mean of its rows:
+    how the rows of tokens a fine-tune adds start (`llmcli.training.init_from.grow_vocab`), and
+    so what a LoRA run's exported base holds in them (`llmcli.hf.lora`)."""
+    mean = tensor.float().mean(dim=0, keepdim=True).to(tensor.dtype)  # (1, ...)
+    return torch.cat([tensor, mean.expand(rows - tensor.shape[0], *tensor.shape[1:])])
+
+
 def train_token_rows(model: nn.Module, first: int) -> list[str]:
     """Make rows `first:` of the token embedding (and an untied LM head) trainable, the rows
     before them frozen: their gradient is zeroed as it is computed, so an optimizer without

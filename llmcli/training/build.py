@@ -54,7 +54,7 @@ from llmcli.training.dpo import dpo_objective, reference_model, score_pairs_once
 from llmcli.training.evaluate import EVAL_SEED_OFFSET, Evaluator, split_sampler
 from llmcli.training.guard import Divergence, SpikeGuard
 from llmcli.training.init_from import init_encoding, load_init_weights, resolve_init_from
-from llmcli.training.lora import adapt, parameter_counts
+from llmcli.training.lora import adapt, base_vocab_size, parameter_counts
 from llmcli.training.memory import check_memory, out_of_memory_is_bad_input
 from llmcli.training.optim import build_optimizer
 from llmcli.training.plan import measure_step
@@ -274,7 +274,9 @@ def _facts(
         else data.tokenizer_training,
         chat_data=data.chat.counts() if data.chat is not None else None,
         preference_data=data.preference.counts() if data.preference is not None else None,
-        lora=parameter_counts(model) if config.train.lora is not None else None,
+        lora=parameter_counts(model, base_vocab_size(config.train.init_from))
+        if config.train.lora is not None
+        else None,
         metrics_bytes=saved.metrics_bytes if saved is not None else None,
         head_metrics_bytes=saved.head_metrics_bytes if saved is not None else None,
     )

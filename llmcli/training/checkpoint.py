@@ -104,12 +104,13 @@ class Checkpointer:
         """A LoRA run's adapters in PEFT's format (`llmcli.hf.lora`), in the layout of the
         architecture the run exports as, and at a best step also in `best_adapter.safetensors`
         (the export's base + adapter of `--weights best`); none for a full fine-tune, or
-        adapters PEFT's format cannot hold yet (new token rows)."""
+        adapters PEFT's format cannot hold (an untied LM head's new token rows)."""
         lora = config.train.lora
         arch = adapter_layout(self.model, config.model) if lora is not None else None
-        if lora is None or arch is None:
+        if lora is None or arch is None or self.facts.lora is None:
             return {}
-        files = peft_adapter_files(self.model, lora, arch, config.train.init_from)
+        base_vocab = self.facts.lora["base_vocab_size"]
+        files = peft_adapter_files(self.model, lora, arch, config.train.init_from, base_vocab)
         if best:
             files[BEST_ADAPTER_FILE] = weights_bytes(adapter_state_dict(self.model), {"step": step})
         return files

@@ -31,6 +31,7 @@ from llmcli.errors import CheckpointError
 from llmcli.hf.load import config_from_base, hf_weights
 from llmcli.hf.load import resolve_init_from as resolve_hf_init_from
 from llmcli.model.gpt import Transformer
+from llmcli.model.lora import grow_rows
 from llmcli.runs.directory import CONFIG_FILE, TOKENIZER_FILE
 from llmcli.runs.formats import load_weights, read_weights
 from llmcli.runs.loading import load_config_file, load_tokenizer_file, run_weights_path
@@ -136,9 +137,7 @@ def grow_vocab(tensors: dict[str, Any], model: Transformer) -> dict[str, Any]:
             or want.shape[1:] != tensor.shape[1:]
         ):
             continue
-        mean = tensor.float().mean(dim=0, keepdim=True).to(tensor.dtype)  # (1, ...)
-        extra = mean.expand(V - tensor.shape[0], *tensor.shape[1:])  # (V - V0, ...)
-        grown[name] = torch.cat([tensor, extra])  # (V, ...)
+        grown[name] = grow_rows(tensor, V)  # (V, ...)
         logger.info(
             "init_from: %s grows from %d to %d rows (new tokens start as the mean row)",
             name,

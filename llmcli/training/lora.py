@@ -46,8 +46,9 @@ def adapt(model: Transformer, lora: LoraConfig, init_from: str, seed: int) -> li
     """
     add_lora(model, lora, torch.Generator().manual_seed(seed + LORA_SEED_OFFSET))
     freeze_base(model)
-    rows = train_token_rows(model, base_vocab_size(init_from))
-    counts = parameter_counts(model)
+    base_vocab = base_vocab_size(init_from)
+    rows = train_token_rows(model, base_vocab)
+    counts = parameter_counts(model, base_vocab)
     logger.info(
         "LoRA: %d adapter parameters (rank %d on %s)%s; %d of %d parameters train",
         counts["adapters"],
@@ -60,12 +61,17 @@ def adapt(model: Transformer, lora: LoraConfig, init_from: str, seed: int) -> li
     return rows
 
 
-def parameter_counts(model: Transformer) -> dict[str, int]:
+def parameter_counts(model: Transformer, base_vocab: int) -> dict[str, int]:
     """An adapted model's `adapters` (every A and B) and `trainable` parameters (the adapters,
-    and the token matrices whose new rows train: whole, as their gradients are), which
+    and the token matrices whose new rows train: whole, as their gradients are), and the base's
+    `base_vocab_size` (the tokens from it on are the run's own, whose rows train), which
     `meta.json` records as `lora`."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return {"adapters": lora_parameters(model), "trainable": trainable}
+    return {
+        "adapters": lora_parameters(model),
+        "trainable": trainable,
+        "base_vocab_size": base_vocab,
+    }
 
 
 def base_vocab_size(init_from: str) -> int:

@@ -109,7 +109,8 @@ class RunFacts:
         chat_data: a chat run's conversation counts (kept, cut, left out); None for text.
         preference_data: a DPO run's pair counts, likewise; None for others.
         lora: a LoRA run's parameter counts, `adapters` and `trainable` (with the token
-            matrices whose new rows train); None for a full training.
+            matrices whose new rows train), and the base's `base_vocab_size`; None for a full
+            training.
         metrics_bytes, head_metrics_bytes: the logs' sizes at the save a run resumed from,
             where it cuts them back (`llmcli.training.log.TrainLog.open`); None: not known.
     """
