@@ -109,6 +109,13 @@ def test_only_for_a_transformer_in_eval_mode() -> None:
     assert FastDecoder.for_model(model.train()) is None  # dropout: the forward's business
     assert FastDecoder.for_model(torch.nn.Linear(2, 2)) is None
     assert isinstance(FastDecoder.for_model(model.eval()), FastDecoder)
+    # an adapter applied on the fly computes more than its layer's weight, which is all the
+    # decoder reads: the model decodes through its forward
+    from llmcli.config import LoraConfig
+    from llmcli.model.lora import add_lora
+
+    add_lora(model, LoraConfig(rank=2, targets=["mlp.fc"]))
+    assert FastDecoder.for_model(model) is None
 
 
 def test_a_model_put_in_training_mode_later_decodes_through_its_forward() -> None:

@@ -160,9 +160,13 @@ class FastDecoder:
     @classmethod
     def for_model(cls, model: Any) -> FastDecoder | None:
         """A decoder for a `Transformer` in eval mode; None for anything else (a model in
-        training mode, whose dropout this leaves out, or another module), which then decodes
-        through its forward."""
+        training mode, whose dropout this leaves out, a model with a layer that computes more
+        than its weight, such as a LoRA adapter applied on the fly, or another module), which
+        then decodes through its forward."""
         if not isinstance(model, Transformer) or model.training:
+            return None
+        linears = (m for m in model.modules() if isinstance(m, nn.Linear))
+        if any(type(m) is not nn.Linear for m in linears):  # _linear reads only the weight
             return None
         return cls(model)
 
