@@ -18,6 +18,7 @@ from llmcli.cli import main
 from llmcli.config import config_from_dict
 from llmcli.data.tokens import prepare_data
 from llmcli.model.gpt import Transformer
+from llmcli.progress import format_bytes
 from llmcli.training import plan as plan_module
 from llmcli.training.plan import ASSUMED_VOCAB, format_plan, make_plan
 from llmcli.training.step import Trainer
@@ -31,6 +32,7 @@ JSON_FIELDS = {
     "flops_per_token",
     "tokens_per_step",
     "memory",
+    "memory_full_finetune",
     "device_free",
     "fits",
     "step_s",
@@ -114,9 +116,16 @@ def test_a_lora_plan_holds_gradients_and_moments_of_the_adapters_alone(
         format_plan(plan)
     )
     assert plan.timing is not None  # the adapted model's steps were timed
+    # no weight gradients for the frozen base: 4 N, and 6 for each adapter parameter
+    N, T = model.num_parameters(non_embedding=True) - adapters, plan.config.model.context_length
+    assert got["flops_per_token"] == 4 * N + 6 * adapters + 12 * L * T * C
 
     full = make_plan(config_from_dict(_raw(small_corpus, init_from=str(base))), "cpu", 0.5)
     assert full.to_json()["params_trainable"] == n and full.memory.grads == 4 * n
+    assert got["memory_full_finetune"] == full.to_json()["memory"]  # what LoRA saves, shown
+    assert f"at most (training every weight: {format_bytes(full.memory.peak)})" in format_plan(
+        plan
+    )
 
 
 def test_measuring_stays_within_its_budget(

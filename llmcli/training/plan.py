@@ -11,6 +11,7 @@ assumed, and the plan says so.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import statistics
@@ -79,13 +80,24 @@ class Plan:
     memory: MemoryEstimate
     device_free: int | None  # train.memory_limit, else the device's free memory; None: unknown
     timing: StepTiming | None  # None: not measured (the run does not fit)
+    # A LoRA run's: the same run training every weight, for what LoRA saves; else None.
+    full_memory: MemoryEstimate | None = None
 
     @property
     def flops_per_token(self) -> int:
         """Training FLOPs per token, `6 N + 12 L T C` (N: non-embedding parameters;
-        Kaplan et al. 2020, PaLM's appendix B)."""
-        m = self.config.model
-        return 6 * self.memory.params_non_embedding + 12 * m.n_layer * m.context_length * m.n_embed
+        Kaplan et al. 2020, PaLM's appendix B): the forward's 2 N, the backward's 2 N for the
+        inputs' gradients and 2 N for the weights'. A LoRA run computes no weight gradient for
+        its frozen base: `4 N + 6 N_lora`, its adapters' `N_lora` costing all three."""
+        m, mem = self.config.model, self.memory
+        attention = 12 * m.n_layer * m.context_length * m.n_embed
+        if self.config.train.lora is not None:
+            return 4 * mem.params_non_embedding + 6 * mem.adapters + attention
+        return 6 * mem.params_non_embedding + attention
+
+    @property
+    def flops_formula(self) -> str:
+        return "4 N + 6 N_lora + 12 L T C" if self.config.train.lora else "6 N + 12 L T C"
 
     @property
     def tokens_per_step(self) -> int:
@@ -126,6 +138,9 @@ class Plan:
             "flops_per_token": self.flops_per_token,
             "tokens_per_step": self.tokens_per_step,
             "memory": self.memory.as_dict(),
+            "memory_full_finetune": None
+            if self.full_memory is None
+            else self.full_memory.as_dict(),
             "device_free": self.device_free,
             "fits": self.fits,
             "step_s": None if self.timing is None else round(self.timing.step_s, 6),
@@ -149,6 +164,10 @@ def make_plan(config: Config, device_name: str | None = None, measure_s: float =
     vocab, missing = plan_vocab(config)
     config = resolve_batch(config, vocab, device, precision.name, info.world_size)
     memory = estimate_memory(config, vocab, device.type, precision.name, info.world_size)
+    full_memory = None
+    if config.train.lora is not None:  # the same run training every weight
+        full = dataclasses.replace(config, train=dataclasses.replace(config.train, lora=None))
+        full_memory = estimate_memory(full, vocab, device.type, precision.name, info.world_size)
     limit = config.train.memory_limit_bytes
     free = limit if limit is not None else device_free_bytes(device)
     timing = None
@@ -164,6 +183,7 @@ def make_plan(config: Config, device_name: str | None = None, measure_s: float =
         memory=memory,
         device_free=free,
         timing=timing,
+        full_memory=full_memory,
     )
 
 
@@ -297,13 +317,13 @@ def format_plan(plan: Plan) -> str:
             f"{mem.params:,} ({mem.params_non_embedding:,} without embeddings; "
             f"vocabulary {plan.vocab_size:,})" + _lora_text(plan),
         ),
-        ("FLOPs per token", f"{format_count(plan.flops_per_token)} (6 N + 12 L T C)"),
+        ("FLOPs per token", f"{format_count(plan.flops_per_token)} ({plan.flops_formula})"),
         (
             "tokens per step",
             f"{plan.tokens_per_step:,} ({tc.batch_size} {examples} x {config.example_tokens} "
             f"tokens x grad_accum {tc.grad_accum}{ranks})",
         ),
-        ("memory per step", f"{format_bytes(mem.peak)} at most, of which"),
+        ("memory per step", f"{format_bytes(mem.peak)} at most{_full_text(plan)}, of which"),
         (
             "",
             f"weights {format_bytes(mem.weights)}, gradients {format_bytes(mem.grads)}, "
@@ -319,6 +339,13 @@ def format_plan(plan: Plan) -> str:
         rows.append(("missing", plan.missing))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _full_text(plan: Plan) -> str:
+    """What a LoRA run's step would hold training every weight: LoRA's saving, shown."""
+    if plan.full_memory is None:
+        return ""
+    return f" (training every weight: {format_bytes(plan.full_memory.peak)})"
 
 
 def _lora_text(plan: Plan) -> str:
