@@ -47,6 +47,8 @@ def test_every_shipped_config_loads_and_validates(path: Path) -> None:
             loaded = getattr(getattr(config, section), key)
             if (section, key) in (("data", "path"), ("data", "val_path")) and value is not None:
                 assert Path(loaded).is_absolute() and Path(loaded).samefile(ROOT / value)
+            elif isinstance(value, dict):  # a nested section, such as train.lora
+                assert {k: getattr(loaded, k) for k in value} == value, f"{section}.{key}"
             else:
                 assert loaded == value, f"{section}.{key}"
 
