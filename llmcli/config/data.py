@@ -36,7 +36,9 @@ class DataConfig:
     # preference: TRL's preference pairs for train.objective dpo, rows of {"prompt", "chosen",
     # "rejected"} (text, or messages rendered by the init_from run's chat template) in .jsonl
     # files (data.path) or a dataset's columns; a pair longer than the context has its
-    # completions cut, or is skipped
+    # completions cut, or is skipped; prompts: prompts to answer for train.objective grpo, rows
+    # of {"prompt", "answer"} (the prompt text or messages, the answer what the reward checks
+    # against) in .jsonl files (data.path)
     format: str = "text"
     # chat: a Jinja chat template file in Hugging Face's format (default: the built-in one)
     chat_template: str | None = None
@@ -70,19 +72,20 @@ class DataConfig:
             "must be between 0 and 1 (exclusive)",
         )
         require(
-            self.format in ("text", "chat", "preference"),
+            self.format in ("text", "chat", "preference", "prompts"),
             "data",
             "format",
             self.format,
-            "must be 'text' (plain text), 'chat' (JSONL conversations) or 'preference' (JSONL "
-            "preference pairs, for train.objective dpo)",
+            "must be 'text' (plain text), 'chat' (JSONL conversations), 'preference' (JSONL "
+            "preference pairs, for train.objective dpo) or 'prompts' (JSONL prompts with "
+            "answers, for train.objective grpo)",
         )
         require(
-            self.chat_template is None or self.format in ("chat", "preference"),
+            self.chat_template is None or self.format in ("chat", "preference", "prompts"),
             "data",
             "chat_template",
             self.chat_template,
-            "is read only with data.format: chat or preference",
+            "is read only with data.format: chat, preference or prompts",
         )
         require(
             not (self.streaming and self.format != "text"),

@@ -43,26 +43,43 @@ class Config:
             )
         tokens, T = self.train.tokens_per_step, self.example_tokens
         if tokens is not None and tokens % T:
-            what = (
-                "2 x model.context_length"
-                if self.train.objective == "dpo"
-                else ("model.context_length")
-            )
+            rows = {"dpo": "2", "grpo": "train.group_size"}.get(self.train.objective)
+            what = f"{rows} x model.context_length" if rows else "model.context_length"
             raise ConfigError(
                 f"train.tokens_per_step ({tokens}) must be a multiple of {what} ({T}): a step "
-                f"is whole {'pairs' if self.train.objective == 'dpo' else 'sequences'}; for "
+                f"is whole {self.example_name}; for "
                 f"example {max(T, tokens // T * T)} or {(tokens // T + 1) * T}."
             )
 
     @property
+    def example_name(self) -> str:
+        """What one of `train.batch_size` is: "sequences", "pairs" (DPO), "prompts" (GRPO)."""
+        return {"dpo": "pairs", "grpo": "prompts"}.get(self.train.objective, "sequences")
+
+    @property
     def example_tokens(self) -> int:
         """The tokens one example of a batch (one of `train.batch_size`) trains on: a sequence
-        of `model.context_length`, or with DPO a pair, whose chosen and rejected rows are two."""
-        rows = 2 if self.train.objective == "dpo" else 1
+        of `model.context_length`, or with DPO a pair, whose chosen and rejected rows are two,
+        or with GRPO a prompt, whose `train.group_size` completions are a row each."""
+        rows = {"dpo": 2, "grpo": self.train.group_size}.get(self.train.objective, 1)
         return rows * self.model.context_length
 
     def _validate_objective(self) -> None:
-        """DPO reads preference pairs, and preference pairs are read only by DPO."""
+        """DPO reads preference pairs, and preference pairs are read only by DPO; GRPO reads
+        prompts, and prompts are read only by GRPO."""
+        grpo, prompts = self.train.objective == "grpo", self.data.format == "prompts"
+        if grpo and not prompts:
+            raise ConfigError(
+                f"train.objective is grpo, which learns from rewards on prompts, but data.format "
+                f"is {self.data.format!r}: set data.format: prompts and data.path to .jsonl files "
+                'of {"prompt", "answer"} rows.'
+            )
+        if prompts and not grpo:
+            raise ConfigError(
+                f"data.format is prompts, which only GRPO reads, but train.objective is "
+                f"{self.train.objective!r}: set train.objective: grpo (and train.init_from to "
+                "the run to start from)."
+            )
         dpo, pairs = self.train.objective == "dpo", self.data.format == "preference"
         if dpo and not pairs:
             raise ConfigError(

@@ -8,7 +8,23 @@ from typing import Literal
 
 from llmcli.config.lora import LoraConfig
 from llmcli.config.rules import check_choices, require, require_size, size_bytes
-from llmcli.errors import ConfigError
+from llmcli.errors import ConfigError, did_you_mean
+
+# GRPO's built-in verifiers (`train.reward`; llmcli.training.rewards).
+VERIFIERS = ("exact", "number", "contains")
+
+
+def check_reward_spec(spec: str) -> None:
+    """`train.reward` is a built-in verifier or `FILE.py:FUNCTION` (the file is read later)."""
+    if spec in VERIFIERS:
+        return
+    path, _, name = str(spec).rpartition(":")
+    if not path.endswith(".py") or not name.isidentifier():
+        hint = did_you_mean(str(spec), VERIFIERS)
+        raise ConfigError(
+            f"train.reward: {spec!r} is neither a built-in verifier ({', '.join(VERIFIERS)})"
+            f" nor FILE.py:FUNCTION, a function of your own file.{hint}"
+        )
 
 # The experiment trackers train.logger may name (llmcli.runs.trackers runs them).
 TRACKERS = ("none", "tensorboard", "wandb")
@@ -70,11 +86,28 @@ class TrainConfig:
     init_from: str | None = None
     # next_token: the language-model loss on every token (or the replies, for chat data); dpo:
     # Direct Preference Optimization on data.format preference pairs, from the init_from run,
-    # which stays the frozen reference (llmcli.training.dpo)
-    objective: Literal["next_token", "dpo"] = "next_token"
+    # which stays the frozen reference (llmcli.training.dpo); grpo: learning from rewards on
+    # data.format prompts, completions sampled from the model as it trains (llmcli.training.grpo)
+    objective: Literal["next_token", "dpo", "grpo"] = "next_token"
     # DPO's beta (TRL's default): how far the policy may move from the reference; larger keeps
     # it closer
     dpo_beta: float = 0.1
+    # GRPO: completions sampled for each prompt (TRL's num_generations); each is rewarded
+    # against the others of its group, so at least 2. The sampling settings are the sample
+    # section's (temperature, top_k, top_p, max_new_tokens).
+    group_size: int = 8
+    # GRPO's reward of a completion: a built-in verifier against the prompt's answer (exact:
+    # the same text, spaces around it aside; number: the last number in it equals the answer's;
+    # contains: the answer appears in it), each 1.0 or 0.0, or FILE.py:FUNCTION, a function of
+    # your own file called as FUNCTION(prompt, completion, answer) -> a number (this runs that
+    # file's code, as a test script would)
+    reward: str = "exact"
+    # GRPO: divide each advantage (reward less its group's mean) by its group's standard
+    # deviation (TRL's default); false keeps the difference as it is (Dr. GRPO, nanochat)
+    scale_rewards: bool = True
+    # GRPO: the weight of a KL penalty to the init_from model, per token (TRL's beta; 0: none,
+    # and no reference model is kept)
+    grpo_beta: float = 0.0
     # Low-rank adapters on the frozen init_from model instead of a full fine-tune, for any
     # objective: a mapping of rank, alpha, dropout and targets (llmcli.config.lora), or null
     lora: LoraConfig | None = None
@@ -212,6 +245,30 @@ class TrainConfig:
             "starts from a trained run, which stays the frozen reference: set train.init_from "
             "to a run directory (a chat run, for conversational pairs)",
         )
+        require(
+            self.objective != "grpo" or self.init_from is not None,
+            "train",
+            "objective",
+            self.objective,
+            "samples completions from a model that can already answer: set train.init_from to "
+            "a run directory (a chat run, for conversational prompts)",
+        )
+        require(
+            self.group_size >= 2,
+            "train",
+            "group_size",
+            self.group_size,
+            "must be >= 2: each completion is rewarded against the mean of its group, which a "
+            "group of 1 equals (8 is TRL's default)",
+        )
+        require(
+            math.isfinite(self.grpo_beta) and self.grpo_beta >= 0,
+            "train",
+            "grpo_beta",
+            self.grpo_beta,
+            "must be >= 0 (0: no KL penalty)",
+        )
+        check_reward_spec(self.reward)
         if self.lora is not None:
             self.lora.validate()
             if self.init_from is None:

@@ -136,6 +136,40 @@ class PreferenceData:
 
 
 @dataclass
+class PromptSplit:
+    """A split's prompts that fit, for GRPO: each prompt's ids (`ids[i]`, int64, what the model
+    reads before its completion), the answer its reward checks against (None where the row
+    gives none), its text as the reward reads it (the rendered conversation or the text) and
+    its row ("prompts.jsonl line 4"). `counts`: prompts, kept, skipped (no room left in the
+    context for a completion)."""
+
+    ids: list[np.ndarray]
+    answers: list[str | None]
+    texts: list[str]
+    where: list[str]
+    counts: dict[str, int]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+@dataclass
+class PromptData:
+    """Both splits of GRPO's prompts, the token that ends a completion (the chat template's end
+    of turn, or the end-of-text token), and the template the prompts were rendered with (None:
+    text prompts only)."""
+
+    train: PromptSplit
+    val: PromptSplit
+    end_id: int
+    template: ChatTemplate | None = None
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """Each split's prompt counts (for meta.json): prompts, kept, skipped."""
+        return {"train": self.train.counts, "val": self.val.counts}
+
+
+@dataclass
 class TokenData:
     """Tokenized train and validation streams, memory-mapped from the token cache.
 
@@ -153,6 +187,8 @@ class TokenData:
         chat: with `data.format: chat`, each split's mask and windows; None for plain text.
         preference: with `data.format: preference`, each split's encoded pairs (`train` and
             `val` then hold no tokens); else None.
+        prompts: with `data.format: prompts`, each split's encoded prompts (likewise); else
+            None.
     """
 
     tokenizer: Tokenizer
@@ -164,3 +200,4 @@ class TokenData:
     text_bytes: int | None = None
     chat: ChatData | None = None
     preference: PreferenceData | None = None
+    prompts: PromptData | None = None

@@ -39,7 +39,7 @@ from llmcli.data.tokens import prepare_data
 from llmcli.errors import InputError
 from llmcli.evaluation.metrics import perplexity
 from llmcli.evaluation.text import token_losses
-from llmcli.generation.engine import generate
+from llmcli.generation.replies import replies
 from llmcli.progress import Progress
 
 if TYPE_CHECKING:
@@ -287,25 +287,10 @@ def greedy_replies(
     sample: Any,
     vocab_size: int | None = None,
 ) -> list[tuple[list[int], bool]]:
-    """Each prompt's greedy reply before the end-of-turn token `end_id`, and whether it came
-    within the prompt's budget of tokens (False: the reply was cut there); only ids below
-    `vocab_size` are drawn (a model's vocabulary may be padded beyond its tokenizer's)."""
-    config = dataclasses.replace(sample, temperature=0.0, max_new_tokens=max(budgets))
-    replies: list[list[int]] = [[] for _ in prompts]
-    ended = [False] * len(prompts)
-    done = [False] * len(prompts)
-    for step in generate(model, prompts, config, vocab_size=vocab_size):  # (B,) each step
-        for b, token in enumerate(step.tolist()):
-            if done[b]:
-                continue
-            if token == end_id:
-                ended[b] = done[b] = True
-            else:
-                replies[b].append(token)
-                done[b] = len(replies[b]) >= budgets[b]
-        if all(done):
-            break
-    return list(zip(replies, ended, strict=True))
+    """Each prompt's greedy reply before the end-of-turn token `end_id` (`replies` at
+    temperature 0), and whether it came within the prompt's budget of tokens."""
+    greedy = dataclasses.replace(sample, temperature=0.0)
+    return replies(model, prompts, budgets, end_id, greedy, vocab_size)
 
 
 # --- The whole evaluation --------------------------------------------------------------------

@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from llmcli.config import Config
 from llmcli.data.preference_data import preference_token_data
+from llmcli.data.prompts import prompt_token_data
 from llmcli.data.tokenizer import Tokenizer
 from llmcli.data.tokens import TokenData, prepare_data
 from llmcli.device import resolve_device, torch_threads
@@ -52,6 +53,7 @@ from llmcli.training.compiling import MEASURE_S, choose, compile_key, compiled, 
 from llmcli.training.distributed import DistInfo, agreed, dist_from_env, gather, process_group
 from llmcli.training.dpo import dpo_objective, reference_model, score_pairs_once
 from llmcli.training.evaluate import EVAL_SEED_OFFSET, Evaluator, split_sampler
+from llmcli.training.grpo import GRPOObjective
 from llmcli.training.guard import Divergence, SpikeGuard
 from llmcli.training.init_from import init_encoding, load_init_weights, resolve_init_from
 from llmcli.training.lora import adapt, base_vocab_size, parameter_counts
@@ -59,6 +61,7 @@ from llmcli.training.memory import check_memory, out_of_memory_is_bad_input
 from llmcli.training.optim import build_optimizer
 from llmcli.training.plan import measure_step
 from llmcli.training.precision import Precision
+from llmcli.training.rewards import load_reward
 from llmcli.training.state import ResumeState, RunFacts, TrainState, seed_everything
 from llmcli.training.step import Trainer
 
@@ -239,6 +242,12 @@ def _model_and_trainer(
         reference = reference_model(config, vocab, device)
         score_pairs_once(reference, data.preference, config, info.world_size)
         trainer.loss_fn = dpo_objective(reference, tc.dpo_beta)
+    if tc.objective == "grpo":  # completions sampled from the model as it trains, rewarded
+        assert data.prompts is not None
+        reference = reference_model(config, vocab, device) if tc.grpo_beta > 0 else None
+        trainer.loss_fn = GRPOObjective(
+            model, data.prompts, config, load_reward(tc.reward), data.tokenizer.decode, reference
+        )
     return model, trainer
 
 
@@ -353,20 +362,19 @@ def _prepare(
 
 def _read_data(config: Config, tokenizer: Tokenizer | None) -> TokenData:
     """The run's data: `prepare_data`'s tokens, or for `train.objective: dpo` the preference
-    pairs encoded with the `train.init_from` run's tokenizer and chat template (a resumed run's
-    tokenizer, `tokenizer`, must be that one)."""
-    if config.train.objective == "dpo":
+    pairs (for `grpo` the prompts) encoded with the `train.init_from` run's tokenizer and chat
+    template (a resumed run's tokenizer, `tokenizer`, must be that one)."""
+    if config.train.objective in ("dpo", "grpo"):
         init_tokenizer, template = init_encoding(config)
         if tokenizer is not None and tokenizer.to_json() != init_tokenizer.to_json():
             raise InputError(
-                f"the reference run '{config.train.init_from}' (train.init_from) now has another "
-                "tokenizer than this DPO run, which started from it: DPO scores both models on "
-                "the same tokens. Point train.init_from at the run this one started from, or "
-                "start afresh with --overwrite."
+                f"the run '{config.train.init_from}' (train.init_from) now has another tokenizer "
+                f"than this {config.train.objective.upper()} run, which started from it: its "
+                "data are encoded with that run's tokenizer. Point train.init_from at the run "
+                "this one started from, or start afresh with --overwrite."
             )
-        return preference_token_data(
-            config.data, config.model.context_length, init_tokenizer, template
-        )
+        read = preference_token_data if config.train.objective == "dpo" else prompt_token_data
+        return read(config.data, config.model.context_length, init_tokenizer, template)
     return prepare_data(config.data, config.model.context_length, tokenizer=tokenizer)
 
 

@@ -32,10 +32,12 @@ from llmcli.data.batches import BatchSampler
 from llmcli.data.chat_batches import IGNORE, ChatSampler
 from llmcli.data.preference_data import PreferenceSampler
 from llmcli.data.prepared import TokenData
+from llmcli.data.prompts import PromptSampler
 from llmcli.evaluation.metrics import icl_score
 from llmcli.evaluation.probe import Probe, probe_scores
 from llmcli.evaluation.text import token_losses
 from llmcli.training.distributed import DistInfo, mean_over_ranks
+from llmcli.training.grpo import GRPOObjective
 from llmcli.training.precision import Precision
 from llmcli.training.step import LossFn, next_token_loss
 
@@ -179,7 +181,7 @@ class Evaluator:
         self.precision, self.info, self.probe = precision, info, probe
         self.loss_fn = loss_fn
 
-    def samplers(self, config: Config) -> dict[str, BatchSampler | ChatSampler | PreferenceSampler]:
+    def samplers(self, config: Config) -> dict[str, Any]:
         """Fresh samplers over both splits, seeded apart from the training stream."""
         seed, device = config.train.seed + EVAL_SEED_OFFSET, self.precision.device
         return {
@@ -191,6 +193,8 @@ class Evaluator:
         """Estimate both splits' losses (and score the heads) with `config`'s batch size and
         `train.eval_steps`."""
         tc = config.train
+        if isinstance(self.loss_fn, GRPOObjective):
+            return grpo_evaluation(self.loss_fn, self.data, tc.eval_steps * tc.batch_size)
         estimate = evaluate_loss(
             self.model,
             self.samplers(config),
@@ -212,12 +216,29 @@ class Evaluator:
         return Evaluation(estimate.mean, {**estimate.metrics, **scores.summary(), **icl}, heads)
 
 
+def grpo_evaluation(objective: GRPOObjective, data: TokenData, limit: int) -> Evaluation:
+    """GRPO's evaluation: greedy completions of the first `limit` prompts of each split. Its
+    loss is the negated mean reward (what GRPO lowers; the best weights are those with the
+    highest held-out reward), and its figures each split's `reward` and `pass@1`."""
+    assert data.prompts is not None
+    losses, summary = {}, {}
+    for name, split in (("train", data.prompts.train), ("val", data.prompts.val)):
+        figures = objective.evaluate(split, limit)
+        losses[name] = -figures["reward"]
+        summary.update({f"{name}_{key}": value for key, value in figures.items()})
+    return Evaluation(losses, summary)
+
+
 def split_sampler(
     data: TokenData, split: str, config: Config, seed: int, info: DistInfo, device: torch.device
-) -> BatchSampler | ChatSampler | PreferenceSampler:
-    """The sampler of `data`'s split ("train" or "val"): preference pairs for DPO, conversation
-    windows for chat data, else windows of the token stream; this rank's, seeded with `seed`."""
+) -> BatchSampler | ChatSampler | PreferenceSampler | PromptSampler:
+    """The sampler of `data`'s split ("train" or "val"): prompts for GRPO, preference pairs
+    for DPO, conversation windows for chat data, else windows of the token stream; this rank's,
+    seeded with `seed`."""
     batch, context = config.train.batch_size, config.model.context_length
+    if data.prompts is not None:
+        prompts = data.prompts.train if split == "train" else data.prompts.val
+        return PromptSampler(prompts, batch, seed, info.rank, info.world_size)
     if data.preference is not None:
         pairs = data.preference.train if split == "train" else data.preference.val
         return PreferenceSampler(

@@ -237,18 +237,26 @@ class TrainLog:
             "val_loss": val,
         }
         rewards = "val_rewards/accuracies" in summary  # DPO's loss has no perplexity
-        if not rewards:
+        grpo = "val_pass@1" in summary  # nor GRPO's, the negated greedy reward
+        if not rewards and not grpo:
             record["val_ppl"] = perplexity(val)
         self.metrics.write({**record, **summary})
+        if rewards:
+            extra = (
+                f", val reward accuracy {summary['val_rewards/accuracies']:.3f}, margin "
+                f"{summary['val_rewards/margins']:.3f}"
+            )
+        elif grpo:
+            val_reward, passed = summary["val_reward"], summary["val_pass@1"]
+            extra = f" (greedy: val reward {val_reward:.3f}, pass@1 {passed:.1%})"
+        else:
+            extra = f" (ppl {perplexity(val):.2f})"
         logger.info(
             "step %d: train loss %.4f, val loss %.4f%s%s%s",
             state.step,
             losses["train"],
             val,
-            f", val reward accuracy {summary['val_rewards/accuracies']:.3f}, margin "
-            f"{summary['val_rewards/margins']:.3f}"
-            if rewards
-            else f" (ppl {perplexity(val):.2f})",
+            extra,
             f", strongest induction head {summary['induction_max']:.3f}"
             if "induction_max" in summary
             else "",

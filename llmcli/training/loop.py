@@ -220,6 +220,6 @@ def _summary(run: Run, elapsed_s: float, tokens_per_s: float | None) -> TrainSum
     summary = TrainSummary.of(
         run.state, run.facts, max_steps, saves, run.guard, elapsed_s, tokens_per_s
     )
-    if run.config.train.objective != "next_token":  # a DPO loss has no perplexity
+    if run.config.train.objective != "next_token":  # a DPO or GRPO loss has no perplexity
         summary.val_ppl = None
     return summary

@@ -1,0 +1,64 @@
+"""Replies: each prompt's new tokens up to its end token or its budget, for evaluation and GRPO.
+
+`llmcli eval --answers` compares greedy replies with the expected ones, and GRPO rewards sampled
+ones; both generate a batch of prompts together (`llmcli.generation.engine.generate`, each row
+exactly what it would get alone) and cut each row at its end-of-turn token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from llmcli.generation.engine import DecodeStep, generate
+
+
+def replies(
+    model: Any,
+    prompts: list[list[int]],
+    budgets: list[int],
+    end_id: int,
+    sample: Any,
+    vocab_size: int | None = None,
+    *,
+    generators: Sequence[torch.Generator] | None = None,
+    decode: DecodeStep | None = None,
+) -> list[tuple[list[int], bool]]:
+    """Each prompt's reply before the end-of-turn token `end_id`, and whether it ended there
+    within the prompt's budget of tokens (False: the reply was cut at its budget).
+
+    Args:
+        model: a model in eval mode.
+        prompts: B lists of ids.
+        budgets: each prompt's most new tokens: a reply stops there, or earlier at its end
+            token (so a reply and its end token are at most the budget).
+        end_id: the token that ends a reply (left out of it).
+        sample: the `SampleConfig` the tokens are drawn with (temperature 0: greedy); its
+            `max_new_tokens` is replaced by the largest budget.
+        vocab_size: only ids below it are drawn (a model's vocabulary may be padded beyond its
+            tokenizer's).
+        generators: one per row (default: seeded from `sample.seed`, as `generate` seeds them).
+        decode: the one-token step in the model's place (`FastDecoder.for_model`), or None.
+    """
+    config = dataclasses.replace(sample, max_new_tokens=max(budgets))
+    out: list[list[int]] = [[] for _ in prompts]
+    ended = [False] * len(prompts)
+    done = [False] * len(prompts)
+    steps = generate(
+        model, prompts, config, generators=generators, vocab_size=vocab_size, decode=decode
+    )
+    for step in steps:  # (B,) each step
+        for b, token in enumerate(step.tolist()):
+            if done[b]:
+                continue
+            if token == end_id:
+                ended[b] = done[b] = True
+            else:
+                out[b].append(token)
+                done[b] = len(out[b]) >= budgets[b]
+        if all(done):
+            break
+    return list(zip(out, ended, strict=True))

@@ -1,0 +1,238 @@
+"""Group Relative Policy Optimization (Shao et al. 2024, "DeepSeekMath") as a training objective:
+learning from rewards on completions the model samples itself.
+
+For each prompt of a micro-batch the policy samples `train.group_size` completions (the `sample`
+section's temperature, top-k, top-p and `max_new_tokens`, each cut to the room the context
+leaves); each completion gets a reward (`llmcli.training.rewards`), and its advantage is its
+reward less the mean of its group's, divided by the group's standard deviation when
+`train.scale_rewards` (TRL's default). The loss raises the log-probability of every token of a
+completion in proportion to its advantage, normalised by the batch's completion tokens:
+
+    loss = -sum_i sum_t A_i log p(c_i,t | prompt_i, c_i,<t) / sum_i |c_i|
+
+the on-policy policy gradient (one update per batch of samples, so PPO's ratio is 1 and its clip
+never acts; as nanochat's `chat_rl` and TRL's `GRPOTrainer` with one iteration compute it).
+With `train.grpo_beta` > 0 a KL penalty to the `train.init_from` model is added per token, as
+TRL estimates it: `exp(ref - logp) - (ref - logp) - 1`.
+
+`GRPOObjective` is the trainer's `loss_fn` (`loss_fn(policy, batch)`, the batch a
+`llmcli.data.prompts.PromptBatch`); the training loop is next-token training's. Completions are
+drawn with generators seeded from the batch's seed, which the prompt sampler draws and saves,
+so a resumed run samples what an uninterrupted one would. Each evaluation answers held-out
+prompts greedily (`GRPOObjective.evaluate`): pass@1 is the share whose completion is the answer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from llmcli.config import SampleConfig
+from llmcli.data.prepared import PromptData, PromptSplit
+from llmcli.data.prompts import PromptBatch
+from llmcli.generation.fast_decode import FastDecoder
+from llmcli.generation.replies import replies
+from llmcli.generation.sampling import make_generators
+from llmcli.training.rewards import Reward, exact, score
+
+
+@dataclass
+class Completions:
+    """A micro-batch's sampled completions, group by group: rows `g * G .. (g + 1) * G - 1` are
+    prompt g's. `ids` `(R, L)` holds each prompt then its completion (and its end token when it
+    ended), padded after; `mask` `(R, L)` is True on the completion's tokens and the end
+    token; `rewards` `(R,)`."""
+
+    ids: Tensor
+    mask: Tensor
+    rewards: Tensor
+    lengths: Tensor  # (R,) completion tokens, the end token included
+    ended: Tensor  # (R,) bool: ended with the end token (False: cut at its budget)
+    texts: list[str]
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside a DDP wrapper and a compiled module: what generation runs."""
+    model = getattr(model, "module", model)
+    return getattr(model, "_orig_mod", model)
+
+
+def advantages(rewards: Tensor, group_size: int, scale: bool) -> Tensor:
+    """Each reward less its group's mean (rows in groups of `group_size`), divided by the
+    group's standard deviation (+ 1e-4, as TRL) when `scale`. `(R,)` -> `(R,)`."""
+    groups = rewards.view(-1, group_size)  # (P, G)
+    centred = groups - groups.mean(dim=1, keepdim=True)
+    if scale:
+        centred = centred / (groups.std(dim=1, keepdim=True) + 1e-4)
+    return centred.reshape(-1)
+
+
+def token_logps(model: nn.Module, ids: Tensor) -> Tensor:
+    """Each token's log-probability under `model` given the tokens before it: `(R, L)` ids ->
+    `(R, L - 1)` float32, position t scoring token t + 1."""
+    logits, _ = model(ids[:, :-1])  # (R, L - 1, V)
+    logps = F.log_softmax(logits.float(), dim=-1)
+    return logps.gather(-1, ids[:, 1:, None]).squeeze(-1)  # (R, L - 1)
+
+
+def grpo_loss(
+    logps: Tensor,
+    mask: Tensor,
+    advantage: Tensor,
+    ref_logps: Tensor | None = None,
+    beta: float = 0.0,
+) -> tuple[Tensor, Tensor | None]:
+    """The policy-gradient loss normalised by the completion tokens, and the mean per-token KL
+    to the reference (None without one).
+
+    Args:
+        logps: `(R, L-1)` the policy's log-probability of each next token.
+        mask: `(R, L-1)` bool, True where the next token is a completion token.
+        advantage: `(R,)`.
+        ref_logps: `(R, L-1)` the reference's, for the KL penalty; None: none.
+        beta: the KL penalty's weight.
+    """
+    m = mask.float()
+    tokens = m.sum().clamp(min=1.0)
+    loss = -(advantage[:, None] * logps * m).sum() / tokens
+    if ref_logps is None:
+        return loss, None
+    diff = ref_logps - logps
+    kl = ((torch.exp(diff) - diff - 1) * m).sum() / tokens
+    return loss + beta * kl, kl
+
+
+class GRPOObjective:
+    """The step's `loss_fn` for `train.objective: grpo`: sample, reward, and the loss.
+
+    Args:
+        policy: the model being trained (unwrapped: generation runs on it directly).
+        data: the run's prompts (their end token).
+        config: the run's config (`train.group_size`, `scale_rewards`, `grpo_beta`, `sample`).
+        reward: the reward function (`llmcli.training.rewards.load_reward`).
+        decode_text: the tokenizer's `decode`.
+        reference: the frozen `init_from` model, for the KL penalty; None without one.
+    """
+
+    def __init__(
+        self,
+        policy: nn.Module,
+        data: PromptData,
+        config: Any,
+        reward: Reward,
+        decode_text: Any,
+        reference: nn.Module | None = None,
+    ) -> None:
+        self.policy, self.data, self.reward, self.decode_text = policy, data, reward, decode_text
+        tc = config.train
+        self.group_size, self.scale, self.beta = tc.group_size, tc.scale_rewards, tc.grpo_beta
+        self.sampling, self.context_length = config.sample, config.model.context_length
+        self.end_id, self.reference = data.end_id, reference
+        self.eval_batch = tc.batch_size * tc.group_size
+        self.last: Completions | None = None  # the latest micro-batch's, for tests and logs
+
+    def __call__(self, model: nn.Module, batch: PromptBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        device = next(self.policy.parameters()).device
+        done = self.sample(batch)
+        self.last = done
+        ids, mask = done.ids.to(device), done.mask[:, 1:].to(device)
+        advantage = advantages(done.rewards, self.group_size, self.scale).to(device)
+        logps = token_logps(model, ids)
+        ref = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref = token_logps(self.reference, ids)
+        loss, kl = grpo_loss(logps, mask, advantage, ref, self.beta)
+        return loss, self._metrics(done, kl, device)
+
+    def sample(self, batch: PromptBatch) -> Completions:
+        """`train.group_size` completions of each prompt of `batch`, drawn from the policy (in
+        eval mode, without gradients) with generators seeded `batch.seed, batch.seed + 1, ...`,
+        and rewarded. A completion is cut where its row would pass `context_length + 1` tokens
+        (the model reads `context_length` of them), and at `sample.max_new_tokens`."""
+        G, split = self.group_size, batch.split
+        prompts = [ids for ids in batch.prompts for _ in range(G)]
+        drawn = self._replies(prompts, self.sampling, make_generators(len(prompts), batch.seed))
+        rows = [p + c + [self.end_id] * ended for p, (c, ended) in zip(prompts, drawn, strict=True)]
+        ids = torch.full((len(rows), max(map(len, rows))), self.end_id, dtype=torch.long)
+        mask = torch.zeros(ids.shape, dtype=torch.bool)  # (R, L)
+        texts, rewards = [], []
+        for i, (row, prompt, (completion, _)) in enumerate(zip(rows, prompts, drawn, strict=True)):
+            ids[i, : len(row)] = torch.tensor(row)
+            mask[i, len(prompt) : len(row)] = True
+            k, text = batch.picks[i // G], self.decode_text(completion)
+            texts.append(text)
+            rewards.append(
+                score(self.reward, split.texts[k], text, split.answers[k], split.where[k])
+            )
+        ended = torch.tensor([e for _, e in drawn])
+        return Completions(ids, mask, torch.tensor(rewards), mask.sum(dim=1), ended, texts)
+
+    def _replies(
+        self, prompts: list[list[int]], sample: SampleConfig, generators: list | None = None
+    ) -> list[tuple[list[int], bool]]:
+        """Each prompt's reply from the policy in eval mode, without gradients, within the
+        room its row has (`context_length + 1` tokens) and `sample.max_new_tokens`."""
+        budgets = [min(sample.max_new_tokens, self.context_length + 1 - len(p)) for p in prompts]
+        policy, was_training = self.policy, self.policy.training
+        policy.eval()
+        with torch.no_grad():
+            drawn = replies(
+                policy,
+                prompts,
+                budgets,
+                self.end_id,
+                sample,
+                policy.vocab_size,
+                generators=generators,
+                decode=FastDecoder.for_model(policy),
+            )
+        policy.train(was_training)
+        return drawn
+
+    def evaluate(self, split: PromptSplit, limit: int) -> dict[str, float]:
+        """Greedy completions of the first `limit` prompts of `split`: their mean `reward` and
+        `pass@1`, the share whose completion is the answer (`exact`; rows without one left
+        out), in batches of `batch_size * group_size` prompts."""
+        picks = list(range(min(limit, len(split))))
+        greedy = dataclasses.replace(self.sampling, temperature=0.0)
+        got: list[tuple[list[int], bool]] = []
+        for lo in range(0, len(picks), self.eval_batch):
+            got += self._replies(
+                [split.ids[k].tolist() for k in picks[lo : lo + self.eval_batch]], greedy
+            )
+        rewards, passes = [], []
+        for k, (ids, _) in zip(picks, got, strict=True):
+            text = self.decode_text(ids)
+            rewards.append(
+                score(self.reward, split.texts[k], text, split.answers[k], split.where[k])
+            )
+            if split.answers[k] is not None:
+                passes.append(exact(split.texts[k], text, split.answers[k]))
+        return {
+            "reward": sum(rewards) / len(rewards),
+            "pass@1": sum(passes) / len(passes) if passes else float("nan"),
+        }
+
+    def _metrics(self, done: Completions, kl: Tensor | None, device: torch.device) -> dict:
+        """TRL's GRPO metrics of the micro-batch: `reward`, `reward_std` (the groups' mean
+        standard deviation), `frac_reward_zero_std`, `completions/mean_length` and
+        `completions/clipped_ratio` (the share cut at their budget), and `kl`."""
+        groups = done.rewards.view(-1, self.group_size)
+        stds = groups.std(dim=1)
+        lengths = done.lengths.float()
+        metrics = {
+            "reward": done.rewards.mean(),
+            "reward_std": stds.mean(),
+            "frac_reward_zero_std": (stds == 0).float().mean(),
+            "completions/mean_length": lengths.mean(),
+            "completions/clipped_ratio": (~done.ended).float().mean(),
+        }
+        if kl is not None:
+            metrics["kl"] = kl.detach()
+        return {name: value.to(device) for name, value in metrics.items()}
