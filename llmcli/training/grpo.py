@@ -35,10 +35,11 @@ from torch import Tensor, nn
 from llmcli.config import SampleConfig
 from llmcli.data.prepared import PromptData, PromptSplit
 from llmcli.data.prompts import PromptBatch
+from llmcli.errors import InputError
 from llmcli.generation.fast_decode import FastDecoder
 from llmcli.generation.replies import replies
 from llmcli.generation.sampling import make_generators
-from llmcli.training.rewards import Reward, exact, score
+from llmcli.training.rewards import BUILT_IN, Reward, exact, score
 
 
 @dataclass
@@ -107,6 +108,28 @@ def grpo_loss(
     return loss + beta * kl, kl
 
 
+def check_reward(reward: Reward, spec: str, data: PromptData) -> None:
+    """Before the first step: a built-in verifier has an answer to check every prompt against,
+    and the reward scores an empty completion of the first prompt (a function that raises or
+    gives no number is found now, not after minutes of training).
+
+    Raises:
+        InputError: a prompt without an answer (its row named), or the reward's failure.
+    """
+    if spec in BUILT_IN:
+        for split in (data.train, data.val):
+            pairs = zip(split.where, split.answers, strict=True)
+            missing = [where for where, answer in pairs if answer is None]
+            if missing:
+                raise InputError(
+                    f"{missing[0]}: the prompt has no answer for train.reward {spec!r} to check "
+                    f'completions against ({len(missing)} such rows): add an "answer", or '
+                    "name a reward function of your own (FILE.py:FUNCTION) that needs none."
+                )
+    split = data.train
+    score(reward, split.texts[0], "", split.answers[0], split.where[0])
+
+
 class GRPOObjective:
     """The step's `loss_fn` for `train.objective: grpo`: sample, reward, and the loss.
 
@@ -134,6 +157,8 @@ class GRPOObjective:
         self.sampling, self.context_length = config.sample, config.model.context_length
         self.end_id, self.reference = data.end_id, reference
         self.eval_batch = tc.batch_size * tc.group_size
+        check_reward(reward, tc.reward, data)
+
         self.last: Completions | None = None  # the latest micro-batch's, for tests and logs
 
     def __call__(self, model: nn.Module, batch: PromptBatch) -> tuple[Tensor, dict[str, Tensor]]:

@@ -1,0 +1,272 @@
+"""GRPO (`train.objective: grpo`; llmcli/training/grpo.py, rewards.py, llmcli/data/prompts.py):
+one step's loss against the formula written out on its own completions, rewards and
+log-probabilities; the KL penalty; the verifiers; the evaluation's pass@1 against greedy
+replies made apart; a resumed run bitwise the uninterrupted one; bad input through the CLI.
+
+The base is a 1-layer chat model of width 16 (context 32), so a run takes a few seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from chat_helpers import save_chat_run
+
+from llmcli.cli import main
+from llmcli.config import Config, config_from_dict, dump_yaml
+from llmcli.data.prompts import PromptSampler, prompt_token_data
+from llmcli.evaluation.chat import greedy_replies
+from llmcli.model.gpt import Transformer
+from llmcli.runs.formats import read_weights
+from llmcli.runs.metrics import read_metrics
+from llmcli.training.grpo import GRPOObjective, advantages
+from llmcli.training.init_from import init_encoding, load_init_weights, resolve_init_from
+from llmcli.training.loop import train
+from llmcli.training.rewards import contains, exact, load_reward, number
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+# A reward with many values, so that every group has a spread to learn from.
+REWARD = (
+    "def score(prompt, completion, answer):\n"
+    "    return completion.count('a') + len(completion) / 8\n"
+)
+
+
+def row(i: int, answer: bool = True) -> dict:
+    a, b = LETTERS[i % 26], LETTERS[(5 * i + 2) % 26]
+    prompt = [{"role": "user", "content": f"spell {a}{b}"}]
+    return {"prompt": prompt, "answer": f"{a}-{b}"} if answer else {"prompt": prompt}
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("grpo")
+    return save_chat_run(folder / "base", n_layer=1, n_embed=16, context_length=32)
+
+
+def grpo_config(base: Path, folder: Path, reward: str | None = None, **train: object) -> Config:
+    if reward is None:
+        reward = f"{folder / 'rewards.py'}:score"
+        (folder / "rewards.py").write_text(REWARD)
+    raw = {
+        "model": {"dropout": 0.0},
+        "data": {
+            "format": "prompts",
+            "path": str(write_rows(folder / "train.jsonl", [row(i) for i in range(12)])),
+            "val_path": str(write_rows(folder / "val.jsonl", [row(i) for i in range(12, 16)])),
+        },
+        "train": {
+            "objective": "grpo",
+            "init_from": str(base),
+            "reward": reward,
+            "group_size": 4,
+            "device": "cpu",
+            "batch_size": 2,
+            "max_steps": 4,
+            "warmup_steps": 1,
+            "lr": 1e-3,
+            "min_lr": 1e-3,
+            "eval_interval": 2,
+            "eval_steps": 2,
+            "log_interval": 1,
+            "seed": 7,
+            **train,
+        },
+        "sample": {"max_new_tokens": 8, "temperature": 1.0},
+    }
+    return resolve_init_from(config_from_dict(raw, name="grpo"))
+
+
+def objective_for(config: Config, reference: torch.nn.Module | None = None):
+    tokenizer, template = init_encoding(config)
+    data = prompt_token_data(config.data, config.model.context_length, tokenizer, template)
+    model = Transformer(config.model, tokenizer.vocab_size)
+    load_init_weights(model, config.train.init_from)
+    reward = load_reward(config.train.reward)
+    objective = GRPOObjective(model, data.prompts, config, reward, tokenizer.decode, reference)
+    sampler = PromptSampler(data.prompts.train, config.train.batch_size, seed=3)
+    return objective, model, sampler, data.prompts, tokenizer
+
+
+def hand_logps(model: torch.nn.Module, ids: torch.Tensor) -> np.ndarray:
+    """Each next token's log-probability, from the logits in float64 NumPy."""
+    with torch.no_grad():
+        logits = model(ids[:, :-1])[0].double().numpy()  # (R, L-1, V)
+    logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    picked = np.take_along_axis(logits, ids[:, 1:, None].numpy(), -1)[..., 0]
+    return picked - logz  # (R, L-1)
+
+
+def test_a_steps_loss_is_the_formula_on_its_own_completions_rewards_and_logps(
+    base: Path, tmp_path: Path
+) -> None:
+    config = grpo_config(base, tmp_path)
+    objective, model, sampler, prompts, tokenizer = objective_for(config)
+    batch = sampler.next()
+    loss, metrics = objective(model, batch)
+    done = objective.last
+    G = config.train.group_size
+    # Each row is its prompt, the completion drawn, and the end token when it ended.
+    for i, k in enumerate(r for r in batch.picks for _ in range(G)):
+        n = len(prompts.train.ids[k])
+        assert done.ids[i, :n].tolist() == prompts.train.ids[k].tolist()
+        completion = done.ids[i][done.mask[i]].tolist()
+        if done.ended[i]:
+            assert completion[-1] == prompts.end_id
+            completion = completion[:-1]
+        assert tokenizer.decode(completion) == done.texts[i]
+    rewards = np.array([t.count("a") + len(t) / 8 for t in done.texts])
+    assert np.allclose(done.rewards.numpy(), rewards)
+    assert rewards.reshape(-1, G).std(axis=1).min() > 0  # every group has something to learn
+
+    groups = rewards.reshape(-1, G)
+    adv = (
+        (groups - groups.mean(1, keepdims=True)) / (groups.std(1, ddof=1, keepdims=True) + 1e-4)
+    ).ravel()
+    m = done.mask[:, 1:].numpy()
+    expected = -(adv[:, None] * hand_logps(model, done.ids) * m).sum() / m.sum()
+    assert loss.item() == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    assert float(metrics["reward"]) == pytest.approx(rewards.mean(), rel=1e-6)
+    assert float(metrics["reward_std"]) == pytest.approx(groups.std(1, ddof=1).mean(), rel=1e-5)
+    assert float(metrics["completions/mean_length"]) == pytest.approx(
+        done.mask.sum(1).float().mean()
+    )
+    assert float(metrics["frac_reward_zero_std"]) == 0.0
+    assert float(metrics["completions/clipped_ratio"]) == pytest.approx(
+        1 - done.ended.float().mean()
+    )
+    loss.backward()  # the gradient flows into the policy
+    assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() > 0
+
+
+def test_the_kl_penalty_is_trls_estimate_against_the_reference(base: Path, tmp_path: Path) -> None:
+    config = grpo_config(base, tmp_path, grpo_beta=0.5)
+    reference = Transformer(config.model, int(init_encoding(config)[0].vocab_size))
+    load_init_weights(reference, config.train.init_from)
+    objective, model, sampler, _, _ = objective_for(config, reference.eval())
+    with torch.no_grad():  # the policy moved away from the reference
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    loss, metrics = objective(model, sampler.next())
+    done = objective.last
+    m = done.mask[:, 1:].numpy()
+    diff = hand_logps(reference, done.ids) - hand_logps(model, done.ids)
+    kl = ((np.exp(diff) - diff - 1) * m).sum() / m.sum()
+    adv = advantages(done.rewards, config.train.group_size, True).double().numpy()
+    pg = -(adv[:, None] * hand_logps(model, done.ids) * m).sum() / m.sum()
+    assert kl > 0 and float(metrics["kl"]) == pytest.approx(kl, rel=1e-4)
+    assert float(loss) == pytest.approx(pg + 0.5 * kl, rel=1e-4, abs=1e-6)
+
+
+def test_the_verifiers() -> None:
+    assert exact("", " a-b\n", "a-b") == 1.0 and exact("", "a-b-c", "a-b") == 0.0
+    assert exact("", "anything", None) == 0.0
+    assert number("", "so x = 1,234.", "1234") == 1.0 and number("", "42 or 43", "42") == 0.0
+    assert number("", "-3.50", "-3.5") == 1.0 and number("", "none", "3") == 0.0
+    assert contains("", "it is a-b indeed", "a-b") == 1.0 and contains("", "a b", "a-b") == 0.0
+
+
+def test_evaluation_reports_greedy_pass_at_1_as_the_replies_made_apart(
+    base: Path, tmp_path: Path
+) -> None:
+    config = grpo_config(base, tmp_path, reward="exact")
+    objective, model, _, prompts, tokenizer = objective_for(config)
+    split = prompts.val
+    figures = objective.evaluate(split, limit=len(split))
+    model.eval()
+    budgets = [min(config.sample.max_new_tokens, 32 + 1 - len(ids)) for ids in split.ids]
+    got = [
+        greedy_replies(model, [ids.tolist()], [n], prompts.end_id, config.sample)[0]
+        for ids, n in zip(split.ids, budgets, strict=True)
+    ]
+    texts = [tokenizer.decode(ids) for ids, _ in got]
+    passes = [t.strip() == a for t, a in zip(texts, split.answers, strict=True)]
+    assert figures["pass@1"] == pytest.approx(sum(passes) / len(passes))
+    assert figures["reward"] == figures["pass@1"]  # exact: the reward is the pass
+
+
+def test_a_resumed_grpo_run_is_bitwise_the_uninterrupted_one(
+    base: Path, tmp_path: Path, ctrl_c_raises
+) -> None:
+    # Dropout on: the resumed run draws the masks, prompts and completions the other drew.
+    config = grpo_config(base, tmp_path, max_steps=6, eval_interval=3, grad_accum=2)
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, dropout=0.1))
+    straight = tmp_path / "straight"
+    train(config, out_dir=straight, progress=False)
+
+    def interrupt(step: int) -> None:
+        if step == 3:  # a Ctrl-C at an evaluation step: it runs when the run resumes
+            signal.raise_signal(signal.SIGINT)
+
+    resumed = tmp_path / "resumed"
+    with pytest.raises(KeyboardInterrupt):
+        train(config, out_dir=resumed, progress=False, on_step=interrupt)
+    summary = train(config, out_dir=resumed, resume=True, progress=False)
+    assert summary.resumed_from == 3 and summary.step == 6
+    a, b = (read_weights(run / "model.safetensors")[0] for run in (straight, resumed))
+    assert all(torch.equal(a[name], b[name]) for name in a)
+    drop = ("elapsed_s", "tok_per_s")
+    records = [
+        [{k: v for k, v in r.items() if k not in drop} for r in read_metrics(run / "metrics.jsonl")]
+        for run in (straight, resumed)
+    ]
+    assert records[0] == records[1]
+    train_records = [r for r in records[0] if r["kind"] == "train"]
+    assert len(train_records) == 6 and all("reward_std" in r for r in train_records)
+    evals = [r for r in records[0] if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [3, 6] and all("val_pass@1" in r for r in evals)
+    assert all(r["val_loss"] == -r["val_reward"] for r in evals)
+
+
+def cli(capsys, *args: object) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", *map(str, args), "--no-progress"])
+    return exit_.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "reward, rows, message",
+    [
+        ("missing.py:score", None, "train.reward: the file 'missing.py' does not exist"),
+        ("rewards.py:nope", None, "has no function 'nope' (it defines: raises, score, text)"),
+        ("rewards.py:raises", None, "train.reward raised ZeroDivisionError: division by zero, "),
+        ("rewards.py:text", None, "train.reward gave 'good', not a finite number, for the "),
+        ("exact", [row(0), row(1, answer=False)], "line 2: the prompt has no answer for "),
+    ],
+)
+def test_bad_rewards_and_prompts_exit_2_naming_the_fix_and_write_nothing(
+    base: Path, tmp_path: Path, capsys, monkeypatch, reward: str, rows, message: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rewards.py").write_text(
+        REWARD + "def raises(p, c, a):\n    return 1 / 0\ndef text(p, c, a):\n    return 'good'\n"
+    )
+    config = grpo_config(base, tmp_path, reward=reward)
+    if rows is not None:
+        write_rows(Path(config.data.path), rows * 6)
+    config_file = tmp_path / "grpo.yaml"
+    config_file.write_text(dump_yaml(config))
+    status, err = cli(capsys, config_file, "--out", tmp_path / "run")
+    assert status == 2 and "Traceback" not in err, err
+    assert message in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_group_of_one_exits_2(base: Path, tmp_path: Path, capsys) -> None:
+    config_file = tmp_path / "grpo.yaml"
+    config_file.write_text(dump_yaml(grpo_config(base, tmp_path)))
+    status, err = cli(capsys, config_file, "--set", "train.group_size=1")
+    assert status == 2 and "train.group_size (1) must be >= 2" in err, err
