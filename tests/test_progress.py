@@ -119,6 +119,7 @@ def test_piped_train_log_has_no_carriage_returns(tmp_path: Path) -> None:
     corpus.write_text((ROOT / "data" / "shakespeare.txt").read_text()[:20_000])
     sets = [f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}", "train.device=cpu"]
     sets += ["model.n_layer=1", "model.n_embed=32", "train.max_steps=40", "train.log_interval=10"]
+    sets += ["train.eval_steps=2", "train.batch_size=4"]  # what is logged, not how much trains
     args = [sys.executable, "-m", "llmcli", "train", "tiny", "--out", str(tmp_path / "run")]
     for s in sets:
         args += ["--set", s]

@@ -26,6 +26,7 @@ def check_reward_spec(spec: str) -> None:
             f" nor FILE.py:FUNCTION, a function of your own file.{hint}"
         )
 
+
 # The experiment trackers train.logger may name (llmcli.runs.trackers runs them).
 TRACKERS = ("none", "tensorboard", "wandb")
 

@@ -548,11 +548,13 @@ def prepare_data(
     """
     if data_cfg.format == "chat":
         return prepare_chat_data(data_cfg, context_length, tokenizer, cache_dir)
-    if data_cfg.format == "preference":
-        # Pairs are not a token stream: `llmcli.data.preference_data` reads them.
+    if data_cfg.format in ("preference", "prompts"):
+        # Pairs and prompts are not a token stream: `llmcli.data.preference_data` and
+        # `llmcli.data.prompts` read them.
+        objective = "dpo" if data_cfg.format == "preference" else "grpo"
         raise InputError(
-            "data.format preference holds preference pairs for train.objective dpo, which "
-            "reads them itself (llmcli.data.preference_data): they are not a token stream."
+            f"data.format {data_cfg.format} holds rows for train.objective {objective}, which "
+            "reads them itself: they are not a token stream."
         )
     return _prepare_text(data_cfg, context_length, tokenizer, cache_dir)
 

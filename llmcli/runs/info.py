@@ -35,8 +35,8 @@ def run_info(
         `training` (steps, tokens, elapsed, best val loss), `versions` (recorded and installed),
         `version_warnings`, `generation` (the `sample:` defaults), `tokenizer`, `chat` (whether
         it holds a chat template, and meta.json's `chat_data`), `preference` (a DPO run's),
-        `lora` (a LoRA run's adapters, see `_lora`; None for others) and `reference`
-        (`ReferenceCheck.to_dict()`: the offset from the reference curve at the last
+        `grpo` (a GRPO run's), `lora` (a LoRA run's adapters, see `_lora`; None for others) and
+        `reference` (`ReferenceCheck.to_dict()`: the offset from the reference curve at the last
         evaluation and the differing curve keys, or `missing` saying why there is none).
     """
     run = load_run(checkpoint, weights=weights, notify=notify)
@@ -75,6 +75,7 @@ def run_info(
             "data": meta.get("chat_data"),
         },
         "preference": _preference(config, meta),
+        "grpo": _grpo(config, meta),
         "lora": _lora(run.run_dir, config, meta),
         "generation": config["sample"],
         "versions": {"recorded": meta.get("versions"), "installed": record()},
@@ -123,6 +124,7 @@ def format_info(info: dict[str, Any]) -> str:
         ("tokenizer", describe_tokenizer(info["tokenizer"])),
         ("chat template", describe_chat(info["chat"])),
         *([("dpo", describe_preference(info["preference"]))] if info["preference"] else []),
+        *([("grpo", describe_grpo(info["grpo"]))] if info.get("grpo") else []),
         *([("lora", describe_lora(info["lora"]))] if info.get("lora") else []),
         ("generation", ", ".join(f"{k}={v}" for k, v in info["generation"].items())),
         *describe(ReferenceCheck(**info["reference"])),
@@ -163,6 +165,29 @@ def _preference(config: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any] 
         "reference": train.get("init_from"),
         "data": meta.get("preference_data"),
     }
+
+
+def _grpo(config: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any] | None:
+    """A GRPO run's objective: its group size, reward, KL weight, the run it started from and
+    how its prompts fit (None for other runs)."""
+    train = config["train"]
+    if train.get("objective") != "grpo":
+        return None
+    keys = ("group_size", "reward", "scale_rewards", "grpo_beta", "init_from")
+    return {**{key: train.get(key) for key in keys}, "data": meta.get("prompt_data")}
+
+
+def describe_grpo(grpo: dict[str, Any]) -> str:
+    """The GRPO row: the group, the reward, the KL weight, the start, and the prompts kept."""
+    text = (
+        f"{grpo['group_size']} completions a prompt, reward {grpo['reward']}, KL weight "
+        f"{grpo['grpo_beta']}, from {grpo['init_from']}"
+    )
+    train = (grpo.get("data") or {}).get("train")
+    if train:
+        text += f"; {train['prompts']:,} training prompts: {train['kept']:,} kept, "
+        text += f"{train['skipped']:,} skipped"
+    return text
 
 
 def _lora(run_dir: Path, config: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any] | None:

@@ -283,6 +283,7 @@ def _facts(
         else data.tokenizer_training,
         chat_data=data.chat.counts() if data.chat is not None else None,
         preference_data=data.preference.counts() if data.preference is not None else None,
+        prompt_data=data.prompts.counts() if data.prompts is not None else None,
         lora=parameter_counts(model, base_vocab_size(config.train.init_from))
         if config.train.lora is not None
         else None,

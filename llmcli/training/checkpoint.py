@@ -168,6 +168,8 @@ class Checkpointer:
             meta["chat_data"] = facts.chat_data
         if facts.preference_data is not None:  # ... and how many preference pairs
             meta["preference_data"] = facts.preference_data
+        if facts.prompt_data is not None:  # ... and how many prompts
+            meta["prompt_data"] = facts.prompt_data
         if facts.lora is not None:  # a LoRA run's adapter and trainable parameters
             meta["lora"] = facts.lora
         return meta

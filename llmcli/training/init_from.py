@@ -4,8 +4,9 @@ A folder that holds `config.yaml` is an llmcli run (`llmcli.runs.directory`): th
 comes from its config (the fine-tune's `model.dropout` and `attn_dropout` kept, as for a Hugging
 Face folder), the tokenizer is its `tokenizer.json`, the weights its `best.safetensors` (else
 `model.safetensors`: what `llmcli sample` reads), through safetensors only. With
-`data.format: chat`, `preference` or `prompts` and no `data.chat_template`, a run that holds a chat template
-passes it on; `init_encoding` loads the two that preference pairs are encoded with.
+`data.format: chat`, `preference` or `prompts` and no `data.chat_template`, a run that holds a
+chat template passes it on; `init_encoding` loads the two that pairs and prompts are encoded
+with.
 Anything else is a Hugging Face folder or Hub name (`llmcli.hf.load`).
 
 With `data.format: chat` the tokenizer gains the chat tokens at new ids after its last
@@ -70,7 +71,8 @@ def resolve_init_from(config: Config) -> Config:
     )
     data = dataclasses.replace(config.data, tokenizer=str(run_dir / TOKENIZER_FILE))
     template = run_dir / TEMPLATE_FILE
-    if data.format in ("chat", "preference", "prompts") and data.chat_template is None and template.is_file():
+    templated = data.format in ("chat", "preference", "prompts")
+    if templated and data.chat_template is None and template.is_file():
         data = dataclasses.replace(data, chat_template=str(template))
     return config_from_base(config, model, data, run_dir, "init_from run")
 

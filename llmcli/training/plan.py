@@ -191,7 +191,7 @@ def plan_vocab(config: Config) -> tuple[int, str | None]:
     """(the vocabulary, None) from the data as `train` prepares it (tokenized into the cache,
     which `train` then reuses); or, when the data cannot be read, (the vocabulary the tokenizer's
     settings give or an assumed one, a note saying what is missing and what was assumed)."""
-    if config.data.format == "preference":  # encoded with train.init_from's tokenizer
+    if config.data.format in ("preference", "prompts"):  # encoded with train.init_from's tokenizer
         return int(load_tokenizer(config.data.tokenizer).vocab_size), None
     try:
         data = prepare_data(config.data, config.model.context_length)
@@ -235,9 +235,12 @@ def measure_step(
         assert tc.init_from, "train.lora needs train.init_from"
         no_decay = adapt(model, tc.lora, tc.init_from, tc.seed)
     dpo = tc.objective == "dpo"
-    rows = (2 if dpo else 1) * tc.batch_size
+    # A GRPO update is a next-token-sized step on its prompts' group_size completions each;
+    # the sampling before it is not timed (see `format_plan`).
+    per_example = config.example_tokens // T
+    rows = per_example * tc.batch_size
     tokens = torch.randint(0, vocab_size, (rows, T + 1), generator=gen).to(device)
-    batches = SameBatch(_timing_batch(tokens, 1, dpo))
+    batches = SameBatch(_timing_batch(tokens, 1 if dpo else per_example, dpo))
     trainer = Trainer(
         model=model,
         params=[p for p in model.parameters() if p.requires_grad],
@@ -257,7 +260,7 @@ def measure_step(
 
     cold = step(1)  # one sequence, one update
     batch = max(1, min(tc.batch_size, math.floor(budget_s / 4 / max(cold, 1e-9))))
-    batches.batch = _timing_batch(tokens, batch, dpo)
+    batches.batch = _timing_batch(tokens, batch * (1 if dpo else per_example), dpo)
     ones, twos = [], []
     while len(ones) < TIMED_STEPS and time.perf_counter() - start + 3 * cold * batch <= budget_s:
         ones.append(step(1))
@@ -309,7 +312,10 @@ def format_plan(plan: Plan) -> str:
     """The plan as a table for people."""
     config, tc, mem = plan.config, plan.config.train, plan.memory
     ranks = f" x {plan.world_size} processes" if plan.world_size > 1 else ""
-    examples = "pairs (2 rows each)" if tc.objective == "dpo" else "sequences"
+    examples = {
+        "dpo": "pairs (2 rows each)",
+        "grpo": f"prompts ({tc.group_size} completions each)",
+    }.get(tc.objective, "sequences")
     rows = [
         ("run", f"{plan.config.name} on {plan.device}, {plan.dtype}{ranks}"),
         (
@@ -335,6 +341,14 @@ def format_plan(plan: Plan) -> str:
         ("step time", _timing_line(plan)),
         ("time to max_steps", _eta_line(plan)),
     ]
+    if tc.objective == "grpo":
+        rows.append(
+            (
+                "not timed",
+                f"sampling: before each update GRPO generates train.group_size "
+                f"({tc.group_size}) completions of each prompt, which the times above leave out",
+            )
+        )
     if plan.missing:
         rows.append(("missing", plan.missing))
     width = max(len(name) for name, _ in rows)

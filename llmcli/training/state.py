@@ -108,6 +108,7 @@ class RunFacts:
         tokenizer_training: how the tokenizer was made, as `meta.json` records it.
         chat_data: a chat run's conversation counts (kept, cut, left out); None for text.
         preference_data: a DPO run's pair counts, likewise; None for others.
+        prompt_data: a GRPO run's prompt counts (kept, skipped), likewise.
         lora: a LoRA run's parameter counts, `adapters` and `trainable` (with the token
             matrices whose new rows train), and the base's `base_vocab_size`; None for a full
             training.
@@ -130,6 +131,7 @@ class RunFacts:
     tokenizer_training: dict | None
     chat_data: dict | None = None
     preference_data: dict | None = None
+    prompt_data: dict | None = None
     lora: dict | None = None
     metrics_bytes: int | None = None
     head_metrics_bytes: int | None = None
