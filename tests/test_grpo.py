@@ -22,13 +22,14 @@ from llmcli.cli import main
 from llmcli.config import Config, config_from_dict, dump_yaml
 from llmcli.data.prompts import PromptSampler, prompt_token_data
 from llmcli.evaluation.chat import greedy_replies
+from llmcli.evaluation.rewards import contains, exact, load_reward, number
 from llmcli.model.gpt import Transformer
 from llmcli.runs.formats import read_weights
+from llmcli.runs.loading import load_run
 from llmcli.runs.metrics import read_metrics
 from llmcli.training.grpo import GRPOObjective, advantages
 from llmcli.training.init_from import init_encoding, load_init_weights, resolve_init_from
 from llmcli.training.loop import train
-from llmcli.training.rewards import contains, exact, load_reward, number
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -180,7 +181,7 @@ def test_the_verifiers() -> None:
 
 
 def test_evaluation_reports_greedy_pass_at_1_as_the_replies_made_apart(
-    base: Path, tmp_path: Path
+    base: Path, tmp_path: Path, capsys
 ) -> None:
     config = grpo_config(base, tmp_path, reward="exact")
     objective, model, _, prompts, tokenizer = objective_for(config)
@@ -196,6 +197,22 @@ def test_evaluation_reports_greedy_pass_at_1_as_the_replies_made_apart(
     passes = [t.strip() == a for t, a in zip(texts, split.answers, strict=True)]
     assert figures["pass@1"] == pytest.approx(sum(passes) / len(passes))
     assert figures["reward"] == figures["pass@1"]  # exact: the reward is the pass
+
+    # llmcli eval on the prompts file answers them alike, on any chat run (with its own
+    # sampling settings: its max_new_tokens)
+    with pytest.raises(SystemExit) as exit_:
+        main(["eval", "--checkpoint", str(base), "--data", config.data.val_path, "--json"])
+    assert exit_.value.code in (0, None)
+    result = json.loads(capsys.readouterr().out)
+    n = load_run(base).config.sample.max_new_tokens
+    got = [
+        greedy_replies(
+            model, [ids.tolist()], [min(n, 33 - len(ids))], prompts.end_id, config.sample
+        )
+        for ids in split.ids
+    ]
+    assert [r["reply"] for r in result["per_prompt"]] == [tokenizer.decode(g[0][0]) for g in got]
+    assert result["prompts"] == len(split) and result["reward_name"] == "exact"
 
 
 def test_a_resumed_grpo_run_is_bitwise_the_uninterrupted_one(

@@ -10,7 +10,7 @@ from llmcli.config.lora import LoraConfig
 from llmcli.config.rules import check_choices, require, require_size, size_bytes
 from llmcli.errors import ConfigError, did_you_mean
 
-# GRPO's built-in verifiers (`train.reward`; llmcli.training.rewards).
+# GRPO's built-in verifiers (`train.reward`; llmcli.evaluation.rewards).
 VERIFIERS = ("exact", "number", "contains")
 
 

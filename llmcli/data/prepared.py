@@ -152,6 +152,12 @@ class PromptSplit:
     def __len__(self) -> int:
         return len(self.ids)
 
+    def first(self, n: int) -> PromptSplit:
+        """The split's first `n` prompts (all of them when it holds fewer)."""
+        return PromptSplit(
+            self.ids[:n], self.answers[:n], self.texts[:n], self.where[:n], self.counts
+        )
+
 
 @dataclass
 class PromptData:

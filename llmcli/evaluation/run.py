@@ -55,6 +55,12 @@ from llmcli.evaluation.preferences import (
     is_preference_data,
     pair_reference,
 )
+from llmcli.evaluation.prompts import (
+    PromptEvalResult,
+    evaluate_prompts,
+    format_prompt_result,
+    is_prompt_data,
+)
 from llmcli.evaluation.text import (
     eval_tokens,
     per_token_records,
@@ -171,10 +177,11 @@ def evaluate_run(
     load_reference: ReferenceLoader | None = None,
     progress: bool = False,
     notify: Callable[[str], None] | None = None,
-) -> EvalResult | ChatEvalResult | PreferenceEvalResult:
+) -> EvalResult | ChatEvalResult | PreferenceEvalResult | PromptEvalResult:
     """Mean loss, perplexity and bits per byte of a run's model on a text; on conversations
     (a `.jsonl` `data`), the assistant tokens' loss (`llmcli.evaluation.chat`); on preference
-    pairs, DPO's loss and rewards (`llmcli.evaluation.preferences`).
+    pairs, DPO's loss and rewards (`llmcli.evaluation.preferences`); on prompts with answers,
+    greedy pass@1 (`llmcli.evaluation.prompts`).
 
     Args:
         checkpoint: a run directory (None: the latest run under `checkpoints/`).
@@ -208,6 +215,12 @@ def evaluate_run(
     dev = resolve_device(options.device, what="--device")
     run = load_run(checkpoint, weights=options.weights, device=dev, notify=notify)
     with torch_threads(options.threads or run.config.train.threads):
+        if is_prompt_data(data, run.config.train.objective == "grpo"):
+            _refuse_text_options(options, hooks, "prompts", answers=True)
+            batch_size = options.batch_size or run.config.train.batch_size
+            return evaluate_prompts(
+                run, None if data is None else Path(data), batch_size, progress=progress, t0=t0
+            )
         if is_preference_data(data, run.config.train.objective == "dpo"):
             _refuse_text_options(options, hooks, "preference pairs", answers=True)
             reference = pair_reference(run, options.reference, load_reference, dev, notify)
@@ -344,8 +357,12 @@ def _evaluate(
     )
 
 
-def format_result(result: EvalResult | ChatEvalResult | PreferenceEvalResult) -> str:
+def format_result(
+    result: EvalResult | ChatEvalResult | PreferenceEvalResult | PromptEvalResult,
+) -> str:
     """A few human-readable lines."""
+    if isinstance(result, PromptEvalResult):
+        return format_prompt_result(result)
     if isinstance(result, ChatEvalResult):
         return format_chat_result(result)
     if isinstance(result, PreferenceEvalResult):

@@ -35,6 +35,7 @@ from llmcli.data.tokens import TokenData, prepare_data
 from llmcli.device import resolve_device, torch_threads
 from llmcli.errors import CheckpointError, InputError
 from llmcli.evaluation.probe import make_probe
+from llmcli.evaluation.rewards import load_reward
 from llmcli.model.gpt import Transformer
 from llmcli.runs.directory import (
     META_FILE,
@@ -61,7 +62,6 @@ from llmcli.training.memory import check_memory, out_of_memory_is_bad_input
 from llmcli.training.optim import build_optimizer
 from llmcli.training.plan import measure_step
 from llmcli.training.precision import Precision
-from llmcli.training.rewards import load_reward
 from llmcli.training.state import ResumeState, RunFacts, TrainState, seed_everything
 from llmcli.training.step import Trainer
 

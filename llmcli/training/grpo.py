@@ -3,7 +3,7 @@ learning from rewards on completions the model samples itself.
 
 For each prompt of a micro-batch the policy samples `train.group_size` completions (the `sample`
 section's temperature, top-k, top-p and `max_new_tokens`, each cut to the room the context
-leaves); each completion gets a reward (`llmcli.training.rewards`), and its advantage is its
+leaves); each completion gets a reward (`llmcli.evaluation.rewards`), and its advantage is its
 reward less the mean of its group's, divided by the group's standard deviation when
 `train.scale_rewards` (TRL's default). The loss raises the log-probability of every token of a
 completion in proportion to its advantage, normalised by the batch's completion tokens:
@@ -24,7 +24,6 @@ prompts greedily (`GRPOObjective.evaluate`): pass@1 is the share whose completio
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,10 +35,11 @@ from llmcli.config import SampleConfig
 from llmcli.data.prepared import PromptData, PromptSplit
 from llmcli.data.prompts import PromptBatch
 from llmcli.errors import InputError
+from llmcli.evaluation.prompts import greedy_figures, reply_budgets
+from llmcli.evaluation.rewards import BUILT_IN, Reward, score
 from llmcli.generation.fast_decode import FastDecoder
 from llmcli.generation.replies import replies
 from llmcli.generation.sampling import make_generators
-from llmcli.training.rewards import BUILT_IN, Reward, exact, score
 
 
 @dataclass
@@ -137,7 +137,7 @@ class GRPOObjective:
         policy: the model being trained (unwrapped: generation runs on it directly).
         data: the run's prompts (their end token).
         config: the run's config (`train.group_size`, `scale_rewards`, `grpo_beta`, `sample`).
-        reward: the reward function (`llmcli.training.rewards.load_reward`).
+        reward: the reward function (`llmcli.evaluation.rewards.load_reward`).
         decode_text: the tokenizer's `decode`.
         reference: the frozen `init_from` model, for the KL penalty; None without one.
     """
@@ -203,7 +203,7 @@ class GRPOObjective:
     ) -> list[tuple[list[int], bool]]:
         """Each prompt's reply from the policy in eval mode, without gradients, within the
         room its row has (`context_length + 1` tokens) and `sample.max_new_tokens`."""
-        budgets = [min(sample.max_new_tokens, self.context_length + 1 - len(p)) for p in prompts]
+        budgets = reply_budgets(prompts, sample.max_new_tokens, self.context_length)
         policy, was_training = self.policy, self.policy.training
         policy.eval()
         with torch.no_grad():
@@ -221,28 +221,22 @@ class GRPOObjective:
         return drawn
 
     def evaluate(self, split: PromptSplit, limit: int) -> dict[str, float]:
-        """Greedy completions of the first `limit` prompts of `split`: their mean `reward` and
-        `pass@1`, the share whose completion is the answer (`exact`; rows without one left
-        out), in batches of `batch_size * group_size` prompts."""
-        picks = list(range(min(limit, len(split))))
-        greedy = dataclasses.replace(self.sampling, temperature=0.0)
-        got: list[tuple[list[int], bool]] = []
-        for lo in range(0, len(picks), self.eval_batch):
-            got += self._replies(
-                [split.ids[k].tolist() for k in picks[lo : lo + self.eval_batch]], greedy
+        """Greedy replies to the first `limit` prompts of `split`: their mean `reward` and
+        `pass@1` (`llmcli.evaluation.prompts.greedy_figures`)."""
+        policy, was_training = self.policy, self.policy.training
+        policy.eval()
+        with torch.no_grad():
+            figures = greedy_figures(
+                policy,
+                split.first(limit),
+                self.end_id,
+                self.sampling,
+                self.reward,
+                self.decode_text,
+                self.eval_batch,
             )
-        rewards, passes = [], []
-        for k, (ids, _) in zip(picks, got, strict=True):
-            text = self.decode_text(ids)
-            rewards.append(
-                score(self.reward, split.texts[k], text, split.answers[k], split.where[k])
-            )
-            if split.answers[k] is not None:
-                passes.append(exact(split.texts[k], text, split.answers[k]))
-        return {
-            "reward": sum(rewards) / len(rewards),
-            "pass@1": sum(passes) / len(passes) if passes else float("nan"),
-        }
+        policy.train(was_training)
+        return {"reward": figures["reward"], "pass@1": figures["pass@1"]}
 
     def _metrics(self, done: Completions, kl: Tensor | None, device: torch.device) -> dict:
         """TRL's GRPO metrics of the micro-batch: `reward`, `reward_std` (the groups' mean

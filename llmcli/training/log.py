@@ -169,6 +169,8 @@ class TrainLog:
         template = data.chat.template if data.chat is not None else None
         if data.preference is not None:  # the init_from run's, passed on to the DPO run
             template = data.preference.template
+        if data.prompts is not None:  # ... and to the GRPO run
+            template = data.prompts.template
         try:
             write_config_and_tokenizer(run_dir, config, data.tokenizer, template)
             trackers = open_trackers(config, run_dir, facts.resumed_from)

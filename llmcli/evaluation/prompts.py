@@ -1,0 +1,199 @@
+"""Greedy pass@1 on prompts with answers: `llmcli eval --data prompts.jsonl`, and GRPO's evaluation.
+
+Each prompt (`llmcli.data.prompts`: `{"prompt", "answer"}`, text or messages, encoded with the
+run's tokenizer and chat template) is answered greedily, in order, `batch_size` prompts a batch,
+up to its end token, `sample.max_new_tokens`, or the room the context leaves. pass@1 is the
+share of the prompts with an answer whose reply is it (`exact`: spaces around either aside);
+`reward` is the mean of a reward over all prompts (GRPO's `train.reward`, else `exact`). A prompt
+that leaves no room in the context for a reply is skipped and counted, as training skips it. On
+a GRPO run with no file, its own validation prompts are answered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmcli.data.chat_template import load_run_template
+from llmcli.data.prepared import PromptSplit
+from llmcli.data.prompts import PromptEncoder, encode_prompts, read_prompt_rows
+from llmcli.errors import InputError
+from llmcli.evaluation.rewards import Reward, exact, load_reward, score
+from llmcli.generation.fast_decode import FastDecoder
+from llmcli.generation.replies import replies
+from llmcli.progress import Progress
+from llmcli.runs.loading import LoadedRun
+
+
+def reply_budgets(prompts: list[list[int]], max_new_tokens: int, context_length: int) -> list[int]:
+    """Each prompt's most reply tokens: `max_new_tokens`, or the room its row has (the model
+    reads `context_length` tokens, so a row holds at most `context_length + 1`)."""
+    return [min(max_new_tokens, context_length + 1 - len(p)) for p in prompts]
+
+
+def greedy_figures(
+    model: Any,
+    split: PromptSplit,
+    end_id: int,
+    sample: Any,
+    reward: Reward,
+    decode_text: Any,
+    batch_size: int,
+    *,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Greedy replies to the prompts of `split`: their mean `reward`, `pass@1` (NaN when no
+    prompt has an answer) and each prompt's `replies` (text, whether it ended, reward). The
+    model must be in eval mode."""
+    picks = list(range(len(split)))
+    greedy = dataclasses.replace(sample, temperature=0.0)
+    bar = Progress(len(picks), desc="answers", unit="prompt", enabled=progress, tenths=True)
+    rows = []
+    for lo in range(0, len(picks), batch_size):
+        batch = picks[lo : lo + batch_size]
+        prompts = [split.ids[k].tolist() for k in batch]
+        budgets = reply_budgets(prompts, sample.max_new_tokens, model.context_length)
+        got = replies(
+            model,
+            prompts,
+            budgets,
+            end_id,
+            greedy,
+            model.vocab_size,
+            decode=FastDecoder.for_model(model),
+        )
+        for k, (ids, ended) in zip(batch, got, strict=True):
+            text = decode_text(ids)
+            value = score(reward, split.texts[k], text, split.answers[k], split.where[k])
+            rows.append({"where": split.where[k], "reply": text, "ended": ended, "reward": value})
+        bar.update(len(batch))
+    bar.close()
+    answered = [
+        exact("", r["reply"], split.answers[k])
+        for k, r in zip(picks, rows, strict=True)
+        if split.answers[k] is not None
+    ]
+    return {
+        "reward": sum(r["reward"] for r in rows) / len(rows),
+        "pass@1": sum(answered) / len(answered) if answered else float("nan"),
+        "replies": rows,
+    }
+
+
+@dataclass
+class PromptEvalResult:
+    """What `evaluate_prompts` measured (JSON-ready through `to_dict`)."""
+
+    run_dir: str
+    weights: str
+    step: int
+    data: str
+    reward_name: str
+    prompts: int  # answered
+    skipped: int  # too long for the context
+    passed: int  # replies that are the answer
+    answered: int  # prompts with an answer
+    reward: float
+    elapsed_s: float
+    per_prompt: list[dict[str, Any]] = field(default_factory=list)
+    per_token: None = None  # eval's --per-token is for text windows only
+
+    @property
+    def pass_at_1(self) -> float:
+        return self.passed / self.answered if self.answered else float("nan")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k != "per_token"}
+        return {**out, "pass@1": self.pass_at_1}
+
+
+def is_prompt_data(data: str | Path | None, grpo: bool) -> bool:
+    """Whether `llmcli eval`'s data are prompts with answers: with no file, a GRPO run's
+    validation prompts; a `.jsonl` file whose first row has "prompt" and "answer" and is not
+    a preference pair."""
+    if data is None:
+        return grpo
+    path = Path(data)
+    if path.suffix != ".jsonl" or not path.is_file():
+        return False
+    try:
+        with path.open("rb") as fh:
+            row = json.loads(next((raw for raw in fh if raw.strip()), b"{}"))
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(row, dict) and {"prompt", "answer"} <= set(row) and "chosen" not in row
+
+
+def evaluate_prompts(
+    run: LoadedRun,
+    data: Path | None,
+    batch_size: int,
+    *,
+    progress: bool = False,
+    t0: float | None = None,
+) -> PromptEvalResult:
+    """`llmcli eval` on prompts: every prompt of `data` (None: a GRPO run's validation
+    prompts, `data.val_path`) answered greedily by the run's model.
+
+    Raises:
+        InputError: a missing or malformed file (its line named), conversational prompts on a
+            run without a chat template, a GRPO run without a validation file and no `data`.
+    """
+    t0 = time.perf_counter() if t0 is None else t0
+    config = run.config
+    if data is None:
+        if config.data.val_path is None:
+            raise InputError(
+                "this GRPO run held out the last data.val_fraction of its prompts, which llmcli "
+                "eval does not split again: give the prompts as --data FILE.jsonl."
+            )
+        data = Path(config.data.val_path)
+    encoder = PromptEncoder(run.tokenizer, load_run_template(run.run_dir))
+    rows = list(read_prompt_rows(data))
+    if not rows:
+        raise InputError(f"'{data}' holds no prompts: add some.")
+    split = encode_prompts(rows, encoder, config.model.context_length)
+    spec = config.train.reward if config.train.objective == "grpo" else "exact"
+    reward = load_reward(spec)
+    run.model.eval()
+    figures = greedy_figures(
+        run.model,
+        split,
+        encoder.end_id,
+        config.sample,
+        reward,
+        run.tokenizer.decode,
+        batch_size,
+        progress=progress,
+    )
+    answers = [a for a in split.answers if a is not None]
+    passed = round(figures["pass@1"] * len(answers)) if answers else 0
+    return PromptEvalResult(
+        run_dir=str(run.run_dir),
+        weights=str(run.weights_path),
+        step=run.step,
+        data=str(data),
+        reward_name=spec,
+        prompts=len(split),
+        skipped=split.counts["skipped"],
+        passed=passed,
+        answered=len(answers),
+        reward=figures["reward"],
+        elapsed_s=time.perf_counter() - t0,
+        per_prompt=figures["replies"],
+    )
+
+
+def format_prompt_result(result: PromptEvalResult) -> str:
+    """A few human-readable lines (`--json` has each prompt's reply)."""
+    return (
+        f"run {result.run_dir} (step {result.step}, {Path(result.weights).name})\n"
+        f"data: {result.data}: {result.prompts:,} prompts answered greedily "
+        f"({result.skipped:,} skipped as longer than the context)\n"
+        f"pass@1: {result.passed:,} of {result.answered:,} replies are the answer "
+        f"({100 * result.pass_at_1:.1f}%); mean reward ({result.reward_name}) {result.reward:.4f}"
+    )
