@@ -123,9 +123,7 @@ def test_a_lora_plan_holds_gradients_and_moments_of_the_adapters_alone(
     full = make_plan(config_from_dict(_raw(small_corpus, init_from=str(base))), "cpu", 0.5)
     assert full.to_json()["params_trainable"] == n and full.memory.grads == 4 * n
     assert got["memory_full_finetune"] == full.to_json()["memory"]  # what LoRA saves, shown
-    assert f"at most (training every weight: {format_bytes(full.memory.peak)})" in format_plan(
-        plan
-    )
+    assert f"at most (training every weight: {format_bytes(full.memory.peak)})" in format_plan(plan)
 
 
 def test_measuring_stays_within_its_budget(
