@@ -296,7 +296,8 @@ class ContextWindow:
             # Padding reads -1 (no id does), whatever it holds: rows are the same exactly when
             # their padding and real tokens are.
             padding = torch.arange(self.end, device=idx.device) < self.pads_t[:, None]  # (B, T)
-            first, groups = distinct_rows(idx.masked_fill(padding, -1))  # (U,), (B,)
+            key = idx.masked_fill(padding, -1).cpu()  # few ids; torch.unique(dim=0) runs here
+            first, groups = (t.to(idx.device) for t in distinct_rows(key))  # (U,), (B,)
             if len(first) < len(groups):
                 mask = None if mask is None else mask[first]  # (U, 1, T, T)
                 input_pos = None if input_pos is None else input_pos[first]  # (U, T)
