@@ -16,12 +16,6 @@ what it adds is speed and batches:
   so that no softmax row is empty (its output is never read). Each row draws from its own
   `torch.Generator` (`llmcli.generation.sampling`), so every prompt gets exactly what it would
   get alone with the same seed.
-- one prefill per prompt: rows that repeat a prompt (`llmcli sample --num-samples`, the server's
-  `n`, a group of completions drawn per prompt) need its keys and values only once. The
-  prefill runs on each distinct row (`distinct_rows`: the same tokens after the same padding)
-  into a cache of its own, whose rows are then copied to every row of their prompt
-  (`shared_prefill`, `KVCache.copy_rows`); from there each row decodes and draws on its own.
-  A `shift` re-prefill shares the same way where rows are still the same (greedy ones are).
 - the context window (`ContextWindow`): the batch's tokens, the model's inputs for each step,
   and which columns the KV cache holds. Inside the context both policies prefill the cache once
   and then feed one token per step. Past `context_length` the context policy says what the
@@ -41,6 +35,12 @@ what it adds is speed and batches:
   contributed); the re-prefill keeps `shift` exactly "the model run on the kept tokens", which
   the tests check against a plain loop. With or without the cache, a policy is the same
   computation.
+- one prefill per prompt: rows that repeat a prompt (`llmcli sample --num-samples`, the server's
+  `n`, a group of completions drawn per prompt) need its keys and values only once. The
+  prefill runs on each distinct row (`distinct_rows`: the same tokens after the same padding)
+  into a cache of its own, whose rows are then copied to every row of their prompt
+  (`shared_prefill`, `KVCache.copy_rows`); from there each row decodes and draws on its own.
+  A `shift` re-prefill shares the same way where rows are still the same (greedy ones are).
 """
 
 from __future__ import annotations
