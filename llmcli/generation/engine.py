@@ -41,6 +41,8 @@ what it adds is speed and batches:
   into a cache of its own, whose rows are then copied to every row of their prompt
   (`shared_prefill`, `KVCache.copy_rows`); from there each row decodes and draws on its own.
   A `shift` re-prefill shares the same way where rows are still the same (greedy ones are).
+  On the `tiny` shape, 8 samples of a 48-token prompt take 0.69x the time of every row
+  prefilled, the same tokens (benchmarks/shared_prefill.py).
 """
 
 from __future__ import annotations
