@@ -468,8 +468,8 @@ def spy_on_prefills(model) -> list[torch.Tensor]:
 @pytest.mark.parametrize("policy", ["shift", "exact"])
 def test_a_shared_prefill_draws_what_every_row_prefilled_draws(pos_emb, settings, policy) -> None:
     """3 prompts x 4 samples, 20 new tokens: past context_length 8, so `shift` prefills again
-    (and `exact` recomputes); each row gets what it gets prefilled alone, and what it gets
-    alone with its seed, with the model's forward or the fast decode step."""
+    (and `exact` recomputes); each row gets what it gets with every row prefilled, and what it
+    gets alone with its seed, with the model's forward or the fast decode step."""
     model = make_model(pos_emb)
     kw = dict(context_policy=policy, context_keep=3)
     config = sample_config(20, **kw, **settings)
@@ -493,7 +493,7 @@ def test_the_prefill_runs_once_per_distinct_prompt(settings) -> None:
     prefills = spy_on_prefills(model)
     config = sample_config(20, context_policy="shift", context_keep=3, **settings)
     generate_ids(model, GROUPED, config)
-    assert prefills[0].tolist() == [[0, 0, 0, 0, 3], [0, 0, 7, 7, 2], [1, 2, 3, 4, 5]]
+    assert sorted(prefills[0].tolist()) == [[0, 0, 0, 0, 3], [0, 0, 7, 7, 2], [1, 2, 3, 4, 5]]
     again = 3 if settings["temperature"] == 0 else len(GROUPED)
     assert len(prefills) > 1 and [len(p) for p in prefills[1:]] == [again] * (len(prefills) - 1)
     count = len(prefills)
@@ -515,9 +515,8 @@ def test_rows_share_a_prefill_when_their_tokens_and_padding_are_the_same() -> No
     groups = step.groups.tolist()
     assert groups[0] == groups[2] and groups[1] == groups[4] and len(set(groups)) == 3
     assert torch.equal(step.idx[step.groups], idx)
-    assert torch.equal(step.mask[step.groups], mask) and torch.equal(
-        step.input_pos[step.groups], pos
-    )
+    assert torch.equal(step.mask[step.groups], mask)
+    assert torch.equal(step.input_pos[step.groups], pos)
     unshared = ContextWindow(rows, 4, 8, torch.device("cpu"), cache=cache, share_prefill=False)
     step = unshared.step()
     assert step.groups is None and len(step.idx) == len(rows)
