@@ -1,6 +1,7 @@
 """Prompts in, samples out, in batches (llmcli/generation/batching.py): batched `sample_texts`
-against samples alone and against the engine's ids, the same text streamed, long prompts cropped
-with one notice, the settings checked once, the options' checks."""
+against samples alone and against the engine's ids, the same text streamed, one prefill per
+prompt for its samples, long prompts cropped with one notice, the settings checked once, the
+options' checks."""
 
 from __future__ import annotations
 
@@ -53,6 +54,27 @@ def test_sample_texts_batch_equals_alone_and_streams_the_same_text() -> None:
     d = samples[0].to_dict()
     assert {"prompt", "completion", "tokens", "tokens_per_s"} <= set(d)
     json.dumps(d)
+
+
+def test_the_samples_of_a_prompt_share_its_prefill() -> None:
+    """`--num-samples 4` of two prompts: the prefill runs the two prompts, not the 8 rows, and
+    each sample is still the text it is alone with its seed."""
+    model = make_model(vocab=CHARS.vocab_size)
+    shapes: list[tuple[int, int]] = []
+    forward = model.forward
+
+    def spy(idx, *args, **kwargs):
+        shapes.append(tuple(idx.shape))
+        return forward(idx, *args, **kwargs)
+
+    model.forward = spy
+    config = SampleConfig(max_new_tokens=6, temperature=1.0, top_k=12, seed=3)
+    samples = sample_texts(model, CHARS, ["ab", "hello"], config, SampleOptions(num_samples=4))
+    assert shapes[0] == (2, 5)  # "ab" left-padded to "hello"'s 5 columns
+    assert len({s.completion for s in samples[:4]}) > 1  # samples, not copies
+    for r, s in enumerate(samples):
+        alone = SampleConfig(max_new_tokens=6, temperature=1.0, top_k=12, seed=3 + r)
+        assert sample_texts(model, CHARS, [s.prompt], alone)[0].completion == s.completion
 
 
 def test_long_prompt_is_cropped_with_one_warning(caplog) -> None:

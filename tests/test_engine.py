@@ -1,7 +1,8 @@
 """The generation engine (llmcli/generation/engine.py): seeds, validation, the KV cache's steps,
 padded batches against prompts alone; the context policies past context_length (`exact` against a
 plain crop-and-recompute loop, `shift` against a plain keep-and-recompute loop, padded batches of
-either against each prompt alone, the window's model inputs, the checks); left padding
+either against each prompt alone, the window's model inputs, the checks); one prefill per
+distinct prompt (against every row prefilled and each prompt alone, the rows it runs); left padding
 (`padded_mask` and `padded_positions` against their definitions written out, and the model under
 them: a padded batch row computes what that prompt computes alone, and nothing is NaN). The
 engine against the plain loop of llmcli/generation/loop.py: test_loop.py; the opt-in `decode`
@@ -9,14 +10,19 @@ step: test_fast_decode.py."""
 
 from __future__ import annotations
 
+import functools
+from unittest import mock
+
 import pytest
 import torch
 from model_helpers import RECIPE_OPTIONS, assert_close, gen, left_padded, randomize_, tiny_model
 
 from llmcli.config import ModelConfig, SampleConfig
 from llmcli.errors import InputError
+from llmcli.generation import engine
 from llmcli.generation.engine import (
     ContextWindow,
+    distinct_rows,
     generate,
     generate_ids,
     padded_mask,
@@ -25,6 +31,7 @@ from llmcli.generation.engine import (
 from llmcli.generation.fast_decode import FastDecoder
 from llmcli.generation.sampling import sample_next
 from llmcli.model.gpt import Transformer
+from llmcli.model.kv_cache import KVCache
 
 CONTEXT = 8
 
@@ -424,6 +431,116 @@ def test_the_window_keeps_its_own_cache_bookkeeping() -> None:
     assert unmarked.step().idx.shape[1] == 4  # the whole window again: nothing was cached
     uncached = ContextWindow([[1, 2, 3]], 5, CONTEXT, torch.device("cpu"))
     assert uncached.step().cache is None
+
+
+# ------------------------------------------------------------------- one prefill per prompt
+
+
+GROUPS = [[3], [1, 2, 3, 4, 5], [7, 7, 2]]  # 1, 5 and 3 tokens: padded
+# 4 samples of each, their rows mixed as the server's batches may mix them.
+GROUPED = [GROUPS[i] for i in (0, 1, 2, 0, 1, 2, 2, 1, 0, 0, 1, 2)]
+
+
+def every_row_prefilled(model, prompts, config, **kwargs) -> list[list[int]]:
+    """`generate_ids` with every row prefilled, as before rows shared a prefill (the engine's
+    window made with `share_prefill=False`)."""
+    unshared = functools.partial(ContextWindow, share_prefill=False)
+    with mock.patch.object(engine, "ContextWindow", unshared):
+        return generate_ids(model, prompts, config, **kwargs)
+
+
+def spy_on_prefills(model) -> list[torch.Tensor]:
+    """The ids `(rows, T)` of every forward call over more than one position from now on."""
+    seen: list[torch.Tensor] = []
+    forward = model.forward
+
+    def spy(idx, *args, **kwargs):
+        if idx.shape[1] > 1:
+            seen.append(idx.clone())
+        return forward(idx, *args, **kwargs)
+
+    model.forward = spy
+    return seen
+
+
+@pytest.mark.parametrize("pos_emb", ["learned", "rope"])
+@pytest.mark.parametrize("settings", SETTINGS, ids=SETTING_IDS)
+@pytest.mark.parametrize("policy", ["shift", "exact"])
+def test_a_shared_prefill_draws_what_every_row_prefilled_draws(pos_emb, settings, policy) -> None:
+    """3 prompts x 4 samples, 20 new tokens: past context_length 8, so `shift` prefills again
+    (and `exact` recomputes); each row gets what it gets with every row prefilled, and what it
+    gets alone with its seed, with the model's forward or the fast decode step."""
+    model = make_model(pos_emb)
+    kw = dict(context_policy=policy, context_keep=3)
+    config = sample_config(20, **kw, **settings)
+    shared = generate_ids(model, GROUPED, config)
+    assert shared == every_row_prefilled(model, GROUPED, config)
+    assert shared == generate_ids(model, GROUPED, config, decode=FastDecoder.for_model(model))
+    seed = settings.get("seed", 0)
+    for b, prompt in enumerate(GROUPED):
+        alone = sample_config(20, **kw, **{**settings, "seed": seed + b})
+        assert generate_ids(model, [prompt], alone) == [shared[b]], f"row {b}"
+    if settings["temperature"] > 0:  # the samples of a prompt are samples, not copies
+        assert len({tuple(shared[b]) for b in (0, 3, 8, 9)}) > 1
+
+
+@pytest.mark.parametrize("settings", SETTINGS[:2], ids=SETTING_IDS[:2])
+def test_the_prefill_runs_once_per_distinct_prompt(settings) -> None:
+    """The first prefill runs the 3 distinct prompts, not the 12 rows; a `shift` re-prefill
+    runs each distinct row once too: 3 while greedy rows of a prompt stay the same, 12 once
+    sampled ones differ. With `share_prefill=False` every prefill runs 12 rows."""
+    model = make_model()
+    prefills = spy_on_prefills(model)
+    config = sample_config(20, context_policy="shift", context_keep=3, **settings)
+    generate_ids(model, GROUPED, config)
+    assert sorted(prefills[0].tolist()) == [[0, 0, 0, 0, 3], [0, 0, 7, 7, 2], [1, 2, 3, 4, 5]]
+    again = 3 if settings["temperature"] == 0 else len(GROUPED)
+    assert len(prefills) > 1 and [len(p) for p in prefills[1:]] == [again] * (len(prefills) - 1)
+    count = len(prefills)
+    prefills.clear()
+    every_row_prefilled(model, GROUPED, config)
+    assert [len(p) for p in prefills] == [len(GROUPED)] * count
+
+
+def test_rows_share_a_prefill_when_their_tokens_and_padding_are_the_same() -> None:
+    """[5] padded to [0, 5] has the columns of the prompt [0, 5], not its padding: two groups.
+    What padding columns hold does not matter: after a `shift` two rows with the same kept
+    tokens share, whatever their padding columns still hold from before."""
+    rows = [[5], [0, 5], [5], [4, 5], [0, 5]]
+    cache = KVCache(1, len(rows), 1, 1, 8)
+    window = ContextWindow(rows, 4, 8, torch.device("cpu"), cache=cache)
+    idx, mask, pos = window.inputs(0)
+    step = window.step()
+    assert step.groups is not None and len(step.idx) == 3
+    groups = step.groups.tolist()
+    assert groups[0] == groups[2] and groups[1] == groups[4] and len(set(groups)) == 3
+    assert torch.equal(step.idx[step.groups], idx)
+    assert torch.equal(step.mask[step.groups], mask)
+    assert torch.equal(step.input_pos[step.groups], pos)
+    unshared = ContextWindow(rows, 4, 8, torch.device("cpu"), cache=cache, share_prefill=False)
+    step = unshared.step()
+    assert step.groups is None and len(step.idx) == len(rows)
+    distinct = ContextWindow([[1, 2], [2, 1]], 4, 8, torch.device("cpu"), cache=cache)
+    assert distinct.step().groups is None
+    # Rows 0 and 1 differ in column 2, which is padding once `shift` keeps their last 2 tokens.
+    cache = KVCache(1, 3, 1, 1, 4)
+    window = ContextWindow(
+        [[1, 2, 3, 4], [1, 2, 9, 4], [3, 4]], 4, 4, torch.device("cpu"), cache=cache, keep=2
+    )
+    assert window.step().groups is None
+    window.mark_cached()
+    window.append(torch.tensor([7, 7, 7]))
+    step = window.step()  # kept: [4, 7], [4, 7], [3, 4, 7]
+    assert window.pads == [1, 1, 0] and window.tokens[:2, 0].tolist() == [3, 9]
+    assert step.groups.tolist() in ([0, 0, 1], [1, 1, 0]) and len(step.idx) == 2
+
+
+def test_distinct_rows_names_a_first_row_of_each_and_each_rows_group() -> None:
+    rows = torch.tensor([[1, 2], [3, 4], [1, 2], [-1, 2], [3, 4]])
+    first, groups = distinct_rows(rows)
+    assert torch.equal(rows[first][groups], rows)
+    assert sorted(first.tolist()) == [0, 1, 3]  # the first of each, once
+    assert len(set(groups.tolist())) == 3
 
 
 # ----------------------------------------------------------------------------- checks

@@ -1,6 +1,6 @@
 """Tests of the generation cache (llmcli/model/kv_cache.py): cached decoding equals the full
 forward, with left padding too (the mask and positions of `llmcli.generation.engine`, and the
-same built by hand), and the cache's own bookkeeping."""
+same built by hand), and the cache's own bookkeeping (rows copied from a shared prefill too)."""
 
 from __future__ import annotations
 
@@ -156,3 +156,23 @@ def test_mha_standalone_kv_cache():
     y2, w2 = with_weights(mha, x[:, 5:], kv_cache=cache)
     assert w2.shape == (2, 4, 3, 8)
     assert_close(w2, with_weights(mha, x)[1][:, :, 5:], "cached explicit weights")
+
+
+def test_copy_rows_gives_each_row_the_source_row_it_names_in_place_of_its_own():
+    source = KVCache(2, 2, 2, 3, 4)  # 2 layers, B 2, 2 heads, hs 3, 4 positions
+    source.k.copy_(torch.randn(source.k.shape, generator=gen(1)))
+    source.v.copy_(torch.randn(source.v.shape, generator=gen(2)))
+    source.advance(3)
+    cache = KVCache(2, 3, 2, 3, 5)
+    cache.advance(5)  # full: copy_rows replaces what it held
+    rows = [1, 0, 1]
+    cache.copy_rows(source, torch.tensor(rows))
+    assert cache.length == 3
+    for b, s in enumerate(rows):
+        assert torch.equal(cache.k[:, b, :, :3], source.k[:, s, :, :3])
+        assert torch.equal(cache.v[:, b, :, :3], source.v[:, s, :, :3])
+    assert not torch.equal(cache.k[:, 0], cache.k[:, 1])  # not all rows from one
+    with pytest.raises(InputError, match="batch size 3, got 2"):
+        cache.copy_rows(source, torch.tensor([0, 1]))
+    with pytest.raises(InputError, match="max_len = 2"):
+        KVCache(2, 3, 2, 3, 2).copy_rows(source, torch.tensor(rows))

@@ -10,7 +10,8 @@ overwritten next time.
 Cached keys depend on absolute positions (and, past the first layer, on every earlier token), so
 generation beyond `max_len` cannot just drop the oldest entry: `reset()` and prefill the last
 window again (or `crop(n)` to go back to a shared prefix); what to keep past the context is
-`llmcli.generation.engine`'s.
+`llmcli.generation.engine`'s. Rows that share a prompt can share its prefill: fill a cache of one
+row per distinct prompt, then `copy_rows` it into the batch's.
 """
 
 from __future__ import annotations
@@ -88,3 +89,18 @@ class KVCache:
         if n < 0:
             raise InputError(f"crop length must be >= 0, got {n}")
         self.length = min(self.length, n)
+
+    def copy_rows(self, source: KVCache, rows: Tensor) -> None:
+        """Hold what `source` holds, row `b` taken from its row `rows[b]`, in place of what was
+        cached (a prefill run once per distinct prompt, copied to every row of that prompt).
+
+        Args:
+            source: a cache of the same layers and heads, at most `max_len` positions cached.
+            rows: `(batch_size,)` long, indices of `source`'s rows.
+        """
+        T = source.length
+        self.reset()
+        self.check_room(rows.shape[0], T)
+        self.k[:, :, :, :T] = source.k[:, rows, :, :T]  # (n_layer, B, nh, T, hs)
+        self.v[:, :, :, :T] = source.v[:, rows, :, :T]
+        self.length = T
