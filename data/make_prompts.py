@@ -24,6 +24,13 @@ get at least one right greeting among 8 samples, so most groups of samples hold 
 the variance GRPO learns from. `data/probe_grpo_tasks.py` measured this and the other candidates
 (`Say thrice: hark`, which the chat run never says right even sampled, among them).
 
+Half the training rows (`KEEP`) ask the chat data's own tasks instead, on its training words
+and names (a short name's greeting, a spelling, a word said twice), which the chat run already
+answers: their groups mostly earn the same reward and teach nothing, until training on long
+names starts to change those answers too (a first run on long names alone learned to lengthen
+every name, `Good morrow, Dolll!`, and its chat exact match fell from 98.5% to 79.6%); then
+their rewards differ and pull the answers back.
+
 Names: the speakers' names of 8 to 10 letters (`DESDEMONA.` alone on a line, at least
 `MIN_COUNT` times), written `Desdemona`; none is a name of the chat data. They are split before
 any row is made, as `make_chat.py` splits its names (`split`: a shuffled fifth held out): a
@@ -37,10 +44,11 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from make_chat import SEED, SHOUT, split, write
+from make_chat import SEED, SHOUT, held_out, split, turn, write
 
 TRAIN_ROWS, VAL_ROWS = 2000, 200
 MIN_COUNT = 5  # a speaker's lines: 175 names of 8 to 10 letters (98 at make_chat's 20)
+KEEP = 0.5  # the share of training rows that ask the chat data's own tasks
 
 
 def long_names(text: str) -> list[str]:
@@ -61,10 +69,26 @@ def row(names: list[str], rng: random.Random) -> dict:
     }
 
 
+def chat_row(words: list[str], names: list[str], rng: random.Random) -> dict:
+    """One of the chat data's own tasks (a short name's greeting, a spelling, a word said
+    twice) on its training words and names, as a prompt and its answer."""
+    shout = rng.random() < SHOUT
+    question, answer = turn(words, names, rng)
+    system = [{"role": "system", "content": "Shout."}] if shout else []
+    return {
+        "prompt": [*system, {"role": "user", "content": question}],
+        "answer": answer.upper() if shout else answer,
+    }
+
+
 def make(text: str, seed: int = SEED) -> tuple[list[dict], list[dict]]:
     rng = random.Random(seed)
     train_names, val_names = split(long_names(text), rng)
-    train = [row(train_names, rng) for _ in range(TRAIN_ROWS)]
+    (chat_words, _), (chat_names, _) = held_out(text, random.Random(SEED))
+    train = [
+        chat_row(chat_words, chat_names, rng) if rng.random() < KEEP else row(train_names, rng)
+        for _ in range(TRAIN_ROWS)
+    ]
     val = [row(val_names, rng) for _ in range(VAL_ROWS)]
     return train, val
 
