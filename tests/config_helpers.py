@@ -184,6 +184,10 @@ GOOD: dict[str, dict[str, st.SearchStrategy]] = {
         # dpo needs data.format preference and init_from together: tests/test_config.py's
         "objective": st.just("next_token"),
         "dpo_beta": reals(0, 100, exclude_min=True) | st.integers(1, 10),
+        "group_size": st.integers(2, 64),
+        "reward": st.sampled_from(["exact", "number", "contains", "rewards.py:score", "r/x.py:f_2"]),
+        "scale_rewards": st.booleans(),
+        "grpo_beta": reals(0, 10) | st.integers(0, 3),
         # rank at most the smallest n_embed; fix_up gives it an init_from
         "lora": st.none()
         | st.fixed_dictionaries(
@@ -397,6 +401,8 @@ RANGE_RULES = [
     setting("train", "lr", NOT_POSITIVE, "must be > 0"),
     setting("train", "muon_lr", NOT_POSITIVE, "must be > 0"),
     setting("train", "dpo_beta", NOT_POSITIVE, "must be > 0"),
+    setting("train", "group_size", st.integers(max_value=1), "must be >= 2"),
+    setting("train", "grpo_beta", NEGATIVE, "must be >= 0"),
     setting("train", "muon_momentum", OUT_OF_UNIT, "must be in [0, 1)"),
     setting("train", "min_lr", NEGATIVE, "must be >= 0"),
     setting("train", "warmup_steps", st.integers(max_value=-1), "must be >= 0"),
@@ -684,9 +690,14 @@ SYNTAX_RULES = [
         r"^error: --set .*: the key must be section\.key",
         text=st.builds(
             "{}={}".format,
-            st.sampled_from(["model", ".n_layer", "model.", "a.b.c", "model.n_layer.x", "", " "]),
+            st.sampled_from(["model", ".n_layer", "model.", "train.lora.rank.x", "", " "]),
             WORD,
         ),
+    ),
+    Rule(
+        "--set into a mapping only",
+        r"^error: --set .*: 'model\.n_layer' is not a mapping with keys of its own",
+        text=st.builds("model.n_layer.{}={}".format, WORD, WORD),
     ),
     Rule(
         "--set a known section",

@@ -73,7 +73,7 @@ pytestmark = pytest.mark.slow
 # Derandomized: every run, CI's included, tries the same examples, so a failure is reproducible
 # rather than luck; set derandomize=False locally to explore new ones.
 FUZZ = settings(
-    max_examples=60,
+    max_examples=100,
     derandomize=True,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

@@ -56,7 +56,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # Derandomized: every run, CI's included, tries the same examples, so a failure is reproducible
 # rather than luck; set derandomize=False locally to explore new ones.
 FUZZ = settings(
-    max_examples=30,
+    max_examples=50,
     derandomize=True,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],

@@ -105,7 +105,10 @@ def apply_overrides(raw: Any, overrides: list[str]) -> Any:
             nested = current.get(key)
             nested = {} if nested is None else nested
             if not isinstance(nested, dict):
-                raise ConfigError(f"--set {text!r}: '{section}.{key}' is not a mapping.")
+                raise ConfigError(
+                    f"--set {text!r}: '{section}.{key}' is not a mapping with keys of its own: "
+                    f"set it whole, as {section}.{key}=VALUE."
+                )
             value = {**nested, inner: value}
         current[key] = value
     return merged

@@ -65,39 +65,34 @@ class Config:
         return rows * self.model.context_length
 
     def _validate_objective(self) -> None:
-        """DPO reads preference pairs, and preference pairs are read only by DPO; GRPO reads
-        prompts, and prompts are read only by GRPO."""
-        grpo, prompts = self.train.objective == "grpo", self.data.format == "prompts"
-        if grpo and not prompts:
-            raise ConfigError(
-                f"train.objective is grpo, which learns from rewards on prompts, but data.format "
-                f"is {self.data.format!r}: set data.format: prompts and data.path to .jsonl files "
-                'of {"prompt", "answer"} rows.'
-            )
-        if prompts and not grpo:
-            raise ConfigError(
-                f"data.format is prompts, which only GRPO reads, but train.objective is "
-                f"{self.train.objective!r}: set train.objective: grpo (and train.init_from to "
-                "the run to start from)."
-            )
-        dpo, pairs = self.train.objective == "dpo", self.data.format == "preference"
-        if dpo and not pairs:
-            raise ConfigError(
-                f"train.objective is dpo, which learns from preference pairs, but data.format is "
-                f"{self.data.format!r}: set data.format: preference and data.path to .jsonl files "
-                'of {"prompt", "chosen", "rejected"} rows.'
-            )
-        if pairs and not dpo:
-            raise ConfigError(
-                f"data.format is preference, which only DPO reads, but train.objective is "
-                f"{self.train.objective!r}: set train.objective: dpo (and train.init_from to "
-                "the run to start from), or data.format: chat for conversations."
-            )
+        """DPO reads preference pairs and GRPO prompts, and those are read only by them."""
+        objective, format_ = self.train.objective, self.data.format
+        for needs, reads, learns, rows in _OBJECTIVE_DATA:
+            if objective == needs and format_ != reads:
+                raise ConfigError(
+                    f"train.objective is {needs}, which learns from {learns}, but data.format "
+                    f"is {format_!r}: set data.format: {reads} and data.path to .jsonl files of "
+                    f"{rows} rows."
+                )
+            if format_ == reads and objective != needs:
+                raise ConfigError(
+                    f"data.format is {reads}, which only {needs.upper()} reads, but "
+                    f"train.objective is {objective!r}: set train.objective: {needs} (and "
+                    "train.init_from to the run to start from), or data.format: chat for "
+                    "conversations."
+                )
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """The fully resolved config as plain data (what `config.yaml` in a run holds)."""
         return {section: dataclasses.asdict(getattr(self, section)) for section in SECTIONS}
 
+
+# The objectives that read data of their own: (objective, data.format, what it learns from,
+# the rows' keys).
+_OBJECTIVE_DATA = (
+    ("dpo", "preference", "preference pairs", '{"prompt", "chosen", "rejected"}'),
+    ("grpo", "prompts", "rewards on prompts", '{"prompt", "answer"}'),
+)
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,

@@ -118,3 +118,29 @@ class BatchSampler:
             raise InputError("the data sampler state has no valid 'rng_state' (a uint8 tensor).")
         self.generator.set_state(rng.cpu())
         self.batches = int(state.get("batches", 0))
+
+
+class RowSampler:
+    """What the samplers of rows held in memory share (preference pairs, GRPO's prompts): their
+    own seeded generator and count of batches, saved and loaded as `BatchSampler`'s state, so a
+    resumed run draws what an uninterrupted one would. A subclass defines `next()`."""
+
+    def __init__(self, batch_size: int, seed: int, rank: int, world_size: int) -> None:
+        self.batch_size = batch_size
+        self.generator = rank_generator(batch_size, seed, rank, world_size)
+        self.batches = 0
+
+    def next(self) -> Any:
+        raise NotImplementedError
+
+    def __next__(self) -> Any:
+        return self.next()
+
+    def __iter__(self) -> RowSampler:
+        return self
+
+    def close(self) -> None:
+        """Nothing to close: the rows are in memory."""
+
+    state_dict = BatchSampler.state_dict
+    load_state_dict = BatchSampler.load_state_dict

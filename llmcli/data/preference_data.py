@@ -26,12 +26,12 @@ import hashlib
 import logging
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from llmcli.data.batches import BatchSampler, rank_generator
+from llmcli.data.batches import RowSampler
 from llmcli.data.chat_template import ChatTemplate
 from llmcli.data.corpus import _load_dataset, resolve_files
 from llmcli.data.preferences import (
@@ -258,7 +258,7 @@ def pair_batch(
     return torch.from_numpy(ids), torch.from_numpy(mask)
 
 
-class PreferenceSampler:
+class PreferenceSampler(RowSampler):
     """Random batches of preference pairs, drawn with the sampler's own generator.
 
     Each batch is B pairs as `2B` rows, the chosen sequences then the rejected ones in the same
@@ -286,12 +286,10 @@ class PreferenceSampler:
     ) -> None:
         if len(split) == 0:
             raise InputError("the split has no preference pair to draw from.")
+        super().__init__(batch_size, seed, rank, world_size)
         self.split, self.pad_id = split, pad_id
-        self.batch_size = batch_size
         self.context_length = context_length
         self.device = torch.device(device)
-        self.generator = rank_generator(batch_size, seed, rank, world_size)
-        self.batches = 0
 
     def next(self) -> tuple[torch.Tensor, ...]:
         """The next batch: `ids` `(2B, T+1)` int64 and `completion_mask` `(2B, T+1)` bool, True
@@ -305,17 +303,3 @@ class PreferenceSampler:
             scores = torch.from_numpy(self.split.reference_logps[picks.numpy()])  # (B, 2)
             batch.append(scores.T.reshape(-1).to(self.device))  # (2B,): chosen, then rejected
         return tuple(batch)
-
-    __next__ = next
-
-    def __iter__(self) -> PreferenceSampler:
-        return self
-
-    def close(self) -> None:
-        """Nothing to close: the pairs are in memory."""
-
-    def state_dict(self) -> dict[str, Any]:
-        """Generator state and batch count, as `BatchSampler.state_dict`."""
-        return {"rng_state": self.generator.get_state(), "batches": self.batches}
-
-    load_state_dict = BatchSampler.load_state_dict

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from llmcli.data.batches import BatchSampler, rank_generator
+from llmcli.data.batches import RowSampler
 from llmcli.data.chat_template import ChatTemplate
 from llmcli.data.conversations import ConversationEncoder, Messages, check_messages, read_jsonl_rows
 from llmcli.data.corpus import resolve_files
@@ -215,11 +215,9 @@ class PromptBatch:
         return [self.split.ids[k].tolist() for k in self.picks]
 
 
-class PromptSampler:
+class PromptSampler(RowSampler):
     """Random batches of prompts, drawn with the sampler's own generator, each with a seed for
-    its completions (drawn from the same generator). Its state is saved and loaded as
-    `BatchSampler`'s, so a resumed run draws the prompts and completions an uninterrupted one
-    would.
+    its completions (drawn from the same generator, so both are in the saved state).
 
     Args:
         split: the split's prompts.
@@ -232,26 +230,11 @@ class PromptSampler:
     ) -> None:
         if len(split) == 0:
             raise InputError("the split has no prompt to draw from.")
-        self.split, self.batch_size = split, batch_size
-        self.generator = rank_generator(batch_size, seed, rank, world_size)
-        self.batches = 0
+        super().__init__(batch_size, seed, rank, world_size)
+        self.split = split
 
     def next(self) -> PromptBatch:
         picks = torch.randint(len(self.split), (self.batch_size,), generator=self.generator)
         seed = int(torch.randint(2**62, (1,), generator=self.generator))
         self.batches += 1
         return PromptBatch(self.split, picks.tolist(), seed)
-
-    __next__ = next
-
-    def __iter__(self) -> PromptSampler:
-        return self
-
-    def close(self) -> None:
-        """Nothing to close: the prompts are in memory."""
-
-    def state_dict(self) -> dict[str, Any]:
-        """Generator state and batch count, as `BatchSampler.state_dict`."""
-        return {"rng_state": self.generator.get_state(), "batches": self.batches}
-
-    load_state_dict = BatchSampler.load_state_dict
