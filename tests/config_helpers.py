@@ -185,7 +185,9 @@ GOOD: dict[str, dict[str, st.SearchStrategy]] = {
         "objective": st.just("next_token"),
         "dpo_beta": reals(0, 100, exclude_min=True) | st.integers(1, 10),
         "group_size": st.integers(2, 64),
-        "reward": st.sampled_from(["exact", "number", "contains", "rewards.py:score", "r/x.py:f_2"]),
+        "reward": st.sampled_from(
+            ["exact", "number", "contains", "rewards.py:score", "r/x.py:f_2"]
+        ),
         "scale_rewards": st.booleans(),
         "grpo_beta": reals(0, 10) | st.integers(0, 3),
         # rank at most the smallest n_embed; fix_up gives it an init_from
