@@ -57,12 +57,6 @@ class Completions:
     texts: list[str]
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The model inside a DDP wrapper and a compiled module: what generation runs."""
-    model = getattr(model, "module", model)
-    return getattr(model, "_orig_mod", model)
-
-
 def advantages(rewards: Tensor, group_size: int, scale: bool) -> Tensor:
     """Each reward less its group's mean (rows in groups of `group_size`), divided by the
     group's standard deviation (+ 1e-4, as TRL) when `scale`. `(R,)` -> `(R,)`."""
@@ -151,7 +145,7 @@ class GRPOObjective:
         decode_text: Any,
         reference: nn.Module | None = None,
     ) -> None:
-        self.policy, self.data, self.reward, self.decode_text = policy, data, reward, decode_text
+        self.policy, self.reward, self.decode_text = policy, reward, decode_text
         tc = config.train
         self.group_size, self.scale, self.beta = tc.group_size, tc.scale_rewards, tc.grpo_beta
         self.sampling, self.context_length = config.sample, config.model.context_length
