@@ -130,11 +130,8 @@ class RowSampler:
         self.generator = rank_generator(batch_size, seed, rank, world_size)
         self.batches = 0
 
-    def next(self) -> Any:
-        raise NotImplementedError
-
     def __next__(self) -> Any:
-        return self.next()
+        return self.next()  # each subclass draws its own kind of batch
 
     def __iter__(self) -> RowSampler:
         return self

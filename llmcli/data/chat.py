@@ -43,7 +43,7 @@ from llmcli.data.conversations import (
     check_messages,
     read_jsonl,
 )
-from llmcli.data.corpus import _load_dataset, resolve_files
+from llmcli.data.corpus import _load_dataset, resolve_files, rows_to_train
 from llmcli.data.prepared import (
     ChatData,
     ChatSplit,
@@ -412,13 +412,7 @@ def prepare_chat_data(
     cached = [_cached(encoder, s, h, cache) for s, h in zip(sources, hashes, strict=True)]
     (train_paths, n_rows) = cached[0]
     if val_src is None:
-        n_train = int(n_rows * (1 - data_cfg.val_fraction))
-        if n_train < 1 or n_train == n_rows:
-            raise InputError(
-                f"{train_src.label} holds {n_rows} conversations: too few to hold out the last "
-                f"data.val_fraction ({data_cfg.val_fraction}) for validation. Add "
-                "conversations, change data.val_fraction, or give data.val_path."
-            )
+        n_train = rows_to_train(n_rows, data_cfg.val_fraction, train_src.label, "conversations")
         train = _split(train_paths, dtype, slice(0, n_train), context_length)
         val = _split(train_paths, dtype, slice(n_train, None), context_length)
     else:

@@ -351,6 +351,25 @@ def _read_utf8_blocks(path: Path, progress: Callable[[int], None]) -> Iterator[s
                 return
 
 
+def rows_to_train(n_rows: int, val_fraction: float, label: str, what: str) -> int:
+    """How many of `n_rows` rows (conversations, pairs, prompts) train when the last
+    `data.val_fraction` of them are held out for validation, as rows without a `data.val_path`
+    are split.
+
+    Raises:
+        InputError: too few rows to leave some on both sides; `label` names the source and
+            `what` the rows ("conversations").
+    """
+    n_train = int(n_rows * (1 - val_fraction))
+    if n_train < 1 or n_train == n_rows:
+        raise InputError(
+            f"{label} holds {n_rows} {what}: too few to hold out the last data.val_fraction "
+            f"({val_fraction}) for validation. Add {what}, change data.val_fraction, or give "
+            "data.val_path."
+        )
+    return n_train
+
+
 def resolve_files(spec: str, key: str, suffix: str = ".txt", what: str = "text") -> list[Path]:
     """A file, a folder (every file ending in `suffix` below it) or a glob, as a sorted list
     of files; `what` names their content in messages ("text", "JSONL")."""

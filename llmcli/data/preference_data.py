@@ -33,7 +33,7 @@ import torch
 
 from llmcli.data.batches import RowSampler
 from llmcli.data.chat_template import ChatTemplate
-from llmcli.data.corpus import _load_dataset, resolve_files
+from llmcli.data.corpus import _load_dataset, resolve_files, rows_to_train
 from llmcli.data.preferences import (
     SHAPE,
     EncodedPair,
@@ -195,13 +195,8 @@ def prepare_preference_data(
     encoder = PreferenceEncoder(tokenizer, template)
     train_pairs, val_pairs = read_pairs(data_cfg)
     if val_pairs is None:
-        n_train = int(len(train_pairs) * (1 - data_cfg.val_fraction))
-        if n_train < 1 or n_train == len(train_pairs):
-            raise InputError(
-                f"data.path ({data_cfg.path!r}) holds {len(train_pairs)} preference pairs: too "
-                f"few to hold out the last data.val_fraction ({data_cfg.val_fraction}) for "
-                "validation. Add pairs, change data.val_fraction, or give data.val_path."
-            )
+        label = f"data.path ({data_cfg.path!r})"
+        n_train = rows_to_train(len(train_pairs), data_cfg.val_fraction, label, "preference pairs")
         train_pairs, val_pairs = train_pairs[:n_train], train_pairs[n_train:]
     train = encode_split(train_pairs, encoder, context_length)
     val = encode_split(val_pairs, encoder, context_length)

@@ -28,7 +28,7 @@ import torch
 from llmcli.data.batches import RowSampler
 from llmcli.data.chat_template import ChatTemplate
 from llmcli.data.conversations import ConversationEncoder, Messages, check_messages, read_jsonl_rows
-from llmcli.data.corpus import resolve_files
+from llmcli.data.corpus import resolve_files, rows_to_train
 from llmcli.data.prepared import PromptData, PromptSplit, TokenData
 from llmcli.data.tokenizer import Tokenizer
 from llmcli.errors import InputError
@@ -159,13 +159,8 @@ def prepare_prompt_data(
     if data_cfg.val_path is not None:
         val_rows = _read(data_cfg.val_path, "data.val_path")
     else:
-        n_train = int(len(train_rows) * (1 - data_cfg.val_fraction))
-        if n_train < 1 or n_train == len(train_rows):
-            raise InputError(
-                f"data.path ({data_cfg.path!r}) holds {len(train_rows)} prompts: too few to hold "
-                f"out the last data.val_fraction ({data_cfg.val_fraction}) for validation. Add "
-                "prompts, change data.val_fraction, or give data.val_path."
-            )
+        label = f"data.path ({data_cfg.path!r})"
+        n_train = rows_to_train(len(train_rows), data_cfg.val_fraction, label, "prompts")
         train_rows, val_rows = train_rows[:n_train], train_rows[n_train:]
     splits = [encode_prompts(rows, encoder, context_length) for rows in (train_rows, val_rows)]
     for name, split in zip(("train", "validation"), splits, strict=True):
