@@ -117,8 +117,9 @@ def test_a_steps_loss_is_the_formula_on_its_own_completions_rewards_and_logps(
     config = grpo_config(base, tmp_path)
     objective, model, sampler, prompts, tokenizer = objective_for(config)
     batch = sampler.next()
-    loss, metrics = objective(model, batch)
-    done = objective.last
+    done = objective.sample(batch)  # the step's own completions: drawn from the batch's seed
+    loss, metrics = objective.loss(model, done)
+    assert torch.equal(objective(model, batch)[0], loss)  # a step samples them and scores them
     G = config.train.group_size
     # Each row is its prompt, the completion drawn, and the end token when it ended.
     for i, k in enumerate(r for r in batch.picks for _ in range(G)):
@@ -161,8 +162,8 @@ def test_the_kl_penalty_is_trls_estimate_against_the_reference(base: Path, tmp_p
     with torch.no_grad():  # the policy moved away from the reference
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    loss, metrics = objective(model, sampler.next())
-    done = objective.last
+    done = objective.sample(sampler.next())
+    loss, metrics = objective.loss(model, done)
     m = done.mask[:, 1:].numpy()
     diff = hand_logps(reference, done.ids) - hand_logps(model, done.ids)
     kl = ((np.exp(diff) - diff - 1) * m).sum() / m.sum()

@@ -77,12 +77,12 @@ def is_preference_data(data: str | Path | None, dpo: bool) -> bool:
         return dpo
     if not is_conversations(data):
         return False
-    keys = _first_row_keys(Path(data))
+    keys = first_row_keys(Path(data))
     # (A file with no readable first row goes to the conversations' reader, which says why.)
     return bool(keys & set(KEYS)) or (dpo and bool(keys) and "messages" not in keys)
 
 
-def _first_row_keys(path: Path) -> set[str]:
+def first_row_keys(path: Path) -> set[str]:
     """The keys of a file's first non-blank row; none for a file that is not a regular one, is
     unreadable, or does not start with a JSON object (its reader then says what is wrong)."""
     if not path.is_file():

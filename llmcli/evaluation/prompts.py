@@ -12,7 +12,6 @@ a GRPO run with no file, its own validation prompts are answered.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +21,8 @@ from llmcli.data.chat_template import load_run_template
 from llmcli.data.prepared import PromptSplit
 from llmcli.data.prompts import PromptEncoder, encode_prompts, read_prompt_rows
 from llmcli.errors import InputError
+from llmcli.evaluation.chat import is_conversations
+from llmcli.evaluation.preferences import first_row_keys
 from llmcli.evaluation.rewards import Reward, exact, load_reward, score
 from llmcli.generation.fast_decode import FastDecoder
 from llmcli.generation.replies import replies
@@ -47,8 +48,8 @@ def greedy_figures(
     progress: bool = False,
 ) -> dict[str, Any]:
     """Greedy replies to the prompts of `split`: their mean `reward`, `pass@1` (NaN when no
-    prompt has an answer) and each prompt's `replies` (text, whether it ended, reward). The
-    model must be in eval mode."""
+    prompt has an answer) of the `answered` prompts, `passed` of them, and each prompt's
+    `replies` (text, whether it ended, reward). The model must be in eval mode."""
     picks = list(range(len(split)))
     greedy = dataclasses.replace(sample, temperature=0.0)
     bar = Progress(len(picks), desc="answers", unit="prompt", enabled=progress, tenths=True)
@@ -80,6 +81,8 @@ def greedy_figures(
     return {
         "reward": sum(r["reward"] for r in rows) / len(rows),
         "pass@1": sum(answered) / len(answered) if answered else float("nan"),
+        "passed": int(sum(answered)),
+        "answered": len(answered),
         "replies": rows,
     }
 
@@ -117,15 +120,10 @@ def is_prompt_data(data: str | Path | None, grpo: bool) -> bool:
     a preference pair."""
     if data is None:
         return grpo
-    path = Path(data)
-    if path.suffix != ".jsonl" or not path.is_file():
+    if not is_conversations(data):  # not a .jsonl file
         return False
-    try:
-        with path.open("rb") as fh:
-            row = json.loads(next((raw for raw in fh if raw.strip()), b"{}"))
-    except (OSError, ValueError, RecursionError):
-        return False
-    return isinstance(row, dict) and {"prompt", "answer"} <= set(row) and "chosen" not in row
+    keys = first_row_keys(Path(data))
+    return {"prompt", "answer"} <= keys and "chosen" not in keys
 
 
 def evaluate_prompts(
@@ -170,8 +168,6 @@ def evaluate_prompts(
         batch_size,
         progress=progress,
     )
-    answers = [a for a in split.answers if a is not None]
-    passed = round(figures["pass@1"] * len(answers)) if answers else 0
     return PromptEvalResult(
         run_dir=str(run.run_dir),
         weights=str(run.weights_path),
@@ -180,8 +176,8 @@ def evaluate_prompts(
         reward_name=spec,
         prompts=len(split),
         skipped=split.counts["skipped"],
-        passed=passed,
-        answered=len(answers),
+        passed=figures["passed"],
+        answered=figures["answered"],
         reward=figures["reward"],
         elapsed_s=time.perf_counter() - t0,
         per_prompt=figures["replies"],

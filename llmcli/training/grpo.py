@@ -24,6 +24,8 @@ prompts greedily (`GRPOObjective.evaluate`): pass@1 is the share whose completio
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,9 +54,13 @@ class Completions:
     ids: Tensor
     mask: Tensor
     rewards: Tensor
-    lengths: Tensor  # (R,) completion tokens, the end token included
     ended: Tensor  # (R,) bool: ended with the end token (False: cut at its budget)
     texts: list[str]
+
+    @property
+    def lengths(self) -> Tensor:
+        """`(R,)` each completion's tokens, the end token included."""
+        return self.mask.sum(dim=1)
 
 
 def advantages(rewards: Tensor, group_size: int, scale: bool) -> Tensor:
@@ -153,12 +159,14 @@ class GRPOObjective:
         self.eval_batch = tc.batch_size * tc.group_size
         check_reward(reward, tc.reward, data)
 
-        self.last: Completions | None = None  # the latest micro-batch's, for tests and logs
-
     def __call__(self, model: nn.Module, batch: PromptBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        """The loss of a micro-batch of prompts and its metrics: their completions sampled
+        from the policy, then `loss` on them under `model` (the step's: DDP, compiled)."""
+        return self.loss(model, self.sample(batch))
+
+    def loss(self, model: nn.Module, done: Completions) -> tuple[Tensor, dict[str, Tensor]]:
+        """`grpo_loss` of sampled completions under `model`, and TRL's metrics of them."""
         device = next(self.policy.parameters()).device
-        done = self.sample(batch)
-        self.last = done
         ids, mask = done.ids.to(device), done.mask[:, 1:].to(device)
         advantage = advantages(done.rewards, self.group_size, self.scale).to(device)
         logps = token_logps(model, ids)
@@ -190,7 +198,7 @@ class GRPOObjective:
                 score(self.reward, split.texts[k], text, split.answers[k], split.where[k])
             )
         ended = torch.tensor([e for _, e in drawn])
-        return Completions(ids, mask, torch.tensor(rewards), mask.sum(dim=1), ended, texts)
+        return Completions(ids, mask, torch.tensor(rewards), ended, texts)
 
     def _replies(
         self, prompts: list[list[int]], sample: SampleConfig, generators: list | None = None
@@ -198,30 +206,35 @@ class GRPOObjective:
         """Each prompt's reply from the policy in eval mode, without gradients, within the
         room its row has (`context_length + 1` tokens) and `sample.max_new_tokens`."""
         budgets = reply_budgets(prompts, sample.max_new_tokens, self.context_length)
-        policy, was_training = self.policy, self.policy.training
-        policy.eval()
-        with torch.no_grad():
-            drawn = replies(
-                policy,
+        with self._generating():
+            return replies(
+                self.policy,
                 prompts,
                 budgets,
                 self.end_id,
                 sample,
-                policy.vocab_size,
+                self.policy.vocab_size,
                 generators=generators,
-                decode=FastDecoder.for_model(policy),
+                decode=FastDecoder.for_model(self.policy),
             )
-        policy.train(was_training)
-        return drawn
+
+    @contextmanager
+    def _generating(self) -> Iterator[None]:
+        """The policy in eval mode (no dropout), without gradients, then as it was."""
+        was_training = self.policy.training
+        self.policy.eval()
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            self.policy.train(was_training)
 
     def evaluate(self, split: PromptSplit, limit: int) -> dict[str, float]:
         """Greedy replies to the first `limit` prompts of `split`: their mean `reward` and
         `pass@1` (`llmcli.evaluation.prompts.greedy_figures`)."""
-        policy, was_training = self.policy, self.policy.training
-        policy.eval()
-        with torch.no_grad():
+        with self._generating():
             figures = greedy_figures(
-                policy,
+                self.policy,
                 split.first(limit),
                 self.end_id,
                 self.sampling,
@@ -229,7 +242,6 @@ class GRPOObjective:
                 self.decode_text,
                 self.eval_batch,
             )
-        policy.train(was_training)
         return {"reward": figures["reward"], "pass@1": figures["pass@1"]}
 
     def _metrics(self, done: Completions, kl: Tensor | None, device: torch.device) -> dict:
