@@ -107,8 +107,9 @@ class PromptEncoder:
             return self.tokenizer.encode(row.prompt), row.prompt
         if self.chat is None:
             raise InputError(
-                f"{row.where}: a conversational prompt needs a chat template, and the "
-                "train.init_from run has none: start from a chat run, or give text prompts."
+                f"{row.where}: a conversational prompt needs a chat template, and the run it is "
+                "encoded for (GRPO's train.init_from) has none: use a chat run, or give text "
+                "prompts."
             )
         return self.chat.prompt(row.prompt), self.chat.render(row.prompt, True).text
 
