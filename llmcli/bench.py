@@ -49,7 +49,6 @@ from llmcli.device import resolve_device, timed, usable_cpus
 from llmcli.errors import ConfigError, InputError, describe_os_error
 from llmcli.fileio import atomic_write_json, write_figure
 from llmcli.generation.engine import generate
-from llmcli.generation.fast_decode import FastDecoder
 from llmcli.model.gpt import Transformer
 from llmcli.progress import Progress, peak_rss_bytes
 from llmcli.training.optim import build_optimizer
@@ -285,7 +284,7 @@ def _sampling_rate(
     config = SampleConfig(max_new_tokens=n_new, temperature=1.0, top_k=None, seed=seed)
 
     def sample() -> None:  # as `llmcli sample` runs it: without autocast (the fast step's)
-        for _ in generate(model, [[first]], config, decode=FastDecoder.for_model(model)):
+        for _ in generate(model, [[first]], config):
             pass
 
     return n_new / timed(sample, precision.device)

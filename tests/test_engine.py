@@ -147,10 +147,10 @@ def test_cache_feeds_one_token_per_step_until_the_window_slides() -> None:
     model = make_model()
     lengths: list = spy_on_forward(model)
     config = sample_config(10, temperature=0.0, context_policy="exact")
-    plain = generate_ids(model, [[1, 2, 3]], config)
+    plain = generate_ids(model, [[1, 2, 3]], config, decode=None)  # every step a forward
     # prefill 3, five single tokens (sequence reaches 8 = context), then the sliding window.
     assert lengths == [(3, True)] + [(1, True)] * 5 + [(8, False)] * 4
-    # With a `decode` step the single tokens go through it instead of `forward`.
+    # With a `decode` step (by default the fast one) the single tokens go through it instead.
     lengths.clear()
     decoder = FastDecoder.for_model(model)
 
@@ -177,7 +177,7 @@ def test_a_prompt_of_exactly_context_length_is_seen_whole_then_the_window_slides
     config = sample_config(4, temperature=0.0, context_policy="exact")
     for (prompt, forwards), tokens in zip(cases, expected, strict=True):
         lengths.clear()
-        assert generate_ids(model, [prompt], config) == [tokens]
+        assert generate_ids(model, [prompt], config, decode=None) == [tokens]
         assert lengths == forwards, len(prompt)
 
 

@@ -24,7 +24,6 @@ from llmcli.errors import InputError
 from llmcli.evaluation.chat import is_conversations
 from llmcli.evaluation.preferences import first_row_keys
 from llmcli.evaluation.rewards import Reward, exact, load_reward, score
-from llmcli.generation.fast_decode import FastDecoder
 from llmcli.generation.replies import replies
 from llmcli.progress import Progress
 from llmcli.runs.loading import LoadedRun
@@ -58,15 +57,7 @@ def greedy_figures(
         batch = picks[lo : lo + batch_size]
         prompts = [split.ids[k].tolist() for k in batch]
         budgets = reply_budgets(prompts, sample.max_new_tokens, model.context_length)
-        got = replies(
-            model,
-            prompts,
-            budgets,
-            end_id,
-            greedy,
-            model.vocab_size,
-            decode=FastDecoder.for_model(model),
-        )
+        got = replies(model, prompts, budgets, end_id, greedy, model.vocab_size)
         for k, (ids, ended) in zip(batch, got, strict=True):
             text = decode_text(ids)
             value = score(reward, split.texts[k], text, split.answers[k], split.where[k])

@@ -26,7 +26,6 @@ from llmcli.device import check_threads
 from llmcli.errors import InputError
 from llmcli.generation.detokenize import TextState
 from llmcli.generation.engine import generate
-from llmcli.generation.fast_decode import FastDecoder
 from llmcli.generation.prompts import encode_prompts
 from llmcli.generation.sampling import make_generators
 from llmcli.generation.streaming import TextSink
@@ -219,7 +218,6 @@ def sample_batch(
         use_cache=options.use_cache,
         vocab_size=vocab,
         observe=observe,
-        decode=FastDecoder.for_model(model),
     )
     rows = _Rows(states, [job.r for job in batch], sink, live)
     seconds = _stream(steps, rows, start)

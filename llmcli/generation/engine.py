@@ -3,10 +3,10 @@ token ids out; what `llmcli sample`, `llmcli chat`, `llmcli serve` and `llmcli b
 
 `generate(model, prompts_ids, config)` is an iterator that yields the `(B,)` new ids of each step,
 drawn with the settings of a `llmcli.config.SampleConfig`. The KV cache is prefilled with the
-prompts, then fed one token per step, through the model's own forward (or an opt-in faster
-step, `decode`: `llmcli.generation.fast_decode`). It computes what the plain loop of
-`llmcli.generation.loop` computes for each prompt alone (the tests check it token for token);
-what it adds is speed and batches:
+prompts, then fed one token per step: through `llmcli.generation.fast_decode`'s step where it
+applies (the default; the forward's logits, faster), else the model's own forward. It computes
+what the plain loop of `llmcli.generation.loop` computes for each prompt alone (the tests check
+it token for token); what it adds is speed and batches:
 
 - left padding: prompts of different lengths run as one batch, left-padded so that all rows end
   at one column. `padded_mask` and `padded_positions` build what the model's forward takes
@@ -48,13 +48,14 @@ what it adds is speed and batches:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor
 
 from llmcli.config import SampleConfig
 from llmcli.errors import InputError
+from llmcli.generation.fast_decode import FastDecoder
 from llmcli.generation.prompts import check_prompt_ids
 from llmcli.generation.sampling import GeneratorArg, make_generators, sample_next
 from llmcli.model.gpt import causal_mask
@@ -74,7 +75,7 @@ def generate(
     use_cache: bool = True,
     vocab_size: int | None = None,
     observe: Callable[[Tensor, Tensor], Any] | None = None,
-    decode: DecodeStep | None = None,
+    decode: DecodeStep | Literal["auto"] | None = "auto",
 ) -> Iterator[Tensor]:
     """Generate for a batch of prompts, one step at a time.
 
@@ -103,9 +104,10 @@ def generate(
         observe: called at every step with the logits `(B, V)` the step drew from (cropped to
             `vocab_size`) and the ids drawn `(B,)`, before they are yielded (the server's
             log-probs); it must not change them.
-        decode: runs the one-token steps in the model's place where it applies (a
-            `llmcli.generation.fast_decode.FastDecoder`: the same logits, faster on a small
-            model); None: every step is the model's forward.
+        decode: runs the one-token steps in the model's place where it applies: "auto" (the
+            default) a `llmcli.generation.fast_decode.FastDecoder` for a model it serves (the
+            same logits, faster), another step function, or None: every step is the model's
+            forward.
 
     Yields:
         `(B,)` long tensors on the model's device: the new token of every row, step by step.
@@ -122,6 +124,8 @@ def generate(
     device = next(model.parameters()).device
     n = config.max_new_tokens
     shift = config.context_policy == "shift"
+    if decode == "auto":
+        decode = FastDecoder.for_model(model)
     with torch.inference_mode():
         # exact: a prompt that fills the context slides the window at the first step already.
         cached = use_cache and (shift or max(map(len, rows)) < ctx)
@@ -157,7 +161,7 @@ def next_logits(model: Any, window: ContextWindow, decode: DecodeStep | None = N
     step = window.step()
     logits = None
     if step.decode_step and decode is not None and step.cache is not None:
-        logits = decode(step.idx[:, 0], step.cache, step.mask, step.input_pos)  # (B, V)
+        logits = decode(step.idx.select(1, 0), step.cache, step.mask, step.input_pos)  # (B, V)
     elif step.groups is not None:
         logits = shared_prefill(model, step)  # (B, V)
     if logits is None:
@@ -324,7 +328,7 @@ class ContextWindow:
     def newest_inputs(self) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """`(idx (B, 1), mask, input_pos)` of column `end - 1` after the cached columns before
         it (None, None without padding)."""
-        idx = self.tokens[:, self.end - 1 : self.end]  # (B, 1)
+        idx = self.tokens.narrow(1, self.end - 1, 1)  # (B, 1)
         if self.max_pad == 0:
             return idx, None, None
         pads = self.pads_t
@@ -362,7 +366,7 @@ class ContextWindow:
             self.max_pad = max(self.pads)
             self.pads_t = (self.pads_t - shift).clamp(min=0)
             self.end = self.context_length
-        self.tokens[:, self.end] = next_ids  # (B,)
+        self.tokens.select(1, self.end).copy_(next_ids)  # (B,)
         self.end += 1
 
 

@@ -1,4 +1,4 @@
-"""A faster one-token decode step, opt-in: the model's forward for one new token per row, run as
+"""A faster one-token decode step: the model's forward for one new token per row, run as
 plain functions of its weights.
 
 A decode step feeds one new token per row into the KV cache. Through `Transformer.forward` it
@@ -13,8 +13,8 @@ over and over). The model does not know this module exists.
 
 It applies to a `Transformer` in eval mode with no hook function at work and no autocast
 (`FastDecoder.for_model`, and at every step: hooks must see every step, so a hooked model decodes
-through its forward). Callers opt in: `generate(..., decode=FastDecoder.for_model(model))`, as
-`llmcli sample` and `llmcli serve` do; without it every step is the model's forward.
+through its forward). `generate` uses it by default (`decode="auto"`), so every command that
+generates does; `decode=None` runs every step through the model's forward.
 
 The logits equal the forward's bit for bit, except that on the CPU a small GELU runs on ATen's
 kernel rather than oneDNN's (`_AtenGeluHidden`): they then equal the forward run with oneDNN
@@ -116,6 +116,26 @@ class _AtenGeluHidden:
         return self.first
 
 
+class _QKVRows:
+    """The attention's rows `q, k, v` `(B, nh, 1, hs)` of `qkv(x)`: views made once of one
+    buffer that `qkv` writes into, so that a step makes no view per layer. The views are valid
+    until the next call (each layer's keys and values are copied into the cache first)."""
+
+    def __init__(self, n_head: int, head_size: int) -> None:
+        self.n_head, self.head_size = n_head, head_size
+        self.shape: tuple[int, bool] | None = None
+
+    def __call__(self, block: _Block, x: Tensor) -> tuple[Tensor, ...]:
+        B, nh, hs = x.shape[0], self.n_head, self.head_size
+        key = (B, torch.is_inference_mode_enabled())
+        if self.shape != key:
+            self.shape = key
+            self.out = torch.empty(B, 3 * nh * hs, dtype=x.dtype, device=x.device)  # (B, 3C)
+            self.rows = self.out.view(B, 3, nh, 1, hs).unbind(1)  # each (B, nh, 1, hs)
+        block.qkv(x, out=self.out)
+        return self.rows
+
+
 def _mlp_hidden(mlp: str, device: torch.device) -> Callable[[_Block, Tensor], Tensor]:
     """How the decode step computes a block's MLP hidden rows from `ln2(x)`."""
     if mlp == "relu2":
@@ -134,9 +154,10 @@ class FastDecoder:
     def __init__(self, model: Transformer) -> None:
         config = model.config
         self.model = model
-        self.n_head, self.head_size, self.n_embed = config.n_head, config.head_size, model.n_embed
+        self.n_embed = model.n_embed
         self.qk_norm = config.qk_norm
         self.mlp_hidden = _mlp_hidden(config.mlp, model.wte.weight.device)
+        self.qkv_rows = _QKVRows(config.n_head, config.head_size)
         self.wte = model.wte.weight  # (V, C)
         self.wpe = None if model.wpe is None else model.wpe.weight  # (L, C)
         self.rotary: RotaryEmbedding | None = model.blocks[0].attn.rotary  # the same in every layer
@@ -190,7 +211,6 @@ class FastDecoder:
                 return None
         B, C, past = idx.shape[0], self.n_embed, cache.length
         cache.check_room(B, 1)
-        nh, hs = self.n_head, self.head_size
         x = F.embedding(idx, self.wte)  # (B, C)
         if self.wpe is not None:
             if input_pos is None:
@@ -200,7 +220,7 @@ class FastDecoder:
         rotation = None if self.rotary is None else self.rotary.angles(1, input_pos, past)
         k_new, v_new, k_all, v_all = self._views(cache, past)
         for i, block in enumerate(self.blocks):
-            q, k, v = block.qkv(block.ln1(x)).view(B, 3, nh, 1, hs).unbind(1)  # (B, nh, 1, hs)
+            q, k, v = self.qkv_rows(block, block.ln1(x))  # each (B, nh, 1, hs)
             if self.qk_norm:
                 q, k = qk_rms_norm(q), qk_rms_norm(k)
             if rotation is not None:
@@ -208,7 +228,7 @@ class FastDecoder:
             k_new[i].copy_(k)
             v_new[i].copy_(v)
             y = F.scaled_dot_product_attention(q, k_all[i], v_all[i], mask, 0.0, False)
-            x += block.proj(y.reshape(B, C))  # (B, nh, 1, hs) -> (B, C), heads side by side
+            x += block.proj(y.view(B, C))  # (B, nh, 1, hs) -> (B, C), heads side by side
             x += block.mlp_proj(self.mlp_hidden(block, block.ln2(x)))  # (B, 4C) -> (B, C)
         cache.advance(1)
         return self.lm_head(self.ln_f(x))  # (B, V)

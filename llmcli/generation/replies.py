@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -25,7 +25,7 @@ def replies(
     vocab_size: int | None = None,
     *,
     generators: Sequence[torch.Generator] | None = None,
-    decode: DecodeStep | None = None,
+    decode: DecodeStep | Literal["auto"] | None = "auto",
 ) -> list[tuple[list[int], bool]]:
     """Each prompt's reply before the end-of-turn token `end_id`, and whether it ended there
     within the prompt's budget of tokens (False: the reply was cut at its budget).
@@ -41,7 +41,7 @@ def replies(
         vocab_size: only ids below it are drawn (a model's vocabulary may be padded beyond its
             tokenizer's).
         generators: one per row (default: seeded from `sample.seed`, as `generate` seeds them).
-        decode: the one-token step in the model's place (`FastDecoder.for_model`), or None.
+        decode: the one-token step in the model's place, as `generate`'s.
     """
     config = dataclasses.replace(sample, max_new_tokens=max(budgets))
     out: list[list[int]] = [[] for _ in prompts]

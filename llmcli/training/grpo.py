@@ -39,7 +39,6 @@ from llmcli.data.prompts import PromptBatch
 from llmcli.errors import InputError
 from llmcli.evaluation.prompts import greedy_figures, reply_budgets
 from llmcli.evaluation.rewards import BUILT_IN, Reward, score
-from llmcli.generation.fast_decode import FastDecoder
 from llmcli.generation.replies import replies
 from llmcli.generation.sampling import make_generators
 
@@ -215,7 +214,6 @@ class GRPOObjective:
                 sample,
                 self.policy.vocab_size,
                 generators=generators,
-                decode=FastDecoder.for_model(self.policy),
             )
 
     @contextmanager
