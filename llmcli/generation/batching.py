@@ -24,6 +24,7 @@ from llmcli.config import SampleConfig
 from llmcli.data.tokenizer import Tokenizer
 from llmcli.device import check_threads
 from llmcli.errors import InputError
+from llmcli.generation.compiled_decode import CompiledDecoder
 from llmcli.generation.detokenize import TextState
 from llmcli.generation.engine import generate
 from llmcli.generation.prompts import encode_prompts
@@ -93,6 +94,8 @@ class SampleOptions:
         weights: the weights `sample_run` loads, "best" or "last" (see
             `llmcli.runs.loading.load_run`).
         device: where `sample_run` runs the model: "auto", "cpu", "cuda" or "mps".
+        compile: `sample_texts` decodes with the compiled step
+            (`llmcli.generation.compiled_decode`), compiled first if the cache lacks it.
     """
 
     num_samples: int = 1
@@ -103,6 +106,7 @@ class SampleOptions:
     threads: int | None = None
     weights: str = "best"
     device: str = "auto"
+    compile: bool = False
 
     def __post_init__(self) -> None:
         n = self.num_samples
@@ -195,7 +199,8 @@ def sample_batch(
         model, tokenizer: the run's.
         batch: the samples; their prompts' ids already fit the context.
         config: the settings they share (its `seed` is unused: each job has its own).
-        options: stop strings and ids, KV cache (`num_samples` and `batch_size` are unused).
+        options: stop strings and ids, KV cache, the compiled step (`num_samples` and
+            `batch_size` are unused).
         sink: receives each sample's text as it becomes final, under `job.r`, then `end(job.r)`.
         live: checked for every unfinished sample at every step with its `job.r`; a sample
             for which it is False ends there, without more text or `end` (a client gone).
@@ -218,6 +223,7 @@ def sample_batch(
         use_cache=options.use_cache,
         vocab_size=vocab,
         observe=observe,
+        decode=CompiledDecoder.for_model(model, len(batch)) if options.compile else "auto",
     )
     rows = _Rows(states, [job.r for job in batch], sink, live)
     seconds = _stream(steps, rows, start)

@@ -143,6 +143,18 @@ def _mlp_hidden(mlp: str, device: torch.device) -> Callable[[_Block, Tensor], Te
     return _AtenGeluHidden() if device.type == "cpu" else _gelu_hidden
 
 
+def through_forward(model: nn.Module, points: list[HookPoint], device_type: str) -> bool:
+    """Whether a decode step must run through the model's forward now: in training mode (the
+    step leaves dropout out), under autocast, or with a hook function at work (hooks see every
+    step). `points` are the model's hook points."""
+    if model.training or torch.is_autocast_enabled(device_type):
+        return True
+    for point in points:
+        if point.fns:
+            return True
+    return False
+
+
 class FastDecoder:
     """`model(idx[:, None], mask=mask, input_pos=input_pos, kv_cache=cache)[0][:, -1]` for one
     token per row, without module calls.
@@ -204,11 +216,8 @@ class FastDecoder:
             mask: `(B, 1, 1, T_k)` bool over the cached keys and the new one, or None for all.
             input_pos: `(B, 1)` long positions of `idx`, or None for the cache length.
         """
-        if self.model.training or torch.is_autocast_enabled(self.device_type):
+        if through_forward(self.model, self.points, self.device_type):
             return None
-        for point in self.points:
-            if point.fns:
-                return None
         B, C, past = idx.shape[0], self.n_embed, cache.length
         cache.check_room(B, 1)
         x = F.embedding(idx, self.wte)  # (B, C)

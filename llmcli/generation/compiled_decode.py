@@ -1,0 +1,228 @@
+"""A decode step compiled ahead of time, opt-in (`llmcli sample --compile`): the model's own
+forward for one new token per row, exported with a static KV cache (`torch.export`) and
+compiled to C++ by AOTInductor, the weights frozen in and its matrix products autotuned.
+
+On a small model a decode step's time goes to eager PyTorch's cost per operation (Python,
+dispatch, allocation), not to arithmetic; compiled, the whole step is one call. On the `tiny`
+shape at one thread it takes about half the time of `llmcli.generation.fast_decode`'s step
+(benchmarks/decode_vs_llama_cpp.py). What it costs: about a minute of compiling per model and
+batch size the first time, and a C++ compiler. The compiled step is kept in the compile cache
+(`<cache>/decode/`, `llmcli.data.prepared.default_cache_dir`), under a key that hashes the
+weights, the model's config, the rows and torch's version, so the next `--compile` on the same
+run starts at once. Only this process writes what it compiled, through a temporary name.
+
+The exported function is `Transformer.forward` with `_StaticCache`, a stand-in for `KVCache`
+that writes each layer's new keys and values at the step's column given as a tensor (so that one
+graph serves every column) and gives attention all `max_len` columns, with a mask that hides
+those not written yet (and padding). The graph reads and writes the generation's own `KVCache`
+tensors: a prefill through the forward and compiled steps share one cache.
+
+The logits agree with the forward's to float32 rounding (the compiled products sum in another
+order), not bit for bit; tests/test_compiled_decode.py checks the tokens against the plain loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from llmcli.data.prepared import default_cache_dir
+from llmcli.errors import InputError
+from llmcli.generation.fast_decode import FastDecoder, through_forward
+from llmcli.model.gpt import Transformer
+from llmcli.model.hooks import HookPoint
+from llmcli.model.kv_cache import KVCache
+
+logger = logging.getLogger(__name__)
+
+#: How AOTInductor compiles the step: weights frozen in (so that the products can be packed and
+#: tuned for them), each product's kernel chosen by timing Inductor's C++ micro-kernels against
+#: ATen's.
+INDUCTOR_OPTIONS = {
+    "freezing": True,
+    "max_autotune": True,
+    "max_autotune_gemm_backends": "CPP,ATEN",
+}
+
+
+class _StaticCache:
+    """What `Transformer.forward` asks of a `KVCache`, at a column given as a tensor.
+
+    `update` writes a layer's keys and values of the new token at `column` and returns the
+    layer's whole buffers `(B, nh, max_len, hs)`; the step's mask hides the columns not
+    written yet. `length` stays 0: the step always gives `input_pos`.
+    """
+
+    length = 0
+
+    def __init__(self, k: Tensor, v: Tensor, column: Tensor) -> None:
+        self.k, self.v, self.column = k, v, column
+
+    def check_room(self, batch_size: int, T: int) -> None:
+        """The caller checks the real cache's room before each step."""
+
+    def update(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        self.k[layer_idx].index_copy_(2, self.column, k)
+        self.v[layer_idx].index_copy_(2, self.column, v)
+        return self.k[layer_idx], self.v[layer_idx]
+
+    def advance(self, T: int) -> None:
+        """The caller counts the step on the real cache."""
+
+
+class _Step(nn.Module):
+    """The function compiled: logits `(B, V)` of one new token per row."""
+
+    def __init__(self, model: Transformer) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self, idx: Tensor, input_pos: Tensor, mask: Tensor, column: Tensor, k: Tensor, v: Tensor
+    ) -> Tensor:
+        cache = _StaticCache(k, v, column)
+        logits, _ = self.model(idx, mask=mask, input_pos=input_pos, kv_cache=cache)
+        return logits[:, -1]  # (B, 1, V) -> (B, V)
+
+
+def compile_key(model: Transformer, rows: int, max_len: int) -> str:
+    """What a compiled step depends on, hashed: the weights, the config, the rows and cache
+    length, torch's version and the compile options."""
+    digest = hashlib.sha256()
+    about = {
+        "config": dataclasses.asdict(model.config),
+        "vocab_size": model.vocab_size,
+        "rows": rows,
+        "max_len": max_len,
+        "torch": torch.__version__,
+        "options": INDUCTOR_OPTIONS,
+    }
+    digest.update(json.dumps(about, sort_keys=True, default=str).encode())
+    for name, tensor in model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
+def compile_step(model: Transformer, rows: int, max_len: int, path: Path) -> None:
+    """Export and compile the step for `rows` rows and a cache of `max_len` columns into the
+    package `path` (written under a temporary name, then renamed)."""
+    cache = model.new_kv_cache(rows, max_len=max_len)
+    example = (
+        torch.zeros(rows, 1, dtype=torch.long),  # idx
+        torch.zeros(rows, 1, dtype=torch.long),  # input_pos
+        torch.ones(rows, 1, 1, max_len, dtype=torch.bool),  # mask
+        torch.zeros(1, dtype=torch.long),  # column
+        cache.k,
+        cache.v,
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}-{os.getpid()}.pt2")
+    try:
+        with torch.no_grad():
+            program = torch.export.export(_Step(model).eval(), example)
+            torch._inductor.aoti_compile_and_package(
+                # A copy: Inductor adds its own entries to the options it is given.
+                program,
+                package_path=str(tmp),
+                inductor_configs=dict(INDUCTOR_OPTIONS),
+            )
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+#: The decoders made in this process, by model and rows: a batch after the first reuses one.
+_MADE: weakref.WeakKeyDictionary[nn.Module, dict[int, CompiledDecoder]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+class CompiledDecoder:
+    """A `DecodeStep` (`llmcli.generation.engine`) for `rows` rows: the compiled step; for
+    another batch size or cache `FastDecoder`'s; None where neither applies now (a hook function
+    at work, autocast, training mode), when the caller runs the model's forward."""
+
+    def __init__(self, model: Transformer, step: Callable[..., Tensor], rows: int, max_len: int):
+        self.model, self.step = model, step
+        self.rows, self.max_len = rows, max_len
+        self.fast = FastDecoder.for_model(model)
+        self.points = [m for m in model.modules() if isinstance(m, HookPoint)]
+        self.device_type = model.wte.weight.device.type
+        self.columns = torch.arange(max_len).expand(rows, 1, 1, max_len)  # (B, 1, 1, max_len)
+        self.mask = torch.empty(rows, 1, 1, max_len, dtype=torch.bool)  # the step's, whole
+        self.positions = torch.empty(rows, 1, dtype=torch.long)
+        self.column = torch.empty(1, dtype=torch.long)
+
+    @classmethod
+    def for_model(
+        cls,
+        model: Any,
+        rows: int,
+        *,
+        cache_dir: Path | None = None,
+        notify: Callable[[str], Any] = logger.warning,
+    ) -> CompiledDecoder:
+        """The compiled step of a `Transformer` on the CPU for `rows` rows and a cache of
+        `context_length` columns: the one made before in this process, else loaded from the
+        compile cache, else compiled (about a minute on a small model) and kept there.
+
+        Raises:
+            InputError: not a CPU `Transformer`, or compiling failed (no C++ compiler, ...).
+        """
+        if not isinstance(model, Transformer) or model.wte.weight.device.type != "cpu":
+            raise InputError("--compile compiles the decode step of a model on the CPU only")
+        made = _MADE.setdefault(model, {})
+        if rows in made:
+            return made[rows]
+        max_len = model.context_length
+        folder = (cache_dir or default_cache_dir()) / "decode"
+        path = folder / f"{compile_key(model, rows, max_len)}.pt2"
+        if not path.exists():
+            notify(
+                f"compiling the decode step for {rows} row(s) (about a minute the first time; "
+                f"kept in {folder})"
+            )
+            try:
+                compile_step(model, rows, max_len, path)
+            except Exception as e:  # Inductor's failures have no common type
+                raise InputError(
+                    f"could not compile the decode step ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0] if str(e) else ''}); AOTInductor needs a C++ "
+                    "compiler (g++): install one, or sample without --compile"
+                ) from e
+        made[rows] = cls(model, torch._inductor.aoti_load_package(str(path)), rows, max_len)
+        return made[rows]
+
+    def __call__(
+        self, idx: Tensor, cache: KVCache, mask: Tensor | None, input_pos: Tensor | None
+    ) -> Tensor | None:
+        """Logits `(B, V)` of the token after `idx` `(B,)`; arguments as `FastDecoder`'s."""
+        B, past = idx.shape[0], cache.length
+        if B != self.rows or cache.max_len != self.max_len:
+            return None if self.fast is None else self.fast(idx, cache, mask, input_pos)
+        if through_forward(self.model, self.points, self.device_type):
+            return None
+        cache.check_room(B, 1)
+        if mask is None:  # every column written so far, the new one included
+            torch.lt(self.columns, past + 1, out=self.mask)
+        else:  # (B, 1, 1, past + 1): the columns after it are not written yet
+            self.mask.zero_()
+            self.mask.narrow(3, 0, past + 1).copy_(mask)
+        positions = self.positions.fill_(past) if input_pos is None else input_pos
+        self.column.fill_(past)
+        logits = self.step(
+            idx.reshape(B, 1).contiguous(), positions, self.mask, self.column, cache.k, cache.v
+        )
+        cache.advance(1)
+        return logits
