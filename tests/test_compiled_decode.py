@@ -27,7 +27,7 @@ PROMPTS = [[1, 2, 3, 4, 5], [7], [9, 8, 7]]  # left-padded into one batch
 def compiled(tmp_path_factory):
     """A rotary, QK-norm model and its step compiled for 3 rows, in a cache of its own."""
     cache = tmp_path_factory.mktemp("compile-cache")
-    model = randomize_(tiny_model(pos_emb="rope", qk_norm=True)).eval()
+    model = randomize_(tiny_model(n_layer=1, pos_emb="rope", qk_norm=True)).eval()
     with pytest.MonkeyPatch.context() as patch:  # the options are part of the cache's key
         patch.setattr(compiled_decode, "INDUCTOR_OPTIONS", {"freezing": True})
         notes: list[str] = []
@@ -84,7 +84,7 @@ def test_the_compiled_step_is_kept_and_reused(compiled, monkeypatch) -> None:
     assert generate_ids(model, PROMPTS, config, decode=again) == generate_ids(
         model, PROMPTS, config, decode=decoder
     )
-    other = randomize_(tiny_model(pos_emb="rope", qk_norm=True), seed=1)
+    other = randomize_(tiny_model(n_layer=1, pos_emb="rope", qk_norm=True), seed=1)
     assert compile_key(other, 3, 16) != compile_key(model, 3, 16)
     assert compile_key(model, 2, 16) != compile_key(model, 3, 16)
 
@@ -99,5 +99,10 @@ def test_a_compile_that_fails_names_the_fix(tmp_path, monkeypatch) -> None:
     with pytest.raises(InputError, match=r"RuntimeError: g\+\+: command not found\).*--compile"):
         CompiledDecoder.for_model(model, 1, cache_dir=tmp_path, notify=lambda _: None)
     assert not any(tmp_path.rglob("*.pt2"))
+    damaged = tmp_path / "decode" / f"{compile_key(model, 1, model.context_length)}.pt2"
+    damaged.parent.mkdir()
+    damaged.write_bytes(b"not a package")
+    with pytest.raises(InputError, match="could not load the compiled decode step .*delete it"):
+        CompiledDecoder.for_model(model, 1, cache_dir=tmp_path)
     with pytest.raises(InputError, match="model on the CPU only"):
         CompiledDecoder.for_model(torch.nn.Linear(2, 2), 1, cache_dir=tmp_path)

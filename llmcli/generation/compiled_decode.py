@@ -151,7 +151,10 @@ _MADE: weakref.WeakKeyDictionary[nn.Module, dict[int, CompiledDecoder]] = (
 class CompiledDecoder:
     """A `DecodeStep` (`llmcli.generation.engine`) for `rows` rows: the compiled step; for
     another batch size or cache `FastDecoder`'s; None where neither applies now (a hook function
-    at work, autocast, training mode), when the caller runs the model's forward."""
+    at work, autocast, training mode), when the caller runs the model's forward.
+
+    The weights are compiled in: they must not change while the decoder is in use.
+    """
 
     def __init__(self, model: Transformer, step: Callable[..., Tensor], rows: int, max_len: int):
         self.model, self.step = model, step
@@ -201,7 +204,14 @@ class CompiledDecoder:
                     f"{str(e).splitlines()[0] if str(e) else ''}); AOTInductor needs a C++ "
                     "compiler (g++): install one, or sample without --compile"
                 ) from e
-        made[rows] = cls(model, torch._inductor.aoti_load_package(str(path)), rows, max_len)
+        try:
+            step = torch._inductor.aoti_load_package(str(path))
+        except Exception as e:  # a package this torch cannot load, or a damaged file
+            raise InputError(
+                f"could not load the compiled decode step {path} ({type(e).__name__}): delete "
+                "it, and --compile compiles it again"
+            ) from e
+        made[rows] = cls(model, step, rows, max_len)
         return made[rows]
 
     def __call__(
