@@ -1,7 +1,7 @@
 """Packed chat SFT against one conversation a row: real tokens per window, assistant tokens/s.
 
     OMP_NUM_THREADS=1 python benchmarks/chat_packing.py [--config configs/chat.yaml]
-        [--rounds 8] [--steps 10] [--threads N]
+        [--rounds 20] [--steps 5] [--threads N]
 
 On a chat config's data and model (default the chat example's: `train.init_from` its run,
 `checkpoints/tiny`, which must exist), one `llmcli.training.step.train_step` at a time with the
@@ -13,14 +13,17 @@ every way alike:
 - `packed`: `PackedChatSampler`, whole conversations by best fit, with
   `packed_next_token_loss` (a bool block-diagonal causal mask `(B, 1, T, T)` and positions
   from 0 per conversation): what `data.packing: true` trains;
-- `packed_float_mask`: the same batches with the mask given to SDPA as a float one (0 and
-  -inf, added to the scores): the alternative measured, kept out of llmcli.
+- `packed_float_mask`: the same batches with the mask given to SDPA as an additive float one
+  (0 and -inf, built once a batch): the alternative measured, kept out of llmcli.
 
 Each way's figures: `real_share` (the mean over windows of its share of positions that hold a
 conversation's token), conversations and assistant (trained, target not -1) tokens per batch,
 the median step time (the batch's drawing and packing included) and assistant tokens per
-second; `assistant_tok_s_ratio` is packed over padded. The ways keep their own models (the
-same start), so each trains as a run would. Prints one JSON object.
+second. The ratios pair the ways round by round, as the load of a shared machine drifts:
+`step_ratio` is the median over the rounds of packed's step time over padded's, and
+`assistant_tok_s_ratio` packed's assistant tokens per batch over padded's, divided by it. The
+ways keep their own models (the same start), so each trains as a run would. Prints one JSON
+object.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ def float_mask_loss(model, batch):
     """`packed_next_token_loss` with the mask as SDPA's additive float mask."""
     x, y, segments = batch
     allowed = segment_mask(segments)  # (B, 1, T, T) bool
-    mask = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+    mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
     return model(x, y, mask=mask, input_pos=segment_positions(segments))[1], {}
 
 
@@ -93,8 +96,8 @@ class Counted:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(ROOT / "configs" / "chat.yaml"))
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per round and way")
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per round and way")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     if args.threads:
@@ -143,6 +146,9 @@ def main() -> None:
                 steps.append(time.perf_counter() - start)
             times[way].append(statistics.median(steps))
 
+    def paired(way: str, other: str) -> float:
+        return statistics.median(a / b for a, b in zip(times[way], times[other], strict=True))
+
     figures = {}
     for way, t in trainers.items():
         counted = t.batches
@@ -171,12 +177,13 @@ def main() -> None:
                 "steps": args.steps,
                 **{f"{way}_{k}": v for way, f in figures.items() for k, v in f.items()},
                 "assistant_tok_s_ratio": round(
-                    packed["assistant_tok_s"] / padded["assistant_tok_s"], 3
+                    packed["assistant_tokens_per_batch"]
+                    / padded["assistant_tokens_per_batch"]
+                    / paired("packed", "padded"),
+                    3,
                 ),
-                "step_ratio": round(packed["step_s"] / padded["step_s"], 3),
-                "float_mask_step_ratio": round(
-                    figures["packed_float_mask"]["step_s"] / packed["step_s"], 3
-                ),
+                "step_ratio": round(paired("packed", "padded"), 3),
+                "float_mask_step_ratio": round(paired("packed_float_mask", "packed"), 3),
                 "torch": torch.__version__,
                 "machine": platform.machine(),
             }
