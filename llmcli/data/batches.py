@@ -5,7 +5,7 @@
 file (`llmcli.data.windows.WindowReader`, which keeps memory flat however large the corpus), and
 puts them on the device. Saving `state_dict()` and loading it into a new sampler continues the
 exact stream: what a resumed run needs to see the batches an uninterrupted one would.
-Conversations (`data.format: chat`) have a sampler of their own, `llmcli.data.chat.ChatSampler`.
+Conversations (`data.format: chat`) have samplers of their own, `llmcli.data.chat_batches`'s.
 """
 
 from __future__ import annotations
