@@ -154,6 +154,7 @@ GOOD: dict[str, dict[str, st.SearchStrategy]] = {
         "cache_dir": st.none() | NAMES,
         "format": st.sampled_from(["text", "chat"]),
         "chat_template": st.none() | NAMES,
+        "packing": st.booleans(),  # any format: the others ignore it
     },
     "train": {
         "threads": st.none() | st.just("auto") | st.integers(1, 64),

@@ -1,6 +1,7 @@
 """Conversation data (llmcli/data/chat.py) and its batches (llmcli/data/chat_batches.py):
 the loss mask against a hand computation, windows cut at turn ends or skipped, the cache, the
-validation split, a `datasets` source, exact resume of the sampler, and bad rows.
+validation split, a `datasets` source, exact resume of the sampler, and bad rows; packed rows
+(best fit by hand, whole conversations, their share of real tokens, exact resume, packing off).
 
 The tokenizer is a char tokenizer with the chat tokens added (tests/chat_helpers.py), so a
 conversation's ids can be written down by hand: one per character, one per chat token.
@@ -16,10 +17,14 @@ import pytest
 import torch
 from chat_helpers import CHARS, CONVERSATIONS, chat_tokenizer
 
-from llmcli.config import DataConfig
+from llmcli.config import Config, DataConfig, config_from_dict
 from llmcli.data.chat import conversation_windows, prepare_chat_data
-from llmcli.data.chat_batches import ChatSampler
+from llmcli.data.chat_batches import ChatSampler, PackedChatSampler, best_fit
+from llmcli.data.prepared import ChatSplit
 from llmcli.errors import InputError
+from llmcli.training.build import packs
+from llmcli.training.distributed import DistInfo
+from llmcli.training.evaluate import split_sampler
 
 CHAR_IDS = {c: i for i, c in enumerate(sorted(set(CHARS)))}  # a char tokenizer's ids
 SYSTEM, USER, ASSISTANT, END = range(len(CHAR_IDS) + 1, len(CHAR_IDS) + 5)  # after <|endoftext|>
@@ -298,3 +303,101 @@ def test_templates_that_do_not_parse_or_render_and_tokenizers_without_chat_token
 
     with pytest.raises(InputError, match="the run's tokenizer has no chat tokens"):
         prepare_chat_data(config, 32, tokenizer=CharTokenizer(CHARS))
+
+
+def test_best_fit_decreasing_by_hand() -> None:
+    # Longest first, each into the tightest row that holds it: 6 -> row 0 (2 left), 5 -> row 1
+    # (3 left), 4 fits neither, 3 -> row 1 (0 left), 2 -> row 0 (0 left).
+    placed, left = best_fit([5, 3, 4, 2, 6], rows=2, room=8)
+    assert placed == [[4, 3], [0, 1]] and left == [2]
+    assert best_fit([3, 3], rows=3, room=8) == ([[0, 1], [], []], [])  # ties: the first row
+
+
+def synthetic_split(n: int = 300, seed: int = 0) -> ChatSplit:
+    """`n` conversations of 23..50 tokens (22..49 positions, about the chat example's), ids
+    0, 1, 2, ... one after another (so each token names its place), the second half of each
+    the assistant's."""
+    lengths = np.random.default_rng(seed).integers(23, 51, n)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    mask = np.concatenate([np.arange(k) >= k // 2 for k in lengths]).astype(np.uint8)
+    tokens = np.arange(int(lengths.sum()), dtype=np.uint16)
+    return ChatSplit(tokens, mask, starts, lengths, {"conversations": n})
+
+
+def test_packing_fills_the_rows_with_whole_conversations() -> None:
+    split, B, T, pad = synthetic_split(), 8, 64, 60000
+    sampler = PackedChatSampler(split, pad, B, T, seed=3)
+    first = {int(s): k for k, s in enumerate(split.starts)}
+    shares = []
+    for _ in range(30):
+        x, y, segments = sampler.next()
+        placed = 0
+        for row in range(B):
+            seg = segments[row].tolist()
+            n = sum(s != 0 for s in seg)
+            assert seg == sorted(seg[:n]) + [0] * (T - n)  # conversations first, then padding
+            assert x[row, n:].eq(pad).all() and y[row, n:].eq(-1).all()
+            for s in range(1, max(seg) + 1):
+                at = seg.index(s)
+                k = first[int(x[row, at])]  # whose first token starts the segment
+                length = int(split.lengths[k])
+                assert seg.count(s) == length - 1  # whole: all its L - 1 positions
+                ids = torch.arange(int(split.starts[k]), int(split.starts[k]) + length)
+                assert x[row, at : at + length - 1].tolist() == ids[:-1].tolist()
+                written = torch.from_numpy(split.mask[ids[1:].numpy()].astype(bool))
+                assert (
+                    y[row, at : at + length - 1].tolist()
+                    == torch.where(written, ids[1:], -1).tolist()
+                )
+                placed += 1
+            shares.append(n / T)
+        # What was not packed waits in the pool, topped up to twice the batch each time.
+        assert placed + len(sampler.pool) == 2 * B
+    assert np.mean(shares) >= 0.75, np.mean(shares)
+    assert np.mean(split.lengths - 1) / T < 0.6  # one a row would fill less than 60%
+
+
+def test_the_packed_sampler_resumes_exactly() -> None:
+    split = synthetic_split(seed=1)
+    straight = PackedChatSampler(split, 60000, 4, 64, seed=5)
+    batches = [straight.next() for _ in range(6)]
+    first = PackedChatSampler(split, 60000, 4, 64, seed=5)
+    for _ in range(3):
+        first.next()
+    state = first.state_dict()
+    assert len(state["pool"]) > 0  # conversations drawn, not yet packed, carried over
+    resumed = PackedChatSampler(split, 60000, 4, 64, seed=5)
+    resumed.load_state_dict(state)
+    assert resumed.batches == 3
+    for expected in batches[3:]:
+        for got, want in zip(resumed.next(), expected, strict=True):
+            assert torch.equal(got, want)
+    other = PackedChatSampler(split, 60000, 4, 64, seed=5, rank=1, world_size=2).next()
+    assert not torch.equal(other[0], batches[0][0])
+
+
+def test_packing_off_gives_one_conversation_a_row(tmp_path: Path, tokenizer_file: Path) -> None:
+    data_cfg = chat_config(tmp_path, tokenizer_file, CONVERSATIONS * 3, [HELLO])
+    data = prepare_chat_data(data_cfg, 48)
+    cpu, info = torch.device("cpu"), DistInfo()
+
+    def config(**data_keys: object) -> Config:
+        return config_from_dict({"model": {"context_length": 48}, "data": data_keys})
+
+    for packing, kind in ((False, ChatSampler), (True, PackedChatSampler)):
+        chat = config(format="chat", packing=packing)
+        assert packs(chat) is packing
+        sampler = split_sampler(data, "train", chat, 7, info, cpu, packed=packs(chat))
+        assert type(sampler) is kind
+    assert packs(config(format="chat"))  # on by default
+    assert not packs(config(format="text", packing=True))  # the other formats ignore it
+    # Off: the batches of today's sampler, one conversation a row from its first token.
+    chat = config(format="chat", packing=False)
+    off = split_sampler(data, "train", chat, 7, info, cpu, packed=packs(chat))
+    today = ChatSampler(data.chat.train, data.chat.pad_id, chat.train.batch_size, 48, 7)
+    for _ in range(2):
+        (x, y), (tx, ty) = off.next(), today.next()
+        assert torch.equal(x, tx) and torch.equal(y, ty)
+    assert set(x[:, 0].tolist()) <= {SYSTEM, USER}  # each row starts a conversation
+    # Evaluation's samplers stay one a row with packing on.
+    assert type(split_sampler(data, "val", config(format="chat"), 7, info, cpu)) is ChatSampler

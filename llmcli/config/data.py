@@ -42,6 +42,10 @@ class DataConfig:
     format: str = "text"
     # chat: a Jinja chat template file in Hugging Face's format (default: the built-in one)
     chat_template: str | None = None
+    # chat: pack whole conversations into each training row by best fit, each attending only
+    # to itself with its positions from 0 (false: one conversation a row, the rest padding);
+    # evaluation keeps one a row either way. Ignored by the other formats.
+    packing: bool = True
 
     def validate(self) -> None:
         if self.path is None and self.dataset is None:

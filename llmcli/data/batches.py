@@ -5,7 +5,7 @@
 file (`llmcli.data.windows.WindowReader`, which keeps memory flat however large the corpus), and
 puts them on the device. Saving `state_dict()` and loading it into a new sampler continues the
 exact stream: what a resumed run needs to see the batches an uninterrupted one would.
-Conversations (`data.format: chat`) have a sampler of their own, `llmcli.data.chat.ChatSampler`.
+Conversations (`data.format: chat`) have samplers of their own, `llmcli.data.chat_batches`'s.
 """
 
 from __future__ import annotations
@@ -19,16 +19,11 @@ from llmcli.data.windows import WindowReader
 from llmcli.errors import InputError
 
 
-def to_device(
-    x: torch.Tensor, y: torch.Tensor, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A batch on `device` (on CUDA, copied from pinned memory without waiting)."""
+def to_device(*tensors: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """A batch's tensors on `device` (on CUDA, copied from pinned memory without waiting)."""
     if device.type == "cuda":
-        return (
-            x.pin_memory().to(device, non_blocking=True),
-            y.pin_memory().to(device, non_blocking=True),
-        )
-    return x.to(device), y.to(device)
+        return tuple(t.pin_memory().to(device, non_blocking=True) for t in tensors)
+    return tuple(t.to(device) for t in tensors)
 
 
 def stream_seed(seed: int, rank: int) -> int:
@@ -96,7 +91,7 @@ class BatchSampler:
         x = windows[:, :-1].contiguous()  # (B, T)
         y = windows[:, 1:].contiguous()  # (B, T)
         self.batches += 1
-        return to_device(x, y, self.device)
+        return to_device(x, y, device=self.device)
 
     __next__ = next
 

@@ -4,10 +4,11 @@
 input first, so that bad data or a bad `train.init_from` leaves the folder as it was; a resume
 first reads the run's state and tokenizer), settles the micro-batch (`train.batch_size: auto`,
 `llmcli.training.batch`), builds the model (from `train.init_from`'s weights,
-`llmcli.training.init_from`), optimizer and batch sampler (conversations' for chat data), puts
-the save back when resuming (`llmcli.training.checkpoint.restore`), and wraps the model for
-`train.compile` and DDP. Every rank checks each stage with the others (`agreed`) before going
-on, so that a bad input on one rank stops them all with its message.
+`llmcli.training.init_from`), optimizer and batch sampler (conversations' for chat data, packed
+with `data.packing` and scored by their own loss function), puts the save back when resuming
+(`llmcli.training.checkpoint.restore`), and wraps the model for `train.compile` and DDP. Every
+rank checks each stage with the others (`agreed`) before going on, so that a bad input on one
+rank stops them all with its message.
 
 What it builds is a `Run`: a record of the parts, each with a narrow job, that the loop
 (`llmcli.training.loop.fit`) hands to the helpers that use them. `started` builds it inside what
@@ -60,10 +61,11 @@ from llmcli.training.init_from import init_encoding, load_init_weights, resolve_
 from llmcli.training.lora import adapt, base_vocab_size, parameter_counts
 from llmcli.training.memory import check_memory, out_of_memory_is_bad_input
 from llmcli.training.optim import build_optimizer
+from llmcli.training.packed import packed_next_token_loss
 from llmcli.training.plan import measure_step
 from llmcli.training.precision import Precision
 from llmcli.training.state import ResumeState, RunFacts, TrainState, seed_everything
-from llmcli.training.step import Trainer
+from llmcli.training.step import Trainer, next_token_loss
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +195,8 @@ def build_run(
     if tc.head_metrics and info.main:  # rank 0 scores the heads
         probe = make_probe(data.tokenizer, config.model.context_length)
     evaluated = trainer.model.module if info.enabled else trainer.model  # no DDP forward
+    # Evaluation keeps one conversation a row (`split_sampler`): losses comparable across runs.
+    eval_loss = next_token_loss if packs(config) else trainer.loss_fn
     return Run(
         config=config,
         info=info,
@@ -202,7 +206,7 @@ def build_run(
         state=state,
         facts=facts,
         checkpoints=Checkpointer(facts, info, model, trainer, guard),
-        evaluate=Evaluator(evaluated, model, data, precision, info, probe, trainer.loss_fn),
+        evaluate=Evaluator(evaluated, model, data, precision, info, probe, eval_loss),
         guard=guard,
         divergence=Divergence(tc, run_dir, guarded=guard is not None),
         shrinks=auto_batch and not info.enabled and saved is None,
@@ -226,8 +230,9 @@ def _model_and_trainer(
     model.to(device)
     optimizer = build_optimizer(model, tc, device.type, no_decay)
     seed_everything(tc.seed + info.rank)
+    packed = packs(config)
     with agreed(info, device):
-        sampler = split_sampler(data, "train", config, tc.seed, info, device)
+        sampler = split_sampler(data, "train", config, tc.seed, info, device, packed)
     trainer = Trainer(
         model=model,
         params=[p for p in model.parameters() if p.requires_grad],
@@ -237,6 +242,8 @@ def _model_and_trainer(
         grad_accum=tc.grad_accum,
         grad_clip=tc.grad_clip,
     )
+    if packed:  # each conversation of a row attends to itself, its positions from 0
+        trainer.loss_fn = packed_next_token_loss
     if tc.objective == "dpo":  # scored against the frozen model it starts from
         assert data.preference is not None
         reference = reference_model(config, vocab, device)
@@ -249,6 +256,11 @@ def _model_and_trainer(
             model, data.prompts, config, load_reward(tc.reward), data.tokenizer.decode, reference
         )
     return model, trainer
+
+
+def packs(config: Config) -> bool:
+    """Whether the training stream packs conversations into rows (`data.packing`, chat only)."""
+    return config.data.format == "chat" and config.data.packing
 
 
 def _facts(

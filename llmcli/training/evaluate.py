@@ -29,7 +29,7 @@ from torch import nn
 
 from llmcli.config import Config
 from llmcli.data.batches import BatchSampler
-from llmcli.data.chat_batches import IGNORE, ChatSampler
+from llmcli.data.chat_batches import IGNORE, ChatSampler, PackedChatSampler
 from llmcli.data.preference_data import PreferenceSampler
 from llmcli.data.prepared import TokenData
 from llmcli.data.prompts import PromptSampler
@@ -230,11 +230,18 @@ def grpo_evaluation(objective: GRPOObjective, data: TokenData, limit: int) -> Ev
 
 
 def split_sampler(
-    data: TokenData, split: str, config: Config, seed: int, info: DistInfo, device: torch.device
-) -> BatchSampler | ChatSampler | PreferenceSampler | PromptSampler:
+    data: TokenData,
+    split: str,
+    config: Config,
+    seed: int,
+    info: DistInfo,
+    device: torch.device,
+    packed: bool = False,
+) -> BatchSampler | ChatSampler | PackedChatSampler | PreferenceSampler | PromptSampler:
     """The sampler of `data`'s split ("train" or "val"): prompts for GRPO, preference pairs
-    for DPO, conversation windows for chat data, else windows of the token stream; this rank's,
-    seeded with `seed`."""
+    for DPO, conversation windows for chat data (packed into rows with `packed`, one a row
+    without: evaluation's), else windows of the token stream; this rank's, seeded with
+    `seed`."""
     batch, context = config.train.batch_size, config.model.context_length
     if data.prompts is not None:
         prompts = data.prompts.train if split == "train" else data.prompts.val
@@ -246,7 +253,8 @@ def split_sampler(
         )
     if data.chat is not None:
         chat = data.chat.train if split == "train" else data.chat.val
-        return ChatSampler(
+        kind = PackedChatSampler if packed else ChatSampler
+        return kind(
             chat, data.chat.pad_id, batch, context, seed, info.rank, info.world_size, device
         )
     tokens = data.train if split == "train" else data.val
