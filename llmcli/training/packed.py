@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from llmcli.model.gpt import causal_mask
+
 
 def segment_mask(segments: Tensor) -> Tensor:
     """Who may attend to whom: `(B, T)` segment ids -> `(B, 1, T, T)` bool, True where the
@@ -29,7 +31,7 @@ def segment_mask(segments: Tensor) -> Tensor:
     within itself, so that every query has a key)."""
     T = segments.shape[1]
     same = segments[:, :, None] == segments[:, None, :]  # (B, T, T)
-    causal = torch.ones(T, T, dtype=torch.bool, device=segments.device).tril()  # (T, T)
+    causal = causal_mask(T, T, segments.device)  # (T, T)
     return (same & causal).unsqueeze(1)  # (B, 1, T, T)
 
 
