@@ -55,49 +55,57 @@ INDUCTOR_OPTIONS = {
 }
 
 
+#: Part of every compiled step's key: bump it when what is compiled changes.
+STEP_FORMAT = "llmcli-decode-v2"
+
+
 class _StaticCache:
     """What `Transformer.forward` asks of a `KVCache`, at a column given as a tensor.
 
-    `update` writes a layer's keys and values of the new token at `column` and returns the
-    layer's whole buffers `(B, nh, max_len, hs)`; the step's mask hides the columns not
-    written yet. `length` stays 0: the step always gives `input_pos`.
+    `update` writes a layer's keys and values of the new token at `column` into that layer's
+    buffers `(B, nh, max_len, hs)` and returns them whole; the step's mask hides the columns
+    not written yet. Each layer's buffer is an input of its own, so that the compiled graph
+    writes the one column in place (a slice of one cache-wide input would be copied whole at
+    every step). `length` stays 0: the step always gives `input_pos`.
     """
 
     length = 0
 
-    def __init__(self, k: Tensor, v: Tensor, column: Tensor) -> None:
-        self.k, self.v, self.column = k, v, column
+    def __init__(self, keys: tuple[Tensor, ...], values: tuple[Tensor, ...], column: Tensor):
+        self.keys, self.values, self.column = keys, values, column
 
     def check_room(self, batch_size: int, T: int) -> None:
         """The caller checks the real cache's room before each step."""
 
     def update(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        self.k[layer_idx].index_copy_(2, self.column, k)
-        self.v[layer_idx].index_copy_(2, self.column, v)
-        return self.k[layer_idx], self.v[layer_idx]
+        self.keys[layer_idx].index_copy_(2, self.column, k)
+        self.values[layer_idx].index_copy_(2, self.column, v)
+        return self.keys[layer_idx], self.values[layer_idx]
 
     def advance(self, T: int) -> None:
         """The caller counts the step on the real cache."""
 
 
 class _Step(nn.Module):
-    """The function compiled: logits `(B, V)` of one new token per row."""
+    """The function compiled: logits `(B, V)` of one new token per row; `layers` are every
+    layer's key buffer, then every layer's value buffer."""
 
     def __init__(self, model: Transformer) -> None:
         super().__init__()
         self.model = model
 
     def forward(
-        self, idx: Tensor, input_pos: Tensor, mask: Tensor, column: Tensor, k: Tensor, v: Tensor
+        self, idx: Tensor, input_pos: Tensor, mask: Tensor, column: Tensor, *layers: Tensor
     ) -> Tensor:
-        cache = _StaticCache(k, v, column)
+        n = len(layers) // 2
+        cache = _StaticCache(layers[:n], layers[n:], column)
         logits, _ = self.model(idx, mask=mask, input_pos=input_pos, kv_cache=cache)
         return logits[:, -1]  # (B, 1, V) -> (B, V)
 
 
 def compile_key(model: Transformer, rows: int, max_len: int) -> str:
     """What a compiled step depends on, hashed: the weights, the config, the rows and cache
-    length, torch's version and the compile options."""
+    length, torch's version, the compile options and `STEP_FORMAT`."""
     digest = hashlib.sha256()
     about = {
         "config": dataclasses.asdict(model.config),
@@ -106,6 +114,7 @@ def compile_key(model: Transformer, rows: int, max_len: int) -> str:
         "max_len": max_len,
         "torch": torch.__version__,
         "options": INDUCTOR_OPTIONS,
+        "format": STEP_FORMAT,
     }
     digest.update(json.dumps(about, sort_keys=True, default=str).encode())
     for name, tensor in model.state_dict().items():
@@ -118,13 +127,13 @@ def compile_step(model: Transformer, rows: int, max_len: int, path: Path) -> Non
     """Export and compile the step for `rows` rows and a cache of `max_len` columns into the
     package `path` (written under a temporary name, then renamed)."""
     cache = model.new_kv_cache(rows, max_len=max_len)
+    layers = [x.clone() for x in (*cache.k.unbind(0), *cache.v.unbind(0))]  # not aliased
     example = (
         torch.zeros(rows, 1, dtype=torch.long),  # idx
         torch.zeros(rows, 1, dtype=torch.long),  # input_pos
         torch.ones(rows, 1, 1, max_len, dtype=torch.bool),  # mask
         torch.zeros(1, dtype=torch.long),  # column
-        cache.k,
-        cache.v,
+        *layers,
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}-{os.getpid()}.pt2")
@@ -166,6 +175,7 @@ class CompiledDecoder:
         self.mask = torch.empty(rows, 1, 1, max_len, dtype=torch.bool)  # the step's, whole
         self.positions = torch.empty(rows, 1, dtype=torch.long)
         self.column = torch.empty(1, dtype=torch.long)
+        self._layers: tuple[KVCache | None, tuple[Tensor, ...]] = (None, ())
 
     @classmethod
     def for_model(
@@ -231,8 +241,9 @@ class CompiledDecoder:
             self.mask.narrow(3, 0, past + 1).copy_(mask)
         positions = self.positions.fill_(past) if input_pos is None else input_pos
         self.column.fill_(past)
-        logits = self.step(
-            idx.reshape(B, 1).contiguous(), positions, self.mask, self.column, cache.k, cache.v
-        )
+        if self._layers[0] is not cache:  # each layer's buffers, views made once a cache
+            self._layers = (cache, (*cache.k.unbind(0), *cache.v.unbind(0)))
+        idx = idx.reshape(B, 1).contiguous()
+        logits = self.step(idx, positions, self.mask, self.column, *self._layers[1])
         cache.advance(1)
         return logits
