@@ -240,6 +240,7 @@ HUB = "needs the Hub's TinyStories (tests/test_shipped.py runs the config on loc
 NO_TENSORBOARD = "needs the tensorboard extra"
 NO_CUDA = "asks for a CUDA device, and there is none here"
 OTHER = "another program"
+COMPILES = "compiles the decode step, about a minute (tests/test_compiled_decode.py compiles one)"
 
 
 def _skip_reason(command) -> str | None:
@@ -255,6 +256,8 @@ def _skip_reason(command) -> str | None:
         return NO_TENSORBOARD
     if "--device cuda" in text and not torch.cuda.is_available():
         return NO_CUDA
+    if "--compile" in command.words:
+        return COMPILES
     if command.words[0] not in ("llmcli", "printf"):  # printf writes a file a command reads
         return OTHER
     return None
@@ -366,7 +369,7 @@ def test_every_cheap_command_of_every_page_runs_as_a_new_user_types_it(
     failures = [f for r in readers for f in r.failures]
     assert not failures, "\n\n".join(failures)
     assert sum(len(r.ran) for r in readers) >= 35
-    known = {*SKIP.values(), CLONE, HUB, NO_TENSORBOARD, NO_CUDA, OTHER}
+    known = {*SKIP.values(), CLONE, HUB, NO_TENSORBOARD, NO_CUDA, OTHER, COMPILES}
     assert {reason for r in readers for _, reason in r.skipped} <= known
 
 

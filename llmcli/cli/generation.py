@@ -50,7 +50,7 @@ CompileOption = Annotated[
         "--compile/--no-compile",
         help="Compile the decode step to C++ (AOTInductor; CPU, needs g++): about a minute "
         "the first time per run and batch size, kept in the cache; then about twice as fast "
-        "per token on a small model.",
+        "per token on a small model sampled one row at a time.",
     ),
 ]
 StopOption = Annotated[

@@ -3,8 +3,10 @@ forward for one new token per row, exported with a static KV cache (`torch.expor
 compiled to C++ by AOTInductor, the weights frozen in and its matrix products autotuned.
 
 On a small model a decode step's time goes to eager PyTorch's cost per operation (Python,
-dispatch, allocation), not to arithmetic; compiled, the whole step is one call. On the `tiny`
-shape at one thread it takes about half the time of `llmcli.generation.fast_decode`'s step
+dispatch, allocation), not to arithmetic; compiled, the whole step is one call. At one row and
+one thread it takes about half the time of `llmcli.generation.fast_decode`'s step on the `tiny`
+shape and about 0.95x on 6 layers of 384; with 8 rows of the latter it is slower than that step
+(Inductor's products for 8 rows against MKL's, and attention over every column of the cache)
 (benchmarks/decode_vs_llama_cpp.py). What it costs: about a minute of compiling per model and
 batch size the first time, and a C++ compiler. The compiled step is kept in the compile cache
 (`<cache>/decode/`, `llmcli.data.prepared.default_cache_dir`), under a key that hashes the
