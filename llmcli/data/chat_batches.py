@@ -125,7 +125,7 @@ def best_fit(sizes: list[int], rows: int, room: int) -> tuple[list[list[int]], l
     return placed, sorted(left)
 
 
-class PackedChatSampler:
+class PackedChatSampler(ChatSampler):
     """Conversation windows packed whole into rows: `(x, y, segments)`, drawn with the
     sampler's own generator.
 
@@ -136,34 +136,15 @@ class PackedChatSampler:
     long ones as often as short ones. A row's conversations lie one after another from its
     first position, then padding (targets -1).
 
-    Args:
-        split, pad_id, batch_size, context_length, seed, rank, world_size, device: as
-            `ChatSampler`'s.
+    Takes `ChatSampler`'s arguments.
     """
 
-    def __init__(
-        self,
-        split: ChatSplit,
-        pad_id: int,
-        batch_size: int,
-        context_length: int,
-        seed: int,
-        rank: int = 0,
-        world_size: int = 1,
-        device: str | torch.device = "cpu",
-    ) -> None:
-        if len(split.starts) == 0:
-            raise InputError("the split has no conversation window to draw from.")
-        self.split, self.pad_id = split, pad_id
-        self.batch_size = batch_size
-        self.context_length = context_length
-        self.device = torch.device(device)
-        self.generator = rank_generator(batch_size, seed, rank, world_size)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         # Twice the batch: a larger pool fills the chat example's rows no better (76% real
         # tokens with 2, 4 or 8 batches' worth) and keeps windows waiting longer.
-        self.pool_size = 2 * batch_size
+        self.pool_size = 2 * self.batch_size
         self.pool: list[int] = []  # drawn windows not yet packed, in the order drawn
-        self.batches = 0
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The next batch: `x`, `y` as `ChatSampler`'s and `segments`, each `(B, T)` int64:
@@ -191,12 +172,6 @@ class PackedChatSampler:
         return to_device(*tensors, device=self.device)
 
     __next__ = next
-
-    def __iter__(self) -> PackedChatSampler:
-        return self
-
-    def close(self) -> None:
-        """Nothing to close: the split's memory maps belong to its data."""
 
     def state_dict(self) -> dict[str, torch.Tensor | int]:
         """Generator state, batch count and the pool's windows."""
