@@ -7,6 +7,8 @@ what the step computes."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from model_helpers import randomize_, tiny_model
@@ -31,8 +33,10 @@ def compiled(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:  # the options are part of the cache's key
         patch.setattr(compiled_decode, "INDUCTOR_OPTIONS", {"freezing": True})
         notes: list[str] = []
+        limit = sys.getrecursionlimit()
         decoder = CompiledDecoder.for_model(model, 3, cache_dir=cache, notify=notes.append)
     assert len(notes) == 1 and "compiling the decode step for 3 row(s)" in notes[0]
+    assert sys.getrecursionlimit() == limit  # as it was before Inductor raised it
     return model, decoder, cache
 
 

@@ -11,7 +11,7 @@ shape and about 0.95x on 6 layers of 384; with 8 rows of the latter it is slower
 batch size the first time, and a C++ compiler. The compiled step is kept in the compile cache
 (`<cache>/decode/`, `llmcli.data.prepared.default_cache_dir`), under a key that hashes the
 weights, the model's config, the rows and torch's version, so the next `--compile` on the same
-run starts at once. Only this process writes what it compiled, through a temporary name.
+run starts at once. A package is written whole or not at all (`llmcli.fileio.atomic_path`).
 
 The exported function is `Transformer.forward` with `_StaticCache`, a stand-in for `KVCache`
 that writes each layer's new keys and values at the step's column given as a tensor (so that one
@@ -30,6 +30,8 @@ import hashlib
 import json
 import logging
 import os
+import sys
+import tempfile
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +42,7 @@ from torch import Tensor, nn
 
 from llmcli.data.prepared import default_cache_dir
 from llmcli.errors import InputError
+from llmcli.fileio import atomic_path
 from llmcli.generation.fast_decode import FastDecoder, through_forward
 from llmcli.model.gpt import Transformer
 from llmcli.model.hooks import HookPoint
@@ -138,19 +141,23 @@ def compile_step(model: Transformer, rows: int, max_len: int, path: Path) -> Non
         *layers,
     )
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}-{os.getpid()}.pt2")
+    # AOTInductor names its package *.pt2: it writes into a scratch folder, and the file then
+    # takes the place of `atomic_path`'s temporary one.
+    limit = sys.getrecursionlimit()  # Inductor raises it for itself and leaves it so
     try:
-        with torch.no_grad():
-            program = torch.export.export(_Step(model).eval(), example)
-            torch._inductor.aoti_compile_and_package(
-                # A copy: Inductor adds its own entries to the options it is given.
-                program,
-                package_path=str(tmp),
-                inductor_configs=dict(INDUCTOR_OPTIONS),
-            )
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp, tempfile.TemporaryDirectory(dir=path.parent) as scratch:
+            package = Path(scratch) / "step.pt2"
+            with torch.no_grad():
+                program = torch.export.export(_Step(model).eval(), example)
+                torch._inductor.aoti_compile_and_package(
+                    # A copy: Inductor adds its own entries to the options it is given.
+                    program,
+                    package_path=str(package),
+                    inductor_configs=dict(INDUCTOR_OPTIONS),
+                )
+            os.replace(package, tmp)
     finally:
-        tmp.unlink(missing_ok=True)
+        sys.setrecursionlimit(limit)
 
 
 #: The decoders made in this process, by model and rows: a batch after the first reuses one.
