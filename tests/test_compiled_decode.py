@@ -75,12 +75,12 @@ def test_steps_past_the_context_and_other_batch_sizes_still_match(compiled) -> N
 
 
 def test_the_compiled_step_is_kept_and_reused(compiled, monkeypatch) -> None:
-    """The same model and rows: the decoder made before; a new process (here: the memo
+    """The same model and rows: the decoder made before; a new process (here: the last decoder
     cleared) loads the cached step without compiling; other weights make another key."""
     model, decoder, cache = compiled
     monkeypatch.setattr(compiled_decode, "INDUCTOR_OPTIONS", {"freezing": True})  # as compiled
     assert CompiledDecoder.for_model(model, 3, cache_dir=cache) is decoder
-    compiled_decode._MADE.clear()
+    CompiledDecoder.last = None
     notes: list[str] = []
     again = CompiledDecoder.for_model(model, 3, cache_dir=cache, notify=notes.append)
     assert notes == [] and again is not decoder

@@ -32,7 +32,6 @@ import logging
 import os
 import sys
 import tempfile
-import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -160,12 +159,6 @@ def compile_step(model: Transformer, rows: int, max_len: int, path: Path) -> Non
         sys.setrecursionlimit(limit)
 
 
-#: The decoders made in this process, by model and rows: a batch after the first reuses one.
-_MADE: weakref.WeakKeyDictionary[nn.Module, dict[int, CompiledDecoder]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
 class CompiledDecoder:
     """A `DecodeStep` (`llmcli.generation.engine`) for `rows` rows: the compiled step; for
     another batch size or cache `FastDecoder`'s; None where neither applies now (a hook function
@@ -173,6 +166,10 @@ class CompiledDecoder:
 
     The weights are compiled in: they must not change while the decoder is in use.
     """
+
+    #: The decoder made last in this process, which the next batch of the same model and rows
+    #: reuses: one only, so that no model is kept alive past its use.
+    last: CompiledDecoder | None = None
 
     def __init__(self, model: Transformer, step: Callable[..., Tensor], rows: int, max_len: int):
         self.model, self.step = model, step
@@ -204,9 +201,9 @@ class CompiledDecoder:
         """
         if not isinstance(model, Transformer) or model.wte.weight.device.type != "cpu":
             raise InputError("--compile compiles the decode step of a model on the CPU only")
-        made = _MADE.setdefault(model, {})
-        if rows in made:
-            return made[rows]
+        last = CompiledDecoder.last
+        if last is not None and last.model is model and last.rows == rows:
+            return last
         max_len = model.context_length
         folder = (cache_dir or default_cache_dir()) / "decode"
         path = folder / f"{compile_key(model, rows, max_len)}.pt2"
@@ -230,8 +227,8 @@ class CompiledDecoder:
                 f"could not load the compiled decode step {path} ({type(e).__name__}): delete "
                 "it, and --compile compiles it again"
             ) from e
-        made[rows] = cls(model, step, rows, max_len)
-        return made[rows]
+        CompiledDecoder.last = cls(model, step, rows, max_len)
+        return CompiledDecoder.last
 
     def __call__(
         self, idx: Tensor, cache: KVCache, mask: Tensor | None, input_pos: Tensor | None
