@@ -52,6 +52,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf_check import GGML_TYPE_F32, open_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -62,8 +63,6 @@ from llmcli.generation.engine import generate_ids  # noqa: E402
 from llmcli.generation.fast_decode import FastDecoder  # noqa: E402
 from llmcli.generation.loop import generate as plain_generate  # noqa: E402
 from llmcli.runs.loading import load_run  # noqa: E402
-
-GGML_TYPE_F32 = 0
 
 
 class LlamaCpp:
@@ -132,18 +131,7 @@ class LlamaCpp:
 def python_api(path: Path, n_ctx: int, threads: int) -> Callable[[list[int], int], list[int]]:
     """`llama-cpp-python`'s own greedy loop (`Llama.generate`: its sampler chain at temperature
     0), one sequence: `fn(prompt, n)` gives the first `n` new tokens."""
-    from llama_cpp import Llama
-
-    llm = Llama(
-        model_path=str(path),
-        n_ctx=n_ctx,
-        n_threads=threads,
-        n_threads_batch=threads,
-        type_k=GGML_TYPE_F32,
-        type_v=GGML_TYPE_F32,
-        flash_attn=False,
-        verbose=False,
-    )
+    llm = open_llama(path, n_ctx, threads)
 
     def generate(prompt: list[int], n: int) -> list[int]:
         steps = llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True)

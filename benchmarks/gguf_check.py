@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -94,14 +95,15 @@ def llmcli_side(run_dir: Path, prompt: str, n: int) -> dict:
     }
 
 
-def llama_side(path: Path, prompt: str, n: int, n_ctx: int, threads: int) -> dict:
-    """llama.cpp's prompt ids, prompt logits, greedy ids (argmax, until EOS) and their text."""
+def open_llama(path: Path, n_ctx: int, threads: int, logits_all: bool = False) -> Any:
+    """The GGUF file in llama.cpp (`llama_cpp.Llama`) on the CPU: an f32 KV cache, flash
+    attention off, quiet."""
     from llama_cpp import Llama
 
-    llm = Llama(
+    return Llama(
         model_path=str(path),
         n_ctx=n_ctx,
-        logits_all=True,
+        logits_all=logits_all,
         n_threads=threads,
         n_threads_batch=threads,
         type_k=GGML_TYPE_F32,
@@ -109,6 +111,11 @@ def llama_side(path: Path, prompt: str, n: int, n_ctx: int, threads: int) -> dic
         flash_attn=False,
         verbose=False,
     )
+
+
+def llama_side(path: Path, prompt: str, n: int, n_ctx: int, threads: int) -> dict:
+    """llama.cpp's prompt ids, prompt logits, greedy ids (argmax, until EOS) and their text."""
+    llm = open_llama(path, n_ctx, threads, logits_all=True)
     ids = llm.tokenize(prompt.encode("utf-8"), add_bos=False, special=False)
     llm.eval(ids)
     logits = np.array(llm.scores[: len(ids)], dtype=np.float64)
