@@ -104,9 +104,13 @@ def test_a_compile_that_fails_names_the_fix(tmp_path, monkeypatch) -> None:
         CompiledDecoder.for_model(model, 1, cache_dir=tmp_path, notify=lambda _: None)
     assert not any(tmp_path.rglob("*.pt2"))
     damaged = tmp_path / "decode" / f"{compile_key(model, 1, model.context_length)}.pt2"
-    damaged.parent.mkdir()
+    damaged.parent.mkdir(exist_ok=True)
     damaged.write_bytes(b"not a package")
     with pytest.raises(InputError, match="could not load the compiled decode step .*delete it"):
         CompiledDecoder.for_model(model, 1, cache_dir=tmp_path)
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    with pytest.raises(InputError, match="cannot write the compiled decode step in .*LLMCLI_CACHE"):
+        CompiledDecoder.for_model(model, 1, cache_dir=a_file, notify=lambda _: None)
     with pytest.raises(InputError, match="model on the CPU only"):
         CompiledDecoder.for_model(torch.nn.Linear(2, 2), 1, cache_dir=tmp_path)

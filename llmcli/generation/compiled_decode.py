@@ -40,7 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from llmcli.data.prepared import default_cache_dir
-from llmcli.errors import InputError
+from llmcli.errors import InputError, describe_os_error
 from llmcli.fileio import atomic_path
 from llmcli.generation.fast_decode import FastDecoder, through_forward
 from llmcli.model.gpt import Transformer
@@ -129,7 +129,7 @@ def compile_key(model: Transformer, rows: int, max_len: int) -> str:
 
 def compile_step(model: Transformer, rows: int, max_len: int, path: Path) -> None:
     """Export and compile the step for `rows` rows and a cache of `max_len` columns into the
-    package `path` (written under a temporary name, then renamed)."""
+    package `path`, in a folder that exists (written under a temporary name, then renamed)."""
     cache = model.new_kv_cache(rows, max_len=max_len)
     layers = [x.clone() for x in (*cache.k.unbind(0), *cache.v.unbind(0))]  # not aliased
     example = (
@@ -139,7 +139,6 @@ def compile_step(model: Transformer, rows: int, max_len: int, path: Path) -> Non
         torch.zeros(1, dtype=torch.long),  # column
         *layers,
     )
-    path.parent.mkdir(parents=True, exist_ok=True)
     # AOTInductor names its package *.pt2: it writes into a scratch folder, and the file then
     # takes the place of `atomic_path`'s temporary one.
     limit = sys.getrecursionlimit()  # Inductor raises it for itself and leaves it so
@@ -208,6 +207,13 @@ class CompiledDecoder:
         folder = (cache_dir or default_cache_dir()) / "decode"
         path = folder / f"{compile_key(model, rows, max_len)}.pt2"
         if not path.exists():
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise InputError(
+                    f"cannot write the compiled decode step in '{folder}': "
+                    f"{describe_os_error(e)}; set $LLMCLI_CACHE to a folder you can write"
+                ) from None
             notify(
                 f"compiling the decode step for {rows} row(s) (about a minute the first time; "
                 f"kept in {folder})"
