@@ -186,8 +186,23 @@ def test_without_data_a_dpo_run_scores_its_validation_pairs(runs, capsys):
     code, out, err = run_eval(capsys, runs["dpo"], "--data", runs["val"], "--json")
     assert code == 0, err
     given = json.loads(out)
-    for name in (*TRL_NAMES, "logps/accuracies", "per_pair"):
+    for name in (*TRL_NAMES, "logps/accuracies"):
         assert split[name] == pytest.approx(given[name], abs=1e-6), name
+    assert_records_close(split["per_pair"], given["per_pair"], abs=1e-6)
+
+
+def assert_records_close(got: list[dict], expected: list[dict], abs: float) -> None:
+    """Records equal field by field: numbers within `abs`, everything else exactly (pytest 9's
+    `approx` refuses a list of dicts)."""
+    assert len(got) == len(expected)
+    for i, (record, reference) in enumerate(zip(got, expected, strict=True)):
+        assert record.keys() == reference.keys(), i
+        for key, value in record.items():
+            numeric = isinstance(value, float) and not isinstance(reference[key], bool)
+            if numeric:
+                assert value == pytest.approx(reference[key], abs=abs), (i, key)
+            else:
+                assert value == reference[key], (i, key)
 
 
 def test_a_run_not_trained_with_dpo_ranks_the_replies_itself_and_takes_a_reference(runs, capsys):
