@@ -191,6 +191,8 @@ GOOD: dict[str, dict[str, st.SearchStrategy]] = {
         ),
         "scale_rewards": st.booleans(),
         "grpo_beta": reals(0, 10) | st.integers(0, 3),
+        # the objective is next_token, which takes none: tests/test_grpo_loss.py has the others
+        "loss_type": st.none(),
         # rank at most the smallest n_embed; fix_up gives it an init_from
         "lora": st.none()
         | st.fixed_dictionaries(

@@ -118,8 +118,9 @@ def test_a_steps_loss_is_the_formula_on_its_own_completions_rewards_and_logps(
     objective, model, sampler, prompts, tokenizer = objective_for(config)
     batch = sampler.next()
     done = objective.sample(batch)  # the step's own completions: drawn from the batch's seed
-    loss, metrics = objective.loss(model, done)
-    assert torch.equal(objective(model, batch)[0], loss)  # a step samples them and scores them
+    (share,) = objective.shares(batch, 1)
+    assert torch.equal(share.completions.ids, done.ids) and share.completions.texts == done.texts
+    loss, metrics = objective(model, share)
     G = config.train.group_size
     # Each row is its prompt, the completion drawn, and the end token when it ended.
     for i, k in enumerate(r for r in batch.picks for _ in range(G)):
@@ -139,19 +140,28 @@ def test_a_steps_loss_is_the_formula_on_its_own_completions_rewards_and_logps(
         (groups - groups.mean(1, keepdims=True)) / (groups.std(1, ddof=1, keepdims=True) + 1e-4)
     ).ravel()
     m = done.mask[:, 1:].numpy()
-    expected = -(adv[:, None] * hand_logps(model, done.ids) * m).sum() / m.sum()
-    assert loss.item() == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    # TRL's value: the ratio is 1, so the loss is the token-weighted mean of -A (dapo).
+    assert loss.item() == pytest.approx(-(adv[:, None] * m).sum() / m.sum(), rel=1e-5, abs=1e-6)
     assert float(metrics["reward"]) == pytest.approx(rewards.mean(), rel=1e-6)
-    assert float(metrics["reward_std"]) == pytest.approx(groups.std(1, ddof=1).mean(), rel=1e-5)
-    assert float(metrics["completions/mean_length"]) == pytest.approx(
-        done.mask.sum(1).float().mean()
-    )
+    assert float(metrics["reward_std"]) == pytest.approx(rewards.std(ddof=1), rel=1e-5)
+    lengths = done.mask.sum(1).float()
+    assert float(metrics["completions/mean_length"]) == pytest.approx(lengths.mean())
+    assert float(metrics["completions/max_length"]) == lengths.max()
     assert float(metrics["frac_reward_zero_std"]) == 0.0
     assert float(metrics["completions/clipped_ratio"]) == pytest.approx(
         1 - done.ended.float().mean()
     )
-    loss.backward()  # the gradient flows into the policy
-    assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() > 0
+    # Its gradient is the policy gradient's: -sum A log p over the completion tokens / tokens.
+    loss.backward()
+    got = model.lm_head.weight.grad.clone()
+    model.zero_grad()
+    logits = model(done.ids[:, :-1])[0]
+    logp = torch.log_softmax(logits, -1).gather(-1, done.ids[:, 1:, None])[..., 0]
+    (
+        -(torch.tensor(adv, dtype=torch.float32)[:, None] * logp * done.mask[:, 1:]).sum() / m.sum()
+    ).backward()
+    assert got.abs().sum() > 0
+    torch.testing.assert_close(got, model.lm_head.weight.grad, rtol=1e-4, atol=1e-7)
 
 
 def test_the_kl_penalty_is_trls_estimate_against_the_reference(base: Path, tmp_path: Path) -> None:
@@ -162,15 +172,16 @@ def test_the_kl_penalty_is_trls_estimate_against_the_reference(base: Path, tmp_p
     with torch.no_grad():  # the policy moved away from the reference
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    done = objective.sample(sampler.next())
-    loss, metrics = objective.loss(model, done)
+    (share,) = objective.shares(sampler.next(), 1)
+    done = share.completions
+    loss, metrics = objective(model, share)
     m = done.mask[:, 1:].numpy()
     diff = hand_logps(reference, done.ids) - hand_logps(model, done.ids)
     kl = ((np.exp(diff) - diff - 1) * m).sum() / m.sum()
     adv = advantages(done.rewards, config.train.group_size, True).double().numpy()
-    pg = -(adv[:, None] * hand_logps(model, done.ids) * m).sum() / m.sum()
+    pg = -(adv[:, None] * m).sum() / m.sum()
     assert kl > 0 and float(metrics["kl"]) == pytest.approx(kl, rel=1e-4)
-    assert float(loss) == pytest.approx(pg + 0.5 * kl, rel=1e-4, abs=1e-6)
+    assert float(loss.detach()) == pytest.approx(pg + 0.5 * kl, rel=1e-4, abs=1e-6)
 
 
 def test_the_verifiers() -> None:

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import yaml
 
+from llmcli.config.objective_defaults import with_objective_defaults
 from llmcli.config.sections import SECTIONS, Config
 from llmcli.config.shipped import bundled_paths, find_config
 from llmcli.errors import ConfigError, InputError, did_you_mean
@@ -177,6 +178,7 @@ def config_from_dict(raw: Any, name: str = "run") -> Config:
             raise ConfigError(
                 f"unknown config section '{key}'.{hint} The sections are {', '.join(SECTIONS)}."
             )
+    raw = with_objective_defaults(raw)
     config = Config(
         **{section: _build_section(section, raw.get(section)) for section in SECTIONS},
         name=name,

@@ -13,6 +13,10 @@ from llmcli.errors import ConfigError, did_you_mean
 # GRPO's built-in verifiers (`train.reward`; llmcli.evaluation.rewards).
 VERIFIERS = ("exact", "number", "contains")
 
+# `train.loss_type`'s choices by objective, TRL 1.16's names, the first the default
+# (llmcli.training.grpo, llmcli.evaluation.preference_scores).
+LOSS_TYPES = {"grpo": ("dapo", "bnpo", "grpo", "dr_grpo"), "dpo": ("sigmoid",)}
+
 
 def check_reward_spec(spec: str) -> None:
     """`train.reward` is a built-in verifier or `FILE.py:FUNCTION` (the file is read later)."""
@@ -109,6 +113,11 @@ class TrainConfig:
     # GRPO: the weight of a KL penalty to the init_from model, per token (TRL's beta; 0: none,
     # and no reference model is kept)
     grpo_beta: float = 0.0
+    # How the loss sums over tokens, TRL's loss_type; null: the objective's default. GRPO: dapo
+    # (TRL's default: over every completion token of the step, on every rank), bnpo (each
+    # micro-batch's tokens), grpo (each completion's mean), dr_grpo (over max_new_tokens per
+    # completion). DPO: sigmoid. Next-token training has one loss and takes none.
+    loss_type: str | None = None
     # Low-rank adapters on the frozen init_from model instead of a full fine-tune, for any
     # objective: a mapping of rank, alpha, dropout and targets (llmcli.config.lora), or null
     lora: LoraConfig | None = None
@@ -270,6 +279,7 @@ class TrainConfig:
             "must be >= 0 (0: no KL penalty)",
         )
         check_reward_spec(self.reward)
+        self._validate_loss_type()
         if self.lora is not None:
             self.lora.validate()
             if self.init_from is None:
@@ -278,6 +288,28 @@ class TrainConfig:
                     "run directory or Hugging Face model to adapt (or remove train.lora to "
                     "train from scratch)."
                 )
+
+    def _validate_loss_type(self) -> None:
+        if self.loss_type is None:
+            return
+        choices = LOSS_TYPES.get(self.objective)
+        if choices is None:
+            raise ConfigError(
+                f"train.loss_type ({self.loss_type!r}) chooses a DPO or GRPO loss, and "
+                f"train.objective is {self.objective!r}: remove train.loss_type."
+            )
+        if self.loss_type not in choices:
+            hint = did_you_mean(str(self.loss_type), choices)
+            raise ConfigError(
+                f"train.loss_type ({self.loss_type!r}) is not one of {self.objective}'s: "
+                f"{', '.join(choices)} (TRL's names; the first is the default).{hint}"
+            )
+
+    @property
+    def resolved_loss_type(self) -> str | None:
+        """`loss_type`, or the objective's default (None for next-token training)."""
+        choices = LOSS_TYPES.get(self.objective)
+        return self.loss_type or (choices[0] if choices else None)
 
     def _validate_guard(self) -> None:
         for key, ok, rule in (

@@ -55,7 +55,7 @@ from llmcli.training.compiling import MEASURE_S, choose, compile_key, compiled, 
 from llmcli.training.distributed import DistInfo, agreed, dist_from_env, gather, process_group
 from llmcli.training.dpo import dpo_objective, reference_model, score_pairs_once
 from llmcli.training.evaluate import EVAL_SEED_OFFSET, Evaluator, split_sampler
-from llmcli.training.grpo import GRPOObjective
+from llmcli.training.grpo import GRPOObjective, GRPOStream
 from llmcli.training.guard import Divergence, SpikeGuard
 from llmcli.training.init_from import init_encoding, load_init_weights, resolve_init_from
 from llmcli.training.lora import adapt, base_vocab_size, parameter_counts
@@ -252,9 +252,17 @@ def _model_and_trainer(
     if tc.objective == "grpo":  # completions sampled from the model as it trains, rewarded
         assert data.prompts is not None
         reference = reference_model(config, vocab, device) if tc.grpo_beta > 0 else None
-        trainer.loss_fn = GRPOObjective(
-            model, data.prompts, config, load_reward(tc.reward), data.tokenizer.decode, reference
+        objective = GRPOObjective(
+            model,
+            data.prompts,
+            config,
+            load_reward(tc.reward),
+            data.tokenizer.decode,
+            reference,
+            info,
         )
+        trainer.loss_fn = objective
+        trainer.batches = GRPOStream(objective, sampler, tc.grad_accum)
     return model, trainer
 
 

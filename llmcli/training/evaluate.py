@@ -243,9 +243,10 @@ def split_sampler(
     without: evaluation's), else windows of the token stream; this rank's, seeded with
     `seed`."""
     batch, context = config.train.batch_size, config.model.context_length
-    if data.prompts is not None:
+    if data.prompts is not None:  # a GRPO step draws all its prompts at once
         prompts = data.prompts.train if split == "train" else data.prompts.val
-        return PromptSampler(prompts, batch, seed, info.rank, info.world_size)
+        step = batch * config.train.grad_accum
+        return PromptSampler(prompts, step, seed, info.rank, info.world_size)
     if data.preference is not None:
         pairs = data.preference.train if split == "train" else data.preference.val
         return PreferenceSampler(

@@ -1,25 +1,35 @@
 """Group Relative Policy Optimization (Shao et al. 2024, "DeepSeekMath") as a training objective:
-learning from rewards on completions the model samples itself.
+learning from rewards on completions the model samples itself, as TRL 1.16's `GRPOTrainer`
+computes it (`trl/trainer/grpo_trainer.py`, `_compute_loss`).
 
-For each prompt of a micro-batch the policy samples `train.group_size` completions (the `sample`
-section's temperature, top-k, top-p and `max_new_tokens`, each cut to the room the context
-leaves); each completion gets a reward (`llmcli.evaluation.rewards`), and its advantage is its
-reward less the mean of its group's, divided by the group's standard deviation when
-`train.scale_rewards` (TRL's default). The loss raises the log-probability of every token of a
-completion in proportion to its advantage, normalised by the batch's completion tokens:
+A step draws `train.batch_size x train.grad_accum` prompts at once (`GRPOStream`), and for each
+the policy samples `train.group_size` completions (the `sample` section's temperature, top-k,
+top-p and `max_new_tokens`, each cut to the room the context leaves; GRPO's defaults are TRL's:
+temperature 1, no top-k or top-p). Each completion gets a reward (`llmcli.evaluation.rewards`),
+and its advantage is its reward less the mean of its group's, divided by the group's standard
+deviation when `train.scale_rewards` (TRL's default). The step then hands the completions to the
+training step a micro-batch at a time: `grad_accum` is a memory knob, and a step's prompts,
+completions and gradient do not depend on how it is split.
 
-    loss = -sum_i sum_t A_i log p(c_i,t | prompt_i, c_i,<t) / sum_i |c_i|
+Each token's log-probability comes from the logits divided by the sampling temperature (the
+distribution the completion was drawn from; TRL's PR #3029). Per token, the loss is PPO's
+clipped surrogate `-min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A)` with `r` the ratio of
+the policy's probability to the sampling policy's; with one update per sample (TRL's default
+`num_iterations: 1`) `r` is 1 with the gradient of the log-probability, so the gradient is the
+plain policy gradient. `train.loss_type` sums it over the tokens as TRL's does:
 
-the on-policy policy gradient (one update per batch of samples, so PPO's ratio is 1 and its clip
-never acts; as nanochat's `chat_rl` and TRL's `GRPOTrainer` with one iteration compute it).
+- `dapo` (default): over every completion token of the step, on every rank;
+- `bnpo`: over each micro-batch's tokens, the micro-batches averaged;
+- `grpo`: each completion's mean over its tokens, averaged over completions;
+- `dr_grpo`: over each micro-batch's tokens, divided by its completions x `max_new_tokens`.
+
 With `train.grpo_beta` > 0 a KL penalty to the `train.init_from` model is added per token, as
 TRL estimates it: `exp(ref - logp) - (ref - logp) - 1`.
 
-`GRPOObjective` is the trainer's `loss_fn` (`loss_fn(policy, batch)`, the batch a
-`llmcli.data.prompts.PromptBatch`); the training loop is next-token training's. Completions are
-drawn with generators seeded from the batch's seed, which the prompt sampler draws and saves,
-so a resumed run samples what an uninterrupted one would. Each evaluation answers held-out
-prompts greedily (`GRPOObjective.evaluate`): pass@1 is the share whose completion is the answer.
+Completions are drawn with generators seeded from the step's seed, which the prompt sampler
+draws and saves, so a resumed run samples what an uninterrupted one would. Each evaluation
+answers held-out prompts greedily (`GRPOObjective.evaluate`): pass@1 is the share whose
+completion is the answer.
 """
 
 from __future__ import annotations
@@ -30,25 +40,27 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from llmcli.config import SampleConfig
 from llmcli.data.prepared import PromptData, PromptSplit
-from llmcli.data.prompts import PromptBatch
+from llmcli.data.prompts import PromptBatch, PromptSampler
 from llmcli.errors import InputError
 from llmcli.evaluation.prompts import greedy_figures, reply_budgets
 from llmcli.evaluation.rewards import BUILT_IN, Reward, score
 from llmcli.generation.replies import replies
 from llmcli.generation.sampling import make_generators
+from llmcli.training.distributed import DistInfo
 
 
 @dataclass
 class Completions:
-    """A micro-batch's sampled completions, group by group: rows `g * G .. (g + 1) * G - 1` are
-    prompt g's. `ids` `(R, L)` holds each prompt then its completion (and its end token when it
-    ended), padded after; `mask` `(R, L)` is True on the completion's tokens and the end
-    token; `rewards` `(R,)`."""
+    """Sampled completions, group by group: rows `g * G .. (g + 1) * G - 1` are prompt g's.
+    `ids` `(R, L)` holds each prompt then its completion (and its end token when it ended),
+    padded after; `mask` `(R, L)` is True on the completion's tokens and the end token;
+    `rewards` `(R,)`."""
 
     ids: Tensor
     mask: Tensor
@@ -61,6 +73,31 @@ class Completions:
         """`(R,)` each completion's tokens, the end token included."""
         return self.mask.sum(dim=1)
 
+    def rows(self, part: slice) -> Completions:
+        """The completions of the rows `part`, cut to their longest row (padding after a row's
+        end changes none of its tokens' log-probabilities under the causal mask)."""
+        mask = self.mask[part]
+        width = int(mask.any(dim=0).nonzero().max()) + 1 if mask.any() else 1
+        return Completions(
+            self.ids[part, :width],
+            mask[:, :width],
+            self.rewards[part],
+            self.ended[part],
+            self.texts[part],
+        )
+
+
+@dataclass
+class StepShare:
+    """One micro-batch's share of a step: its completions and their advantages, the step's
+    completion tokens over every rank (`dapo`'s normaliser) and the step's figures (the same
+    in each share, so the step's mean of them is the step's)."""
+
+    completions: Completions
+    advantages: Tensor  # (R,)
+    step_tokens: float
+    figures: dict[str, Tensor]
+
 
 def advantages(rewards: Tensor, group_size: int, scale: bool) -> Tensor:
     """Each reward less its group's mean (rows in groups of `group_size`), divided by the
@@ -72,39 +109,60 @@ def advantages(rewards: Tensor, group_size: int, scale: bool) -> Tensor:
     return centred.reshape(-1)
 
 
-def token_logps(model: nn.Module, ids: Tensor) -> Tensor:
-    """Each token's log-probability under `model` given the tokens before it: `(R, L)` ids ->
-    `(R, L - 1)` float32, position t scoring token t + 1."""
+def token_logps(model: nn.Module, ids: Tensor, temperature: float = 1.0) -> Tensor:
+    """Each token's log-probability under `model` given the tokens before it, from the logits
+    divided by `temperature` (the distribution a completion sampled at that temperature was
+    drawn from): `(R, L)` ids -> `(R, L - 1)` float32, position t scoring token t + 1."""
     logits, _ = model(ids[:, :-1])  # (R, L - 1, V)
-    logps = F.log_softmax(logits.float(), dim=-1)
+    logps = F.log_softmax(logits.float() / temperature, dim=-1)
     return logps.gather(-1, ids[:, 1:, None]).squeeze(-1)  # (R, L - 1)
 
 
-def grpo_loss(
-    logps: Tensor,
-    mask: Tensor,
-    advantage: Tensor,
-    ref_logps: Tensor | None = None,
-    beta: float = 0.0,
-) -> tuple[Tensor, Tensor | None]:
-    """The policy-gradient loss normalised by the completion tokens, and the mean per-token KL
-    to the reference (None without one).
+def per_token_loss(logps: Tensor, advantage: Tensor) -> Tensor:
+    """TRL's surrogate per token with one update per sample: `-r A`, where the ratio `r =
+    exp(logp - logp.detach())` is 1 in value and has the log-probability's gradient (PPO's
+    clip, which acts only on a ratio away from 1, never does). `(R, L-1)`, `(R,)` -> `(R, L-1)`.
+    """
+    ratio = torch.exp(logps - logps.detach())
+    return -ratio * advantage[:, None]
+
+
+def aggregate(
+    per_token: Tensor, mask: Tensor, loss_type: str, dapo_tokens: float, max_new_tokens: int
+) -> Tensor:
+    """A micro-batch's loss from its per-token losses, as TRL's `loss_type` sums them, for a
+    training step that averages its micro-batches' losses (`llmcli.training.step`).
 
     Args:
-        logps: `(R, L-1)` the policy's log-probability of each next token.
+        per_token: `(R, L-1)`.
         mask: `(R, L-1)` bool, True where the next token is a completion token.
-        advantage: `(R,)`.
-        ref_logps: `(R, L-1)` the reference's, for the KL penalty; None: none.
-        beta: the KL penalty's weight.
+        loss_type: dapo, bnpo, grpo or dr_grpo (the module's docstring).
+        dapo_tokens: the step's completion tokens over every rank, divided by the ranks and by
+            the step's micro-batches (the step averages its micro-batches, DDP its ranks: so
+            the step's gradient is that of its tokens' sum over all of them).
+        max_new_tokens: `dr_grpo`'s constant, the longest completion.
     """
     m = mask.float()
-    tokens = m.sum().clamp(min=1.0)
-    loss = -(advantage[:, None] * logps * m).sum() / tokens
-    if ref_logps is None:
-        return loss, None
+    total = (per_token * m).sum()
+    if loss_type == "dapo":
+        return total / max(dapo_tokens, 1e-9)
+    if loss_type == "bnpo":
+        return total / m.sum().clamp(min=1.0)
+    if loss_type == "dr_grpo":
+        return total / (per_token.shape[0] * max_new_tokens)
+    return ((per_token * m).sum(dim=1) / m.sum(dim=1).clamp(min=1.0)).mean()  # grpo
+
+
+def kl_per_token(logps: Tensor, ref_logps: Tensor) -> Tensor:
+    """TRL's estimate of the KL divergence to the reference, per token: `exp(ref - logp) -
+    (ref - logp) - 1` (>= 0, 0 where they agree)."""
     diff = ref_logps - logps
-    kl = ((torch.exp(diff) - diff - 1) * m).sum() / tokens
-    return loss + beta * kl, kl
+    return torch.exp(diff) - diff - 1
+
+
+def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    m = mask.float()
+    return (values * m).sum() / m.sum().clamp(min=1.0)
 
 
 def check_reward(reward: Reward, spec: str, data: PromptData) -> None:
@@ -149,32 +207,65 @@ class GRPOObjective:
         reward: Reward,
         decode_text: Any,
         reference: nn.Module | None = None,
+        info: DistInfo | None = None,
     ) -> None:
         self.policy, self.reward, self.decode_text = policy, reward, decode_text
         tc = config.train
         self.group_size, self.scale, self.beta = tc.group_size, tc.scale_rewards, tc.grpo_beta
+        self.loss_type = tc.resolved_loss_type
         self.sampling, self.context_length = config.sample, config.model.context_length
         self.end_id, self.reference = data.end_id, reference
         self.eval_batch = tc.batch_size * tc.group_size
+        self.info = info or DistInfo()
         check_reward(reward, tc.reward, data)
 
-    def __call__(self, model: nn.Module, batch: PromptBatch) -> tuple[Tensor, dict[str, Tensor]]:
-        """The loss of a micro-batch of prompts and its metrics: their completions sampled
-        from the policy, then `loss` on them under `model` (the step's: DDP, compiled)."""
-        return self.loss(model, self.sample(batch))
+    def __call__(self, model: nn.Module, share: StepShare) -> tuple[Tensor, dict[str, Tensor]]:
+        """The step's `loss_fn`: a micro-batch's share of the step (`GRPOStream`), its loss
+        under `model` (the step's: DDP, compiled) and its figures."""
+        return self.loss(model, share)
 
-    def loss(self, model: nn.Module, done: Completions) -> tuple[Tensor, dict[str, Tensor]]:
-        """`grpo_loss` of sampled completions under `model`, and TRL's metrics of them."""
+    def loss(self, model: nn.Module, share: StepShare) -> tuple[Tensor, dict[str, Tensor]]:
+        """`train.loss_type`'s sum of the per-token losses of a share's completions, and TRL's
+        figures: the step's, and this share's `kl` against the reference."""
         device = next(self.policy.parameters()).device
+        done = share.completions
         ids, mask = done.ids.to(device), done.mask[:, 1:].to(device)
-        advantage = advantages(done.rewards, self.group_size, self.scale).to(device)
-        logps = token_logps(model, ids)
-        ref = None
+        temperature = self.sampling.temperature
+        logps = token_logps(model, ids, temperature)
+        per_token = per_token_loss(logps, share.advantages.to(device))
+        figures = {name: value.to(device) for name, value in share.figures.items()}
         if self.reference is not None:
             with torch.no_grad():
-                ref = token_logps(self.reference, ids)
-        loss, kl = grpo_loss(logps, mask, advantage, ref, self.beta)
-        return loss, self._metrics(done, kl, device)
+                ref = token_logps(self.reference, ids, temperature)
+            kl = kl_per_token(logps, ref)
+            per_token = per_token + self.beta * kl
+            figures["kl"] = masked_mean(kl, mask).detach()
+        loss = aggregate(
+            per_token, mask, self.loss_type, share.step_tokens, self.sampling.max_new_tokens
+        )
+        return loss, figures
+
+    def shares(self, batch: PromptBatch, parts: int) -> list[StepShare]:
+        """A step's completions, sampled and rewarded at once (`sample`), then cut into `parts`
+        shares of whole groups, one a micro-batch."""
+        done = self.sample(batch)
+        advantage = advantages(done.rewards, self.group_size, self.scale)
+        tokens = done.mask[:, 1:].sum().double()
+        if self.info.enabled:  # dapo's normaliser: the step's tokens on every rank
+            tokens = tokens.to(next(self.policy.parameters()).device)
+            dist.all_reduce(tokens)
+        dapo_tokens = float(tokens) / (self.info.world_size * parts)
+        figures = self._figures(done)
+        rows = len(done.rewards) // parts
+        return [
+            StepShare(
+                done.rows(slice(i * rows, (i + 1) * rows)),
+                advantage[i * rows : (i + 1) * rows],
+                dapo_tokens,
+                figures,
+            )
+            for i in range(parts)
+        ]
 
     def sample(self, batch: PromptBatch) -> Completions:
         """`train.group_size` completions of each prompt of `batch`, drawn from the policy (in
@@ -242,20 +333,52 @@ class GRPOObjective:
             )
         return {"reward": figures["reward"], "pass@1": figures["pass@1"]}
 
-    def _metrics(self, done: Completions, kl: Tensor | None, device: torch.device) -> dict:
-        """TRL's GRPO metrics of the micro-batch: `reward`, `reward_std` (the groups' mean
-        standard deviation), `frac_reward_zero_std`, `completions/mean_length` and
-        `completions/clipped_ratio` (the share cut at their budget), and `kl`."""
-        groups = done.rewards.view(-1, self.group_size)
-        stds = groups.std(dim=1)
+    def _figures(self, done: Completions) -> dict[str, Tensor]:
+        """TRL's figures of a step's completions, under its names: `reward` and `reward_std`
+        (the mean and standard deviation of the step's rewards), `frac_reward_zero_std` (the
+        share of groups whose replies all scored the same: nothing to learn from them), and
+        the completions' lengths (`completions/mean_length`, `min_length`, `max_length`,
+        `mean_terminated_length` of those that ended) and `completions/clipped_ratio` (the
+        share cut at their budget)."""
+        stds = done.rewards.view(-1, self.group_size).std(dim=1)
         lengths = done.lengths.float()
-        metrics = {
+        ended = lengths[done.ended]
+        return {
             "reward": done.rewards.mean(),
-            "reward_std": stds.mean(),
+            "reward_std": done.rewards.std() if len(done.rewards) > 1 else torch.tensor(0.0),
             "frac_reward_zero_std": (stds == 0).float().mean(),
             "completions/mean_length": lengths.mean(),
+            "completions/min_length": lengths.min(),
+            "completions/max_length": lengths.max(),
+            "completions/mean_terminated_length": ended.mean() if len(ended) else torch.tensor(0.0),
             "completions/clipped_ratio": (~done.ended).float().mean(),
         }
-        if kl is not None:
-            metrics["kl"] = kl.detach()
-        return {name: value.to(device) for name, value in metrics.items()}
+
+
+class GRPOStream:
+    """GRPO's training stream: a step's prompts (`train.batch_size x train.grad_accum`, drawn at
+    once) sampled and rewarded together, then handed to the step one micro-batch's share at a
+    time (`GRPOObjective.shares`), so that how a step is split changes nothing it computes.
+
+    Its state is the prompt sampler's: a step takes all its shares, so none is pending when
+    the run saves.
+    """
+
+    def __init__(self, objective: GRPOObjective, prompts: PromptSampler, parts: int) -> None:
+        self.objective, self.prompts, self.parts = objective, prompts, parts
+        self._pending: list[StepShare] = []
+
+    def next(self) -> StepShare:
+        if not self._pending:
+            self._pending = self.objective.shares(self.prompts.next(), self.parts)
+        return self._pending.pop(0)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.prompts.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.prompts.load_state_dict(state)
+        self._pending = []
+
+    def close(self) -> None:
+        self.prompts.close()

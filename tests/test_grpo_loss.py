@@ -1,0 +1,124 @@
+"""GRPO's loss as TRL 1.16 computes it (llmcli/training/grpo.py): each `train.loss_type` and its
+gradient against TRL's `_compute_loss` written out here, at a sampling temperature other than 1
+and with two micro-batches; a step split 8 x 1 or 4 x 2 computing the same thing; the config's
+choices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from test_grpo import base, grpo_config, objective_for  # noqa: F401 (base: a fixture)
+
+from llmcli.config import config_from_dict
+from llmcli.data.prompts import PromptSampler
+from llmcli.errors import ConfigError
+from llmcli.runs.metrics import read_metrics
+from llmcli.training.grpo import advantages
+from llmcli.training.loop import train
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def trl_step_loss(model, shares, loss_type: str, temperature: float, max_len: int, accum: int):
+    """TRL's `_compute_loss` over a step's micro-batches, summed as its Trainer sums them (the
+    loss types but dapo divide by the accumulation steps themselves; dapo divides by the
+    step's tokens, `num_items_in_batch`)."""
+    step_tokens = sum(s.completions.mask[:, 1:].sum() for s in shares)
+    total = 0.0
+    for share in shares:
+        ids, mask = share.completions.ids, share.completions.mask[:, 1:].float()
+        logits = model(ids[:, :-1])[0] / temperature
+        logps = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+        coef_1 = torch.exp(logps - logps.detach())
+        coef_2 = torch.clamp(coef_1, 1 - 0.2, 1 + 0.2)
+        A = share.advantages[:, None]
+        per_token = -torch.min(coef_1 * A, coef_2 * A)
+        if loss_type == "grpo":
+            loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / accum
+        elif loss_type == "bnpo":
+            loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0) / accum
+        elif loss_type == "dr_grpo":
+            loss = (per_token * mask).sum() / (per_token.size(0) * max_len) / accum
+        else:  # dapo
+            loss = (per_token * mask).sum() / step_tokens
+        total = total + loss
+    return total
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "bnpo", "grpo", "dr_grpo"])
+def test_each_loss_type_and_its_gradient_are_trls_at_a_temperature_with_two_micro_batches(
+    base: Path,  # noqa: F811
+    tmp_path: Path,
+    loss_type: str,
+) -> None:
+    config = grpo_config(base, tmp_path, grad_accum=2, loss_type=loss_type)
+    config = dataclasses.replace(config, sample=dataclasses.replace(config.sample, temperature=0.7))
+    objective, model, _, prompts, _ = objective_for(config)
+    step = PromptSampler(prompts.train, config.train.batch_size * 2, seed=3).next()
+    shares = objective.shares(step, 2)
+    assert [len(s.completions.rewards) for s in shares] == [8, 8]
+    # The advantages are the whole step's, group by group.
+    done = objective.sample(step)
+    adv = advantages(done.rewards, config.train.group_size, True)
+    torch.testing.assert_close(torch.cat([s.advantages for s in shares]), adv)
+
+    ours = sum(objective(model, share)[0] / 2 for share in shares)  # as train_step sums them
+    ours.backward()
+    ours_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    theirs = trl_step_loss(model, shares, loss_type, 0.7, config.sample.max_new_tokens, 2)
+    theirs.backward()
+    assert float(ours.detach()) == pytest.approx(float(theirs.detach()), rel=1e-5, abs=1e-7)
+    assert sum(float(g.abs().sum()) for g in ours_grads) > 0
+    for got, p in zip(ours_grads, model.parameters(), strict=True):
+        torch.testing.assert_close(got, p.grad, rtol=1e-4, atol=1e-7)
+
+
+def test_a_step_split_in_two_micro_batches_computes_what_one_does(
+    base: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    runs = {}
+    for batch, accum in ((8, 1), (4, 2)):
+        folder = tmp_path / f"{batch}x{accum}"
+        folder.mkdir()
+        config = grpo_config(
+            base, folder, batch_size=batch, grad_accum=accum, max_steps=1, eval_interval=1
+        )
+        train(config, out_dir=folder / "run", progress=False)
+        (record,) = [
+            r for r in read_metrics(folder / "run" / "metrics.jsonl") if r["kind"] == "train"
+        ]
+        runs[batch] = record
+    one, two = runs[8], runs[4]
+    assert one["reward_std"] > 0 and one["grad_norm"] > 0
+    for name in ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length"):
+        assert two[name] == pytest.approx(one[name], abs=1e-6), name
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    assert two["train_loss"] == pytest.approx(one["train_loss"], abs=1e-6)
+
+
+def test_loss_type_is_checked_against_the_objectives_choices(base: Path, tmp_path: Path) -> None:  # noqa: F811
+    config = grpo_config(base, tmp_path)
+    assert config.train.resolved_loss_type == "dapo"  # TRL's default
+    with pytest.raises(ConfigError, match=r"not one of grpo's: dapo, bnpo, grpo, dr_grpo.*'bnpo'"):
+        grpo_config(base, tmp_path, loss_type="bnp")
+    with pytest.raises(
+        ConfigError, match="train.objective is 'next_token': remove train.loss_type"
+    ):
+        config_from_dict({"train": {"loss_type": "dapo"}})
+
+
+def test_grpo_samples_as_trl_by_default_and_keeps_what_a_config_sets() -> None:
+    grpo = {"objective": "grpo", "init_from": "checkpoints/chat"}
+    data = {"format": "prompts", "path": "p.jsonl"}
+    config = config_from_dict({"data": data, "train": grpo})
+    assert (config.sample.temperature, config.sample.top_k, config.sample.top_p) == (1.0, None, 1.0)
+    config = config_from_dict({"data": data, "train": grpo, "sample": {"top_k": 5}})
+    assert (config.sample.temperature, config.sample.top_k) == (1.0, 5)
+    plain = config_from_dict({})  # the other objectives keep sample's own defaults
+    assert (plain.sample.temperature, plain.sample.top_k) == (0.8, 200)
