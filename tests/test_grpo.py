@@ -1,7 +1,8 @@
 """GRPO (`train.objective: grpo`; llmcli/training/grpo.py, rewards.py, llmcli/data/prompts.py):
 one step's loss against the formula written out on its own completions, rewards and
-log-probabilities; the KL penalty; the verifiers; the evaluation's pass@1 against greedy
-replies made apart; a resumed run bitwise the uninterrupted one; bad input through the CLI.
+log-probabilities; the KL penalty; the verifiers on GSM8K's answers; the evaluation's pass@1
+against greedy replies made apart; a resumed run bitwise the
+uninterrupted one; bad input through the CLI.
 
 The base is a 1-layer chat model of width 16 (context 32), so a run takes a few seconds.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import signal
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +24,7 @@ from llmcli.cli import main
 from llmcli.config import Config, config_from_dict, dump_yaml
 from llmcli.data.prompts import PromptSampler, prompt_token_data
 from llmcli.evaluation.chat import greedy_replies
-from llmcli.evaluation.rewards import contains, exact, load_reward, number
+from llmcli.evaluation.rewards import contains, exact, load_reward, number, parse_number
 from llmcli.model.gpt import Transformer
 from llmcli.runs.formats import read_weights
 from llmcli.runs.loading import load_run
@@ -173,12 +175,56 @@ def test_the_kl_penalty_is_trls_estimate_against_the_reference(base: Path, tmp_p
     assert float(loss) == pytest.approx(pg + 0.5 * kl, rel=1e-4, abs=1e-6)
 
 
+# GSM8K's first training row's answer (openai/grade-school-math, train.jsonl line 1).
+GSM8K = (
+    "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 "
+    "clips altogether in April and May.\n#### 72"
+)
+
+
 def test_the_verifiers() -> None:
     assert exact("", " a-b\n", "a-b") == 1.0 and exact("", "a-b-c", "a-b") == 0.0
     assert exact("", "anything", None) == 0.0
     assert number("", "so x = 1,234.", "1234") == 1.0 and number("", "42 or 43", "42") == 0.0
     assert number("", "-3.50", "-3.5") == 1.0 and number("", "none", "3") == 0.0
     assert contains("", "it is a-b indeed", "a-b") == 1.0 and contains("", "a b", "a-b") == 0.0
+
+
+@pytest.mark.parametrize(
+    "reply, answer, expected",
+    [
+        ("The answer is 72.", GSM8K, 1.0),
+        ("#### 72", GSM8K, 1.0),
+        ("\\boxed{72}", GSM8K, 1.0),
+        ("72.0", GSM8K, 1.0),
+        ("She sold 48 + 24 = 72 clips.\n#### 72\nI hope this helps with 3 more.", GSM8K, 1.0),
+        ("So \\boxed{72} clips, from 48 and 24.", GSM8K, 1.0),
+        ("The answer is 24.", GSM8K, 0.0),
+        ("#### 73", GSM8K, 0.0),
+        ("7,200", "7200", 1.0),
+        ("$1,234.50 in all", "1,234.5", 1.0),
+        ("-3", "3", 0.0),
+        ("x = \u22123", "-3", 1.0),
+        ("no number", "3", 0.0),
+        ("no number", GSM8K, 0.0),
+        ("72", "seventy-two", 0.0),
+    ],
+)
+def test_number_reads_gsm8k_answers_boxes_and_the_last_number(
+    reply: str, answer: str, expected: float
+) -> None:
+    assert number("", reply, answer) == expected
+
+
+def test_parse_number_is_the_exact_value_of_the_answer_given() -> None:
+    assert parse_number(GSM8K) == 72  # what follows "####", not the reasoning's last number
+    assert parse_number("1,234") == 1234 and parse_number("-3.5") == Fraction(-7, 2)
+    assert parse_number("x = 42.") == 42 and parse_number("0.1") == Fraction(1, 10)
+    assert parse_number("\\boxed{\\text{x} = 5} then 6") == 5  # the box, not the last number
+    assert parse_number("\\boxed{12") == 12  # a box cut at the budget
+    assert parse_number("#### 5, then 6") == 5 and parse_number("a-3") == 3
+    assert parse_number("1, 2, 3") == 3 and parse_number("v1.5.3 or x2") is None
+    assert parse_number("no number") is None and parse_number("\\boxed{none} 4") is None
 
 
 def test_evaluation_reports_greedy_pass_at_1_as_the_replies_made_apart(
@@ -214,6 +260,10 @@ def test_evaluation_reports_greedy_pass_at_1_as_the_replies_made_apart(
     ]
     assert [r["reply"] for r in result["per_prompt"]] == [tokenizer.decode(g[0][0]) for g in got]
     assert result["prompts"] == len(split) and result["reward_name"] == "exact"
+
+
+def numbered(i: int, answer: str) -> dict:
+    return {**row(i), "answer": answer}
 
 
 def test_a_resumed_grpo_run_is_bitwise_the_uninterrupted_one(
@@ -263,6 +313,12 @@ def cli(capsys, *args: object) -> tuple[int, str]:
         ("rewards.py:raises", None, "train.reward raised ZeroDivisionError: division by zero, "),
         ("rewards.py:text", None, "train.reward gave 'good', not a finite number, for the "),
         ("exact", [row(0), row(1, answer=False)], "line 2: the prompt has no answer for "),
+        (
+            "number",
+            [numbered(0, GSM8K), numbered(1, "seventy-two")],
+            "train.jsonl line 2: the answer 'seventy-two' holds no number for train.reward "
+            "'number' to compare replies with (6 such rows): give the number",
+        ),
     ],
 )
 def test_bad_rewards_and_prompts_exit_2_naming_the_fix_and_write_nothing(

@@ -98,10 +98,11 @@ class TrainConfig:
     # section's (temperature, top_k, top_p, max_new_tokens).
     group_size: int = 8
     # GRPO's reward of a completion: a built-in verifier against the prompt's answer (exact:
-    # the same text, spaces around it aside; number: the last number in it equals the answer's;
-    # contains: the answer appears in it), each 1.0 or 0.0, or FILE.py:FUNCTION, a function of
-    # your own file called as FUNCTION(prompt, completion, answer) -> a number (this runs that
-    # file's code, as a test script would)
+    # the same text, spaces around it aside; number: its number equals the answer's, each read
+    # from a \boxed{}, else after GSM8K's ####, else the last number; contains: the answer
+    # appears in it), each 1.0 or 0.0, or FILE.py:FUNCTION, a function of your own file called
+    # as FUNCTION(prompt, completion, answer) -> a number (this runs that file's code, as a
+    # test script would)
     reward: str = "exact"
     # GRPO: divide each advantage (reward less its group's mean) by its group's standard
     # deviation (TRL's default); false keeps the difference as it is (Dr. GRPO, nanochat)

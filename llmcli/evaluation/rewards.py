@@ -6,7 +6,8 @@ template), `completion` the text the model wrote (without the end-of-turn token)
 the row's answer (None where it has none). The built-in verifiers give 1.0 or 0.0:
 
 - `exact`: the completion is the answer, spaces around either aside;
-- `number`: the last number in the completion equals the answer's (`"x = 42."` for `42`);
+- `number`: the completion's number equals the answer's (`parse_number` reads both: GSM8K's
+  `#### 72`, `\\boxed{72}`, else the last number, as in `"x = 1,234."`);
 - `contains`: the answer appears in the completion.
 
 `FILE.py:FUNCTION` loads FUNCTION from the user's FILE with `importlib`, which runs that file's
@@ -22,6 +23,7 @@ import numbers
 import re
 import sys
 from collections.abc import Callable
+from fractions import Fraction
 from pathlib import Path
 
 from llmcli.config.train import VERIFIERS
@@ -29,7 +31,47 @@ from llmcli.errors import InputError
 
 Reward = Callable[[str, str, "str | None"], float]
 
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+# A number as people write it: a sign (ASCII or U+2212), digits in groups of three between
+# commas or plain, then decimals ("-1,234.5", "7200", ".5"). It starts where no ASCII letter,
+# digit or point comes before it, so neither "x2" nor "v1.5.3" is read as a number; a sign after
+# a letter or digit is a hyphen or an operation ("a-3", "5-3": 3); a period after it ends a
+# sentence ("x = 42.").
+_NUMBER = re.compile(
+    r"(?<![\w.])[-+\u2212]?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)", re.ASCII
+)
+_BOXED = "\\boxed{"
+
+
+def parse_number(text: str) -> Fraction | None:
+    """The number `text` gives as its answer, exactly (a `Fraction` of the decimal written, so
+    that "72", "72.0" and "+72" are equal and no float rounding enters), or None.
+
+    The answer is, in order: the last `\\boxed{...}`'s last number (LaTeX's convention; `x = 5`
+    gives 5; a `\\frac` is not evaluated); else the first number after the last `####`
+    (GSM8K's answer line, which reasoning and a closing sentence may surround); else the last
+    number of the text. Commas between groups of three digits are thousands separators.
+    """
+    start = text.rfind(_BOXED)
+    if start >= 0:
+        found = _NUMBER.findall(_braced(text, start + len(_BOXED)))[-1:]
+    elif "####" in text:
+        found = _NUMBER.findall(text.rpartition("####")[2])[:1]
+    else:
+        found = _NUMBER.findall(text)[-1:]
+    if not found:
+        return None
+    return Fraction(found[0].replace(",", "").replace("\u2212", "-"))
+
+
+def _braced(text: str, start: int) -> str:
+    """The text from `start` to the brace that closes the one before it (nested pairs kept),
+    or to the end where it is never closed (a reply cut at its budget)."""
+    depth = 1
+    for i in range(start, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[start:i]
+    return text[start:]
 
 
 def exact(prompt: str, completion: str, answer: str | None) -> float:
@@ -37,13 +79,9 @@ def exact(prompt: str, completion: str, answer: str | None) -> float:
 
 
 def number(prompt: str, completion: str, answer: str | None) -> float:
-    found = _NUMBER.findall(completion.replace(",", ""))
-    if answer is None or not found:
-        return 0.0
-    try:
-        return float(math.isclose(float(found[-1]), float(answer.replace(",", ""))))
-    except ValueError:  # an answer that is not a number: checked when the run starts
-        return 0.0
+    # An answer that is no number gives 0.0 here; training refuses it before its first step.
+    expected = None if answer is None else parse_number(answer)
+    return float(expected is not None and parse_number(completion) == expected)
 
 
 def contains(prompt: str, completion: str, answer: str | None) -> float:
