@@ -1,7 +1,7 @@
 """GRPO (`train.objective: grpo`; llmcli/training/grpo.py, rewards.py, llmcli/data/prompts.py):
 one step's loss against the formula written out on its own completions, rewards and
 log-probabilities; the KL penalty; the verifiers on GSM8K's answers; the evaluation's pass@1
-against greedy replies made apart; a resumed run bitwise the
+against greedy replies made apart, and scored with the run's reward; a resumed run bitwise the
 uninterrupted one; bad input through the CLI.
 
 The base is a 1-layer chat model of width 16 (context 32), so a run takes a few seconds.
@@ -23,7 +23,9 @@ from chat_helpers import save_chat_run
 from llmcli.cli import main
 from llmcli.config import Config, config_from_dict, dump_yaml
 from llmcli.data.prompts import PromptSampler, prompt_token_data
+from llmcli.evaluation import prompts as prompts_module
 from llmcli.evaluation.chat import greedy_replies
+from llmcli.evaluation.prompts import evaluate_prompts
 from llmcli.evaluation.rewards import contains, exact, load_reward, number, parse_number
 from llmcli.model.gpt import Transformer
 from llmcli.runs.formats import read_weights
@@ -264,6 +266,44 @@ def test_evaluation_reports_greedy_pass_at_1_as_the_replies_made_apart(
 
 def numbered(i: int, answer: str) -> dict:
     return {**row(i), "answer": answer}
+
+
+def test_evaluation_scores_with_the_runs_reward_where_exact_match_would_not(
+    base: Path, tmp_path: Path, monkeypatch
+) -> None:
+    # Replies written for the test (the tiny model's characters hold no digits) stand for the
+    # greedy replies' text: under `number` three of four pass, as exact match passes one.
+    answers = [GSM8K, "1,234", "3", "#### 5"]
+    replies = ["The answer is 72.", "1234", "-3", "#### 5"]
+    config = grpo_config(base, tmp_path, reward="number", max_steps=1, eval_interval=1)
+    write_rows(Path(config.data.path), [numbered(i, "#### 1") for i in range(12)])
+    val = write_rows(
+        Path(config.data.val_path), [numbered(12 + i, a) for i, a in enumerate(answers)]
+    )
+
+    objective, _, _, prompts, _ = objective_for(config)
+    objective.decode_text = lambda ids, texts=iter(replies): next(texts)
+    assert objective.evaluate(prompts.val, limit=4) == {"reward": 0.75, "pass@1": 0.75}
+
+    # llmcli eval on the prompts file: a GRPO run's reward (number), else exact match.
+    greedy_figures = prompts_module.greedy_figures
+
+    def written_replies(model, split, end_id, sample, reward, decode_text, *args, **kwargs):
+        texts = iter(replies)
+        return greedy_figures(
+            model, split, end_id, sample, reward, lambda ids: next(texts), *args, **kwargs
+        )
+
+    monkeypatch.setattr(prompts_module, "greedy_figures", written_replies)
+    train(config, out_dir=tmp_path / "run", progress=False)
+    results = [evaluate_prompts(load_run(r), val, 2).to_dict() for r in (tmp_path / "run", base)]
+    assert [r["reward_name"] for r in results] == ["number", "exact"]
+    assert [(r["passed"], r["answered"], r["pass@1"]) for r in results] == [
+        (3, 4, 0.75),
+        (1, 4, 0.25),
+    ]
+    assert [r["reply"] for r in results[0]["per_prompt"]] == replies
+    assert [r["reward"] for r in results[0]["per_prompt"]] == [1.0, 1.0, 0.0, 1.0]
 
 
 def test_a_resumed_grpo_run_is_bitwise_the_uninterrupted_one(

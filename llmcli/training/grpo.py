@@ -19,7 +19,8 @@ TRL estimates it: `exp(ref - logp) - (ref - logp) - 1`.
 `llmcli.data.prompts.PromptBatch`); the training loop is next-token training's. Completions are
 drawn with generators seeded from the batch's seed, which the prompt sampler draws and saves,
 so a resumed run samples what an uninterrupted one would. Each evaluation answers held-out
-prompts greedily (`GRPOObjective.evaluate`): pass@1 is the share whose completion is the answer.
+prompts greedily (`GRPOObjective.evaluate`): pass@1 is the share whose completion the run's
+reward passes (gives 1 or more).
 """
 
 from __future__ import annotations
@@ -244,7 +245,8 @@ class GRPOObjective:
 
     def evaluate(self, split: PromptSplit, limit: int) -> dict[str, float]:
         """Greedy replies to the first `limit` prompts of `split`: their mean `reward` and
-        `pass@1` (`llmcli.evaluation.prompts.greedy_figures`)."""
+        `pass@1`, the share whose reply the run's reward gives 1 or more
+        (`llmcli.evaluation.prompts.greedy_figures`)."""
         with self._generating():
             figures = greedy_figures(
                 self.policy,
