@@ -2,7 +2,7 @@
 one step's loss against the formula written out on its own completions, rewards and
 log-probabilities; the KL penalty; the verifiers on GSM8K's answers; the evaluation's pass@1
 against greedy replies made apart, and scored with the run's reward; a resumed run bitwise the
-uninterrupted one; bad input through the CLI.
+uninterrupted one; bad input and a reward that never returns through the CLI.
 
 The base is a 1-layer chat model of width 16 (context 32), so a run takes a few seconds.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import signal
+import time
 from fractions import Fraction
 from pathlib import Path
 
@@ -384,3 +385,55 @@ def test_a_group_of_one_exits_2(base: Path, tmp_path: Path, capsys) -> None:
     config_file.write_text(dump_yaml(grpo_config(base, tmp_path)))
     status, err = cli(capsys, config_file, "--set", "train.group_size=1")
     assert status == 2 and "train.group_size (1) must be >= 2" in err, err
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ("train.reward_timeout=0", "train.reward_timeout (0.0) must be a number of seconds > 0"),
+    ],
+)
+def test_a_timeout_of_zero_exits_2(
+    base: Path, tmp_path: Path, capsys, setting: str, message: str
+) -> None:
+    config_file = tmp_path / "grpo.yaml"
+    config_file.write_text(dump_yaml(grpo_config(base, tmp_path)))
+    status, err = cli(capsys, config_file, "--set", setting)
+    assert status == 2 and message in err, err
+
+
+# A reward that never returns from its (1 + hang_after)-th call.
+HANGS = """import time
+calls = 0
+def score(prompt, completion, answer):
+    global calls
+    calls += 1
+    while calls > {hang_after}:
+        time.sleep(60)
+    return len(completion) / 8
+"""
+
+
+@pytest.mark.parametrize("hang_after", [0, 30])
+def test_a_reward_past_its_timeout_stops_the_run_naming_the_prompt(
+    base: Path, tmp_path: Path, capsys, monkeypatch, hang_after: int
+) -> None:
+    # 30 calls: the check before the first step, 8 replies in each of steps 1 and 2, 8 greedy
+    # replies at step 2's evaluation, then 5 of step 3's 8.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hangs.py").write_text(HANGS.format(hang_after=hang_after))
+    config = grpo_config(base, tmp_path, reward="hangs.py:score", reward_timeout=0.5)
+    config_file = tmp_path / "grpo.yaml"
+    config_file.write_text(dump_yaml(config))
+    t0 = time.perf_counter()
+    status, err = cli(capsys, config_file, "--out", tmp_path / "run")
+    assert time.perf_counter() - t0 < 60  # 0.5 s per call at most, and no wait for the call
+    assert status == 2 and "Traceback" not in err, err
+    assert "train.reward gave no result within train.reward_timeout (0.5 s), scoring the " in err
+    assert "of the prompt at " in err and "train.jsonl line " in err, err
+    assert ": fix the function so that it returns, or raise train.reward_timeout" in err, err
+    if hang_after == 0:  # found before the first step, on an empty completion: nothing written
+        assert "scoring the completion '' of the prompt at " in err
+        assert not (tmp_path / "run").exists()
+    else:  # the run stopped at step 3: its save at step 2 is whole
+        assert load_run(tmp_path / "run").step == 2

@@ -104,6 +104,11 @@ class TrainConfig:
     # as FUNCTION(prompt, completion, answer) -> a number (this runs that file's code, as a
     # test script would)
     reward: str = "exact"
+    # GRPO: seconds a call of a reward function of your own may take before the run stops,
+    # naming the prompt (null: no limit; the built-in verifiers take microseconds). The call
+    # runs in a thread, which a timeout cannot kill: it is abandoned as the run exits. A
+    # function that sets signal handlers (math_verify's timeouts) needs null: docs/grpo.md.
+    reward_timeout: float | None = 60.0
     # GRPO: divide each advantage (reward less its group's mean) by its group's standard
     # deviation (TRL's default); false keeps the difference as it is (Dr. GRPO, nanochat)
     scale_rewards: bool = True
@@ -271,6 +276,14 @@ class TrainConfig:
             "must be >= 0 (0: no KL penalty)",
         )
         check_reward_spec(self.reward)
+        require(
+            self.reward_timeout is None
+            or (math.isfinite(self.reward_timeout) and self.reward_timeout > 0),
+            "train",
+            "reward_timeout",
+            self.reward_timeout,
+            "must be a number of seconds > 0, or null for no limit",
+        )
         if self.lora is not None:
             self.lora.validate()
             if self.init_from is None:

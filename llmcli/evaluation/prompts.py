@@ -152,7 +152,7 @@ def evaluate_prompts(
         raise InputError(f"'{data}' holds no prompts: add some.")
     split = encode_prompts(rows, encoder, config.model.context_length)
     spec = config.train.reward if config.train.objective == "grpo" else "exact"
-    reward = load_reward(spec)
+    reward = load_reward(spec, config.train.reward_timeout)
     run.model.eval()
     figures = greedy_figures(
         run.model,

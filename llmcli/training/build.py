@@ -252,8 +252,9 @@ def _model_and_trainer(
     if tc.objective == "grpo":  # completions sampled from the model as it trains, rewarded
         assert data.prompts is not None
         reference = reference_model(config, vocab, device) if tc.grpo_beta > 0 else None
+        reward = load_reward(tc.reward, tc.reward_timeout)
         trainer.loss_fn = GRPOObjective(
-            model, data.prompts, config, load_reward(tc.reward), data.tokenizer.decode, reference
+            model, data.prompts, config, reward, data.tokenizer.decode, reference
         )
     return model, trainer
 

@@ -112,7 +112,7 @@ def grpo_loss(
 def check_reward(reward: Reward, spec: str, data: PromptData) -> None:
     """Before the first step: a built-in verifier has an answer to check every prompt against
     (`number`: an answer that `parse_number` reads), and the reward scores an empty completion
-    of the first prompt (a function that raises or gives no number is found now, not
+    of the first prompt (a function that raises, hangs or gives no number is found now, not
     after minutes of training).
 
     Raises:
