@@ -2,7 +2,7 @@
 one step's loss against the formula written out on its own completions, rewards and
 log-probabilities; the KL penalty; the verifiers on GSM8K's answers; the evaluation's pass@1
 against greedy replies made apart, and scored with the run's reward; a resumed run bitwise the
-uninterrupted one; bad input and a reward that never returns through the CLI.
+uninterrupted one; bad input, a reward that never returns and greedy sampling through the CLI.
 
 The base is a 1-layer chat model of width 16 (context 32), so a run takes a few seconds.
 """
@@ -390,10 +390,16 @@ def test_a_group_of_one_exits_2(base: Path, tmp_path: Path, capsys) -> None:
 @pytest.mark.parametrize(
     "setting, message",
     [
+        (
+            "sample.temperature=0",
+            "sample.temperature (0) is greedy decoding, so the train.group_size replies GRPO "
+            "samples to a prompt would all be the same: their rewards equal, every advantage "
+            "zero, and nothing learned. Set sample.temperature: 1.0 (TRL's default).",
+        ),
         ("train.reward_timeout=0", "train.reward_timeout (0.0) must be a number of seconds > 0"),
     ],
 )
-def test_a_timeout_of_zero_exits_2(
+def test_greedy_sampling_and_a_timeout_of_zero_exit_2(
     base: Path, tmp_path: Path, capsys, setting: str, message: str
 ) -> None:
     config_file = tmp_path / "grpo.yaml"
