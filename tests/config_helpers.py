@@ -189,6 +189,7 @@ GOOD: dict[str, dict[str, st.SearchStrategy]] = {
         "reward": st.sampled_from(
             ["exact", "number", "contains", "rewards.py:score", "r/x.py:f_2"]
         ),
+        "reward_timeout": st.none() | reals(1e-3, 1e5) | st.integers(1, 3600),
         "scale_rewards": st.booleans(),
         "grpo_beta": reals(0, 10) | st.integers(0, 3),
         # the objective is next_token, which takes none: tests/test_grpo_loss.py has the others
@@ -408,6 +409,7 @@ RANGE_RULES = [
     setting("train", "dpo_beta", NOT_POSITIVE, "must be > 0"),
     setting("train", "group_size", st.integers(max_value=1), "must be >= 2"),
     setting("train", "grpo_beta", NEGATIVE, "must be >= 0"),
+    setting("train", "reward_timeout", NOT_POSITIVE, "must be a number of seconds > 0"),
     setting("train", "muon_momentum", OUT_OF_UNIT, "must be in [0, 1)"),
     setting("train", "min_lr", NEGATIVE, "must be >= 0"),
     setting("train", "warmup_steps", st.integers(max_value=-1), "must be >= 0"),

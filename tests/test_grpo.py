@@ -1,7 +1,8 @@
 """GRPO (`train.objective: grpo`; llmcli/training/grpo.py, rewards.py, llmcli/data/prompts.py):
 one step's loss against the formula written out on its own completions, rewards and
-log-probabilities; the KL penalty; the verifiers; the evaluation's pass@1 against greedy
-replies made apart; a resumed run bitwise the uninterrupted one; bad input through the CLI.
+log-probabilities; the KL penalty; the verifiers on GSM8K's answers; the evaluation's pass@1
+against greedy replies made apart, and scored with the run's reward; a resumed run bitwise the
+uninterrupted one; bad input, a reward that never returns and greedy sampling through the CLI.
 
 The base is a 1-layer chat model of width 16 (context 32), so a run takes a few seconds.
 """
@@ -11,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import signal
+import time
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -21,8 +24,10 @@ from chat_helpers import save_chat_run
 from llmcli.cli import main
 from llmcli.config import Config, config_from_dict, dump_yaml
 from llmcli.data.prompts import PromptSampler, prompt_token_data
+from llmcli.evaluation import prompts as prompts_module
 from llmcli.evaluation.chat import greedy_replies
-from llmcli.evaluation.rewards import contains, exact, load_reward, number
+from llmcli.evaluation.prompts import evaluate_prompts
+from llmcli.evaluation.rewards import contains, exact, load_reward, number, parse_number
 from llmcli.model.gpt import Transformer
 from llmcli.runs.formats import read_weights
 from llmcli.runs.loading import load_run
@@ -184,12 +189,56 @@ def test_the_kl_penalty_is_trls_estimate_against_the_reference(base: Path, tmp_p
     assert float(loss.detach()) == pytest.approx(pg + 0.5 * kl, rel=1e-4, abs=1e-6)
 
 
+# GSM8K's first training row's answer (openai/grade-school-math, train.jsonl line 1).
+GSM8K = (
+    "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 "
+    "clips altogether in April and May.\n#### 72"
+)
+
+
 def test_the_verifiers() -> None:
     assert exact("", " a-b\n", "a-b") == 1.0 and exact("", "a-b-c", "a-b") == 0.0
     assert exact("", "anything", None) == 0.0
     assert number("", "so x = 1,234.", "1234") == 1.0 and number("", "42 or 43", "42") == 0.0
     assert number("", "-3.50", "-3.5") == 1.0 and number("", "none", "3") == 0.0
     assert contains("", "it is a-b indeed", "a-b") == 1.0 and contains("", "a b", "a-b") == 0.0
+
+
+@pytest.mark.parametrize(
+    "reply, answer, expected",
+    [
+        ("The answer is 72.", GSM8K, 1.0),
+        ("#### 72", GSM8K, 1.0),
+        ("\\boxed{72}", GSM8K, 1.0),
+        ("72.0", GSM8K, 1.0),
+        ("She sold 48 + 24 = 72 clips.\n#### 72\nI hope this helps with 3 more.", GSM8K, 1.0),
+        ("So \\boxed{72} clips, from 48 and 24.", GSM8K, 1.0),
+        ("The answer is 24.", GSM8K, 0.0),
+        ("#### 73", GSM8K, 0.0),
+        ("7,200", "7200", 1.0),
+        ("$1,234.50 in all", "1,234.5", 1.0),
+        ("-3", "3", 0.0),
+        ("x = \u22123", "-3", 1.0),
+        ("no number", "3", 0.0),
+        ("no number", GSM8K, 0.0),
+        ("72", "seventy-two", 0.0),
+    ],
+)
+def test_number_reads_gsm8k_answers_boxes_and_the_last_number(
+    reply: str, answer: str, expected: float
+) -> None:
+    assert number("", reply, answer) == expected
+
+
+def test_parse_number_is_the_exact_value_of_the_answer_given() -> None:
+    assert parse_number(GSM8K) == 72  # what follows "####", not the reasoning's last number
+    assert parse_number("1,234") == 1234 and parse_number("-3.5") == Fraction(-7, 2)
+    assert parse_number("x = 42.") == 42 and parse_number("0.1") == Fraction(1, 10)
+    assert parse_number("\\boxed{\\text{x} = 5} then 6") == 5  # the box, not the last number
+    assert parse_number("\\boxed{12") == 12  # a box cut at the budget
+    assert parse_number("#### 5, then 6") == 5 and parse_number("a-3") == 3
+    assert parse_number("1, 2, 3") == 3 and parse_number("v1.5.3 or x2") is None
+    assert parse_number("no number") is None and parse_number("\\boxed{none} 4") is None
 
 
 def test_evaluation_reports_greedy_pass_at_1_as_the_replies_made_apart(
@@ -225,6 +274,48 @@ def test_evaluation_reports_greedy_pass_at_1_as_the_replies_made_apart(
     ]
     assert [r["reply"] for r in result["per_prompt"]] == [tokenizer.decode(g[0][0]) for g in got]
     assert result["prompts"] == len(split) and result["reward_name"] == "exact"
+
+
+def numbered(i: int, answer: str) -> dict:
+    return {**row(i), "answer": answer}
+
+
+def test_evaluation_scores_with_the_runs_reward_where_exact_match_would_not(
+    base: Path, tmp_path: Path, monkeypatch
+) -> None:
+    # Replies written for the test (the tiny model's characters hold no digits) stand for the
+    # greedy replies' text: under `number` three of four pass, as exact match passes one.
+    answers = [GSM8K, "1,234", "3", "#### 5"]
+    replies = ["The answer is 72.", "1234", "-3", "#### 5"]
+    config = grpo_config(base, tmp_path, reward="number", max_steps=1, eval_interval=1)
+    write_rows(Path(config.data.path), [numbered(i, "#### 1") for i in range(12)])
+    val = write_rows(
+        Path(config.data.val_path), [numbered(12 + i, a) for i, a in enumerate(answers)]
+    )
+
+    objective, _, _, prompts, _ = objective_for(config)
+    objective.decode_text = lambda ids, texts=iter(replies): next(texts)
+    assert objective.evaluate(prompts.val, limit=4) == {"reward": 0.75, "pass@1": 0.75}
+
+    # llmcli eval on the prompts file: a GRPO run's reward (number), else exact match.
+    greedy_figures = prompts_module.greedy_figures
+
+    def written_replies(model, split, end_id, sample, reward, decode_text, *args, **kwargs):
+        texts = iter(replies)
+        return greedy_figures(
+            model, split, end_id, sample, reward, lambda ids: next(texts), *args, **kwargs
+        )
+
+    monkeypatch.setattr(prompts_module, "greedy_figures", written_replies)
+    train(config, out_dir=tmp_path / "run", progress=False)
+    results = [evaluate_prompts(load_run(r), val, 2).to_dict() for r in (tmp_path / "run", base)]
+    assert [r["reward_name"] for r in results] == ["number", "exact"]
+    assert [(r["passed"], r["answered"], r["pass@1"]) for r in results] == [
+        (3, 4, 0.75),
+        (1, 4, 0.25),
+    ]
+    assert [r["reply"] for r in results[0]["per_prompt"]] == replies
+    assert [r["reward"] for r in results[0]["per_prompt"]] == [1.0, 1.0, 0.0, 1.0]
 
 
 def test_a_resumed_grpo_run_is_bitwise_the_uninterrupted_one(
@@ -274,6 +365,12 @@ def cli(capsys, *args: object) -> tuple[int, str]:
         ("rewards.py:raises", None, "train.reward raised ZeroDivisionError: division by zero, "),
         ("rewards.py:text", None, "train.reward gave 'good', not a finite number, for the "),
         ("exact", [row(0), row(1, answer=False)], "line 2: the prompt has no answer for "),
+        (
+            "number",
+            [numbered(0, GSM8K), numbered(1, "seventy-two")],
+            "train.jsonl line 2: the answer 'seventy-two' holds no number for train.reward "
+            "'number' to compare replies with (6 such rows): give the number",
+        ),
     ],
 )
 def test_bad_rewards_and_prompts_exit_2_naming_the_fix_and_write_nothing(
@@ -299,3 +396,61 @@ def test_a_group_of_one_exits_2(base: Path, tmp_path: Path, capsys) -> None:
     config_file.write_text(dump_yaml(grpo_config(base, tmp_path)))
     status, err = cli(capsys, config_file, "--set", "train.group_size=1")
     assert status == 2 and "train.group_size (1) must be >= 2" in err, err
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        (
+            "sample.temperature=0",
+            "sample.temperature (0) is greedy decoding, so the train.group_size replies GRPO "
+            "samples to a prompt would all be the same: their rewards equal, every advantage "
+            "zero, and nothing learned. Set sample.temperature: 1.0 (TRL's default).",
+        ),
+        ("train.reward_timeout=0", "train.reward_timeout (0.0) must be a number of seconds > 0"),
+    ],
+)
+def test_greedy_sampling_and_a_timeout_of_zero_exit_2(
+    base: Path, tmp_path: Path, capsys, setting: str, message: str
+) -> None:
+    config_file = tmp_path / "grpo.yaml"
+    config_file.write_text(dump_yaml(grpo_config(base, tmp_path)))
+    status, err = cli(capsys, config_file, "--set", setting)
+    assert status == 2 and message in err, err
+
+
+# A reward that never returns from its (1 + hang_after)-th call.
+HANGS = """import time
+calls = 0
+def score(prompt, completion, answer):
+    global calls
+    calls += 1
+    while calls > {hang_after}:
+        time.sleep(60)
+    return len(completion) / 8
+"""
+
+
+@pytest.mark.parametrize("hang_after", [0, 30])
+def test_a_reward_past_its_timeout_stops_the_run_naming_the_prompt(
+    base: Path, tmp_path: Path, capsys, monkeypatch, hang_after: int
+) -> None:
+    # 30 calls: the check before the first step, 8 replies in each of steps 1 and 2, 8 greedy
+    # replies at step 2's evaluation, then 5 of step 3's 8.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hangs.py").write_text(HANGS.format(hang_after=hang_after))
+    config = grpo_config(base, tmp_path, reward="hangs.py:score", reward_timeout=0.5)
+    config_file = tmp_path / "grpo.yaml"
+    config_file.write_text(dump_yaml(config))
+    t0 = time.perf_counter()
+    status, err = cli(capsys, config_file, "--out", tmp_path / "run")
+    assert time.perf_counter() - t0 < 60  # 0.5 s per call at most, and no wait for the call
+    assert status == 2 and "Traceback" not in err, err
+    assert "train.reward gave no result within train.reward_timeout (0.5 s), scoring the " in err
+    assert "of the prompt at " in err and "train.jsonl line " in err, err
+    assert ": fix the function so that it returns, or raise train.reward_timeout" in err, err
+    if hang_after == 0:  # found before the first step, on an empty completion: nothing written
+        assert "scoring the completion '' of the prompt at " in err
+        assert not (tmp_path / "run").exists()
+    else:  # the run stopped at step 3: its save at step 2 is whole
+        assert load_run(tmp_path / "run").step == 2

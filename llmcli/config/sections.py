@@ -65,7 +65,8 @@ class Config:
         return rows * self.model.context_length
 
     def _validate_objective(self) -> None:
-        """DPO reads preference pairs and GRPO prompts, and those are read only by them."""
+        """DPO reads preference pairs and GRPO prompts, and those are read only by them; GRPO
+        samples its replies, so not greedily."""
         objective, format_ = self.train.objective, self.data.format
         for needs, reads, learns, rows in _OBJECTIVE_DATA:
             if objective == needs and format_ != reads:
@@ -81,6 +82,13 @@ class Config:
                     "train.init_from to the run to start from), or data.format: chat for "
                     "conversations."
                 )
+        if objective == "grpo" and self.sample.temperature == 0:
+            raise ConfigError(
+                "sample.temperature (0) is greedy decoding, so the train.group_size replies "
+                "GRPO samples to a prompt would all be the same: their rewards equal, every "
+                "advantage zero, and nothing learned. Set sample.temperature: 1.0 (TRL's "
+                "default)."
+            )
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """The fully resolved config as plain data (what `config.yaml` in a run holds)."""

@@ -102,11 +102,17 @@ class TrainConfig:
     # section's (temperature, top_k, top_p, max_new_tokens).
     group_size: int = 8
     # GRPO's reward of a completion: a built-in verifier against the prompt's answer (exact:
-    # the same text, spaces around it aside; number: the last number in it equals the answer's;
-    # contains: the answer appears in it), each 1.0 or 0.0, or FILE.py:FUNCTION, a function of
-    # your own file called as FUNCTION(prompt, completion, answer) -> a number (this runs that
-    # file's code, as a test script would)
+    # the same text, spaces around it aside; number: its number equals the answer's, each read
+    # from a \boxed{}, else after GSM8K's ####, else the last number; contains: the answer
+    # appears in it), each 1.0 or 0.0, or FILE.py:FUNCTION, a function of your own file called
+    # as FUNCTION(prompt, completion, answer) -> a number (this runs that file's code, as a
+    # test script would)
     reward: str = "exact"
+    # GRPO: seconds a call of a reward function of your own may take before the run stops,
+    # naming the prompt (null: no limit; the built-in verifiers take microseconds). The call
+    # runs in a thread, which a timeout cannot kill: it is abandoned as the run exits. A
+    # function that sets signal handlers (math_verify's timeouts) needs null: docs/grpo.md.
+    reward_timeout: float | None = 60.0
     # GRPO: divide each advantage (reward less its group's mean) by its group's standard
     # deviation (TRL's default); false keeps the difference as it is (Dr. GRPO, nanochat)
     scale_rewards: bool = True
@@ -280,6 +286,14 @@ class TrainConfig:
         )
         check_reward_spec(self.reward)
         self._validate_loss_type()
+        require(
+            self.reward_timeout is None
+            or (math.isfinite(self.reward_timeout) and self.reward_timeout > 0),
+            "train",
+            "reward_timeout",
+            self.reward_timeout,
+            "must be a number of seconds > 0, or null for no limit",
+        )
         if self.lora is not None:
             self.lora.validate()
             if self.init_from is None:

@@ -2,11 +2,14 @@
 
 Each prompt (`llmcli.data.prompts`: `{"prompt", "answer"}`, text or messages, encoded with the
 run's tokenizer and chat template) is answered greedily, in order, `batch_size` prompts a batch,
-up to its end token, `sample.max_new_tokens`, or the room the context leaves. pass@1 is the
-share of the prompts with an answer whose reply is it (`exact`: spaces around either aside);
-`reward` is the mean of a reward over all prompts (GRPO's `train.reward`, else `exact`). A prompt
-that leaves no room in the context for a reply is skipped and counted, as training skips it. On
-a GRPO run with no file, its own validation prompts are answered.
+up to its end token, `sample.max_new_tokens`, or the room the context leaves. Replies are
+scored with a reward: a GRPO run's own (`train.reward`), else `exact` (the reply is the answer,
+spaces around either aside). `reward` is its mean over all prompts; pass@1 is the share of the
+prompts it judges whose reply it passes, giving 1 or more: the built-in verifiers (1 or 0) judge
+the prompts with an answer; a function of the user's judges every prompt, and its 1 is a pass
+whatever its scale (the verifiers' pass). A prompt that
+leaves no room in the context for a reply is skipped and counted, as training skips it. On a
+GRPO run with no file, its own validation prompts are answered.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from llmcli.data.prompts import PromptEncoder, encode_prompts, read_prompt_rows
 from llmcli.errors import InputError
 from llmcli.evaluation.chat import is_conversations
 from llmcli.evaluation.preferences import first_row_keys
-from llmcli.evaluation.rewards import Reward, exact, load_reward, score
+from llmcli.evaluation.rewards import BUILT_IN, Reward, load_reward, score
 from llmcli.generation.replies import replies
 from llmcli.progress import Progress
 from llmcli.runs.loading import LoadedRun
@@ -46,9 +49,10 @@ def greedy_figures(
     *,
     progress: bool = False,
 ) -> dict[str, Any]:
-    """Greedy replies to the prompts of `split`: their mean `reward`, `pass@1` (NaN when no
-    prompt has an answer) of the `answered` prompts, `passed` of them, and each prompt's
-    `replies` (text, whether it ended, reward). The model must be in eval mode."""
+    """Greedy replies to the prompts of `split`: their mean `reward`, `pass@1` (NaN when there
+    are none) of the `answered` prompts (those with an answer, for a built-in verifier; every
+    prompt, for a function of the user's), `passed` of them (reward 1 or more), and each
+    prompt's `replies` (text, whether it ended, reward). The model must be in eval mode."""
     picks = list(range(len(split)))
     greedy = dataclasses.replace(sample, temperature=0.0)
     bar = Progress(len(picks), desc="answers", unit="prompt", enabled=progress, tenths=True)
@@ -64,10 +68,11 @@ def greedy_figures(
             rows.append({"where": split.where[k], "reply": text, "ended": ended, "reward": value})
         bar.update(len(batch))
     bar.close()
+    verifier = any(reward is fn for fn in BUILT_IN.values())  # they need an answer to judge
     answered = [
-        exact("", r["reply"], split.answers[k])
+        float(r["reward"] >= 1.0)
         for k, r in zip(picks, rows, strict=True)
-        if split.answers[k] is not None
+        if split.answers[k] is not None or not verifier
     ]
     return {
         "reward": sum(r["reward"] for r in rows) / len(rows),
@@ -89,8 +94,8 @@ class PromptEvalResult:
     reward_name: str
     prompts: int  # answered
     skipped: int  # too long for the context
-    passed: int  # replies that are the answer
-    answered: int  # prompts with an answer
+    passed: int  # replies the reward passes (1 or more)
+    answered: int  # prompts the reward judges (with an answer, for a built-in verifier)
     reward: float
     elapsed_s: float
     per_prompt: list[dict[str, Any]] = field(default_factory=list)
@@ -147,7 +152,7 @@ def evaluate_prompts(
         raise InputError(f"'{data}' holds no prompts: add some.")
     split = encode_prompts(rows, encoder, config.model.context_length)
     spec = config.train.reward if config.train.objective == "grpo" else "exact"
-    reward = load_reward(spec)
+    reward = load_reward(spec, config.train.reward_timeout)
     run.model.eval()
     figures = greedy_figures(
         run.model,
@@ -181,6 +186,6 @@ def format_prompt_result(result: PromptEvalResult) -> str:
         f"run {result.run_dir} (step {result.step}, {Path(result.weights).name})\n"
         f"data: {result.data}: {result.prompts:,} prompts answered greedily "
         f"({result.skipped:,} skipped as longer than the context)\n"
-        f"pass@1: {result.passed:,} of {result.answered:,} replies are the answer "
-        f"({100 * result.pass_at_1:.1f}%); mean reward ({result.reward_name}) {result.reward:.4f}"
+        f"pass@1 ({result.reward_name}): {result.passed:,} of {result.answered:,} replies pass "
+        f"({100 * result.pass_at_1:.1f}%); mean reward {result.reward:.4f}"
     )

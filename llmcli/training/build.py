@@ -256,7 +256,7 @@ def _model_and_trainer(
             model,
             data.prompts,
             config,
-            load_reward(tc.reward),
+            load_reward(tc.reward, tc.reward_timeout),
             data.tokenizer.decode,
             reference,
             info,

@@ -29,11 +29,12 @@ TRL estimates it: `exp(ref - logp) - (ref - logp) - 1`.
 Completions are drawn with generators seeded from the step's seed, which the prompt sampler
 draws and saves, so a resumed run samples what an uninterrupted one would. Each evaluation
 answers held-out prompts greedily (`GRPOObjective.evaluate`): pass@1 is the share whose
-completion is the answer.
+completion the run's reward passes (gives 1 or more).
 """
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -49,7 +50,7 @@ from llmcli.data.prepared import PromptData, PromptSplit
 from llmcli.data.prompts import PromptBatch, PromptSampler
 from llmcli.errors import InputError
 from llmcli.evaluation.prompts import greedy_figures, reply_budgets
-from llmcli.evaluation.rewards import BUILT_IN, Reward, score
+from llmcli.evaluation.rewards import BUILT_IN, Reward, parse_number, score
 from llmcli.generation.replies import replies
 from llmcli.generation.sampling import make_generators
 from llmcli.training.distributed import DistInfo
@@ -166,12 +167,14 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
 
 
 def check_reward(reward: Reward, spec: str, data: PromptData) -> None:
-    """Before the first step: a built-in verifier has an answer to check every prompt against,
-    and the reward scores an empty completion of the first prompt (a function that raises or
-    gives no number is found now, not after minutes of training).
+    """Before the first step: a built-in verifier has an answer to check every prompt against
+    (`number`: an answer that `parse_number` reads), and the reward scores an empty completion
+    of the first prompt (a function that raises, hangs or gives no number is found now, not
+    after minutes of training).
 
     Raises:
-        InputError: a prompt without an answer (its row named), or the reward's failure.
+        InputError: a prompt without an answer, or with no number for `number` (the first such
+            row named, and their count), or the reward's failure.
     """
     if spec in BUILT_IN:
         for split in (data.train, data.val):
@@ -182,6 +185,18 @@ def check_reward(reward: Reward, spec: str, data: PromptData) -> None:
                     f"{missing[0]}: the prompt has no answer for train.reward {spec!r} to check "
                     f'completions against ({len(missing)} such rows): add an "answer", or '
                     "name a reward function of your own (FILE.py:FUNCTION) that needs none."
+                )
+    if spec == "number":
+        for split in (data.train, data.val):
+            pairs = zip(split.where, split.answers, strict=True)
+            bad = [(where, answer) for where, answer in pairs if parse_number(answer) is None]
+            if bad:
+                where, answer = bad[0]
+                raise InputError(
+                    f"{where}: the answer {reprlib.repr(answer)} holds no number for "
+                    f"train.reward 'number' to compare replies with ({len(bad)} such rows): "
+                    'give the number ("72", "1,234", "-3.5", or GSM8K\'s "... #### 72"), or '
+                    "choose train.reward: exact or contains for answers that are text."
                 )
     split = data.train
     score(reward, split.texts[0], "", split.answers[0], split.where[0])
@@ -320,7 +335,8 @@ class GRPOObjective:
 
     def evaluate(self, split: PromptSplit, limit: int) -> dict[str, float]:
         """Greedy replies to the first `limit` prompts of `split`: their mean `reward` and
-        `pass@1` (`llmcli.evaluation.prompts.greedy_figures`)."""
+        `pass@1`, the share whose reply the run's reward gives 1 or more
+        (`llmcli.evaluation.prompts.greedy_figures`)."""
         with self._generating():
             figures = greedy_figures(
                 self.policy,
