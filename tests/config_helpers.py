@@ -194,6 +194,9 @@ GOOD: dict[str, dict[str, st.SearchStrategy]] = {
         "grpo_beta": reals(0, 10) | st.integers(0, 3),
         # the objective is next_token, which takes none: tests/test_grpo_loss.py has the others
         "loss_type": st.none(),
+        # DPO's alone: tests/test_config.py's
+        "loss_weights": st.none(),
+        "label_smoothing": st.just(0.0),
         # rank at most the smallest n_embed; fix_up gives it an init_from
         "lora": st.none()
         | st.fixed_dictionaries(

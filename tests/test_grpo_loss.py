@@ -111,6 +111,8 @@ def test_loss_type_is_checked_against_the_objectives_choices(base: Path, tmp_pat
         ConfigError, match="train.objective is 'next_token': remove train.loss_type"
     ):
         config_from_dict({"train": {"loss_type": "dapo"}})
+    with pytest.raises(ConfigError, match=r"names 2 loss types, and grpo takes one"):
+        grpo_config(base, tmp_path, loss_type=["dapo", "grpo"])
 
 
 def test_grpo_samples_as_trl_by_default_and_keeps_what_a_config_sets() -> None:
