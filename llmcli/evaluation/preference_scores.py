@@ -1,23 +1,55 @@
-"""A preference pair's scores: each reply's summed log-probability under a model, and DPO's
-sigmoid loss over them with TRL's metrics (`DPOTrainer`, `loss_type="sigmoid"`,
-`trl/trainer/dpo_trainer.py`).
+"""A preference pair's scores: each reply's summed log-probability under a model, as TRL's
+`DPOTrainer` computes them (`trl/trainer/dpo_trainer.py`).
 
 A reply's score is the log-probability of its completion tokens, summed (not averaged: a longer
 reply weighs more, as in TRL). DPO (Rafailov et al. 2023) measures each reply's score against a
-frozen reference model's:
-
-    loss = -logsigmoid(beta * ((policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)))
-
-Training minimises it (`llmcli.training.dpo`); `llmcli eval` reports it on a file of pairs
+frozen reference model's; its losses are `llmcli.evaluation.dpo_losses`'. Training minimises
+them (`llmcli.training.dpo`); `llmcli eval` reports them on a file of pairs
 (`llmcli.evaluation.preferences`). Both read batches of `(2B, T+1)` rows, the chosen sequences
 then the rejected ones (`llmcli.data.preference_data.pair_batch`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+
+@dataclass
+class CompletionScores:
+    """Each row's completion scored by the policy, `(R,)` float32 each: what DPO's losses and
+    TRL's `logps/*` and `logits/*` metrics read.
+
+    Attributes:
+        logps: the completion tokens' log-probabilities, summed (with gradients).
+        tokens: how many completion tokens were scored (the sft and ipo losses average by them).
+        logits: the mean over the vocabulary of the logits that scored each completion token,
+            summed over them (detached; TRL's `logits/chosen` is their sum over the chosen
+            rows over the chosen tokens).
+    """
+
+    logps: Tensor
+    tokens: Tensor
+    logits: Tensor
+
+    def halves(self) -> tuple[CompletionScores, CompletionScores]:
+        """The first and second halves of the rows: a pair batch's chosen and rejected."""
+        halves = [getattr(self, f.name).chunk(2) for f in fields(self)]
+        return CompletionScores(*(h[0] for h in halves)), CompletionScores(*(h[1] for h in halves))
+
+    def to(self, device: torch.device | str) -> CompletionScores:
+        """The scores on `device`."""
+        return CompletionScores(*(getattr(self, f.name).to(device) for f in fields(self)))
+
+    @staticmethod
+    def cat(parts: list[CompletionScores]) -> CompletionScores:
+        """The rows of `parts`, one after the other."""
+        return CompletionScores(
+            *(torch.cat([getattr(part, f.name) for part in parts]) for f in fields(parts[0]))
+        )
 
 
 def sequence_logps(logits: Tensor, ids: Tensor, completion_mask: Tensor) -> Tensor:
@@ -58,6 +90,33 @@ def target_logps(logits: Tensor, targets: Tensor, target_mask: Tensor) -> Tensor
     return torch.where(target_mask, token_logps, 0.0).sum(dim=1)
 
 
+def target_scores(logits: Tensor, targets: Tensor, target_mask: Tensor) -> CompletionScores:
+    """`target_logps`, with the count of the targets scored and the mean logits at them.
+
+    Args:
+        logits: `(B, T, V)`; `logits[:, t]` scores `targets[:, t]`.
+        targets: `(B, T)` int64.
+        target_mask: `(B, T)` bool.
+    """
+    logps = target_logps(logits, targets, target_mask)
+    with torch.no_grad():  # a metric: TRL's fused head computes it without gradient too
+        mean_logits = logits.float().mean(dim=-1)  # (B, T): over the vocabulary
+        logits_sum = torch.where(target_mask, mean_logits, 0.0).sum(dim=1)
+    return CompletionScores(logps, target_mask.sum(dim=1).float(), logits_sum)
+
+
+def completion_scores(model: nn.Module, ids: Tensor, completion_mask: Tensor) -> CompletionScores:
+    """`completion_logps` with what the policy's side of DPO also reads (`target_scores`).
+
+    Args:
+        model: `model(idx) -> (logits, loss)`.
+        ids: `(R, T+1)` int64, prompts then completions, padded after their ends.
+        completion_mask: `(R, T+1)` bool, True on the completions' tokens.
+    """
+    logits, _ = model(ids[:, :-1])  # (R, T, V)
+    return target_scores(logits, ids[:, 1:], completion_mask[:, 1:])
+
+
 def completion_logps(model: nn.Module, ids: Tensor, completion_mask: Tensor) -> Tensor:
     """Each row's summed completion log-probability under `model`, which reads the first `T`
     tokens of rows of `T + 1` (its logits score the next ones, as a chat batch is scored).
@@ -72,41 +131,3 @@ def completion_logps(model: nn.Module, ids: Tensor, completion_mask: Tensor) -> 
     """
     logits, _ = model(ids[:, :-1])  # (R, T, V)
     return target_logps(logits, ids[:, 1:], completion_mask[:, 1:])
-
-
-def dpo_loss(
-    policy_chosen: Tensor,
-    policy_rejected: Tensor,
-    ref_chosen: Tensor,
-    ref_rejected: Tensor,
-    beta: float,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """The mean sigmoid DPO loss over a batch of pairs, and TRL's metrics of it.
-
-    Args:
-        policy_chosen, policy_rejected: `(B,)`, the policy's `sequence_logps` of each reply.
-        ref_chosen, ref_rejected: `(B,)`, the reference's (no gradient flows into them).
-        beta: how far the policy may move from the reference (TRL's `beta`, 0.1 by default).
-
-    Returns:
-        The loss (a scalar) and, under TRL's names, detached batch means: `rewards/chosen` and
-        `rewards/rejected` (`beta * (policy - ref)`), `rewards/accuracies` (the share of pairs
-        whose chosen reward is strictly higher), `rewards/margins` (chosen minus rejected),
-        `logps/chosen` and `logps/rejected` (the policy's).
-    """
-    # The reference is frozen: its scores are constants of the loss, whatever computed them.
-    chosen_logratios = policy_chosen - ref_chosen.detach()
-    rejected_logratios = policy_rejected - ref_rejected.detach()
-    loss = -F.logsigmoid(beta * (chosen_logratios - rejected_logratios)).mean()
-
-    chosen_rewards = beta * chosen_logratios.detach()
-    rejected_rewards = beta * rejected_logratios.detach()
-    metrics = {
-        "rewards/chosen": chosen_rewards.mean(),
-        "rewards/rejected": rejected_rewards.mean(),
-        "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
-        "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
-        "logps/chosen": policy_chosen.detach().mean(),
-        "logps/rejected": policy_rejected.detach().mean(),
-    }
-    return loss, metrics

@@ -11,12 +11,15 @@ log-probability under the run's model and, where there is one, under the referen
 
 The reference is what DPO's rewards are measured against: a DPO run's `train.init_from`, loaded
 as training loads it, or any run with the same tokenizer (`--reference`). Against it come
-DPO's loss (the mean over pairs, beta the run's `train.dpo_beta`) and TRL's metrics:
-`rewards/accuracies`, `rewards/margins`, `rewards/chosen`, `rewards/rejected`. Without one
-(a run not trained with DPO, and no `--reference`), only the run's own figures: `logps/chosen`
-and `logps/rejected` (mean summed log-probabilities), and `logps/accuracies`, the share of pairs
-whose chosen reply the model scores strictly higher, a before/after figure of a DPO run and
-the run it started from.
+DPO's loss (the run's `train.loss_type`, `loss_weights`, `label_smoothing` and `dpo_beta`;
+`llmcli.evaluation.dpo_losses`) and TRL's metrics: `rewards/accuracies`, `rewards/margins`,
+`rewards/chosen`, `rewards/rejected`. Each is computed over all the pairs at once, as TRL's
+`DPOTrainer.evaluate` computes them over one batch holding every pair. Without a reference (a
+run not trained with DPO, and no `--reference`), only the run's own figures: `logps/chosen` and
+`logps/rejected` (mean summed log-probabilities), `logits/chosen` and `logits/rejected` (TRL's:
+the mean logit at the completion tokens), and `logps/accuracies`, the share of pairs whose
+chosen reply the model scores strictly higher, a before/after figure of a DPO run and the run
+it started from.
 
 Shapes: `P` pairs scored, `B` pairs a batch, `L` tokens a row.
 """
@@ -45,7 +48,12 @@ from llmcli.data.preferences import KEYS, SHAPE, PreferenceEncoder, read_prefere
 from llmcli.data.tokenizer import Tokenizer
 from llmcli.errors import InputError
 from llmcli.evaluation.chat import is_conversations
-from llmcli.evaluation.preference_scores import completion_logps, dpo_loss
+from llmcli.evaluation.dpo_losses import DPOLoss, dpo_loss, mean_logit
+from llmcli.evaluation.preference_scores import (
+    CompletionScores,
+    completion_logps,
+    completion_scores,
+)
 from llmcli.fileio import refuse_special_file
 from llmcli.progress import Progress
 from llmcli.runs.directory import CONFIG_FILE
@@ -65,6 +73,8 @@ FIGURES = (
     "rewards/rejected",
     "logps/chosen",
     "logps/rejected",
+    "logits/chosen",
+    "logits/rejected",
     "logps/accuracies",
 )
 
@@ -101,11 +111,12 @@ def first_row_keys(path: Path) -> set[str]:
 
 @dataclass
 class Reference:
-    """The model DPO's rewards are measured against, how the result names it, and DPO's beta."""
+    """The model DPO's rewards are measured against, how the result names it, and DPO's loss
+    (its beta and loss types)."""
 
     model: nn.Module
     name: str
-    beta: float
+    loss: DPOLoss
 
 
 def pair_reference(
@@ -122,11 +133,11 @@ def pair_reference(
         InputError: a reference that is gone, unreadable, or has another tokenizer than the run.
         ValueError: a DPO run's own reference wanted without `load_dpo_reference`.
     """
-    beta = run.config.train.dpo_beta
+    loss = DPOLoss.from_config(run.config.train)
     if reference is not None:
         other = load_run(reference, device=device, notify=notify)
         check_same_tokenizer(run, other.tokenizer, f"--reference '{other.run_dir}'")
-        return Reference(other.model, str(other.run_dir), beta)
+        return Reference(other.model, str(other.run_dir), loss)
     init_from = run.config.train.init_from
     if run.config.train.objective != "dpo" or init_from is None:
         return None
@@ -145,7 +156,7 @@ def pair_reference(
     if (base / CONFIG_FILE).is_file():  # an llmcli run: its tokenizer is the DPO run's
         check_same_tokenizer(run, load_tokenizer_file(base), f"train.init_from '{base}'")
     vocab_size = int(run.tokenizer.vocab_size)
-    return Reference(load_dpo_reference(run.config, vocab_size, device), init_from, beta)
+    return Reference(load_dpo_reference(run.config, vocab_size, device), init_from, loss)
 
 
 def check_same_tokenizer(run: LoadedRun, tokenizer: Tokenizer, name: str) -> None:
@@ -211,11 +222,11 @@ def split_pairs(run: LoadedRun, encoder: PreferenceEncoder) -> tuple[PreferenceS
 
 @dataclass
 class PairLogps:
-    """Each scored pair's summed completion log-probabilities, `(P,)` float32 each: the run's
-    model's, and the reference's (None without one)."""
+    """Each scored pair's replies, `(P,)` float32 each: the run's model's scores, and the
+    reference's summed completion log-probabilities (None without one)."""
 
-    chosen: Tensor
-    rejected: Tensor
+    chosen: CompletionScores
+    rejected: CompletionScores
     ref_chosen: Tensor | None = None
     ref_rejected: Tensor | None = None
 
@@ -240,42 +251,40 @@ def score_pairs(
     count = len(split) if count is None else min(count, len(split))
     starts = range(0, count, batch_size)
     bar = Progress(len(starts), desc="eval", unit="batch", enabled=progress, tenths=True)
-    scores: dict[str, list[Tensor]] = {"policy": [], "reference": []}
+    policy: list[tuple[CompletionScores, CompletionScores]] = []
+    ref: list[tuple[Tensor, Tensor]] = []
     for lo in starts:
         picks = range(lo, min(lo + batch_size, count))
         ids, mask = pair_batch(split, picks, pad_id, length)  # (2B, L)
         ids, mask = ids.to(device), mask.to(device)
-        scores["policy"].append(completion_logps(model, ids, mask).cpu())  # (2B,)
+        scores = completion_scores(model, ids, mask)  # (2B,) each
+        policy.append(scores.to("cpu").halves())
         if reference is not None:
-            scores["reference"].append(completion_logps(reference, ids, mask).cpu())  # (2B,)
+            ref.append(completion_logps(reference, ids, mask).cpu().chunk(2))  # (B,) each
         bar.update()
     bar.close()
-    chosen, rejected = _halves(scores["policy"])
+    chosen, rejected = (CompletionScores.cat([pair[k] for pair in policy]) for k in (0, 1))
     if reference is None:
         return PairLogps(chosen, rejected)
-    return PairLogps(chosen, rejected, *_halves(scores["reference"]))
+    return PairLogps(chosen, rejected, *(torch.cat([pair[k] for pair in ref]) for k in (0, 1)))
 
 
-def _halves(batches: list[Tensor]) -> tuple[Tensor, Tensor]:
-    """The chosen and rejected scores `(P,)` of batches of `(2B,)` (chosen rows first)."""
-    halves = [batch.chunk(2) for batch in batches]
-    return torch.cat([c for c, _ in halves]), torch.cat([r for _, r in halves])
-
-
-def pair_figures(logps: PairLogps, beta: float | None) -> tuple[float | None, dict[str, Any]]:
-    """DPO's loss over the pairs (None without a reference) and `FIGURES`, each a mean over
-    the pairs (the rewards None without a reference)."""
+def pair_figures(logps: PairLogps, loss: DPOLoss | None) -> tuple[float | None, dict[str, Any]]:
+    """DPO's loss over all the pairs at once (None without a reference) and `FIGURES` (the
+    rewards None without a reference)."""
     chosen, rejected = logps.chosen, logps.rejected
     figures: dict[str, Any] = dict.fromkeys(FIGURES)
-    loss = None
-    if logps.ref_chosen is not None and logps.ref_rejected is not None and beta is not None:
-        value, metrics = dpo_loss(chosen, rejected, logps.ref_chosen, logps.ref_rejected, beta)
-        loss = value.item()
+    value = None
+    if logps.ref_chosen is not None and logps.ref_rejected is not None and loss is not None:
+        total, metrics = dpo_loss(chosen, rejected, logps.ref_chosen, logps.ref_rejected, loss)
+        value = total.item()
         figures.update({name: metric.item() for name, metric in metrics.items()})
-    figures["logps/chosen"] = chosen.mean().item()
-    figures["logps/rejected"] = rejected.mean().item()
-    figures["logps/accuracies"] = (chosen > rejected).float().mean().item()
-    return loss, figures
+    figures["logps/chosen"] = chosen.logps.mean().item()
+    figures["logps/rejected"] = rejected.logps.mean().item()
+    figures["logits/chosen"] = mean_logit(chosen).item()
+    figures["logits/rejected"] = mean_logit(rejected).item()
+    figures["logps/accuracies"] = (chosen.logps > rejected.logps).float().mean().item()
+    return value, figures
 
 
 # --- The whole evaluation --------------------------------------------------------------------
@@ -291,6 +300,8 @@ class PreferenceEvalResult:
     data: str
     reference: str | None  # what the rewards are measured against (None: nothing)
     beta: float | None
+    loss_type: list[str] | None  # the loss types summed (None without a reference)
+    loss_weights: list[float] | None  # their weights (None: 1.0 each)
     pairs: int  # scored (truncated ones included)
     truncated: int  # of those, with their completions cut to fit the context
     skipped: int  # too long for the context
@@ -310,6 +321,8 @@ class PreferenceEvalResult:
             "data": self.data,
             "reference": self.reference,
             "beta": self.beta,
+            "loss_type": self.loss_type,
+            "loss_weights": self.loss_weights,
             "pairs": self.pairs,
             "truncated": self.truncated,
             "skipped": self.skipped,
@@ -355,15 +368,17 @@ def evaluate_preferences(
     logps = score_pairs(
         run.model, ref_model, split, encoder.pad_id, batch_size, count=count, progress=progress
     )
-    beta = None if reference is None else reference.beta
-    loss, figures = pair_figures(logps, beta)
+    dpo = None if reference is None else reference.loss
+    loss, figures = pair_figures(logps, dpo)
     return PreferenceEvalResult(
         run_dir=str(run.run_dir),
         weights=str(run.weights_path),
         step=run.step,
         data=label,
         reference=None if reference is None else reference.name,
-        beta=beta,
+        beta=None if dpo is None else dpo.beta,
+        loss_type=None if dpo is None else list(dpo.types),
+        loss_weights=None if dpo is None or dpo.weights is None else list(dpo.weights),
         pairs=count,
         truncated=int(split.truncated[:count].sum()),
         skipped=split.counts["skipped"],
@@ -378,10 +393,10 @@ def evaluate_preferences(
 def _records(split: PreferenceSplit, logps: PairLogps) -> list[dict[str, Any]]:
     """Each scored pair's line of `--json`'s `per_pair`: where it is, whether it was cut, and
     its replies' summed log-probabilities (TRL's column names for the reference's)."""
-    P = len(logps.chosen)
+    P = len(logps.chosen.logps)
     columns = {
-        "chosen_logps": logps.chosen,
-        "rejected_logps": logps.rejected,
+        "chosen_logps": logps.chosen.logps,
+        "rejected_logps": logps.rejected.logps,
         "ref_chosen_logps": logps.ref_chosen,
         "ref_rejected_logps": logps.ref_rejected,
     }
@@ -408,8 +423,14 @@ def format_preference_result(result: PreferenceEvalResult) -> str:
             "loss and rewards\n"
         )
     else:
+        types = result.loss_type or ["sigmoid"]
+        weights = result.loss_weights or [1.0] * len(types)
+        terms = zip(types, weights, strict=True)
+        kind = " + ".join(n if w == 1.0 else f"{w:g} {n}" for n, w in terms)
+        loss = "" if kind == "sigmoid" else f", loss {kind}"
         text += (
-            f"against {result.reference} (beta {result.beta:g}): DPO loss {result.loss:.4f}, "
+            f"against {result.reference} (beta {result.beta:g}{loss}): DPO loss "
+            f"{result.loss:.4f}, "
             f"reward accuracy {100 * f['rewards/accuracies']:.1f}%, margin "
             f"{f['rewards/margins']:+.4f} (chosen {f['rewards/chosen']:+.4f}, rejected "
             f"{f['rewards/rejected']:+.4f})\n"

@@ -162,6 +162,8 @@ def _preference(config: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any] 
         return None
     return {
         "beta": train.get("dpo_beta"),
+        "loss_type": train.get("loss_type"),  # null: sigmoid
+        "loss_weights": train.get("loss_weights"),
         "reference": train.get("init_from"),
         "data": meta.get("preference_data"),
     }
@@ -221,8 +223,14 @@ def describe_lora(lora: dict[str, Any]) -> str:
 
 
 def describe_preference(preference: dict[str, Any]) -> str:
-    """The DPO row: beta, the reference, and how the training pairs fit."""
-    text = f"beta {preference['beta']} against {preference['reference']}"
+    """The DPO row: beta, the loss types (where not the default), the reference, and how the
+    training pairs fit."""
+    text = f"beta {preference['beta']}"
+    for key, name in (("loss_type", "loss"), ("loss_weights", "weighted")):
+        value = preference.get(key)
+        if value is not None:
+            text += f", {name} {','.join(map(str, value)) if isinstance(value, list) else value}"
+    text += f" against {preference['reference']}"
     train = (preference.get("data") or {}).get("train")
     if train:
         text += (

@@ -248,7 +248,7 @@ def _model_and_trainer(
         assert data.preference is not None
         reference = reference_model(config, vocab, device)
         score_pairs_once(reference, data.preference, config, info.world_size)
-        trainer.loss_fn = dpo_objective(reference, tc.dpo_beta)
+        trainer.loss_fn = dpo_objective(reference, tc)
     if tc.objective == "grpo":  # completions sampled from the model as it trains, rewarded
         assert data.prompts is not None
         reference = reference_model(config, vocab, device) if tc.grpo_beta > 0 else None

@@ -1,10 +1,10 @@
-"""Direct Preference Optimization (Rafailov et al. 2023) as a training objective: the sigmoid
-loss on preference pairs, as TRL's `DPOTrainer` computes it (`loss_type="sigmoid"`).
+"""Direct Preference Optimization (Rafailov et al. 2023) as a training objective: TRL's
+`DPOTrainer` losses on preference pairs (`train.loss_type`, sigmoid by default).
 
 The policy learns to raise the chosen reply's score (its completion tokens' summed
 log-probability) over the rejected one's, each measured against a frozen reference model (the
-run it started from). The scores and the loss are `llmcli.evaluation.preference_scores`'s, which
-`llmcli eval` reports on a file of pairs too.
+run it started from). The scores are `llmcli.evaluation.preference_scores`'s and the losses
+`llmcli.evaluation.dpo_losses`', which `llmcli eval` reports on a file of pairs too.
 
 `dpo_step` scores one batch of `llmcli.data.preference_data.PreferenceSampler` under the policy
 and the reference. With `train.objective: dpo` the run's step takes its loss from
@@ -25,9 +25,10 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from llmcli.config import Config
+from llmcli.config import Config, TrainConfig
 from llmcli.data.prepared import PreferenceData
-from llmcli.evaluation.preference_scores import completion_logps, dpo_loss
+from llmcli.evaluation.dpo_losses import DPOLoss, dpo_loss
+from llmcli.evaluation.preference_scores import completion_logps, completion_scores
 from llmcli.evaluation.preferences import score_pairs
 from llmcli.model.gpt import Transformer
 from llmcli.training.init_from import load_init_weights
@@ -38,7 +39,7 @@ def dpo_step(
     reference: nn.Module | Tensor,
     ids: Tensor,
     completion_mask: Tensor,
-    beta: float,
+    loss: DPOLoss,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The DPO loss of one batch of pairs, and its metrics (`dpo_loss`'s).
 
@@ -54,16 +55,16 @@ def dpo_step(
         ids: `(2B, T+1)` int64, the chosen sequences then the rejected ones (pair i is rows
             i and B + i), padded after their ends.
         completion_mask: `(2B, T+1)` bool, True on the completions' tokens.
-        beta: DPO's beta (`train.dpo_beta`).
+        loss: the loss types, their weights and beta (`DPOLoss.from_config`).
     """
     B = ids.shape[0] // 2
-    logps = completion_logps(policy, ids, completion_mask)  # (2B,)
+    chosen, rejected = completion_scores(policy, ids, completion_mask).halves()  # (B,) each
     if isinstance(reference, Tensor):
         ref_logps = reference
     else:
         with torch.no_grad():
             ref_logps = completion_logps(reference, ids, completion_mask)  # (2B,)
-    return dpo_loss(logps[:B], logps[B:], ref_logps[:B], ref_logps[B:], beta)
+    return dpo_loss(chosen, rejected, ref_logps[:B], ref_logps[B:], loss)
 
 
 def reference_model(config: Config, vocab_size: int, device: torch.device) -> Transformer:
@@ -92,19 +93,21 @@ def score_pairs_once(
     length = config.model.context_length + 1  # padded as the steps pad their rows
     for split in (pairs.train, pairs.val):  # in order, as `llmcli eval` scores pairs
         scores = score_pairs(reference, None, split, pairs.pad_id, tc.batch_size, length=length)
-        split.reference_logps = torch.stack([scores.chosen, scores.rejected], dim=1).numpy()
+        both = [scores.chosen.logps, scores.rejected.logps]
+        split.reference_logps = torch.stack(both, dim=1).numpy()
     return True
 
 
 def dpo_batch_loss(
-    reference: nn.Module, beta: float, policy: nn.Module, batch: tuple[Tensor, ...]
+    reference: nn.Module, loss: DPOLoss, policy: nn.Module, batch: tuple[Tensor, ...]
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """`dpo_step` on a `PreferenceSampler` batch `(ids, completion_mask)`, each `(2B, T+1)`,
     followed by the reference's scores of its rows when the split holds them."""
     ids, completion_mask, *scored = batch
-    return dpo_step(policy, scored[0] if scored else reference, ids, completion_mask, beta)
+    return dpo_step(policy, scored[0] if scored else reference, ids, completion_mask, loss)
 
 
-def dpo_objective(reference: nn.Module, beta: float) -> partial:
-    """The step's `loss_fn` for `train.objective: dpo`: `loss_fn(policy, batch)`."""
-    return partial(dpo_batch_loss, reference, beta)
+def dpo_objective(reference: nn.Module, train: TrainConfig) -> partial:
+    """The step's `loss_fn` for `train.objective: dpo`, `loss_fn(policy, batch)`: the loss
+    `train` sets (`train.loss_type`, `loss_weights`, `label_smoothing`, `dpo_beta`)."""
+    return partial(dpo_batch_loss, reference, DPOLoss.from_config(train))

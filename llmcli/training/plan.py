@@ -252,7 +252,7 @@ def measure_step(
     )
     if dpo:  # the reference: the same shape, frozen
         reference = Transformer(config.model, vocab_size).to(device).eval().requires_grad_(False)
-        trainer.loss_fn = dpo_objective(reference, tc.dpo_beta)
+        trainer.loss_fn = dpo_objective(reference, tc)
 
     def step(micro_batches: int) -> float:
         trainer.grad_accum = micro_batches
