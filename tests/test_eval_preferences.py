@@ -362,3 +362,13 @@ def test_each_loss_type_is_trls_on_the_exports(runs, trl_trainer, settings, tmp_
     assert ours["loss"] == pytest.approx(theirs["eval_loss"], abs=1e-4)
     for name in ("rewards/margins", "logits/chosen", "logits/rejected"):
         assert ours[name] == pytest.approx(theirs[f"eval_{name}"], abs=1e-4), name
+
+
+def test_the_text_names_a_loss_that_is_not_the_default(runs, tmp_path, capsys):
+    run_dir = shutil.copytree(runs["dpo"], tmp_path / "run")
+    raw = yaml.safe_load((run_dir / "config.yaml").read_text())
+    raw["train"].update({"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5]})
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(raw))
+    code, out, err = run_eval(capsys, run_dir, "--data", runs["conversational"])
+    assert code == 0, err
+    assert f"(beta {BETA:g}, loss sigmoid + 0.5 sft): DPO loss " in out

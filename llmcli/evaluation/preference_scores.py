@@ -100,7 +100,7 @@ def target_scores(logits: Tensor, targets: Tensor, target_mask: Tensor) -> Compl
     """
     logps = target_logps(logits, targets, target_mask)
     with torch.no_grad():  # a metric: TRL's fused head computes it without gradient too
-        mean_logits = logits.float().mean(dim=-1)  # (B, T): over the vocabulary
+        mean_logits = logits.mean(dim=-1, dtype=torch.float32)  # (B, T): over the vocabulary
         logits_sum = torch.where(target_mask, mean_logits, 0.0).sum(dim=1)
     return CompletionScores(logps, target_mask.sum(dim=1).float(), logits_sum)
 
