@@ -124,3 +124,17 @@ def test_grpo_samples_as_trl_by_default_and_keeps_what_a_config_sets() -> None:
     assert (config.sample.temperature, config.sample.top_k) == (1.0, 5)
     plain = config_from_dict({})  # the other objectives keep sample's own defaults
     assert (plain.sample.temperature, plain.sample.top_k) == (0.8, 200)
+
+
+def test_dpo_and_grpo_fine_tune_at_their_own_rates_unless_told() -> None:
+    def train_of(objective: str, fmt: str, **given: object):
+        data = {"format": fmt, "path": "p.jsonl"}
+        train = {"objective": objective, "init_from": "checkpoints/chat", **given}
+        tc = config_from_dict({"data": data, "train": train}).train
+        return tc.lr, tc.min_lr, tc.warmup_steps, tc.eval_interval
+
+    assert train_of("grpo", "prompts") == (1e-4, 1e-5, 10, 50)
+    assert train_of("dpo", "preference") == (5e-5, 5e-6, 20, 50)
+    assert train_of("dpo", "preference", lr=1e-3, min_lr=1e-4) == (1e-3, 1e-4, 20, 50)
+    tc = config_from_dict({}).train  # pretraining's
+    assert (tc.lr, tc.min_lr, tc.warmup_steps, tc.eval_interval) == (1e-3, 1e-4, 100, 250)

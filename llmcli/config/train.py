@@ -83,7 +83,10 @@ class TrainConfig:
     # The memory a run may use, in bytes or as a size ("4GB", "512MiB"); null: the device's.
     memory_limit: int | str | None = None
     max_steps: int = 2000  # optimizer steps
-    lr: float = 1e-3  # peak learning rate (AdamW's; under Muon, the non-matrix groups')
+    # peak learning rate (AdamW's; under Muon, the non-matrix groups'). DPO's and GRPO's own
+    # defaults differ: lr 5e-5 and 1e-4, min_lr 5e-6 and 1e-5, warmup_steps 20 and 10,
+    # eval_interval 50 (llmcli.config.objective_defaults; `llmcli config` shows them)
+    lr: float = 1e-3
     min_lr: float = 1e-4  # the rate at the end of the schedule
     warmup_steps: int = 100  # linear warmup (cut to max_steps in a shorter run)
     weight_decay: float = 0.1  # AdamW's decoupled weight decay, on matrices and embeddings
