@@ -85,6 +85,11 @@ def test_plan_counts_the_built_model_and_the_formulas(small_corpus: Path) -> Non
     assert f"{n:,} ({n - embeddings:,} without embeddings" in text
     assert f"{4 * T * 3:,} (4 sequences x 16 tokens x grad_accum 3)" in text
     assert "1.0 GiB (train.memory_limit): fits" in text and f"{evals} evaluations" in text
+    tc = plan.config.train
+    assert (
+        f"lr {tc.lr:g} to {tc.min_lr:g} (cosine), warmup {tc.warmup} steps, evaluation every 30 "
+        "steps"
+    ) in text
 
 
 def test_a_lora_plan_holds_gradients_and_moments_of_the_adapters_alone(

@@ -329,6 +329,11 @@ def format_plan(plan: Plan) -> str:
             f"{plan.tokens_per_step:,} ({tc.batch_size} {examples} x {config.example_tokens} "
             f"tokens x grad_accum {tc.grad_accum}{ranks})",
         ),
+        (
+            "schedule",
+            f"lr {tc.lr:g} to {tc.min_lr:g} ({tc.schedule}), warmup {tc.warmup} steps, "
+            f"evaluation every {tc.eval_interval} steps",
+        ),
         ("memory per step", f"{format_bytes(mem.peak)} at most{_full_text(plan)}, of which"),
         (
             "",
