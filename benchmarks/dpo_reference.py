@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 python benchmarks/dpo_reference.py [--pairs 16] [--rounds 10]
         [--steps 10] [--threads N]
 
-A DPO step (`llmcli.training.dpo.dpo_step`) runs the policy forward and backward on a batch's
+A DPO step (`llmcli.objectives.dpo.dpo_step`) runs the policy forward and backward on a batch's
 2B rows and the reference forward on the same rows. The reference's log-probabilities never
 change, so they could be computed once per pair and kept (TRL's `precompute_ref_log_probs`).
 This times the loop's own step (`llmcli.training.step.train_step`) both ways on the tiny
@@ -36,10 +36,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from llmcli.config import ModelConfig, TrainConfig  # noqa: E402
-from llmcli.evaluation.dpo_losses import DPOLoss, dpo_loss  # noqa: E402
-from llmcli.evaluation.preference_scores import target_logps, target_scores  # noqa: E402
 from llmcli.model.gpt import Transformer  # noqa: E402
-from llmcli.training.dpo import dpo_objective  # noqa: E402
+from llmcli.objectives.dpo import dpo_objective  # noqa: E402
+from llmcli.objectives.dpo_losses import DPOLoss, dpo_loss  # noqa: E402
+from llmcli.objectives.preference_scores import target_logps, target_scores  # noqa: E402
 from llmcli.training.optim import build_optimizer  # noqa: E402
 from llmcli.training.precision import Precision  # noqa: E402
 from llmcli.training.step import Trainer, train_step  # noqa: E402

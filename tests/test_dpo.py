@@ -7,9 +7,9 @@ import torch
 from model_helpers import assert_close, gen, randomize_, tiny_model
 
 from llmcli.config.train import DPO_LOSS_TYPES
-from llmcli.evaluation.dpo_losses import LOSSES, DPOLoss, dpo_loss
-from llmcli.evaluation.preference_scores import CompletionScores, sequence_logps
-from llmcli.training.dpo import dpo_step
+from llmcli.objectives.dpo import dpo_step
+from llmcli.objectives.dpo_losses import LOSSES, DPOLoss, dpo_loss
+from llmcli.objectives.preference_scores import CompletionScores, sequence_logps
 
 BETA = 0.1
 SIGMOID = DPOLoss(BETA)

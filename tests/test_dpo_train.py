@@ -25,15 +25,15 @@ from llmcli.config import Config, config_from_dict, dump_yaml
 from llmcli.data.chat_template import default_template
 from llmcli.data.preference_data import PreferenceSampler, pair_batch, preference_token_data
 from llmcli.data.tokenizer import CharTokenizer
-from llmcli.evaluation.dpo_losses import DPOLoss
-from llmcli.evaluation.preference_scores import completion_logps
 from llmcli.model.gpt import Transformer
+from llmcli.objectives.dpo import dpo_step, score_pairs_once
+from llmcli.objectives.dpo_losses import DPOLoss
+from llmcli.objectives.preference_scores import completion_logps
 from llmcli.runs.formats import load_weights, read_weights
 from llmcli.runs.info import format_info, run_info
 from llmcli.runs.loading import load_run, load_tokenizer_file
 from llmcli.runs.metrics import read_metrics
 from llmcli.training import build
-from llmcli.training.dpo import dpo_step, score_pairs_once
 from llmcli.training.evaluate import EVAL_SEED_OFFSET
 from llmcli.training.init_from import load_init_weights, resolve_init_from
 from llmcli.training.loop import train
@@ -226,7 +226,7 @@ def test_a_resumed_dpo_run_is_bitwise_the_uninterrupted_one(tmp_path: Path, ctrl
 def test_ddp_dpo_on_two_processes_is_one_process_on_the_union_of_their_pairs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import llmcli.training.evaluate
+    import llmcli.objectives.dpo
 
     base = save_chat_run(tmp_path / "base", n_layer=1, n_embed=16, context_length=32)
     steps = dict(max_steps=6, eval_interval=3, log_interval=3, batch_size=2)
@@ -273,7 +273,7 @@ def test_ddp_dpo_on_two_processes_is_one_process_on_the_union_of_their_pairs(
         def state_dict(self):
             return {"parts": [part.state_dict() for part in self.parts]}
 
-    monkeypatch.setattr(llmcli.training.evaluate, "PreferenceSampler", Union)
+    monkeypatch.setattr(llmcli.objectives.dpo, "PreferenceSampler", Union)
     one_dir = tmp_path / "one"
     train(dpo_config(base, tmp_path, **{**steps, "batch_size": 4}), out_dir=one_dir, progress=False)
 

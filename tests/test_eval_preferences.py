@@ -27,7 +27,7 @@ from llmcli.data.chat_template import default_template
 from llmcli.data.preferences import PreferenceEncoder, read_preferences
 from llmcli.evaluation.run import EvalOptions, evaluate_run
 from llmcli.runs.loading import load_run
-from llmcli.training.dpo import reference_model
+from llmcli.training.init_from import reference_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,4 +1,4 @@
-"""GRPO (`train.objective: grpo`; llmcli/training/grpo.py, rewards.py, llmcli/data/prompts.py):
+"""GRPO (`train.objective: grpo`; llmcli/objectives/grpo.py, rewards.py, llmcli/data/prompts.py):
 one step's loss against the formula written out on its own completions, rewards and
 log-probabilities; the KL penalty; the verifiers on GSM8K's answers; the evaluation's pass@1
 against greedy replies made apart, and scored with the run's reward; a resumed run bitwise the
@@ -27,13 +27,14 @@ from llmcli.data.prompts import PromptSampler, prompt_token_data
 from llmcli.evaluation import prompts as prompts_module
 from llmcli.evaluation.chat import greedy_replies
 from llmcli.evaluation.prompts import evaluate_prompts
-from llmcli.evaluation.rewards import contains, exact, load_reward, number, parse_number
 from llmcli.model.gpt import Transformer
+from llmcli.objectives.base import init_encoding
+from llmcli.objectives.grpo import GRPOObjective, advantages
+from llmcli.objectives.rewards import contains, exact, load_reward, number, parse_number
 from llmcli.runs.formats import read_weights
 from llmcli.runs.loading import load_run
 from llmcli.runs.metrics import read_metrics
-from llmcli.training.grpo import GRPOObjective, advantages
-from llmcli.training.init_from import init_encoding, load_init_weights, resolve_init_from
+from llmcli.training.init_from import load_init_weights, resolve_init_from
 from llmcli.training.loop import train
 
 pytestmark = pytest.mark.usefixtures("one_thread")

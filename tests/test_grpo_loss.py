@@ -1,4 +1,4 @@
-"""GRPO's loss as TRL 1.16 computes it (llmcli/training/grpo.py): each `train.loss_type` and its
+"""GRPO's loss as TRL 1.16 computes it (llmcli/objectives/grpo.py): each `train.loss_type` and its
 gradient against TRL's `_compute_loss` written out here, at a sampling temperature other than 1
 and with two micro-batches; a step split 8 x 1 or 4 x 2 computing the same thing; the config's
 choices.
@@ -16,8 +16,8 @@ from test_grpo import base, grpo_config, objective_for  # noqa: F401 (base: a fi
 from llmcli.config import config_from_dict
 from llmcli.data.prompts import PromptSampler
 from llmcli.errors import ConfigError
+from llmcli.objectives.grpo import advantages
 from llmcli.runs.metrics import read_metrics
-from llmcli.training.grpo import advantages
 from llmcli.training.loop import train
 
 pytestmark = pytest.mark.usefixtures("one_thread")

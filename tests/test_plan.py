@@ -72,6 +72,7 @@ def test_plan_counts_the_built_model_and_the_formulas(small_corpus: Path) -> Non
         "optimizer": 8 * n,
         "activations": activations,
         "reference": 0,  # DPO's frozen model
+        "sampling": 0,  # GRPO's completions, drawn before the step
         "peak": 16 * n + activations + 80 * 2**20,
     }
     assert got["device_free"] == 2**30 and got["fits"] is True
@@ -220,6 +221,7 @@ def test_cli_prints_json_and_text_and_refuses_a_limit_below_the_weights(
         "optimizer",
         "activations",
         "reference",
+        "sampling",
         "peak",
     }
     assert got["fits"] is True and got["step_s"] > 0 and math.isfinite(got["eta_s"])

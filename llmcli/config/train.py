@@ -10,7 +10,7 @@ from llmcli.config.lora import LoraConfig
 from llmcli.config.rules import check_choices, require, require_size, size_bytes
 from llmcli.errors import ConfigError, did_you_mean
 
-# GRPO's built-in verifiers (`train.reward`; llmcli.evaluation.rewards).
+# GRPO's built-in verifiers (`train.reward`; llmcli.objectives.rewards).
 VERIFIERS = ("exact", "number", "contains")
 
 
@@ -28,7 +28,7 @@ def check_reward_spec(spec: str) -> None:
 
 
 # DPO's loss types (`train.loss_type`), TRL 1.16's `DPOConfig.loss_type` values but discopop,
-# whose tau llmcli does not carry; the formulas are llmcli.evaluation.dpo_losses'.
+# whose tau llmcli does not carry; the formulas are llmcli.objectives.dpo_losses'.
 DPO_LOSS_TYPES = (
     "sigmoid",
     "hinge",
@@ -49,7 +49,7 @@ DPO_LOSS_TYPES = (
 SMOOTHED_LOSS_TYPES = ("robust", "exo_pair", "aot", "aot_unpaired")
 
 # `train.loss_type`'s choices by objective, TRL 1.16's names, the first the default
-# (llmcli.training.grpo, llmcli.evaluation.dpo_losses).
+# (llmcli.objectives.grpo, llmcli.objectives.dpo_losses).
 LOSS_TYPES = {"grpo": ("dapo", "bnpo", "grpo", "dr_grpo"), "dpo": DPO_LOSS_TYPES}
 
 
@@ -116,8 +116,8 @@ class TrainConfig:
     init_from: str | None = None
     # next_token: the language-model loss on every token (or the replies, for chat data); dpo:
     # Direct Preference Optimization on data.format preference pairs, from the init_from run,
-    # which stays the frozen reference (llmcli.training.dpo); grpo: learning from rewards on
-    # data.format prompts, completions sampled from the model as it trains (llmcli.training.grpo)
+    # which stays the frozen reference (llmcli.objectives.dpo); grpo: learning from rewards on
+    # data.format prompts, completions sampled from the model as it trains (llmcli.objectives.grpo)
     objective: Literal["next_token", "dpo", "grpo"] = "next_token"
     # DPO's beta (TRL's default): how far the policy may move from the reference; larger keeps
     # it closer

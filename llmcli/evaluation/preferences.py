@@ -1,5 +1,5 @@
 """`llmcli eval` on preference pairs: how a run ranks the chosen and rejected replies of each
-pair, measured as DPO measures it (`llmcli.evaluation.preference_scores`).
+pair, measured as DPO measures it (`llmcli.objectives.preference_scores`).
 
 The pairs are a JSONL file of TRL's rows (`llmcli.data.preferences`: `{"prompt", "chosen",
 "rejected"}`, text or messages), or, with no file, a DPO run's own validation pairs as training
@@ -12,7 +12,7 @@ log-probability under the run's model and, where there is one, under the referen
 The reference is what DPO's rewards are measured against: a DPO run's `train.init_from`, loaded
 as training loads it, or any run with the same tokenizer (`--reference`). Against it come
 DPO's loss (the run's `train.loss_type`, `loss_weights`, `label_smoothing` and `dpo_beta`;
-`llmcli.evaluation.dpo_losses`) and TRL's metrics: `rewards/accuracies`, `rewards/margins`,
+`llmcli.objectives.dpo_losses`) and TRL's metrics: `rewards/accuracies`, `rewards/margins`,
 `rewards/chosen`, `rewards/rejected`. Each is computed over all the pairs at once, as TRL's
 `DPOTrainer.evaluate` computes them over one batch holding every pair. Without a reference (a
 run not trained with DPO, and no `--reference`), only the run's own figures: `logps/chosen` and
@@ -34,33 +34,28 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from llmcli.config import Config
 from llmcli.data.chat_template import load_run_template
 from llmcli.data.preference_data import (
     PreferenceSplit,
     encode_split,
-    pair_batch,
     prepare_preference_data,
 )
 from llmcli.data.preferences import KEYS, SHAPE, PreferenceEncoder, read_preferences
 from llmcli.data.tokenizer import Tokenizer
 from llmcli.errors import InputError
 from llmcli.evaluation.chat import is_conversations
-from llmcli.evaluation.dpo_losses import DPOLoss, dpo_loss, mean_logit
-from llmcli.evaluation.preference_scores import (
-    CompletionScores,
-    completion_logps,
-    completion_scores,
-)
 from llmcli.fileio import refuse_special_file
-from llmcli.progress import Progress
+from llmcli.objectives import objective_for
+from llmcli.objectives.dpo_losses import DPOLoss, dpo_loss, mean_logit
+from llmcli.objectives.preference_scores import PairLogps, score_pairs
 from llmcli.runs.directory import CONFIG_FILE
 from llmcli.runs.loading import LoadedRun, load_run, load_tokenizer_file
 
 # Builds a DPO run's frozen reference from its config, vocabulary size and device: training's
-# own (`llmcli.training.dpo.reference_model`), which the command line passes in, since
+# own (`llmcli.training.init_from.reference_model`), which the command line passes in, since
 # evaluation sits below training.
 ReferenceLoader = Callable[[Config, int, torch.device], nn.Module]
 
@@ -139,12 +134,12 @@ def pair_reference(
         check_same_tokenizer(run, other.tokenizer, f"--reference '{other.run_dir}'")
         return Reference(other.model, str(other.run_dir), loss)
     init_from = run.config.train.init_from
-    if run.config.train.objective != "dpo" or init_from is None:
+    if objective_for(run.config).eval_data != "pairs" or init_from is None:  # not DPO's
         return None
     if load_dpo_reference is None:
         raise ValueError(
             "a DPO run's pairs are scored against its train.init_from: pass load_dpo_reference "
-            "(llmcli.training.dpo.reference_model), or a reference run."
+            "(llmcli.training.init_from.reference_model), or a reference run."
         )
     base = Path(init_from).expanduser()
     if base.is_absolute() and not base.exists():  # training wrote a base run's absolute path
@@ -218,55 +213,6 @@ def split_pairs(run: LoadedRun, encoder: PreferenceEncoder) -> tuple[PreferenceS
 
 
 # --- Scoring ---------------------------------------------------------------------------------
-
-
-@dataclass
-class PairLogps:
-    """Each scored pair's replies, `(P,)` float32 each: the run's model's scores, and the
-    reference's summed completion log-probabilities (None without one)."""
-
-    chosen: CompletionScores
-    rejected: CompletionScores
-    ref_chosen: Tensor | None = None
-    ref_rejected: Tensor | None = None
-
-
-@torch.no_grad()
-def score_pairs(
-    model: nn.Module,
-    reference: nn.Module | None,
-    split: PreferenceSplit,
-    pad_id: int,
-    batch_size: int,
-    *,
-    count: int | None = None,
-    length: int | None = None,
-    progress: bool = False,
-) -> PairLogps:
-    """The first `count` pairs of `split` (None: all) scored in order, `batch_size` at a time,
-    each batch padded to its longest sequence (`pair_batch`; or to `length` tokens, as training
-    pads them, which gives its steps' scores to the last bit): attention is causal, so the
-    padding after a sequence changes none of its logits, and it is never in the mask."""
-    device = next(model.parameters()).device
-    count = len(split) if count is None else min(count, len(split))
-    starts = range(0, count, batch_size)
-    bar = Progress(len(starts), desc="eval", unit="batch", enabled=progress, tenths=True)
-    policy: list[tuple[CompletionScores, CompletionScores]] = []
-    ref: list[tuple[Tensor, Tensor]] = []
-    for lo in starts:
-        picks = range(lo, min(lo + batch_size, count))
-        ids, mask = pair_batch(split, picks, pad_id, length)  # (2B, L)
-        ids, mask = ids.to(device), mask.to(device)
-        scores = completion_scores(model, ids, mask)  # (2B,) each
-        policy.append(scores.to("cpu").halves())
-        if reference is not None:
-            ref.append(completion_logps(reference, ids, mask).cpu().chunk(2))  # (B,) each
-        bar.update()
-    bar.close()
-    chosen, rejected = (CompletionScores.cat([pair[k] for pair in policy]) for k in (0, 1))
-    if reference is None:
-        return PairLogps(chosen, rejected)
-    return PairLogps(chosen, rejected, *(torch.cat([pair[k] for pair in ref]) for k in (0, 1)))
 
 
 def pair_figures(logps: PairLogps, loss: DPOLoss | None) -> tuple[float | None, dict[str, Any]]:

@@ -30,6 +30,7 @@ import torch
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from llmcli.config import Config, TrainConfig
+from llmcli.objectives import objective_for
 from llmcli.progress import WITHOUT_RATE, Progress
 from llmcli.training.batch import may_shrink, shrink_micro_batch
 from llmcli.training.build import Run, started
@@ -220,6 +221,6 @@ def _summary(run: Run, elapsed_s: float, tokens_per_s: float | None) -> TrainSum
     summary = TrainSummary.of(
         run.state, run.facts, max_steps, saves, run.guard, elapsed_s, tokens_per_s
     )
-    if run.config.train.objective != "next_token":  # a DPO or GRPO loss has no perplexity
+    if not objective_for(run.config).has_perplexity:  # a DPO or GRPO loss is no LM loss
         summary.val_ppl = None
     return summary

@@ -3,8 +3,8 @@
 
 A reply's score is the log-probability of its completion tokens, summed (not averaged: a longer
 reply weighs more, as in TRL). DPO (Rafailov et al. 2023) measures each reply's score against a
-frozen reference model's; its losses are `llmcli.evaluation.dpo_losses`'. Training minimises
-them (`llmcli.training.dpo`); `llmcli eval` reports them on a file of pairs
+frozen reference model's; its losses are `llmcli.objectives.dpo_losses`'. Training minimises
+them (`llmcli.objectives.dpo`); `llmcli eval` reports them on a file of pairs
 (`llmcli.evaluation.preferences`). Both read batches of `(2B, T+1)` rows, the chosen sequences
 then the rejected ones (`llmcli.data.preference_data.pair_batch`).
 """
@@ -16,6 +16,9 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from llmcli.data.preference_data import PreferenceSplit, pair_batch
+from llmcli.progress import Progress
 
 
 @dataclass
@@ -131,3 +134,52 @@ def completion_logps(model: nn.Module, ids: Tensor, completion_mask: Tensor) -> 
     """
     logits, _ = model(ids[:, :-1])  # (R, T, V)
     return target_logps(logits, ids[:, 1:], completion_mask[:, 1:])
+
+
+@dataclass
+class PairLogps:
+    """Each scored pair's replies, `(P,)` float32 each: the run's model's scores, and the
+    reference's summed completion log-probabilities (None without one)."""
+
+    chosen: CompletionScores
+    rejected: CompletionScores
+    ref_chosen: Tensor | None = None
+    ref_rejected: Tensor | None = None
+
+
+@torch.no_grad()
+def score_pairs(
+    model: nn.Module,
+    reference: nn.Module | None,
+    split: PreferenceSplit,
+    pad_id: int,
+    batch_size: int,
+    *,
+    count: int | None = None,
+    length: int | None = None,
+    progress: bool = False,
+) -> PairLogps:
+    """The first `count` pairs of `split` (None: all) scored in order, `batch_size` at a time,
+    each batch padded to its longest sequence (`pair_batch`; or to `length` tokens, as training
+    pads them, which gives its steps' scores to the last bit): attention is causal, so the
+    padding after a sequence changes none of its logits, and it is never in the mask."""
+    device = next(model.parameters()).device
+    count = len(split) if count is None else min(count, len(split))
+    starts = range(0, count, batch_size)
+    bar = Progress(len(starts), desc="eval", unit="batch", enabled=progress, tenths=True)
+    policy: list[tuple[CompletionScores, CompletionScores]] = []
+    ref: list[tuple[Tensor, Tensor]] = []
+    for lo in starts:
+        picks = range(lo, min(lo + batch_size, count))
+        ids, mask = pair_batch(split, picks, pad_id, length)  # (2B, L)
+        ids, mask = ids.to(device), mask.to(device)
+        scores = completion_scores(model, ids, mask)  # (2B,) each
+        policy.append(scores.to("cpu").halves())
+        if reference is not None:
+            ref.append(completion_logps(reference, ids, mask).cpu().chunk(2))  # (B,) each
+        bar.update()
+    bar.close()
+    chosen, rejected = (CompletionScores.cat([pair[k] for pair in policy]) for k in (0, 1))
+    if reference is None:
+        return PairLogps(chosen, rejected)
+    return PairLogps(chosen, rejected, *(torch.cat([pair[k] for pair in ref]) for k in (0, 1)))

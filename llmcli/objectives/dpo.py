@@ -3,8 +3,8 @@
 
 The policy learns to raise the chosen reply's score (its completion tokens' summed
 log-probability) over the rejected one's, each measured against a frozen reference model (the
-run it started from). The scores are `llmcli.evaluation.preference_scores`'s and the losses
-`llmcli.evaluation.dpo_losses`', which `llmcli eval` reports on a file of pairs too.
+run it started from). The scores are `llmcli.objectives.preference_scores`'s and the losses
+`llmcli.objectives.dpo_losses`', which `llmcli eval` reports on a file of pairs too.
 
 `dpo_step` scores one batch of `llmcli.data.preference_data.PreferenceSampler` under the policy
 and the reference. With `train.objective: dpo` the run's step takes its loss from
@@ -20,18 +20,26 @@ the tokens a step counts take it (`Config.example_tokens`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from llmcli.config import Config, TrainConfig
-from llmcli.data.prepared import PreferenceData
-from llmcli.evaluation.dpo_losses import DPOLoss, dpo_loss
-from llmcli.evaluation.preference_scores import completion_logps, completion_scores
-from llmcli.evaluation.preferences import score_pairs
-from llmcli.model.gpt import Transformer
-from llmcli.training.init_from import load_init_weights
+from llmcli.data.preference_data import PreferenceSampler, preference_token_data
+from llmcli.data.prepared import PreferenceData, TokenData
+from llmcli.data.tokenizer import Tokenizer
+from llmcli.objectives.base import (
+    MemoryTerms,
+    Objective,
+    SumRanks,
+    check_init_tokenizer,
+    init_encoding,
+)
+from llmcli.objectives.dpo_losses import DPOLoss, dpo_loss
+from llmcli.objectives.preference_scores import completion_logps, completion_scores, score_pairs
 
 
 def dpo_step(
@@ -67,22 +75,11 @@ def dpo_step(
     return dpo_loss(chosen, rejected, ref_logps[:B], ref_logps[B:], loss)
 
 
-def reference_model(config: Config, vocab_size: int, device: torch.device) -> Transformer:
-    """The frozen reference: `train.init_from`'s weights (as the policy starts from them, also
-    when a run resumes), in eval mode (no dropout) and without gradients."""
-    assert config.train.init_from, "DPO's reference is train.init_from's model"
-    reference = Transformer(config.model, vocab_size)
-    load_init_weights(reference, config.train.init_from)
-    reference.to(device).eval()
-    reference.requires_grad_(False)
-    return reference
-
-
 def score_pairs_once(
     reference: nn.Module, pairs: PreferenceData, config: Config, world_size: int
 ) -> bool:
     """Score both splits' pairs with the reference once (`PreferenceSplit.reference_logps`, by
-    `llmcli.evaluation.preferences.score_pairs`), when training
+    `llmcli.objectives.preference_scores.score_pairs`), when training
     draws more pairs than the training split holds: each step then reads its batch's scores
     instead of running the reference. A run that draws each pair about once keeps scoring
     them in its steps, which costs no more. Returns whether it scored them."""
@@ -111,3 +108,75 @@ def dpo_objective(reference: nn.Module, train: TrainConfig) -> partial:
     """The step's `loss_fn` for `train.objective: dpo`, `loss_fn(policy, batch)`: the loss
     `train` sets (`train.loss_type`, `loss_weights`, `label_smoothing`, `dpo_beta`)."""
     return partial(dpo_batch_loss, reference, DPOLoss.from_config(train))
+
+
+class DPO(Objective):
+    """`train.objective: dpo`: preference pairs (`data.format: preference`) encoded with the
+    `train.init_from` run's tokenizer and template, each pair two rows, scored against that
+    run's frozen weights (the reference, which training builds and passes to `wire`)."""
+
+    name = "dpo"
+    has_perplexity = False  # DPO's loss is no next-token loss
+    head_metrics = False  # a preference loss says nothing of the induction heads
+    by_position = False
+    templated = True
+    encodes_with_init_from = True
+    eval_data = "pairs"
+    examples = "pairs (2 rows each)"
+
+    @property
+    def needs_reference(self) -> bool:
+        return True
+
+    def read_data(self, tokenizer: Tokenizer | None) -> TokenData:
+        config = self.config
+        ours, template = init_encoding(config)
+        if tokenizer is not None:
+            check_init_tokenizer(config, self.name, ours, tokenizer)
+        return preference_token_data(config.data, config.model.context_length, ours, template)
+
+    def sampler(
+        self,
+        data: TokenData,
+        split: str,
+        seed: int,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        training: bool = False,
+    ) -> PreferenceSampler:
+        assert data.preference is not None
+        pairs = data.preference.train if split == "train" else data.preference.val
+        batch, context = self.config.train.batch_size, self.config.model.context_length
+        pad_id = data.preference.pad_id
+        return PreferenceSampler(pairs, pad_id, batch, context, seed, rank, world_size, device)
+
+    def wire(
+        self,
+        trainer: Any,
+        model: nn.Module,
+        data: TokenData,
+        reference: nn.Module | None,
+        world_size: int,
+        sum_ranks: SumRanks | None,
+    ) -> None:
+        assert data.preference is not None and reference is not None
+        score_pairs_once(reference, data.preference, self.config, world_size)
+        trainer.loss_fn = dpo_objective(reference, self.config.train)
+
+    def memory_terms(self, vocab_size: int) -> MemoryTerms:
+        # the reference's fp32 logits, alive while the policy's activations are kept
+        return MemoryTerms(rows=self.rows_per_example, values_per_token=vocab_size, reference=True)
+
+    def timing_batch(self, tokens: Tensor, n: int) -> tuple[Tensor, ...]:
+        """`n` pairs `(ids, completion_mask)`, each `(2n, T + 1)`, every token a completion's."""
+        half = tokens.shape[0] // 2  # chosen rows, then rejected ones
+        ids = torch.cat([tokens[:n], tokens[half : half + n]])
+        return ids, torch.ones_like(ids, dtype=torch.bool)
+
+    def timing_loss(self, reference: nn.Module) -> Callable | None:
+        return dpo_objective(reference, self.config.train)
+
+    def meta_rows(self, data: TokenData) -> dict[str, Any]:
+        assert data.preference is not None
+        return {"preference_data": data.preference.counts()}

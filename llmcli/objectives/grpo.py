@@ -5,7 +5,7 @@ computes it (`trl/trainer/grpo_trainer.py`, `_compute_loss`).
 A step draws `train.batch_size x train.grad_accum` prompts at once (`GRPOStream`), and for each
 the policy samples `train.group_size` completions (the `sample` section's temperature, top-k,
 top-p and `max_new_tokens`, each cut to the room the context leaves; GRPO's defaults are TRL's:
-temperature 1, no top-k or top-p). Each completion gets a reward (`llmcli.evaluation.rewards`),
+temperature 1, no top-k or top-p). Each completion gets a reward (`llmcli.objectives.rewards`),
 and its advantage is its reward less the mean of its group's, divided by the group's standard
 deviation when `train.scale_rewards` (TRL's default). The step then hands the completions to the
 training step a micro-batch at a time: `grad_accum` is a memory knob, and a step's prompts,
@@ -34,26 +34,84 @@ completion the run's reward passes (gives 1 or more).
 
 from __future__ import annotations
 
+import dataclasses
 import reprlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from llmcli.config import SampleConfig
-from llmcli.data.prepared import PromptData, PromptSplit
-from llmcli.data.prompts import PromptBatch, PromptSampler
+from llmcli.data.prepared import PromptData, PromptSplit, TokenData
+from llmcli.data.prompts import PromptBatch, PromptSampler, prompt_token_data
+from llmcli.data.tokenizer import Tokenizer
 from llmcli.errors import InputError
-from llmcli.evaluation.prompts import greedy_figures, reply_budgets
-from llmcli.evaluation.rewards import BUILT_IN, Reward, parse_number, score
 from llmcli.generation.replies import replies
 from llmcli.generation.sampling import make_generators
-from llmcli.training.distributed import DistInfo
+from llmcli.objectives.base import (
+    MemoryTerms,
+    Objective,
+    SumRanks,
+    check_init_tokenizer,
+    init_encoding,
+)
+from llmcli.objectives.rewards import BUILT_IN, Reward, load_reward, parse_number, score
+from llmcli.progress import Progress
+
+
+def reply_budgets(prompts: list[list[int]], max_new_tokens: int, context_length: int) -> list[int]:
+    """Each prompt's most reply tokens: `max_new_tokens`, or the room its row has (the model
+    reads `context_length` tokens, so a row holds at most `context_length + 1`)."""
+    return [min(max_new_tokens, context_length + 1 - len(p)) for p in prompts]
+
+
+def greedy_figures(
+    model: Any,
+    split: PromptSplit,
+    end_id: int,
+    sample: Any,
+    reward: Reward,
+    decode_text: Any,
+    batch_size: int,
+    *,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Greedy replies to the prompts of `split`: their mean `reward`, `pass@1` (NaN when there
+    are none) of the `answered` prompts (those with an answer, for a built-in verifier; every
+    prompt, for a function of the user's), `passed` of them (reward 1 or more), and each
+    prompt's `replies` (text, whether it ended, reward). The model must be in eval mode."""
+    picks = list(range(len(split)))
+    greedy = dataclasses.replace(sample, temperature=0.0)
+    bar = Progress(len(picks), desc="answers", unit="prompt", enabled=progress, tenths=True)
+    rows = []
+    for lo in range(0, len(picks), batch_size):
+        batch = picks[lo : lo + batch_size]
+        prompts = [split.ids[k].tolist() for k in batch]
+        budgets = reply_budgets(prompts, sample.max_new_tokens, model.context_length)
+        got = replies(model, prompts, budgets, end_id, greedy, model.vocab_size)
+        for k, (ids, ended) in zip(batch, got, strict=True):
+            text = decode_text(ids)
+            value = score(reward, split.texts[k], text, split.answers[k], split.where[k])
+            rows.append({"where": split.where[k], "reply": text, "ended": ended, "reward": value})
+        bar.update(len(batch))
+    bar.close()
+    verifier = any(reward is fn for fn in BUILT_IN.values())  # they need an answer to judge
+    answered = [
+        float(r["reward"] >= 1.0)
+        for k, r in zip(picks, rows, strict=True)
+        if split.answers[k] is not None or not verifier
+    ]
+    return {
+        "reward": sum(r["reward"] for r in rows) / len(rows),
+        "pass@1": sum(answered) / len(answered) if answered else float("nan"),
+        "passed": int(sum(answered)),
+        "answered": len(answered),
+        "replies": rows,
+    }
 
 
 @dataclass
@@ -209,7 +267,7 @@ class GRPOObjective:
         policy: the model being trained (unwrapped: generation runs on it directly).
         data: the run's prompts (their end token).
         config: the run's config (`train.group_size`, `scale_rewards`, `grpo_beta`, `sample`).
-        reward: the reward function (`llmcli.evaluation.rewards.load_reward`).
+        reward: the reward function (`llmcli.objectives.rewards.load_reward`).
         decode_text: the tokenizer's `decode`.
         reference: the frozen `init_from` model, for the KL penalty; None without one.
     """
@@ -222,7 +280,8 @@ class GRPOObjective:
         reward: Reward,
         decode_text: Any,
         reference: nn.Module | None = None,
-        info: DistInfo | None = None,
+        world_size: int = 1,
+        sum_ranks: Callable[[Tensor], None] | None = None,
     ) -> None:
         self.policy, self.reward, self.decode_text = policy, reward, decode_text
         tc = config.train
@@ -231,7 +290,7 @@ class GRPOObjective:
         self.sampling, self.context_length = config.sample, config.model.context_length
         self.end_id, self.reference = data.end_id, reference
         self.eval_batch = tc.batch_size * tc.group_size
-        self.info = info or DistInfo()
+        self.world_size, self.sum_ranks = world_size, sum_ranks
         check_reward(reward, tc.reward, data)
 
     def __call__(self, model: nn.Module, share: StepShare) -> tuple[Tensor, dict[str, Tensor]]:
@@ -266,10 +325,10 @@ class GRPOObjective:
         done = self.sample(batch)
         advantage = advantages(done.rewards, self.group_size, self.scale)
         tokens = done.mask[:, 1:].sum().double()
-        if self.info.enabled:  # dapo's normaliser: the step's tokens on every rank
+        if self.sum_ranks is not None:  # dapo's normaliser: the step's tokens on every rank
             tokens = tokens.to(next(self.policy.parameters()).device)
-            dist.all_reduce(tokens)
-        dapo_tokens = float(tokens) / (self.info.world_size * parts)
+            self.sum_ranks(tokens)
+        dapo_tokens = float(tokens) / (self.world_size * parts)
         figures = self._figures(done)
         rows = len(done.rewards) // parts
         return [
@@ -336,7 +395,7 @@ class GRPOObjective:
     def evaluate(self, split: PromptSplit, limit: int) -> dict[str, float]:
         """Greedy replies to the first `limit` prompts of `split`: their mean `reward` and
         `pass@1`, the share whose reply the run's reward gives 1 or more
-        (`llmcli.evaluation.prompts.greedy_figures`)."""
+        (`greedy_figures`)."""
         with self._generating():
             figures = greedy_figures(
                 self.policy,
@@ -398,3 +457,115 @@ class GRPOStream:
 
     def close(self) -> None:
         self.prompts.close()
+
+
+class GRPO(Objective):
+    """`train.objective: grpo`: prompts with answers (`data.format: prompts`) encoded with the
+    `train.init_from` run's tokenizer and template; a step samples `train.group_size`
+    completions of each prompt (`GRPOObjective`, `GRPOStream`), and with `train.grpo_beta` > 0
+    holds the frozen `init_from` model for its KL penalty. Its evaluation answers held-out
+    prompts greedily: reward and pass@1, its loss the negated mean reward."""
+
+    name = "grpo"
+    has_perplexity = False  # the loss is a policy gradient's, no next-token loss
+    head_metrics = False  # rewards say nothing of the induction heads
+    by_position = False
+    templated = True
+    encodes_with_init_from = True
+    eval_data = "prompts"
+    memory_knobs = "train.group_size, "
+
+    @property
+    def examples(self) -> str:  # type: ignore[override]
+        return f"prompts ({self.config.train.group_size} completions each)"
+
+    @property
+    def reward_spec(self) -> str:  # type: ignore[override]
+        return self.config.train.reward
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.config.train.grpo_beta > 0  # the KL penalty's reference
+
+    def read_data(self, tokenizer: Tokenizer | None) -> TokenData:
+        config = self.config
+        ours, template = init_encoding(config)
+        if tokenizer is not None:
+            check_init_tokenizer(config, self.name, ours, tokenizer)
+        return prompt_token_data(config.data, config.model.context_length, ours, template)
+
+    def sampler(
+        self,
+        data: TokenData,
+        split: str,
+        seed: int,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        training: bool = False,
+    ) -> PromptSampler:
+        """A step draws all its prompts at once (`batch_size x grad_accum`)."""
+        assert data.prompts is not None
+        prompts = data.prompts.train if split == "train" else data.prompts.val
+        step = self.config.train.batch_size * self.config.train.grad_accum
+        return PromptSampler(prompts, step, seed, rank, world_size)
+
+    def wire(
+        self,
+        trainer: Any,
+        model: nn.Module,
+        data: TokenData,
+        reference: nn.Module | None,
+        world_size: int,
+        sum_ranks: SumRanks | None,
+    ) -> None:
+        """Completions sampled from the model as it trains, rewarded, then the loss."""
+        assert data.prompts is not None
+        tc = self.config.train
+        objective = GRPOObjective(
+            model,
+            data.prompts,
+            self.config,
+            load_reward(tc.reward, tc.reward_timeout),
+            data.tokenizer.decode,
+            reference,
+            world_size,
+            sum_ranks,
+        )
+        trainer.loss_fn = objective
+        trainer.batches = GRPOStream(objective, trainer.batches, tc.grad_accum)
+
+    def evaluate(self, loss_fn: Any, data: TokenData, limit: int) -> tuple[dict, dict] | None:
+        """Greedy completions of the first `limit` prompts of each split: each split's loss is
+        its negated mean reward (what GRPO lowers; the best weights are those with the highest
+        held-out reward), its figures `reward` and `pass@1`."""
+        assert data.prompts is not None
+        losses, summary = {}, {}
+        for name, split in (("train", data.prompts.train), ("val", data.prompts.val)):
+            figures = loss_fn.evaluate(split, limit)
+            losses[name] = -figures["reward"]
+            summary.update({f"{name}_{key}": value for key, value in figures.items()})
+        return losses, summary
+
+    def memory_terms(self, vocab_size: int) -> MemoryTerms:
+        """`batch_size x group_size` rows a micro-batch, and the reference with a KL penalty."""
+        tc = self.config.train
+        return MemoryTerms(
+            rows=self.rows_per_example,
+            reference=self.needs_reference,
+            sampled_rows=tc.grad_accum * tc.group_size,  # a step's completions, drawn at once
+        )
+
+    def plan_rows(self) -> list[tuple[str, str]]:
+        G = self.config.train.group_size
+        return [
+            (
+                "not timed",
+                f"sampling: before each update GRPO generates train.group_size ({G}) "
+                "completions of each prompt, which the times above leave out",
+            )
+        ]
+
+    def meta_rows(self, data: TokenData) -> dict[str, Any]:
+        assert data.prompts is not None
+        return {"prompt_data": data.prompts.counts()}

@@ -2,7 +2,7 @@
 `trl/trainer/dpo_trainer.py`), and TRL's metrics of a batch of pairs.
 
 Every loss reads the policy's and the reference's summed completion log-probabilities of each
-reply (`llmcli.evaluation.preference_scores`). With `beta` (`train.dpo_beta`) and the log-ratios
+reply (`llmcli.objectives.preference_scores`). With `beta` (`train.dpo_beta`) and the log-ratios
 `c = policy_chosen - ref_chosen`, `r = policy_rejected - ref_rejected` and `d = c - r`, each
 loss is a mean over the pairs of (`eps` is `train.label_smoothing`, `s` logsigmoid):
 
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from llmcli.config import TrainConfig
-from llmcli.evaluation.preference_scores import CompletionScores
+from llmcli.objectives.preference_scores import CompletionScores
 
 logsig = F.logsigmoid
 
