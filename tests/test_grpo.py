@@ -399,6 +399,21 @@ def test_a_group_of_one_exits_2(base: Path, tmp_path: Path, capsys) -> None:
     assert status == 2 and "train.group_size (1) must be >= 2" in err, err
 
 
+def test_a_group_size_that_cannot_fit_exits_2_before_writing_the_run(
+    base: Path, tmp_path: Path, capsys
+) -> None:
+    # The memory check sizes a step as it runs: batch_size x group_size rows (and the sampling
+    # of them all), so a group this large is refused before the run folder is made.
+    config_file = tmp_path / "grpo.yaml"
+    config_file.write_text(dump_yaml(grpo_config(base, tmp_path)))
+    huge = "train.group_size=1000000"
+    status, err = cli(capsys, config_file, "--set", huge, "--out", tmp_path / "run")
+    assert status == 2 and "Traceback" not in err, err
+    assert "2 prompts (1,000,000 completions each), 2,000,000 rows" in err, err
+    assert "lower train.group_size" in err, err
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize(
     "setting, message",
     [

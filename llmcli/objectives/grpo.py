@@ -477,7 +477,7 @@ class GRPO(Objective):
 
     @property
     def examples(self) -> str:  # type: ignore[override]
-        return f"prompts ({self.config.train.group_size} completions each)"
+        return f"prompts ({self.config.train.group_size:,} completions each)"
 
     @property
     def reward_spec(self) -> str:  # type: ignore[override]

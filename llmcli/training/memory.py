@@ -295,7 +295,7 @@ def check_memory(
     shape = f"{config.train.batch_size} {objective.examples}"
     raise InputError(
         f"training this model needs about {format_bytes(need)} ({format_count(estimate.params)} "
-        f"parameters, batches of {shape}, {rows * config.train.batch_size} rows of "
+        f"parameters, batches of {shape}, {rows * config.train.batch_size:,} rows of "
         f"{config.model.context_length} tokens) but {where} {format_bytes(have)}: lower "
         f"{objective.memory_knobs}model.n_embed, model.n_layer or "
         "train.batch_size (raise train.grad_accum to keep the tokens per step), or use "
