@@ -89,7 +89,7 @@ def dpo_config(base: Path, folder: Path, **train: object) -> Config:
 
 
 def test_dpo_run_starts_at_log_2_learns_the_pairs_and_never_moves_the_reference(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ):
     base = save_chat_run(tmp_path / "base", n_layer=1, n_embed=16, context_length=32)
     config = dpo_config(base, tmp_path)
@@ -101,7 +101,19 @@ def test_dpo_run_starts_at_log_2_learns_the_pairs_and_never_moves_the_reference(
         return references[-1]
 
     monkeypatch.setattr(build, "reference_model", kept_reference)
-    train(config, out_dir=tmp_path / "dpo", progress=False)
+    with caplog.at_level("INFO"):
+        train(config, out_dir=tmp_path / "dpo", progress=False)
+    # The evaluation's line says what its reward accuracy is over, and has no induction head
+    # (a preference loss says nothing of them); `llmcli info` shows DPO's figures at the best.
+    evals = [r.getMessage() for r in caplog.records if "val loss" in r.getMessage()]
+    assert evals and all("strongest induction head" not in line for line in evals), evals
+    assert re.search(
+        r"val reward accuracy [\d.]+, margin -?[\d.]+ "
+        r"\(on 4 pairs drawn from the \d+ validation pairs\)",
+        evals[-1],
+    ), evals[-1]
+    shown = format_info(run_info(tmp_path / "dpo"))
+    assert re.search(r"best evaluation +val rewards/accuracies [\d.]+%, val rewards/margins", shown)
 
     # Step 1's batch by hand: the training stream's first draw, scored by the initial weights
     # as both policy and reference (the same model: every log-ratio is 0, the loss log 2).

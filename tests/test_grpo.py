@@ -399,6 +399,31 @@ def test_a_group_of_one_exits_2(base: Path, tmp_path: Path, capsys) -> None:
     assert status == 2 and "train.group_size (1) must be >= 2" in err, err
 
 
+def test_a_run_whose_groups_all_tie_says_so_and_info_shows_its_reward_and_pass_at_1(
+    base: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys
+) -> None:
+    # Every completion gets the same reward: every advantage is 0, the gradient is 0, and the
+    # terminal says so with what to change, once three log steps in a row learned nothing.
+    (tmp_path / "flat.py").write_text("def score(prompt, completion, answer):\n    return 0.5\n")
+    config = grpo_config(base, tmp_path, reward=f"{tmp_path / 'flat.py'}:score")
+    with caplog.at_level("INFO"):
+        train(config, out_dir=tmp_path / "run", progress=False)
+    warned = [r.getMessage() for r in caplog.records if "nothing learned" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "steps 1..3" in warned[0] and "frac_reward_zero_std 1.0" in warned[0]
+    assert "Raise sample.temperature or train.group_size" in warned[0]
+    evals = [r.getMessage() for r in caplog.records if "val loss" in r.getMessage()]
+    assert "(greedy on all 4 validation prompts: val reward 0.500, pass@1 0.0%)" in evals[-1]
+    # `llmcli info` shows the reward and pass@1 at the best evaluation, not a negated reward.
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        main(["info", "--checkpoint", str(tmp_path / "run")])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "best val loss" not in out, out
+    assert "best evaluation" in out and "val reward 0.5000, val pass@1 0.0% at step 2" in out, out
+
+
 def test_a_group_size_that_cannot_fit_exits_2_before_writing_the_run(
     base: Path, tmp_path: Path, capsys
 ) -> None:

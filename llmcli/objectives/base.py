@@ -76,6 +76,11 @@ class Objective:
     eval_data = "text"  # what `llmcli eval` reads of the run with no --data
     reward_spec = "exact"  # the reward `llmcli eval` scores prompts with
     examples = "sequences"  # what one of `train.batch_size` is, for `llmcli plan`
+    # The evaluation's figures that say how the run does, as metrics.jsonl names them ("val_":
+    # the validation split's), which `meta.json` lists for `llmcli info`; and the step's own
+    # figures the progress bar shows beside the loss (TRL's names).
+    figures: tuple[str, ...] = ("val_loss", "val_ppl")
+    bar_figures: tuple[str, ...] = ()
     memory_knobs = ""  # what else to lower when a step does not fit, before the model's size
 
     def __init__(self, config: Config) -> None:
@@ -156,8 +161,24 @@ class Objective:
         return []
 
     def meta_rows(self, data: TokenData) -> dict[str, Any]:
-        """Rows of `meta.json` about its data (how many examples fit, were cut, left out)."""
-        return {}
+        """Rows of `meta.json`: the figures `llmcli info` shows, and (others) how many of its
+        examples fit, were cut, were left out."""
+        return {"figures": list(self.figures)}
+
+    def eval_text(self, summary: dict[str, float], data: TokenData) -> str | None:
+        """What an evaluation's log line says after the losses (None: the perplexity)."""
+        return None
+
+    def stalled(self, metrics: dict[str, float]) -> bool:
+        """Whether a log step's figures say nothing is learned, whatever the gradient."""
+        return False
+
+    def stall_advice(self, metrics: dict[str, float]) -> str:
+        """What to change when the gradient stays zero (or `stalled`) log step after log step."""
+        return (
+            "the loss does not depend on the weights that train: check that the data hold "
+            "targets the model writes (a chat run's assistant turns) and that train.lr is not 0."
+        )
 
 
 def init_encoding(config: Config) -> tuple[Tokenizer, ChatTemplate | None]:

@@ -110,4 +110,4 @@ class Chat(Objective):
 
     def meta_rows(self, data: TokenData) -> dict[str, Any]:
         assert data.chat is not None
-        return {"chat_data": data.chat.counts()}  # how many conversations fit, were cut, left
+        return super().meta_rows(data) | {"chat_data": data.chat.counts()}  # fit, cut, left

@@ -123,6 +123,8 @@ class DPO(Objective):
     encodes_with_init_from = True
     eval_data = "pairs"
     examples = "pairs (2 rows each)"
+    figures = ("val_rewards/accuracies", "val_rewards/margins", "val_loss")
+    bar_figures = ("rewards/accuracies", "rewards/margins")
 
     @property
     def needs_reference(self) -> bool:
@@ -179,4 +181,17 @@ class DPO(Objective):
 
     def meta_rows(self, data: TokenData) -> dict[str, Any]:
         assert data.preference is not None
-        return {"preference_data": data.preference.counts()}
+        return super().meta_rows(data) | {"preference_data": data.preference.counts()}
+
+    def eval_text(self, summary: dict[str, float], data: TokenData) -> str | None:
+        """TRL's reward accuracy and margin, and how many pairs they are over: the loop's
+        evaluation draws `eval_steps x batch_size` of the validation pairs (`llmcli eval`
+        scores them all)."""
+        assert data.preference is not None
+        tc, total = self.config.train, len(data.preference.val)
+        drawn = tc.eval_steps * tc.batch_size
+        return (
+            f", val reward accuracy {summary['val_rewards/accuracies']:.3f}, margin "
+            f"{summary['val_rewards/margins']:.3f} (on {drawn:,} pairs drawn from the "
+            f"{total:,} validation pairs)"
+        )

@@ -474,6 +474,8 @@ class GRPO(Objective):
     encodes_with_init_from = True
     eval_data = "prompts"
     memory_knobs = "train.group_size, "
+    figures = ("val_reward", "val_pass@1")  # its loss is the negated reward
+    bar_figures = ("reward", "frac_reward_zero_std")
 
     @property
     def examples(self) -> str:  # type: ignore[override]
@@ -568,4 +570,31 @@ class GRPO(Objective):
 
     def meta_rows(self, data: TokenData) -> dict[str, Any]:
         assert data.prompts is not None
-        return {"prompt_data": data.prompts.counts()}
+        return super().meta_rows(data) | {"prompt_data": data.prompts.counts()}
+
+    def eval_text(self, summary: dict[str, float], data: TokenData) -> str | None:
+        """The greedy replies' reward and pass@1, and how many prompts they are over."""
+        assert data.prompts is not None
+        tc, total = self.config.train, len(data.prompts.val)
+        answered = min(total, tc.eval_steps * tc.batch_size)
+        scope = "all" if answered == total else f"the first {answered:,} of"
+        return (
+            f" (greedy on {scope} {total:,} validation prompts: val reward "
+            f"{summary['val_reward']:.3f}, pass@1 {summary['val_pass@1']:.1%})"
+        )
+
+    def stalled(self, metrics: dict[str, float]) -> bool:
+        """Every group's completions got the same reward: every advantage is 0."""
+        return metrics.get("frac_reward_zero_std", 0.0) >= 1.0
+
+    def stall_advice(self, metrics: dict[str, float]) -> str:
+        tc = self.config.train
+        if not self.stalled(metrics):
+            return super().stall_advice(metrics)
+        return (
+            f"every group's {tc.group_size} completions got the same reward "
+            f"(frac_reward_zero_std 1.0, reward {metrics.get('reward', float('nan')):.3f}), so "
+            "every advantage is 0 and nothing is learned. Raise sample.temperature or "
+            "train.group_size so that completions differ, give partial credit in train.reward, "
+            "or start from a model that sometimes gets the answer (train.init_from)."
+        )

@@ -41,9 +41,17 @@ def run_info(
     """
     run = load_run(checkpoint, weights=weights, notify=notify)
     meta = run.meta
-    best_val, best_step = best_eval(read_metrics(run.run_dir / METRICS_FILE))
+    records = read_metrics(run.run_dir / METRICS_FILE)
+    best_val, best_step = best_eval(records)
     if meta.get("best_val_loss") is not None:
         best_val, best_step = float(meta["best_val_loss"]), meta.get("best_step", best_step)
+    # The run's objective names the figures that say how it does (meta.json's `figures`, since
+    # llmcli.objectives; older runs: the loss alone): their values at the best evaluation.
+    names = meta.get("figures") or ["val_loss"]
+    at_best = next(
+        (r for r in records if r.get("kind") == "eval" and r.get("step") == best_step), {}
+    )
+    figures = {name: at_best.get(name) for name in names if name != "val_loss"}
     config = run.config.to_dict()
     return {
         "run_dir": str(run.run_dir),
@@ -60,8 +68,9 @@ def run_info(
             "max_steps": meta.get("max_steps", config["train"]["max_steps"]),
             "tokens": meta.get("tokens"),
             "elapsed_s": meta.get("elapsed_s"),
-            "best_val_loss": best_val,
+            "best_val_loss": best_val if "val_loss" in names else None,
             "best_step": best_step,
+            "best_figures": figures,
             "device": meta.get("device"),
             "dtype": meta.get("dtype"),
         },
@@ -89,7 +98,6 @@ def format_info(info: dict[str, Any]) -> str:
     model, training = info["model"], info["training"]
     recorded = info["versions"]["recorded"] or {}
     installed = info["versions"]["installed"]
-    best = training["best_val_loss"]
     rows = [
         ("run", info["run_dir"]),
         ("weights", f"{info['weights']} (step {info['weights_step']})"),
@@ -115,12 +123,7 @@ def format_info(info: dict[str, Any]) -> str:
             "elapsed",
             f"{training['elapsed_s']:.1f} s" if training["elapsed_s"] is not None else "unknown",
         ),
-        (
-            "best val loss",
-            f"{best:.4f} at step {training['best_step']}"
-            if best is not None
-            else "no evaluation yet",
-        ),
+        *_best_rows(training),
         ("tokenizer", describe_tokenizer(info["tokenizer"])),
         ("chat template", describe_chat(info["chat"])),
         *([("dpo", describe_preference(info["preference"]))] if info["preference"] else []),
@@ -138,6 +141,27 @@ def format_info(info: dict[str, Any]) -> str:
         )
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+def _best_rows(training: dict[str, Any]) -> list[tuple[str, str]]:
+    """The best evaluation's loss (where it means something) and its objective's figures."""
+    best, step, figures = training["best_val_loss"], training["best_step"], training["best_figures"]
+    rows = []
+    if best is not None or not figures:
+        rows.append(("best val loss", f"{best:.4f} at step {step}" if best is not None else None))
+    shown = [f"{name.replace('_', ' ')} {_figure(name, value)}" for name, value in figures.items()]
+    if shown and step is not None:
+        rows.append(("best evaluation", f"{', '.join(shown)} at step {step}"))
+    return [(name, text or "no evaluation yet") for name, text in rows]
+
+
+def _figure(name: str, value: Any) -> str:
+    """A figure as `info` shows it: shares (pass@1, accuracies) in percent."""
+    if not isinstance(value, (int, float)):
+        return "not recorded"
+    if name.endswith(("pass@1", "accuracies")):
+        return f"{value:.1%}"
+    return f"{value:.4f}"
 
 
 def describe_chat(chat: dict[str, Any]) -> str:

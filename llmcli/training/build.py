@@ -61,7 +61,7 @@ from llmcli.training.distributed import (
 from llmcli.training.evaluate import EVAL_SEED_OFFSET, Evaluator, split_sampler
 from llmcli.training.guard import Divergence, SpikeGuard
 from llmcli.training.init_from import load_init_weights, reference_model, resolve_init_from
-from llmcli.training.lora import adapt_model, lora_meta
+from llmcli.training.lora import adapt_model, lora_meta, trains_base
 from llmcli.training.memory import check_memory, out_of_memory_is_bad_input
 from llmcli.training.plan import measure_step
 from llmcli.training.precision import Precision
@@ -197,10 +197,12 @@ def build_run(
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     probe = None
-    if tc.head_metrics and info.main and objective_for(config).head_metrics:  # rank 0
+    # Rank 0 scores the heads, where their scores mean something: not on a preference or reward
+    # loss, nor on a LoRA run's frozen base (its adapters leave the heads the base's).
+    objective = objective_for(config)
+    if tc.head_metrics and info.main and objective.head_metrics and trains_base(model):
         probe = make_probe(data.tokenizer, config.model.context_length)
     evaluated = trainer.model.module if info.enabled else trainer.model  # no DDP forward
-    objective = objective_for(config)
     return Run(
         config=config,
         info=info,

@@ -149,7 +149,9 @@ def fit(run: Run, log: TrainLog, progress: bool, on_step: Callable[[int], None])
                 metrics_now = losses.read_metrics(info)
                 log.train_step(state, lr, step_losses[-1], tok_s, norm, watch, metrics_now)
                 loss_now = step_losses[-1]
-                bar.report({"loss": f"{loss_now:.4f}", "tok/s": f"{tok_s:,.0f}", "lr": f"{lr:.2e}"})
+                figures = log.bar_figures(metrics_now)  # the objective's: GRPO's reward, ...
+                speed_lr = {"tok/s": f"{tok_s:,.0f}", "lr": f"{lr:.2e}"}
+                bar.report({"loss": f"{loss_now:.4f}", **figures, **speed_lr})
             if flags.stop:  # save at once; an evaluation due now waits for the resumed run
                 state.eval_pending = due.evaluate
                 checkpoints.save(state, config, log, best=False)

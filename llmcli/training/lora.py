@@ -70,6 +70,11 @@ def adapt_model(model: Transformer, train: TrainConfig) -> list[str]:
     return adapt(model, train.lora, train.init_from, train.seed)
 
 
+def trains_base(model: Transformer) -> bool:
+    """Whether the model's own weights train (no adapters on a frozen base)."""
+    return not lora_parameters(model)
+
+
 def lora_meta(model: Transformer, init_from: str | None) -> dict[str, dict[str, int]]:
     """`meta.json`'s `lora` row of an adapted model (`parameter_counts`); none for a model
     without adapters."""
