@@ -151,9 +151,9 @@ class Objective:
         rows = n * self.rows_per_example
         return tokens[:rows, :-1], tokens[:rows, 1:]
 
-    def timing_loss(self, reference: nn.Module) -> Callable | None:
-        """The loss `llmcli plan` times (None: `next_token_loss`); `reference` is a frozen
-        model of the run's shape when `needs_reference`."""
+    def timing_loss(self, make_reference: Callable[[], nn.Module]) -> Callable | None:
+        """The loss `llmcli plan` times (None: `next_token_loss`); `make_reference` builds a
+        frozen model of the run's shape, for a loss that reads one."""
         return None
 
     def plan_rows(self) -> list[tuple[str, str]]:

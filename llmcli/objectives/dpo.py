@@ -176,8 +176,9 @@ class DPO(Objective):
         ids = torch.cat([tokens[:n], tokens[half : half + n]])
         return ids, torch.ones_like(ids, dtype=torch.bool)
 
-    def timing_loss(self, reference: nn.Module) -> Callable | None:
-        return dpo_objective(reference, self.config.train)
+    def timing_loss(self, make_reference: Callable[[], nn.Module]) -> Callable | None:
+        """DPO's loss against a reference of the same shape, frozen."""
+        return dpo_objective(make_reference(), self.config.train)
 
     def meta_rows(self, data: TokenData) -> dict[str, Any]:
         assert data.preference is not None

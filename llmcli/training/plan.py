@@ -239,9 +239,10 @@ def measure_step(
     batches = SameBatch(objective.timing_batch(tokens, 1))
     trainer = make_trainer(model, tc, precision, batches, no_decay)
     trainer.grad_accum = 1
-    if objective.needs_reference:  # the reference: the same shape, frozen
-        reference = Transformer(config.model, vocab_size).to(device).eval().requires_grad_(False)
-        trainer.loss_fn = objective.timing_loss(reference) or trainer.loss_fn
+    loss = objective.timing_loss(  # DPO's, with its reference: the same shape, frozen
+        lambda: Transformer(config.model, vocab_size).to(device).eval().requires_grad_(False)
+    )
+    trainer.loss_fn = loss or trainer.loss_fn
 
     def step(micro_batches: int) -> float:
         trainer.grad_accum = micro_batches
