@@ -31,6 +31,7 @@ from llmcli.model.gpt import Transformer
 from llmcli.objectives.base import init_encoding
 from llmcli.objectives.grpo import GRPOObjective, advantages
 from llmcli.objectives.rewards import contains, exact, load_reward, number, parse_number
+from llmcli.runs.compare import compare_runs, format_table
 from llmcli.runs.formats import read_weights
 from llmcli.runs.loading import load_run
 from llmcli.runs.metrics import read_metrics
@@ -422,6 +423,12 @@ def test_a_run_whose_groups_all_tie_says_so_and_info_shows_its_reward_and_pass_a
     out = capsys.readouterr().out
     assert "best val loss" not in out, out
     assert "best evaluation" in out and "val reward 0.5000, val pass@1 0.0% at step 2" in out, out
+    # ... and so does `llmcli compare`, beside the loss it leaves out.
+    run = str(tmp_path / "run")
+    comparison = compare_runs([run, run])
+    assert comparison.runs[0].best_val_loss is None
+    assert comparison.runs[0].best_figures == {"val_reward": 0.5, "val_pass@1": 0.0}
+    assert "val reward 0.5000, val pass@1 0.0%" in format_table(comparison)
 
 
 def test_a_group_size_that_cannot_fit_exits_2_before_writing_the_run(

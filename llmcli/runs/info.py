@@ -15,7 +15,7 @@ from llmcli.data.chat_template import TEMPLATE_FILE
 from llmcli.progress import format_bytes
 from llmcli.runs.directory import ADAPTER_CONFIG_FILE, METRICS_FILE
 from llmcli.runs.loading import load_run
-from llmcli.runs.metrics import best_eval, read_metrics
+from llmcli.runs.metrics import best_eval, best_figures, format_figures, read_metrics
 from llmcli.runs.reference import ReferenceCheck, check_run, describe
 from llmcli.runs.versions import record, warnings_for
 
@@ -47,11 +47,7 @@ def run_info(
         best_val, best_step = float(meta["best_val_loss"]), meta.get("best_step", best_step)
     # The run's objective names the figures that say how it does (meta.json's `figures`, since
     # llmcli.objectives; older runs: the loss alone): their values at the best evaluation.
-    names = meta.get("figures") or ["val_loss"]
-    at_best = next(
-        (r for r in records if r.get("kind") == "eval" and r.get("step") == best_step), {}
-    )
-    figures = {name: at_best.get(name) for name in names if name != "val_loss"}
+    shows_loss, figures = best_figures(records, best_step, meta)
     config = run.config.to_dict()
     return {
         "run_dir": str(run.run_dir),
@@ -68,7 +64,7 @@ def run_info(
             "max_steps": meta.get("max_steps", config["train"]["max_steps"]),
             "tokens": meta.get("tokens"),
             "elapsed_s": meta.get("elapsed_s"),
-            "best_val_loss": best_val if "val_loss" in names else None,
+            "best_val_loss": best_val if shows_loss else None,
             "best_step": best_step,
             "best_figures": figures,
             "device": meta.get("device"),
@@ -149,19 +145,9 @@ def _best_rows(training: dict[str, Any]) -> list[tuple[str, str]]:
     rows = []
     if best is not None or not figures:
         rows.append(("best val loss", f"{best:.4f} at step {step}" if best is not None else None))
-    shown = [f"{name.replace('_', ' ')} {_figure(name, value)}" for name, value in figures.items()]
-    if shown and step is not None:
-        rows.append(("best evaluation", f"{', '.join(shown)} at step {step}"))
+    if figures and step is not None:
+        rows.append(("best evaluation", f"{format_figures(figures)} at step {step}"))
     return [(name, text or "no evaluation yet") for name, text in rows]
-
-
-def _figure(name: str, value: Any) -> str:
-    """A figure as `info` shows it: shares (pass@1, accuracies) in percent."""
-    if not isinstance(value, (int, float)):
-        return "not recorded"
-    if name.endswith(("pass@1", "accuracies")):
-        return f"{value:.1%}"
-    return f"{value:.4f}"
 
 
 def describe_chat(chat: dict[str, Any]) -> str:
