@@ -162,8 +162,9 @@ class Evaluator:
         info: this process's place under torchrun.
         probe: what each head is scored on (rank 0 with `train.head_metrics`), else None.
         loss_fn: a batch's loss, the training step's (`llmcli.training.step.LossFn`).
-        objective: the run's objective, which says what an evaluation measures
-            (`Objective.evaluate`, `eval_loss`, `by_position`); None: next-token on text.
+        objective: the run's objective, whose `eval_loss` the estimate uses (None: the step's);
+            each evaluation asks the config's objective what else it measures
+            (`Objective.evaluate`, `by_position`).
     """
 
     def __init__(
@@ -179,7 +180,6 @@ class Evaluator:
     ) -> None:
         self.model, self.unwrapped, self.data = model, unwrapped, data
         self.precision, self.info, self.probe = precision, info, probe
-        self.objective = objective
         self.step_loss = loss_fn
         self.loss_fn = loss_fn if objective is None else objective.eval_loss(loss_fn)
 
@@ -195,7 +195,7 @@ class Evaluator:
         """Estimate both splits' losses (and score the heads) with `config`'s batch size and
         `train.eval_steps`."""
         tc = config.train
-        objective = objective_for(config) if self.objective is None else self.objective
+        objective = objective_for(config)  # the micro-batch as it is now
         own = objective.evaluate(self.step_loss, self.data, tc.eval_steps * tc.batch_size)
         if own is not None:  # GRPO's: greedy replies' reward and pass@1
             return Evaluation(*own)

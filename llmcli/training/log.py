@@ -314,9 +314,11 @@ class TrainLog:
             self.heads.rewind(head_metrics_bytes)
 
     def rewrite_config(self, config: Config) -> None:
-        """config.yaml again, after the loop changed the micro-batch."""
+        """config.yaml again, after the loop changed the micro-batch (which the objective's
+        figures count by)."""
         if self.metrics is not None:
             write_config(self.run_dir, config)
+            self.objective = objective_for(config)
 
     def close(self) -> None:
         for log in (self.metrics, self.heads):
