@@ -144,6 +144,14 @@ class TrainConfig:
     # GRPO: the weight of a KL penalty to the init_from model, per token (TRL's beta; 0: none,
     # and no reference model is kept)
     grpo_beta: float = 0.0
+    # GRPO: optimizer steps each sample of completions serves (TRL's num_iterations); above 1,
+    # each update after the first is measured against the policy that sampled them, its ratio
+    # clipped to [1 - epsilon, 1 + epsilon_high] (PPO's clip, TRL's epsilon and epsilon_high;
+    # epsilon_high null: epsilon). TRL turns dropout off for GRPO: set model.dropout 0 too, or
+    # the ratio also measures dropout's noise.
+    num_iterations: int = 1
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
     # The objective's loss, TRL's loss_type; null: the objective's default. GRPO, how the loss
     # sums over tokens: dapo (TRL's default: over every completion token of the step, on every
     # rank), bnpo (each micro-batch's tokens), grpo (each completion's mean), dr_grpo (over
@@ -345,6 +353,7 @@ class TrainConfig:
         )
         check_reward_spec(self.reward)
         self._validate_loss_type()
+        self._validate_iterations()
         require(
             self.reward_timeout is None
             or (math.isfinite(self.reward_timeout) and self.reward_timeout > 0),
@@ -361,6 +370,35 @@ class TrainConfig:
                     "run directory or Hugging Face model to adapt (or remove train.lora to "
                     "train from scratch)."
                 )
+
+    def _validate_iterations(self) -> None:
+        """GRPO's `num_iterations` and its clip's bounds."""
+        require(
+            self.num_iterations >= 1,
+            "train",
+            "num_iterations",
+            self.num_iterations,
+            "must be >= 1 (optimizer steps each sample of completions serves)",
+        )
+        require(
+            0 < self.epsilon < 1,
+            "train",
+            "epsilon",
+            self.epsilon,
+            "must be in (0, 1): the ratio is clipped to [1 - epsilon, 1 + epsilon_high]",
+        )
+        require(
+            self.epsilon_high is None or self.epsilon_high > 0,
+            "train",
+            "epsilon_high",
+            self.epsilon_high,
+            "must be > 0, or null for epsilon",
+        )
+        if self.objective != "grpo" and self.num_iterations != 1:
+            raise ConfigError(
+                f"train.num_iterations ({self.num_iterations}) reuses GRPO's sampled completions,"
+                f" and this run's objective is {self.objective}: remove it."
+            )
 
     def _validate_loss_type(self) -> None:
         """`loss_type` against its objective's choices (TRL's names), and DPO's `loss_weights`

@@ -156,6 +156,33 @@ class StepShare:
     advantages: Tensor  # (R,)
     step_tokens: float
     figures: dict[str, Tensor]
+    # (R, L-1) the sampling policy's log-probabilities, kept when a step's completions serve
+    # several updates (`train.num_iterations` > 1); None: the policy's own, detached.
+    old_logps: Tensor | None = None
+
+    def state(self) -> dict[str, Any]:
+        """What a save keeps of a share still to serve (tensors, numbers, strings)."""
+        done = self.completions
+        return {
+            "ids": done.ids,
+            "mask": done.mask,
+            "rewards": done.rewards,
+            "ended": done.ended,
+            "texts": done.texts,
+            "advantages": self.advantages,
+            "step_tokens": self.step_tokens,
+            "figures": self.figures,
+            "old_logps": self.old_logps,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> StepShare:
+        done = Completions(
+            state["ids"], state["mask"], state["rewards"], state["ended"], list(state["texts"])
+        )
+        return cls(
+            done, state["advantages"], state["step_tokens"], state["figures"], state["old_logps"]
+        )
 
 
 def advantages(rewards: Tensor, group_size: int, scale: bool) -> Tensor:
@@ -177,13 +204,37 @@ def token_logps(model: nn.Module, ids: Tensor, temperature: float = 1.0) -> Tens
     return logps.gather(-1, ids[:, 1:, None]).squeeze(-1)  # (R, L - 1)
 
 
-def per_token_loss(logps: Tensor, advantage: Tensor) -> Tensor:
-    """TRL's surrogate per token with one update per sample: `-r A`, where the ratio `r =
-    exp(logp - logp.detach())` is 1 in value and has the log-probability's gradient (PPO's
-    clip, which acts only on a ratio away from 1, never does). `(R, L-1)`, `(R,)` -> `(R, L-1)`.
+def per_token_loss(
+    logps: Tensor,
+    advantage: Tensor,
+    old_logps: Tensor | None = None,
+    epsilon: float = 0.2,
+    epsilon_high: float = 0.2,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """PPO's clipped surrogate per token, as TRL's GRPO computes it:
+    `-min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A)`, `r = exp(logp - old_logp)`.
+
+    With one update per sample (`old_logps` None) the sampling policy is the policy itself: `r`
+    is 1 in value with the log-probability's gradient, and the clip never acts.
+
+    Args:
+        logps: `(R, L-1)` the policy's log-probability of each next token.
+        advantage: `(R,)`.
+        old_logps: `(R, L-1)` the sampling policy's (no gradient), or None.
+        epsilon, epsilon_high: the clip's bounds below and above 1.
+
+    Returns:
+        The loss `(R, L-1)`, and where the clip acted below (`r < 1 - epsilon`, `A < 0`) and
+        above (`r > 1 + epsilon_high`, `A > 0`), each `(R, L-1)` bool.
     """
-    ratio = torch.exp(logps - logps.detach())
-    return -ratio * advantage[:, None]
+    old = logps.detach() if old_logps is None else old_logps
+    ratio = torch.exp(logps - old)
+    A = advantage[:, None]
+    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
+    loss = -torch.min(ratio * A, clipped * A)
+    low = (ratio < 1 - epsilon) & (A < 0)
+    high = (ratio > 1 + epsilon_high) & (A > 0)
+    return loss, low, high
 
 
 def aggregate(
@@ -287,6 +338,8 @@ class GRPOObjective:
         tc = config.train
         self.group_size, self.scale, self.beta = tc.group_size, tc.scale_rewards, tc.grpo_beta
         self.loss_type = tc.resolved_loss_type
+        self.iterations, self.epsilon = tc.num_iterations, tc.epsilon
+        self.epsilon_high = tc.epsilon if tc.epsilon_high is None else tc.epsilon_high
         self.sampling, self.context_length = config.sample, config.model.context_length
         self.end_id, self.reference = data.end_id, reference
         self.eval_batch = tc.batch_size * tc.group_size
@@ -306,8 +359,15 @@ class GRPOObjective:
         ids, mask = done.ids.to(device), done.mask[:, 1:].to(device)
         temperature = self.sampling.temperature
         logps = token_logps(model, ids, temperature)
-        per_token = per_token_loss(logps, share.advantages.to(device))
+        old = None if share.old_logps is None else share.old_logps.to(device)
+        per_token, low, high = per_token_loss(
+            logps, share.advantages.to(device), old, self.epsilon, self.epsilon_high
+        )
         figures = {name: value.to(device) for name, value in share.figures.items()}
+        if old is not None:  # TRL's clip figures: the share of tokens the clip held
+            figures["clip_ratio/low_mean"] = masked_mean(low.float(), mask)
+            figures["clip_ratio/high_mean"] = masked_mean(high.float(), mask)
+            figures["clip_ratio/region_mean"] = masked_mean((low | high).float(), mask)
         if self.reference is not None:
             with torch.no_grad():
                 ref = token_logps(self.reference, ids, temperature)
@@ -331,7 +391,7 @@ class GRPOObjective:
         dapo_tokens = float(tokens) / (self.world_size * parts)
         figures = self._figures(done)
         rows = len(done.rewards) // parts
-        return [
+        shares = [
             StepShare(
                 done.rows(slice(i * rows, (i + 1) * rows)),
                 advantage[i * rows : (i + 1) * rows],
@@ -340,6 +400,13 @@ class GRPOObjective:
             )
             for i in range(parts)
         ]
+        if self.iterations > 1:  # the ratio's denominator: the policy that sampled them
+            device = next(self.policy.parameters()).device
+            with self._generating():
+                for share in shares:
+                    ids = share.completions.ids.to(device)
+                    share.old_logps = token_logps(self.policy, ids, self.sampling.temperature)
+        return shares
 
     def sample(self, batch: PromptBatch) -> Completions:
         """`train.group_size` completions of each prompt of `batch`, drawn from the policy (in
@@ -434,26 +501,39 @@ class GRPOStream:
     """GRPO's training stream: a step's prompts (`train.batch_size x train.grad_accum`, drawn at
     once) sampled and rewarded together, then handed to the step one micro-batch's share at a
     time (`GRPOObjective.shares`), so that how a step is split changes nothing it computes.
+    With `train.num_iterations` > 1 the same shares serve that many steps in a row (TRL's
+    `num_iterations`), each update measured against the policy that sampled them.
 
-    Its state is the prompt sampler's: a step takes all its shares, so none is pending when
-    the run saves.
+    Its state is the prompt sampler's, and the shares still to serve: a save between two steps
+    of one sample keeps them, so a resumed run goes on with the completions it had.
     """
 
     def __init__(self, objective: GRPOObjective, prompts: PromptSampler, parts: int) -> None:
         self.objective, self.prompts, self.parts = objective, prompts, parts
-        self._pending: list[StepShare] = []
+        self._shares: list[StepShare] = []  # the sample being served
+        self._served = 0  # its shares handed out so far, over all its steps
 
     def next(self) -> StepShare:
-        if not self._pending:
-            self._pending = self.objective.shares(self.prompts.next(), self.parts)
-        return self._pending.pop(0)
+        if self._served == len(self._shares) * self.objective.iterations:
+            self._shares = self.objective.shares(self.prompts.next(), self.parts)
+            self._served = 0
+        share = self._shares[self._served % len(self._shares)]
+        self._served += 1
+        return share
 
     def state_dict(self) -> dict[str, Any]:
-        return self.prompts.state_dict()
+        state = self.prompts.state_dict()
+        if self._served < len(self._shares) * self.objective.iterations:
+            state["grpo_shares"] = [share.state() for share in self._shares]
+            state["grpo_served"] = self._served
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        shares, served = state.pop("grpo_shares", []), state.pop("grpo_served", 0)
         self.prompts.load_state_dict(state)
-        self._pending = []
+        self._shares = [StepShare.from_state(share) for share in shares]
+        self._served = served
 
     def close(self) -> None:
         self.prompts.close()
