@@ -41,7 +41,7 @@ from llmcli.generation import engine  # noqa: E402
 from llmcli.model.gpt import Transformer  # noqa: E402
 from llmcli.objectives.base import init_encoding  # noqa: E402
 from llmcli.objectives.grpo import GRPOObjective  # noqa: E402
-from llmcli.objectives.rewards import load_reward  # noqa: E402
+from llmcli.objectives.rewards import load_rewards  # noqa: E402
 from llmcli.training.init_from import load_init_weights, resolve_init_from  # noqa: E402
 from llmcli.training.optim import build_optimizer  # noqa: E402
 from llmcli.training.precision import Precision  # noqa: E402
@@ -66,7 +66,7 @@ def main() -> None:
     model = Transformer(config.model, tokenizer.vocab_size)
     load_init_weights(model, args.run)
     objective = GRPOObjective(
-        model, data.prompts, config, load_reward(config.train.reward), tokenizer.decode
+        model, data.prompts, config, load_rewards(config.train.reward_specs), tokenizer.decode
     )
     trainer = Trainer(
         model=model,

@@ -194,6 +194,7 @@ GOOD: dict[str, dict[str, st.SearchStrategy]] = {
         "grpo_beta": reals(0, 10) | st.integers(0, 3),
         # the objective is next_token: num_iterations stays 1 (tests/test_grpo_loss.py has GRPO's)
         "num_iterations": st.just(1),
+        "reward_weights": st.none(),  # GRPO's: tests/test_grpo_loss.py
         "epsilon": reals(0, 1, exclude_min=True, exclude_max=True),
         "epsilon_high": st.none() | reals(0, 2, exclude_min=True),
         # the objective is next_token, which takes none: tests/test_grpo_loss.py has the others

@@ -30,7 +30,7 @@ from llmcli.evaluation.prompts import evaluate_prompts
 from llmcli.model.gpt import Transformer
 from llmcli.objectives.base import init_encoding
 from llmcli.objectives.grpo import GRPOObjective, advantages
-from llmcli.objectives.rewards import contains, exact, load_reward, number, parse_number
+from llmcli.objectives.rewards import contains, exact, load_rewards, number, parse_number
 from llmcli.runs.compare import compare_runs, format_table
 from llmcli.runs.formats import read_weights
 from llmcli.runs.loading import load_run
@@ -103,7 +103,7 @@ def objective_for(config: Config, reference: torch.nn.Module | None = None):
     data = prompt_token_data(config.data, config.model.context_length, tokenizer, template)
     model = Transformer(config.model, tokenizer.vocab_size)
     load_init_weights(model, config.train.init_from)
-    reward = load_reward(config.train.reward)
+    reward = load_rewards(config.train.reward_specs, config.train.reward_weight_values)
     objective = GRPOObjective(model, data.prompts, config, reward, tokenizer.decode, reference)
     sampler = PromptSampler(data.prompts.train, config.train.batch_size, seed=3)
     return objective, model, sampler, data.prompts, tokenizer

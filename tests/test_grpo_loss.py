@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_grpo import base, grpo_config, objective_for  # noqa: F401 (base: a fixture)
+from test_grpo import REWARD, base, grpo_config, objective_for  # noqa: F401 (base: a fixture)
 
 from llmcli.config import config_from_dict
 from llmcli.data.prompts import PromptSampler
@@ -209,3 +209,27 @@ def test_num_iterations_is_grpos_and_its_clip_is_checked() -> None:
         config_from_dict({"train": {"num_iterations": 2}})
     with pytest.raises(ConfigError, match=r"train.epsilon \(1.5\) must be in \(0, 1\)"):
         config_from_dict({"train": {"epsilon": 1.5}})
+
+
+def test_several_rewards_are_summed_with_their_weights_and_each_logged(
+    base: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "rewards.py").write_text(REWARD)
+    specs = [f"{tmp_path / 'rewards.py'}:score", "contains"]
+    config = grpo_config(base, tmp_path, reward=specs, reward_weights=[1.0, 0.5])
+    objective, _, sampler, prompts, _ = objective_for(config)
+    batch = sampler.next()
+    done = objective.sample(batch)
+    G = config.train.group_size
+    answers = [prompts.train.answers[k] for k in batch.picks for _ in range(G)]
+    own = torch.tensor([t.count("a") + len(t) / 8 for t in done.texts])
+    found = torch.tensor([float(a in t) for a, t in zip(answers, done.texts, strict=True)])
+    torch.testing.assert_close(done.rewards, own + 0.5 * found)
+    (share,) = objective.shares(batch, 1)
+    assert float(share.figures["rewards/score/mean"]) == pytest.approx(float(own.mean()))
+    assert float(share.figures["rewards/contains/std"]) == pytest.approx(float(found.std()))
+    with pytest.raises(ConfigError, match=r"must have one weight per reward \(2: "):
+        grpo_config(base, tmp_path, reward=specs, reward_weights=[1.0])
+    with pytest.raises(ConfigError, match="weighs GRPO's rewards"):
+        config_from_dict({"train": {"reward_weights": [1.0]}})

@@ -53,6 +53,26 @@ SMOOTHED_LOSS_TYPES = ("robust", "exo_pair", "aot", "aot_unpaired")
 LOSS_TYPES = {"grpo": ("dapo", "bnpo", "grpo", "dr_grpo"), "dpo": DPO_LOSS_TYPES}
 
 
+def _numbers(value: list[float] | str | None, key: str, what: str) -> list[float] | None:
+    """A list of weights as numbers: a list as it is, a text "1.0,0.5" split, None for null.
+    Raises `ConfigError` naming `train.key` for a text with something else in it, or a number
+    that is not finite."""
+    if value is None:
+        return None
+    try:
+        values = [float(w) for w in (value.split(",") if isinstance(value, str) else value)]
+    except (TypeError, ValueError):
+        values = [math.nan]
+    require(
+        all(math.isfinite(v) for v in values),
+        "train",
+        key,
+        value,
+        f"must be numbers, {what}: a list, or a text like 1.0,0.5",
+    )
+    return values
+
+
 # The experiment trackers train.logger may name (llmcli.runs.trackers runs them).
 TRACKERS = ("none", "tensorboard", "wandb")
 
@@ -131,8 +151,11 @@ class TrainConfig:
     # from a \boxed{}, else after GSM8K's ####, else the last number; contains: the answer
     # appears in it), each 1.0 or 0.0, or FILE.py:FUNCTION, a function of your own file called
     # as FUNCTION(prompt, completion, answer) -> a number (this runs that file's code, as a
-    # test script would)
-    reward: str = "exact"
+    # test script would); or a list of them (or "number,rewards.py:brief"), summed with
+    # reward_weights (TRL's reward_funcs)
+    reward: str | list[str] = "exact"
+    # GRPO: one weight per reward (TRL's reward_weights; a list, or "1.0,0.5"); null: 1.0 each
+    reward_weights: list[float] | str | None = None
     # GRPO: seconds a call of a reward function of your own may take before the run stops,
     # naming the prompt (null: no limit; the built-in verifiers take microseconds). The call
     # runs in a thread, which a timeout cannot kill: it is abandoned as the run exits. A
@@ -200,6 +223,17 @@ class TrainConfig:
     log_layers: bool = False
 
     @property
+    def reward_specs(self) -> list[str]:
+        """The rewards `reward` names, in order."""
+        names = self.reward.split(",") if isinstance(self.reward, str) else self.reward
+        return [str(name).strip() for name in names]
+
+    @property
+    def reward_weight_values(self) -> list[float] | None:
+        """`reward_weights` as numbers (a text "1.0,0.5" split; None for null)."""
+        return _numbers(self.reward_weights, "reward_weights", "one per reward")
+
+    @property
     def loss_types(self) -> list[str]:
         """The loss types `loss_type` names, in order (empty for null: the objective's own)."""
         names = self.loss_type.split(",") if isinstance(self.loss_type, str) else self.loss_type
@@ -209,21 +243,7 @@ class TrainConfig:
     def loss_weight_values(self) -> list[float] | None:
         """`loss_weights` as numbers (a text "1.0,0.5" split; None for null). Raises
         `ConfigError` for a text with something other than numbers in it."""
-        weights = self.loss_weights
-        if not isinstance(weights, str):
-            return weights
-        try:
-            values = [float(w) for w in weights.split(",")]
-        except ValueError:
-            values = [math.nan]
-        require(
-            all(math.isfinite(v) for v in values),
-            "train",
-            "loss_weights",
-            weights,
-            "must be numbers, one per loss type: a list, or a text like 1.0,0.5",
-        )
-        return values
+        return _numbers(self.loss_weights, "loss_weights", "one per loss type")
 
     @property
     def loggers(self) -> list[str]:
@@ -351,7 +371,7 @@ class TrainConfig:
             self.grpo_beta,
             "must be >= 0 (0: no KL penalty)",
         )
-        check_reward_spec(self.reward)
+        self._validate_rewards()
         self._validate_loss_type()
         self._validate_iterations()
         require(
@@ -370,6 +390,26 @@ class TrainConfig:
                     "run directory or Hugging Face model to adapt (or remove train.lora to "
                     "train from scratch)."
                 )
+
+    def _validate_rewards(self) -> None:
+        """Each of `reward`'s specs, and `reward_weights` one per reward (GRPO's)."""
+        specs, weights = self.reward_specs, self.reward_weight_values
+        require(specs and all(specs), "train", "reward", self.reward, "must name a reward")
+        for spec in specs:
+            check_reward_spec(spec)
+        if weights is not None:
+            if self.objective != "grpo":
+                raise ConfigError(
+                    f"train.reward_weights ({self.reward_weights!r}) weighs GRPO's rewards, and "
+                    f"this run's objective is {self.objective}: remove it."
+                )
+            require(
+                len(weights) == len(specs),
+                "train",
+                "reward_weights",
+                self.reward_weights,
+                f"must have one weight per reward ({len(specs)}: {', '.join(specs)})",
+            )
 
     def _validate_iterations(self) -> None:
         """GRPO's `num_iterations` and its clip's bounds."""

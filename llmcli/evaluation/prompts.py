@@ -27,7 +27,7 @@ from llmcli.evaluation.chat import is_conversations
 from llmcli.evaluation.preferences import first_row_keys
 from llmcli.objectives import objective_for
 from llmcli.objectives.grpo import greedy_figures
-from llmcli.objectives.rewards import load_reward
+from llmcli.objectives.rewards import load_rewards
 from llmcli.runs.loading import LoadedRun
 
 
@@ -99,8 +99,9 @@ def evaluate_prompts(
     if not rows:
         raise InputError(f"'{data}' holds no prompts: add some.")
     split = encode_prompts(rows, encoder, config.model.context_length)
-    spec = objective_for(config).reward_spec  # a GRPO run's own reward, else exact
-    reward = load_reward(spec, config.train.reward_timeout)
+    objective = objective_for(config)  # a GRPO run's own rewards, else exact
+    specs = list(objective.reward_specs)
+    reward = load_rewards(specs, objective.reward_weights, config.train.reward_timeout)
     run.model.eval()
     figures = greedy_figures(
         run.model,
@@ -117,7 +118,7 @@ def evaluate_prompts(
         weights=str(run.weights_path),
         step=run.step,
         data=str(data),
-        reward_name=spec,
+        reward_name=",".join(specs),
         prompts=len(split),
         skipped=split.counts["skipped"],
         passed=figures["passed"],

@@ -74,7 +74,9 @@ class Objective:
     templated = False  # its rows are encoded with a chat template
     encodes_with_init_from = False  # its rows are encoded with train.init_from's tokenizer
     eval_data = "text"  # what `llmcli eval` reads of the run with no --data
-    reward_spec = "exact"  # the reward `llmcli eval` scores prompts with
+    # the rewards `llmcli eval` scores prompts with, and their weights (None: 1.0 each)
+    reward_specs: tuple[str, ...] = ("exact",)
+    reward_weights: list[float] | None = None
     examples = "sequences"  # what one of `train.batch_size` is, for `llmcli plan`
     # The evaluation's figures that say how the run does, as metrics.jsonl names them ("val_":
     # the validation split's), which `meta.json` lists for `llmcli info`; and the step's own

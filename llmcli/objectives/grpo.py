@@ -59,7 +59,14 @@ from llmcli.objectives.base import (
     check_init_tokenizer,
     init_encoding,
 )
-from llmcli.objectives.rewards import BUILT_IN, Reward, load_reward, parse_number, score
+from llmcli.objectives.rewards import (
+    BUILT_IN,
+    Reward,
+    Rewards,
+    load_rewards,
+    parse_number,
+    score,
+)
 from llmcli.progress import Progress
 
 
@@ -99,7 +106,8 @@ def greedy_figures(
             rows.append({"where": split.where[k], "reply": text, "ended": ended, "reward": value})
         bar.update(len(batch))
     bar.close()
-    verifier = any(reward is fn for fn in BUILT_IN.values())  # they need an answer to judge
+    # Built-in verifiers judge only a prompt with an answer; a function of the user's any.
+    verifier = reward.needs_answer if isinstance(reward, Rewards) else reward in BUILT_IN.values()
     answered = [
         float(r["reward"] >= 1.0)
         for k, r in zip(picks, rows, strict=True)
@@ -126,6 +134,8 @@ class Completions:
     rewards: Tensor
     ended: Tensor  # (R,) bool: ended with the end token (False: cut at its budget)
     texts: list[str]
+    # (R, F) each reward function's score (train.reward's list), weighed into `rewards`
+    per_reward: Tensor | None = None
 
     @property
     def lengths(self) -> Tensor:
@@ -143,6 +153,7 @@ class Completions:
             self.rewards[part],
             self.ended[part],
             self.texts[part],
+            None if self.per_reward is None else self.per_reward[part],
         )
 
 
@@ -275,6 +286,12 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     return (values * m).sum() / m.sum().clamp(min=1.0)
 
 
+def check_rewards(rewards: Rewards, specs: list[str], data: PromptData) -> None:
+    """`check_reward` for each of `train.reward`'s rewards."""
+    for fn, spec in zip(rewards.functions, specs, strict=True):
+        check_reward(fn, spec, data)
+
+
 def check_reward(reward: Reward, spec: str, data: PromptData) -> None:
     """Before the first step: a built-in verifier has an answer to check every prompt against
     (`number`: an answer that `parse_number` reads), and the reward scores an empty completion
@@ -318,7 +335,7 @@ class GRPOObjective:
         policy: the model being trained (unwrapped: generation runs on it directly).
         data: the run's prompts (their end token).
         config: the run's config (`train.group_size`, `scale_rewards`, `grpo_beta`, `sample`).
-        reward: the reward function (`llmcli.objectives.rewards.load_reward`).
+        reward: the run's rewards and their weights (`llmcli.objectives.rewards.load_rewards`).
         decode_text: the tokenizer's `decode`.
         reference: the frozen `init_from` model, for the KL penalty; None without one.
     """
@@ -328,7 +345,7 @@ class GRPOObjective:
         policy: nn.Module,
         data: PromptData,
         config: Any,
-        reward: Reward,
+        reward: Rewards,
         decode_text: Any,
         reference: nn.Module | None = None,
         world_size: int = 1,
@@ -344,7 +361,7 @@ class GRPOObjective:
         self.end_id, self.reference = data.end_id, reference
         self.eval_batch = tc.batch_size * tc.group_size
         self.world_size, self.sum_ranks = world_size, sum_ranks
-        check_reward(reward, tc.reward, data)
+        check_rewards(reward, tc.reward_specs, data)
 
     def __call__(self, model: nn.Module, share: StepShare) -> tuple[Tensor, dict[str, Tensor]]:
         """The step's `loss_fn`: a micro-batch's share of the step (`GRPOStream`), its loss
@@ -419,17 +436,19 @@ class GRPOObjective:
         rows = [p + c + [self.end_id] * ended for p, (c, ended) in zip(prompts, drawn, strict=True)]
         ids = torch.full((len(rows), max(map(len, rows))), self.end_id, dtype=torch.long)
         mask = torch.zeros(ids.shape, dtype=torch.bool)  # (R, L)
-        texts, rewards = [], []
+        texts, scores = [], []
         for i, (row, prompt, (completion, _)) in enumerate(zip(rows, prompts, drawn, strict=True)):
             ids[i, : len(row)] = torch.tensor(row)
             mask[i, len(prompt) : len(row)] = True
             k, text = batch.picks[i // G], self.decode_text(completion)
             texts.append(text)
-            rewards.append(
-                score(self.reward, split.texts[k], text, split.answers[k], split.where[k])
+            scores.append(
+                self.reward.scores(split.texts[k], text, split.answers[k], split.where[k])
             )
+        per_reward = torch.tensor(scores, dtype=torch.float32)  # (R, F)
+        rewards = per_reward @ torch.tensor(self.reward.weights, dtype=torch.float32)  # (R,)
         ended = torch.tensor([e for _, e in drawn])
-        return Completions(ids, mask, torch.tensor(rewards), ended, texts)
+        return Completions(ids, mask, rewards, ended, texts, per_reward)
 
     def _replies(
         self, prompts: list[list[int]], sample: SampleConfig, generators: list | None = None
@@ -494,7 +513,18 @@ class GRPOObjective:
             "completions/max_length": lengths.max(),
             "completions/mean_terminated_length": ended.mean() if len(ended) else torch.tensor(0.0),
             "completions/clipped_ratio": (~done.ended).float().mean(),
+            **self._reward_figures(done),
         }
+
+    def _reward_figures(self, done: Completions) -> dict[str, Tensor]:
+        """TRL's `rewards/NAME/mean` and `rewards/NAME/std` of each reward function, unweighted."""
+        if done.per_reward is None or len(done.per_reward) < 2:
+            return {}
+        figures = {}
+        for j, name in enumerate(self.reward.names):
+            figures[f"rewards/{name}/mean"] = done.per_reward[:, j].mean()
+            figures[f"rewards/{name}/std"] = done.per_reward[:, j].std()
+        return figures
 
 
 class GRPOStream:
@@ -562,8 +592,12 @@ class GRPO(Objective):
         return f"prompts ({self.config.train.group_size:,} completions each)"
 
     @property
-    def reward_spec(self) -> str:  # type: ignore[override]
-        return self.config.train.reward
+    def reward_specs(self) -> tuple[str, ...]:  # type: ignore[override]
+        return tuple(self.config.train.reward_specs)
+
+    @property
+    def reward_weights(self) -> list[float] | None:  # type: ignore[override]
+        return self.config.train.reward_weight_values
 
     @property
     def needs_reference(self) -> bool:
@@ -608,7 +642,7 @@ class GRPO(Objective):
             model,
             data.prompts,
             self.config,
-            load_reward(tc.reward, tc.reward_timeout),
+            load_rewards(tc.reward_specs, tc.reward_weight_values, tc.reward_timeout),
             data.tokenizer.decode,
             reference,
             world_size,
