@@ -60,7 +60,8 @@ ActivationOption = Annotated[
     str,
     typer.Option(
         help="topk (k per token) or batchtopk (k per token on average over a batch; runs as a "
-        "JumpReLU after training).",
+        "JumpReLU after training); transcoders also relu (an L1 penalty) or tanh (Anthropic's "
+        "tanh penalty).",
         metavar="KIND",
     ),
 ]
@@ -71,11 +72,34 @@ def sae_train_command(
     hook: Annotated[
         str,
         typer.Option(
-            help="The hook point to train on, e.g. blocks.1.resid_post, blocks.0.mlp_out, "
+            help="The hook point to train an SAE on, e.g. blocks.1.resid_post, blocks.0.mlp_out, "
             "blocks.0.attn.z (docs/hook-points.md lists them).",
             metavar="NAME",
         ),
-    ],
+    ] = "",
+    kind: Annotated[
+        str,
+        typer.Option(
+            help="sae, or transcoder: per layer, features that read the MLP's input "
+            "(blocks.L.mlp_in) and predict its output, saved as circuit-tracer's transcoder set "
+            "(default folder <run>/transcoders/).",
+            metavar="KIND",
+        ),
+    ] = _DEFAULT.kind,
+    layers: Annotated[
+        Optional[str],
+        typer.Option(
+            help="The transcoders' layers: all, or indices joined by commas (0,2).",
+            metavar="LAYERS",
+        ),
+    ] = None,
+    skip: Annotated[
+        bool, typer.Option("--skip", help="Give each transcoder a linear skip (W_skip).")
+    ] = False,
+    sparsity_coef: Annotated[
+        float,
+        typer.Option(help="The weight of the relu (L1) and tanh sparsity penalties.", metavar="W"),
+    ] = _DEFAULT.sparsity_coef,
     checkpoint: CheckpointOption = None,
     features: FeaturesOption = None,
     k: Annotated[
@@ -111,11 +135,16 @@ def sae_train_command(
     saves and stops; --resume goes on)."""
     from llmcli.inspection.sae.config import SAEConfig
     from llmcli.inspection.sae.train import TrainOptions, train_sae
+    from llmcli.inspection.sae.transcoder_train import train_transcoders
     from llmcli.training.interrupt import EXIT_TERMINATED, Preempted
 
     log_to_stderr()
     config = SAEConfig(
         hook=hook,
+        kind=kind,
+        layers=layers,
+        skip=skip,
+        sparsity_coef=sparsity_coef,
         features=features,
         k=k,
         activation=activation,
@@ -134,11 +163,13 @@ def sae_train_command(
         threads=threads,
     )
     try:
-        summary = train_sae(config, options, progress=progress, notify=notify)
+        train = train_transcoders if config.kind == "transcoder" else train_sae
+        summary = train(config, options, progress=progress, notify=notify)
     except Preempted:  # saved: the status schedulers read as "preempted, requeue"
         raise typer.Exit(EXIT_TERMINATED) from None
+    what = "transcoders" if config.kind == "transcoder" else "SAE"
     typer.echo(
-        f"SAE {summary.folder}: step {summary.step}/{summary.steps}, {summary.tokens:,} "
+        f"{what} {summary.folder}: step {summary.step}/{summary.steps}, {summary.tokens:,} "
         f"activations, {summary.elapsed_s:.0f} s"
     )
     if summary.last:  # the means over the steps since the log line before
