@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -32,13 +33,19 @@ def prompt_ids(tokenizer, text: str = PROMPT) -> torch.Tensor:
 
 
 def circuit_tracer_python() -> str | None:
-    """A Python that has circuit-tracer: $LLMCLI_CIRCUIT_TRACER_PYTHON, else this one if it has
-    it. circuit-tracer 0.5.0 pins transformers <= 4.57.3 and huggingface_hub < 1.0, which llmcli
+    """A Python that imports circuit-tracer: $LLMCLI_CIRCUIT_TRACER_PYTHON, else this one if it
+    can. circuit-tracer 0.5.0 pins transformers <= 4.57.3 and huggingface_hub < 1.0, which llmcli
     excludes, so it usually lives in an environment of its own."""
     named = os.environ.get("LLMCLI_CIRCUIT_TRACER_PYTHON")
-    if named:
-        return shutil.which(named) or named
-    return sys.executable if importlib.util.find_spec("circuit_tracer") else None
+    python = (shutil.which(named) or named) if named else sys.executable
+    if not named and importlib.util.find_spec("circuit_tracer") is None:
+        return None
+    check = [python, "-c", "import circuit_tracer.attribution.attribute"]
+    try:  # installed beside llmcli's pins it may fail to import: that counts as absent
+        subprocess.run(check, check=True, capture_output=True, timeout=300)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return python
 
 
 CIRCUIT_TRACER_SCRIPT = ROOT / "benchmarks" / "circuit_tracer_graph.py"

@@ -22,7 +22,8 @@ from graph_helpers import (
 from sae_helpers import small_run
 
 from llmcli.hf.export import export_hf
-from llmcli.inspection.graph.attribute import GraphOptions, attribute_graph
+from llmcli.inspection.graph.attribute import attribute_graph
+from llmcli.inspection.graph.options import GraphOptions
 from llmcli.inspection.sae.transcoder_folder import load_transcoders
 from llmcli.runs.loading import load_run
 

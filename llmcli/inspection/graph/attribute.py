@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from llmcli.inspection.graph.options import GraphOptions
 from llmcli.inspection.graph.prune import partial_influences
 from llmcli.inspection.graph.replacement import (
     FrozenRun,
@@ -170,26 +171,6 @@ class _Rows:
             start = n_feat + layer * T
             rows[:, start : start + T] = torch.einsum("btc,tc->bt", g, state.errors[layer])
         return rows
-
-
-@dataclass(frozen=True)
-class GraphOptions:
-    """How a graph is computed, with circuit-tracer's defaults (batch 256, not its 512: the
-    CPU's memory is the bound here).
-
-    Attributes:
-        max_logits: the most logit targets.
-        logit_probability: logit targets are added until their probability reaches this.
-        max_feature_nodes: the most feature nodes (None: every active feature).
-        batch_size: targets per backward pass (the frozen forward's batch).
-        update_interval: batches between re-rankings of the features by influence.
-    """
-
-    max_logits: int = 10
-    logit_probability: float = 0.95
-    max_feature_nodes: int | None = None
-    batch_size: int = 256
-    update_interval: int = 4
 
 
 def attribute_graph(

@@ -48,6 +48,7 @@ class TranscoderInfo:
 
     Attributes:
         run: the run it was trained on (as given when it was trained).
+        run_step: that run's step then (the transcoders are of those weights).
         settings: the training settings (`SAEConfig.to_dict()`, `features` resolved).
         step: optimizer steps trained.
         tokens: activations (per layer) trained on.
@@ -55,6 +56,7 @@ class TranscoderInfo:
 
     run: str
     settings: dict[str, Any]
+    run_step: int = 0
     step: int = 0
     tokens: int = 0
 
@@ -87,6 +89,7 @@ def circuit_tracer_config(transcoders: TranscoderSet, info: TranscoderInfo) -> d
         "d_model": first.d_model,
         "d_transcoder": first.d_transcoder,
         "run": info.run,
+        "run_step": info.run_step,
         "settings": info.settings,
         "step": info.step,
         "tokens": info.tokens,
@@ -168,6 +171,7 @@ def load_transcoders(folder: str | Path) -> LoadedTranscoders:
     info = TranscoderInfo(
         run=str(meta.get("run", "")),
         settings=settings,
+        run_step=int(meta.get("run_step", 0)),
         step=int(meta.get("step", 0)),
         tokens=int(meta.get("tokens", 0)),
     )

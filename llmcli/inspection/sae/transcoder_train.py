@@ -257,7 +257,9 @@ def _restore(training: _Training, state: SAEState) -> None:
 def _save(training: _Training, log: JsonLinesLog, elapsed: float) -> None:
     """The set in circuit-tracer's layout, then the resume state (the save's commit point)."""
     config, run = training.config, training.run
-    info = TranscoderInfo(str(run.run_dir), config.to_dict(), training.step, training.tokens)
+    info = TranscoderInfo(
+        str(run.run_dir), config.to_dict(), run.step, training.step, training.tokens
+    )
     save_transcoders(training.folder, training.transcoders, info)
     SAEState(
         sae=training.transcoders.state_dict(),
