@@ -10,6 +10,7 @@ import signal
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 import yaml
 from model_helpers import assert_close
 from sae_helpers import small_run
@@ -23,6 +24,7 @@ from llmcli.inspection.sae.points import read_points
 from llmcli.inspection.sae.state import SAEState
 from llmcli.inspection.sae.train import TrainOptions
 from llmcli.inspection.sae.transcoder import Transcoder
+from llmcli.inspection.sae.transcoder_eval import measure_transcoders
 from llmcli.inspection.sae.transcoder_folder import CONFIG_FILE, load_transcoders
 from llmcli.inspection.sae.transcoder_train import parse_layers, train_transcoders
 from llmcli.runs.loading import load_run
@@ -193,3 +195,29 @@ def test_layers_are_all_or_indices_of_the_run() -> None:
             parse_layers(bad, 3)
     with pytest.raises(InputError, match="applies to --kind transcoder only"):
         SAEConfig(hook="blocks.0.mlp_out", layers="all")
+
+
+def test_eval_replaces_every_mlp_at_once_as_a_forward_written_out_does(run, tmp_path) -> None:
+    folder = trained(run, tmp_path / "tc", steps=20)
+    loaded, model = load_transcoders(folder), load_run(run).model
+    tcs = loaded.transcoders
+    x = torch.randint(0, 60, (2, 16), generator=torch.Generator().manual_seed(5))
+    y = torch.randint(0, 60, (2, 16), generator=torch.Generator().manual_seed(6))
+    figures = measure_transcoders(loaded, load_run(run), [(x, y)])
+    with torch.no_grad():  # the blocks by hand, each MLP replaced by its transcoder
+        h = model.embedding(x)
+        for layer, block in enumerate(model.blocks):
+            h = h + block.attn(block.ln1(h))
+            h = h + tcs[layer](block.ln2(h).flatten(0, 1)).view_as(h)
+        replaced = F.cross_entropy(model.to_logits(h).flatten(0, 1), y.flatten())
+        clean = F.cross_entropy(model(x)[0].flatten(0, 1), y.flatten())
+    assert figures["ce_replaced"] == pytest.approx(replaced.item(), rel=1e-5)
+    assert figures["ce_clean"] == pytest.approx(clean.item(), rel=1e-5)
+    rows = read_points(model, ["blocks.1.mlp_in", "blocks.1.mlp_out"], x)
+    inp, out = rows["blocks.1.mlp_in"], rows["blocks.1.mlp_out"]
+    with torch.no_grad():
+        nmse = (tcs[1](inp) - out).pow(2).sum() / (out - out.mean(0)).pow(2).sum()
+        l0 = (tcs[1].encode(inp) != 0).float().sum(-1).mean()
+    assert figures["nmse"][1] == pytest.approx(nmse.item(), rel=1e-4)
+    assert figures["l0"][1] == pytest.approx(l0.item())
+    assert 0 < figures["ce_recovered"] <= 1.5

@@ -35,7 +35,8 @@ SaeOption = Annotated[
     Optional[Path],
     typer.Option(
         "--sae",
-        help="The SAE folder (default: the one written last under <run>/sae/); its run is the "
+        help="The SAE folder, or for sae eval a transcoder folder (default: the SAE written last "
+        "under <run>/sae/); its run is the "
         "default --checkpoint.",
         metavar="DIR",
     ),
@@ -194,11 +195,18 @@ def sae_eval_command(
     progress: ProgressOption = True,
 ) -> None:
     """Explained variance, L0, dead features, and the loss with the SAE spliced in against the
-    clean, zero- and mean-ablated losses (ce_recovered)."""
+    clean, zero- and mean-ablated losses (ce_recovered); for a transcoder folder, each layer's
+    normalised MSE, L0 and dead features, and the loss with every MLP replaced at once."""
     from llmcli.inspection.sae.evaluate import ReadOptions, evaluate_sae, format_eval
+    from llmcli.inspection.sae.transcoder_eval import evaluate_transcoders, format_transcoder_eval
+    from llmcli.inspection.sae.transcoder_folder import is_transcoder_folder
 
     log_to_stderr()
     options = ReadOptions(sae, checkpoint, data, steps, batch_size, weights, device, threads)
+    if sae is not None and is_transcoder_folder(sae):  # every layer's MLP replaced at once
+        result = evaluate_transcoders(options, progress=progress, notify=notify)
+        typer.echo(result_text(result, json_, format_transcoder_eval))
+        return
     result = evaluate_sae(options, progress=progress, notify=notify)
     typer.echo(result_text(result, json_, format_eval))
 

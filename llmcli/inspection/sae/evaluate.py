@@ -155,7 +155,7 @@ class SAEEval:
         return asdict(self)
 
 
-def _loss_sum(logits: Tensor, y: Tensor) -> float:
+def loss_sum(logits: Tensor, y: Tensor) -> float:
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").item()
 
 
@@ -183,7 +183,7 @@ def measure(
         sums += [
             (sae.decode(acts) - rows).pow(2).sum().item(),
             rows.pow(2).sum().item(),
-            _loss_sum(logits, y),
+            loss_sum(logits, y),
             (acts > 0).sum().item(),
         ]
         x_sum += rows.sum(0).double()
@@ -200,7 +200,7 @@ def measure(
     for x, y in batches:
         for name, fn in ablated.items():
             with model.hooks({hook: fn}):
-                nats[name] += _loss_sum(model(x)[0], y)
+                nats[name] += loss_sum(model(x)[0], y)
         bar.update()
     bar.close()
     sq_err, sq_x, clean, active = sums
