@@ -117,3 +117,15 @@ def test_transcoders_of_another_run_width_or_missing_a_layer_are_refused(
         )
         assert code == 2, err
         assert message in " ".join(err.split()) and not out.exists()
+
+
+def test_sae_features_reads_one_layers_transcoder_features(run, folder, capsys) -> None:
+    base = ["sae", "features", "--sae", str(folder), "--steps", "1", "--batch-size", "4"]
+    code, stdout, err = cli(capsys, *base, "--layer", "1", "--json", "--no-progress")
+    assert code == 0, err
+    report = json.loads(stdout)
+    assert report["hook"] == "blocks.1.mlp_in" and len(report["features"]) == 64
+    assert any(f["contexts"] for f in report["features"])
+    assert (folder / "features_layer_1.html").is_file()
+    code, _, err = cli(capsys, *base, "--no-progress")
+    assert code == 2 and "no --layer: give the layer" in " ".join(err.split())

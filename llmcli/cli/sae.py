@@ -35,9 +35,8 @@ SaeOption = Annotated[
     Optional[Path],
     typer.Option(
         "--sae",
-        help="The SAE folder, or for sae eval a transcoder folder (default: the SAE written last "
-        "under <run>/sae/); its run is the "
-        "default --checkpoint.",
+        help="The SAE folder, or a transcoder folder (sae features: with --layer) (default: the "
+        "SAE written last under <run>/sae/); its run is the default --checkpoint.",
         metavar="DIR",
     ),
 ]
@@ -223,6 +222,13 @@ def sae_features_command(
     ] = None,
     sae: SaeOption = None,
     checkpoint: CheckpointOption = None,
+    layer: Annotated[
+        Optional[int],
+        typer.Option(
+            help="For a transcoder folder (--sae): the layer whose features to read.",
+            metavar="L",
+        ),
+    ] = None,
     top: Annotated[int, typer.Option(help="Top activating contexts per feature.", metavar="N")] = 8,
     data: DataOption = None,
     steps: StepsOption = None,
@@ -247,13 +253,17 @@ def sae_features_command(
     from llmcli.inspection.sae.evaluate import ReadOptions
     from llmcli.inspection.sae.features import feature_report, format_features
     from llmcli.inspection.sae.page import write_features_page
+    from llmcli.inspection.sae.transcoder_folder import is_transcoder_folder
 
     log_to_stderr()
-    options = ReadOptions(sae, checkpoint, data, steps, batch_size, weights, device, threads)
+    options = ReadOptions(sae, checkpoint, data, steps, batch_size, weights, device, threads, layer)
     report = feature_report(options, feature or (), top=top, progress=progress, notify=notify)
     if json_:
         typer.echo(json.dumps(report.to_dict(), ensure_ascii=False))
     else:
         typer.echo(format_features(report, limit=None if feature else 20))
     if page:
-        notify(f"wrote {write_features_page(report)}")
+        where = None  # a transcoder set's pages, one per layer, sit beside its files
+        if sae is not None and is_transcoder_folder(sae):
+            where = sae / f"features_layer_{layer}.html"
+        notify(f"wrote {write_features_page(report, where)}")

@@ -80,6 +80,15 @@ class Transcoder(nn.Module):
         self.W_skip = nn.Parameter(torch.zeros(d_model, d_model)) if skip else None  # (C, C)
         self.register_buffer("threshold", torch.zeros(d_transcoder))  # (F,)
 
+    @property
+    def d_sae(self) -> int:
+        """The number of features, under an SAE's name: `sae features` reads either alike."""
+        return self.d_transcoder
+
+    @property
+    def d_in(self) -> int:
+        return self.d_model
+
     def pre_acts(self, x: Tensor) -> Tensor:
         """`(N, C)` -> `(N, F)`: `x @ W_enc.T + b_enc`."""
         return F.linear(x, self.W_enc, self.b_enc)

@@ -27,8 +27,9 @@ import torch
 import yaml
 from safetensors.torch import save
 
-from llmcli.errors import CheckpointError
+from llmcli.errors import CheckpointError, InputError
 from llmcli.fileio import atomic_write_bytes, atomic_write_text
+from llmcli.inspection.sae.folder import LoadedSAE, SAEInfo
 from llmcli.inspection.sae.transcoder import Transcoder, TranscoderSet
 from llmcli.runs.formats import read_weights
 
@@ -176,3 +177,28 @@ def load_transcoders(folder: str | Path) -> LoadedTranscoders:
         tokens=int(meta.get("tokens", 0)),
     )
     return LoadedTranscoders(TranscoderSet(layers, built).eval(), info, folder)
+
+
+def layer_as_sae(loaded: LoadedTranscoders, layer: int | None) -> LoadedSAE:
+    """One layer's transcoder as the readers of an SAE take it (`sae features`): its features
+    read `blocks.{layer}.mlp_in`, and their directions (`W_dec`) write into the residual stream,
+    which is what a feature's logit effect goes through.
+
+    Raises:
+        InputError: no layer given, or one the set does not hold.
+    """
+    layers = loaded.transcoders.layers
+    if layer not in layers:
+        given = "no --layer" if layer is None else f"--layer {layer}"
+        raise InputError(
+            f"{given}: give the layer whose transcoder features to read; '{loaded.folder}' holds "
+            f"layers {', '.join(map(str, layers))}."
+        )
+    info = SAEInfo(
+        hook=f"blocks.{layer}.mlp_in",
+        run=loaded.info.run,
+        settings=loaded.info.settings,
+        step=loaded.info.step,
+        tokens=loaded.info.tokens,
+    )
+    return LoadedSAE(loaded.transcoders[layer], info, loaded.folder)  # type: ignore[arg-type]
