@@ -70,6 +70,20 @@ def graph_command(
             metavar="FILE",
         ),
     ] = None,
+    page: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="Write the pruned graph as a page of the offline viewer (graph.html): nodes by "
+            "layer and position, a click on a feature shows its top contexts.",
+            metavar="FILE",
+        ),
+    ] = None,
+    context_steps: Annotated[
+        int,
+        typer.Option(
+            help="Batches of validation text read for the page's feature contexts.", metavar="N"
+        ),
+    ] = 4,
     weights: WeightsOption = "best",
     device: DeviceOption = "auto",
     json_: JsonOption = False,
@@ -91,6 +105,8 @@ def graph_command(
         node_threshold=node_threshold,
         edge_threshold=edge_threshold,
         out=out,
+        page=page,
+        context_steps=context_steps,
         weights=weights,
         device=device,
         threads=threads,

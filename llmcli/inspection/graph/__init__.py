@@ -9,5 +9,7 @@ The modules, bottom to top:
 - `attribute`: the graph's nodes and edges (direct effects), with its exactness identities
   checked as it is made, and the `graph.pt` fields of circuit-tracer's `Graph.to_pt`;
 - `prune`: node and edge influence, and pruning with circuit-tracer's thresholds;
-- `files`: the prompt's tokens, the graph command, its JSON, the frontend file and the page.
+- `paths`: each node's label and the heaviest paths into each logit (`--json`);
+- `page`: the pruned graph as a page of the offline viewer;
+- `command`: `llmcli graph`: the run, transcoders and prompt checked, the graph and its files.
 """

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +28,11 @@ from llmcli.fileio import atomic_path
 from llmcli.generation.prompts import encode_prompt
 from llmcli.inspection.graph.attribute import AttributionGraph, attribute_graph, graph_to_dict
 from llmcli.inspection.graph.options import GraphOptions
+from llmcli.inspection.graph.page import page_data, write_graph_page
 from llmcli.inspection.graph.paths import node_labels, top_paths
 from llmcli.inspection.graph.prune import Pruned, prune
+from llmcli.inspection.sae.evaluate import ReadOptions
+from llmcli.inspection.sae.features import feature_report
 from llmcli.inspection.sae.transcoder_folder import (
     LoadedTranscoders,
     is_transcoder_folder,
@@ -53,6 +56,8 @@ class GraphRequest:
         options: how the graph is computed.
         node_threshold, edge_threshold: the pruning's shares of influence kept.
         out: where to write `graph.pt` (None: not written).
+        page: where to write the viewer's page (None: not written).
+        context_steps: batches of validation text read for the page's feature contexts.
         weights, device, threads: as the other commands take them.
     """
 
@@ -63,6 +68,8 @@ class GraphRequest:
     node_threshold: float = 0.8
     edge_threshold: float = 0.98
     out: str | Path | None = None
+    page: str | Path | None = None
+    context_steps: int = 4
     weights: str = "best"
     device: str = "auto"
     threads: int | None = None
@@ -83,8 +90,11 @@ class GraphRequest:
         ):
             if value is not None and value < 1:
                 raise InputError(f"{option} ({value}) must be at least 1.")
-        if self.out is not None and Path(self.out).is_dir():
-            raise InputError(f"--out '{self.out}' is a folder: give a file name, e.g. graph.pt.")
+        for option, path in (("--out", self.out), ("--page", self.page)):
+            if path is not None and Path(path).is_dir():
+                raise InputError(f"{option} '{path}' is a folder: give a file name.")
+        if self.context_steps < 1:
+            raise InputError(f"--context-steps ({self.context_steps}) must be at least 1.")
 
 
 @dataclass
@@ -209,12 +219,48 @@ def run_graph(
         request.edge_threshold,
     )
     labels = node_labels(graph, run.tokenizer)
-    written = []
+    result = GraphResult(graph, pruned, labels, top_paths(graph, pruned, labels), [])
     if request.out is not None:
         with atomic_path(request.out) as tmp:
             torch.save(graph_to_dict(graph), tmp)
-        written.append(Path(request.out))
-    return GraphResult(graph, pruned, labels, top_paths(graph, pruned, labels), written)
+        result.written.append(Path(request.out))
+    if request.page is not None:
+        contexts = feature_contexts(request, run, loaded, result, notify)
+        data = page_data(result, str(run.run_dir), contexts)
+        result.written.append(write_graph_page(data, request.page))
+    return result
+
+
+def feature_contexts(
+    request: GraphRequest,
+    run: LoadedRun,
+    loaded: LoadedTranscoders,
+    result: GraphResult,
+    notify: Callable[[str], Any],
+) -> dict[tuple[int, int], list[dict]]:
+    """The top contexts of the feature nodes the pruning kept, layer by layer, as `sae
+    features` finds them on `context_steps` batches of the run's validation text."""
+    g = result.graph
+    kept = result.pruned.node_mask[: len(g.selected_features)]
+    chosen = g.active_features[g.selected_features[kept]].tolist()
+    by_layer: dict[int, set[int]] = {}
+    for layer, _, feature in chosen:
+        by_layer.setdefault(layer, set()).add(feature)
+    found: dict[tuple[int, int], list[dict]] = {}
+    for layer, features in sorted(by_layer.items()):
+        options = ReadOptions(
+            sae=loaded.folder,
+            checkpoint=run.run_dir,
+            steps=request.context_steps,
+            weights=request.weights,
+            device=request.device,
+            threads=request.threads,
+            layer=layer,
+        )
+        report = feature_report(options, sorted(features), top=5, notify=notify)
+        for f in report.features:
+            found[(layer, f.index)] = [asdict(c) for c in f.contexts]
+    return found
 
 
 def format_graph(result: GraphResult) -> str:
