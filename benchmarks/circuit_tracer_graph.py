@@ -10,9 +10,11 @@ transcoder folder with circuit-tracer's own loader, and runs `attribute` on the 
 
     python benchmarks/circuit_tracer_graph.py EXPORT TRANSCODERS OUT.pt --tokens 0,5,9 \\
         [--max-logits 10] [--logit-probability 0.95] [--max-feature-nodes N] [--batch-size B]
+        [--frontend DIR [--slug NAME]]
 
 OUT.pt holds the graph's tensors under `Graph.to_pt`'s names (logit targets as ids) and
-`seconds`, the time `attribute` took; the last line printed is the same as JSON.
+`seconds`, the time `attribute` took; the last line printed is the same as JSON. With
+`--frontend DIR`, circuit-tracer's `create_graph_files` writes its frontend JSON there too.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ def replacement_model(export: Path, transcoder_folder: Path):
         eps=c.layer_norm_epsilon,
         default_prepend_bos=False,
         model_name="llmcli-export",
+        tokenizer_name=str(export),  # create_graph_files reads the tokenizer from here
         device="cpu",
     )
     config = yaml.safe_load((transcoder_folder / "config.yaml").read_text())
@@ -81,6 +84,8 @@ def main() -> None:
     parser.add_argument("--logit-probability", type=float, default=0.95)
     parser.add_argument("--max-feature-nodes", type=int, default=None)
     parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--frontend", type=Path, help="also run create_graph_files into DIR")
+    parser.add_argument("--slug", default="graph")
     args = parser.parse_args()
     from circuit_tracer.attribution.attribute import attribute
 
@@ -108,6 +113,10 @@ def main() -> None:
         "seconds": seconds,
     }
     torch.save(saved, args.out)
+    if args.frontend is not None:
+        from circuit_tracer.utils.create_graph_files import create_graph_files
+
+        create_graph_files(graph, args.slug, str(args.frontend))
     nodes = graph.adjacency_matrix.shape[0]
     print(json.dumps({"tool": "circuit-tracer", "seconds": seconds, "nodes": nodes}))
 

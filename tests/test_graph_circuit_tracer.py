@@ -15,6 +15,7 @@ import pytest
 import torch
 from graph_helpers import (
     CIRCUIT_TRACER_SCRIPT,
+    PROMPT,
     circuit_tracer_python,
     prompt_ids,
     transcoders_for,
@@ -23,6 +24,7 @@ from sae_helpers import small_run
 
 from llmcli.hf.export import export_hf
 from llmcli.inspection.graph.attribute import attribute_graph
+from llmcli.inspection.graph.command import GraphRequest, run_graph
 from llmcli.inspection.graph.options import GraphOptions
 from llmcli.inspection.sae.transcoder_folder import load_transcoders
 from llmcli.runs.loading import load_run
@@ -87,3 +89,34 @@ def test_circuit_tracer_computes_the_same_graph(run, export, tmp_path, settings,
     assert A.shape == B.shape and A.abs().max() > 0
     # entry by entry within 1e-4 relative, and 1e-6 of the largest edge where edges are ~0
     torch.testing.assert_close(A, B, rtol=1e-4, atol=1e-6 * float(B.abs().max()))
+
+
+def test_circuit_tracers_frontend_files_are_what_llmcli_writes(run, export, tmp_path) -> None:
+    import json
+
+    folder = transcoders_for(run, run / "transcoders")
+    loaded = load_run(run)
+    ids = prompt_ids(loaded.tokenizer)
+    theirs_dir, ours_dir = tmp_path / "theirs", tmp_path / "ours"
+    options = {"frontend": theirs_dir, "slug": "g"}
+    circuit_tracer_graph(export, folder, ids, tmp_path / "ct.pt", **options)
+    request = GraphRequest(prompt=PROMPT, checkpoint=run, frontend=ours_dir, slug="g")
+    run_graph(request, notify=lambda _: None)
+    theirs = json.loads((theirs_dir / "g.json").read_text())
+    ours = json.loads((ours_dir / "g.json").read_text())
+    theirs["metadata"]["scan"] = ours["metadata"]["scan"]  # the transcoders' name in each
+    assert ours["metadata"] == theirs["metadata"] and ours["qParams"] == theirs["qParams"]
+    assert [n["node_id"] for n in ours["nodes"]] == [n["node_id"] for n in theirs["nodes"]]
+    for a, b in zip(ours["nodes"], theirs["nodes"], strict=True):
+        for key in ("influence", "activation", "token_prob"):
+            if a[key] is not None:
+                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["node_id"], key)
+        assert {
+            k: v for k, v in a.items() if k not in ("influence", "activation", "token_prob")
+        } == {k: v for k, v in b.items() if k not in ("influence", "activation", "token_prob")}
+    pairs = [(link["source"], link["target"]) for link in ours["links"]]
+    assert pairs == [(link["source"], link["target"]) for link in theirs["links"]]
+    weights = torch.tensor([link["weight"] for link in ours["links"]])
+    torch.testing.assert_close(weights, torch.tensor([link["weight"] for link in theirs["links"]]))
+    listing = json.loads((ours_dir / "graph-metadata.json").read_text())
+    assert [g["slug"] for g in listing["graphs"]] == ["g"]

@@ -78,6 +78,17 @@ def graph_command(
             metavar="FILE",
         ),
     ] = None,
+    frontend: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="Write circuit-tracer's frontend files here (SLUG.json and graph-metadata.json, "
+            "as its create_graph_files writes them).",
+            metavar="DIR",
+        ),
+    ] = None,
+    slug: Annotated[
+        str, typer.Option(help="The graph's name in the frontend files.", metavar="NAME")
+    ] = "graph",
     context_steps: Annotated[
         int,
         typer.Option(
@@ -106,6 +117,8 @@ def graph_command(
         edge_threshold=edge_threshold,
         out=out,
         page=page,
+        frontend=frontend,
+        slug=slug,
         context_steps=context_steps,
         weights=weights,
         device=device,

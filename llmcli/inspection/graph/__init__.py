@@ -11,5 +11,6 @@ The modules, bottom to top:
 - `prune`: node and edge influence, and pruning with circuit-tracer's thresholds;
 - `paths`: each node's label and the heaviest paths into each logit (`--json`);
 - `page`: the pruned graph as a page of the offline viewer;
+- `frontend`: the JSON circuit-tracer's `create_graph_files` writes, from the same graph;
 - `command`: `llmcli graph`: the run, transcoders and prompt checked, the graph and its files.
 """

@@ -27,6 +27,7 @@ from llmcli.errors import InputError
 from llmcli.fileio import atomic_path
 from llmcli.generation.prompts import encode_prompt
 from llmcli.inspection.graph.attribute import AttributionGraph, attribute_graph, graph_to_dict
+from llmcli.inspection.graph.frontend import frontend_graph, write_frontend_files
 from llmcli.inspection.graph.options import GraphOptions
 from llmcli.inspection.graph.page import page_data, write_graph_page
 from llmcli.inspection.graph.paths import node_labels, top_paths
@@ -57,6 +58,8 @@ class GraphRequest:
         node_threshold, edge_threshold: the pruning's shares of influence kept.
         out: where to write `graph.pt` (None: not written).
         page: where to write the viewer's page (None: not written).
+        frontend: a folder for circuit-tracer's frontend files (None: not written).
+        slug: the graph's name there.
         context_steps: batches of validation text read for the page's feature contexts.
         weights, device, threads: as the other commands take them.
     """
@@ -69,6 +72,8 @@ class GraphRequest:
     edge_threshold: float = 0.98
     out: str | Path | None = None
     page: str | Path | None = None
+    frontend: str | Path | None = None
+    slug: str = "graph"
     context_steps: int = 4
     weights: str = "best"
     device: str = "auto"
@@ -90,6 +95,8 @@ class GraphRequest:
         ):
             if value is not None and value < 1:
                 raise InputError(f"{option} ({value}) must be at least 1.")
+        if self.frontend is not None and Path(self.frontend).is_file():
+            raise InputError(f"--frontend '{self.frontend}' is a file: give a folder.")
         for option, path in (("--out", self.out), ("--page", self.page)):
             if path is not None and Path(path).is_dir():
                 raise InputError(f"{option} '{path}' is a folder: give a file name.")
@@ -106,6 +113,7 @@ class GraphResult:
     labels: list[str]
     paths: list[dict[str, Any]]
     written: list[Path]
+    logit_texts: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         g, kept = self.graph, self.pruned.node_mask
@@ -220,10 +228,14 @@ def run_graph(
     )
     labels = node_labels(graph, run.tokenizer)
     result = GraphResult(graph, pruned, labels, top_paths(graph, pruned, labels), [])
+    result.logit_texts = [run.tokenizer.decode([i]) for i in graph.logit_targets.tolist()]
     if request.out is not None:
         with atomic_path(request.out) as tmp:
             torch.save(graph_to_dict(graph), tmp)
         result.written.append(Path(request.out))
+    if request.frontend is not None:
+        data = frontend_graph(result, request.slug, request.node_threshold)
+        result.written.append(write_frontend_files(data, request.frontend))
     if request.page is not None:
         contexts = feature_contexts(request, run, loaded, result, notify)
         data = page_data(result, str(run.run_dir), contexts)
