@@ -147,8 +147,12 @@ def test_the_graph_file_holds_circuit_tracers_fields_and_loads_safely(
         "d_model": 16,
         "n_heads": 2,
         "d_head": 8,
+        "d_mlp": 64,
         "n_ctx": 16,
         "d_vocab": 65,
+        "tokenizer_name": "",
+        "model_name": "",
+        "original_architecture": "GPT2LMHeadModel",
     }
 
 

@@ -53,6 +53,12 @@ def export(run, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def default_folder(run):
+    """Transcoders in the run's default folder, which `llmcli graph` finds by itself."""
+    return transcoders_for(run, run / "transcoders")
+
+
 def circuit_tracer_graph(export, folder, ids, out, **options) -> dict:
     args = [PYTHON, str(CIRCUIT_TRACER_SCRIPT), str(export), str(folder), str(out)]
     args += ["--tokens", ",".join(str(int(i)) for i in ids)]
@@ -91,10 +97,12 @@ def test_circuit_tracer_computes_the_same_graph(run, export, tmp_path, settings,
     torch.testing.assert_close(A, B, rtol=1e-4, atol=1e-6 * float(B.abs().max()))
 
 
-def test_circuit_tracers_frontend_files_are_what_llmcli_writes(run, export, tmp_path) -> None:
+def test_circuit_tracers_frontend_files_are_what_llmcli_writes(
+    run, export, default_folder, tmp_path
+) -> None:
     import json
 
-    folder = transcoders_for(run, run / "transcoders")
+    folder = default_folder
     loaded = load_run(run)
     ids = prompt_ids(loaded.tokenizer)
     theirs_dir, ours_dir = tmp_path / "theirs", tmp_path / "ours"
@@ -120,3 +128,27 @@ def test_circuit_tracers_frontend_files_are_what_llmcli_writes(run, export, tmp_
     torch.testing.assert_close(weights, torch.tensor([link["weight"] for link in theirs["links"]]))
     listing = json.loads((ours_dir / "graph-metadata.json").read_text())
     assert [g["slug"] for g in listing["graphs"]] == ["g"]
+
+
+READ_AND_PRUNE = """
+import sys, torch
+from circuit_tracer.graph import Graph, prune_graph
+from circuit_tracer.utils.tl_nnsight_mapping import UnifiedConfig
+d = torch.load(sys.argv[1], weights_only=True)
+d["cfg"] = UnifiedConfig.from_dict(d["cfg"])
+nodes, edges, scores = prune_graph(Graph(**d))
+torch.save({"nodes": nodes, "edges": edges, "scores": scores}, sys.argv[2])
+"""
+
+
+def test_circuit_tracer_reads_graph_pt_and_prunes_it_as_llmcli_does(
+    run, default_folder, tmp_path
+) -> None:
+    out = tmp_path / "graph.pt"
+    result = run_graph(GraphRequest(prompt=PROMPT, checkpoint=run, out=out), notify=print)
+    args = [PYTHON, "-c", READ_AND_PRUNE, str(out), str(tmp_path / "pruned.pt")]
+    subprocess.run(args, check=True, capture_output=True, timeout=600)
+    theirs = torch.load(tmp_path / "pruned.pt", weights_only=True)
+    assert torch.equal(theirs["nodes"], result.pruned.node_mask)
+    assert torch.equal(theirs["edges"], result.pruned.edge_mask)
+    torch.testing.assert_close(theirs["scores"], result.pruned.cumulative_scores)

@@ -74,7 +74,7 @@ class AttributionGraph:
         logit_targets: `(k,)` long token ids; logit_probabilities: `(k,)` their probabilities.
         vocab_size: `V`.
         scan: the transcoder set's identifier.
-        cfg: the model's shape (`n_layers`, `d_model`, `n_heads`, `d_head`, `n_ctx`, `d_vocab`).
+        cfg: the model's shape, under circuit-tracer's `UnifiedConfig` names (`model_shape`).
         checks: the exactness identities' deviations.
     """
 
@@ -88,7 +88,7 @@ class AttributionGraph:
     logit_probabilities: Tensor
     vocab_size: int
     scan: str
-    cfg: dict[str, int]
+    cfg: dict[str, Any]
     checks: GraphChecks
     token_texts: list[str] = field(default_factory=list)
 
@@ -260,15 +260,21 @@ def attribute_graph(
     )
 
 
-def model_shape(model: nn.Module) -> dict[str, int]:
-    """The model's shape under TransformerLens's config names, as a graph file records it."""
+def model_shape(model: nn.Module) -> dict[str, Any]:
+    """The model's shape under the names of circuit-tracer's `UnifiedConfig` (its `from_dict`
+    reads them back: `tokenizer_name` and `model_name` are filled in by the caller, who knows
+    the run), as a graph file records it."""
     return {
         "n_layers": model.n_layer,
         "d_model": model.n_embed,
         "n_heads": model.n_head,
         "d_head": model.config.head_size,
+        "d_mlp": 4 * model.n_embed,
         "n_ctx": model.context_length,
         "d_vocab": model.vocab_size,
+        "tokenizer_name": "",
+        "model_name": "",
+        "original_architecture": "GPT2LMHeadModel",
     }
 
 
@@ -326,7 +332,9 @@ def _deviation(rows: Tensor, wanted: Tensor) -> float:
 def graph_to_dict(graph: AttributionGraph) -> dict[str, Any]:
     """What `--out graph.pt` holds: circuit-tracer's `Graph.to_pt` fields (tensors, numbers,
     strings, lists and dicts only, so `torch.load(weights_only=True)` reads it); `logit_targets`
-    as token ids (circuit-tracer's `Graph.from_pt` reads that older form), `cfg` the shape."""
+    as token ids (the form circuit-tracer's `Graph.from_pt` converts), `cfg` the shape as a dict
+    (`UnifiedConfig.from_dict(d["cfg"])` makes circuit-tracer's config of it: a config object
+    would need `weights_only=False`)."""
     return {
         "input_string": graph.input_string,
         "adjacency_matrix": graph.adjacency_matrix,

@@ -217,6 +217,7 @@ def run_graph(
     graph.input_string = run.tokenizer.decode(tokens.tolist())
     graph.token_texts = [run.tokenizer.decode([i]) for i in tokens.tolist()]
     graph.scan = f"llmcli/{run.run_dir.name}"
+    graph.cfg |= {"tokenizer_name": str(run.run_dir), "model_name": run.run_dir.name}
     n_feat = len(graph.selected_features)
     pruned = prune(
         graph.adjacency_matrix,
