@@ -168,3 +168,13 @@ def test_pruning_keeps_tokens_logits_and_the_nodes_holding_the_influence_asked()
     # the influence is the share of the logit along every path: 2/3 for feature 0
     assert pruned.node_influence[0] == pytest.approx(2 / 3)
     assert pruned.node_influence[3] == pytest.approx(2 / 3)
+
+
+def test_a_graph_too_big_for_memory_is_refused_naming_the_option(monkeypatch) -> None:
+    from llmcli.errors import InputError
+    from llmcli.inspection.graph import attribute
+
+    monkeypatch.setattr(attribute, "MAX_EDGE_BYTES", 4 * 100 * 1000)
+    attribute.check_size(90, 10, 1000)  # 100 rows of 1,000 nodes: just fits
+    with pytest.raises(InputError, match=r"--max-feature-nodes \(at most 90 fit\)"):
+        attribute.check_size(91, 10, 1000)

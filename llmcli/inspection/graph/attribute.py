@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from llmcli.errors import InputError
 from llmcli.inspection.graph.options import GraphOptions
 from llmcli.inspection.graph.prune import partial_influences
 from llmcli.inspection.graph.replacement import (
@@ -47,6 +48,8 @@ from llmcli.progress import Progress
 
 #: The relative tolerance of the edge-sum identities (float32 sums of a few hundred terms).
 EDGE_TOLERANCE = 1e-4
+#: The most memory the edge rows may take (the adjacency needs as much again): 2 GiB.
+MAX_EDGE_BYTES = 2 * 2**30
 
 
 @dataclass
@@ -198,6 +201,7 @@ def attribute_graph(
     logit_offset = n_feat + (L + 1) * T
     most = options.max_feature_nodes
     n_kept = n_feat if most is None else min(most, n_feat)
+    check_size(n_kept, k, logit_offset + k)
     batch = max(1, min(options.batch_size, max(k, n_kept)))
     rows = _Rows(model, transcoders, state, features, batch)
 
@@ -258,6 +262,21 @@ def attribute_graph(
         cfg=model_shape(model),
         checks=checks,
     )
+
+
+def check_size(n_kept: int, k: int, columns: int) -> None:
+    """Raise `InputError` when the edge rows of `n_kept` features and `k` logits over `columns`
+    nodes (float32) would pass `MAX_EDGE_BYTES`: a set with many active features (a short
+    training's, say) is read with fewer kept."""
+    need = (n_kept + k) * columns * 4
+    if need > MAX_EDGE_BYTES:
+        most = max(1, MAX_EDGE_BYTES // (4 * columns) - k)
+        raise InputError(
+            f"the graph's edges would take {need / 2**30:.1f} GiB ({n_kept:,} feature rows of "
+            f"{columns:,} nodes; twice that with the adjacency): keep the most influential "
+            f"features only with --max-feature-nodes (at most {most:,} fit), or train the "
+            "transcoders longer (fewer features active per token)."
+        )
 
 
 def model_shape(model: nn.Module) -> dict[str, Any]:

@@ -231,14 +231,22 @@ def _mlp_out(
 def replacement_logits(model: nn.Module, transcoders: TranscoderSet, state: PromptState) -> Tensor:
     """The logits `(T, V)` of the replacement model with its error nodes, unfrozen: each MLP's
     output replaced by its transcoder's prediction from the MLP's input of this forward plus the
-    error (the first position keeps the MLP's own output). Equal to the model's logits."""
+    error (the first position keeps the MLP's own output). Equal to the model's logits.
+
+    The prediction and the error are added in float64, the error taken there too: in float32 a
+    poor transcoder's large prediction and error would cancel to the MLP's output only to their
+    rounding, which the layers above amplify (2e-5 of the logits after 2 training steps)."""
     first = state.zero_positions
+
+    def predict(layer: int, x: Tensor) -> Tensor:  # (T, C) input -> (T, C), first position 0
+        acts = transcoders[layer].encode(x)  # (T, F)
+        acts[first] = 0
+        return transcoders[layer].decode(acts, x).double()
 
     def replace(layer: int) -> HookFn:
         def hook(x: Tensor) -> Tensor:
-            acts = transcoders[layer].encode(seen[layer][0])  # (T, F)
-            acts[first] = 0
-            y = transcoders[layer].decode(acts, seen[layer][0]) + state.errors[layer]  # (T, C)
+            error = state.mlp_out[layer].double() - predict(layer, state.mlp_in[layer])
+            y = (predict(layer, seen[layer][0]) + error).to(x.dtype)  # (T, C)
             y[first] = x[0, first]
             return y[None]
 
@@ -247,6 +255,9 @@ def replacement_logits(model: nn.Module, transcoders: TranscoderSet, state: Prom
     seen: dict[int, Tensor] = {}
     hooks: dict[str, HookFn] = {}
     for layer in range(len(model.blocks)):
+        # A function at the pattern takes attention down the explicit path, as `read_prompt`'s
+        # forward went (SDPA's sums differ in the last bits).
+        hooks[f"blocks.{layer}.attn.pattern"] = lambda p: None
         hooks[f"blocks.{layer}.mlp_in"] = lambda x, layer=layer: seen.__setitem__(layer, x)
         hooks[f"blocks.{layer}.mlp_out"] = replace(layer)
     with model.hooks(hooks):

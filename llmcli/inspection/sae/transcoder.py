@@ -164,9 +164,16 @@ class Transcoder(nn.Module):
     @torch.no_grad()
     def update_threshold(self, values: Tensor) -> None:
         """BatchTopK: move the inference threshold towards the smallest positive activation
-        training kept in this batch (as `SparseAutoencoder.update_threshold`)."""
+        training kept in this batch (as `SparseAutoencoder.update_threshold`). The first batch
+        sets it outright, as Bussmann et al.'s trainer does: an average from 0 would leave it
+        near 0 for the first hundred steps, and nearly every feature active after a short
+        training (thousands of graph nodes per token)."""
         positive = values[values > 0]
-        if positive.numel():
+        if not positive.numel():
+            return
+        if not (self.threshold > 0).any():
+            self.threshold.fill_(positive.min())
+        else:
             self.threshold.mul_(1 - THRESHOLD_RATE).add_(THRESHOLD_RATE * positive.min())
 
 
