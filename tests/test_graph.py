@@ -178,3 +178,19 @@ def test_a_graph_too_big_for_memory_is_refused_naming_the_option(monkeypatch) ->
     attribute.check_size(90, 10, 1000)  # 100 rows of 1,000 nodes: just fits
     with pytest.raises(InputError, match=r"--max-feature-nodes \(at most 90 fit\)"):
         attribute.check_size(91, 10, 1000)
+
+
+def test_the_prompt_starts_with_end_of_text_or_says_how_the_first_position_is_used() -> None:
+    from types import SimpleNamespace
+
+    from llmcli.data.tokenizer import CharTokenizer
+    from llmcli.inspection.graph.command import prompt_tokens
+
+    model = SimpleNamespace(context_length=8)
+    with_eot = SimpleNamespace(tokenizer=CharTokenizer("abc"), model=model)
+    heard = []
+    assert prompt_tokens(with_eot, "abc", heard.append).tolist() == [3, 0, 1, 2]
+    assert heard == []
+    without = SimpleNamespace(tokenizer=CharTokenizer("abc", eot=None), model=model)
+    assert prompt_tokens(without, "cab", heard.append).tolist() == [2, 0, 1]
+    assert "no end-of-text token" in heard[0] and "first token" in heard[0]
