@@ -23,78 +23,96 @@ from llmcli.inspection.graph.options import GraphOptions
 _DEFAULT = GraphOptions()
 
 
+TranscodersOption = Annotated[
+    Optional[Path],
+    typer.Option(
+        help="The transcoder folder (default: <run>/transcoders/, which `llmcli sae train "
+        "--kind transcoder --layers all` writes).",
+        metavar="DIR",
+    ),
+]
+
+MaxLogitsOption = Annotated[int, typer.Option(help="The most logit nodes.", metavar="N")]
+
+LogitProbabilityOption = Annotated[
+    float,
+    typer.Option(help="Logit nodes are added until their probability reaches this.", metavar="P"),
+]
+
+MaxFeatureNodesOption = Annotated[
+    Optional[int],
+    typer.Option(
+        help="The most feature nodes, the most influential first (default: every active feature).",
+        metavar="N",
+    ),
+]
+
+NodeThresholdOption = Annotated[
+    float,
+    typer.Option(help="Pruning keeps the nodes holding this share of influence.", metavar="S"),
+]
+
+EdgeThresholdOption = Annotated[
+    float,
+    typer.Option(help="Pruning keeps the edges holding this share of influence.", metavar="S"),
+]
+
+BatchSizeOption = Annotated[int, typer.Option(help="Targets per backward pass.", metavar="N")]
+
+OutOption = Annotated[
+    Optional[Path],
+    typer.Option(
+        help="Write the unpruned graph here (graph.pt, circuit-tracer's Graph.to_pt fields).",
+        metavar="FILE",
+    ),
+]
+
+PageOption = Annotated[
+    Optional[Path],
+    typer.Option(
+        help="Write the pruned graph as a page of the offline viewer (graph.html): nodes by "
+        "layer and position, a click on a feature shows its top contexts.",
+        metavar="FILE",
+    ),
+]
+
+FrontendOption = Annotated[
+    Optional[Path],
+    typer.Option(
+        help="Write circuit-tracer's frontend files here (SLUG.json and graph-metadata.json, "
+        "as its create_graph_files writes them).",
+        metavar="DIR",
+    ),
+]
+
+SlugOption = Annotated[
+    str, typer.Option(help="The graph's name in the frontend files.", metavar="NAME")
+]
+
+ContextStepsOption = Annotated[
+    int,
+    typer.Option(
+        help="Batches of validation text read for the page's feature contexts.", metavar="N"
+    ),
+]
+
+
 @app.command("graph")
 def graph_command(
     prompt: Annotated[str, typer.Option(help="The text to attribute.", metavar="TEXT")],
     checkpoint: CheckpointOption = None,
-    transcoders: Annotated[
-        Optional[Path],
-        typer.Option(
-            help="The transcoder folder (default: <run>/transcoders/, which `llmcli sae train "
-            "--kind transcoder --layers all` writes).",
-            metavar="DIR",
-        ),
-    ] = None,
-    max_logits: Annotated[
-        int, typer.Option(help="The most logit nodes.", metavar="N")
-    ] = _DEFAULT.max_logits,
-    logit_probability: Annotated[
-        float,
-        typer.Option(
-            help="Logit nodes are added until their probability reaches this.", metavar="P"
-        ),
-    ] = _DEFAULT.logit_probability,
-    max_feature_nodes: Annotated[
-        Optional[int],
-        typer.Option(
-            help="The most feature nodes, the most influential first (default: every active "
-            "feature).",
-            metavar="N",
-        ),
-    ] = None,
-    node_threshold: Annotated[
-        float,
-        typer.Option(help="Pruning keeps the nodes holding this share of influence.", metavar="S"),
-    ] = 0.8,
-    edge_threshold: Annotated[
-        float,
-        typer.Option(help="Pruning keeps the edges holding this share of influence.", metavar="S"),
-    ] = 0.98,
-    batch_size: Annotated[
-        int, typer.Option(help="Targets per backward pass.", metavar="N")
-    ] = _DEFAULT.batch_size,
-    out: Annotated[
-        Optional[Path],
-        typer.Option(
-            help="Write the unpruned graph here (graph.pt, circuit-tracer's Graph.to_pt fields).",
-            metavar="FILE",
-        ),
-    ] = None,
-    page: Annotated[
-        Optional[Path],
-        typer.Option(
-            help="Write the pruned graph as a page of the offline viewer (graph.html): nodes by "
-            "layer and position, a click on a feature shows its top contexts.",
-            metavar="FILE",
-        ),
-    ] = None,
-    frontend: Annotated[
-        Optional[Path],
-        typer.Option(
-            help="Write circuit-tracer's frontend files here (SLUG.json and graph-metadata.json, "
-            "as its create_graph_files writes them).",
-            metavar="DIR",
-        ),
-    ] = None,
-    slug: Annotated[
-        str, typer.Option(help="The graph's name in the frontend files.", metavar="NAME")
-    ] = "graph",
-    context_steps: Annotated[
-        int,
-        typer.Option(
-            help="Batches of validation text read for the page's feature contexts.", metavar="N"
-        ),
-    ] = 4,
+    transcoders: TranscodersOption = None,
+    max_logits: MaxLogitsOption = _DEFAULT.max_logits,
+    logit_probability: LogitProbabilityOption = _DEFAULT.logit_probability,
+    max_feature_nodes: MaxFeatureNodesOption = None,
+    node_threshold: NodeThresholdOption = 0.8,
+    edge_threshold: EdgeThresholdOption = 0.98,
+    batch_size: BatchSizeOption = _DEFAULT.batch_size,
+    out: OutOption = None,
+    page: PageOption = None,
+    frontend: FrontendOption = None,
+    slug: SlugOption = "graph",
+    context_steps: ContextStepsOption = 4,
     weights: WeightsOption = "best",
     device: DeviceOption = "auto",
     json_: JsonOption = False,

@@ -67,39 +67,46 @@ ActivationOption = Annotated[
 ]
 
 
+HookOption = Annotated[
+    str,
+    typer.Option(
+        help="The hook point to train an SAE on, e.g. blocks.1.resid_post, blocks.0.mlp_out, "
+        "blocks.0.attn.z (docs/hook-points.md lists them).",
+        metavar="NAME",
+    ),
+]
+KindOption = Annotated[
+    str,
+    typer.Option(
+        help="sae, or transcoder: per layer, features that read the MLP's input "
+        "(blocks.L.mlp_in) and predict its output, saved as circuit-tracer's transcoder set "
+        "(default folder <run>/transcoders/).",
+        metavar="KIND",
+    ),
+]
+LayersOption = Annotated[
+    Optional[str],
+    typer.Option(
+        help="The transcoders' layers: all (the default), or indices joined by commas (0,2).",
+        metavar="LAYERS",
+    ),
+]
+SkipOption = Annotated[
+    bool, typer.Option("--skip", help="Give each transcoder a linear skip (W_skip).")
+]
+SparsityOption = Annotated[
+    float,
+    typer.Option(help="The weight of the relu (L1) and tanh sparsity penalties.", metavar="W"),
+]
+
+
 @sae_app.command("train")
 def sae_train_command(
-    hook: Annotated[
-        str,
-        typer.Option(
-            help="The hook point to train an SAE on, e.g. blocks.1.resid_post, blocks.0.mlp_out, "
-            "blocks.0.attn.z (docs/hook-points.md lists them).",
-            metavar="NAME",
-        ),
-    ] = "",
-    kind: Annotated[
-        str,
-        typer.Option(
-            help="sae, or transcoder: per layer, features that read the MLP's input "
-            "(blocks.L.mlp_in) and predict its output, saved as circuit-tracer's transcoder set "
-            "(default folder <run>/transcoders/).",
-            metavar="KIND",
-        ),
-    ] = _DEFAULT.kind,
-    layers: Annotated[
-        Optional[str],
-        typer.Option(
-            help="The transcoders' layers: all, or indices joined by commas (0,2).",
-            metavar="LAYERS",
-        ),
-    ] = None,
-    skip: Annotated[
-        bool, typer.Option("--skip", help="Give each transcoder a linear skip (W_skip).")
-    ] = False,
-    sparsity_coef: Annotated[
-        float,
-        typer.Option(help="The weight of the relu (L1) and tanh sparsity penalties.", metavar="W"),
-    ] = _DEFAULT.sparsity_coef,
+    hook: HookOption = "",
+    kind: KindOption = _DEFAULT.kind,
+    layers: LayersOption = None,
+    skip: SkipOption = False,
+    sparsity_coef: SparsityOption = _DEFAULT.sparsity_coef,
     checkpoint: CheckpointOption = None,
     features: FeaturesOption = None,
     k: Annotated[
@@ -118,7 +125,10 @@ def sae_train_command(
     ] = _DEFAULT.seed,
     out: Annotated[
         Optional[Path],
-        typer.Option(help="The SAE folder (default: <run>/sae/<hook>/).", metavar="DIR"),
+        typer.Option(
+            help="The SAE folder (default: <run>/sae/<hook>/; transcoders: <run>/transcoders/).",
+            metavar="DIR",
+        ),
     ] = None,
     resume: Annotated[
         bool, typer.Option("--resume", help="Go on training the SAE saved in the folder, exactly.")

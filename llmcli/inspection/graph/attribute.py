@@ -138,6 +138,7 @@ class _Rows:
             torch.stack([tc.W_enc[f] for tc, f in pick]).detach() if pick else torch.zeros(0, C)
         )
         self.token_vectors = model.wte.weight[state.tokens].detach()  # (T, C)
+        self.batch = batch
 
     def compute(self, layers: list[int], positions: Tensor, vectors: Tensor) -> Tensor:
         """The rows of `len(vectors)` targets: target i reads `vectors[i]` `(C,)` at position
@@ -174,6 +175,47 @@ class _Rows:
             start = n_feat + layer * T
             rows[:, start : start + T] = torch.einsum("btc,tc->bt", g, state.errors[layer])
         return rows
+
+    def visit_features(
+        self,
+        edges: Tensor,
+        row_node: Tensor,
+        probabilities: Tensor,
+        n_kept: int,
+        options: GraphOptions,
+        bar: Progress,
+    ) -> Tensor:
+        """Fill the rows of `n_kept` features into `edges` after the logits' rows (`row_node`
+        names each row's node): every feature in order, or the most influential on the logits
+        by the rows so far, re-ranked every `update_interval` batches (circuit-tracer's queue).
+
+        Returns:
+            `(n,)` bool: the features visited.
+        """
+        n_feat, k = len(self.features), len(probabilities)
+        batch, columns = self.batch, edges.shape[1] - k
+        visited = torch.zeros(n_feat, dtype=torch.bool)
+        done, row = 0, k
+        while done < n_kept:
+            if n_kept == n_feat:
+                pending = torch.arange(n_feat)
+            else:
+                influence = partial_influences(edges[:row], probabilities, row_node[:row])
+                rank = torch.argsort(influence[:n_feat], descending=True)
+                pending = rank[~visited[rank]][
+                    : min(options.update_interval * batch, n_kept - done)
+                ]
+            for start in range(0, len(pending), batch):
+                chunk = pending[start : start + batch]
+                got = self.compute(
+                    self.features[chunk, 0].tolist(), self.features[chunk, 1], self.encoders[chunk]
+                )
+                edges[row : row + len(chunk), :columns] = got
+                row_node[row : row + len(chunk)] = chunk
+                visited[chunk] = True
+                row, done = row + len(chunk), done + len(chunk)
+                bar.update(len(chunk))
+        return visited
 
 
 def attribute_graph(
@@ -214,29 +256,8 @@ def attribute_graph(
         edges[i : i + len(part), :logit_offset] = rows.compute([-1] * len(part), last, part)
         row_node[i : i + len(part)] = torch.arange(i, i + len(part)) + logit_offset
 
-    visited = torch.zeros(n_feat, dtype=torch.bool)
-    done, row = 0, k
-    bar = Progress(n_kept, desc="graph", unit="feature", enabled=progress)
-    with bar:
-        while done < n_kept:
-            if n_kept == n_feat:
-                pending = torch.arange(n_feat)
-            else:  # the most influential features not yet visited, by the rows so far
-                influence = partial_influences(edges[:row], probabilities, row_node[:row])
-                rank = torch.argsort(influence[:n_feat], descending=True)
-                pending = rank[~visited[rank]][
-                    : min(options.update_interval * batch, n_kept - done)
-                ]
-            for start in range(0, len(pending), batch):
-                chunk = pending[start : start + batch]
-                got = rows.compute(
-                    features[chunk, 0].tolist(), features[chunk, 1], rows.encoders[chunk]
-                )
-                edges[row : row + len(chunk), :logit_offset] = got
-                row_node[row : row + len(chunk)] = chunk
-                visited[chunk] = True
-                row, done = row + len(chunk), done + len(chunk)
-                bar.update(len(chunk))
+    with Progress(n_kept, desc="graph", unit="feature", enabled=progress) as bar:
+        visited = rows.visit_features(edges, row_node, probabilities, n_kept, options, bar)
 
     # Checked on every row before unvisited features lose their columns (their edges count).
     checks = _check(model, transcoders, state, features, ids, edges, row_node[k:])
