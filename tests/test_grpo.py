@@ -29,7 +29,8 @@ from llmcli.evaluation.chat import greedy_replies
 from llmcli.evaluation.prompts import evaluate_prompts
 from llmcli.model.gpt import Transformer
 from llmcli.objectives.base import init_encoding
-from llmcli.objectives.grpo import GRPOObjective, advantages
+from llmcli.objectives.grpo import GRPOObjective
+from llmcli.objectives.grpo_loss import advantages
 from llmcli.objectives.rewards import contains, exact, load_rewards, number, parse_number
 from llmcli.runs.compare import compare_runs, format_table
 from llmcli.runs.formats import read_weights

@@ -1,7 +1,8 @@
-"""GRPO's loss as TRL 1.16 computes it (llmcli/objectives/grpo.py): each `train.loss_type` and its
-gradient against TRL's `_compute_loss` written out here, at a sampling temperature other than 1
-and with two micro-batches; a step split 8 x 1 or 4 x 2 computing the same thing; the config's
-choices.
+"""GRPO's loss as TRL 1.16 computes it (llmcli/objectives/grpo_loss.py): each
+`train.loss_type` and its gradient against TRL's `_compute_loss` written out here, at a sampling
+temperature other than 1 and with two micro-batches; a step split 8 x 1 or 4 x 2 computing the
+same thing; num_iterations' clipped ratio and exact resume; several rewards; the config's
+choices and the objective defaults.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from test_grpo import REWARD, base, grpo_config, objective_for  # noqa: F401 (ba
 from llmcli.config import config_from_dict
 from llmcli.data.prompts import PromptSampler
 from llmcli.errors import ConfigError
-from llmcli.objectives.grpo import advantages
+from llmcli.objectives.grpo_loss import advantages
 from llmcli.runs.formats import read_weights
 from llmcli.runs.metrics import read_metrics
 from llmcli.training.loop import train

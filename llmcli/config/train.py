@@ -173,8 +173,8 @@ class TrainConfig:
     # epsilon_high null: epsilon). TRL turns dropout off for GRPO: set model.dropout 0 too, or
     # the ratio also measures dropout's noise.
     num_iterations: int = 1
-    epsilon: float = 0.2
-    epsilon_high: float | None = None
+    epsilon: float = 0.2  # GRPO: the clip's bound below 1 (TRL's epsilon)
+    epsilon_high: float | None = None  # GRPO: its bound above 1 (null: epsilon; DAPO: 0.28)
     # The objective's loss, TRL's loss_type; null: the objective's default. GRPO, how the loss
     # sums over tokens: dapo (TRL's default: over every completion token of the step, on every
     # rank), bnpo (each micro-batch's tokens), grpo (each completion's mean), dr_grpo (over
