@@ -13,6 +13,7 @@ import pytest
 import torch
 from chat_helpers import CONVERSATIONS, chat_tokenizer, save_chat_run
 from conftest import save_tiny_run
+from terminal_helpers import ctrl_c_leaves_the_session_on
 
 from llmcli.cli import main
 from llmcli.data.chat_template import CHAT_TOKENS, default_template, require_run_template
@@ -298,3 +299,13 @@ def test_steer_adds_the_feature_direction_to_a_reply(run, run_dir, tmp_path, cap
     with run.model.hooks({hook: lambda h: h + 40 * direction}):
         by_hand = greedy_reply(run, [user("Hi")], 20)[0]
     assert steered == [by_hand] and by_hand != greedy_reply(run, [user("Hi")], 20)[0]
+
+
+@pytest.mark.slow
+def test_ctrl_c_from_a_terminal_never_ends_the_chat(tmp_path) -> None:
+    # A long context: the greedy reply to "Spell cat." runs on past Ctrl-C.
+    long = save_chat_run(tmp_path / "chat", seed=MODEL_SEED, sharpen=8.0, context_length=4096)
+    args = ["llmcli", "chat", "--checkpoint", str(long), "--temperature", "0"]
+    ctrl_c_leaves_the_session_on(
+        [*args, "--max-new-tokens", "2000"], "you> ", b"Spell cat.", "stopped (Ctrl-C)"
+    )

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import default_sigint, save_tiny_run
+from terminal_helpers import ctrl_c_leaves_the_session_on
 
 from llmcli.cli import main
 from llmcli.config import SampleConfig
@@ -199,3 +200,12 @@ def test_ctrl_c_stops_the_answer_and_the_next_prompt_is_answered(tmp_path, capsy
     assert b"stopped (Ctrl-C)" in err and b"Traceback" not in err
     expected = sampled(capsys, run_dir, "JULIET", "--max-new-tokens", "9")
     assert (first + out).decode().endswith("\n" + expected)
+
+
+@pytest.mark.slow
+def test_ctrl_c_from_a_terminal_never_ends_the_session(tmp_path):
+    run_dir = make_run(tmp_path / "run", CharTokenizer(sorted(set(TEXT)), eot=None))
+    args = ["llmcli", "sample", "--checkpoint", str(run_dir), "--interactive"]
+    ctrl_c_leaves_the_session_on(
+        [*args, "--max-new-tokens", "1000000"], "> ", b"ROMEO", "stopped (Ctrl-C)"
+    )

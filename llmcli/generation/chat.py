@@ -38,7 +38,12 @@ from llmcli.data.chat_template import CHAT_TOKENS, require_run_template
 from llmcli.data.conversations import ConversationEncoder, Messages, check_messages
 from llmcli.errors import InputError, did_you_mean
 from llmcli.generation.batching import Sample, SampleJob, SampleOptions, sample_batch
-from llmcli.generation.interactive import apply_command, format_settings, is_quit
+from llmcli.generation.interactive import (
+    CTRL_C_AT_PROMPT,
+    apply_command,
+    format_settings,
+    is_quit,
+)
 from llmcli.generation.prompts import crop_chat_prompt, unescape
 from llmcli.generation.sample import load_for_sampling
 from llmcli.generation.streaming import TextSink
@@ -55,7 +60,8 @@ starting with // is a message starting with /).
   /settings     show the sampling settings; /KEY VALUE changes one ({keys})
   /quit         end the session, as Ctrl-D does (also /exit, /bye, `quit` or `exit` alone)
   /help         this text
-Ctrl-C stops the current reply; it is left out of the conversation."""
+Ctrl-C stops the current reply (it is left out of the conversation); at the prompt it drops
+the line. Ctrl-D ends the session."""
 
 
 def reply_room(config: SampleConfig, context_length: int) -> int:
@@ -360,3 +366,5 @@ def chat(
                 replied += 1
         except InputError as exc:
             notify(f"error: {exc}")
+        except KeyboardInterrupt:
+            notify(CTRL_C_AT_PROMPT)

@@ -7,10 +7,11 @@ seeded with the current `seed`. A line starting with `/` changes a setting inste
 (`/temperature 0.5`, `/top_k 50`, `/seed 1`, any `SampleConfig` key, its value a YAML scalar as
 in `--set`), checked by `SampleConfig` through `dataclasses.replace`: a bad value is reported and
 the previous one kept. `/settings` shows them, `/help` the commands with each setting's help
-from `SampleConfig`. Ctrl-C (`KeyboardInterrupt`) during an answer stops that answer; the end of
-the input (Ctrl-D) or a quit line (`is_quit`: /quit, /exit, /bye, `quit` or `exit`, as in
-`llmcli chat`) ends the session. A line that cannot be answered (bytes that are not UTF-8,
-characters outside the vocabulary, a bad command) gets its reason and the session goes on; a
+from `SampleConfig`. Ctrl-C (`KeyboardInterrupt`) during an answer stops that answer, and at the
+prompt drops the line (`CTRL_C_AT_PROMPT`): it never ends the session. The end of the input
+(Ctrl-D) or a quit line (`is_quit`: /quit, /exit, /bye, `quit` or `exit`, as in `llmcli chat`)
+ends the session. A line that cannot be answered (bytes that are not UTF-8, characters outside
+the vocabulary, a bad command) gets its reason and the session goes on; a
 prompt longer than the context is answered from its last `context_length` tokens, with a notice.
 
 Answers go to `write` (stdout), everything else (settings, errors, help) to `notify` (stderr),
@@ -41,6 +42,10 @@ logger = logging.getLogger(__name__)
 _WIDTH = 79  # of /help's lines
 # The lines that end an interactive session (`sample --interactive`, `chat`), as Ctrl-D does.
 QUIT_LINES = ("/quit", "/exit", "/bye", "/q", "quit", "exit")
+# Said for a Ctrl-C that lands outside an answer (at the prompt, or just after an answer
+# stopped): as in Python's REPL and a shell, it drops the line and never ends the session, so
+# that a press just as an answer ends cannot take the session with it.
+CTRL_C_AT_PROMPT = "Ctrl-C: the line is dropped; Ctrl-D or /quit ends the session"
 
 
 def is_quit(line: str) -> bool:
@@ -72,7 +77,7 @@ def help_text(config: SampleConfig) -> str:
             ),
             "  /settings  show the settings    /help  this text",
             "  /quit      end the session (also /exit, /bye, or `quit` or `exit` alone)",
-            "Ctrl-C stops the current answer; Ctrl-D (end of input) exits too.",
+            "Ctrl-C stops the current answer (at the prompt, drops the line); Ctrl-D exits too.",
         ]
     )
 
@@ -226,3 +231,5 @@ def interactive(
                 answered += 1
         except InputError as exc:
             notify(f"error: {exc}")
+        except KeyboardInterrupt:
+            notify(CTRL_C_AT_PROMPT)
