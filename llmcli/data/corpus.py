@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from llmcli.config.shipped import shipped_data
 from llmcli.errors import InputError
 from llmcli.fileio import refuse_special_file
 
@@ -372,8 +373,9 @@ def rows_to_train(n_rows: int, val_fraction: float, label: str, what: str) -> in
 
 def resolve_files(spec: str, key: str, suffix: str = ".txt", what: str = "text") -> list[Path]:
     """A file, a folder (every file ending in `suffix` below it) or a glob, as a sorted list
-    of files; `what` names their content in messages ("text", "JSONL")."""
-    p = Path(spec).expanduser()
+    of files; `what` names their content in messages ("text", "JSONL"). A relative `data/...`
+    missing here is the file shipped with llmcli (`shipped_data`)."""
+    p = shipped_data(spec)
     if _GLOB_CHARS.search(spec) and not p.exists():
         files = sorted(Path(f) for f in glob.glob(str(p), recursive=True) if Path(f).is_file())
         if not files:
