@@ -115,7 +115,10 @@ def test_a_long_conversation_is_cut_after_the_last_assistant_turn_that_fits(
     assert rows, "the second conversation was drawn"
     expected_y = [-1] * 15 + ids_of("c-a-t", END) + [-1] * 9  # "c" follows position 15
     assert y[rows[0]].tolist() == expected_y
-    with pytest.raises(InputError, match=r"train split has no conversation .* \(21\) tokens"):
+    with pytest.raises(
+        InputError,
+        match=r"nothing left to learn from: 2 conversations of the train split .* \(21 tokens\)",
+    ):
         prepare_chat_data(config, 20)
 
 
