@@ -4,7 +4,9 @@ built-in template, and the history is cut at turn boundaries by hand-counted tok
 from __future__ import annotations
 
 import io
+import os
 import re
+import shutil
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -309,3 +311,24 @@ def test_ctrl_c_from_a_terminal_never_ends_the_chat(tmp_path) -> None:
     ctrl_c_leaves_the_session_on(
         [*args, "--max-new-tokens", "2000"], "you> ", b"Spell cat.", "stopped (Ctrl-C)"
     )
+
+
+def test_chat_names_its_latest_run_and_no_text_run_it_would_refuse(
+    run_dir, tmp_path, capsys, monkeypatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(run_dir, tmp_path / "checkpoints" / "chat")
+    model = {"n_layer": 1, "n_head": 1, "n_embed": 8, "context_length": 16}
+    text = save_tiny_run(
+        tmp_path / "checkpoints" / "tiny2", CharTokenizer("abc \n"), {"model": model}
+    )
+    os.utime(
+        tmp_path / "checkpoints" / "chat" / "model.safetensors", (1, 1)
+    )  # the text run is newer
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello\n"))
+    with pytest.raises(SystemExit) as exc:
+        main(["chat", *GREEDY])
+    err = capsys.readouterr().err
+    assert exc.value.code == 0, err
+    assert f"using the latest chat run: {Path('checkpoints') / 'chat'}, at step 0\n" in err
+    assert str(text.name) not in err
