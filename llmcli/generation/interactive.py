@@ -26,10 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-import yaml
-
 from llmcli.config import SampleConfig
-from llmcli.config.loading import parse_scalar
+from llmcli.config.loading import format_scalar, parse_scalar
 from llmcli.config.sample import SETTING_KEYS, broken_rule, setting_info
 from llmcli.errors import InputError, did_you_mean
 from llmcli.generation.batching import SampleOptions, sample_texts
@@ -55,7 +53,7 @@ def is_quit(line: str) -> bool:
 
 def help_text(config: SampleConfig) -> str:
     """`/help`: a command per setting, with its current value and its help from `SampleConfig`."""
-    commands = {f"/{key} {_scalar(getattr(config, key))}": key for key in SETTING_KEYS}
+    commands = {f"/{key} {format_scalar(getattr(config, key))}": key for key in SETTING_KEYS}
     width = max(map(len, commands)) + 4  # the column of the help texts
     nullable = " and ".join(key for key in SETTING_KEYS if broken_rule(key, None) is None)
     changing = (
@@ -80,11 +78,6 @@ def help_text(config: SampleConfig) -> str:
             "Ctrl-C stops the current answer (at the prompt, drops the line); Ctrl-D exits too.",
         ]
     )
-
-
-def _scalar(value: Any) -> str:
-    """A setting's value as YAML writes it: `null`, `true`, `0.8`."""
-    return yaml.safe_dump(value, default_flow_style=True).removesuffix("\n...\n").strip()
 
 
 def format_settings(config: SampleConfig) -> str:

@@ -64,7 +64,13 @@ from llmcli.training.optim import build_optimizer
 from llmcli.training.packed import packed_next_token_loss
 from llmcli.training.plan import measure_step
 from llmcli.training.precision import Precision
-from llmcli.training.state import ResumeState, RunFacts, TrainState, seed_everything
+from llmcli.training.state import (
+    ResumeState,
+    RunFacts,
+    TrainState,
+    describe_changes,
+    seed_everything,
+)
 from llmcli.training.step import Trainer, next_token_loss
 
 logger = logging.getLogger(__name__)
@@ -373,6 +379,9 @@ def _prepare(
             prepare_run_dir(run_dir, resume, overwrite)
     if saved is not None:
         saved.check_fits(config, run_dir, int(data.tokenizer.vocab_size))
+        changes = saved.changed_settings(config)
+        if changes and info.main:
+            logger.warning("%s", describe_changes(changes))
         if saved.source_hash not in (None, data.source_hash) and info.main:
             logger.warning(
                 "the corpus changed since this run was saved: the resumed run will "
