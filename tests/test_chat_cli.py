@@ -117,9 +117,13 @@ def test_replies_equal_a_greedy_loop_and_commands_change_the_history(
             capsys, monkeypatch, run_dir, ["Hello", quit_line, "Hi"], *GREEDY
         )
         assert code == 0 and replies == [first] and "error" not in err, (quit_line, err)
-    code, _, err = chat_cli(capsys, monkeypatch, run_dir, ["/rest", "/temp 0.3"], *GREEDY)
+    lines = ["/rest", "/temp 0.3", "/sys Be brief.", "/top 5", "/sett"]
+    code, _, err = chat_cli(capsys, monkeypatch, run_dir, lines, *GREEDY)
     assert "unknown command /rest. Did you mean /reset?" in err
-    assert "unknown command /temp. Did you mean /temperature?" in err
+    # A unique prefix is the command it begins, as a shell completes it.
+    assert "temperature = 0.3\nsystem message set\n" in err
+    assert "unknown command /top. Did you mean /top_k or /top_p?" in err
+    assert " temperature=0.3 " in err and "top_k=" in err
 
 
 def test_a_reply_is_one_line_on_a_pipe(run_dir, capsys, monkeypatch) -> None:

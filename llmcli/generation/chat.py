@@ -41,6 +41,7 @@ from llmcli.generation.batching import Sample, SampleJob, SampleOptions, sample_
 from llmcli.generation.interactive import (
     CTRL_C_AT_PROMPT,
     apply_command,
+    complete_command,
     format_settings,
     is_quit,
 )
@@ -279,7 +280,8 @@ def session_command(session: ChatSession, line: str) -> tuple[str | None, bool]:
     if is_quit(line):
         return None, True
     name, _, raw = line[1:].strip().partition(" ")
-    key = name.replace("-", "_")
+    commands = ("reset", "system", "settings", "help", *SETTING_KEYS)
+    key = complete_command(name.replace("-", "_"), commands)
     if key == "reset":
         session.reset()
         return "the conversation is forgotten" + (
@@ -294,13 +296,15 @@ def session_command(session: ChatSession, line: str) -> tuple[str | None, bool]:
         return format_settings(session.config), False
     if key not in SETTING_KEYS:
         commands = ("reset", "system", "quit", "settings", *SETTING_KEYS)
-        hint = did_you_mean(key, commands, " Did you mean /{}?")
+        hint = did_you_mean(f"/{key}", [f"/{c}" for c in commands], " Did you mean {}?")
         raise InputError(
             f"unknown command /{name}.{hint} The commands are /reset, /system TEXT, /quit, "
             "/settings, /KEY VALUE for a sampling setting; /help says more (a message starting "
             "with / is typed //)."
         )
-    session.config, message = apply_command(session.config, line, session.run.model.context_length)
+    session.config, message = apply_command(
+        session.config, f"/{key} {raw}", session.run.model.context_length
+    )
     return message, False
 
 

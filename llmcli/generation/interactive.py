@@ -85,6 +85,16 @@ def format_settings(config: SampleConfig) -> str:
     return " ".join(f"{key}={getattr(config, key)}" for key in SETTING_KEYS)
 
 
+def complete_command(name: str, commands: tuple[str, ...]) -> str:
+    """The command `name` stands for: itself when it is one, else the only one of `commands` it
+    begins (`temp` -> `temperature`, as a shell completes), else `name` as it is (an unknown
+    or ambiguous prefix, which the caller reports with its near matches)."""
+    if name in commands:
+        return name
+    started = [command for command in commands if name and command.startswith(name)]
+    return started[0] if len(started) == 1 else name
+
+
 def apply_command(config: SampleConfig, line: str, context_length: int) -> tuple[SampleConfig, str]:
     """Run one `/command` line: the settings after it and the line to show.
 
@@ -99,20 +109,20 @@ def apply_command(config: SampleConfig, line: str, context_length: int) -> tuple
             one `SampleConfig` refuses (its message names the setting, the value and the rule).
     """
     name, _, raw = line[1:].strip().partition(" ")
-    key = name.replace("-", "_")
+    key = complete_command(name.replace("-", "_"), ("help", "settings", *SETTING_KEYS))
     if key in ("help", "h", "?"):
         return config, help_text(config)
     if key == "settings":
         return config, format_settings(config)
     if key not in SETTING_KEYS:
-        hint = did_you_mean(key, SETTING_KEYS, " Did you mean /{}?")
+        hint = did_you_mean(f"/{key}", [f"/{k}" for k in SETTING_KEYS], " Did you mean {}?")
         raise InputError(
             f"unknown command /{name}.{hint} The settings are /{', /'.join(SETTING_KEYS)}; "
             "/settings shows them, /help the commands, /quit ends the session."
         )
     if not raw.strip():
         raise InputError(f"/{key} needs a value, e.g. /{key} {getattr(config, key)}")
-    value = parse_scalar(raw, f"/{name} {raw.strip()}", f'/{name} "..."')
+    value = parse_scalar(raw, f"/{key} {raw.strip()}", f'/{key} "..."')
     new = replace(config, **{key: value})
     new.keep_for(context_length)
     return new, f"{key} = {getattr(new, key)}"
