@@ -60,7 +60,7 @@ def write_config(base: Path, folder: Path, fmt: str, train_texts: list[str]) -> 
         "data": {
             "format": fmt,
             "path": jsonl("train.jsonl", train_texts),
-            "val_path": jsonl("val.jsonl", ["hi", "yo"]),
+            "val_path": jsonl("val.jsonl", ["hi"]),
         },
         "train": {
             "init_from": str(base),
@@ -95,6 +95,8 @@ def test_rows_left_out_are_named_with_the_limit_and_the_fix(base, tmp_path, caps
     assert f"5 {WHAT[fmt]}s of the train split skipped as " in flat
     assert "model.context_length" in flat and ("(32 tokens)" in flat or "(33 tokens)" in flat)
     assert f": {places} and 2 more. To learn from them, raise model.context_length" in flat
+    if fmt != "prompts":  # the counts' line: one row, one noun
+        assert f"validation 1 {WHAT[fmt]}: 1 kept" in flat
 
 
 @pytest.mark.parametrize("fmt", ["prompts", "preference", "chat"])

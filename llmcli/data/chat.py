@@ -278,7 +278,11 @@ def _cached(
             meta = _whole(paths, dtype)
             if meta is None:
                 return _encode_into_cache(encoder, source, source_hash, paths, dtype)
-    log.info("%s: %d conversations, from the token cache", source.label, meta["n_conversations"])
+    log.info(
+        "%s: %s, from the token cache",
+        source.label,
+        counted(meta["n_conversations"], "conversation"),
+    )
     return paths, meta["n_conversations"]
 
 
@@ -291,7 +295,10 @@ def _encode_into_cache(
 ) -> tuple[dict[str, Path], int]:
     """Encode `source`'s conversations into the cache files `paths`."""
     log.info(
-        "encoding %d conversations of %s into %s", len(source.rows), source.label, paths["tokens"]
+        "encoding %s of %s into %s",
+        counted(len(source.rows), "conversation"),
+        source.label,
+        paths["tokens"],
     )
     try:
         _write_cache(paths, _encode_all(encoder, source), dtype, source_hash, source.label)

@@ -50,6 +50,7 @@ from llmcli.fileio import refuse_special_file
 from llmcli.progress import Progress
 from llmcli.runs.directory import CONFIG_FILE
 from llmcli.runs.loading import LoadedRun, load_run, load_tokenizer_file
+from llmcli.wording import counted
 
 # Builds a DPO run's frozen reference from its config, vocabulary size and device: training's
 # own (`llmcli.training.dpo.reference_model`), which the command line passes in, since
@@ -398,7 +399,8 @@ def format_preference_result(result: PreferenceEvalResult) -> str:
     f = result.figures
     text = (
         f"run {result.run_dir} (step {result.step}, {Path(result.weights).name})\n"
-        f"data: {result.data}: {result.pairs:,} preference pairs scored ({result.truncated:,} "
+        f"data: {result.data}: {counted(result.pairs, 'preference pair')} scored "
+        f"({result.truncated:,} "
         f"with their completions cut to fit, {result.skipped:,} skipped as longer than the "
         "context)\n"
     )

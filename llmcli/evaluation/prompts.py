@@ -30,6 +30,7 @@ from llmcli.evaluation.rewards import BUILT_IN, Reward, load_reward, score
 from llmcli.generation.replies import replies
 from llmcli.progress import Progress
 from llmcli.runs.loading import LoadedRun
+from llmcli.wording import counted
 
 
 def reply_budgets(prompts: list[list[int]], max_new_tokens: int, context_length: int) -> list[int]:
@@ -184,7 +185,7 @@ def format_prompt_result(result: PromptEvalResult) -> str:
     """A few human-readable lines (`--json` has each prompt's reply)."""
     return (
         f"run {result.run_dir} (step {result.step}, {Path(result.weights).name})\n"
-        f"data: {result.data}: {result.prompts:,} prompts answered greedily "
+        f"data: {result.data}: {counted(result.prompts, 'prompt')} answered greedily "
         f"({result.skipped:,} skipped as longer than the context)\n"
         f"pass@1 ({result.reward_name}): {result.passed:,} of {result.answered:,} replies pass "
         f"({100 * result.pass_at_1:.1f}%); mean reward {result.reward:.4f}"

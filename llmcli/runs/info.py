@@ -18,6 +18,7 @@ from llmcli.runs.loading import load_run
 from llmcli.runs.metrics import best_eval, read_metrics
 from llmcli.runs.reference import ReferenceCheck, check_run, describe
 from llmcli.runs.versions import record, warnings_for
+from llmcli.wording import counted
 
 
 def run_info(
@@ -148,8 +149,9 @@ def describe_chat(chat: dict[str, Any]) -> str:
     train = (chat.get("data") or {}).get("train")
     if train:
         text += (
-            f"; {train['conversations']:,} training conversations: {train['kept']:,} kept, "
-            f"{train['truncated']:,} truncated, {train['skipped']:,} skipped"
+            f"; {counted(train['conversations'], 'training conversation')}: "
+            f"{train['kept']:,} kept, {train['truncated']:,} truncated, "
+            f"{train['skipped']:,} skipped"
         )
     return text
 
@@ -185,7 +187,7 @@ def describe_grpo(grpo: dict[str, Any]) -> str:
     )
     train = (grpo.get("data") or {}).get("train")
     if train:
-        text += f"; {train['prompts']:,} training prompts: {train['kept']:,} kept, "
+        text += f"; {counted(train['prompts'], 'training prompt')}: {train['kept']:,} kept, "
         text += f"{train['skipped']:,} skipped"
     return text
 
@@ -226,7 +228,7 @@ def describe_preference(preference: dict[str, Any]) -> str:
     train = (preference.get("data") or {}).get("train")
     if train:
         text += (
-            f"; {train['pairs']:,} training pairs: {train['kept']:,} kept, "
+            f"; {counted(train['pairs'], 'training pair')}: {train['kept']:,} kept, "
             f"{train['truncated']:,} truncated, {train['skipped']:,} skipped"
         )
     return text
