@@ -56,7 +56,7 @@ from llmcli.data.prepared import (
 from llmcli.data.tokenizer import EOT, Tokenizer, special_tokens, train_tokenizer
 from llmcli.errors import InputError, describe_os_error
 from llmcli.fileio import atomic_path, atomic_write_json
-from llmcli.wording import counted
+from llmcli.progress import counted
 
 if TYPE_CHECKING:
     from llmcli.config import DataConfig

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from llmcli.config.shipped import shipped_data
 from llmcli.errors import InputError
 from llmcli.fileio import refuse_special_file
-from llmcli.wording import counted, first_few
+from llmcli.progress import counted, first_few
 
 if TYPE_CHECKING:
     from llmcli.config import DataConfig

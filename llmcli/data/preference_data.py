@@ -51,7 +51,7 @@ from llmcli.data.prepared import (
 )
 from llmcli.data.tokenizer import Tokenizer
 from llmcli.errors import InputError
-from llmcli.wording import counted
+from llmcli.progress import counted
 
 if TYPE_CHECKING:
     from llmcli.config import DataConfig

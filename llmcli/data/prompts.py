@@ -32,7 +32,7 @@ from llmcli.data.corpus import resolve_files, rows_to_train, skipped_rows_note
 from llmcli.data.prepared import PromptData, PromptSplit, TokenData
 from llmcli.data.tokenizer import Tokenizer
 from llmcli.errors import InputError
-from llmcli.wording import counted
+from llmcli.progress import counted
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -40,8 +40,7 @@ from llmcli.errors import InputError
 from llmcli.evaluation.metrics import perplexity
 from llmcli.evaluation.text import token_losses
 from llmcli.generation.replies import replies
-from llmcli.progress import Progress
-from llmcli.wording import counted
+from llmcli.progress import Progress, counted
 
 if TYPE_CHECKING:
     from llmcli.runs.loading import LoadedRun

@@ -47,10 +47,9 @@ from llmcli.errors import InputError
 from llmcli.evaluation.chat import is_conversations
 from llmcli.evaluation.preference_scores import completion_logps, dpo_loss
 from llmcli.fileio import refuse_special_file
-from llmcli.progress import Progress
+from llmcli.progress import Progress, counted
 from llmcli.runs.directory import CONFIG_FILE
 from llmcli.runs.loading import LoadedRun, load_run, load_tokenizer_file
-from llmcli.wording import counted
 
 # Builds a DPO run's frozen reference from its config, vocabulary size and device: training's
 # own (`llmcli.training.dpo.reference_model`), which the command line passes in, since

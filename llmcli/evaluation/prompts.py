@@ -28,9 +28,8 @@ from llmcli.evaluation.chat import is_conversations
 from llmcli.evaluation.preferences import first_row_keys
 from llmcli.evaluation.rewards import BUILT_IN, Reward, load_reward, score
 from llmcli.generation.replies import replies
-from llmcli.progress import Progress
+from llmcli.progress import Progress, counted
 from llmcli.runs.loading import LoadedRun
-from llmcli.wording import counted
 
 
 def reply_budgets(prompts: list[list[int]], max_new_tokens: int, context_length: int) -> list[int]:

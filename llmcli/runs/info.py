@@ -12,13 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from llmcli.data.chat_template import TEMPLATE_FILE
-from llmcli.progress import format_bytes
+from llmcli.progress import counted, format_bytes
 from llmcli.runs.directory import ADAPTER_CONFIG_FILE, METRICS_FILE
 from llmcli.runs.loading import load_run
 from llmcli.runs.metrics import best_eval, read_metrics
 from llmcli.runs.reference import ReferenceCheck, check_run, describe
 from llmcli.runs.versions import record, warnings_for
-from llmcli.wording import counted
 
 
 def run_info(
