@@ -317,3 +317,12 @@ def test_an_error_wraps_at_spaces_on_an_80_column_terminal(tmp_path) -> None:
     text = " ".join(line.strip() for line in written)
     assert "error: train.init_from ('checkpoints/chat') does not exist: no folder" in text
     assert "It is the run that `llmcli train chat` makes: train it first, in this folder" in text
+
+
+@pytest.mark.parametrize("args", [(), ("sae",)])
+def test_a_command_group_alone_shows_its_help_not_an_error_holding_it(args) -> None:
+    out = run_cli(*args)
+    assert out.returncode == 2  # as click's: nothing was done
+    assert out.stderr.startswith(f"Usage: llmcli {' '.join(args)}".rstrip() + " [OPTIONS] COMMAND")
+    assert "error" not in out.stderr.lower().split("options:")[0]
+    assert out.stderr.count("Usage:") == 1

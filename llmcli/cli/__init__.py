@@ -76,6 +76,10 @@ def _show_usage_error(exc: Exception, args: list[str]) -> None:
     """A usage error as click shows it, with `error:` spelt as every other error, and a hint for
     the commonest slip: `--set KEY VALUE` for `--set KEY=VALUE`."""
     ctx = getattr(exc, "ctx", None)
+    if type(exc).__name__ == "NoArgsIsHelpError" and ctx is not None:
+        # `llmcli` or `llmcli sae` alone: the help is the answer, not an error with it inside
+        typer.echo(ctx.get_help(), err=True)
+        return
     if ctx is not None:
         typer.echo(f"{ctx.get_usage()}\nTry '{ctx.command_path} -h' for help.\n", err=True)
     message = exc.format_message()  # type: ignore[attr-defined]
