@@ -46,13 +46,13 @@ from llmcli.config import load_config  # noqa: E402
 from llmcli.data.chat_batches import ChatSampler, PackedChatSampler  # noqa: E402
 from llmcli.data.tokens import prepare_data  # noqa: E402
 from llmcli.model.gpt import Transformer  # noqa: E402
-from llmcli.training.init_from import load_init_weights, resolve_init_from  # noqa: E402
-from llmcli.training.optim import build_optimizer  # noqa: E402
-from llmcli.training.packed import (  # noqa: E402
+from llmcli.objectives.chat import (  # noqa: E402
     packed_next_token_loss,
     segment_mask,
     segment_positions,
 )
+from llmcli.training.init_from import load_init_weights, resolve_init_from  # noqa: E402
+from llmcli.training.optim import build_optimizer  # noqa: E402
 from llmcli.training.precision import Precision  # noqa: E402
 from llmcli.training.step import Trainer, next_token_loss, train_step  # noqa: E402
 

@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 python benchmarks/dpo_reference.py [--pairs 16] [--rounds 10]
         [--steps 10] [--threads N]
 
-A DPO step (`llmcli.training.dpo.dpo_step`) runs the policy forward and backward on a batch's
+A DPO step (`llmcli.objectives.dpo.dpo_step`) runs the policy forward and backward on a batch's
 2B rows and the reference forward on the same rows. The reference's log-probabilities never
 change, so they could be computed once per pair and kept (TRL's `precompute_ref_log_probs`).
 This times the loop's own step (`llmcli.training.step.train_step`) both ways on the tiny
@@ -36,9 +36,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from llmcli.config import ModelConfig, TrainConfig  # noqa: E402
-from llmcli.evaluation.preference_scores import dpo_loss, target_logps  # noqa: E402
 from llmcli.model.gpt import Transformer  # noqa: E402
-from llmcli.training.dpo import dpo_objective  # noqa: E402
+from llmcli.objectives.dpo import dpo_objective  # noqa: E402
+from llmcli.objectives.dpo_losses import DPOLoss, dpo_loss  # noqa: E402
+from llmcli.objectives.preference_scores import target_logps, target_scores  # noqa: E402
 from llmcli.training.optim import build_optimizer  # noqa: E402
 from llmcli.training.precision import Precision  # noqa: E402
 from llmcli.training.step import Trainer, train_step  # noqa: E402
@@ -59,9 +60,9 @@ def cached_objective(ref_logps: torch.Tensor):
 
     def loss_fn(policy, batch):
         ids, mask = batch
-        logps = target_logps(policy(ids[:, :-1])[0], ids[:, 1:], mask[:, 1:])
+        chosen, rejected = target_scores(policy(ids[:, :-1])[0], ids[:, 1:], mask[:, 1:]).halves()
         B = ids.shape[0] // 2
-        return dpo_loss(logps[:B], logps[B:], ref_logps[:B], ref_logps[B:], BETA)
+        return dpo_loss(chosen, rejected, ref_logps[:B], ref_logps[B:], DPOLoss(BETA))
 
     return loss_fn
 
@@ -87,7 +88,7 @@ def main() -> None:
     mask[:, T // 2 :] = True  # the second half of each row is the completion
     with torch.no_grad():
         ref_logps = target_logps(reference(ids[:, :-1])[0], ids[:, 1:], mask[:, 1:])
-    tc = TrainConfig(lr=1e-4)
+    tc = TrainConfig(lr=1e-4, dpo_beta=BETA)
     trainer = Trainer(
         model=policy,
         params=list(policy.parameters()),
@@ -97,7 +98,7 @@ def main() -> None:
         grad_accum=1,
         grad_clip=1.0,
     )
-    ways = {"live": dpo_objective(reference, BETA), "cached": cached_objective(ref_logps)}
+    ways = {"live": dpo_objective(reference, tc), "cached": cached_objective(ref_logps)}
 
     def round_median(way: str) -> float:
         trainer.loss_fn = ways[way]

@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 python benchmarks/grpo_step.py [--run checkpoints/chat] [--rounds 6]
         [--steps 3] [--threads N]
 
-A GRPO step (`llmcli.training.grpo.GRPOObjective` in `llmcli.training.step.train_step`) samples
+A GRPO step (`llmcli.objectives.grpo.GRPOObjective` in `llmcli.training.step.train_step`) samples
 `train.group_size` replies to each of `train.batch_size` prompts from the policy, rewards them,
 and runs the update on every reply. This times whole steps of `configs/grpo.yaml` (8 prompts of
 `data/grpo-train.jsonl`, 8 replies each, up to 32 new tokens) from `--run` (the chat example's
@@ -37,11 +37,12 @@ sys.path.insert(0, str(ROOT))
 
 from llmcli.config import load_config  # noqa: E402
 from llmcli.data.prompts import PromptSampler, prompt_token_data  # noqa: E402
-from llmcli.evaluation.rewards import load_reward  # noqa: E402
 from llmcli.generation import engine  # noqa: E402
 from llmcli.model.gpt import Transformer  # noqa: E402
-from llmcli.training.grpo import GRPOObjective  # noqa: E402
-from llmcli.training.init_from import init_encoding, load_init_weights, resolve_init_from  # noqa: E402
+from llmcli.objectives.base import init_encoding  # noqa: E402
+from llmcli.objectives.grpo import GRPOObjective  # noqa: E402
+from llmcli.objectives.rewards import load_rewards  # noqa: E402
+from llmcli.training.init_from import load_init_weights, resolve_init_from  # noqa: E402
 from llmcli.training.optim import build_optimizer  # noqa: E402
 from llmcli.training.precision import Precision  # noqa: E402
 from llmcli.training.step import Trainer, train_step  # noqa: E402
@@ -65,7 +66,7 @@ def main() -> None:
     model = Transformer(config.model, tokenizer.vocab_size)
     load_init_weights(model, args.run)
     objective = GRPOObjective(
-        model, data.prompts, config, load_reward(config.train.reward), tokenizer.decode
+        model, data.prompts, config, load_rewards(config.train.reward_specs), tokenizer.decode
     )
     trainer = Trainer(
         model=model,

@@ -39,6 +39,9 @@ ARCHIVE = "history/2026-11-29-to-12-01.md"  # relative to this folder, as the pa
 
 # Scripts of this folder that measure nothing themselves, so have no row.
 HELPERS = {
+    "circuit_tracer_graph.py": "circuit-tracer's attribution graph of a run's Hugging Face export, "
+    "run under circuit-tracer's own Python: the reference of graph_speed.py and of "
+    "tests/test_graph_circuit_tracer.py",
     "git_baseline.py": "imports llmcli as it was at a git revision, for the benchmarks that "
     "compare today's code with an older commit in one process",
     "reference_curve.py": "writes a shipped config's reference curve (configs/references/) "

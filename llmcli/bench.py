@@ -51,10 +51,9 @@ from llmcli.fileio import atomic_write_json, write_figure
 from llmcli.generation.engine import generate
 from llmcli.model.gpt import Transformer
 from llmcli.progress import Progress, peak_rss_bytes
-from llmcli.training.optim import build_optimizer
 from llmcli.training.plan import SameBatch
 from llmcli.training.precision import Precision
-from llmcli.training.step import Trainer, train_step
+from llmcli.training.step import make_trainer, train_step
 
 logger = logging.getLogger(__name__)
 
@@ -249,15 +248,9 @@ def _time_training(
     """Seconds per training step (`train_step` on `x`, `y`, one micro-batch), after one
     warm-up."""
     tc = config.train
-    trainer = Trainer(
-        model=torch.compile(model) if tc.compile is True else model,  # auto: for a run, not a bench
-        params=list(model.parameters()),
-        optimizer=build_optimizer(model, tc, precision.device.type),
-        precision=precision,
-        batches=SameBatch((x, y)),
-        grad_accum=1,
-        grad_clip=tc.grad_clip,
-    )
+    compiled = torch.compile(model) if tc.compile is True else None  # auto: for a run only
+    trainer = make_trainer(model, tc, precision, SameBatch((x, y)), step_model=compiled)
+    trainer.grad_accum = 1
     model.train()
     train_step(trainer)  # warms up (and compiles, with train.compile)
     return timed(lambda: [train_step(trainer) for _ in range(steps)], precision.device) / steps

@@ -192,8 +192,16 @@ GOOD: dict[str, dict[str, st.SearchStrategy]] = {
         "reward_timeout": st.none() | reals(1e-3, 1e5) | st.integers(1, 3600),
         "scale_rewards": st.booleans(),
         "grpo_beta": reals(0, 10) | st.integers(0, 3),
+        # the objective is next_token: num_iterations stays 1 (tests/test_grpo_loss.py has GRPO's)
+        "num_iterations": st.just(1),
+        "reward_weights": st.none(),  # GRPO's: tests/test_grpo_loss.py
+        "epsilon": reals(0, 1, exclude_min=True, exclude_max=True),
+        "epsilon_high": st.none() | reals(0, 2, exclude_min=True),
         # the objective is next_token, which takes none: tests/test_grpo_loss.py has the others
         "loss_type": st.none(),
+        # DPO's alone: tests/test_config.py's
+        "loss_weights": st.none(),
+        "label_smoothing": st.just(0.0),
         # rank at most the smallest n_embed; fix_up gives it an init_from
         "lora": st.none()
         | st.fixed_dictionaries(
@@ -409,6 +417,7 @@ RANGE_RULES = [
     setting("train", "dpo_beta", NOT_POSITIVE, "must be > 0"),
     setting("train", "group_size", st.integers(max_value=1), "must be >= 2"),
     setting("train", "grpo_beta", NEGATIVE, "must be >= 0"),
+    setting("train", "epsilon", OUT_OF_OPEN_UNIT, "must be in (0, 1)"),
     setting("train", "reward_timeout", NOT_POSITIVE, "must be a number of seconds > 0"),
     setting("train", "muon_momentum", OUT_OF_UNIT, "must be in [0, 1)"),
     setting("train", "min_lr", NEGATIVE, "must be >= 0"),

@@ -22,7 +22,7 @@ from llmcli.data.chat import conversation_windows, prepare_chat_data
 from llmcli.data.chat_batches import ChatSampler, PackedChatSampler, best_fit
 from llmcli.data.prepared import ChatSplit
 from llmcli.errors import InputError
-from llmcli.training.build import packs
+from llmcli.objectives import Objective, objective_for
 from llmcli.training.distributed import DistInfo
 from llmcli.training.evaluate import split_sampler
 
@@ -389,14 +389,15 @@ def test_packing_off_gives_one_conversation_a_row(tmp_path: Path, tokenizer_file
 
     for packing, kind in ((False, ChatSampler), (True, PackedChatSampler)):
         chat = config(format="chat", packing=packing)
-        assert packs(chat) is packing
-        sampler = split_sampler(data, "train", chat, 7, info, cpu, packed=packs(chat))
+        assert objective_for(chat).packs is packing
+        sampler = split_sampler(data, "train", chat, 7, info, cpu, training=True)
         assert type(sampler) is kind
-    assert packs(config(format="chat"))  # on by default
-    assert not packs(config(format="text", packing=True))  # the other formats ignore it
+    assert objective_for(config(format="chat")).packs  # on by default
+    text = objective_for(config(format="text", packing=True))  # the other formats ignore it
+    assert type(text) is Objective and not hasattr(text, "packs")
     # Off: the batches of today's sampler, one conversation a row from its first token.
     chat = config(format="chat", packing=False)
-    off = split_sampler(data, "train", chat, 7, info, cpu, packed=packs(chat))
+    off = split_sampler(data, "train", chat, 7, info, cpu, training=True)
     today = ChatSampler(data.chat.train, data.chat.pad_id, chat.train.batch_size, 48, 7)
     for _ in range(2):
         (x, y), (tx, ty) = off.next(), today.next()

@@ -398,6 +398,26 @@ def test_dpo_reads_preference_pairs_from_a_run_with_beta_by_default() -> None:
     config = config_from_dict(DPO)
     assert (config.train.objective, config.train.dpo_beta) == ("dpo", 0.1)
     assert Config().train.objective == "next_token"
+    assert (config.train.loss_type, config.train.loss_types) == (None, [])  # DPO's: sigmoid
+
+
+def test_loss_types_are_a_name_a_list_or_names_with_commas_with_a_weight_each() -> None:
+    for given in ("sigmoid, sft", ["sigmoid", "sft"]):
+        train = {**DPO["train"], "loss_type": given, "loss_weights": "1.0, 0.5"}
+        config = config_from_dict({**DPO, "train": train})
+        assert config.train.loss_types == ["sigmoid", "sft"]
+        assert config.train.loss_weight_values == [1.0, 0.5]
+    train = {**DPO["train"], "loss_type": "robust", "label_smoothing": 0.1}
+    assert config_from_dict({**DPO, "train": train}).train.label_smoothing == 0.1
+
+
+@pytest.mark.parametrize("train", [{"loss_weights": [1.0]}, {"label_smoothing": 0.1}])
+def test_dpo_loss_settings_of_another_objective_are_refused_naming_dpo(train: dict) -> None:
+    (key,) = train
+    with pytest.raises(ConfigError, match=rf"train.{key} .* applies to train.objective: dpo"):
+        config_from_dict({"train": train})
+    with pytest.raises(ConfigError, match="train.objective is 'next_token': remove train.loss_"):
+        config_from_dict({"train": {"loss_type": "sigmoid"}})
 
 
 @pytest.mark.parametrize(
@@ -409,6 +429,28 @@ def test_dpo_reads_preference_pairs_from_a_run_with_beta_by_default() -> None:
         ({}, {"dpo_beta": 0.0}, r"train.dpo_beta \(0.0\) must be > 0"),
         ({}, {"objective": "ppo"}, r"train.objective must be 'next_token' or 'dpo'"),
         ({"format": "pairs"}, {}, r"data.format \('pairs'\) must be .*'preference'"),
+        (
+            {},
+            {"loss_type": "sigmod"},
+            r"\('sigmod'\) is not one of dpo's: sigmoid, hinge, .*"
+            r"Did you mean 'sigmoid'",
+        ),
+        ({}, {"loss_type": ["ipo", "sft_"]}, r"\('sft_'\) is not one of .*Did you mean 'sft'"),
+        ({}, {"loss_type": []}, r"train.loss_type \(\[\]\) must name a loss type"),
+        (
+            {},
+            {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0]},
+            r"loss_weights \(\[1.0\]\) has 1 weight\(s\) for 2 loss type\(s\) \(sigmoid, sft\)",
+        ),
+        ({}, {"loss_weights": "1,2"}, r"has 2 weight\(s\) for 1 loss type\(s\) \(sigmoid\)"),
+        ({}, {"loss_weights": "1,x"}, r"train.loss_weights \('1,x'\) must be numbers"),
+        ({}, {"label_smoothing": 0.1}, r"label_smoothing \(0.1\) changes nothing with .*sigmoid"),
+        (
+            {},
+            {"loss_type": "robust", "label_smoothing": 0.5},
+            r"label_smoothing \(0.5\) must be below 0.5 with the robust loss",
+        ),
+        ({}, {"loss_type": "exo_pair"}, r"must be > 0 with the exo_pair loss"),
     ],
 )
 def test_dpo_config_errors_name_the_fix(data: dict, train: dict, pattern: str) -> None:

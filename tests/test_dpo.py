@@ -2,13 +2,17 @@
 step's gradients, and TRL's own log-softmax."""
 
 import numpy as np
+import pytest
 import torch
 from model_helpers import assert_close, gen, randomize_, tiny_model
 
-from llmcli.evaluation.preference_scores import dpo_loss, sequence_logps
-from llmcli.training.dpo import dpo_step
+from llmcli.config.train import DPO_LOSS_TYPES
+from llmcli.objectives.dpo import dpo_step
+from llmcli.objectives.dpo_losses import LOSSES, DPOLoss, dpo_loss
+from llmcli.objectives.preference_scores import CompletionScores, sequence_logps
 
 BETA = 0.1
+SIGMOID = DPOLoss(BETA)
 TRL_NAMES = {
     "rewards/chosen",
     "rewards/rejected",
@@ -16,7 +20,20 @@ TRL_NAMES = {
     "rewards/margins",
     "logps/chosen",
     "logps/rejected",
+    "logits/chosen",
+    "logits/rejected",
 }
+
+
+def scored(logps, tokens=None, logits=None) -> CompletionScores:
+    """Scores of replies given their summed log-probabilities (one token each by default)."""
+    logps = torch.as_tensor(logps)
+    ones = torch.ones(logps.shape, dtype=torch.float64)
+    return CompletionScores(
+        logps,
+        ones if tokens is None else torch.as_tensor(tokens, dtype=torch.float64),
+        ones if logits is None else torch.as_tensor(logits, dtype=torch.float64),
+    )
 
 
 def numpy_sequence_logps(logits: np.ndarray, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -56,7 +73,11 @@ def test_the_loss_and_metrics_equal_the_formula():
     pr = np.array([-15.0, -28.0, -7.25, -9.5])
     rc = np.array([-13.0, -29.0, -7.0, -5.0])
     rr = np.array([-14.0, -29.0, -7.5, -8.5])  # the third pair ties: no accuracy for it
-    loss, metrics = dpo_loss(*(torch.tensor(x) for x in (pc, pr, rc, rr)), beta=BETA)
+    tc, tr = np.array([3.0, 5.0, 1.0, 2.0]), np.array([2.0, 4.0, 1.0, 6.0])  # tokens
+    lc, lr = np.array([0.5, -1.0, 2.0, 0.25]), np.array([1.0, 0.0, -3.0, 4.0])  # logit sums
+    loss, metrics = dpo_loss(
+        scored(pc, tc, lc), scored(pr, tr, lr), torch.tensor(rc), torch.tensor(rr), SIGMOID
+    )
 
     z = BETA * ((pc - rc) - (pr - rr))
     np.testing.assert_allclose(loss.item(), np.mean(np.logaddexp(0.0, -z)), rtol=1e-12)
@@ -68,6 +89,8 @@ def test_the_loss_and_metrics_equal_the_formula():
         "rewards/margins": (chosen - rejected).mean(),
         "logps/chosen": pc.mean(),
         "logps/rejected": pr.mean(),
+        "logits/chosen": lc.sum() / tc.sum(),  # TRL's: over all the batch's chosen tokens
+        "logits/rejected": lr.sum() / tr.sum(),
     }
     assert set(metrics) == TRL_NAMES
     for name, value in expected.items():
@@ -75,11 +98,31 @@ def test_the_loss_and_metrics_equal_the_formula():
         assert not metrics[name].requires_grad
 
 
+def test_a_list_of_loss_types_is_their_weighted_sum():
+    assert list(LOSSES) == list(DPO_LOSS_TYPES)  # a formula for every name the config takes
+    g = gen(6)
+    pc, pr, rc, rr = (-20 * torch.rand(5, generator=g, dtype=torch.float64) for _ in range(4))
+    chosen = scored(pc, [3, 5, 1, 2, 7], torch.randn(5, generator=g, dtype=torch.float64))
+    rejected = scored(pr, [2, 4, 1, 6, 3], torch.randn(5, generator=g, dtype=torch.float64))
+
+    def loss(types: tuple[str, ...], weights: tuple[float, ...] | None = None) -> float:
+        settings = DPOLoss(0.5, types, weights, label_smoothing=0.1)
+        return dpo_loss(chosen, rejected, rc, rr, settings)[0].item()
+
+    each = {name: loss((name,)) for name in DPO_LOSS_TYPES}
+    assert len(set(each.values())) == len(each)  # fourteen different losses
+    mpo = 0.8 * each["sigmoid"] + 0.2 * each["bco_pair"] + each["sft"]
+    assert loss(("sigmoid", "bco_pair", "sft"), (0.8, 0.2, 1.0)) == pytest.approx(mpo, rel=1e-12)
+    assert loss(("sigmoid", "sft")) == pytest.approx(each["sigmoid"] + each["sft"], rel=1e-12)
+    # sft: the chosen replies' negative log-likelihood per token over the batch
+    assert each["sft"] == pytest.approx(-pc.sum().item() / 18, rel=1e-12)
+
+
 def test_the_gradient_on_the_scores_is_the_formulas():
     # d/d(policy_chosen) of mean(-logsigmoid(beta * delta)) = -beta * sigmoid(-beta * delta) / B
     scores = [torch.tensor(x, requires_grad=True) for x in ([-3.0, -8.0], [-5.0, -2.0])]
     ref = [torch.tensor([-4.0, -7.0], requires_grad=True), torch.tensor([-4.5, -3.0])]
-    loss, _ = dpo_loss(*scores, *ref, beta=BETA)
+    loss, _ = dpo_loss(scored(scores[0]), scored(scores[1]), *ref, SIGMOID)
     loss.backward()
     delta = np.array([(-3 + 4) - (-5 + 4.5), (-8 + 7) - (-2 + 3)])
     pull = BETA / (1 + np.exp(BETA * delta)) / 2
@@ -102,7 +145,7 @@ def test_one_steps_gradients_equal_the_loss_written_out_by_hand():
         ref_logits, _ = reference(ids)
     logps = sequence_logps(logits, ids, mask)
     ref_logps = sequence_logps(ref_logits, ids, mask)
-    loss, _ = dpo_loss(logps[:2], logps[2:], ref_logps[:2], ref_logps[2:], beta=BETA)
+    loss, _ = dpo_loss(scored(logps[:2]), scored(logps[2:]), ref_logps[:2], ref_logps[2:], SIGMOID)
     got = torch.autograd.grad(loss, list(policy.parameters()))
 
     def score(logits: torch.Tensor, b: int) -> torch.Tensor:
@@ -155,7 +198,7 @@ def test_dpo_step_scores_rows_of_t_plus_1_tokens_and_trains_the_policy_only():
     for row, (start, end) in enumerate([(3, 17), (2, 9), (3, 12), (4, 17)]):
         mask[row, start:end] = True
 
-    loss, metrics = dpo_step(policy, reference, ids, mask, BETA)
+    loss, metrics = dpo_step(policy, reference, ids, mask, SIGMOID)
     # The models read T tokens; causal, so the logits on them are the full rows' but the last,
     # which scores nothing: sequence_logps on (logits of the first T, then one unused row).
     logits, _ = policy(ids[:, :-1])
@@ -164,7 +207,10 @@ def test_dpo_step_scores_rows_of_t_plus_1_tokens_and_trains_the_policy_only():
     pad = lambda t: torch.cat([t, t[:, -1:]], dim=1)  # noqa: E731  (B, T+1, V)
     logps = sequence_logps(pad(logits), ids, mask)
     ref_logps = sequence_logps(pad(ref_logits), ids, mask)
-    expected, expected_metrics = dpo_loss(logps[:2], logps[2:], ref_logps[:2], ref_logps[2:], BETA)
+    tokens = mask[:, 1:].sum(dim=1)  # (2B,): the completion tokens scored
+    logit_sums = (logits.detach().mean(dim=-1) * mask[:, 1:]).sum(dim=1)  # (2B,)
+    chosen, rejected = (scored(logps[k], tokens[k], logit_sums[k]) for k in (slice(2), slice(2, 4)))
+    expected, expected_metrics = dpo_loss(chosen, rejected, ref_logps[:2], ref_logps[2:], SIGMOID)
     assert_close(loss, expected, "loss", atol=1e-6, rtol=1e-6)
     for name, value in expected_metrics.items():
         assert_close(metrics[name], value, name, atol=1e-6, rtol=1e-6)
@@ -179,6 +225,6 @@ def test_dpo_step_from_the_reference_itself_is_log_2_with_no_reward():
     ids = torch.randint(0, 13, (2, 17), generator=gen(5))
     mask = torch.zeros(2, 17, dtype=torch.bool)
     mask[:, 5:] = True
-    loss, metrics = dpo_step(policy, policy, ids, mask, BETA)
+    loss, metrics = dpo_step(policy, policy, ids, mask, SIGMOID)
     assert_close(loss, torch.tensor(np.log(2.0), dtype=torch.float32), "loss")
     assert metrics["rewards/margins"] == 0 and metrics["rewards/accuracies"] == 0

@@ -25,14 +25,15 @@ from llmcli.config import Config, config_from_dict, dump_yaml
 from llmcli.data.chat_template import default_template
 from llmcli.data.preference_data import PreferenceSampler, pair_batch, preference_token_data
 from llmcli.data.tokenizer import CharTokenizer
-from llmcli.evaluation.preference_scores import completion_logps
 from llmcli.model.gpt import Transformer
+from llmcli.objectives.dpo import dpo_step, score_pairs_once
+from llmcli.objectives.dpo_losses import DPOLoss
+from llmcli.objectives.preference_scores import completion_logps
 from llmcli.runs.formats import load_weights, read_weights
 from llmcli.runs.info import format_info, run_info
 from llmcli.runs.loading import load_run, load_tokenizer_file
 from llmcli.runs.metrics import read_metrics
 from llmcli.training import build
-from llmcli.training.dpo import dpo_step, score_pairs_once
 from llmcli.training.evaluate import EVAL_SEED_OFFSET
 from llmcli.training.init_from import load_init_weights, resolve_init_from
 from llmcli.training.loop import train
@@ -88,7 +89,7 @@ def dpo_config(base: Path, folder: Path, **train: object) -> Config:
 
 
 def test_dpo_run_starts_at_log_2_learns_the_pairs_and_never_moves_the_reference(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ):
     base = save_chat_run(tmp_path / "base", n_layer=1, n_embed=16, context_length=32)
     config = dpo_config(base, tmp_path)
@@ -100,7 +101,19 @@ def test_dpo_run_starts_at_log_2_learns_the_pairs_and_never_moves_the_reference(
         return references[-1]
 
     monkeypatch.setattr(build, "reference_model", kept_reference)
-    train(config, out_dir=tmp_path / "dpo", progress=False)
+    with caplog.at_level("INFO"):
+        train(config, out_dir=tmp_path / "dpo", progress=False)
+    # The evaluation's line says what its reward accuracy is over, and has no induction head
+    # (a preference loss says nothing of them); `llmcli info` shows DPO's figures at the best.
+    evals = [r.getMessage() for r in caplog.records if "val loss" in r.getMessage()]
+    assert evals and all("strongest induction head" not in line for line in evals), evals
+    assert re.search(
+        r"val reward accuracy [\d.]+, margin -?[\d.]+ "
+        r"\(on 4 pairs drawn from the \d+ validation pairs\)",
+        evals[-1],
+    ), evals[-1]
+    shown = format_info(run_info(tmp_path / "dpo"))
+    assert re.search(r"best evaluation +val rewards/accuracies [\d.]+%, val rewards/margins", shown)
 
     # Step 1's batch by hand: the training stream's first draw, scored by the initial weights
     # as both policy and reference (the same model: every log-ratio is 0, the loss log 2).
@@ -114,7 +127,7 @@ def test_dpo_run_starts_at_log_2_learns_the_pairs_and_never_moves_the_reference(
     load_init_weights(initial, str(base))
     initial.eval()
     with torch.no_grad():
-        by_hand, metrics = dpo_step(initial, initial, ids, mask, beta=0.5)
+        by_hand, metrics = dpo_step(initial, initial, ids, mask, DPOLoss(0.5))
     assert by_hand.item() == pytest.approx(math.log(2), abs=1e-6)
     assert metrics["rewards/margins"].item() == 0.0
 
@@ -143,7 +156,7 @@ def test_dpo_run_starts_at_log_2_learns_the_pairs_and_never_moves_the_reference(
         data.preference.val, data.preference.pad_id, 4, 32, 5 + EVAL_SEED_OFFSET
     )
     with torch.no_grad():
-        val_loss, val_metrics = dpo_step(final, initial, *val.next(), beta=0.5)
+        val_loss, val_metrics = dpo_step(final, initial, *val.next(), DPOLoss(0.5))
     assert last_eval["val_loss"] == pytest.approx(val_loss.item(), abs=1e-5)
     for name, value in val_metrics.items():
         assert last_eval[f"val_{name}"] == pytest.approx(value.item(), abs=1e-5), name
@@ -212,6 +225,8 @@ def test_a_resumed_dpo_run_is_bitwise_the_uninterrupted_one(tmp_path: Path, ctrl
     info = run_info(resumed)
     assert info["preference"] == {
         "beta": 0.5,
+        "loss_type": None,  # sigmoid
+        "loss_weights": None,
         "reference": str(base.resolve()),
         "data": run.meta["preference_data"],
     }
@@ -223,7 +238,7 @@ def test_a_resumed_dpo_run_is_bitwise_the_uninterrupted_one(tmp_path: Path, ctrl
 def test_ddp_dpo_on_two_processes_is_one_process_on_the_union_of_their_pairs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import llmcli.training.evaluate
+    import llmcli.objectives.dpo
 
     base = save_chat_run(tmp_path / "base", n_layer=1, n_embed=16, context_length=32)
     steps = dict(max_steps=6, eval_interval=3, log_interval=3, batch_size=2)
@@ -270,7 +285,7 @@ def test_ddp_dpo_on_two_processes_is_one_process_on_the_union_of_their_pairs(
         def state_dict(self):
             return {"parts": [part.state_dict() for part in self.parts]}
 
-    monkeypatch.setattr(llmcli.training.evaluate, "PreferenceSampler", Union)
+    monkeypatch.setattr(llmcli.objectives.dpo, "PreferenceSampler", Union)
     one_dir = tmp_path / "one"
     train(dpo_config(base, tmp_path, **{**steps, "batch_size": 4}), out_dir=one_dir, progress=False)
 
@@ -368,8 +383,49 @@ def test_pairs_drawn_more_than_once_are_scored_by_the_reference_once(tmp_path: P
     ids, mask, scores = sampler.next()
     policy = Transformer(config.model, tokenizer.vocab_size)
     load_init_weights(policy, str(base))
-    cached, cached_metrics = dpo_step(policy, scores, ids, mask, beta=0.5)
-    live, live_metrics = dpo_step(policy, reference, ids, mask, beta=0.5)
+    cached, cached_metrics = dpo_step(policy, scores, ids, mask, DPOLoss(0.5))
+    live, live_metrics = dpo_step(policy, reference, ids, mask, DPOLoss(0.5))
     assert cached.item() == pytest.approx(live.item(), abs=1e-6)
     for name in live_metrics:
         assert cached_metrics[name].item() == pytest.approx(live_metrics[name].item(), abs=1e-5)
+
+
+def test_a_run_with_loss_types_and_weights_trains_on_their_sum_and_logs_the_logits(
+    tmp_path: Path, capsys
+) -> None:
+    base = save_chat_run(tmp_path / "base", n_layer=1, n_embed=16, context_length=32)
+    config = dpo_config(base, tmp_path, max_steps=4)
+    config_file = tmp_path / "dpo.yaml"
+    config_file.write_text(dump_yaml(config))
+    rpo = ("--set", "train.loss_type=sigmoid,sft", "--set", "train.loss_weights=1.0,0.5")
+    status, err = _train_cli(capsys, config_file, "--out", tmp_path / "run", *rpo)
+    assert status == 0, err
+    saved = load_run(tmp_path / "run").config.train
+    assert (saved.loss_types, saved.loss_weight_values) == (["sigmoid", "sft"], [1.0, 0.5])
+
+    # Step 1 by hand: the policy is the reference, so the sigmoid term is log 2 and the sft term
+    # the chosen replies' negative log-likelihood per token, at half weight.
+    resolved = resolve_init_from(config)
+    tokenizer = load_tokenizer_file(base)
+    data = preference_token_data(resolved.data, 32, tokenizer, default_template()).preference
+    ids, mask = PreferenceSampler(data.train, data.pad_id, 4, 32, seed=5).next()
+    initial = Transformer(resolved.model, tokenizer.vocab_size)
+    load_init_weights(initial, str(base))
+    initial.eval()
+    with torch.no_grad():
+        logps = completion_logps(initial, ids, mask)[:4]  # the chosen rows'
+        _, metrics = dpo_step(initial, initial, ids, mask, DPOLoss(0.5, ("sigmoid", "sft")))
+    nll = -logps.sum().item() / mask[:4, 1:].sum().item()
+    records = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "train"]
+    assert records[0]["train_loss"] == pytest.approx(math.log(2) + 0.5 * nll, abs=1e-5)
+    for name in ("logits/chosen", "logits/rejected"):
+        assert records[0][name] == pytest.approx(metrics[name].item(), abs=1e-5), name
+    assert records[-1]["train_loss"] < records[0]["train_loss"]
+    row = "beta 0.5, loss sigmoid,sft, weighted 1.0,0.5 against"
+    assert row in format_info(run_info(tmp_path / "run"))
+
+    status, err = _train_cli(
+        capsys, config_file, "--out", tmp_path / "typo", "--set", "train.loss_type=sigmod"
+    )
+    assert status == 2 and "Did you mean 'sigmoid'?" in err and "Traceback" not in err, err
+    assert not (tmp_path / "typo").exists()

@@ -16,16 +16,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from chat_helpers import chat_tokenizer, save_chat_run
 from conftest import save_tiny_run
 from hf_helpers import make_run
 
 from llmcli.cli import main
+from llmcli.config.train import DPO_LOSS_TYPES, SMOOTHED_LOSS_TYPES
 from llmcli.data.chat_template import default_template
 from llmcli.data.preferences import PreferenceEncoder, read_preferences
 from llmcli.evaluation.run import EvalOptions, evaluate_run
 from llmcli.runs.loading import load_run
-from llmcli.training.dpo import reference_model
+from llmcli.training.init_from import reference_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -262,48 +264,111 @@ def test_bad_input_exits_2_naming_what_to_fix(runs, tmp_path, capsys):
     assert gone in err and "no longer exists" in err and "--reference" in err
 
 
-def test_trl_dpo_trainer_gives_the_same_loss_and_rewards_on_the_exports(runs, capsys, monkeypatch):
+@pytest.fixture(scope="module")
+def trl_trainer(runs, tmp_path_factory):
+    """TRL's `DPOTrainer`, the policy and reference being the runs' Hugging Face exports."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("HF_HUB_OFFLINE", "1")
+        env.setenv("TRANSFORMERS_OFFLINE", "1")
+        import datasets
+        import transformers
+        import trl  # the test extra's: a missing one fails here, it does not skip
+
+        root = tmp_path_factory.mktemp("trl")
+        for name in ("dpo", "base"):
+            main_args = ["export", "--checkpoint", str(runs[name]), "--out", str(root / name)]
+            with pytest.raises(SystemExit) as exc:
+                main(main_args)
+            assert exc.value.code == 0
+        load = transformers.AutoModelForCausalLM.from_pretrained
+        args = trl.DPOConfig(
+            output_dir=str(root / "out"),
+            beta=BETA,
+            per_device_eval_batch_size=len(CONVERSATIONAL),  # one batch: its means are the pairs'
+            max_length=None,  # every row fits the exported context; nothing cut on either side
+            bf16=False,
+            use_cpu=True,
+            report_to=[],
+            disable_dropout=True,
+        )
+        return trl.DPOTrainer(
+            model=load(root / "dpo"),
+            ref_model=load(root / "base"),
+            args=args,
+            train_dataset=datasets.Dataset.from_list(TEXT),
+            processing_class=transformers.AutoTokenizer.from_pretrained(root / "dpo"),
+        )
+
+
+def trl_evaluate(trainer, rows: list[dict]) -> dict[str, float]:
+    import datasets
+
+    return trainer.evaluate(eval_dataset=datasets.Dataset.from_list(rows))
+
+
+def test_trl_dpo_trainer_gives_the_same_loss_and_rewards_on_the_exports(runs, trl_trainer, capsys):
     """TRL's `DPOTrainer.evaluate`, the policy and reference being the runs' Hugging Face
     exports, gives `llmcli eval`'s figures on the same rows, as text and as messages (TRL
     appends the end-of-text token to a text completion; the template ends a message)."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
-    import datasets
-    import transformers
-    import trl  # the test extra's: a missing one fails here, it does not skip
-
-    root = runs["root"]
-    for name in ("dpo", "base"):
-        code, _, err = cli(
-            capsys, "export", "--checkpoint", runs[name], "--out", root / f"hf-{name}"
-        )
-        assert code == 0, err
-    load = transformers.AutoModelForCausalLM.from_pretrained
-    args = trl.DPOConfig(
-        output_dir=str(root / "trl"),
-        beta=BETA,
-        per_device_eval_batch_size=len(CONVERSATIONAL),  # one batch: its means are the pairs'
-        max_length=None,  # every row fits the exported context; nothing cut on either side
-        bf16=False,
-        use_cpu=True,
-        report_to=[],
-        disable_dropout=True,
-    )
-    trainer = trl.DPOTrainer(
-        model=load(root / "hf-dpo"),
-        ref_model=load(root / "hf-base"),
-        args=args,
-        train_dataset=datasets.Dataset.from_list(TEXT),
-        processing_class=transformers.AutoTokenizer.from_pretrained(root / "hf-dpo"),
-    )
     for rows, data in ((TEXT, runs["text"]), (CONVERSATIONAL, runs["conversational"])):
-        theirs = trainer.evaluate(eval_dataset=datasets.Dataset.from_list(rows))
+        theirs = trl_evaluate(trl_trainer, rows)
         capsys.readouterr()  # the trainer may print its figures: ours alone are read below
         code, out, err = run_eval(capsys, runs["dpo"], "--data", data, "--json")
         assert code == 0, err
         ours = json.loads(out)
         assert ours["pairs"] == len(rows) and ours["truncated"] == ours["skipped"] == 0
         assert 0 < ours["rewards/accuracies"] < 1
-        for name in TRL_NAMES:
+        assert ours["loss_type"] == ["sigmoid"] and ours["loss_weights"] is None
+        for name in (*TRL_NAMES, "logits/chosen", "logits/rejected"):
             expected = theirs[f"eval_{name}"]
             assert ours[name] == pytest.approx(expected, abs=1e-4), (data, name, expected)
+
+
+# Every DPO loss type alone (those that read it with a label smoothing), and lists of them with
+# weights: RPO (sigmoid + sft) and MPO (TRL's paper index's weights).
+LOSS_SETTINGS = [
+    *(
+        {"loss_type": name, "label_smoothing": 0.1 if name in SMOOTHED_LOSS_TYPES else 0.0}
+        for name in DPO_LOSS_TYPES
+    ),
+    {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5]},
+    {"loss_type": "sigmoid,bco_pair,sft", "loss_weights": "0.8,0.2,1.0"},
+]
+
+
+@pytest.mark.parametrize("settings", LOSS_SETTINGS, ids=lambda s: str(s["loss_type"]))
+def test_each_loss_type_is_trls_on_the_exports(runs, trl_trainer, settings, tmp_path, capsys):
+    """`llmcli eval` on a DPO run with `train.loss_type` set gives the loss of TRL's
+    `DPOTrainer.evaluate` with the same `loss_type`, `loss_weights` and `label_smoothing`."""
+    run_dir = shutil.copytree(runs["dpo"], tmp_path / "run")
+    raw = yaml.safe_load((run_dir / "config.yaml").read_text())
+    raw["train"].update(settings)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(raw))
+    code, out, err = run_eval(capsys, run_dir, "--data", runs["conversational"], "--json")
+    assert code == 0, err
+    ours = json.loads(out)
+
+    train = load_run(run_dir).config.train
+    args = trl_trainer.args
+    # What DPOTrainer.__init__ reads of its DPOConfig, set on the one trainer built (building
+    # one per setting costs seconds each): DPOConfig turns a name into a one-name list.
+    args.loss_type, args.loss_weights = train.loss_types, train.loss_weight_values
+    args.label_smoothing = train.label_smoothing
+    trl_trainer.loss_types = args.loss_type
+    trl_trainer.loss_weights = args.loss_weights or [1.0] * len(args.loss_type)
+    trl_trainer.label_smoothing = args.label_smoothing
+    theirs = trl_evaluate(trl_trainer, CONVERSATIONAL)
+    assert ours["loss_type"] == train.loss_types
+    assert ours["loss"] == pytest.approx(theirs["eval_loss"], abs=1e-4)
+    for name in ("rewards/margins", "logits/chosen", "logits/rejected"):
+        assert ours[name] == pytest.approx(theirs[f"eval_{name}"], abs=1e-4), name
+
+
+def test_the_text_names_a_loss_that_is_not_the_default(runs, tmp_path, capsys):
+    run_dir = shutil.copytree(runs["dpo"], tmp_path / "run")
+    raw = yaml.safe_load((run_dir / "config.yaml").read_text())
+    raw["train"].update({"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5]})
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(raw))
+    code, out, err = run_eval(capsys, run_dir, "--data", runs["conversational"])
+    assert code == 0, err
+    assert f"(beta {BETA:g}, loss sigmoid + 0.5 sft): DPO loss " in out

@@ -1,4 +1,4 @@
-"""GRPO (`train.objective: grpo`; llmcli/training/grpo.py, rewards.py, llmcli/data/prompts.py):
+"""GRPO (`train.objective: grpo`; llmcli/objectives/grpo.py, rewards.py, llmcli/data/prompts.py):
 one step's loss against the formula written out on its own completions, rewards and
 log-probabilities; the KL penalty; the verifiers on GSM8K's answers; the evaluation's pass@1
 against greedy replies made apart, and scored with the run's reward; a resumed run bitwise the
@@ -27,13 +27,15 @@ from llmcli.data.prompts import PromptSampler, prompt_token_data
 from llmcli.evaluation import prompts as prompts_module
 from llmcli.evaluation.chat import greedy_replies
 from llmcli.evaluation.prompts import evaluate_prompts
-from llmcli.evaluation.rewards import contains, exact, load_reward, number, parse_number
 from llmcli.model.gpt import Transformer
+from llmcli.objectives.base import init_encoding
+from llmcli.objectives.grpo import GRPOObjective, advantages
+from llmcli.objectives.rewards import contains, exact, load_rewards, number, parse_number
+from llmcli.runs.compare import compare_runs, format_table
 from llmcli.runs.formats import read_weights
 from llmcli.runs.loading import load_run
 from llmcli.runs.metrics import read_metrics
-from llmcli.training.grpo import GRPOObjective, advantages
-from llmcli.training.init_from import init_encoding, load_init_weights, resolve_init_from
+from llmcli.training.init_from import load_init_weights, resolve_init_from
 from llmcli.training.loop import train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -101,7 +103,7 @@ def objective_for(config: Config, reference: torch.nn.Module | None = None):
     data = prompt_token_data(config.data, config.model.context_length, tokenizer, template)
     model = Transformer(config.model, tokenizer.vocab_size)
     load_init_weights(model, config.train.init_from)
-    reward = load_reward(config.train.reward)
+    reward = load_rewards(config.train.reward_specs, config.train.reward_weight_values)
     objective = GRPOObjective(model, data.prompts, config, reward, tokenizer.decode, reference)
     sampler = PromptSampler(data.prompts.train, config.train.batch_size, seed=3)
     return objective, model, sampler, data.prompts, tokenizer
@@ -396,6 +398,52 @@ def test_a_group_of_one_exits_2(base: Path, tmp_path: Path, capsys) -> None:
     config_file.write_text(dump_yaml(grpo_config(base, tmp_path)))
     status, err = cli(capsys, config_file, "--set", "train.group_size=1")
     assert status == 2 and "train.group_size (1) must be >= 2" in err, err
+
+
+def test_a_run_whose_groups_all_tie_says_so_and_info_shows_its_reward_and_pass_at_1(
+    base: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys
+) -> None:
+    # Every completion gets the same reward: every advantage is 0, the gradient is 0, and the
+    # terminal says so with what to change, once three log steps in a row learned nothing.
+    (tmp_path / "flat.py").write_text("def score(prompt, completion, answer):\n    return 0.5\n")
+    config = grpo_config(base, tmp_path, reward=f"{tmp_path / 'flat.py'}:score")
+    with caplog.at_level("INFO"):
+        train(config, out_dir=tmp_path / "run", progress=False)
+    warned = [r.getMessage() for r in caplog.records if "nothing learned" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "steps 1..3" in warned[0] and "frac_reward_zero_std 1.0" in warned[0]
+    assert "Raise sample.temperature or train.group_size" in warned[0]
+    evals = [r.getMessage() for r in caplog.records if "val loss" in r.getMessage()]
+    assert "(greedy on all 4 validation prompts: val reward 0.500, pass@1 0.0%)" in evals[-1]
+    # `llmcli info` shows the reward and pass@1 at the best evaluation, not a negated reward.
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        main(["info", "--checkpoint", str(tmp_path / "run")])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "best val loss" not in out, out
+    assert "best evaluation" in out and "val reward 0.5000, val pass@1 0.0% at step 2" in out, out
+    # ... and so does `llmcli compare`, beside the loss it leaves out.
+    run = str(tmp_path / "run")
+    comparison = compare_runs([run, run])
+    assert comparison.runs[0].best_val_loss is None
+    assert comparison.runs[0].best_figures == {"val_reward": 0.5, "val_pass@1": 0.0}
+    assert "val reward 0.5000, val pass@1 0.0%" in format_table(comparison)
+
+
+def test_a_group_size_that_cannot_fit_exits_2_before_writing_the_run(
+    base: Path, tmp_path: Path, capsys
+) -> None:
+    # The memory check sizes a step as it runs: batch_size x group_size rows (and the sampling
+    # of them all), so a group this large is refused before the run folder is made.
+    config_file = tmp_path / "grpo.yaml"
+    config_file.write_text(dump_yaml(grpo_config(base, tmp_path)))
+    huge = "train.group_size=1000000"
+    status, err = cli(capsys, config_file, "--set", huge, "--out", tmp_path / "run")
+    assert status == 2 and "Traceback" not in err, err
+    assert "2 prompts (1,000,000 completions each), 2,000,000 rows" in err, err
+    assert "lower train.group_size" in err, err
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize(

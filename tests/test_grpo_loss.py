@@ -1,4 +1,4 @@
-"""GRPO's loss as TRL 1.16 computes it (llmcli/training/grpo.py): each `train.loss_type` and its
+"""GRPO's loss as TRL 1.16 computes it (llmcli/objectives/grpo.py): each `train.loss_type` and its
 gradient against TRL's `_compute_loss` written out here, at a sampling temperature other than 1
 and with two micro-batches; a step split 8 x 1 or 4 x 2 computing the same thing; the config's
 choices.
@@ -7,34 +7,40 @@ choices.
 from __future__ import annotations
 
 import dataclasses
+import signal
 from pathlib import Path
 
 import pytest
 import torch
-from test_grpo import base, grpo_config, objective_for  # noqa: F401 (base: a fixture)
+from test_grpo import REWARD, base, grpo_config, objective_for  # noqa: F401 (base: a fixture)
 
 from llmcli.config import config_from_dict
 from llmcli.data.prompts import PromptSampler
 from llmcli.errors import ConfigError
+from llmcli.objectives.grpo import advantages
+from llmcli.runs.formats import read_weights
 from llmcli.runs.metrics import read_metrics
-from llmcli.training.grpo import advantages
 from llmcli.training.loop import train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def trl_step_loss(model, shares, loss_type: str, temperature: float, max_len: int, accum: int):
+def trl_step_loss(
+    model, shares, loss_type: str, temperature: float, max_len: int, accum: int, eps=(0.2, 0.2)
+):
     """TRL's `_compute_loss` over a step's micro-batches, summed as its Trainer sums them (the
     loss types but dapo divide by the accumulation steps themselves; dapo divides by the
-    step's tokens, `num_items_in_batch`)."""
+    step's tokens, `num_items_in_batch`); `old_per_token_logps` the shares' own where they
+    keep them (num_iterations > 1), else the policy's detached."""
     step_tokens = sum(s.completions.mask[:, 1:].sum() for s in shares)
     total = 0.0
     for share in shares:
         ids, mask = share.completions.ids, share.completions.mask[:, 1:].float()
         logits = model(ids[:, :-1])[0] / temperature
         logps = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
-        coef_1 = torch.exp(logps - logps.detach())
-        coef_2 = torch.clamp(coef_1, 1 - 0.2, 1 + 0.2)
+        old = logps.detach() if share.old_logps is None else share.old_logps
+        coef_1 = torch.exp(logps - old)
+        coef_2 = torch.clamp(coef_1, 1 - eps[0], 1 + eps[1])
         A = share.advantages[:, None]
         per_token = -torch.min(coef_1 * A, coef_2 * A)
         if loss_type == "grpo":
@@ -111,6 +117,8 @@ def test_loss_type_is_checked_against_the_objectives_choices(base: Path, tmp_pat
         ConfigError, match="train.objective is 'next_token': remove train.loss_type"
     ):
         config_from_dict({"train": {"loss_type": "dapo"}})
+    with pytest.raises(ConfigError, match=r"names 2 loss types, and grpo takes one"):
+        grpo_config(base, tmp_path, loss_type=["dapo", "grpo"])
 
 
 def test_grpo_samples_as_trl_by_default_and_keeps_what_a_config_sets() -> None:
@@ -122,3 +130,106 @@ def test_grpo_samples_as_trl_by_default_and_keeps_what_a_config_sets() -> None:
     assert (config.sample.temperature, config.sample.top_k) == (1.0, 5)
     plain = config_from_dict({})  # the other objectives keep sample's own defaults
     assert (plain.sample.temperature, plain.sample.top_k) == (0.8, 200)
+
+
+def test_dpo_and_grpo_fine_tune_at_their_own_rates_unless_told() -> None:
+    def train_of(objective: str, fmt: str, **given: object):
+        data = {"format": fmt, "path": "p.jsonl"}
+        train = {"objective": objective, "init_from": "checkpoints/chat", **given}
+        tc = config_from_dict({"data": data, "train": train}).train
+        return tc.lr, tc.min_lr, tc.warmup_steps, tc.eval_interval
+
+    assert train_of("grpo", "prompts") == (1e-4, 1e-5, 10, 50)
+    assert train_of("dpo", "preference") == (5e-5, 5e-6, 20, 50)
+    assert train_of("dpo", "preference", lr=1e-3, min_lr=1e-4) == (1e-3, 1e-4, 20, 50)
+    tc = config_from_dict({}).train  # pretraining's
+    assert (tc.lr, tc.min_lr, tc.warmup_steps, tc.eval_interval) == (1e-3, 1e-4, 100, 250)
+
+
+def test_a_second_iteration_is_ppos_clipped_ratio_against_the_sampling_policy(
+    base: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    config = grpo_config(base, tmp_path, grad_accum=2, num_iterations=2, epsilon_high=0.28)
+    objective, model, _, prompts, _ = objective_for(config)
+    step = PromptSampler(prompts.train, config.train.batch_size * 2, seed=3).next()
+    shares = objective.shares(step, 2)
+    # The ratio's denominator is the policy that sampled them, at the sampling temperature.
+    for share in shares:
+        with torch.no_grad():
+            logits = model(share.completions.ids[:, :-1])[0] / config.sample.temperature
+        logps = torch.log_softmax(logits, -1).gather(-1, share.completions.ids[:, 1:, None])
+        torch.testing.assert_close(share.old_logps, logps[..., 0])
+    with torch.no_grad():  # an update moved the policy: the ratio leaves 1, the clip acts
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    results = [objective(model, share) for share in shares]
+    ours = sum(loss / 2 for loss, _ in results)
+    ours.backward()
+    ours_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    theirs = trl_step_loss(model, shares, "dapo", 1.0, 8, 2, eps=(0.2, 0.28))
+    theirs.backward()
+    assert float(ours.detach()) == pytest.approx(float(theirs.detach()), rel=1e-5, abs=1e-7)
+    for got, p in zip(ours_grads, model.parameters(), strict=True):
+        torch.testing.assert_close(got, p.grad, rtol=1e-4, atol=1e-7)
+    clipped = [float(figures["clip_ratio/region_mean"]) for _, figures in results]
+    assert max(clipped) > 0
+
+
+def test_num_iterations_serves_each_sample_that_many_steps_and_resumes_exactly(
+    base: Path,  # noqa: F811
+    tmp_path: Path,
+    ctrl_c_raises,
+) -> None:
+    config = grpo_config(base, tmp_path, max_steps=4, eval_interval=4, num_iterations=2)
+    straight = tmp_path / "straight"
+    train(config, out_dir=straight, progress=False)
+    records = [r for r in read_metrics(straight / "metrics.jsonl") if r["kind"] == "train"]
+    # Steps 1 and 2 read one sample (the same rewards), steps 3 and 4 the next.
+    assert records[0]["reward"] == records[1]["reward"] != records[2]["reward"]
+    assert records[2]["reward"] == records[3]["reward"]
+    assert "clip_ratio/region_mean" in records[1]
+
+    def interrupt(step: int) -> None:
+        if step == 1:  # a save between the two steps of one sample
+            signal.raise_signal(signal.SIGINT)
+
+    resumed = tmp_path / "resumed"
+    with pytest.raises(KeyboardInterrupt):
+        train(config, out_dir=resumed, progress=False, on_step=interrupt)
+    summary = train(config, out_dir=resumed, resume=True, progress=False)
+    assert summary.resumed_from == 1 and summary.step == 4
+    a, b = (read_weights(run / "model.safetensors")[0] for run in (straight, resumed))
+    assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_num_iterations_is_grpos_and_its_clip_is_checked() -> None:
+    with pytest.raises(ConfigError, match=r"train.num_iterations \(2\) reuses GRPO's"):
+        config_from_dict({"train": {"num_iterations": 2}})
+    with pytest.raises(ConfigError, match=r"train.epsilon \(1.5\) must be in \(0, 1\)"):
+        config_from_dict({"train": {"epsilon": 1.5}})
+
+
+def test_several_rewards_are_summed_with_their_weights_and_each_logged(
+    base: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "rewards.py").write_text(REWARD)
+    specs = [f"{tmp_path / 'rewards.py'}:score", "contains"]
+    config = grpo_config(base, tmp_path, reward=specs, reward_weights=[1.0, 0.5])
+    objective, _, sampler, prompts, _ = objective_for(config)
+    batch = sampler.next()
+    done = objective.sample(batch)
+    G = config.train.group_size
+    answers = [prompts.train.answers[k] for k in batch.picks for _ in range(G)]
+    own = torch.tensor([t.count("a") + len(t) / 8 for t in done.texts])
+    found = torch.tensor([float(a in t) for a, t in zip(answers, done.texts, strict=True)])
+    torch.testing.assert_close(done.rewards, own + 0.5 * found)
+    (share,) = objective.shares(batch, 1)
+    assert float(share.figures["rewards/score/mean"]) == pytest.approx(float(own.mean()))
+    assert float(share.figures["rewards/contains/std"]) == pytest.approx(float(found.std()))
+    with pytest.raises(ConfigError, match=r"must have one weight per reward \(2: "):
+        grpo_config(base, tmp_path, reward=specs, reward_weights=[1.0])
+    with pytest.raises(ConfigError, match="weighs GRPO's rewards"):
+        config_from_dict({"train": {"reward_weights": [1.0]}})

@@ -18,7 +18,7 @@ import pytest
 import torch
 from test_train import ROOT, assert_same_weights, make_config, stable_metrics, weights, write_config
 
-import llmcli.training.evaluate
+import llmcli.objectives.base
 from llmcli.config import config_from_dict
 from llmcli.data.tokens import prepare_data
 from llmcli.errors import ConfigError, InputError
@@ -56,7 +56,7 @@ class Poison:
 @pytest.fixture
 def poison(monkeypatch) -> Poison:
     state = Poison(set())
-    real_sampler = llmcli.training.evaluate.BatchSampler
+    real_sampler = llmcli.objectives.base.BatchSampler
 
     class StreamSampler(real_sampler):
         def __init__(self, *args, seed: int, **kwargs) -> None:
@@ -82,7 +82,7 @@ def poison(monkeypatch) -> Poison:
             return logits, loss * 100.0
         return real_forward(self, idx, targets, **kwargs)
 
-    monkeypatch.setattr(llmcli.training.evaluate, "BatchSampler", StreamSampler)
+    monkeypatch.setattr(llmcli.objectives.base, "BatchSampler", StreamSampler)
     monkeypatch.setattr(Transformer, "forward", forward)
     return state
 
@@ -392,7 +392,7 @@ def test_log_layers_match_a_hand_computation(corpus, tmp_path) -> None:
     # The gradient of step 5, by hand: the step-4 weights on the batch the sampler draws next.
     model = Transformer(config.model, vocab_size=before["wte.weight"].shape[0])
     load_weights(model, before, four / "model.safetensors")
-    sampler = llmcli.training.evaluate.BatchSampler(
+    sampler = llmcli.objectives.base.BatchSampler(
         prepare_data(config.data, config.model.context_length).train,
         config.train.batch_size,
         config.model.context_length,

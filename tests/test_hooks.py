@@ -42,10 +42,12 @@ OPTIONS = {
 }
 PER_BLOCK = (
     "resid_pre",
+    "attn_in",
     "attn.pattern",
     "attn.z",
     "attn_out",
     "resid_mid",
+    "mlp_in",
     "mlp_out",
     "resid_post",
 )
@@ -143,7 +145,9 @@ def test_the_values_at_the_hook_points_add_up_along_the_residual_stream() -> Non
             z = get("attn.z")  # (B, T, nh, hs)
             assert_close(get("attn_out"), block.attn.proj(z.flatten(2)), f"{i} attn_out")
             assert_close(get("resid_mid"), get("resid_pre") + get("attn_out"), f"{i} resid_mid")
-            mlp = block.mlp(block.ln2(get("resid_mid")))
+            assert_close(get("attn_in"), block.ln1(get("resid_pre")), f"{i} attn_in")
+            assert_close(get("mlp_in"), block.ln2(get("resid_mid")), f"{i} mlp_in")
+            mlp = block.mlp(get("mlp_in"))
             assert_close(get("mlp_out"), mlp, f"{i} mlp_out vs mlp(ln2(resid_mid))")
             assert_close(get("resid_post"), get("resid_mid") + get("mlp_out"), f"{i} resid_post")
         assert_close(seen["final_norm"], model.ln_f(seen["blocks.1.resid_post"]), "final_norm")

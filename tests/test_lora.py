@@ -55,6 +55,17 @@ def with_random_b(model: torch.nn.Module, seed: int = 1) -> None:
 # --- the layer and merging --------------------------------------------------------------------
 
 
+def test_the_defaults_are_pefts() -> None:
+    import peft
+
+    theirs, ours = peft.LoraConfig(), LoraConfig()
+    assert (ours.rank, ours.alpha, ours.dropout) == (
+        theirs.r,
+        theirs.lora_alpha,
+        theirs.lora_dropout,
+    )
+
+
 def test_the_adapted_layer_is_its_formula() -> None:
     base = torch.nn.Linear(6, 5)
     layer = LoRALinear(base, LoraConfig(rank=3, alpha=4.0), torch.Generator().manual_seed(0))

@@ -129,3 +129,44 @@ def test_estimating_a_rotary_model_does_not_import_torch_compiler() -> None:
     assert "DYNAMO False" in out.stdout
     params = next(line for line in out.stdout.splitlines() if line.startswith("PARAMS")).split()
     assert params[1] == params[2]
+
+
+def _objective_config(objective: str, batch_size: int, **train: object):
+    data = {"dpo": "preference", "grpo": "prompts"}[objective]
+    return config_from_dict(
+        {
+            "model": SHAPE,
+            "data": {"format": data, "path": "rows.jsonl"},
+            "train": {"objective": objective, "init_from": "base", "batch_size": batch_size}
+            | train,
+        },
+        name="t",
+    )
+
+
+def test_a_grpo_step_is_sized_at_batch_size_x_group_size_rows_and_its_reference() -> None:
+    plain = estimate_memory(_config(batch_size=2 * 4), 50)
+    grpo = estimate_memory(_objective_config("grpo", 2, group_size=4), 50)
+    assert grpo.activations == plain.activations  # 2 prompts x 4 completions: 8 rows
+    assert grpo.reference == 0  # no KL penalty, no reference
+    kl = estimate_memory(_objective_config("grpo", 2, group_size=4, grpo_beta=0.04), 50)
+    assert kl.reference == 4 * kl.params  # the frozen init_from model, fp32
+    assert kl.peak == grpo.peak + kl.reference
+    # Sampling a step's completions (grad_accum x batch_size x group_size rows at once) holds
+    # each row's keys and values and logits; it comes before the step's forwards.
+    L, C, T = SHAPE["n_layer"], SHAPE["n_embed"], SHAPE["context_length"]
+    accum = estimate_memory(_objective_config("grpo", 2, group_size=4, grad_accum=3), 50)
+    assert accum.sampling == 3 * 2 * 4 * T * (2 * L * C + 50) * 4
+    assert plain.sampling == 0
+    dpo = estimate_memory(_objective_config("dpo", 4), 50)
+    assert dpo.activations > plain.activations and dpo.reference == 4 * dpo.params
+
+
+def test_a_group_size_that_cannot_fit_is_refused_naming_it() -> None:
+    config = _objective_config("grpo", 2, group_size=1_000_000)
+    with pytest.raises(
+        InputError, match=r"2 prompts \(1,000,000 completions each\), 2,000,000 rows"
+    ):
+        check_memory(config, 50, torch.device("cpu"), "float32")
+    with pytest.raises(InputError, match=r"lower train.group_size, model.n_embed"):
+        check_memory(config, 50, torch.device("cpu"), "float32")

@@ -1,4 +1,4 @@
-"""Packed conversation rows' loss (llmcli/training/packed.py): the mask and positions by hand,
+"""Packed conversation rows' loss (llmcli/objectives/chat.py): the mask and positions by hand,
 and a packed conversation's per-token losses and gradients equal to the same conversation's
 alone, with learned and with rotary positions."""
 
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from llmcli.config import ModelConfig
 from llmcli.model.gpt import Transformer
-from llmcli.training.packed import packed_next_token_loss, segment_mask, segment_positions
+from llmcli.objectives.chat import packed_next_token_loss, segment_mask, segment_positions
 
 VOCAB = 13
 

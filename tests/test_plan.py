@@ -72,6 +72,7 @@ def test_plan_counts_the_built_model_and_the_formulas(small_corpus: Path) -> Non
         "optimizer": 8 * n,
         "activations": activations,
         "reference": 0,  # DPO's frozen model
+        "sampling": 0,  # GRPO's completions, drawn before the step
         "peak": 16 * n + activations + 80 * 2**20,
     }
     assert got["device_free"] == 2**30 and got["fits"] is True
@@ -85,6 +86,11 @@ def test_plan_counts_the_built_model_and_the_formulas(small_corpus: Path) -> Non
     assert f"{n:,} ({n - embeddings:,} without embeddings" in text
     assert f"{4 * T * 3:,} (4 sequences x 16 tokens x grad_accum 3)" in text
     assert "1.0 GiB (train.memory_limit): fits" in text and f"{evals} evaluations" in text
+    tc = plan.config.train
+    assert (
+        f"lr {tc.lr:g} to {tc.min_lr:g} (cosine), warmup {tc.warmup} steps, evaluation every 30 "
+        "steps"
+    ) in text
 
 
 def test_a_lora_plan_holds_gradients_and_moments_of_the_adapters_alone(
@@ -215,6 +221,7 @@ def test_cli_prints_json_and_text_and_refuses_a_limit_below_the_weights(
         "optimizer",
         "activations",
         "reference",
+        "sampling",
         "peak",
     }
     assert got["fits"] is True and got["step_s"] > 0 and math.isfinite(got["eta_s"])

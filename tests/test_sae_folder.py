@@ -106,7 +106,7 @@ def test_each_hook_point_is_the_same_activation_under_its_transformer_lens_name(
     with torch.no_grad(), model.hooks({name: keep(name) for name in model.hook_names()}):
         model(idx)
     _, cache = transformer_lens_model.run_with_cache(idx)
-    assert len(seen) == 2 + 2 * 7
+    assert len(seen) == 2 + 2 * 9
     for name, act in seen.items():
         assert_close(cache[transformer_lens_name(name)], act, name)
 

@@ -649,7 +649,7 @@ def test_ddp_two_processes_match_one_process_with_the_union_of_their_batches(
     corpus: Path, tmp_path: Path, monkeypatch
 ) -> None:
     import llmcli.data.batches
-    import llmcli.training.evaluate
+    import llmcli.objectives.base
 
     steps = dict(max_steps=20, warmup_steps=2, eval_interval=20, log_interval=10, grad_accum=2)
     config = write_config(make_config(corpus, batch_size=4, **steps), tmp_path / "ddp.yaml")
@@ -707,7 +707,7 @@ def test_ddp_two_processes_match_one_process_with_the_union_of_their_batches(
         def state_dict(self):
             return {"parts": [p.state_dict() for p in self.parts]}
 
-    monkeypatch.setattr(llmcli.training.evaluate, "BatchSampler", Union)
+    monkeypatch.setattr(llmcli.objectives.base, "BatchSampler", Union)
     train(make_config(corpus, batch_size=8, **steps), out_dir=tmp_path / "one", progress=False)
 
     ddp, one = (

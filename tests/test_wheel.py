@@ -63,6 +63,9 @@ def installed(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     }
     corpora = {f"llmcli/corpora/{p.name}" for p in (ROOT / "data").glob("*.txt")}
     assert shipped | corpora <= names
+    # The corpora are data only: the programs that made them stay in scripts/, out of the wheel.
+    assert not [n for n in names if n.startswith("llmcli/corpora/") and n.endswith(".py")]
+    assert not [p for p in (ROOT / "data").iterdir() if p.suffix == ".py"]
     # The viewer's page templates are package data too, read with importlib.resources.
     assert {"llmcli/inspection/viewer.html", "llmcli/inspection/sae/features.html"} <= names
     run([sys.executable, "-m", "venv", tmp / "venv"], tmp, env)

@@ -3,7 +3,7 @@
 `app` holds the Typer app; the commands sit in `training` (config, prepare-data, train, bench),
 `plan` (plan), `generation` (sample, chat), `runs` (info, export, compare), `inside`
 (inspect-attention, eval), `interpret` (lens, patch, attribute), `sae` (sae train, sae eval,
-sae features) and `serve` (serve),
+sae features), `graph` (graph) and `serve` (serve),
 their shared options in `options`. Heavy libraries (torch, numpy, datasets, matplotlib,
 transformers) are imported inside the commands that need them, so `llmcli --help` answers at once.
 """
@@ -20,7 +20,7 @@ from llmcli.errors import InputError
 
 # Importing the command modules registers their commands, in the order `llmcli --help` lists them.
 # isort: off
-from llmcli.cli import training, plan, generation, runs, inside, interpret, sae, serve  # noqa: F401
+from llmcli.cli import training, plan, generation, runs, inside, interpret, sae, graph, serve  # noqa: F401
 # isort: on
 
 __all__ = ["app", "main"]

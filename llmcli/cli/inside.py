@@ -237,7 +237,7 @@ def eval_command(
     import json
 
     from llmcli.evaluation.run import EvalOptions, evaluate_run, format_result
-    from llmcli.training.dpo import reference_model
+    from llmcli.training.init_from import reference_model
 
     log_to_stderr()
     options = EvalOptions(

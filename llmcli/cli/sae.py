@@ -35,8 +35,8 @@ SaeOption = Annotated[
     Optional[Path],
     typer.Option(
         "--sae",
-        help="The SAE folder (default: the one written last under <run>/sae/); its run is the "
-        "default --checkpoint.",
+        help="The SAE folder, or a transcoder folder (sae features: with --layer) (default: the "
+        "SAE written last under <run>/sae/); its run is the default --checkpoint.",
         metavar="DIR",
     ),
 ]
@@ -60,22 +60,53 @@ ActivationOption = Annotated[
     str,
     typer.Option(
         help="topk (k per token) or batchtopk (k per token on average over a batch; runs as a "
-        "JumpReLU after training).",
+        "JumpReLU after training); transcoders also relu (an L1 penalty) or tanh (Anthropic's "
+        "tanh penalty).",
         metavar="KIND",
     ),
 ]
 
 
+HookOption = Annotated[
+    str,
+    typer.Option(
+        help="The hook point to train an SAE on, e.g. blocks.1.resid_post, blocks.0.mlp_out, "
+        "blocks.0.attn.z (docs/hook-points.md lists them).",
+        metavar="NAME",
+    ),
+]
+KindOption = Annotated[
+    str,
+    typer.Option(
+        help="sae, or transcoder: per layer, features that read the MLP's input "
+        "(blocks.L.mlp_in) and predict its output, saved as circuit-tracer's transcoder set "
+        "(default folder <run>/transcoders/).",
+        metavar="KIND",
+    ),
+]
+LayersOption = Annotated[
+    Optional[str],
+    typer.Option(
+        help="The transcoders' layers: all (the default), or indices joined by commas (0,2).",
+        metavar="LAYERS",
+    ),
+]
+SkipOption = Annotated[
+    bool, typer.Option("--skip", help="Give each transcoder a linear skip (W_skip).")
+]
+SparsityOption = Annotated[
+    float,
+    typer.Option(help="The weight of the relu (L1) and tanh sparsity penalties.", metavar="W"),
+]
+
+
 @sae_app.command("train")
 def sae_train_command(
-    hook: Annotated[
-        str,
-        typer.Option(
-            help="The hook point to train on, e.g. blocks.1.resid_post, blocks.0.mlp_out, "
-            "blocks.0.attn.z (docs/hook-points.md lists them).",
-            metavar="NAME",
-        ),
-    ],
+    hook: HookOption = "",
+    kind: KindOption = _DEFAULT.kind,
+    layers: LayersOption = None,
+    skip: SkipOption = False,
+    sparsity_coef: SparsityOption = _DEFAULT.sparsity_coef,
     checkpoint: CheckpointOption = None,
     features: FeaturesOption = None,
     k: Annotated[
@@ -94,7 +125,10 @@ def sae_train_command(
     ] = _DEFAULT.seed,
     out: Annotated[
         Optional[Path],
-        typer.Option(help="The SAE folder (default: <run>/sae/<hook>/).", metavar="DIR"),
+        typer.Option(
+            help="The SAE folder (default: <run>/sae/<hook>/; transcoders: <run>/transcoders/).",
+            metavar="DIR",
+        ),
     ] = None,
     resume: Annotated[
         bool, typer.Option("--resume", help="Go on training the SAE saved in the folder, exactly.")
@@ -111,11 +145,16 @@ def sae_train_command(
     saves and stops; --resume goes on)."""
     from llmcli.inspection.sae.config import SAEConfig
     from llmcli.inspection.sae.train import TrainOptions, train_sae
+    from llmcli.inspection.sae.transcoder_train import train_transcoders
     from llmcli.training.interrupt import EXIT_TERMINATED, Preempted
 
     log_to_stderr()
     config = SAEConfig(
         hook=hook,
+        kind=kind,
+        layers=layers,
+        skip=skip,
+        sparsity_coef=sparsity_coef,
         features=features,
         k=k,
         activation=activation,
@@ -134,11 +173,13 @@ def sae_train_command(
         threads=threads,
     )
     try:
-        summary = train_sae(config, options, progress=progress, notify=notify)
+        train = train_transcoders if config.kind == "transcoder" else train_sae
+        summary = train(config, options, progress=progress, notify=notify)
     except Preempted:  # saved: the status schedulers read as "preempted, requeue"
         raise typer.Exit(EXIT_TERMINATED) from None
+    what = "transcoders" if config.kind == "transcoder" else "SAE"
     typer.echo(
-        f"SAE {summary.folder}: step {summary.step}/{summary.steps}, {summary.tokens:,} "
+        f"{what} {summary.folder}: step {summary.step}/{summary.steps}, {summary.tokens:,} "
         f"activations, {summary.elapsed_s:.0f} s"
     )
     if summary.last:  # the means over the steps since the log line before
@@ -163,11 +204,18 @@ def sae_eval_command(
     progress: ProgressOption = True,
 ) -> None:
     """Explained variance, L0, dead features, and the loss with the SAE spliced in against the
-    clean, zero- and mean-ablated losses (ce_recovered)."""
+    clean, zero- and mean-ablated losses (ce_recovered); for a transcoder folder, each layer's
+    normalised MSE, L0 and dead features, and the loss with every MLP replaced at once."""
     from llmcli.inspection.sae.evaluate import ReadOptions, evaluate_sae, format_eval
+    from llmcli.inspection.sae.transcoder_eval import evaluate_transcoders, format_transcoder_eval
+    from llmcli.inspection.sae.transcoder_folder import is_transcoder_folder
 
     log_to_stderr()
     options = ReadOptions(sae, checkpoint, data, steps, batch_size, weights, device, threads)
+    if sae is not None and is_transcoder_folder(sae):  # every layer's MLP replaced at once
+        result = evaluate_transcoders(options, progress=progress, notify=notify)
+        typer.echo(result_text(result, json_, format_transcoder_eval))
+        return
     result = evaluate_sae(options, progress=progress, notify=notify)
     typer.echo(result_text(result, json_, format_eval))
 
@@ -184,6 +232,13 @@ def sae_features_command(
     ] = None,
     sae: SaeOption = None,
     checkpoint: CheckpointOption = None,
+    layer: Annotated[
+        Optional[int],
+        typer.Option(
+            help="For a transcoder folder (--sae): the layer whose features to read.",
+            metavar="L",
+        ),
+    ] = None,
     top: Annotated[int, typer.Option(help="Top activating contexts per feature.", metavar="N")] = 8,
     data: DataOption = None,
     steps: StepsOption = None,
@@ -208,13 +263,17 @@ def sae_features_command(
     from llmcli.inspection.sae.evaluate import ReadOptions
     from llmcli.inspection.sae.features import feature_report, format_features
     from llmcli.inspection.sae.page import write_features_page
+    from llmcli.inspection.sae.transcoder_folder import is_transcoder_folder
 
     log_to_stderr()
-    options = ReadOptions(sae, checkpoint, data, steps, batch_size, weights, device, threads)
+    options = ReadOptions(sae, checkpoint, data, steps, batch_size, weights, device, threads, layer)
     report = feature_report(options, feature or (), top=top, progress=progress, notify=notify)
     if json_:
         typer.echo(json.dumps(report.to_dict(), ensure_ascii=False))
     else:
         typer.echo(format_features(report, limit=None if feature else 20))
     if page:
-        notify(f"wrote {write_features_page(report)}")
+        where = None  # a transcoder set's pages, one per layer, sit beside its files
+        if sae is not None and is_transcoder_folder(sae):
+            where = sae / f"features_layer_{layer}.html"
+        notify(f"wrote {write_features_page(report, where)}")

@@ -1,9 +1,10 @@
 """The `train.lora:` settings: low-rank adapters (Hu et al. 2021, "LoRA") on a frozen base.
 
-A mapping under `train:` (null: a full fine-tune). Its defaults are PEFT's `LoraConfig`'s
-(rank 8, alpha 16, no dropout); the targets are llmcli's own module names inside each block,
-which the Hugging Face export maps to its layouts' names (GPT-2's `c_attn`, NeoX's
-`query_key_value`, ...).
+A mapping under `train:` (null: a full fine-tune). Its rank, alpha and dropout default to PEFT's
+`LoraConfig`'s (r 8, lora_alpha 8, lora_dropout 0: a scale of 1); the targets are llmcli's own
+module names inside each block, which the Hugging Face export maps to its layouts' names (GPT-2's
+`c_attn`, NeoX's `query_key_value`, ...). PEFT's default targets depend on the model type (GPT-2:
+`c_attn` alone); llmcli adapts all four of a block's linear layers unless told otherwise.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ class LoraConfig:
     """Low-rank adapters on the frozen `train.init_from` model."""
 
     rank: int = 8  # r: the adapters' inner size (at most model.n_embed)
-    alpha: float = 16.0  # the update is scaled by alpha / rank
+    alpha: float = 8.0  # the update is scaled by alpha / rank (PEFT's lora_alpha default)
     dropout: float = 0.0  # dropout on an adapter's input, in training
     # the layers of every block that get an adapter: attn.qkv, attn.proj, mlp.fc, mlp.proj
     targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))

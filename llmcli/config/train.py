@@ -10,12 +10,8 @@ from llmcli.config.lora import LoraConfig
 from llmcli.config.rules import check_choices, require, require_size, size_bytes
 from llmcli.errors import ConfigError, did_you_mean
 
-# GRPO's built-in verifiers (`train.reward`; llmcli.evaluation.rewards).
+# GRPO's built-in verifiers (`train.reward`; llmcli.objectives.rewards).
 VERIFIERS = ("exact", "number", "contains")
-
-# `train.loss_type`'s choices by objective, TRL 1.16's names, the first the default
-# (llmcli.training.grpo, llmcli.evaluation.preference_scores).
-LOSS_TYPES = {"grpo": ("dapo", "bnpo", "grpo", "dr_grpo"), "dpo": ("sigmoid",)}
 
 
 def check_reward_spec(spec: str) -> None:
@@ -29,6 +25,52 @@ def check_reward_spec(spec: str) -> None:
             f"train.reward: {spec!r} is neither a built-in verifier ({', '.join(VERIFIERS)})"
             f" nor FILE.py:FUNCTION, a function of your own file.{hint}"
         )
+
+
+# DPO's loss types (`train.loss_type`), TRL 1.16's `DPOConfig.loss_type` values but discopop,
+# whose tau llmcli does not carry; the formulas are llmcli.objectives.dpo_losses'.
+DPO_LOSS_TYPES = (
+    "sigmoid",
+    "hinge",
+    "ipo",
+    "exo_pair",
+    "nca_pair",
+    "robust",
+    "bco_pair",
+    "sppo_hard",
+    "aot",
+    "aot_unpaired",
+    "apo_zero",
+    "apo_down",
+    "sft",
+    "sigmoid_norm",
+)
+# The loss types that read train.label_smoothing (TRL's): to the others it changes nothing.
+SMOOTHED_LOSS_TYPES = ("robust", "exo_pair", "aot", "aot_unpaired")
+
+# `train.loss_type`'s choices by objective, TRL 1.16's names, the first the default
+# (llmcli.objectives.grpo, llmcli.objectives.dpo_losses).
+LOSS_TYPES = {"grpo": ("dapo", "bnpo", "grpo", "dr_grpo"), "dpo": DPO_LOSS_TYPES}
+
+
+def _numbers(value: list[float] | str | None, key: str, what: str) -> list[float] | None:
+    """A list of weights as numbers: a list as it is, a text "1.0,0.5" split, None for null.
+    Raises `ConfigError` naming `train.key` for a text with something else in it, or a number
+    that is not finite."""
+    if value is None:
+        return None
+    try:
+        values = [float(w) for w in (value.split(",") if isinstance(value, str) else value)]
+    except (TypeError, ValueError):
+        values = [math.nan]
+    require(
+        all(math.isfinite(v) for v in values),
+        "train",
+        key,
+        value,
+        f"must be numbers, {what}: a list, or a text like 1.0,0.5",
+    )
+    return values
 
 
 # The experiment trackers train.logger may name (llmcli.runs.trackers runs them).
@@ -61,7 +103,10 @@ class TrainConfig:
     # The memory a run may use, in bytes or as a size ("4GB", "512MiB"); null: the device's.
     memory_limit: int | str | None = None
     max_steps: int = 2000  # optimizer steps
-    lr: float = 1e-3  # peak learning rate (AdamW's; under Muon, the non-matrix groups')
+    # peak learning rate (AdamW's; under Muon, the non-matrix groups'). DPO's and GRPO's own
+    # defaults differ: lr 5e-5 and 1e-4, min_lr 5e-6 and 1e-5, warmup_steps 20 and 10,
+    # eval_interval 50 (llmcli.config.objective_defaults; `llmcli config` shows them)
+    lr: float = 1e-3
     min_lr: float = 1e-4  # the rate at the end of the schedule
     warmup_steps: int = 100  # linear warmup (cut to max_steps in a shorter run)
     weight_decay: float = 0.1  # AdamW's decoupled weight decay, on matrices and embeddings
@@ -91,8 +136,8 @@ class TrainConfig:
     init_from: str | None = None
     # next_token: the language-model loss on every token (or the replies, for chat data); dpo:
     # Direct Preference Optimization on data.format preference pairs, from the init_from run,
-    # which stays the frozen reference (llmcli.training.dpo); grpo: learning from rewards on
-    # data.format prompts, completions sampled from the model as it trains (llmcli.training.grpo)
+    # which stays the frozen reference (llmcli.objectives.dpo); grpo: learning from rewards on
+    # data.format prompts, completions sampled from the model as it trains (llmcli.objectives.grpo)
     objective: Literal["next_token", "dpo", "grpo"] = "next_token"
     # DPO's beta (TRL's default): how far the policy may move from the reference; larger keeps
     # it closer
@@ -106,8 +151,11 @@ class TrainConfig:
     # from a \boxed{}, else after GSM8K's ####, else the last number; contains: the answer
     # appears in it), each 1.0 or 0.0, or FILE.py:FUNCTION, a function of your own file called
     # as FUNCTION(prompt, completion, answer) -> a number (this runs that file's code, as a
-    # test script would)
-    reward: str = "exact"
+    # test script would); or a list of them (or "number,rewards.py:brief"), summed with
+    # reward_weights (TRL's reward_funcs)
+    reward: str | list[str] = "exact"
+    # GRPO: one weight per reward (TRL's reward_weights; a list, or "1.0,0.5"); null: 1.0 each
+    reward_weights: list[float] | str | None = None
     # GRPO: seconds a call of a reward function of your own may take before the run stops,
     # naming the prompt (null: no limit; the built-in verifiers take microseconds). The call
     # runs in a thread, which a timeout cannot kill: it is abandoned as the run exits. A
@@ -119,11 +167,27 @@ class TrainConfig:
     # GRPO: the weight of a KL penalty to the init_from model, per token (TRL's beta; 0: none,
     # and no reference model is kept)
     grpo_beta: float = 0.0
-    # How the loss sums over tokens, TRL's loss_type; null: the objective's default. GRPO: dapo
-    # (TRL's default: over every completion token of the step, on every rank), bnpo (each
-    # micro-batch's tokens), grpo (each completion's mean), dr_grpo (over max_new_tokens per
-    # completion). DPO: sigmoid. Next-token training has one loss and takes none.
-    loss_type: str | None = None
+    # GRPO: optimizer steps each sample of completions serves (TRL's num_iterations); above 1,
+    # each update after the first is measured against the policy that sampled them, its ratio
+    # clipped to [1 - epsilon, 1 + epsilon_high] (PPO's clip, TRL's epsilon and epsilon_high;
+    # epsilon_high null: epsilon). TRL turns dropout off for GRPO: set model.dropout 0 too, or
+    # the ratio also measures dropout's noise.
+    num_iterations: int = 1
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    # The objective's loss, TRL's loss_type; null: the objective's default. GRPO, how the loss
+    # sums over tokens: dapo (TRL's default: over every completion token of the step, on every
+    # rank), bnpo (each micro-batch's tokens), grpo (each completion's mean), dr_grpo (over
+    # max_new_tokens per completion). DPO: sigmoid (the default), hinge, ipo, exo_pair,
+    # nca_pair, robust, bco_pair, sppo_hard, aot, aot_unpaired, apo_zero, apo_down, sft,
+    # sigmoid_norm, or a list of them (or "sigmoid,sft"), summed with loss_weights
+    # (docs/dpo.md, "Loss types"). Next-token training has one loss and takes none.
+    loss_type: str | list[str] | None = None
+    # DPO: one weight per loss type (TRL's loss_weights; a list, or "1.0,0.5"); null: 1.0 each
+    loss_weights: list[float] | str | None = None
+    # DPO: TRL's label_smoothing, the share of flipped labels the robust loss assumes (in
+    # [0, 0.5)), EXO's epsilon (exo_pair needs one > 0) and the aot losses' smoothing
+    label_smoothing: float = 0.0
     # Low-rank adapters on the frozen init_from model instead of a full fine-tune, for any
     # objective: a mapping of rank, alpha, dropout and targets (llmcli.config.lora), or null
     lora: LoraConfig | None = None
@@ -157,6 +221,29 @@ class TrainConfig:
     spike_rollbacks: int = 3  # rollbacks in a row before the run stops
     # At log steps, each layer's gradient norm and update-to-weight ratio (llmcli.training.layers).
     log_layers: bool = False
+
+    @property
+    def reward_specs(self) -> list[str]:
+        """The rewards `reward` names, in order."""
+        names = self.reward.split(",") if isinstance(self.reward, str) else self.reward
+        return [str(name).strip() for name in names]
+
+    @property
+    def reward_weight_values(self) -> list[float] | None:
+        """`reward_weights` as numbers (a text "1.0,0.5" split; None for null)."""
+        return _numbers(self.reward_weights, "reward_weights", "one per reward")
+
+    @property
+    def loss_types(self) -> list[str]:
+        """The loss types `loss_type` names, in order (empty for null: the objective's own)."""
+        names = self.loss_type.split(",") if isinstance(self.loss_type, str) else self.loss_type
+        return [name.strip() for name in names or []]
+
+    @property
+    def loss_weight_values(self) -> list[float] | None:
+        """`loss_weights` as numbers (a text "1.0,0.5" split; None for null). Raises
+        `ConfigError` for a text with something other than numbers in it."""
+        return _numbers(self.loss_weights, "loss_weights", "one per loss type")
 
     @property
     def loggers(self) -> list[str]:
@@ -284,8 +371,9 @@ class TrainConfig:
             self.grpo_beta,
             "must be >= 0 (0: no KL penalty)",
         )
-        check_reward_spec(self.reward)
+        self._validate_rewards()
         self._validate_loss_type()
+        self._validate_iterations()
         require(
             self.reward_timeout is None
             or (math.isfinite(self.reward_timeout) and self.reward_timeout > 0),
@@ -303,27 +391,153 @@ class TrainConfig:
                     "train from scratch)."
                 )
 
+    def _validate_rewards(self) -> None:
+        """Each of `reward`'s specs, and `reward_weights` one per reward (GRPO's)."""
+        specs, weights = self.reward_specs, self.reward_weight_values
+        require(specs and all(specs), "train", "reward", self.reward, "must name a reward")
+        for spec in specs:
+            check_reward_spec(spec)
+        if weights is not None:
+            if self.objective != "grpo":
+                raise ConfigError(
+                    f"train.reward_weights ({self.reward_weights!r}) weighs GRPO's rewards, and "
+                    f"this run's objective is {self.objective}: remove it."
+                )
+            require(
+                len(weights) == len(specs),
+                "train",
+                "reward_weights",
+                self.reward_weights,
+                f"must have one weight per reward ({len(specs)}: {', '.join(specs)})",
+            )
+
+    def _validate_iterations(self) -> None:
+        """GRPO's `num_iterations` and its clip's bounds."""
+        require(
+            self.num_iterations >= 1,
+            "train",
+            "num_iterations",
+            self.num_iterations,
+            "must be >= 1 (optimizer steps each sample of completions serves)",
+        )
+        require(
+            0 < self.epsilon < 1,
+            "train",
+            "epsilon",
+            self.epsilon,
+            "must be in (0, 1): the ratio is clipped to [1 - epsilon, 1 + epsilon_high]",
+        )
+        require(
+            self.epsilon_high is None or self.epsilon_high > 0,
+            "train",
+            "epsilon_high",
+            self.epsilon_high,
+            "must be > 0, or null for epsilon",
+        )
+        if self.objective != "grpo" and self.num_iterations != 1:
+            raise ConfigError(
+                f"train.num_iterations ({self.num_iterations}) reuses GRPO's sampled completions,"
+                f" and this run's objective is {self.objective}: remove it."
+            )
+
     def _validate_loss_type(self) -> None:
-        if self.loss_type is None:
-            return
+        """`loss_type` against its objective's choices (TRL's names), and DPO's `loss_weights`
+        and `label_smoothing`."""
+        types, weights = self.loss_types, self.loss_weight_values
         choices = LOSS_TYPES.get(self.objective)
-        if choices is None:
-            raise ConfigError(
-                f"train.loss_type ({self.loss_type!r}) chooses a DPO or GRPO loss, and "
-                f"train.objective is {self.objective!r}: remove train.loss_type."
+        if self.loss_type is not None:
+            if choices is None:
+                raise ConfigError(
+                    f"train.loss_type ({self.loss_type!r}) chooses a DPO or GRPO loss, and "
+                    f"train.objective is {self.objective!r}: remove train.loss_type."
+                )
+            require(
+                len(types) > 0 and all(types),
+                "train",
+                "loss_type",
+                self.loss_type,
+                f"must name a loss type (null: {choices[0]})",
             )
-        if self.loss_type not in choices:
-            hint = did_you_mean(str(self.loss_type), choices)
-            raise ConfigError(
-                f"train.loss_type ({self.loss_type!r}) is not one of {self.objective}'s: "
-                f"{', '.join(choices)} (TRL's names; the first is the default).{hint}"
+            require(
+                len(types) == 1 or self.objective == "dpo",
+                "train",
+                "loss_type",
+                self.loss_type,
+                f"names {len(types)} loss types, and {self.objective} takes one",
             )
+            for name in types:
+                if name not in choices:
+                    hint = did_you_mean(name, choices)
+                    raise ConfigError(
+                        f"train.loss_type ({name!r}) is not one of {self.objective}'s: "
+                        f"{', '.join(choices)} (TRL's names; the first is the default).{hint}"
+                    )
+        given = [
+            f"train.{key} ({getattr(self, key)!r})"
+            for key, unset in (
+                ("loss_weights", weights is None),
+                ("label_smoothing", self.label_smoothing == 0.0),
+            )
+            if not unset
+        ]
+        if self.objective != "dpo":
+            if given:
+                raise ConfigError(
+                    f"{' and '.join(given)} applies to train.objective: dpo (TRL's DPO loss "
+                    f"types), and this run's objective is {self.objective}: remove it, or set "
+                    "train.objective: dpo."
+                )
+            return
+        types = types or [DPO_LOSS_TYPES[0]]
+        if weights is not None and len(weights) != len(types):
+            raise ConfigError(
+                f"train.loss_weights ({self.loss_weights!r}) has {len(weights)} weight(s) for "
+                f"{len(types)} loss type(s) ({', '.join(types)}): give one per loss type, in "
+                "the same order, or null for 1.0 each."
+            )
+        self._validate_label_smoothing(types)
+
+    @property
+    def resolved_loss_types(self) -> list[str]:
+        """The loss types `loss_type` names, or the objective's default (none for next-token
+        training)."""
+        choices = LOSS_TYPES.get(self.objective)
+        return self.loss_types or ([choices[0]] if choices else [])
 
     @property
     def resolved_loss_type(self) -> str | None:
-        """`loss_type`, or the objective's default (None for next-token training)."""
-        choices = LOSS_TYPES.get(self.objective)
-        return self.loss_type or (choices[0] if choices else None)
+        """GRPO's one loss type: `loss_type`, or the objective's default (None for next-token
+        training; DPO's may be several, `resolved_loss_types`)."""
+        types = self.resolved_loss_types
+        return types[0] if types else None
+
+    def _validate_label_smoothing(self, types: list[str]) -> None:
+        eps = self.label_smoothing
+        smoothed = [name for name in types if name in SMOOTHED_LOSS_TYPES]
+        if eps != 0.0 and not smoothed:
+            raise ConfigError(
+                f"train.label_smoothing ({eps}) changes nothing with loss type "
+                f"{', '.join(types)}: only {', '.join(SMOOTHED_LOSS_TYPES)} read it (TRL 1.16's "
+                "sigmoid has no label smoothing): set loss_type: robust for noisy labels, or "
+                "remove label_smoothing."
+            )
+        require(0 <= eps < 1, "train", "label_smoothing", eps, "must be in [0, 1)")
+        require(
+            "robust" not in types or eps < 0.5,
+            "train",
+            "label_smoothing",
+            eps,
+            "must be below 0.5 with the robust loss: it is the share of flipped labels, and the "
+            "loss divides by 1 - 2 * label_smoothing",
+        )
+        require(
+            "exo_pair" not in types or eps > 0,
+            "train",
+            "label_smoothing",
+            eps,
+            "must be > 0 with the exo_pair loss: it is EXO's epsilon, whose log the loss takes "
+            "(the EXO paper recommends 1e-3)",
+        )
 
     def _validate_guard(self) -> None:
         for key, ok, rule in (

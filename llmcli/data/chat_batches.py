@@ -8,7 +8,7 @@ user's turns, the template's role tokens, the padding) is -1, which the loss ign
 
 `PackedChatSampler` (`data.packing`, the default for chat): the same windows, drawn the same
 way into a pool, packed whole into the rows by best fit (`best_fit`) with a segment id for
-each position, so that the loss function (`llmcli.training.packed`) lets each conversation
+each position, so that the loss function (`llmcli.objectives.chat`) lets each conversation
 attend only to itself, its positions counted from 0: its loss and gradients are those of the
 conversation alone in a row. On the chat example's conversations (~38 positions each in
 64-position rows) about 59% of a padded row is real tokens and about 76% of a packed one.

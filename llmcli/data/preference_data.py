@@ -265,7 +265,7 @@ class PreferenceSampler(RowSampler):
 
     Each batch is B pairs as `2B` rows, the chosen sequences then the rejected ones in the same
     order (row i and row B + i are pair i), each padded to `context_length + 1` tokens: what
-    `llmcli.training.dpo` scores. Its state is saved and loaded as `BatchSampler`'s, so a
+    `llmcli.objectives.dpo` scores. Its state is saved and loaded as `BatchSampler`'s, so a
     resumed run sees the batches an uninterrupted one would.
 
     Args:

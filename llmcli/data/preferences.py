@@ -15,8 +15,8 @@ with both (tokens may merge across the join, and a template may render a prompt 
 A text completion gets the end-of-text token appended first, as TRL appends `eos_token` to text
 completions; a conversational one ends with the end-of-turn token the template writes.
 
-DPO trains on these pairs (`train.objective: dpo`, `llmcli.training.dpo`), and `llmcli eval` scores
-a run on them (`llmcli.evaluation.preferences`).
+DPO trains on these pairs (`train.objective: dpo`, `llmcli.objectives.dpo`), and `llmcli eval`
+scores a run on them (`llmcli.evaluation.preferences`).
 """
 
 from __future__ import annotations

@@ -115,7 +115,7 @@ class PreferenceSplit:
     truncated: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))  # (P,)
     skipped_at: list[str] = field(default_factory=list)
     # DPO's reference scores of each pair's chosen and rejected completion, (P, 2) float32,
-    # once computed (`llmcli.training.dpo.score_pairs_once`); None: scored in each step.
+    # once computed (`llmcli.objectives.dpo.score_pairs_once`); None: scored in each step.
     reference_logps: np.ndarray | None = None
 
     def __len__(self) -> int:

@@ -4,7 +4,7 @@ A row is `{"prompt": ..., "answer": ...}`, one per line of a `.jsonl` file (or a
 glob of them): the prompt is text, or a conversation (a list of `{role, content}` messages
 ending with the user's turn) rendered through the `train.init_from` run's chat template with
 the start of the assistant's reply, as `llmcli chat` renders it. The answer is what a built-in
-verifier checks a completion against (`llmcli.evaluation.rewards`); a reward function of your own
+verifier checks a completion against (`llmcli.objectives.rewards`); a reward function of your own
 may do without it (`null`, or no `answer` key). Other keys are kept out of the way.
 
 The prompts are encoded once, in memory, like preference pairs: a prompt that leaves no room

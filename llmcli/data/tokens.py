@@ -546,17 +546,19 @@ def prepare_data(
             shorter than `context_length + 1` tokens, `vocab_size` too small for BPE, a
             missing text column or split; for conversations, what `prepare_chat_data` refuses.
     """
-    if data_cfg.format == "chat":
-        return prepare_chat_data(data_cfg, context_length, tokenizer, cache_dir)
-    if data_cfg.format in ("preference", "prompts"):
-        # Pairs and prompts are not a token stream: `llmcli.data.preference_data` and
-        # `llmcli.data.prompts` read them.
-        objective = "dpo" if data_cfg.format == "preference" else "grpo"
+    readers = {"text": _prepare_text, "chat": prepare_chat_data}
+    read = readers.get(data_cfg.format)
+    if read is None:  # pairs and prompts: `llmcli.data.preference_data`, `llmcli.data.prompts`
+        reader = _ROWS_READERS.get(data_cfg.format, "its objective")
         raise InputError(
-            f"data.format {data_cfg.format} holds rows for train.objective {objective}, which "
-            "reads them itself: they are not a token stream."
+            f"data.format {data_cfg.format} holds rows for {reader}, which reads them itself: "
+            "they are not a token stream."
         )
-    return _prepare_text(data_cfg, context_length, tokenizer, cache_dir)
+    return read(data_cfg, context_length, tokenizer, cache_dir)
+
+
+# Who reads the formats that are rows, not a token stream.
+_ROWS_READERS = {"preference": "train.objective dpo", "prompts": "train.objective grpo"}
 
 
 def _prepare_text(

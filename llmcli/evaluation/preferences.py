@@ -1,5 +1,5 @@
 """`llmcli eval` on preference pairs: how a run ranks the chosen and rejected replies of each
-pair, measured as DPO measures it (`llmcli.evaluation.preference_scores`).
+pair, measured as DPO measures it (`llmcli.objectives.preference_scores`).
 
 The pairs are a JSONL file of TRL's rows (`llmcli.data.preferences`: `{"prompt", "chosen",
 "rejected"}`, text or messages), or, with no file, a DPO run's own validation pairs as training
@@ -11,12 +11,15 @@ log-probability under the run's model and, where there is one, under the referen
 
 The reference is what DPO's rewards are measured against: a DPO run's `train.init_from`, loaded
 as training loads it, or any run with the same tokenizer (`--reference`). Against it come
-DPO's loss (the mean over pairs, beta the run's `train.dpo_beta`) and TRL's metrics:
-`rewards/accuracies`, `rewards/margins`, `rewards/chosen`, `rewards/rejected`. Without one
-(a run not trained with DPO, and no `--reference`), only the run's own figures: `logps/chosen`
-and `logps/rejected` (mean summed log-probabilities), and `logps/accuracies`, the share of pairs
-whose chosen reply the model scores strictly higher, a before/after figure of a DPO run and
-the run it started from.
+DPO's loss (the run's `train.loss_type`, `loss_weights`, `label_smoothing` and `dpo_beta`;
+`llmcli.objectives.dpo_losses`) and TRL's metrics: `rewards/accuracies`, `rewards/margins`,
+`rewards/chosen`, `rewards/rejected`. Each is computed over all the pairs at once, as TRL's
+`DPOTrainer.evaluate` computes them over one batch holding every pair. Without a reference (a
+run not trained with DPO, and no `--reference`), only the run's own figures: `logps/chosen` and
+`logps/rejected` (mean summed log-probabilities), `logits/chosen` and `logits/rejected` (TRL's:
+the mean logit at the completion tokens), and `logps/accuracies`, the share of pairs whose
+chosen reply the model scores strictly higher, a before/after figure of a DPO run and the run
+it started from.
 
 Shapes: `P` pairs scored, `B` pairs a batch, `L` tokens a row.
 """
@@ -31,28 +34,29 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from llmcli.config import Config
 from llmcli.data.chat_template import load_run_template
 from llmcli.data.preference_data import (
     PreferenceSplit,
     encode_split,
-    pair_batch,
     prepare_preference_data,
 )
 from llmcli.data.preferences import KEYS, SHAPE, PreferenceEncoder, read_preferences
 from llmcli.data.tokenizer import Tokenizer
 from llmcli.errors import InputError
 from llmcli.evaluation.chat import is_conversations
-from llmcli.evaluation.preference_scores import completion_logps, dpo_loss
 from llmcli.fileio import refuse_special_file
-from llmcli.progress import Progress, counted
+from llmcli.objectives import objective_for
+from llmcli.objectives.dpo_losses import DPOLoss, dpo_loss, mean_logit
+from llmcli.objectives.preference_scores import PairLogps, score_pairs
+from llmcli.progress import counted
 from llmcli.runs.directory import CONFIG_FILE
 from llmcli.runs.loading import LoadedRun, load_run, load_tokenizer_file
 
 # Builds a DPO run's frozen reference from its config, vocabulary size and device: training's
-# own (`llmcli.training.dpo.reference_model`), which the command line passes in, since
+# own (`llmcli.training.init_from.reference_model`), which the command line passes in, since
 # evaluation sits below training.
 ReferenceLoader = Callable[[Config, int, torch.device], nn.Module]
 
@@ -65,6 +69,8 @@ FIGURES = (
     "rewards/rejected",
     "logps/chosen",
     "logps/rejected",
+    "logits/chosen",
+    "logits/rejected",
     "logps/accuracies",
 )
 
@@ -101,11 +107,12 @@ def first_row_keys(path: Path) -> set[str]:
 
 @dataclass
 class Reference:
-    """The model DPO's rewards are measured against, how the result names it, and DPO's beta."""
+    """The model DPO's rewards are measured against, how the result names it, and DPO's loss
+    (its beta and loss types)."""
 
     model: nn.Module
     name: str
-    beta: float
+    loss: DPOLoss
 
 
 def pair_reference(
@@ -122,18 +129,18 @@ def pair_reference(
         InputError: a reference that is gone, unreadable, or has another tokenizer than the run.
         ValueError: a DPO run's own reference wanted without `load_dpo_reference`.
     """
-    beta = run.config.train.dpo_beta
+    loss = DPOLoss.from_config(run.config.train)
     if reference is not None:
         other = load_run(reference, device=device, notify=notify)
         check_same_tokenizer(run, other.tokenizer, f"--reference '{other.run_dir}'")
-        return Reference(other.model, str(other.run_dir), beta)
+        return Reference(other.model, str(other.run_dir), loss)
     init_from = run.config.train.init_from
-    if run.config.train.objective != "dpo" or init_from is None:
+    if objective_for(run.config).eval_data != "pairs" or init_from is None:  # not DPO's
         return None
     if load_dpo_reference is None:
         raise ValueError(
             "a DPO run's pairs are scored against its train.init_from: pass load_dpo_reference "
-            "(llmcli.training.dpo.reference_model), or a reference run."
+            "(llmcli.training.init_from.reference_model), or a reference run."
         )
     base = Path(init_from).expanduser()
     if base.is_absolute() and not base.exists():  # training wrote a base run's absolute path
@@ -145,7 +152,7 @@ def pair_reference(
     if (base / CONFIG_FILE).is_file():  # an llmcli run: its tokenizer is the DPO run's
         check_same_tokenizer(run, load_tokenizer_file(base), f"train.init_from '{base}'")
     vocab_size = int(run.tokenizer.vocab_size)
-    return Reference(load_dpo_reference(run.config, vocab_size, device), init_from, beta)
+    return Reference(load_dpo_reference(run.config, vocab_size, device), init_from, loss)
 
 
 def check_same_tokenizer(run: LoadedRun, tokenizer: Tokenizer, name: str) -> None:
@@ -209,73 +216,22 @@ def split_pairs(run: LoadedRun, encoder: PreferenceEncoder) -> tuple[PreferenceS
 # --- Scoring ---------------------------------------------------------------------------------
 
 
-@dataclass
-class PairLogps:
-    """Each scored pair's summed completion log-probabilities, `(P,)` float32 each: the run's
-    model's, and the reference's (None without one)."""
-
-    chosen: Tensor
-    rejected: Tensor
-    ref_chosen: Tensor | None = None
-    ref_rejected: Tensor | None = None
-
-
-@torch.no_grad()
-def score_pairs(
-    model: nn.Module,
-    reference: nn.Module | None,
-    split: PreferenceSplit,
-    pad_id: int,
-    batch_size: int,
-    *,
-    count: int | None = None,
-    length: int | None = None,
-    progress: bool = False,
-) -> PairLogps:
-    """The first `count` pairs of `split` (None: all) scored in order, `batch_size` at a time,
-    each batch padded to its longest sequence (`pair_batch`; or to `length` tokens, as training
-    pads them, which gives its steps' scores to the last bit): attention is causal, so the
-    padding after a sequence changes none of its logits, and it is never in the mask."""
-    device = next(model.parameters()).device
-    count = len(split) if count is None else min(count, len(split))
-    starts = range(0, count, batch_size)
-    bar = Progress(len(starts), desc="eval", unit="batch", enabled=progress, tenths=True)
-    scores: dict[str, list[Tensor]] = {"policy": [], "reference": []}
-    for lo in starts:
-        picks = range(lo, min(lo + batch_size, count))
-        ids, mask = pair_batch(split, picks, pad_id, length)  # (2B, L)
-        ids, mask = ids.to(device), mask.to(device)
-        scores["policy"].append(completion_logps(model, ids, mask).cpu())  # (2B,)
-        if reference is not None:
-            scores["reference"].append(completion_logps(reference, ids, mask).cpu())  # (2B,)
-        bar.update()
-    bar.close()
-    chosen, rejected = _halves(scores["policy"])
-    if reference is None:
-        return PairLogps(chosen, rejected)
-    return PairLogps(chosen, rejected, *_halves(scores["reference"]))
-
-
-def _halves(batches: list[Tensor]) -> tuple[Tensor, Tensor]:
-    """The chosen and rejected scores `(P,)` of batches of `(2B,)` (chosen rows first)."""
-    halves = [batch.chunk(2) for batch in batches]
-    return torch.cat([c for c, _ in halves]), torch.cat([r for _, r in halves])
-
-
-def pair_figures(logps: PairLogps, beta: float | None) -> tuple[float | None, dict[str, Any]]:
-    """DPO's loss over the pairs (None without a reference) and `FIGURES`, each a mean over
-    the pairs (the rewards None without a reference)."""
+def pair_figures(logps: PairLogps, loss: DPOLoss | None) -> tuple[float | None, dict[str, Any]]:
+    """DPO's loss over all the pairs at once (None without a reference) and `FIGURES` (the
+    rewards None without a reference)."""
     chosen, rejected = logps.chosen, logps.rejected
     figures: dict[str, Any] = dict.fromkeys(FIGURES)
-    loss = None
-    if logps.ref_chosen is not None and logps.ref_rejected is not None and beta is not None:
-        value, metrics = dpo_loss(chosen, rejected, logps.ref_chosen, logps.ref_rejected, beta)
-        loss = value.item()
+    value = None
+    if logps.ref_chosen is not None and logps.ref_rejected is not None and loss is not None:
+        total, metrics = dpo_loss(chosen, rejected, logps.ref_chosen, logps.ref_rejected, loss)
+        value = total.item()
         figures.update({name: metric.item() for name, metric in metrics.items()})
-    figures["logps/chosen"] = chosen.mean().item()
-    figures["logps/rejected"] = rejected.mean().item()
-    figures["logps/accuracies"] = (chosen > rejected).float().mean().item()
-    return loss, figures
+    figures["logps/chosen"] = chosen.logps.mean().item()
+    figures["logps/rejected"] = rejected.logps.mean().item()
+    figures["logits/chosen"] = mean_logit(chosen).item()
+    figures["logits/rejected"] = mean_logit(rejected).item()
+    figures["logps/accuracies"] = (chosen.logps > rejected.logps).float().mean().item()
+    return value, figures
 
 
 # --- The whole evaluation --------------------------------------------------------------------
@@ -291,6 +247,8 @@ class PreferenceEvalResult:
     data: str
     reference: str | None  # what the rewards are measured against (None: nothing)
     beta: float | None
+    loss_type: list[str] | None  # the loss types summed (None without a reference)
+    loss_weights: list[float] | None  # their weights (None: 1.0 each)
     pairs: int  # scored (truncated ones included)
     truncated: int  # of those, with their completions cut to fit the context
     skipped: int  # too long for the context
@@ -310,6 +268,8 @@ class PreferenceEvalResult:
             "data": self.data,
             "reference": self.reference,
             "beta": self.beta,
+            "loss_type": self.loss_type,
+            "loss_weights": self.loss_weights,
             "pairs": self.pairs,
             "truncated": self.truncated,
             "skipped": self.skipped,
@@ -355,15 +315,17 @@ def evaluate_preferences(
     logps = score_pairs(
         run.model, ref_model, split, encoder.pad_id, batch_size, count=count, progress=progress
     )
-    beta = None if reference is None else reference.beta
-    loss, figures = pair_figures(logps, beta)
+    dpo = None if reference is None else reference.loss
+    loss, figures = pair_figures(logps, dpo)
     return PreferenceEvalResult(
         run_dir=str(run.run_dir),
         weights=str(run.weights_path),
         step=run.step,
         data=label,
         reference=None if reference is None else reference.name,
-        beta=beta,
+        beta=None if dpo is None else dpo.beta,
+        loss_type=None if dpo is None else list(dpo.types),
+        loss_weights=None if dpo is None or dpo.weights is None else list(dpo.weights),
         pairs=count,
         truncated=int(split.truncated[:count].sum()),
         skipped=split.counts["skipped"],
@@ -378,10 +340,10 @@ def evaluate_preferences(
 def _records(split: PreferenceSplit, logps: PairLogps) -> list[dict[str, Any]]:
     """Each scored pair's line of `--json`'s `per_pair`: where it is, whether it was cut, and
     its replies' summed log-probabilities (TRL's column names for the reference's)."""
-    P = len(logps.chosen)
+    P = len(logps.chosen.logps)
     columns = {
-        "chosen_logps": logps.chosen,
-        "rejected_logps": logps.rejected,
+        "chosen_logps": logps.chosen.logps,
+        "rejected_logps": logps.rejected.logps,
         "ref_chosen_logps": logps.ref_chosen,
         "ref_rejected_logps": logps.ref_rejected,
     }
@@ -409,8 +371,14 @@ def format_preference_result(result: PreferenceEvalResult) -> str:
             "loss and rewards\n"
         )
     else:
+        types = result.loss_type or ["sigmoid"]
+        weights = result.loss_weights or [1.0] * len(types)
+        terms = zip(types, weights, strict=True)
+        kind = " + ".join(n if w == 1.0 else f"{w:g} {n}" for n, w in terms)
+        loss = "" if kind == "sigmoid" else f", loss {kind}"
         text += (
-            f"against {result.reference} (beta {result.beta:g}): DPO loss {result.loss:.4f}, "
+            f"against {result.reference} (beta {result.beta:g}{loss}): DPO loss "
+            f"{result.loss:.4f}, "
             f"reward accuracy {100 * f['rewards/accuracies']:.1f}%, margin "
             f"{f['rewards/margins']:+.4f} (chosen {f['rewards/chosen']:+.4f}, rejected "
             f"{f['rewards/rejected']:+.4f})\n"

@@ -21,66 +21,15 @@ from pathlib import Path
 from typing import Any
 
 from llmcli.data.chat_template import load_run_template
-from llmcli.data.prepared import PromptSplit
 from llmcli.data.prompts import PromptEncoder, encode_prompts, read_prompt_rows
 from llmcli.errors import InputError
 from llmcli.evaluation.chat import is_conversations
 from llmcli.evaluation.preferences import first_row_keys
-from llmcli.evaluation.rewards import BUILT_IN, Reward, load_reward, score
-from llmcli.generation.replies import replies
-from llmcli.progress import Progress, counted
+from llmcli.objectives import objective_for
+from llmcli.objectives.grpo import greedy_figures
+from llmcli.objectives.rewards import load_rewards
+from llmcli.progress import counted
 from llmcli.runs.loading import LoadedRun
-
-
-def reply_budgets(prompts: list[list[int]], max_new_tokens: int, context_length: int) -> list[int]:
-    """Each prompt's most reply tokens: `max_new_tokens`, or the room its row has (the model
-    reads `context_length` tokens, so a row holds at most `context_length + 1`)."""
-    return [min(max_new_tokens, context_length + 1 - len(p)) for p in prompts]
-
-
-def greedy_figures(
-    model: Any,
-    split: PromptSplit,
-    end_id: int,
-    sample: Any,
-    reward: Reward,
-    decode_text: Any,
-    batch_size: int,
-    *,
-    progress: bool = False,
-) -> dict[str, Any]:
-    """Greedy replies to the prompts of `split`: their mean `reward`, `pass@1` (NaN when there
-    are none) of the `answered` prompts (those with an answer, for a built-in verifier; every
-    prompt, for a function of the user's), `passed` of them (reward 1 or more), and each
-    prompt's `replies` (text, whether it ended, reward). The model must be in eval mode."""
-    picks = list(range(len(split)))
-    greedy = dataclasses.replace(sample, temperature=0.0)
-    bar = Progress(len(picks), desc="answers", unit="prompt", enabled=progress, tenths=True)
-    rows = []
-    for lo in range(0, len(picks), batch_size):
-        batch = picks[lo : lo + batch_size]
-        prompts = [split.ids[k].tolist() for k in batch]
-        budgets = reply_budgets(prompts, sample.max_new_tokens, model.context_length)
-        got = replies(model, prompts, budgets, end_id, greedy, model.vocab_size)
-        for k, (ids, ended) in zip(batch, got, strict=True):
-            text = decode_text(ids)
-            value = score(reward, split.texts[k], text, split.answers[k], split.where[k])
-            rows.append({"where": split.where[k], "reply": text, "ended": ended, "reward": value})
-        bar.update(len(batch))
-    bar.close()
-    verifier = any(reward is fn for fn in BUILT_IN.values())  # they need an answer to judge
-    answered = [
-        float(r["reward"] >= 1.0)
-        for k, r in zip(picks, rows, strict=True)
-        if split.answers[k] is not None or not verifier
-    ]
-    return {
-        "reward": sum(r["reward"] for r in rows) / len(rows),
-        "pass@1": sum(answered) / len(answered) if answered else float("nan"),
-        "passed": int(sum(answered)),
-        "answered": len(answered),
-        "replies": rows,
-    }
 
 
 @dataclass
@@ -151,8 +100,9 @@ def evaluate_prompts(
     if not rows:
         raise InputError(f"'{data}' holds no prompts: add some.")
     split = encode_prompts(rows, encoder, config.model.context_length)
-    spec = config.train.reward if config.train.objective == "grpo" else "exact"
-    reward = load_reward(spec, config.train.reward_timeout)
+    objective = objective_for(config)  # a GRPO run's own rewards, else exact
+    specs = list(objective.reward_specs)
+    reward = load_rewards(specs, objective.reward_weights, config.train.reward_timeout)
     run.model.eval()
     figures = greedy_figures(
         run.model,
@@ -169,7 +119,7 @@ def evaluate_prompts(
         weights=str(run.weights_path),
         step=run.step,
         data=str(data),
-        reward_name=spec,
+        reward_name=",".join(specs),
         prompts=len(split),
         skipped=split.counts["skipped"],
         passed=figures["passed"],

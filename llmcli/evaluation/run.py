@@ -71,6 +71,7 @@ from llmcli.evaluation.text import (
     window_starts,
 )
 from llmcli.model.hooks import HookFn
+from llmcli.objectives import objective_for
 from llmcli.runs.loading import load_run
 
 logger = logging.getLogger(__name__)
@@ -196,7 +197,7 @@ def evaluate_run(
             them (the command line's `--ablate-feature`: `options.ablate_feature` names what
             they remove). Text only: refused on conversations, as `--ablate-feature` is.
         load_reference: builds a DPO run's reference from its config, as training does
-            (`llmcli.training.dpo.reference_model`, which the command line passes: evaluation
+            (`llmcli.training.init_from.reference_model`, which the command line passes: evaluation
             sits below training); needed for a DPO run's pairs without `options.reference`.
         progress: show progress (a bar on a terminal, plain lines elsewhere): of the scoring
             pass, and of the first pass that mean ablation needs.
@@ -217,13 +218,14 @@ def evaluate_run(
     dev = resolve_device(options.device, what="--device")
     run = load_run(checkpoint, weights=options.weights, device=dev, notify=notify)
     with torch_threads(options.threads or run.config.train.threads):
-        if is_prompt_data(data, run.config.train.objective == "grpo"):
+        own = objective_for(run.config).eval_data  # what the run's own data are
+        if is_prompt_data(data, own == "prompts"):
             _refuse_text_options(options, hooks, "prompts", answers=True)
             batch_size = options.batch_size or run.config.train.batch_size
             return evaluate_prompts(
                 run, None if data is None else Path(data), batch_size, progress=progress, t0=t0
             )
-        if is_preference_data(data, run.config.train.objective == "dpo"):
+        if is_preference_data(data, own == "pairs"):
             _refuse_text_options(options, hooks, "preference pairs", answers=True)
             reference = pair_reference(run, options.reference, load_reference, dev, notify)
             return _evaluate_pairs(run, data, reference, options, t0, progress=progress)
@@ -233,7 +235,7 @@ def evaluate_run(
                 'give pairs as --data FILE.jsonl (rows of {"prompt", "chosen", "rejected"}), or '
                 "drop it."
             )
-        if is_conversations(data) or (data is None and run.config.data.format == "chat"):
+        if is_conversations(data) or (data is None and own == "conversations"):
             _refuse_text_options(options, hooks, "conversations")
             return _evaluate_chat(run, data, options, t0, progress=progress)
         if options.answers:

@@ -220,7 +220,7 @@ def export_hf(
     _check_out_dir(out, run.run_dir, force)
     arch = choose(run.config.model, fmt)
     model, adapter = run.model, {}
-    if run.config.train.lora is not None and not merge:
+    if not merge:  # a LoRA run's base and adapter, unmerged (other runs: the model, no adapter)
         model, adapter = lora_export_parts(run, arch, base=str(out.resolve()))
     files = _folder_files(run, arch, model, out)
     adapter_dir = out / ADAPTER_DIR if adapter else None
@@ -291,7 +291,7 @@ def lora_export_parts(
     run: LoadedRun, arch: ModuleType, base: str
 ) -> tuple[Transformer, dict[str, bytes]]:
     """A LoRA run's base model and its adapter files in PEFT's format for `arch`, which name
-    `base` (the export folder) as their base.
+    `base` (the export folder) as their base; another run's model and no files.
 
     The base is the weights the run started from as they are, from the resume state (the base
     is frozen, so they are bitwise `train.init_from`'s), rather than the merged weights less
@@ -307,7 +307,8 @@ def lora_export_parts(
         CheckpointError: a missing or damaged file of the run.
     """
     lora = run.config.train.lora
-    assert lora is not None
+    if lora is None:  # a run that trained every weight: the model itself, no adapter
+        return run.model, {}
     base_vocab = (run.meta.get("lora") or {}).get("base_vocab_size")
     if not (run.run_dir / ADAPTER_CONFIG_FILE).is_file() or base_vocab is None:
         raise InputError(

@@ -261,10 +261,12 @@ class Block(nn.Module):
         # Registered in the order of the forward, which `hook_names` lists them in.
         self.resid_pre = HookPoint()  # (B, T, C): the block's input
         self.ln1 = make_norm(config)
+        self.attn_in = HookPoint()  # (B, T, C): ln1's output, what the attention reads
         self.attn = MultiHeadAttention(config, layer_idx)
         self.attn_out = HookPoint()  # (B, T, C)
         self.resid_mid = HookPoint()  # (B, T, C): after the attention's residual add
         self.ln2 = make_norm(config)
+        self.mlp_in = HookPoint()  # (B, T, C): ln2's output, what the MLP (a transcoder) reads
         self.mlp = MLP(config)
         self.mlp_out = HookPoint()  # (B, T, C)
         self.resid_post = HookPoint()  # (B, T, C): the block's output
@@ -279,9 +281,9 @@ class Block(nn.Module):
         """See `MultiHeadAttention.forward` (which refuses `T > context_length`):
         `(B, T, C)` -> `(B, T, C)`."""
         x = self.resid_pre(x)
-        attn = self.attn(self.ln1(x), mask, input_pos, kv_cache)  # (B, T, C)
+        attn = self.attn(self.attn_in(self.ln1(x)), mask, input_pos, kv_cache)  # (B, T, C)
         x = self.resid_mid(x + self.attn_out(attn))  # (B, T, C)
-        x = self.resid_post(x + self.mlp_out(self.mlp(self.ln2(x))))  # (B, T, C)
+        x = self.resid_post(x + self.mlp_out(self.mlp(self.mlp_in(self.ln2(x)))))  # (B, T, C)
         return x
 
 

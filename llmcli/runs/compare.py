@@ -1,8 +1,10 @@
 """`llmcli compare`: several runs side by side, their curves in one picture and a table.
 
 It reads only what any run directory holds (`metrics.jsonl`, `config.yaml`, `meta.json`), so it
-works on runs trained anywhere. The table gives each run's best val loss and its step, steps,
-tokens, training time and tokens per second of it, and the config keys whose values differ
+works on runs trained anywhere. The table gives each run's best val loss (where its objective's
+loss is one: not GRPO's negated reward) and its step, steps, tokens, training time and tokens
+per second of it, the figures its objective names at that evaluation (meta.json's `figures`:
+GRPO's reward and pass@1, DPO's reward accuracy and margin), and the config keys whose values differ
 between the runs (only those). With `reference`, each run's shipped config's reference curve
 (`llmcli.runs.reference`) is drawn too, and each run is placed against it.
 """
@@ -24,7 +26,7 @@ from llmcli.fileio import write_figure
 from llmcli.runs.directory import CONFIG_FILE, META_FILE, METRICS_FILE
 from llmcli.runs.formats import read_meta
 from llmcli.runs.loading import load_config_file
-from llmcli.runs.metrics import best_eval, read_metrics
+from llmcli.runs.metrics import best_eval, best_figures, format_figures, read_metrics
 from llmcli.runs.reference import (
     ReferenceCheck,
     check_run,
@@ -72,6 +74,9 @@ class RunSummary:
     tokens_per_s: float | None
     differs: dict[str, Any] = field(default_factory=dict)
     reference: ReferenceCheck | None = None
+    # The run's objective's figures at its best evaluation (GRPO's reward and pass@1, DPO's
+    # reward accuracy and margin); `best_val_loss` is None where its loss means nothing.
+    best_figures: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -127,6 +132,7 @@ def expand_runs(specs: list[str], minimum: int = 2) -> list[Path]:
 def _summary(run: Path, records: list[dict[str, Any]]) -> RunSummary:
     meta = read_meta(run / META_FILE)
     best, best_step = best_eval(records)
+    shows_loss, figures = best_figures(records, best_step, meta)
     last = records[-1] if records else {}
     tokens, elapsed = meta.get("tokens"), meta.get("elapsed_s")
     if tokens is None:  # not recorded (or left out as malformed): the metrics' own figure
@@ -135,12 +141,13 @@ def _summary(run: Path, records: list[dict[str, Any]]) -> RunSummary:
         elapsed = last.get("elapsed_s")
     return RunSummary(
         run=str(run),
-        best_val_loss=best,
+        best_val_loss=best if shows_loss else None,
         best_step=best_step,
         steps=meta.get("step", last.get("step")),
         tokens=tokens,
         elapsed_s=elapsed,
         tokens_per_s=tokens / elapsed if tokens and elapsed else None,
+        best_figures=figures,
     )
 
 
@@ -296,6 +303,9 @@ def format_table(comparison: Comparison) -> str:
     # tokens over the run's whole time (start-up and evaluations too), not the training loop's
     # own rate that `llmcli train` prints
     rows = [["run", "best val", "at step", "steps", "tokens", "time s", "tokens/s"]]
+    figures = any(r.best_figures for r in runs)  # an objective's own (GRPO's reward, ...)
+    if figures:
+        rows[0].append("at best")
     for r in runs:
         rows.append(
             [
@@ -306,6 +316,7 @@ def format_table(comparison: Comparison) -> str:
                 "-" if r.tokens is None else f"{r.tokens:,}",
                 "-" if r.elapsed_s is None else f"{r.elapsed_s:.1f}",
                 "-" if r.tokens_per_s is None else f"{r.tokens_per_s:,.0f}",
+                *([format_figures(r.best_figures) or "-"] if figures else []),
             ]
         )
     text = _aligned(rows)

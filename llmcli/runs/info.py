@@ -15,7 +15,7 @@ from llmcli.data.chat_template import TEMPLATE_FILE
 from llmcli.progress import counted, format_bytes
 from llmcli.runs.directory import ADAPTER_CONFIG_FILE, METRICS_FILE
 from llmcli.runs.loading import load_run
-from llmcli.runs.metrics import best_eval, read_metrics
+from llmcli.runs.metrics import best_eval, best_figures, format_figures, read_metrics
 from llmcli.runs.reference import ReferenceCheck, check_run, describe
 from llmcli.runs.versions import record, warnings_for
 
@@ -41,9 +41,13 @@ def run_info(
     """
     run = load_run(checkpoint, weights=weights, notify=notify)
     meta = run.meta
-    best_val, best_step = best_eval(read_metrics(run.run_dir / METRICS_FILE))
+    records = read_metrics(run.run_dir / METRICS_FILE)
+    best_val, best_step = best_eval(records)
     if meta.get("best_val_loss") is not None:
         best_val, best_step = float(meta["best_val_loss"]), meta.get("best_step", best_step)
+    # The run's objective names the figures that say how it does (meta.json's `figures`, since
+    # llmcli.objectives; older runs: the loss alone): their values at the best evaluation.
+    shows_loss, figures = best_figures(records, best_step, meta)
     config = run.config.to_dict()
     return {
         "run_dir": str(run.run_dir),
@@ -60,8 +64,9 @@ def run_info(
             "max_steps": meta.get("max_steps", config["train"]["max_steps"]),
             "tokens": meta.get("tokens"),
             "elapsed_s": meta.get("elapsed_s"),
-            "best_val_loss": best_val,
+            "best_val_loss": best_val if shows_loss else None,
             "best_step": best_step,
+            "best_figures": figures,
             "device": meta.get("device"),
             "dtype": meta.get("dtype"),
         },
@@ -89,7 +94,6 @@ def format_info(info: dict[str, Any]) -> str:
     model, training = info["model"], info["training"]
     recorded = info["versions"]["recorded"] or {}
     installed = info["versions"]["installed"]
-    best = training["best_val_loss"]
     rows = [
         ("run", info["run_dir"]),
         ("weights", f"{info['weights']} (step {info['weights_step']})"),
@@ -115,12 +119,7 @@ def format_info(info: dict[str, Any]) -> str:
             "elapsed",
             f"{training['elapsed_s']:.1f} s" if training["elapsed_s"] is not None else "unknown",
         ),
-        (
-            "best val loss",
-            f"{best:.4f} at step {training['best_step']}"
-            if best is not None
-            else "no evaluation yet",
-        ),
+        *_best_rows(training),
         ("tokenizer", describe_tokenizer(info["tokenizer"])),
         ("chat template", describe_chat(info["chat"])),
         *([("dpo", describe_preference(info["preference"]))] if info["preference"] else []),
@@ -138,6 +137,17 @@ def format_info(info: dict[str, Any]) -> str:
         )
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+def _best_rows(training: dict[str, Any]) -> list[tuple[str, str]]:
+    """The best evaluation's loss (where it means something) and its objective's figures."""
+    best, step, figures = training["best_val_loss"], training["best_step"], training["best_figures"]
+    rows = []
+    if best is not None or not figures:
+        rows.append(("best val loss", f"{best:.4f} at step {step}" if best is not None else None))
+    if figures and step is not None:
+        rows.append(("best evaluation", f"{format_figures(figures)} at step {step}"))
+    return [(name, text or "no evaluation yet") for name, text in rows]
 
 
 def describe_chat(chat: dict[str, Any]) -> str:
@@ -163,6 +173,8 @@ def _preference(config: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any] 
         return None
     return {
         "beta": train.get("dpo_beta"),
+        "loss_type": train.get("loss_type"),  # null: sigmoid
+        "loss_weights": train.get("loss_weights"),
         "reference": train.get("init_from"),
         "data": meta.get("preference_data"),
     }
@@ -222,8 +234,14 @@ def describe_lora(lora: dict[str, Any]) -> str:
 
 
 def describe_preference(preference: dict[str, Any]) -> str:
-    """The DPO row: beta, the reference, and how the training pairs fit."""
-    text = f"beta {preference['beta']} against {preference['reference']}"
+    """The DPO row: beta, the loss types (where not the default), the reference, and how the
+    training pairs fit."""
+    text = f"beta {preference['beta']}"
+    for key, name in (("loss_type", "loss"), ("loss_weights", "weighted")):
+        value = preference.get(key)
+        if value is not None:
+            text += f", {name} {','.join(map(str, value)) if isinstance(value, list) else value}"
+    text += f" against {preference['reference']}"
     train = (preference.get("data") or {}).get("train")
     if train:
         text += (

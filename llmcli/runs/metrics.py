@@ -185,3 +185,32 @@ def best_eval(records: list[dict[str, Any]]) -> tuple[float | None, int | None]:
         ):
             best = (float(val), record.get("step"))
     return best
+
+
+def best_figures(
+    records: list[dict[str, Any]], best_step: int | None, meta: dict[str, Any]
+) -> tuple[bool, dict[str, Any]]:
+    """What says how a run does at its best evaluation (`best_step`), by the figures its
+    objective names in `meta.json` (`figures`; a run from before them: the loss alone):
+    (whether its loss means something to show, the other figures by name, None where the
+    evaluation did not record one)."""
+    names = meta.get("figures") or ["val_loss"]
+    at_best = next(
+        (r for r in records if r.get("kind") == "eval" and r.get("step") == best_step), {}
+    )
+    return "val_loss" in names, {n: at_best.get(n) for n in names if n != "val_loss"}
+
+
+def format_figures(figures: dict[str, Any]) -> str:
+    """Figures as `info` and `compare` show them: `val reward 0.5000, val pass@1 75.0%` (shares,
+    pass@1 and accuracies, in percent)."""
+    shown = []
+    for name, value in figures.items():
+        if not isinstance(value, (int, float)):
+            text = "not recorded"
+        elif name.endswith(("pass@1", "accuracies")):
+            text = f"{value:.1%}"
+        else:
+            text = f"{value:.4f}"
+        shown.append(f"{name.replace('_', ' ')} {text}")
+    return ", ".join(shown)

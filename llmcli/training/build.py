@@ -29,15 +29,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from llmcli.config import Config
-from llmcli.data.preference_data import preference_token_data
-from llmcli.data.prompts import prompt_token_data
+from llmcli.data.prepared import TokenData
 from llmcli.data.tokenizer import Tokenizer
-from llmcli.data.tokens import TokenData, prepare_data
 from llmcli.device import resolve_device, torch_threads
 from llmcli.errors import CheckpointError, InputError
 from llmcli.evaluation.probe import make_probe
-from llmcli.evaluation.rewards import load_reward
 from llmcli.model.gpt import Transformer
+from llmcli.objectives import objective_for
 from llmcli.runs.directory import (
     META_FILE,
     check_fresh_start,
@@ -52,16 +50,19 @@ from llmcli.runs.trackers import check_available
 from llmcli.training.batch import resolve_batch, with_micro_batch
 from llmcli.training.checkpoint import Checkpointer, restore
 from llmcli.training.compiling import MEASURE_S, choose, compile_key, compiled, inductor_cache
-from llmcli.training.distributed import DistInfo, agreed, dist_from_env, gather, process_group
-from llmcli.training.dpo import dpo_objective, reference_model, score_pairs_once
+from llmcli.training.distributed import (
+    DistInfo,
+    agreed,
+    dist_from_env,
+    gather,
+    process_group,
+    sum_over_ranks,
+)
 from llmcli.training.evaluate import EVAL_SEED_OFFSET, Evaluator, split_sampler
-from llmcli.training.grpo import GRPOObjective, GRPOStream
 from llmcli.training.guard import Divergence, SpikeGuard
-from llmcli.training.init_from import init_encoding, load_init_weights, resolve_init_from
-from llmcli.training.lora import adapt, base_vocab_size, parameter_counts
+from llmcli.training.init_from import load_init_weights, reference_model, resolve_init_from
+from llmcli.training.lora import adapt_model, lora_meta, trains_base
 from llmcli.training.memory import check_memory, out_of_memory_is_bad_input
-from llmcli.training.optim import build_optimizer
-from llmcli.training.packed import packed_next_token_loss
 from llmcli.training.plan import measure_step
 from llmcli.training.precision import Precision
 from llmcli.training.state import (
@@ -71,7 +72,7 @@ from llmcli.training.state import (
     describe_changes,
     seed_everything,
 )
-from llmcli.training.step import Trainer, next_token_loss
+from llmcli.training.step import Trainer, make_trainer
 
 logger = logging.getLogger(__name__)
 
@@ -172,12 +173,16 @@ def build_run(
         inductor_cache()
     if tc.init_from:  # a run or a Hugging Face folder sets the model's shape and the tokenizer
         config = resolve_init_from(config)
-    saved, data = _prepare(config, info, device, run_dir, resume, overwrite)
+    saved, data, resumed = _prepare(config, info, device, run_dir, resume, overwrite)
     vocab = int(data.tokenizer.vocab_size)
     auto_batch = tc.batch_size == "auto"
     config = _resolve_batch(config, vocab, precision, info, saved)
     tc = config.train
-    check_memory(config, vocab, device, precision.name, info.world_size)
+    with agreed(info, device):  # a step that cannot fit: refused before the folder is made
+        check_memory(config, vocab, device, precision.name, info.world_size)
+    with agreed(info, device):
+        if info.main and not resumed:
+            prepare_run_dir(run_dir, resumed, overwrite)
     model, trainer = _model_and_trainer(config, data, precision, info, fresh=saved is None)
     state = TrainState(session_start=session_start)
     guard = None
@@ -198,11 +203,12 @@ def build_run(
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     probe = None
-    if tc.head_metrics and info.main:  # rank 0 scores the heads
+    # Rank 0 scores the heads, where their scores mean something: not on a preference or reward
+    # loss, nor on a LoRA run's frozen base (its adapters leave the heads the base's).
+    objective = objective_for(config)
+    if tc.head_metrics and info.main and objective.head_metrics and trains_base(model):
         probe = make_probe(data.tokenizer, config.model.context_length)
     evaluated = trainer.model.module if info.enabled else trainer.model  # no DDP forward
-    # Evaluation keeps one conversation a row (`split_sampler`): losses comparable across runs.
-    eval_loss = next_token_loss if packs(config) else trainer.loss_fn
     return Run(
         config=config,
         info=info,
@@ -212,7 +218,9 @@ def build_run(
         state=state,
         facts=facts,
         checkpoints=Checkpointer(facts, info, model, trainer, guard),
-        evaluate=Evaluator(evaluated, model, data, precision, info, probe, eval_loss),
+        evaluate=Evaluator(
+            evaluated, model, data, precision, info, probe, trainer.loss_fn, objective
+        ),
         guard=guard,
         divergence=Divergence(tc, run_dir, guarded=guard is not None),
         shrinks=auto_batch and not info.enabled and saved is None,
@@ -229,52 +237,17 @@ def _model_and_trainer(
     model = Transformer(config.model, vocab, generator=torch.Generator().manual_seed(tc.seed))
     if tc.init_from and fresh:  # a resumed run's weights come from its state
         load_init_weights(model, tc.init_from)
-    no_decay: list[str] = []
-    if tc.lora is not None:  # adapters on the frozen base (a resumed run's from its state)
-        assert tc.init_from, "train.lora needs train.init_from"
-        no_decay = adapt(model, tc.lora, tc.init_from, tc.seed)
+    no_decay = adapt_model(model, tc)  # LoRA's adapters (a resumed run's from its state)
     model.to(device)
-    optimizer = build_optimizer(model, tc, device.type, no_decay)
     seed_everything(tc.seed + info.rank)
-    packed = packs(config)
+    objective = objective_for(config)
     with agreed(info, device):
-        sampler = split_sampler(data, "train", config, tc.seed, info, device, packed)
-    trainer = Trainer(
-        model=model,
-        params=[p for p in model.parameters() if p.requires_grad],
-        optimizer=optimizer,
-        precision=precision,
-        batches=sampler,
-        grad_accum=tc.grad_accum,
-        grad_clip=tc.grad_clip,
-    )
-    if packed:  # each conversation of a row attends to itself, its positions from 0
-        trainer.loss_fn = packed_next_token_loss
-    if tc.objective == "dpo":  # scored against the frozen model it starts from
-        assert data.preference is not None
-        reference = reference_model(config, vocab, device)
-        score_pairs_once(reference, data.preference, config, info.world_size)
-        trainer.loss_fn = dpo_objective(reference, tc.dpo_beta)
-    if tc.objective == "grpo":  # completions sampled from the model as it trains, rewarded
-        assert data.prompts is not None
-        reference = reference_model(config, vocab, device) if tc.grpo_beta > 0 else None
-        objective = GRPOObjective(
-            model,
-            data.prompts,
-            config,
-            load_reward(tc.reward, tc.reward_timeout),
-            data.tokenizer.decode,
-            reference,
-            info,
-        )
-        trainer.loss_fn = objective
-        trainer.batches = GRPOStream(objective, sampler, tc.grad_accum)
+        sampler = split_sampler(data, "train", config, tc.seed, info, device, training=True)
+    trainer = make_trainer(model, tc, precision, sampler, no_decay)
+    reference = reference_model(config, vocab, device) if objective.needs_reference else None
+    sum_ranks = sum_over_ranks if info.enabled else None
+    objective.wire(trainer, model, data, reference, info.world_size, sum_ranks)
     return model, trainer
-
-
-def packs(config: Config) -> bool:
-    """Whether the training stream packs conversations into rows (`data.packing`, chat only)."""
-    return config.data.format == "chat" and config.data.packing
 
 
 def _facts(
@@ -307,12 +280,7 @@ def _facts(
         tokenizer_training=meta.get("tokenizer_training")
         if saved is not None
         else data.tokenizer_training,
-        chat_data=data.chat.counts() if data.chat is not None else None,
-        preference_data=data.preference.counts() if data.preference is not None else None,
-        prompt_data=data.prompts.counts() if data.prompts is not None else None,
-        lora=parameter_counts(model, base_vocab_size(config.train.init_from))
-        if config.train.lora is not None
-        else None,
+        meta_rows=objective_for(config).meta_rows(data) | lora_meta(model, tc.init_from),
         metrics_bytes=saved.metrics_bytes if saved is not None else None,
         head_metrics_bytes=saved.head_metrics_bytes if saved is not None else None,
     )
@@ -345,11 +313,12 @@ def _prepare(
     run_dir: Path,
     resume: bool | str,
     overwrite: bool,
-) -> tuple[ResumeState | None, TokenData]:
-    """Check the run directory, load the resume state, tokenize the data: (saved state, data).
+) -> tuple[ResumeState | None, TokenData, bool]:
+    """Check the run directory, load the resume state, tokenize the data: (saved state, data,
+    whether the run resumes).
 
-    A fresh start only checks the folder before reading the data, and prepares it (made, an
-    earlier run's files removed) once the data is read: bad input changes nothing there.
+    A fresh start only checks the folder here; `build_run` prepares it (made, an earlier run's
+    files removed) once the data is read and the step fits: bad input changes nothing there.
     """
     saved: ResumeState | None = None
     resume = resumes(run_dir, resume)  # before rank 0 prepares the folder
@@ -374,9 +343,6 @@ def _prepare(
         if not info.main:
             data = _read_data(config, tokenizer)
     assert data is not None
-    with agreed(info, device):
-        if info.main and not resume:
-            prepare_run_dir(run_dir, resume, overwrite)
     if saved is not None:
         saved.check_fits(config, run_dir, int(data.tokenizer.vocab_size))
         changes = saved.changed_settings(config)
@@ -387,25 +353,13 @@ def _prepare(
                 "the corpus changed since this run was saved: the resumed run will "
                 "not match an uninterrupted one"
             )
-    return saved, data
+    return saved, data, bool(resume)
 
 
 def _read_data(config: Config, tokenizer: Tokenizer | None) -> TokenData:
-    """The run's data: `prepare_data`'s tokens, or for `train.objective: dpo` the preference
-    pairs (for `grpo` the prompts) encoded with the `train.init_from` run's tokenizer and chat
-    template (a resumed run's tokenizer, `tokenizer`, must be that one)."""
-    if config.train.objective in ("dpo", "grpo"):
-        init_tokenizer, template = init_encoding(config)
-        if tokenizer is not None and tokenizer.to_json() != init_tokenizer.to_json():
-            raise InputError(
-                f"the run '{config.train.init_from}' (train.init_from) now has another tokenizer "
-                f"than this {config.train.objective.upper()} run, which started from it: its "
-                "data are encoded with that run's tokenizer. Point train.init_from at the run "
-                "this one started from, or start afresh with --overwrite."
-            )
-        read = preference_token_data if config.train.objective == "dpo" else prompt_token_data
-        return read(config.data, config.model.context_length, init_tokenizer, template)
-    return prepare_data(config.data, config.model.context_length, tokenizer=tokenizer)
+    """The run's data, as its objective reads them (`Objective.read_data`; `tokenizer`: a
+    resumed run's own)."""
+    return objective_for(config).read_data(tokenizer)
 
 
 def _check_same_save(saved: ResumeState | None, run_dir: Path, info: DistInfo) -> None:

@@ -105,11 +105,11 @@ class Checkpointer:
         architecture the run exports as, and at a best step also in `best_adapter.safetensors`
         (the export's base + adapter of `--weights best`); none for a full fine-tune, or
         adapters PEFT's format cannot hold (an untied LM head's new token rows)."""
-        lora = config.train.lora
-        arch = adapter_layout(self.model, config.model) if lora is not None else None
-        if lora is None or arch is None or self.facts.lora is None:
+        counts = self.facts.meta_rows.get("lora")  # (`lora_meta`: the model's adapters)
+        arch = adapter_layout(self.model, config.model) if counts else None
+        lora, base_vocab = config.train.lora, counts["base_vocab_size"] if counts else 0
+        if arch is None or lora is None:  # (adapters come from train.lora)
             return {}
-        base_vocab = self.facts.lora["base_vocab_size"]
         files = peft_adapter_files(self.model, lora, arch, config.train.init_from, base_vocab)
         if best:
             files[BEST_ADAPTER_FILE] = weights_bytes(adapter_state_dict(self.model), {"step": step})
@@ -164,15 +164,7 @@ class Checkpointer:
             "tokenizer_training": facts.tokenizer_training,
             "compiled": facts.compiled,  # train.compile's choice, which a resumed run keeps
         }
-        if facts.chat_data is not None:  # how many conversations fit, were cut or left out
-            meta["chat_data"] = facts.chat_data
-        if facts.preference_data is not None:  # ... and how many preference pairs
-            meta["preference_data"] = facts.preference_data
-        if facts.prompt_data is not None:  # ... and how many prompts
-            meta["prompt_data"] = facts.prompt_data
-        if facts.lora is not None:  # a LoRA run's adapter and trainable parameters
-            meta["lora"] = facts.lora
-        return meta
+        return meta | facts.meta_rows  # how many examples fit; a LoRA run's parameters
 
     def rollback(self, state: TrainState, log: TrainLog, step: int, loss: float) -> dict[str, Any]:
         """The spike guard's rollback at step `step`: back to the last save, read as a resume

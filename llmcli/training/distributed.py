@@ -191,3 +191,9 @@ def mean_over_ranks(values: torch.Tensor, info: DistInfo) -> None:
     if info.enabled:
         dist.all_reduce(values)
         values /= info.world_size
+
+
+def sum_over_ranks(values: torch.Tensor) -> None:
+    """Sum `values` over the ranks, in place (what an objective's step is handed to normalise
+    by every rank's tokens, `llmcli.objectives.base.SumRanks`)."""
+    dist.all_reduce(values)

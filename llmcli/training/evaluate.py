@@ -28,16 +28,13 @@ import torch
 from torch import nn
 
 from llmcli.config import Config
-from llmcli.data.batches import BatchSampler
-from llmcli.data.chat_batches import IGNORE, ChatSampler, PackedChatSampler
-from llmcli.data.preference_data import PreferenceSampler
+from llmcli.data.chat_batches import IGNORE
 from llmcli.data.prepared import TokenData
-from llmcli.data.prompts import PromptSampler
 from llmcli.evaluation.metrics import icl_score
 from llmcli.evaluation.probe import Probe, probe_scores
 from llmcli.evaluation.text import token_losses
+from llmcli.objectives import Objective, objective_for
 from llmcli.training.distributed import DistInfo, mean_over_ranks
-from llmcli.training.grpo import GRPOObjective
 from llmcli.training.precision import Precision
 from llmcli.training.step import LossFn, next_token_loss
 
@@ -165,6 +162,9 @@ class Evaluator:
         info: this process's place under torchrun.
         probe: what each head is scored on (rank 0 with `train.head_metrics`), else None.
         loss_fn: a batch's loss, the training step's (`llmcli.training.step.LossFn`).
+        objective: the run's objective, whose `eval_loss` the estimate uses (None: the step's);
+            each evaluation asks the config's objective what else it measures
+            (`Objective.evaluate`, `by_position`).
     """
 
     def __init__(
@@ -176,10 +176,12 @@ class Evaluator:
         info: DistInfo,
         probe: Probe | None,
         loss_fn: LossFn = next_token_loss,
+        objective: Objective | None = None,
     ) -> None:
         self.model, self.unwrapped, self.data = model, unwrapped, data
         self.precision, self.info, self.probe = precision, info, probe
-        self.loss_fn = loss_fn
+        self.step_loss = loss_fn
+        self.loss_fn = loss_fn if objective is None else objective.eval_loss(loss_fn)
 
     def samplers(self, config: Config) -> dict[str, Any]:
         """Fresh samplers over both splits, seeded apart from the training stream."""
@@ -193,15 +195,17 @@ class Evaluator:
         """Estimate both splits' losses (and score the heads) with `config`'s batch size and
         `train.eval_steps`."""
         tc = config.train
-        if isinstance(self.loss_fn, GRPOObjective):
-            return grpo_evaluation(self.loss_fn, self.data, tc.eval_steps * tc.batch_size)
+        objective = objective_for(config)  # the micro-batch as it is now
+        own = objective.evaluate(self.step_loss, self.data, tc.eval_steps * tc.batch_size)
+        if own is not None:  # GRPO's: greedy replies' reward and pass@1
+            return Evaluation(*own)
         estimate = evaluate_loss(
             self.model,
             self.samplers(config),
             tc.eval_steps,
             self.precision,
             self.info,
-            by_position=tc.head_metrics and self.data.chat is None and self.data.preference is None,
+            by_position=tc.head_metrics and objective.by_position,
             loss_fn=self.loss_fn,
         )
         if self.probe is None or not math.isfinite(estimate.mean["val"]):
@@ -216,19 +220,6 @@ class Evaluator:
         return Evaluation(estimate.mean, {**estimate.metrics, **scores.summary(), **icl}, heads)
 
 
-def grpo_evaluation(objective: GRPOObjective, data: TokenData, limit: int) -> Evaluation:
-    """GRPO's evaluation: greedy completions of the first `limit` prompts of each split. Its
-    loss is the negated mean reward (what GRPO lowers; the best weights are those with the
-    highest held-out reward), and its figures each split's `reward` and `pass@1`."""
-    assert data.prompts is not None
-    losses, summary = {}, {}
-    for name, split in (("train", data.prompts.train), ("val", data.prompts.val)):
-        figures = objective.evaluate(split, limit)
-        losses[name] = -figures["reward"]
-        summary.update({f"{name}_{key}": value for key, value in figures.items()})
-    return Evaluation(losses, summary)
-
-
 def split_sampler(
     data: TokenData,
     split: str,
@@ -236,29 +227,10 @@ def split_sampler(
     seed: int,
     info: DistInfo,
     device: torch.device,
-    packed: bool = False,
-) -> BatchSampler | ChatSampler | PackedChatSampler | PreferenceSampler | PromptSampler:
-    """The sampler of `data`'s split ("train" or "val"): prompts for GRPO, preference pairs
-    for DPO, conversation windows for chat data (packed into rows with `packed`, one a row
-    without: evaluation's), else windows of the token stream; this rank's, seeded with
-    `seed`."""
-    batch, context = config.train.batch_size, config.model.context_length
-    if data.prompts is not None:  # a GRPO step draws all its prompts at once
-        prompts = data.prompts.train if split == "train" else data.prompts.val
-        step = batch * config.train.grad_accum
-        return PromptSampler(prompts, step, seed, info.rank, info.world_size)
-    if data.preference is not None:
-        pairs = data.preference.train if split == "train" else data.preference.val
-        return PreferenceSampler(
-            pairs, data.preference.pad_id, batch, context, seed, info.rank, info.world_size, device
-        )
-    if data.chat is not None:
-        chat = data.chat.train if split == "train" else data.chat.val
-        kind = PackedChatSampler if packed else ChatSampler
-        return kind(
-            chat, data.chat.pad_id, batch, context, seed, info.rank, info.world_size, device
-        )
-    tokens = data.train if split == "train" else data.val
-    return BatchSampler(
-        tokens, batch, context, seed=seed, rank=info.rank, world_size=info.world_size, device=device
-    )
+    training: bool = False,
+) -> Any:
+    """The sampler of `data`'s split ("train" or "val"), as the run's objective draws it
+    (`Objective.sampler`: the training stream's with `training`, else evaluation's); this
+    rank's, seeded with `seed`."""
+    objective = objective_for(config)
+    return objective.sampler(data, split, seed, info.rank, info.world_size, device, training)

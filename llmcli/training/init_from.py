@@ -4,9 +4,10 @@ A folder that holds `config.yaml` is an llmcli run (`llmcli.runs.directory`): th
 comes from its config (the fine-tune's `model.dropout` and `attn_dropout` kept, as for a Hugging
 Face folder), the tokenizer is its `tokenizer.json`, the weights its `best.safetensors` (else
 `model.safetensors`: what `llmcli sample` reads), through safetensors only. With
-`data.format: chat`, `preference` or `prompts` and no `data.chat_template`, a run that holds a
-chat template passes it on; `init_encoding` loads the two that pairs and prompts are encoded
-with.
+`data.format: chat`, `preference` or `prompts` (an objective whose rows are `templated`) and no
+`data.chat_template`, a run that holds a chat template passes it on;
+`llmcli.objectives.base.init_encoding` loads the two that pairs and prompts are encoded with.
+`reference_model` is DPO's (and GRPO's KL penalty's) frozen reference: these weights again.
 Anything else is a Hugging Face folder or Hub name (`llmcli.hf.load`).
 
 With `data.format: chat` the tokenizer gains the chat tokens at new ids after its last
@@ -26,13 +27,13 @@ from typing import Any
 import torch
 
 from llmcli.config import Config
-from llmcli.data.chat_template import TEMPLATE_FILE, ChatTemplate, template_from_file
-from llmcli.data.tokenizer import Tokenizer, load_tokenizer
+from llmcli.data.chat_template import TEMPLATE_FILE
 from llmcli.errors import CheckpointError
 from llmcli.hf.load import config_from_base, hf_weights
 from llmcli.hf.load import resolve_init_from as resolve_hf_init_from
 from llmcli.model.gpt import Transformer
 from llmcli.model.lora import grow_rows
+from llmcli.objectives import objective_for
 from llmcli.runs.directory import CONFIG_FILE, TOKENIZER_FILE
 from llmcli.runs.formats import load_weights, read_weights
 from llmcli.runs.loading import load_config_file, load_tokenizer_file, run_weights_path
@@ -71,23 +72,10 @@ def resolve_init_from(config: Config) -> Config:
     )
     data = dataclasses.replace(config.data, tokenizer=str(run_dir / TOKENIZER_FILE))
     template = run_dir / TEMPLATE_FILE
-    templated = data.format in ("chat", "preference", "prompts")
+    templated = objective_for(config).templated  # its rows are encoded with a chat template
     if templated and data.chat_template is None and template.is_file():
         data = dataclasses.replace(data, chat_template=str(template))
     return config_from_base(config, model, data, run_dir, "init_from run")
-
-
-def init_encoding(config: Config) -> tuple[Tokenizer, ChatTemplate | None]:
-    """The tokenizer and chat template (None: the base has none) of a config that
-    `resolve_init_from` resolved: the `train.init_from` run's, which DPO encodes pairs with.
-
-    Raises:
-        InputError: an unreadable tokenizer or template file.
-    """
-    data = config.data
-    assert data.tokenizer, "init_encoding needs a config resolve_init_from resolved"
-    template = None if data.chat_template is None else template_from_file(data.chat_template)
-    return load_tokenizer(data.tokenizer), template
 
 
 def load_init_weights(model: Transformer, init_from: str) -> None:
@@ -147,3 +135,14 @@ def grow_vocab(tensors: dict[str, Any], model: Transformer) -> dict[str, Any]:
             V,
         )
     return grown
+
+
+def reference_model(config: Config, vocab_size: int, device: torch.device) -> Transformer:
+    """The frozen reference: `train.init_from`'s weights (as the policy starts from them, also
+    when a run resumes), in eval mode (no dropout) and without gradients."""
+    assert config.train.init_from, "DPO's reference is train.init_from's model"
+    reference = Transformer(config.model, vocab_size)
+    load_init_weights(reference, config.train.init_from)
+    reference.to(device).eval()
+    reference.requires_grad_(False)
+    return reference

@@ -33,6 +33,7 @@ from llmcli.data.prepared import TokenData
 from llmcli.errors import CheckpointError, describe_os_error
 from llmcli.evaluation.metrics import perplexity
 from llmcli.fileio import remove_stale_temp_files
+from llmcli.objectives import Objective, objective_for
 from llmcli.progress import format_count
 from llmcli.runs.directory import (
     HEAD_METRICS_FILE,
@@ -52,6 +53,10 @@ from llmcli.training.layers import LayerWatch
 from llmcli.training.state import RunFacts, TrainState
 
 logger = logging.getLogger(__name__)
+
+# Log steps in a row whose gradient is zero (or whose objective says nothing is learned, as
+# GRPO's groups that all tie) before the run says so on the terminal.
+STALL_LOG_STEPS = 3
 
 
 class LossLog:
@@ -142,9 +147,13 @@ class TrainLog:
         metrics: JsonLinesLog | None = None,
         heads: JsonLinesLog | None = None,
         log_layers: bool = False,
+        objective: Objective | None = None,
+        data: TokenData | None = None,
     ) -> None:
         self.run_dir, self.metrics, self.heads = run_dir, metrics, heads
         self.log_layers = log_layers  # train.log_layers
+        self.objective, self.data = objective, data  # what the figures mean
+        self.stalled: list[int] = []  # the log steps in a row where nothing was learned
 
     def layer_watch(self, model: nn.Module, log_step: bool) -> LayerWatch | None:
         """What measures each layer in a step whose record is written (`train.log_layers`,
@@ -189,7 +198,7 @@ class TrainLog:
                 "Any checkpoint saved there is intact; fix the problem and run again."
             ) from None
         _announce(config, facts)
-        return cls(run_dir, metrics, heads, config.train.log_layers)
+        return cls(run_dir, metrics, heads, config.train.log_layers, objective_for(config), data)
 
     def train_step(
         self,
@@ -219,6 +228,30 @@ class TrainLog:
         if watch is not None:
             record["layers"] = watch.record()
         self.metrics.write(record)
+        self._watch_stall(state.step, record)
+
+    def _watch_stall(self, step: int, record: dict[str, Any]) -> None:
+        """Say on the terminal, once a streak, when `STALL_LOG_STEPS` log steps in a row had a
+        zero gradient or figures that say nothing is learned (GRPO's tied groups)."""
+        objective = self.objective
+        if objective is None or (record["grad_norm"] != 0.0 and not objective.stalled(record)):
+            self.stalled = []
+            return
+        self.stalled.append(step)
+        if len(self.stalled) == STALL_LOG_STEPS:
+            logger.warning(
+                "nothing learned at the last %d log steps (steps %d..%d, gradient norm %g): %s",
+                STALL_LOG_STEPS,
+                self.stalled[0],
+                step,
+                record["grad_norm"],
+                objective.stall_advice(record),
+            )
+
+    def bar_figures(self, metrics: dict[str, float]) -> dict[str, str]:
+        """The step's figures the progress bar shows beside the loss (the objective's)."""
+        names = () if self.objective is None else self.objective.bar_figures
+        return {name: f"{metrics[name]:.3f}" for name in names if name in metrics}
 
     def evaluation(self, state: TrainState, lr: float, result: Evaluation, best: bool) -> None:
         """An evaluation's record (with its heads' scores, whose grids go to
@@ -238,21 +271,13 @@ class TrainLog:
             "train_loss": losses["train"],
             "val_loss": val,
         }
-        rewards = "val_rewards/accuracies" in summary  # DPO's loss has no perplexity
-        grpo = "val_pass@1" in summary  # nor GRPO's, the negated greedy reward
-        if not rewards and not grpo:
+        extra = None
+        if self.objective is not None and self.data is not None:  # DPO's, GRPO's figures
+            extra = self.objective.eval_text(summary, self.data)
+        if extra is None:  # a next-token loss: its perplexity
             record["val_ppl"] = perplexity(val)
-        self.metrics.write({**record, **summary})
-        if rewards:
-            extra = (
-                f", val reward accuracy {summary['val_rewards/accuracies']:.3f}, margin "
-                f"{summary['val_rewards/margins']:.3f}"
-            )
-        elif grpo:
-            val_reward, passed = summary["val_reward"], summary["val_pass@1"]
-            extra = f" (greedy: val reward {val_reward:.3f}, pass@1 {passed:.1%})"
-        else:
             extra = f" (ppl {perplexity(val):.2f})"
+        self.metrics.write({**record, **summary})
         logger.info(
             "step %d: train loss %.4f, val loss %.4f%s%s%s",
             state.step,
@@ -289,9 +314,11 @@ class TrainLog:
             self.heads.rewind(head_metrics_bytes)
 
     def rewrite_config(self, config: Config) -> None:
-        """config.yaml again, after the loop changed the micro-batch."""
+        """config.yaml again, after the loop changed the micro-batch (which the objective's
+        figures count by)."""
         if self.metrics is not None:
             write_config(self.run_dir, config)
+            self.objective = objective_for(config)
 
     def close(self) -> None:
         for log in (self.metrics, self.heads):

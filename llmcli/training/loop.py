@@ -30,6 +30,7 @@ import torch
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from llmcli.config import Config, TrainConfig
+from llmcli.objectives import objective_for
 from llmcli.progress import WITHOUT_RATE, Progress
 from llmcli.training.batch import may_shrink, shrink_micro_batch
 from llmcli.training.build import Run, started
@@ -148,7 +149,9 @@ def fit(run: Run, log: TrainLog, progress: bool, on_step: Callable[[int], None])
                 metrics_now = losses.read_metrics(info)
                 log.train_step(state, lr, step_losses[-1], tok_s, norm, watch, metrics_now)
                 loss_now = step_losses[-1]
-                bar.report({"loss": f"{loss_now:.4f}", "tok/s": f"{tok_s:,.0f}", "lr": f"{lr:.2e}"})
+                figures = log.bar_figures(metrics_now)  # the objective's: GRPO's reward, ...
+                speed_lr = {"tok/s": f"{tok_s:,.0f}", "lr": f"{lr:.2e}"}
+                bar.report({"loss": f"{loss_now:.4f}", **figures, **speed_lr})
             if flags.stop:  # save at once; an evaluation due now waits for the resumed run
                 state.eval_pending = due.evaluate
                 checkpoints.save(state, config, log, best=False)
@@ -220,6 +223,6 @@ def _summary(run: Run, elapsed_s: float, tokens_per_s: float | None) -> TrainSum
     summary = TrainSummary.of(
         run.state, run.facts, max_steps, saves, run.guard, elapsed_s, tokens_per_s
     )
-    if run.config.train.objective != "next_token":  # a DPO or GRPO loss has no perplexity
+    if not objective_for(run.config).has_perplexity:  # a DPO or GRPO loss is no LM loss
         summary.val_ppl = None
     return summary

@@ -4,7 +4,7 @@
 (`llmcli.model.lora`), every base parameter frozen but the rows of tokens the run added to the
 base's vocabulary (the chat tokens). The optimizer then gets only what trains, and the step
 clips only that. The objective is untouched: next-token text and chat, and DPO, whose frozen
-reference is built apart from the policy without adapters (`llmcli.training.dpo`).
+reference is built apart from the policy without adapters (`llmcli.objectives.dpo`).
 
 What a LoRA run saves: `model.safetensors` and `best.safetensors` hold the merged weights (the
 plain model the adapted one equals), so every reader of a run works on it unchanged; the
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from llmcli.config import LoraConfig
+from llmcli.config import LoraConfig, TrainConfig
 from llmcli.hf.load import check_hf_folder
 from llmcli.model.gpt import Transformer
 from llmcli.model.lora import add_lora, freeze_base, lora_parameters, train_token_rows
@@ -59,6 +59,28 @@ def adapt(model: Transformer, lora: LoraConfig, init_from: str, seed: int) -> li
         f"{model.num_parameters():,}",
     )
     return rows
+
+
+def adapt_model(model: Transformer, train: TrainConfig) -> list[str]:
+    """`adapt` with `train.lora` (the one place that asks whether a run has adapters); a run
+    without trains every weight, and no matrix's rows are kept from weight decay."""
+    if train.lora is None:
+        return []
+    assert train.init_from, "train.lora needs train.init_from"
+    return adapt(model, train.lora, train.init_from, train.seed)
+
+
+def trains_base(model: Transformer) -> bool:
+    """Whether the model's own weights train (no adapters on a frozen base)."""
+    return not lora_parameters(model)
+
+
+def lora_meta(model: Transformer, init_from: str | None) -> dict[str, dict[str, int]]:
+    """`meta.json`'s `lora` row of an adapted model (`parameter_counts`); none for a model
+    without adapters."""
+    if not lora_parameters(model) or not init_from:
+        return {}
+    return {"lora": parameter_counts(model, base_vocab_size(init_from))}
 
 
 def parameter_counts(model: Transformer, base_vocab: int) -> dict[str, int]:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from llmcli.errors import CheckpointError, InputError
+from llmcli.objectives import objective_for
 from llmcli.progress import format_bytes, format_count
 from llmcli.training.lora import base_vocab_size
 
@@ -48,11 +49,15 @@ class MemoryEstimate:
         activations: what the forward keeps for the backward pass, at the micro-batch (with
             DPO, two rows per pair, and the reference's logits beside them).
         runtime: the framework's own working memory (`RUNTIME_BYTES`).
-        reference: with DPO, the frozen reference model's fp32 weights.
+        reference: with DPO (and GRPO with `train.grpo_beta` > 0), the frozen reference
+            model's fp32 weights.
         trainable: the parameters that train, whose gradients and optimizer state are held:
             all of them, but a LoRA run's adapters (and the token embedding when it adds
             tokens) alone.
         adapters: a LoRA run's adapter parameters (in `params` and `trainable`).
+        sampling: with GRPO, what sampling a step's completions holds (without gradients):
+            each row's keys and values (`2 L C` per token) and logits, fp32; it comes before
+            the step's forwards, so the peak holds it or the activations.
     """
 
     params: int
@@ -65,12 +70,14 @@ class MemoryEstimate:
     reference: int = 0
     trainable: int = 0
     adapters: int = 0
+    sampling: int = 0
 
     @property
     def peak(self) -> int:
-        """All of it at once: what a micro-step of accumulation holds at its forward's end."""
+        """All of it at once: what a micro-step of accumulation holds at its forward's end, or
+        (GRPO) what sampling a step's completions holds, whichever is more."""
         held = self.weights + self.grads + self.optimizer + self.reference
-        return held + self.activations + self.runtime
+        return held + max(self.activations, self.sampling) + self.runtime
 
     def as_dict(self) -> dict[str, int]:
         """The parts `llmcli plan --json` prints, in bytes."""
@@ -80,6 +87,7 @@ class MemoryEstimate:
             "optimizer": self.optimizer,
             "activations": self.activations,
             "reference": self.reference,
+            "sampling": self.sampling,
             "peak": self.peak,
         }
 
@@ -128,10 +136,13 @@ def estimate_memory(
         per_token += 2 * L * 2 * C
     if keeps_weights:  # in fp32 also under autocast, which runs softmax in fp32
         per_token += 4 * L * 5 * nh * T
-    dpo = tc.objective == "dpo"
-    rows = 2 * B if dpo else B  # a pair is its chosen and its rejected row
-    if dpo:  # the reference's fp32 logits, alive while the policy's activations are kept
-        per_token += 4 * vocab_size
+    # The objective's rows per example (a DPO pair 2, a GRPO prompt group_size), what it keeps
+    # beside the activations (DPO: the reference's logits) and whether it holds a reference.
+    terms = objective_for(config).memory_terms(vocab_size)
+    rows = terms.rows * B
+    per_token += 4 * terms.values_per_token
+    # Sampling (GRPO) holds each sampled row's keys and values and a prompt's logits, in fp32.
+    sampling = B * terms.sampled_rows * T * (2 * L * C + vocab_size) * 4
     return MemoryEstimate(
         params=params,
         params_non_embedding=counts.non_embedding,
@@ -140,7 +151,8 @@ def estimate_memory(
         optimizer=4 * counts.momenta,
         activations=rows * T * per_token,
         runtime=RUNTIME_BYTES.get(device_type, 0),
-        reference=4 * counts.base if dpo else 0,  # the model without adapters
+        reference=4 * counts.base if terms.reference else 0,  # the model without adapters
+        sampling=sampling,
         trainable=trainable,
         adapters=counts.adapters,
     )
@@ -278,10 +290,14 @@ def check_memory(
     if have is None or need <= have:
         return
     where = "train.memory_limit allows" if limit is not None else f"the {device.type} has"
+    objective = objective_for(config)
+    rows = objective.rows_per_example
+    shape = f"{config.train.batch_size} {objective.examples}"
     raise InputError(
         f"training this model needs about {format_bytes(need)} ({format_count(estimate.params)} "
-        f"parameters, batches of {config.train.batch_size} x {config.model.context_length} "
-        f"tokens) but {where} {format_bytes(have)}: lower model.n_embed, model.n_layer or "
+        f"parameters, batches of {shape}, {rows * config.train.batch_size:,} rows of "
+        f"{config.model.context_length} tokens) but {where} {format_bytes(have)}: lower "
+        f"{objective.memory_knobs}model.n_embed, model.n_layer or "
         "train.batch_size (raise train.grad_accum to keep the tokens per step), or use "
         "train.batch_size: auto with train.tokens_per_step."
     )

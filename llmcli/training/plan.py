@@ -23,20 +23,18 @@ import torch
 
 from llmcli.config import Config
 from llmcli.data.tokenizer import load_tokenizer
-from llmcli.data.tokens import prepare_data
 from llmcli.device import resolve_device, timed
 from llmcli.errors import InputError
 from llmcli.model.gpt import Transformer
+from llmcli.objectives import objective_for
 from llmcli.progress import format_bytes, format_count
 from llmcli.training.batch import resolve_batch
 from llmcli.training.distributed import dist_from_env
-from llmcli.training.dpo import dpo_objective
 from llmcli.training.init_from import resolve_init_from
-from llmcli.training.lora import adapt
+from llmcli.training.lora import adapt_model
 from llmcli.training.memory import MemoryEstimate, device_free_bytes, estimate_memory
-from llmcli.training.optim import build_optimizer
 from llmcli.training.precision import Precision
-from llmcli.training.step import Trainer, train_step
+from llmcli.training.step import make_trainer, train_step
 
 logger = logging.getLogger(__name__)
 
@@ -91,13 +89,13 @@ class Plan:
         its frozen base: `4 N + 6 N_lora`, its adapters' `N_lora` costing all three."""
         m, mem = self.config.model, self.memory
         attention = 12 * m.n_layer * m.context_length * m.n_embed
-        if self.config.train.lora is not None:
+        if mem.adapters:  # the frozen base's weights get no gradient
             return 4 * mem.params_non_embedding + 6 * mem.adapters + attention
         return 6 * mem.params_non_embedding + attention
 
     @property
     def flops_formula(self) -> str:
-        return "4 N + 6 N_lora + 12 L T C" if self.config.train.lora else "6 N + 12 L T C"
+        return "4 N + 6 N_lora + 12 L T C" if self.memory.adapters else "6 N + 12 L T C"
 
     @property
     def tokens_per_step(self) -> int:
@@ -165,7 +163,7 @@ def make_plan(config: Config, device_name: str | None = None, measure_s: float =
     config = resolve_batch(config, vocab, device, precision.name, info.world_size)
     memory = estimate_memory(config, vocab, device.type, precision.name, info.world_size)
     full_memory = None
-    if config.train.lora is not None:  # the same run training every weight
+    if memory.adapters:  # LoRA's saving: the same run training every weight
         full = dataclasses.replace(config, train=dataclasses.replace(config.train, lora=None))
         full_memory = estimate_memory(full, vocab, device.type, precision.name, info.world_size)
     limit = config.train.memory_limit_bytes
@@ -191,10 +189,11 @@ def plan_vocab(config: Config) -> tuple[int, str | None]:
     """(the vocabulary, None) from the data as `train` prepares it (tokenized into the cache,
     which `train` then reuses); or, when the data cannot be read, (the vocabulary the tokenizer's
     settings give or an assumed one, a note saying what is missing and what was assumed)."""
-    if config.data.format in ("preference", "prompts"):  # encoded with train.init_from's tokenizer
+    objective = objective_for(config)
+    if objective.encodes_with_init_from:  # its rows are read by the run, with the base's
         return int(load_tokenizer(config.data.tokenizer).vocab_size), None
     try:
-        data = prepare_data(config.data, config.model.context_length)
+        data = objective.read_data(None)
         return int(data.tokenizer.vocab_size), None
     except InputError as exc:
         missing = f"the data: {exc}"
@@ -230,29 +229,20 @@ def measure_step(
     start = time.perf_counter()
     gen = torch.Generator().manual_seed(tc.seed)
     model = Transformer(config.model, vocab_size, generator=gen).to(device)
-    no_decay = []
-    if tc.lora is not None:  # as the run: adapters, the base frozen (but new token rows)
-        assert tc.init_from, "train.lora needs train.init_from"
-        no_decay = adapt(model, tc.lora, tc.init_from, tc.seed)
-    dpo = tc.objective == "dpo"
+    no_decay = adapt_model(model, tc)  # as the run: adapters, the base frozen (but new rows)
+    objective = objective_for(config)
     # A GRPO update is a next-token-sized step on its prompts' group_size completions each;
-    # the sampling before it is not timed (see `format_plan`).
-    per_example = config.example_tokens // T
+    # the sampling before it is not timed (see `Objective.plan_rows`).
+    per_example = objective.rows_per_example
     rows = per_example * tc.batch_size
     tokens = torch.randint(0, vocab_size, (rows, T + 1), generator=gen).to(device)
-    batches = SameBatch(_timing_batch(tokens, 1 if dpo else per_example, dpo))
-    trainer = Trainer(
-        model=model,
-        params=[p for p in model.parameters() if p.requires_grad],
-        optimizer=build_optimizer(model, tc, device.type, no_decay),
-        precision=precision,
-        batches=batches,
-        grad_accum=1,
-        grad_clip=tc.grad_clip,
+    batches = SameBatch(objective.timing_batch(tokens, 1))
+    trainer = make_trainer(model, tc, precision, batches, no_decay)
+    trainer.grad_accum = 1
+    loss = objective.timing_loss(  # DPO's, with its reference: the same shape, frozen
+        lambda: Transformer(config.model, vocab_size).to(device).eval().requires_grad_(False)
     )
-    if dpo:  # the reference: the same shape, frozen
-        reference = Transformer(config.model, vocab_size).to(device).eval().requires_grad_(False)
-        trainer.loss_fn = dpo_objective(reference, tc.dpo_beta)
+    trainer.loss_fn = loss or trainer.loss_fn
 
     def step(micro_batches: int) -> float:
         trainer.grad_accum = micro_batches
@@ -260,7 +250,7 @@ def measure_step(
 
     cold = step(1)  # one sequence, one update
     batch = max(1, min(tc.batch_size, math.floor(budget_s / 4 / max(cold, 1e-9))))
-    batches.batch = _timing_batch(tokens, batch * (1 if dpo else per_example), dpo)
+    batches.batch = objective.timing_batch(tokens, batch)
     ones, twos = [], []
     while len(ones) < TIMED_STEPS and time.perf_counter() - start + 3 * cold * batch <= budget_s:
         ones.append(step(1))
@@ -270,7 +260,7 @@ def measure_step(
     model.eval()
     with torch.no_grad():
         forward_s = timed(
-            lambda: micro_forward(model, tokens[: batch * (2 if dpo else 1)], precision), device
+            lambda: micro_forward(model, tokens[: batch * per_example], precision), device
         )
     scale = tc.batch_size / batch
     return StepTiming(
@@ -292,16 +282,6 @@ class SameBatch:
         return self.batch
 
 
-def _timing_batch(tokens: torch.Tensor, n: int, dpo: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """`n` examples of `tokens` `(rows, T + 1)` as the step reads them: `(x, y)`, each `(n, T)`;
-    with DPO, `n` pairs `(ids, completion_mask)`, each `(2n, T + 1)`, every token a completion's."""
-    if not dpo:
-        return tokens[:n, :-1], tokens[:n, 1:]
-    half = tokens.shape[0] // 2  # chosen rows, then rejected ones
-    ids = torch.cat([tokens[:n], tokens[half : half + n]])
-    return ids, torch.ones_like(ids, dtype=torch.bool)
-
-
 def micro_forward(model: Transformer, tokens: torch.Tensor, precision: Precision) -> None:
     """One evaluation forward: the loss of `tokens` `(B, T + 1)`."""
     with precision.autocast():
@@ -312,10 +292,8 @@ def format_plan(plan: Plan) -> str:
     """The plan as a table for people."""
     config, tc, mem = plan.config, plan.config.train, plan.memory
     ranks = f" x {plan.world_size} processes" if plan.world_size > 1 else ""
-    examples = {
-        "dpo": "pairs (2 rows each)",
-        "grpo": f"prompts ({tc.group_size} completions each)",
-    }.get(tc.objective, "sequences")
+    objective = objective_for(config)
+    examples = objective.examples
     rows = [
         ("run", f"{plan.config.name} on {plan.device}, {plan.dtype}{ranks}"),
         (
@@ -329,6 +307,11 @@ def format_plan(plan: Plan) -> str:
             f"{plan.tokens_per_step:,} ({tc.batch_size} {examples} x {config.example_tokens} "
             f"tokens x grad_accum {tc.grad_accum}{ranks})",
         ),
+        (
+            "schedule",
+            f"lr {tc.lr:g} to {tc.min_lr:g} ({tc.schedule}), warmup {tc.warmup} steps, "
+            f"evaluation every {tc.eval_interval} steps",
+        ),
         ("memory per step", f"{format_bytes(mem.peak)} at most{_full_text(plan)}, of which"),
         (
             "",
@@ -341,14 +324,7 @@ def format_plan(plan: Plan) -> str:
         ("step time", _timing_line(plan)),
         ("time to max_steps", _eta_line(plan)),
     ]
-    if tc.objective == "grpo":
-        rows.append(
-            (
-                "not timed",
-                f"sampling: before each update GRPO generates train.group_size "
-                f"({tc.group_size}) completions of each prompt, which the times above leave out",
-            )
-        )
+    rows += objective.plan_rows()
     if plan.missing:
         rows.append(("missing", plan.missing))
     width = max(len(name) for name, _ in rows)

@@ -136,12 +136,11 @@ class RunFacts:
         compiled: whether the step runs torch.compile's graphs (`train.compile`).
         source_hash: the corpus's content hash (a resume warns when it changed).
         tokenizer_training: how the tokenizer was made, as `meta.json` records it.
-        chat_data: a chat run's conversation counts (kept, cut, left out); None for text.
-        preference_data: a DPO run's pair counts, likewise; None for others.
-        prompt_data: a GRPO run's prompt counts (kept, skipped), likewise.
-        lora: a LoRA run's parameter counts, `adapters` and `trainable` (with the token
-            matrices whose new rows train), and the base's `base_vocab_size`; None for a full
-            training.
+        meta_rows: the objective's rows of `meta.json` (`Objective.meta_rows`: a chat run's
+            `chat_data`, conversations kept, cut, left out; DPO's `preference_data`, GRPO's
+            `prompt_data`), and a LoRA run's `lora`: its `adapters` and `trainable` parameter
+            counts (with the token matrices whose new rows train) and the base's
+            `base_vocab_size` (`llmcli.training.lora.lora_meta`).
         metrics_bytes, head_metrics_bytes: the logs' sizes at the save a run resumed from,
             where it cuts them back (`llmcli.training.log.TrainLog.open`); None: not known.
     """
@@ -159,10 +158,7 @@ class RunFacts:
     compiled: bool
     source_hash: str | None
     tokenizer_training: dict | None
-    chat_data: dict | None = None
-    preference_data: dict | None = None
-    prompt_data: dict | None = None
-    lora: dict | None = None
+    meta_rows: dict = field(default_factory=dict)
     metrics_bytes: int | None = None
     head_metrics_bytes: int | None = None
 

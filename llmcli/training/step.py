@@ -10,7 +10,7 @@ out-of-memory retry, logging, evaluation, saving and stopping are the loop's.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +19,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from llmcli.config import TrainConfig
+from llmcli.objectives.base import next_token_loss
+from llmcli.training.optim import build_optimizer
 from llmcli.training.precision import Precision
 
 #: Called after backward with the step's loss and gradient norm (0-d tensors on the device),
@@ -28,12 +31,6 @@ BeforeUpdate = Callable[[Tensor, Tensor], bool]
 #: A micro-batch's loss and its metrics (0-d tensors by name, e.g. DPO's rewards; {} for none):
 #: `loss_fn(model, batch)`, where `batch` is what the training stream's `next()` gives.
 LossFn = Callable[[nn.Module, Any], tuple[Tensor, dict[str, Tensor]]]
-
-
-def next_token_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, dict]:
-    """The language-modelling loss: `batch` is `(x, y)`, each `(B, T)`; no metrics."""
-    x, y = batch
-    return model(x, y)[1], {}
 
 
 @dataclass
@@ -51,7 +48,7 @@ class Trainer:
         grad_accum: micro-batches per step.
         grad_clip: the largest global gradient norm (0: no clipping).
         loss_fn: a micro-batch's loss (`train.objective`: `next_token_loss`, or DPO's,
-            `llmcli.training.dpo.dpo_objective`).
+            `llmcli.objectives.dpo.dpo_objective`).
     """
 
     model: nn.Module
@@ -62,6 +59,30 @@ class Trainer:
     grad_accum: int
     grad_clip: float
     loss_fn: LossFn = next_token_loss
+
+
+def make_trainer(
+    model: nn.Module,
+    train: TrainConfig,
+    precision: Precision,
+    batches: Any,
+    no_decay: Collection[str] = (),
+    step_model: nn.Module | None = None,
+) -> Trainer:
+    """The one place a `Trainer` is built (the run's, `llmcli plan`'s timing, `llmcli bench`'s):
+    `train.optimizer` over what trains (a LoRA run's adapters; `no_decay`: matrices kept from
+    weight decay), `train.grad_accum` and `train.grad_clip`. `step_model` is the module the
+    steps run, if not `model` (compiled). The loss is next-token's until the objective wires
+    its own (`llmcli.objectives.base.Objective.wire`)."""
+    return Trainer(
+        model=model if step_model is None else step_model,
+        params=[p for p in model.parameters() if p.requires_grad],
+        optimizer=build_optimizer(model, train, precision.device.type, no_decay),
+        precision=precision,
+        batches=batches,
+        grad_accum=train.grad_accum,
+        grad_clip=train.grad_clip,
+    )
 
 
 def train_step(

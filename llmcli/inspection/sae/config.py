@@ -21,10 +21,28 @@ from llmcli.errors import InputError
 #: or the `k x N` largest of a batch of N tokens' (`batchtopk`, Bussmann et al. 2024; it runs
 #: as a JumpReLU with the threshold it learned, and is saved as SAELens's `jumprelu`).
 ACTIVATIONS = ("topk", "batchtopk")
+#: What is trained: an SAE on one hook point, or transcoders (`--kind transcoder`) that read
+#: `blocks.{l}.mlp_in` and predict `blocks.{l}.mlp_out`, which may also use relu (an L1 penalty)
+#: or tanh (Anthropic's tanh penalty) (`llmcli.inspection.sae.transcoder`).
+KINDS = ("sae", "transcoder")
+TRANSCODER_ACTIVATIONS = ("topk", "batchtopk", "relu", "tanh")
 
 # The settings a resumed training must share with the one saved: all but how long it runs and
 # how often it logs and saves.
-_FIXED = ("hook", "features", "k", "activation", "batch_tokens", "lr", "aux_coef", "dead_tokens")
+_FIXED = (
+    "kind",
+    "hook",
+    "layers",
+    "features",
+    "k",
+    "activation",
+    "skip",
+    "sparsity_coef",
+    "batch_tokens",
+    "lr",
+    "aux_coef",
+    "dead_tokens",
+)
 
 
 def _require(ok: bool, option: str, value: Any, rule: str) -> None:
@@ -37,7 +55,12 @@ class SAEConfig:
     """The training settings of a sparse autoencoder.
 
     Attributes:
-        hook: the hook point it reads and rewrites (`blocks.1.resid_post`; `model.hook_names()`).
+        hook: the hook point it reads and rewrites (`blocks.1.resid_post`; `model.hook_names()`);
+            unused by transcoders.
+        kind: "sae" or "transcoder" (see `KINDS`).
+        layers: the transcoders' layers: "all" (their default), or indices joined by commas.
+        skip: whether each transcoder has a linear skip `W_skip`.
+        sparsity_coef: the weight of relu's and tanh's sparsity penalty.
         features: its number of features (None: 16 x the hook point's width).
         k: features active per token (topk), or on average per token (batchtopk).
         activation: "topk" or "batchtopk" (see `ACTIVATIONS`).
@@ -53,7 +76,11 @@ class SAEConfig:
             Ctrl-C).
     """
 
-    hook: str
+    hook: str = ""
+    kind: Literal["sae", "transcoder"] = "sae"
+    layers: str | None = None
+    skip: bool = False
+    sparsity_coef: float = 0.1
     features: int | None = None
     k: int = 32
     activation: Literal["topk", "batchtopk"] = "topk"
@@ -67,12 +94,29 @@ class SAEConfig:
     save_interval: int = 500
 
     def __post_init__(self) -> None:
-        _require(
-            isinstance(self.hook, str) and self.hook != "",
-            "--hook",
-            self.hook,
-            "must name a hook point, e.g. blocks.1.resid_post",
-        )
+        _require(self.kind in KINDS, "--kind", self.kind, f"must be one of {', '.join(KINDS)}")
+        if self.kind == "sae":
+            _require(
+                isinstance(self.hook, str) and self.hook != "",
+                "--hook",
+                self.hook,
+                "must name a hook point, e.g. blocks.1.resid_post",
+            )
+            for option, value, default in (
+                ("--layers", self.layers, None),
+                ("--skip", self.skip, False),
+            ):
+                _require(value == default, option, value, "applies to --kind transcoder only")
+        else:
+            _require(
+                self.hook == "",
+                "--hook",
+                self.hook,
+                "is for SAEs: transcoders read blocks.L.mlp_in and predict blocks.L.mlp_out of "
+                "the --layers given",
+            )
+            if self.layers is None:  # every layer: what a graph needs
+                object.__setattr__(self, "layers", "all")
         if self.features is not None:
             _require(
                 is_int(self.features) and self.features >= 1,
@@ -88,11 +132,20 @@ class SAEConfig:
                 self.k,
                 f"must be at most --features ({self.features})",
             )
+        choices = ACTIVATIONS if self.kind == "sae" else TRANSCODER_ACTIVATIONS
         _require(
-            self.activation in ACTIVATIONS,
+            self.activation in choices,
             "--activation",
             self.activation,
-            f"must be one of {', '.join(ACTIVATIONS)}",
+            f"must be one of {', '.join(choices)} for --kind {self.kind}",
+        )
+        _require(
+            is_number(self.sparsity_coef)
+            and math.isfinite(self.sparsity_coef)
+            and self.sparsity_coef >= 0,
+            "--sparsity-coef",
+            self.sparsity_coef,
+            "must be 0 or more",
         )
         for option, value in (
             ("--steps", self.steps),
@@ -129,7 +182,7 @@ class SAEConfig:
         differ = [
             f"--{key.replace('_', '-')} {saved.get(key)!r} (now {getattr(self, key)!r})"
             for key in _FIXED
-            if saved.get(key) != getattr(self, key)
+            if saved.get(key, _DEFAULTS.get(key)) != getattr(self, key)
         ]
         if differ:
             raise InputError(
@@ -141,3 +194,7 @@ class SAEConfig:
                 f"--steps ({self.steps}) is below the {step} steps the SAE has "
                 "trained: give more to go on."
             )
+
+
+# What a setting was before it existed, for SAEs saved before it (their settings lack it).
+_DEFAULTS = {"kind": "sae", "layers": None, "skip": False, "sparsity_coef": 0.1}

@@ -37,6 +37,11 @@ from llmcli.fileio import newest
 from llmcli.inspection.sae.folder import CFG_FILE, LoadedSAE, load_sae
 from llmcli.inspection.sae.points import as_rows, check_hook, replacing
 from llmcli.inspection.sae.steer import splice
+from llmcli.inspection.sae.transcoder_folder import (
+    is_transcoder_folder,
+    layer_as_sae,
+    load_transcoders,
+)
 from llmcli.progress import Progress
 from llmcli.runs.directory import CONFIG_FILE, MODEL_FILE
 from llmcli.runs.loading import LoadedRun, find_latest_run, latest_run_notice, load_run
@@ -59,6 +64,7 @@ class ReadOptions:
         steps: batches of windows to read (None: `DEFAULT_STEPS`).
         batch_size: windows of context_length tokens per batch (None: `DEFAULT_BATCH`).
         weights, device, threads: as `llmcli eval` takes them.
+        layer: for a transcoder folder, the layer whose features are read.
     """
 
     sae: str | Path | None = None
@@ -69,6 +75,7 @@ class ReadOptions:
     weights: str = "best"
     device: str = "auto"
     threads: int | None = None
+    layer: int | None = None
 
     def __post_init__(self) -> None:
         check_threads(self.threads)
@@ -107,7 +114,12 @@ def open_sae(
     """The SAE and the run that `options` name, both on the device, checked against each other."""
     device = resolve_device(options.device, what="--device")
     checkpoint = options.checkpoint
-    if options.sae is not None:
+    if options.sae is not None and is_transcoder_folder(options.sae):
+        loaded = layer_as_sae(load_transcoders(options.sae), options.layer)
+        if checkpoint is None:
+            checkpoint = run_of(loaded)
+        run = load_run(checkpoint, weights=options.weights, device=device, notify=notify)
+    elif options.sae is not None:
         loaded = load_sae(options.sae)
         if checkpoint is None:
             checkpoint = run_of(loaded)
@@ -155,7 +167,7 @@ class SAEEval:
         return asdict(self)
 
 
-def _loss_sum(logits: Tensor, y: Tensor) -> float:
+def loss_sum(logits: Tensor, y: Tensor) -> float:
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").item()
 
 
@@ -183,7 +195,7 @@ def measure(
         sums += [
             (sae.decode(acts) - rows).pow(2).sum().item(),
             rows.pow(2).sum().item(),
-            _loss_sum(logits, y),
+            loss_sum(logits, y),
             (acts > 0).sum().item(),
         ]
         x_sum += rows.sum(0).double()
@@ -200,7 +212,7 @@ def measure(
     for x, y in batches:
         for name, fn in ablated.items():
             with model.hooks({hook: fn}):
-                nats[name] += _loss_sum(model(x)[0], y)
+                nats[name] += loss_sum(model(x)[0], y)
         bar.update()
     bar.close()
     sq_err, sq_x, clean, active = sums

@@ -31,6 +31,8 @@ _BLOCK_NAMES = {
     "resid_mid": "hook_resid_mid",
     "resid_post": "hook_resid_post",
     "attn_out": "hook_attn_out",
+    "attn_in": "ln1.hook_normalized",
+    "mlp_in": "ln2.hook_normalized",
     "mlp_out": "hook_mlp_out",
     "attn.z": "attn.hook_z",
     "attn.pattern": "attn.hook_pattern",
@@ -99,18 +101,33 @@ def read_activations(model: nn.Module, name: str, idx: Tensor) -> Tensor:
     Returns:
         `(B * T, d_in)` rows (see `as_rows`).
     """
-    seen: list[Tensor] = []
+    return read_points(model, [name], idx)[name]
 
-    def keep_and_stop(act: Tensor) -> None:
-        seen.append(act)
-        raise _Stop
+
+@torch.no_grad()
+def read_points(model: nn.Module, names: list[str], idx: Tensor) -> dict[str, Tensor]:
+    """The activations at hook points `names` for tokens `idx` `(B, T)`, the forward stopped
+    at the last of them to be met.
+
+    Returns:
+        name -> `(B * T, d_in)` rows (see `as_rows`).
+    """
+    seen: dict[str, Tensor] = {}
+
+    def keep(name: str) -> HookFn:
+        def hook(act: Tensor) -> None:
+            seen[name] = act
+            if len(seen) == len(names):
+                raise _Stop
+
+        return hook
 
     try:
-        with model.hooks({name: keep_and_stop}):
+        with model.hooks({name: keep(name) for name in names}):
             model(idx)
     except _Stop:
         pass
-    return as_rows(seen[0])
+    return {name: as_rows(seen[name]) for name in names}
 
 
 def replacing(fn: Callable[[Tensor], Tensor]) -> HookFn:

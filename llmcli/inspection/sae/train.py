@@ -255,7 +255,7 @@ def _build(
     d_in = check_hook(model, config.hook)
     features = config.features or DEFAULT_EXPANSION * d_in
     config = dataclasses.replace(config, features=features)  # checks k <= features
-    _check_folder(folder, options)
+    check_folder(folder, options)
     ctx = model.context_length
     data = prepare_data(run.config.data, ctx, tokenizer=run.tokenizer)
     windows = math.ceil(config.batch_tokens / ctx)
@@ -272,9 +272,10 @@ def _build(
     return training
 
 
-def _check_folder(folder: Path, options: TrainOptions) -> None:
-    """A fresh start needs a folder without an SAE (or --overwrite); a resume, a state."""
-    held = [name for name in (CFG_FILE, STATE_FILE) if (folder / name).is_file()]
+def check_folder(folder: Path, options: TrainOptions, config_file: str = CFG_FILE) -> None:
+    """A fresh start needs a folder without an SAE (or --overwrite); a resume, a state.
+    `config_file` is what a saved one holds beside `state.pt` (transcoders: `config.yaml`)."""
+    held = [name for name in (config_file, STATE_FILE) if (folder / name).is_file()]
     if options.resume and not (folder / STATE_FILE).is_file():
         raise InputError(
             f"--resume: '{folder}' holds no {STATE_FILE} to go on from; leave out --resume to "

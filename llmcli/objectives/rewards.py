@@ -147,6 +147,45 @@ def load_reward(spec: str, timeout: float | None = None) -> Reward:
     return fn if timeout is None else _time_limited(fn, timeout)
 
 
+class Rewards:
+    """Several rewards and their weights, as TRL's `reward_funcs` and `reward_weights`: a
+    completion's reward is the weighted sum of each function's (`__call__`, which makes it a
+    `Reward` wherever one is taken); `scores` gives each function's apart, for its figures.
+
+    Args:
+        named: each reward's name (a built-in verifier's, or FUNCTION of `FILE.py:FUNCTION`) and
+            function.
+        weights: one per reward (TRL's default: 1.0 each).
+    """
+
+    def __init__(self, named: list[tuple[str, Reward]], weights: list[float]) -> None:
+        assert len(named) == len(weights) and named
+        self.names = [name for name, _ in named]
+        self.functions = [fn for _, fn in named]
+        self.weights = weights
+        # Built-in verifiers judge only a prompt with an answer; a function of the user's any.
+        self.needs_answer = all(fn in BUILT_IN.values() for fn in self.functions)
+
+    def scores(self, prompt: str, completion: str, answer: str | None, where: str) -> list[float]:
+        """Each reward's score of one completion (`score`: a failure names the prompt)."""
+        return [score(fn, prompt, completion, answer, where) for fn in self.functions]
+
+    def __call__(self, prompt: str, completion: str, answer: str | None) -> float:
+        parts = [fn(prompt, completion, answer) for fn in self.functions]
+        if len(parts) == 1:
+            return parts[0]  # as it came: `score` checks it is a number
+        return sum(w * float(part) for w, part in zip(self.weights, parts, strict=True))
+
+
+def load_rewards(
+    specs: list[str], weights: list[float] | None = None, timeout: float | None = None
+) -> Rewards:
+    """The rewards `train.reward` names (one or a list), with `train.reward_weights` (None:
+    1.0 each), each loaded by `load_reward`."""
+    named = [(spec.rpartition(":")[2] or spec, load_reward(spec, timeout)) for spec in specs]
+    return Rewards(named, weights if weights is not None else [1.0] * len(specs))
+
+
 class RewardTimeout(Exception):
     """A reward call ran past its time limit (`seconds`); it is still running, in its thread."""
 

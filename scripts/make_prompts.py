@@ -3,7 +3,7 @@ for GRPO from `checkpoints/chat`.
 
 Usage (from the repository root):
 
-    python data/make_prompts.py data/shakespeare.txt data/
+    python scripts/make_prompts.py data/shakespeare.txt data/
 
 Every row is a prompt (the chat messages, ending with the user's turn) and the one reply that
 earns the reward, checked by the `exact` verifier (the reply, stripped, equals the answer):
@@ -15,13 +15,13 @@ and, with the system message `Shout.` (a fifth of the rows, as in the chat data)
 capitals (`GOOD MORROW, DESDEMONA!`).
 
 The task is the chat example's greeting, `I am Romeo.` -> `Good morrow, Romeo!`, for the
-plays' longer names. The chat data (`data/make_chat.py`) greets only names of 4 to 7 letters,
+plays' longer names. The chat data (`scripts/make_chat.py`) greets only names of 4 to 7 letters,
 and the chat run greets held-out names of those lengths right 98% of the time; names of 8 to 10
 letters it garbles when it copies them (`Good morrow, Cardinala!`, `Good morrow, Wincest!`).
 Greedy, it greets about a third of them right (8 letters: two thirds, 9: one in twenty, 10:
 none); sampled at temperature 1, about one greeting in four is right and about half the names
 get at least one right greeting among 8 samples, so most groups of samples hold both rewards,
-the variance GRPO learns from. `data/probe_grpo_tasks.py` measured this and the other candidates
+the variance GRPO learns from. `scripts/probe_grpo_tasks.py` measured this and the other candidates
 (`Say thrice: hark`, which the chat run never says right even sampled, among them).
 
 Half the training rows (`KEEP`) ask the chat data's own tasks instead, on its training words

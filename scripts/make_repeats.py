@@ -2,7 +2,7 @@
 
 Usage (from the repository root):
 
-    python data/make_repeats.py data/repeats.txt
+    python scripts/make_repeats.py data/repeats.txt
 
 Each line is n distinct lowercase letters drawn at random (n from 4 to 16, uniform), written
 twice with nothing between, then a newline: `qwhzkqwhzk`. The first copy is noise; the second

@@ -4,7 +4,8 @@ It rewards as often as the exact-match reward does at the start (about a quarter
 run's sampled replies are right), but carries no information about the reply, so GRPO has
 nothing to learn from it: a run with it shows what the training alone does to pass@1.
 
-    llmcli train grpo --set train.reward=data/random_reward.py:score --out checkpoints/grpo-control
+    llmcli train grpo --out checkpoints/grpo-control \
+        --set train.reward=docs/examples/random_reward.py:score
 """
 
 import random

@@ -3,7 +3,7 @@ preference pairs on the chat example's words, for DPO from `checkpoints/chat`.
 
 Usage (from the repository root):
 
-    python data/make_preferences.py data/shakespeare.txt data/
+    python scripts/make_preferences.py data/shakespeare.txt data/
 
 Every row is a pair in TRL's conversational shape, `{"prompt": [...], "chosen": [{"role":
 "assistant", ...}], "rejected": [{"role": "assistant", ...}]}`, the prompt ending with the user's
@@ -16,7 +16,7 @@ turn:
 | 1/4 | `Spell love.` | `l-o-v-e` | `l-o-v` |
 
 and, with the system message `Shout.` (a fifth of the rows), the same in capitals. The chat data
-(`data/make_chat.py`) never says "thrice": asked to, the chat run says the word twice, the
+(`scripts/make_chat.py`) never says "thrice": asked to, the chat run says the word twice, the
 rejected reply here. The preference teaches an instruction the fine-tune never taught, so the
 held-out figures can see it move; the say-twice and spelling pairs keep those answers in the
 loss, so that saying more does not leak into them unseen.
@@ -30,7 +30,7 @@ A quarter of the prompts have an earlier exchange (one of the chat example's que
 answer), as the chat run is asked in turns. Every pair fits the chat run's 64-token context with
 the built-in template (`fits`), so none is cut.
 
-The words are split as `data/make_chat.py` splits them (`held_out`, the same seed): the
+The words are split as `scripts/make_chat.py` splits them (`held_out`, the same seed): the
 validation pairs use only words and names that no chat or preference training row holds.
 `dpo-val-chosen.jsonl` is each validation pair's prompt and chosen reply as a chat conversation,
 for `llmcli eval --answers`: how many greedy replies are the preferred ones.

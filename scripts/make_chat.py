@@ -3,7 +3,7 @@ character-level model learns to answer, with held-out words for the validation s
 
 Usage (from the repository root):
 
-    python data/make_chat.py data/shakespeare.txt data/
+    python scripts/make_chat.py data/shakespeare.txt data/
 
 Every row is `{"messages": [...]}` with one or two user turns, each answered by the assistant
 with one of three small tasks on a word of the plays:

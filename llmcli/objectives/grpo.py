@@ -5,7 +5,7 @@ computes it (`trl/trainer/grpo_trainer.py`, `_compute_loss`).
 A step draws `train.batch_size x train.grad_accum` prompts at once (`GRPOStream`), and for each
 the policy samples `train.group_size` completions (the `sample` section's temperature, top-k,
 top-p and `max_new_tokens`, each cut to the room the context leaves; GRPO's defaults are TRL's:
-temperature 1, no top-k or top-p). Each completion gets a reward (`llmcli.evaluation.rewards`),
+temperature 1, no top-k or top-p). Each completion gets a reward (`llmcli.objectives.rewards`),
 and its advantage is its reward less the mean of its group's, divided by the group's standard
 deviation when `train.scale_rewards` (TRL's default). The step then hands the completions to the
 training step a micro-batch at a time: `grad_accum` is a memory knob, and a step's prompts,
@@ -34,26 +34,92 @@ completion the run's reward passes (gives 1 or more).
 
 from __future__ import annotations
 
+import dataclasses
 import reprlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from llmcli.config import SampleConfig
-from llmcli.data.prepared import PromptData, PromptSplit
-from llmcli.data.prompts import PromptBatch, PromptSampler
+from llmcli.data.prepared import PromptData, PromptSplit, TokenData
+from llmcli.data.prompts import PromptBatch, PromptSampler, prompt_token_data
+from llmcli.data.tokenizer import Tokenizer
 from llmcli.errors import InputError
-from llmcli.evaluation.prompts import greedy_figures, reply_budgets
-from llmcli.evaluation.rewards import BUILT_IN, Reward, parse_number, score
 from llmcli.generation.replies import replies
 from llmcli.generation.sampling import make_generators
-from llmcli.training.distributed import DistInfo
+from llmcli.objectives.base import (
+    MemoryTerms,
+    Objective,
+    SumRanks,
+    check_init_tokenizer,
+    init_encoding,
+)
+from llmcli.objectives.rewards import (
+    BUILT_IN,
+    Reward,
+    Rewards,
+    load_rewards,
+    parse_number,
+    score,
+)
+from llmcli.progress import Progress
+
+
+def reply_budgets(prompts: list[list[int]], max_new_tokens: int, context_length: int) -> list[int]:
+    """Each prompt's most reply tokens: `max_new_tokens`, or the room its row has (the model
+    reads `context_length` tokens, so a row holds at most `context_length + 1`)."""
+    return [min(max_new_tokens, context_length + 1 - len(p)) for p in prompts]
+
+
+def greedy_figures(
+    model: Any,
+    split: PromptSplit,
+    end_id: int,
+    sample: Any,
+    reward: Reward,
+    decode_text: Any,
+    batch_size: int,
+    *,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Greedy replies to the prompts of `split`: their mean `reward`, `pass@1` (NaN when there
+    are none) of the `answered` prompts (those with an answer, for a built-in verifier; every
+    prompt, for a function of the user's), `passed` of them (reward 1 or more), and each
+    prompt's `replies` (text, whether it ended, reward). The model must be in eval mode."""
+    picks = list(range(len(split)))
+    greedy = dataclasses.replace(sample, temperature=0.0)
+    bar = Progress(len(picks), desc="answers", unit="prompt", enabled=progress, tenths=True)
+    rows = []
+    for lo in range(0, len(picks), batch_size):
+        batch = picks[lo : lo + batch_size]
+        prompts = [split.ids[k].tolist() for k in batch]
+        budgets = reply_budgets(prompts, sample.max_new_tokens, model.context_length)
+        got = replies(model, prompts, budgets, end_id, greedy, model.vocab_size)
+        for k, (ids, ended) in zip(batch, got, strict=True):
+            text = decode_text(ids)
+            value = score(reward, split.texts[k], text, split.answers[k], split.where[k])
+            rows.append({"where": split.where[k], "reply": text, "ended": ended, "reward": value})
+        bar.update(len(batch))
+    bar.close()
+    # Built-in verifiers judge only a prompt with an answer; a function of the user's any.
+    verifier = reward.needs_answer if isinstance(reward, Rewards) else reward in BUILT_IN.values()
+    answered = [
+        float(r["reward"] >= 1.0)
+        for k, r in zip(picks, rows, strict=True)
+        if split.answers[k] is not None or not verifier
+    ]
+    return {
+        "reward": sum(r["reward"] for r in rows) / len(rows),
+        "pass@1": sum(answered) / len(answered) if answered else float("nan"),
+        "passed": int(sum(answered)),
+        "answered": len(answered),
+        "replies": rows,
+    }
 
 
 @dataclass
@@ -68,6 +134,8 @@ class Completions:
     rewards: Tensor
     ended: Tensor  # (R,) bool: ended with the end token (False: cut at its budget)
     texts: list[str]
+    # (R, F) each reward function's score (train.reward's list), weighed into `rewards`
+    per_reward: Tensor | None = None
 
     @property
     def lengths(self) -> Tensor:
@@ -85,6 +153,7 @@ class Completions:
             self.rewards[part],
             self.ended[part],
             self.texts[part],
+            None if self.per_reward is None else self.per_reward[part],
         )
 
 
@@ -98,6 +167,33 @@ class StepShare:
     advantages: Tensor  # (R,)
     step_tokens: float
     figures: dict[str, Tensor]
+    # (R, L-1) the sampling policy's log-probabilities, kept when a step's completions serve
+    # several updates (`train.num_iterations` > 1); None: the policy's own, detached.
+    old_logps: Tensor | None = None
+
+    def state(self) -> dict[str, Any]:
+        """What a save keeps of a share still to serve (tensors, numbers, strings)."""
+        done = self.completions
+        return {
+            "ids": done.ids,
+            "mask": done.mask,
+            "rewards": done.rewards,
+            "ended": done.ended,
+            "texts": done.texts,
+            "advantages": self.advantages,
+            "step_tokens": self.step_tokens,
+            "figures": self.figures,
+            "old_logps": self.old_logps,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> StepShare:
+        done = Completions(
+            state["ids"], state["mask"], state["rewards"], state["ended"], list(state["texts"])
+        )
+        return cls(
+            done, state["advantages"], state["step_tokens"], state["figures"], state["old_logps"]
+        )
 
 
 def advantages(rewards: Tensor, group_size: int, scale: bool) -> Tensor:
@@ -119,13 +215,37 @@ def token_logps(model: nn.Module, ids: Tensor, temperature: float = 1.0) -> Tens
     return logps.gather(-1, ids[:, 1:, None]).squeeze(-1)  # (R, L - 1)
 
 
-def per_token_loss(logps: Tensor, advantage: Tensor) -> Tensor:
-    """TRL's surrogate per token with one update per sample: `-r A`, where the ratio `r =
-    exp(logp - logp.detach())` is 1 in value and has the log-probability's gradient (PPO's
-    clip, which acts only on a ratio away from 1, never does). `(R, L-1)`, `(R,)` -> `(R, L-1)`.
+def per_token_loss(
+    logps: Tensor,
+    advantage: Tensor,
+    old_logps: Tensor | None = None,
+    epsilon: float = 0.2,
+    epsilon_high: float = 0.2,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """PPO's clipped surrogate per token, as TRL's GRPO computes it:
+    `-min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A)`, `r = exp(logp - old_logp)`.
+
+    With one update per sample (`old_logps` None) the sampling policy is the policy itself: `r`
+    is 1 in value with the log-probability's gradient, and the clip never acts.
+
+    Args:
+        logps: `(R, L-1)` the policy's log-probability of each next token.
+        advantage: `(R,)`.
+        old_logps: `(R, L-1)` the sampling policy's (no gradient), or None.
+        epsilon, epsilon_high: the clip's bounds below and above 1.
+
+    Returns:
+        The loss `(R, L-1)`, and where the clip acted below (`r < 1 - epsilon`, `A < 0`) and
+        above (`r > 1 + epsilon_high`, `A > 0`), each `(R, L-1)` bool.
     """
-    ratio = torch.exp(logps - logps.detach())
-    return -ratio * advantage[:, None]
+    old = logps.detach() if old_logps is None else old_logps
+    ratio = torch.exp(logps - old)
+    A = advantage[:, None]
+    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
+    loss = -torch.min(ratio * A, clipped * A)
+    low = (ratio < 1 - epsilon) & (A < 0)
+    high = (ratio > 1 + epsilon_high) & (A > 0)
+    return loss, low, high
 
 
 def aggregate(
@@ -164,6 +284,12 @@ def kl_per_token(logps: Tensor, ref_logps: Tensor) -> Tensor:
 def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     m = mask.float()
     return (values * m).sum() / m.sum().clamp(min=1.0)
+
+
+def check_rewards(rewards: Rewards, specs: list[str], data: PromptData) -> None:
+    """`check_reward` for each of `train.reward`'s rewards."""
+    for fn, spec in zip(rewards.functions, specs, strict=True):
+        check_reward(fn, spec, data)
 
 
 def check_reward(reward: Reward, spec: str, data: PromptData) -> None:
@@ -209,7 +335,7 @@ class GRPOObjective:
         policy: the model being trained (unwrapped: generation runs on it directly).
         data: the run's prompts (their end token).
         config: the run's config (`train.group_size`, `scale_rewards`, `grpo_beta`, `sample`).
-        reward: the reward function (`llmcli.evaluation.rewards.load_reward`).
+        reward: the run's rewards and their weights (`llmcli.objectives.rewards.load_rewards`).
         decode_text: the tokenizer's `decode`.
         reference: the frozen `init_from` model, for the KL penalty; None without one.
     """
@@ -219,20 +345,23 @@ class GRPOObjective:
         policy: nn.Module,
         data: PromptData,
         config: Any,
-        reward: Reward,
+        reward: Rewards,
         decode_text: Any,
         reference: nn.Module | None = None,
-        info: DistInfo | None = None,
+        world_size: int = 1,
+        sum_ranks: Callable[[Tensor], None] | None = None,
     ) -> None:
         self.policy, self.reward, self.decode_text = policy, reward, decode_text
         tc = config.train
         self.group_size, self.scale, self.beta = tc.group_size, tc.scale_rewards, tc.grpo_beta
         self.loss_type = tc.resolved_loss_type
+        self.iterations, self.epsilon = tc.num_iterations, tc.epsilon
+        self.epsilon_high = tc.epsilon if tc.epsilon_high is None else tc.epsilon_high
         self.sampling, self.context_length = config.sample, config.model.context_length
         self.end_id, self.reference = data.end_id, reference
         self.eval_batch = tc.batch_size * tc.group_size
-        self.info = info or DistInfo()
-        check_reward(reward, tc.reward, data)
+        self.world_size, self.sum_ranks = world_size, sum_ranks
+        check_rewards(reward, tc.reward_specs, data)
 
     def __call__(self, model: nn.Module, share: StepShare) -> tuple[Tensor, dict[str, Tensor]]:
         """The step's `loss_fn`: a micro-batch's share of the step (`GRPOStream`), its loss
@@ -247,8 +376,15 @@ class GRPOObjective:
         ids, mask = done.ids.to(device), done.mask[:, 1:].to(device)
         temperature = self.sampling.temperature
         logps = token_logps(model, ids, temperature)
-        per_token = per_token_loss(logps, share.advantages.to(device))
+        old = None if share.old_logps is None else share.old_logps.to(device)
+        per_token, low, high = per_token_loss(
+            logps, share.advantages.to(device), old, self.epsilon, self.epsilon_high
+        )
         figures = {name: value.to(device) for name, value in share.figures.items()}
+        if old is not None:  # TRL's clip figures: the share of tokens the clip held
+            figures["clip_ratio/low_mean"] = masked_mean(low.float(), mask)
+            figures["clip_ratio/high_mean"] = masked_mean(high.float(), mask)
+            figures["clip_ratio/region_mean"] = masked_mean((low | high).float(), mask)
         if self.reference is not None:
             with torch.no_grad():
                 ref = token_logps(self.reference, ids, temperature)
@@ -266,13 +402,13 @@ class GRPOObjective:
         done = self.sample(batch)
         advantage = advantages(done.rewards, self.group_size, self.scale)
         tokens = done.mask[:, 1:].sum().double()
-        if self.info.enabled:  # dapo's normaliser: the step's tokens on every rank
+        if self.sum_ranks is not None:  # dapo's normaliser: the step's tokens on every rank
             tokens = tokens.to(next(self.policy.parameters()).device)
-            dist.all_reduce(tokens)
-        dapo_tokens = float(tokens) / (self.info.world_size * parts)
+            self.sum_ranks(tokens)
+        dapo_tokens = float(tokens) / (self.world_size * parts)
         figures = self._figures(done)
         rows = len(done.rewards) // parts
-        return [
+        shares = [
             StepShare(
                 done.rows(slice(i * rows, (i + 1) * rows)),
                 advantage[i * rows : (i + 1) * rows],
@@ -281,6 +417,13 @@ class GRPOObjective:
             )
             for i in range(parts)
         ]
+        if self.iterations > 1:  # the ratio's denominator: the policy that sampled them
+            device = next(self.policy.parameters()).device
+            with self._generating():
+                for share in shares:
+                    ids = share.completions.ids.to(device)
+                    share.old_logps = token_logps(self.policy, ids, self.sampling.temperature)
+        return shares
 
     def sample(self, batch: PromptBatch) -> Completions:
         """`train.group_size` completions of each prompt of `batch`, drawn from the policy (in
@@ -293,17 +436,19 @@ class GRPOObjective:
         rows = [p + c + [self.end_id] * ended for p, (c, ended) in zip(prompts, drawn, strict=True)]
         ids = torch.full((len(rows), max(map(len, rows))), self.end_id, dtype=torch.long)
         mask = torch.zeros(ids.shape, dtype=torch.bool)  # (R, L)
-        texts, rewards = [], []
+        texts, scores = [], []
         for i, (row, prompt, (completion, _)) in enumerate(zip(rows, prompts, drawn, strict=True)):
             ids[i, : len(row)] = torch.tensor(row)
             mask[i, len(prompt) : len(row)] = True
             k, text = batch.picks[i // G], self.decode_text(completion)
             texts.append(text)
-            rewards.append(
-                score(self.reward, split.texts[k], text, split.answers[k], split.where[k])
+            scores.append(
+                self.reward.scores(split.texts[k], text, split.answers[k], split.where[k])
             )
+        per_reward = torch.tensor(scores, dtype=torch.float32)  # (R, F)
+        rewards = per_reward @ torch.tensor(self.reward.weights, dtype=torch.float32)  # (R,)
         ended = torch.tensor([e for _, e in drawn])
-        return Completions(ids, mask, torch.tensor(rewards), ended, texts)
+        return Completions(ids, mask, rewards, ended, texts, per_reward)
 
     def _replies(
         self, prompts: list[list[int]], sample: SampleConfig, generators: list | None = None
@@ -336,7 +481,7 @@ class GRPOObjective:
     def evaluate(self, split: PromptSplit, limit: int) -> dict[str, float]:
         """Greedy replies to the first `limit` prompts of `split`: their mean `reward` and
         `pass@1`, the share whose reply the run's reward gives 1 or more
-        (`llmcli.evaluation.prompts.greedy_figures`)."""
+        (`greedy_figures`)."""
         with self._generating():
             figures = greedy_figures(
                 self.policy,
@@ -368,33 +513,202 @@ class GRPOObjective:
             "completions/max_length": lengths.max(),
             "completions/mean_terminated_length": ended.mean() if len(ended) else torch.tensor(0.0),
             "completions/clipped_ratio": (~done.ended).float().mean(),
+            **self._reward_figures(done),
         }
+
+    def _reward_figures(self, done: Completions) -> dict[str, Tensor]:
+        """TRL's `rewards/NAME/mean` and `rewards/NAME/std` of each reward function, unweighted."""
+        if done.per_reward is None or len(done.per_reward) < 2:
+            return {}
+        figures = {}
+        for j, name in enumerate(self.reward.names):
+            figures[f"rewards/{name}/mean"] = done.per_reward[:, j].mean()
+            figures[f"rewards/{name}/std"] = done.per_reward[:, j].std()
+        return figures
 
 
 class GRPOStream:
     """GRPO's training stream: a step's prompts (`train.batch_size x train.grad_accum`, drawn at
     once) sampled and rewarded together, then handed to the step one micro-batch's share at a
     time (`GRPOObjective.shares`), so that how a step is split changes nothing it computes.
+    With `train.num_iterations` > 1 the same shares serve that many steps in a row (TRL's
+    `num_iterations`), each update measured against the policy that sampled them.
 
-    Its state is the prompt sampler's: a step takes all its shares, so none is pending when
-    the run saves.
+    Its state is the prompt sampler's, and the shares still to serve: a save between two steps
+    of one sample keeps them, so a resumed run goes on with the completions it had.
     """
 
     def __init__(self, objective: GRPOObjective, prompts: PromptSampler, parts: int) -> None:
         self.objective, self.prompts, self.parts = objective, prompts, parts
-        self._pending: list[StepShare] = []
+        self._shares: list[StepShare] = []  # the sample being served
+        self._served = 0  # its shares handed out so far, over all its steps
 
     def next(self) -> StepShare:
-        if not self._pending:
-            self._pending = self.objective.shares(self.prompts.next(), self.parts)
-        return self._pending.pop(0)
+        if self._served == len(self._shares) * self.objective.iterations:
+            self._shares = self.objective.shares(self.prompts.next(), self.parts)
+            self._served = 0
+        share = self._shares[self._served % len(self._shares)]
+        self._served += 1
+        return share
 
     def state_dict(self) -> dict[str, Any]:
-        return self.prompts.state_dict()
+        state = self.prompts.state_dict()
+        if self._served < len(self._shares) * self.objective.iterations:
+            state["grpo_shares"] = [share.state() for share in self._shares]
+            state["grpo_served"] = self._served
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        shares, served = state.pop("grpo_shares", []), state.pop("grpo_served", 0)
         self.prompts.load_state_dict(state)
-        self._pending = []
+        self._shares = [StepShare.from_state(share) for share in shares]
+        self._served = served
 
     def close(self) -> None:
         self.prompts.close()
+
+
+class GRPO(Objective):
+    """`train.objective: grpo`: prompts with answers (`data.format: prompts`) encoded with the
+    `train.init_from` run's tokenizer and template; a step samples `train.group_size`
+    completions of each prompt (`GRPOObjective`, `GRPOStream`), and with `train.grpo_beta` > 0
+    holds the frozen `init_from` model for its KL penalty. Its evaluation answers held-out
+    prompts greedily: reward and pass@1, its loss the negated mean reward."""
+
+    name = "grpo"
+    has_perplexity = False  # the loss is a policy gradient's, no next-token loss
+    head_metrics = False  # rewards say nothing of the induction heads
+    by_position = False
+    templated = True
+    encodes_with_init_from = True
+    eval_data = "prompts"
+    memory_knobs = "train.group_size, "
+    figures = ("val_reward", "val_pass@1")  # its loss is the negated reward
+    bar_figures = ("reward", "frac_reward_zero_std")
+
+    @property
+    def examples(self) -> str:  # type: ignore[override]
+        return f"prompts ({self.config.train.group_size:,} completions each)"
+
+    @property
+    def reward_specs(self) -> tuple[str, ...]:  # type: ignore[override]
+        return tuple(self.config.train.reward_specs)
+
+    @property
+    def reward_weights(self) -> list[float] | None:  # type: ignore[override]
+        return self.config.train.reward_weight_values
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.config.train.grpo_beta > 0  # the KL penalty's reference
+
+    def read_data(self, tokenizer: Tokenizer | None) -> TokenData:
+        config = self.config
+        ours, template = init_encoding(config)
+        if tokenizer is not None:
+            check_init_tokenizer(config, self.name, ours, tokenizer)
+        return prompt_token_data(config.data, config.model.context_length, ours, template)
+
+    def sampler(
+        self,
+        data: TokenData,
+        split: str,
+        seed: int,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        training: bool = False,
+    ) -> PromptSampler:
+        """A step draws all its prompts at once (`batch_size x grad_accum`)."""
+        assert data.prompts is not None
+        prompts = data.prompts.train if split == "train" else data.prompts.val
+        step = self.config.train.batch_size * self.config.train.grad_accum
+        return PromptSampler(prompts, step, seed, rank, world_size)
+
+    def wire(
+        self,
+        trainer: Any,
+        model: nn.Module,
+        data: TokenData,
+        reference: nn.Module | None,
+        world_size: int,
+        sum_ranks: SumRanks | None,
+    ) -> None:
+        """Completions sampled from the model as it trains, rewarded, then the loss."""
+        assert data.prompts is not None
+        tc = self.config.train
+        objective = GRPOObjective(
+            model,
+            data.prompts,
+            self.config,
+            load_rewards(tc.reward_specs, tc.reward_weight_values, tc.reward_timeout),
+            data.tokenizer.decode,
+            reference,
+            world_size,
+            sum_ranks,
+        )
+        trainer.loss_fn = objective
+        trainer.batches = GRPOStream(objective, trainer.batches, tc.grad_accum)
+
+    def evaluate(self, loss_fn: Any, data: TokenData, limit: int) -> tuple[dict, dict] | None:
+        """Greedy completions of the first `limit` prompts of each split: each split's loss is
+        its negated mean reward (what GRPO lowers; the best weights are those with the highest
+        held-out reward), its figures `reward` and `pass@1`."""
+        assert data.prompts is not None
+        losses, summary = {}, {}
+        for name, split in (("train", data.prompts.train), ("val", data.prompts.val)):
+            figures = loss_fn.evaluate(split, limit)
+            losses[name] = -figures["reward"]
+            summary.update({f"{name}_{key}": value for key, value in figures.items()})
+        return losses, summary
+
+    def memory_terms(self, vocab_size: int) -> MemoryTerms:
+        """`batch_size x group_size` rows a micro-batch, and the reference with a KL penalty."""
+        tc = self.config.train
+        return MemoryTerms(
+            rows=self.rows_per_example,
+            reference=self.needs_reference,
+            sampled_rows=tc.grad_accum * tc.group_size,  # a step's completions, drawn at once
+        )
+
+    def plan_rows(self) -> list[tuple[str, str]]:
+        G = self.config.train.group_size
+        return [
+            (
+                "not timed",
+                f"sampling: before each update GRPO generates train.group_size ({G}) "
+                "completions of each prompt, which the times above leave out",
+            )
+        ]
+
+    def meta_rows(self, data: TokenData) -> dict[str, Any]:
+        assert data.prompts is not None
+        return super().meta_rows(data) | {"prompt_data": data.prompts.counts()}
+
+    def eval_text(self, summary: dict[str, float], data: TokenData) -> str | None:
+        """The greedy replies' reward and pass@1, and how many prompts they are over."""
+        assert data.prompts is not None
+        tc, total = self.config.train, len(data.prompts.val)
+        answered = min(total, tc.eval_steps * tc.batch_size)
+        scope = "all" if answered == total else f"the first {answered:,} of"
+        return (
+            f" (greedy on {scope} {total:,} validation prompts: val reward "
+            f"{summary['val_reward']:.3f}, pass@1 {summary['val_pass@1']:.1%})"
+        )
+
+    def stalled(self, metrics: dict[str, float]) -> bool:
+        """Every group's completions got the same reward: every advantage is 0."""
+        return metrics.get("frac_reward_zero_std", 0.0) >= 1.0
+
+    def stall_advice(self, metrics: dict[str, float]) -> str:
+        tc = self.config.train
+        if not self.stalled(metrics):
+            return super().stall_advice(metrics)
+        return (
+            f"every group's {tc.group_size} completions got the same reward "
+            f"(frac_reward_zero_std 1.0, reward {metrics.get('reward', float('nan')):.3f}), so "
+            "every advantage is 0 and nothing is learned. Raise sample.temperature or "
+            "train.group_size so that completions differ, give partial credit in train.reward, "
+            "or start from a model that sometimes gets the answer (train.init_from)."
+        )

@@ -2,18 +2,18 @@
 
 Usage (from the repository root):
 
-    python data/probe_grpo_tasks.py RUN_DIR [TASK ...] [--prompts 100] [--group 8]
-    python data/probe_grpo_tasks.py RUN_DIR file --file data/grpo-val.jsonl --prompts 200
+    python scripts/probe_grpo_tasks.py RUN_DIR [TASK ...] [--prompts 100] [--group 8]
+    python scripts/probe_grpo_tasks.py RUN_DIR file --file data/grpo-val.jsonl --prompts 200
 
 For each candidate task, on `--prompts` held-out prompts (words and names of the held-out fifth
-that `data/make_chat.py` sets aside, or words no chat row holds at all): the greedy pass@1, and
+that `scripts/make_chat.py` sets aside, or words no chat row holds at all): the greedy pass@1, and
 for each sampling setting (temperature 0.8 / 1.0 / 1.2, top_k none or 10) the mean per-sample
 success rate and pass@group (the share of prompts with at least one exact reply among `--group`
 samples). A reply is the text before the first chat token (`<|end|>` or a role marker) within
 the answer's length + `MARGIN` tokens, and succeeds when it ended there and equals the answer
 after stripping (the `exact` verifier). One JSON line per task and setting on stdout, with
 `groups_with_variance`: the share of prompts whose samples got both rewards (GRPO's signal).
-With `--file`, the task `file` is the first `--prompts` rows of a `data/make_prompts.py` file.
+With `--file`, the task `file` is the first `--prompts` rows of a `scripts/make_prompts.py` file.
 The figures that chose the GRPO task are in `data/README.md` (`grpo-train.jsonl`).
 """
 

@@ -1,0 +1,185 @@
+"""A preference pair's scores: each reply's summed log-probability under a model, as TRL's
+`DPOTrainer` computes them (`trl/trainer/dpo_trainer.py`).
+
+A reply's score is the log-probability of its completion tokens, summed (not averaged: a longer
+reply weighs more, as in TRL). DPO (Rafailov et al. 2023) measures each reply's score against a
+frozen reference model's; its losses are `llmcli.objectives.dpo_losses`'. Training minimises
+them (`llmcli.objectives.dpo`); `llmcli eval` reports them on a file of pairs
+(`llmcli.evaluation.preferences`). Both read batches of `(2B, T+1)` rows, the chosen sequences
+then the rejected ones (`llmcli.data.preference_data.pair_batch`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from llmcli.data.preference_data import PreferenceSplit, pair_batch
+from llmcli.progress import Progress
+
+
+@dataclass
+class CompletionScores:
+    """Each row's completion scored by the policy, `(R,)` float32 each: what DPO's losses and
+    TRL's `logps/*` and `logits/*` metrics read.
+
+    Attributes:
+        logps: the completion tokens' log-probabilities, summed (with gradients).
+        tokens: how many completion tokens were scored (the sft and ipo losses average by them).
+        logits: the mean over the vocabulary of the logits that scored each completion token,
+            summed over them (detached; TRL's `logits/chosen` is their sum over the chosen
+            rows over the chosen tokens).
+    """
+
+    logps: Tensor
+    tokens: Tensor
+    logits: Tensor
+
+    def halves(self) -> tuple[CompletionScores, CompletionScores]:
+        """The first and second halves of the rows: a pair batch's chosen and rejected."""
+        halves = [getattr(self, f.name).chunk(2) for f in fields(self)]
+        return CompletionScores(*(h[0] for h in halves)), CompletionScores(*(h[1] for h in halves))
+
+    def to(self, device: torch.device | str) -> CompletionScores:
+        """The scores on `device`."""
+        return CompletionScores(*(getattr(self, f.name).to(device) for f in fields(self)))
+
+    @staticmethod
+    def cat(parts: list[CompletionScores]) -> CompletionScores:
+        """The rows of `parts`, one after the other."""
+        return CompletionScores(
+            *(torch.cat([getattr(part, f.name) for part in parts]) for f in fields(parts[0]))
+        )
+
+
+def sequence_logps(logits: Tensor, ids: Tensor, completion_mask: Tensor) -> Tensor:
+    """Each row's summed log-probability of its completion tokens.
+
+    The logits at position t predict the token at t + 1, so a row's first token is never
+    scored: a completion token needs at least one token before it.
+
+    Args:
+        logits: `(B, T, V)`, the model's output on `ids`.
+        ids: `(B, T)` int64, the prompt then the completion (then any padding).
+        completion_mask: `(B, T)` bool, True on the completion's tokens (never on padding).
+
+    Returns:
+        `(B,)` float32.
+    """
+    return target_logps(logits[:, :-1], ids[:, 1:], completion_mask[:, 1:])
+
+
+def target_logps(logits: Tensor, targets: Tensor, target_mask: Tensor) -> Tensor:
+    """Each row's summed log-probability of the targets `target_mask` marks, where
+    `logits[:, t]` scores `targets[:, t]` (`sequence_logps` with the shift already made).
+
+    Args:
+        logits: `(B, T, V)`.
+        targets: `(B, T)` int64.
+        target_mask: `(B, T)` bool.
+
+    Returns:
+        `(B,)` float32.
+    """
+    B, T, V = logits.shape
+    # cross_entropy is log_softmax and gather in one, without a (B, T, V) log-probability copy;
+    # float32 so that a bf16 run's sums over long replies keep their precision.
+    token_logps = -F.cross_entropy(
+        logits.reshape(-1, V).float(), targets.reshape(-1), reduction="none"
+    ).view(B, T)  # (B, T): the log-probability of each target
+    return torch.where(target_mask, token_logps, 0.0).sum(dim=1)
+
+
+def target_scores(logits: Tensor, targets: Tensor, target_mask: Tensor) -> CompletionScores:
+    """`target_logps`, with the count of the targets scored and the mean logits at them.
+
+    Args:
+        logits: `(B, T, V)`; `logits[:, t]` scores `targets[:, t]`.
+        targets: `(B, T)` int64.
+        target_mask: `(B, T)` bool.
+    """
+    logps = target_logps(logits, targets, target_mask)
+    with torch.no_grad():  # a metric: TRL's fused head computes it without gradient too
+        mean_logits = logits.mean(dim=-1, dtype=torch.float32)  # (B, T): over the vocabulary
+        logits_sum = torch.where(target_mask, mean_logits, 0.0).sum(dim=1)
+    return CompletionScores(logps, target_mask.sum(dim=1).float(), logits_sum)
+
+
+def completion_scores(model: nn.Module, ids: Tensor, completion_mask: Tensor) -> CompletionScores:
+    """`completion_logps` with what the policy's side of DPO also reads (`target_scores`).
+
+    Args:
+        model: `model(idx) -> (logits, loss)`.
+        ids: `(R, T+1)` int64, prompts then completions, padded after their ends.
+        completion_mask: `(R, T+1)` bool, True on the completions' tokens.
+    """
+    logits, _ = model(ids[:, :-1])  # (R, T, V)
+    return target_scores(logits, ids[:, 1:], completion_mask[:, 1:])
+
+
+def completion_logps(model: nn.Module, ids: Tensor, completion_mask: Tensor) -> Tensor:
+    """Each row's summed completion log-probability under `model`, which reads the first `T`
+    tokens of rows of `T + 1` (its logits score the next ones, as a chat batch is scored).
+
+    Args:
+        model: `model(idx) -> (logits, loss)`.
+        ids: `(R, T+1)` int64, prompts then completions, padded after their ends.
+        completion_mask: `(R, T+1)` bool, True on the completions' tokens.
+
+    Returns:
+        `(R,)` float32 (with gradients, unless the caller turned them off).
+    """
+    logits, _ = model(ids[:, :-1])  # (R, T, V)
+    return target_logps(logits, ids[:, 1:], completion_mask[:, 1:])
+
+
+@dataclass
+class PairLogps:
+    """Each scored pair's replies, `(P,)` float32 each: the run's model's scores, and the
+    reference's summed completion log-probabilities (None without one)."""
+
+    chosen: CompletionScores
+    rejected: CompletionScores
+    ref_chosen: Tensor | None = None
+    ref_rejected: Tensor | None = None
+
+
+@torch.no_grad()
+def score_pairs(
+    model: nn.Module,
+    reference: nn.Module | None,
+    split: PreferenceSplit,
+    pad_id: int,
+    batch_size: int,
+    *,
+    count: int | None = None,
+    length: int | None = None,
+    progress: bool = False,
+) -> PairLogps:
+    """The first `count` pairs of `split` (None: all) scored in order, `batch_size` at a time,
+    each batch padded to its longest sequence (`pair_batch`; or to `length` tokens, as training
+    pads them, which gives its steps' scores to the last bit): attention is causal, so the
+    padding after a sequence changes none of its logits, and it is never in the mask."""
+    device = next(model.parameters()).device
+    count = len(split) if count is None else min(count, len(split))
+    starts = range(0, count, batch_size)
+    bar = Progress(len(starts), desc="eval", unit="batch", enabled=progress, tenths=True)
+    policy: list[tuple[CompletionScores, CompletionScores]] = []
+    ref: list[tuple[Tensor, Tensor]] = []
+    for lo in starts:
+        picks = range(lo, min(lo + batch_size, count))
+        ids, mask = pair_batch(split, picks, pad_id, length)  # (2B, L)
+        ids, mask = ids.to(device), mask.to(device)
+        scores = completion_scores(model, ids, mask)  # (2B,) each
+        policy.append(scores.to("cpu").halves())
+        if reference is not None:
+            ref.append(completion_logps(reference, ids, mask).cpu().chunk(2))  # (B,) each
+        bar.update()
+    bar.close()
+    chosen, rejected = (CompletionScores.cat([pair[k] for pair in policy]) for k in (0, 1))
+    if reference is None:
+        return PairLogps(chosen, rejected)
+    return PairLogps(chosen, rejected, *(torch.cat([pair[k] for pair in ref]) for k in (0, 1)))
