@@ -226,6 +226,7 @@ PYTHON_SKIP = {
     "example as copied; tests/test_serve.py the completions)",
     "from peft import": "needs a LoRA run's export (tests/test_lora.py loads one with peft)",
     "from sae_lens import": "needs sae-lens and a trained SAE (tests/test_sae_folder.py loads one)",
+    "from circuit_tracer": "needs circuit-tracer and a graph (tests/test_graph_circuit_tracer.py)",
 }
 # What makes a command cheap, appended to its words (a repeated option's last value wins).
 CHEAP = {
