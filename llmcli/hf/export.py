@@ -174,6 +174,16 @@ def _check_out_dir(out: Path, run_dir: Path, force: bool) -> None:
         )
 
 
+def _check_merge(run: LoadedRun, merge: bool) -> None:
+    """Refuse `--merge` on a run without adapters: there is nothing to merge."""
+    if merge and run.config.train.lora is None:
+        raise InputError(
+            f"--merge folds a LoRA run's adapters into its weights, and '{run.run_dir}' has "
+            "none (it was not trained with train.lora): there is nothing to merge. Leave out "
+            "--merge; the export is the run's plain model either way."
+        )
+
+
 def export_hf(
     checkpoint: str | Path | None,
     out: str | Path,
@@ -210,12 +220,7 @@ def export_hf(
             adapters.
     """
     run = load_run(checkpoint, weights=weights, device="cpu", notify=notify)
-    if merge and run.config.train.lora is None:
-        raise InputError(
-            f"--merge folds a LoRA run's adapters into its weights, and '{run.run_dir}' has "
-            "none (it was not trained with train.lora): there is nothing to merge. Leave out "
-            "--merge; the export is the run's plain model either way."
-        )
+    _check_merge(run, merge)
     out = Path(out)
     _check_out_dir(out, run.run_dir, force)
     arch = choose(run.config.model, fmt)
