@@ -38,10 +38,13 @@ def did_you_mean(
     n: int = 1,
     cutoff: float = 0.5,
 ) -> str:
-    """The hint of a message that names an unknown `word`: `form` holding the one choice that
-    `word` begins (`/temp` for `/temperature`), else the `n` closest of `choices` (joined by
-    ", "; `difflib`'s similarity at least `cutoff`), or "" when none is close enough."""
+    """The hint of a message that names an unknown `word`: `form` holding the choices that
+    `word` begins (`/temp` for `/temperature`; several joined by " or ": `/top_k or /top_p`),
+    else the `n` closest of `choices` (joined by ", "; `difflib`'s similarity at least
+    `cutoff`), or "" when none is close enough."""
     choices = list(choices)
     started = [choice for choice in choices if word and choice.startswith(word)]
-    close = started if len(started) == 1 else difflib.get_close_matches(word, choices, n, cutoff)
+    if started:
+        return form.format(" or ".join(started))
+    close = difflib.get_close_matches(word, choices, n, cutoff)
     return form.format(", ".join(close)) if close else ""

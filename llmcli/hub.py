@@ -36,11 +36,24 @@ from huggingface_hub.utils import validate_repo_id
 from llmcli.errors import InputError, describe_os_error
 
 _TRUE = {"1", "ON", "YES", "TRUE"}  # what huggingface_hub takes as true in an environment variable
+# Folders that hold llmcli's own files, never Hub organisations: `checkpoints/chat` is a run
+# that is not made yet, and asking the Hub for it would blame the network.
+LOCAL_ROOTS = ("checkpoints",)
+
+
+def looks_local(name: str) -> bool:
+    """Whether `name`, though it may spell a Hub repo id, reads as a local path: its first part
+    is a folder here (`runs/chat` with `runs/` present) or one of llmcli's own (`LOCAL_ROOTS`)."""
+    first, slash, _ = name.partition("/")
+    return bool(slash) and (first in LOCAL_ROOTS or Path(first).expanduser().is_dir())
 
 
 def split_hub_name(name: str) -> tuple[str, str | None] | None:
     """`(repo_id, revision)` for a Hub name (`gpt2`, `org/name`, `org/name@revision`), or None
-    when `name` cannot be one (a path such as `./x`, `/abs/x`, `a/b/c` or `x y`)."""
+    when `name` cannot be one (a path such as `./x`, `/abs/x`, `a/b/c` or `x y`) or reads as a
+    local path (`looks_local`: `checkpoints/chat`)."""
+    if looks_local(name):
+        return None
     repo_id, at, revision = name.partition("@")
     if at and not revision:
         return None

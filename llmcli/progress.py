@@ -5,8 +5,9 @@ and fills a log file (CI, `nohup`, `2> train.log`) with thousands of lines. So a
 draws the bar only when stderr is a terminal wide enough for one; otherwise it logs one plain
 line (logger `llmcli.progress`, INFO) at each `report` and, for counted work, at every tenth of
 the total.
-`format_count` writes the large counts such lines and other messages show (1.2K, 3.4M), and
-`format_fixed` the figures of printed tables (never `-0.000`).
+`format_count` writes the large counts such lines and other messages show (1.2K, 3.4M),
+`counted` an exact count with its noun ("1 pair", "1,200 pairs"), `first_few` the first rows of
+a list, and `format_fixed` the figures of printed tables (never `-0.000`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -165,6 +167,18 @@ class Progress:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def counted(n: int, word: str, plural: str | None = None) -> str:
+    """`n` and the noun for it: "1 pair", "0 pairs", "12,000 conversations"; `plural` for a
+    noun that does not take an s ("1 reply", plural "replies")."""
+    return f"{n:,} {word if n == 1 else plural or word + 's'}"
+
+
+def first_few(items: Sequence[str], shown: int = 3) -> str:
+    """The first `shown` of `items`, joined, and how many more there are."""
+    head = ", ".join(items[:shown])
+    return head if len(items) <= shown else f"{head} and {len(items) - shown:,} more"
 
 
 def format_count(n: int) -> str:

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pyte
 
+from llmcli.generation.interactive import CTRL_C_AT_PROMPT
+
 CTRL_C = b"\x03"
 
 
@@ -114,3 +116,39 @@ class Terminal:
                 raise AssertionError("timed out:\n" + "\n".join(self.lines()))
         os.close(self.master)
         return self.proc.wait()
+
+
+def ctrl_c_leaves_the_session_on(args: list[str], prompt: str, line: bytes, stopped: str) -> None:
+    """An interactive command on a terminal: Ctrl-C as a key press and as SIGINT to the whole
+    process group (what a terminal sends), each during an answer and at the prompt; the session
+    goes on to answer the next line and ends at Ctrl-D with status 0."""
+    term = Terminal(args, columns=80)
+    try:
+        term.wait_for("Ctrl-D exits")
+        interrupts = [
+            lambda: term.press(CTRL_C),
+            lambda: os.killpg(term.proc.pid, signal.SIGINT),
+        ]
+        for n, interrupt in enumerate(interrupts, 1):
+            term.wait_until(lambda: term.raw.endswith(prompt.encode()))
+            term.press(line + b"\r")
+            start = len(term.raw)
+            term.wait_until(lambda start=start: len(term.raw) > start + 40)  # the answer streams
+            interrupt()
+            term.wait_until(lambda n=n: term.raw.count(stopped.encode()) == n)
+        for n, interrupt in enumerate(interrupts, 1):  # at the prompt, a line half typed
+            term.wait_until(lambda: term.raw.endswith(prompt.encode()))
+            term.press(b"half a li")
+            time.sleep(0.2)
+            interrupt()
+            term.wait_until(lambda n=n: term.raw.count(CTRL_C_AT_PROMPT.encode()) == n)
+        time.sleep(1.0)  # a late end of the session would come now
+        assert term.proc.poll() is None, "\n".join(term.lines())
+        term.press(b"/settings\r")
+        term.wait_for("max_new_tokens=")
+        term.press(b"\x04")  # Ctrl-D
+        assert term.wait(60) == 0, "\n".join(term.lines())
+        assert b"Traceback" not in term.raw and b"interrupted" not in term.raw
+    finally:
+        if term.proc.poll() is None:
+            term.proc.kill()

@@ -4,7 +4,9 @@ built-in template, and the history is cut at turn boundaries by hand-counted tok
 from __future__ import annotations
 
 import io
+import os
 import re
+import shutil
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -13,6 +15,7 @@ import pytest
 import torch
 from chat_helpers import CONVERSATIONS, chat_tokenizer, save_chat_run
 from conftest import save_tiny_run
+from terminal_helpers import ctrl_c_leaves_the_session_on
 
 from llmcli.cli import main
 from llmcli.data.chat_template import CHAT_TOKENS, default_template, require_run_template
@@ -114,9 +117,13 @@ def test_replies_equal_a_greedy_loop_and_commands_change_the_history(
             capsys, monkeypatch, run_dir, ["Hello", quit_line, "Hi"], *GREEDY
         )
         assert code == 0 and replies == [first] and "error" not in err, (quit_line, err)
-    code, _, err = chat_cli(capsys, monkeypatch, run_dir, ["/rest", "/temp 0.3"], *GREEDY)
+    lines = ["/rest", "/temp 0.3", "/sys Be brief.", "/top 5", "/sett"]
+    code, _, err = chat_cli(capsys, monkeypatch, run_dir, lines, *GREEDY)
     assert "unknown command /rest. Did you mean /reset?" in err
-    assert "unknown command /temp. Did you mean /temperature?" in err
+    # A unique prefix is the command it begins, as a shell completes it.
+    assert "temperature = 0.3\nsystem message set\n" in err
+    assert "unknown command /top. Did you mean /top_k or /top_p?" in err
+    assert " temperature=0.3 " in err and "top_k=" in err
 
 
 def test_a_reply_is_one_line_on_a_pipe(run_dir, capsys, monkeypatch) -> None:
@@ -298,3 +305,34 @@ def test_steer_adds_the_feature_direction_to_a_reply(run, run_dir, tmp_path, cap
     with run.model.hooks({hook: lambda h: h + 40 * direction}):
         by_hand = greedy_reply(run, [user("Hi")], 20)[0]
     assert steered == [by_hand] and by_hand != greedy_reply(run, [user("Hi")], 20)[0]
+
+
+@pytest.mark.slow
+def test_ctrl_c_from_a_terminal_never_ends_the_chat(tmp_path) -> None:
+    # A long context: the greedy reply to "Spell cat." runs on past Ctrl-C.
+    long = save_chat_run(tmp_path / "chat", seed=MODEL_SEED, sharpen=8.0, context_length=4096)
+    args = ["llmcli", "chat", "--checkpoint", str(long), "--temperature", "0"]
+    ctrl_c_leaves_the_session_on(
+        [*args, "--max-new-tokens", "2000"], "you> ", b"Spell cat.", "stopped (Ctrl-C)"
+    )
+
+
+def test_chat_names_its_latest_run_and_no_text_run_it_would_refuse(
+    run_dir, tmp_path, capsys, monkeypatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(run_dir, tmp_path / "checkpoints" / "chat")
+    model = {"n_layer": 1, "n_head": 1, "n_embed": 8, "context_length": 16}
+    text = save_tiny_run(
+        tmp_path / "checkpoints" / "tiny2", CharTokenizer("abc \n"), {"model": model}
+    )
+    os.utime(
+        tmp_path / "checkpoints" / "chat" / "model.safetensors", (1, 1)
+    )  # the text run is newer
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello\n"))
+    with pytest.raises(SystemExit) as exc:
+        main(["chat", *GREEDY])
+    err = capsys.readouterr().err
+    assert exc.value.code == 0, err
+    assert f"using the latest chat run: {Path('checkpoints') / 'chat'}, at step 0\n" in err
+    assert str(text.name) not in err

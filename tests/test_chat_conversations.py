@@ -131,7 +131,11 @@ def test_jsonl_rows_are_read_and_a_bad_line_is_named_by_file_and_number(tmp_path
     with pytest.raises(InputError, match="line 2 is JSON nested too deeply"):
         list(read_jsonl(path))
     path.write_bytes(good.encode() + b"\n\xff\xfe\n")
-    with pytest.raises(InputError, match="line 2: the text is not UTF-8"):
+    offset = len(good) + 1  # the bad byte's, in the file
+    binary = (
+        rf"line 2 is not UTF-8 text \(byte 0xff at offset {offset} of the file\): is it a binary"
+    )
+    with pytest.raises(InputError, match=binary):
         list(read_jsonl(path))
 
 

@@ -115,7 +115,10 @@ def test_a_long_conversation_is_cut_after_the_last_assistant_turn_that_fits(
     assert rows, "the second conversation was drawn"
     expected_y = [-1] * 15 + ids_of("c-a-t", END) + [-1] * 9  # "c" follows position 15
     assert y[rows[0]].tolist() == expected_y
-    with pytest.raises(InputError, match=r"train split has no conversation .* \(21\) tokens"):
+    with pytest.raises(
+        InputError,
+        match=r"nothing left to learn from: 2 conversations of the train split .* \(21 tokens\)",
+    ):
         prepare_chat_data(config, 20)
 
 
@@ -190,7 +193,7 @@ def test_the_last_val_fraction_of_the_conversations_is_held_out(
         USER, "\nn i", END, "\n", ASSISTANT, "\n" + "i" * 9, END, "\n"
     )
     config.path = str(write_jsonl(tmp_path / "one.jsonl", rows[:1]))
-    with pytest.raises(InputError, match="1 conversations: too few to hold out"):
+    with pytest.raises(InputError, match="1 conversation: too few to hold out"):
         prepare_chat_data(config, 64)
 
 

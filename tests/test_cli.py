@@ -301,3 +301,28 @@ def test_config_list_gives_whole_sentences_wrapped_at_80_columns() -> None:
     assert set(entries) == {p.stem for p in (ROOT / "configs").glob("*.yaml")}
     assert all(text.endswith(".") for text in entries.values()), entries  # whole sentences
     assert "2 CPU cores (`llmcli train speedrun-cpu`, start to exit;" in entries["speedrun-cpu"]
+
+
+def test_an_error_wraps_at_spaces_on_an_80_column_terminal(tmp_path) -> None:
+    from terminal_helpers import Terminal
+
+    term = Terminal(["llmcli", "train", "grpo"], columns=80, cwd=tmp_path)
+    assert term.wait(120) == 2
+    written = [line for line in term.raw.decode().split("\r\n") if line]
+    # As written (before the terminal breaks anything): short lines, or one word too long
+    # to break (the folder's path).
+    assert all(len(line) < 80 or " " not in line.strip() for line in written), written
+    assert len(written) > 1 and written[0].startswith("error: ")
+    assert all(line.startswith("  ") for line in written[1:])
+    text = " ".join(line.strip() for line in written)
+    assert "error: train.init_from ('checkpoints/chat') does not exist: no folder" in text
+    assert "It is the run that `llmcli train chat` makes: train it first, in this folder" in text
+
+
+@pytest.mark.parametrize("args", [(), ("sae",)])
+def test_a_command_group_alone_shows_its_help_not_an_error_holding_it(args) -> None:
+    out = run_cli(*args)
+    assert out.returncode == 2  # as click's: nothing was done
+    assert out.stderr.startswith(f"Usage: llmcli {' '.join(args)}".rstrip() + " [OPTIONS] COMMAND")
+    assert "error" not in out.stderr.lower().split("options:")[0]
+    assert out.stderr.count("Usage:") == 1

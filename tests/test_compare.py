@@ -57,7 +57,7 @@ def test_compare_draws_the_curves_and_lists_only_the_differing_keys(runs, capsys
         meta = json.loads((Path(row["run"]) / "meta.json").read_text())
         assert row["elapsed_s"] == meta["elapsed_s"] > 0
         assert row["tokens_per_s"] == pytest.approx(12 * 4 * 16 / meta["elapsed_s"])
-    assert "tok/run-s" in runs_part.splitlines()[0]
+    assert "tokens/s" in runs_part.splitlines()[0].split() and "tok/run-s" not in runs_part
 
 
 def test_every_metric_and_axis_draws_each_runs_records(runs, monkeypatch) -> None:
@@ -153,3 +153,22 @@ def test_a_run_of_one_point_is_drawn_with_a_marker(runs, tmp_path) -> None:
     assert one.get_marker() == "o" and one.get_markersize() > 0  # visible without a line
     assert long.get_marker() in ("None", None, "")  # a long curve is a plain line
     assert len(long.get_xdata()) == 120
+
+
+def test_a_run_that_never_evaluated_is_pointed_at_train_loss(runs, tmp_path, capsys) -> None:
+    early = tmp_path / "early"
+    early.mkdir()
+    (early / "config.yaml").write_text((runs / "heads-2" / "config.yaml").read_text())
+    records = [r for r in read_metrics(runs / "heads-2" / "metrics.jsonl") if "val_loss" not in r]
+    (early / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    code, _, err = cli(capsys, "compare", runs / "heads-2", early, "--out", tmp_path / "c.png")
+    assert code == 2
+    flat = " ".join(err.split())
+    assert (
+        f"error: metric 'val_loss' (against step) is not in the metrics.jsonl of: {early}" in flat
+    )
+    assert "a run stopped before its first has none). Every run records train_loss: " in flat
+    assert flat.endswith("--metric train_loss.")
+    code, out, _ = cli(capsys, "compare", runs / "heads-2", early, "--metric", "train_loss",
+                       "--out", tmp_path / "c.png")  # fmt: skip
+    assert code == 0 and (tmp_path / "c.png").is_file()

@@ -47,6 +47,39 @@ def test_hub_names_and_paths_are_told_apart() -> None:
     assert split_hub_name(f"org/name@{COMMIT}") == ("org/name", COMMIT)
     for path in ("../x y", "./model", "/abs/model", "a/b/c", "org/name@", "x--y", "name.git"):
         assert split_hub_name(path) is None, path
+    # llmcli's own folder is never a Hub organisation, made or not
+    assert split_hub_name("checkpoints/chat") is None
+
+
+def test_a_name_whose_first_folder_exists_here_is_a_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert split_hub_name("runs/chat") == ("runs/chat", None)
+    (tmp_path / "runs").mkdir()
+    assert split_hub_name("runs/chat") is None
+
+
+@pytest.mark.parametrize(("config", "base"), [("grpo", "chat"), ("chat", "tiny")])
+def test_a_missing_starting_run_says_to_train_it_not_that_the_network_is_down(
+    hub_cache: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    config: str,
+    base: str,
+) -> None:
+    go_online(monkeypatch)  # a Hub request would fail at once, blaming the network
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", config])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: train.init_from ('checkpoints/{base}') does not exist: no folder" in err
+    assert f"'{tmp_path / 'checkpoints' / base}'" in err
+    assert f"It is the run that `llmcli train {base}` makes: train it first" in err
+    assert "Hugging Face Hub" not in err and "network" not in err
+    assert not (tmp_path / "checkpoints" / config).exists()
 
 
 def test_existing_folder_and_file_are_used_as_they_are(

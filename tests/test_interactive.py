@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import default_sigint, save_tiny_run
+from terminal_helpers import ctrl_c_leaves_the_session_on
 
 from llmcli.cli import main
 from llmcli.config import SampleConfig
@@ -59,7 +60,7 @@ def test_answers_equal_llmcli_sample_and_settings_take_effect(tmp_path, capsys, 
     run_dir = make_run(tmp_path / "run")
     script = [
         "ROMEO",
-        "/temperature 0.5",
+        "/temp 0.5",  # a unique prefix
         "/top-k 5",
         "ROMEO",
         "/temperature -1",  # refused: the previous temperature stays
@@ -110,11 +111,17 @@ def test_commands_are_checked_by_sample_config():
     new, message = apply_command(config, "/top_p 0.9", context_length=16)
     assert new.top_p == 0.9 and new.temperature == config.temperature and "top_p" in message
     assert apply_command(config, "/context_keep 8", 16)[0].context_keep == 8
+    # A unique prefix is the setting it begins, as a shell completes it.
+    assert apply_command(config, "/temp 0.3", 16) == (
+        replace(config, temperature=0.3),
+        "temperature = 0.3",
+    )
+    assert apply_command(config, "/max 5", 16)[0].max_new_tokens == 5
     for line, named in [
         ("/context_keep 16", "context_keep"),  # must be below the context
         ("/top_k 0", "top_k"),
         ("/temprature 1", r"unknown command /temprature\. Did you mean /temperature\?"),
-        ("/temp 0.3", r"unknown command /temp\. Did you mean /temperature\?"),
+        ("/top 5", r"unknown command /top\. Did you mean /top_k or /top_p\?"),
         ("/seed", "needs a value"),
         ("/top_k [", r"/top_k \[: the value is not a YAML scalar"),
         ("/seed [1, 2]", "must be a single scalar"),
@@ -199,3 +206,12 @@ def test_ctrl_c_stops_the_answer_and_the_next_prompt_is_answered(tmp_path, capsy
     assert b"stopped (Ctrl-C)" in err and b"Traceback" not in err
     expected = sampled(capsys, run_dir, "JULIET", "--max-new-tokens", "9")
     assert (first + out).decode().endswith("\n" + expected)
+
+
+@pytest.mark.slow
+def test_ctrl_c_from_a_terminal_never_ends_the_session(tmp_path):
+    run_dir = make_run(tmp_path / "run", CharTokenizer(sorted(set(TEXT)), eot=None))
+    args = ["llmcli", "sample", "--checkpoint", str(run_dir), "--interactive"]
+    ctrl_c_leaves_the_session_on(
+        [*args, "--max-new-tokens", "1000000"], "> ", b"ROMEO", "stopped (Ctrl-C)"
+    )

@@ -135,9 +135,11 @@ def test_the_sampler_is_seeded_and_resumes_its_stream(tmp_path: Path):
 
 
 def test_sources_that_cannot_train_are_refused_with_the_fix(tmp_path: Path):
-    with pytest.raises(InputError, match=r"holds 1 preference pairs: too few.*data.val_path"):
+    with pytest.raises(InputError, match=r"holds 1 preference pair: too few.*data.val_path"):
         prepare(tmp_path, [conversational(1)])
-    with pytest.raises(InputError, match=r"no preference pair whose prompt .*raise model.context"):
+    with pytest.raises(
+        InputError, match=r"nothing left to learn from: 3 pairs of .*raise model.context"
+    ):
         prepare(tmp_path, [conversational(50)] * 4, context_length=16)
     with pytest.raises(
         InputError, match=r"p.jsonl line 2: a row must be .* no .chosen., .rejected."
@@ -164,7 +166,7 @@ def test_a_datasets_source_and_implicit_prompts_read_as_the_same_pairs(tmp_path:
         val_fraction=0.2,
         cache_dir=str(tmp_path),
     )
-    with pytest.raises(InputError, match=r"holds 1 preference pairs: too few"):
+    with pytest.raises(InputError, match=r"holds 1 preference pair: too few"):
         prepare_preference_data(cfg, 64, chat_tokenizer(), default_template())
     cfg = dataclasses.replace(cfg, dataset=str(write_pairs(tmp_path / "d.jsonl", mixed)))
     got = prepare_preference_data(cfg, 64, chat_tokenizer(), default_template())

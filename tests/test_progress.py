@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from llmcli import progress
-from llmcli.progress import Progress
+from llmcli.progress import Progress, counted, first_few
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -137,3 +137,17 @@ def test_format_fixed_drops_the_sign_of_a_value_that_rounds_to_zero() -> None:
     assert progress.format_fixed(-4e-5, "+.4f") == "+0.0000"
     assert progress.format_fixed(-0.0006, ".3f") == "-0.001" == format(-0.0006, ".3f")
     assert progress.format_fixed(0.25, "+.2f") == "+0.25"
+
+
+def test_counts_are_separated_and_agree_with_their_noun() -> None:
+    assert counted(1, "pair") == "1 pair"
+    assert counted(0, "pair") == "0 pairs"
+    assert counted(943_744, "parameter") == "943,744 parameters"
+    assert counted(1, "reply", "replies") == "1 reply"
+    assert counted(2, "reply", "replies") == "2 replies"
+
+
+def test_first_few_names_three_and_counts_the_rest() -> None:
+    assert first_few(["a", "b"]) == "a, b"
+    assert first_few(["a", "b", "c"]) == "a, b, c"
+    assert first_few([str(i) for i in range(1_005)]) == "0, 1, 2 and 1,002 more"

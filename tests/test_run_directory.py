@@ -145,11 +145,16 @@ def test_the_latest_run_of_the_kind_a_command_wants_comes_first_and_the_notice_s
     assert find_latest_run(tmp_path, kind="chat") == tmp_path / "chat"
     assert find_latest_run(tmp_path, kind="text") == tmp_path / "tiny"
     chat, tiny = tmp_path / "chat", tmp_path / "tiny"
-    assert latest_run_notice(tiny, tmp_path) == (
-        f"using the latest text run: {tiny} (the newer chat run is {chat}: --checkpoint {chat} "
-        "picks it)"
+    assert latest_run_notice(tiny, tmp_path, kind="text") == (
+        f"using the latest text run: {tiny}, at step 7 (the newer chat run is {chat}, at step 7: "
+        f"--checkpoint {chat} picks it)"
     )
-    assert latest_run_notice(chat, tmp_path) == f"using the latest chat run: {chat}"
+    assert latest_run_notice(chat, tmp_path) == f"using the latest chat run: {chat}, at step 7"
+    # A command for chat runs is never pointed at a text run it would refuse.
+    os.utime(tmp_path / "tiny" / "model.safetensors", (now + 100, now + 100))
+    assert latest_run_notice(chat, tmp_path, kind="chat") == (
+        f"using the latest chat run: {chat}, at step 7"
+    )
     # With no run of the kind wanted, the latest of the other kind (the notice names its kind).
     assert find_latest_run(tmp_path / "chat", kind="text") == chat
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 
 import pytest
@@ -230,3 +231,18 @@ def test_sigterm_saves_at_the_end_of_the_step_and_stops_as_preempted(
         trained_sae(run, tmp_path / "sae", steps=6)
     state = SAEState.load(tmp_path / "sae" / STATE_FILE)
     assert (state.step, state.tokens) == (3, 3 * 128)
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_a_terminal_shows_its_notice_on_a_line_of_its_own(run, tmp_path) -> None:
+    from terminal_helpers import CTRL_C, Terminal
+
+    args = ["llmcli", "sae", "train", "--checkpoint", str(run), "--hook", HOOK, "--steps",
+            "100000", "--batch-tokens", "64", "--out", str(tmp_path / "sae")]  # fmt: skip
+    term = Terminal(args, columns=80)
+    term.wait_until(lambda: re.search(r"\| *[1-9]\d*/100000 \[", term.text()))  # stepping
+    term.press(CTRL_C)
+    notice = "SIGINT: saving a checkpoint after this step (Ctrl-C again quits at once"
+    term.wait_until(lambda: any(line.startswith(notice) for line in term.lines()), 60)
+    assert term.wait(120) == 130, term.lines()
+    assert "stopped at step " in term.text().split(notice)[-1], term.lines()

@@ -324,7 +324,7 @@ def test_latest_run_is_used_and_named(capsys, tmp_path, monkeypatch) -> None:
     os.utime(tmp_path / "checkpoints" / "old" / "model.safetensors", (1, 1))
     code, out, err = cli(capsys, "sample", "--prompt", "ROMEO:", "--no-stream")
     assert code == 0
-    assert f"using the latest text run: {Path('checkpoints') / 'new'}\n" in err
+    assert f"using the latest text run: {Path('checkpoints') / 'new'}, at step 0\n" in err
     assert out == "ROMEO:" + expected_completion(newest, "ROMEO:", 20, seed=3) + "\n"
 
     # A newer chat run does not take its place: sample keeps to text, and says what it left.
@@ -335,7 +335,8 @@ def test_latest_run_is_used_and_named(capsys, tmp_path, monkeypatch) -> None:
     code, out2, err = cli(capsys, "sample", "--prompt", "ROMEO:", "--no-stream")
     assert code == 0 and out2 == out
     assert (
-        f"using the latest text run: {Path('checkpoints') / 'new'} (the newer chat run is " in err
+        f"using the latest text run: {Path('checkpoints') / 'new'}, at step 0 (the newer chat "
+        "run is " in err
     )
     assert f"--checkpoint {Path('checkpoints') / 'chat'} picks it)" in err
 
@@ -455,3 +456,19 @@ def test_ctrl_c_exits_130_without_traceback(tmp_path) -> None:
             proc.kill()
     assert proc.returncode == 130
     assert b"Traceback" not in err
+
+
+def test_the_latest_run_is_named_with_its_step_and_an_unfinished_one_says_so(
+    capsys, tmp_path, monkeypatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    done = make_run(tmp_path / "checkpoints" / "done", CharTokenizer.train([TEXT]))
+    stopped = make_run(tmp_path / "checkpoints" / "stopped", CharTokenizer.train([TEXT]))
+    for run, step in ((done, 300), (stopped, 115)):
+        meta = json.loads((run / "meta.json").read_text())
+        (run / "meta.json").write_text(json.dumps({**meta, "step": step, "max_steps": 300}))
+    os.utime(done / "model.safetensors", (1, 1))
+    code, _, err = cli(capsys, "sample", "--prompt", "ROMEO:", "--no-stream")
+    assert code == 0
+    stopped_at = Path("checkpoints") / "stopped"
+    assert f"using the latest text run: {stopped_at}, at step 115 of 300 (unfinished)\n" in err

@@ -9,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import re
+import signal
 import socket
 import threading
 import time
@@ -25,6 +27,7 @@ import torch
 import uvicorn
 from conftest import save_tiny_run
 from fastapi.testclient import TestClient
+from terminal_helpers import CTRL_C, Terminal
 
 from llmcli.cli import main
 from llmcli.data.tokenizer import CharTokenizer
@@ -550,3 +553,21 @@ def test_protocol_errors_are_api_errors_without_a_server(run) -> None:
     assert nulls.top_k is None and nulls.temperature == 1.0  # top_k null keeps every token
     with pytest.raises(APIError, match=r"temperature \(-1.0\) must be a number >= 0: 0 is greedy"):
         parse_completion({"prompt": "a", "temperature": -1}, run.config.sample, LIMITS, "tiny")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["key", "process group"])
+def test_ctrl_c_from_a_terminal_stops_the_server_cleanly(run_dir, how) -> None:
+    term = Terminal(["llmcli", "serve", "--checkpoint", str(run_dir), "--port", "0"])
+    try:
+        term.wait_for("Application startup complete", 120)
+        if how == "key":
+            term.press(CTRL_C)
+        else:  # what a terminal does for the key: SIGINT to every process of the group
+            os.killpg(term.proc.pid, signal.SIGINT)
+        assert term.wait(60) == 130  # interrupted, as every command's Ctrl-C
+    finally:
+        if term.proc.poll() is None:
+            term.proc.kill()
+    assert b"Shutting down" in term.raw and b"Finished server process" in term.raw
+    assert b"Traceback" not in term.raw

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -224,3 +225,18 @@ def test_a_run_without_a_template_refuses_chat_and_still_completes(tmp_path) -> 
         completion = http.post("/v1/completions", json={"prompt": "He", "max_tokens": 2})
         assert completion.status_code == 200
         assert json.loads(completion.text)["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_the_serving_pages_chat_example_works_as_copied(run_dir, url, client, capsys) -> None:
+    page = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text("utf-8")
+    section = page[page.index("## Chat completions") :]
+    served = re.search(r"llmcli serve --checkpoint (\S+)", section).group(1)
+    assert Path(served).name == run_dir.name  # the run the page serves, by its folder's name
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert "http://127.0.0.1:8000/v1" in code
+    exec(compile(code.replace("http://127.0.0.1:8000", url), "serving.md", "exec"), {})
+    printed = capsys.readouterr().out
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    greedy = client.chat.completions.create(model="chat", messages=messages, temperature=0)
+    # The greedy reply, then the streamed one (sampled: it may end at once)
+    assert printed.startswith(greedy.choices[0].message.content + "\n")

@@ -11,7 +11,7 @@ import yaml
 
 from llmcli.cli import main
 from llmcli.config import load_config
-from llmcli.config.shipped import shipped_configs
+from llmcli.config.shipped import shipped_configs, shipped_data, shipped_dir
 
 STORY = "Once upon a time, {name} had a {thing}. {name} liked the {thing} very much. The end."
 
@@ -62,3 +62,36 @@ def test_tinystories_trains_and_samples_on_local_files_of_its_format(tmp_path, c
         main(["sample", "--checkpoint", str(out), "--prompt", "Once upon a time,",
               "--max-new-tokens", "5", "--threads", "1"])  # fmt: skip
     assert exc.value.code == 0 and capsys.readouterr().out.startswith("Once upon a time,")
+
+
+def test_shipped_data_is_found_from_any_folder_and_a_local_file_wins(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    bundled = shipped_dir("corpora")
+    assert shipped_data("data/dpo-val.jsonl") == bundled / "dpo-val.jsonl"
+    assert shipped_data("data/nothing.jsonl") == Path("data/nothing.jsonl")
+    assert shipped_data("elsewhere/dpo-val.jsonl") == Path("elsewhere/dpo-val.jsonl")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "dpo-val.jsonl").write_text("{}\n", encoding="utf-8")
+    assert shipped_data("data/dpo-val.jsonl") == Path("data/dpo-val.jsonl")
+
+
+@pytest.mark.parametrize(
+    ("name", "what"), [("dpo-val.jsonl", "pairs"), ("grpo-val.jsonl", "prompts")]
+)
+def test_eval_reads_the_docs_data_files_from_an_empty_folder(
+    tmp_path, monkeypatch, capsys, name, what
+):
+    from chat_helpers import save_chat_run
+
+    run_dir = save_chat_run(tmp_path / "chat", seed=6, sharpen=8.0)
+    results = []
+    for data in (str(shipped_dir("corpora") / name), f"data/{name}"):
+        monkeypatch.chdir(tmp_path / "chat" if data.startswith("/") else tmp_path)
+        with pytest.raises(SystemExit) as exit_:
+            main(["eval", "--checkpoint", str(run_dir), "--data", data, "--json"])
+        out = capsys.readouterr()
+        assert exit_.value.code == 0, out.err
+        result = json.loads(out.out)
+        results.append({k: v for k, v in result.items() if "seconds" not in k and k != "elapsed_s"})
+    assert results[0] == results[1]
+    assert results[0]["data"] == str(shipped_dir("corpora") / name)

@@ -7,12 +7,16 @@ damaged state with a message naming the file, before any of it is used.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
+from conftest import small_run_config
 
+from llmcli.cli import main
 from llmcli.errors import CheckpointError
 from llmcli.runs.directory import STATE_FILE
 from llmcli.runs.formats import WEIGHTS_FORMAT, load_state, save_state
@@ -218,3 +222,35 @@ def test_the_rng_state_on_mps_holds_and_restores_the_mps_generator(monkeypatch) 
     generator["state"] = torch.zeros(8, dtype=torch.uint8)
     set_rng_state(saved, torch.device("mps"))
     assert torch.equal(generator["state"], torch.arange(8, dtype=torch.uint8))
+
+
+def _train(capsys, config: Path, out: Path, *args: str) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", str(config), "--out", str(out), "--no-progress", *args])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 0, err
+    return err
+
+
+def test_a_resume_with_other_settings_says_what_they_change_and_how_to_keep_the_saved_ones(
+    small_corpus, tmp_path, capsys
+) -> None:
+    config = tmp_path / "run.yaml"
+    raw = small_run_config(small_corpus, max_steps=6, eval_interval=3, eval_steps=1)
+    config.write_text(yaml.safe_dump(raw))
+    run = tmp_path / "run"
+    _train(capsys, config, run, "--set", "train.max_steps=3", "--set", "train.lr=0.002")
+    # The first command's --set left out: the config's values apply, and the resume says so.
+    err = " ".join(_train(capsys, config, run, "--resume").split())
+    assert (
+        "resuming with settings that differ from the saved run's: train.max_steps 3 -> 6 (where "
+        "the run ends, and the learning-rate schedule stretched to it); train.lr 0.002 -> 0.001 "
+        "(the learning rate from here on). The command's settings apply from here on" in err
+    )
+    assert "resume with --set train.max_steps=3 --set train.lr=0.002." in err
+    assert json.loads((run / "meta.json").read_text())["step"] == 6
+    # The same settings as the saved run's: nothing to say.
+    err = _train(capsys, config, run, "--resume", "--set", "train.max_steps=8")
+    assert "train.max_steps 6 -> 8" in err and "train.lr" not in err
+    err = _train(capsys, config, run, "--resume", "--set", "train.max_steps=8")
+    assert "differ from the saved run's" not in err

@@ -15,7 +15,7 @@ import sys
 
 import typer
 
-from llmcli.cli.app import PipeClosed, app, stop_logging_to_stderr
+from llmcli.cli.app import PipeClosed, app, stop_logging_to_stderr, wrap_for_stderr
 from llmcli.errors import InputError
 
 # Importing the command modules registers their commands, in the order `llmcli --help` lists them.
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         code = _run(args)
     except InputError as exc:
-        typer.echo(f"error: {exc}", err=True)
+        typer.echo(wrap_for_stderr(f"error: {exc}"), err=True)
         sys.exit(2)
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
@@ -76,6 +76,10 @@ def _show_usage_error(exc: Exception, args: list[str]) -> None:
     """A usage error as click shows it, with `error:` spelt as every other error, and a hint for
     the commonest slip: `--set KEY VALUE` for `--set KEY=VALUE`."""
     ctx = getattr(exc, "ctx", None)
+    if type(exc).__name__ == "NoArgsIsHelpError" and ctx is not None:
+        # `llmcli` or `llmcli sae` alone: the help is the answer, not an error with it inside
+        typer.echo(ctx.get_help(), err=True)
+        return
     if ctx is not None:
         typer.echo(f"{ctx.get_usage()}\nTry '{ctx.command_path} -h' for help.\n", err=True)
     message = exc.format_message()  # type: ignore[attr-defined]
@@ -83,4 +87,4 @@ def _show_usage_error(exc: Exception, args: list[str]) -> None:
         if option == "--set" and "=" not in value and "unexpected extra argument" in message:
             message += f": --set takes KEY=VALUE as one word, e.g. --set {value}={extra}"
             break
-    typer.echo(f"error: {message}", err=True)
+    typer.echo(wrap_for_stderr(f"error: {message}"), err=True)

@@ -48,8 +48,26 @@ app = typer.Typer(
 
 
 def notify(line: str) -> None:
-    """Lines for the user that are not the command's result (which run, warnings) go to stderr."""
-    typer.echo(line, err=True)
+    """Lines for the user that are not the command's result (which run, warnings) go to stderr,
+    wrapped as every line there is (`wrap_for_stderr`)."""
+    typer.echo(wrap_for_stderr(line), err=True)
+
+
+def wrap_for_stderr(text: str) -> str:
+    """`text` as stderr shows it: on a terminal, each line longer than its width wrapped at
+    spaces (the terminal would break it mid-word), the rest indented; elsewhere as it is. Log
+    lines, notices and `error:` messages all pass here, so all wrap alike."""
+    import textwrap
+
+    from llmcli.progress import stderr_columns, stderr_is_terminal
+
+    columns = stderr_columns() if stderr_is_terminal() else None
+    if not columns or all(len(line) < columns for line in text.splitlines()):
+        return text
+    wrap = textwrap.TextWrapper(
+        columns - 1, break_long_words=False, break_on_hyphens=False, subsequent_indent="  "
+    )
+    return "\n".join(wrap.fill(line) for line in text.splitlines())
 
 
 def result_text(result: Any, as_json: bool, format_text: Callable[[Any], str]) -> str:
@@ -105,22 +123,14 @@ class WrappedLines(logging.Formatter):
     break it mid-word) and clearing its line. The bar's log handler takes this formatter too."""
 
     def format(self, record: Any) -> str:
-        import textwrap
-
-        from llmcli.progress import stderr_columns, stderr_is_terminal
+        from llmcli.progress import stderr_is_terminal
 
         text = super().format(record)
         if not stderr_is_terminal():
             return text
-        columns = stderr_columns()
-        if columns and len(text) >= columns:
-            wrap = textwrap.TextWrapper(
-                columns - 1, break_long_words=False, break_on_hyphens=False, subsequent_indent="  "
-            )
-            text = "\n".join(wrap.fill(line) for line in text.splitlines())
         # Erase the rest of the line first: a key's echo (Ctrl-C's "^C") may sit beyond the
         # end of the bar this message takes the place of.
-        return "\x1b[K" + text
+        return "\x1b[K" + wrap_for_stderr(text)
 
 
 def _version(value: bool) -> None:

@@ -264,14 +264,17 @@ def _stdin_lines(
     tty = sys.stdin.isatty()
     if tty:
         import readline  # noqa: F401  (line editing and history for input())
-
-        notify(greeting)
+    greet = [greeting] if tty else []
     # A pipe is read as bytes, each line decoded alone: bytes that are not UTF-8 are that line's
     # error, where text-mode stdin would stop the session (or, under some locales, pass them on
     # as surrogates).
     stdin = getattr(sys.stdin, "buffer", None)
 
     def read_line() -> str | None:
+        # Greeted at the first read, inside the session's loop: a Ctrl-C pressed as soon as
+        # the greeting shows is the loop's to handle, as every later one is.
+        if greet:
+            notify(greet.pop())
         sys.stdout.flush()
         if pending:
             return pending.pop()
@@ -280,6 +283,9 @@ def _stdin_lines(
                 return input(tty_prompt)
             except EOFError:
                 return None
+            except KeyboardInterrupt:
+                print(file=sys.stderr)  # end the prompt's line, as a shell does
+                raise
             except UnicodeDecodeError as exc:
                 raise not_utf8(exc) from None
         if stdin is None:  # a text stream standing in for stdin (tests)

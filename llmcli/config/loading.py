@@ -134,6 +134,12 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     return parts[0], ".".join(parts[1:]), value
 
 
+def format_scalar(value: Any) -> str:
+    """A setting's value as YAML writes it, as `parse_scalar` reads it back: `null`, `true`,
+    `0.8`."""
+    return yaml.safe_dump(value, default_flow_style=True).removesuffix("\n...\n").strip()
+
+
 def parse_scalar(raw: str, what: str, quoted: str) -> Any:
     """A setting's value typed by the user, read as a YAML scalar (a blank text is None): what
     `--set KEY=VALUE` and `sample --interactive`'s `/KEY VALUE` take.

@@ -70,6 +70,21 @@ def find_config(spec: str | Path) -> tuple[Path, bool]:
     )
 
 
+def shipped_data(spec: str | Path) -> Path:
+    """The file or folder `spec` names, where a relative `data/...` that does not exist here is
+    the one shipped with llmcli (`data/dpo-val.jsonl` from any folder, as the docs' commands
+    write it); any other path as it is.
+
+    The folder the command runs in wins: a project's own `data/` shadows the shipped files.
+    """
+    path = Path(spec).expanduser()
+    parts = path.parts
+    if path.is_absolute() or path.exists() or len(parts) < 2 or parts[0] != "data":
+        return path
+    bundled = shipped_dir("corpora").joinpath(*parts[1:])
+    return bundled if bundled.exists() else path
+
+
 def bundled_paths(raw: Any, source: Path) -> Any:
     """A shipped config's relative `data/...` paths, pointed at the bundled corpora.
 
@@ -87,6 +102,7 @@ def bundled_paths(raw: Any, source: Path) -> Any:
         parts = Path(value).parts
         if parts and parts[0] == "data":
             bundled = shipped_dir("corpora").joinpath(*parts[1:])
+            # A shipped config always reads the shipped corpus, whatever `data/` is here.
             if not bundled.exists():
                 raise ConfigError(
                     f"the shipped config {str(source)!r} trains on the bundled corpus "

@@ -43,7 +43,7 @@ from llmcli.data.conversations import (
     check_messages,
     read_jsonl,
 )
-from llmcli.data.corpus import _load_dataset, resolve_files, rows_to_train
+from llmcli.data.corpus import _load_dataset, resolve_files, rows_to_train, skipped_rows_note
 from llmcli.data.prepared import (
     ChatData,
     ChatSplit,
@@ -56,6 +56,7 @@ from llmcli.data.prepared import (
 from llmcli.data.tokenizer import EOT, Tokenizer, special_tokens, train_tokenizer
 from llmcli.errors import InputError, describe_os_error
 from llmcli.fileio import atomic_path, atomic_write_json
+from llmcli.progress import counted
 
 if TYPE_CHECKING:
     from llmcli.config import DataConfig
@@ -277,7 +278,11 @@ def _cached(
             meta = _whole(paths, dtype)
             if meta is None:
                 return _encode_into_cache(encoder, source, source_hash, paths, dtype)
-    log.info("%s: %d conversations, from the token cache", source.label, meta["n_conversations"])
+    log.info(
+        "%s: %s, from the token cache",
+        source.label,
+        counted(meta["n_conversations"], "conversation"),
+    )
     return paths, meta["n_conversations"]
 
 
@@ -290,7 +295,10 @@ def _encode_into_cache(
 ) -> tuple[dict[str, Path], int]:
     """Encode `source`'s conversations into the cache files `paths`."""
     log.info(
-        "encoding %d conversations of %s into %s", len(source.rows), source.label, paths["tokens"]
+        "encoding %s of %s into %s",
+        counted(len(source.rows), "conversation"),
+        source.label,
+        paths["tokens"],
     )
     try:
         _write_cache(paths, _encode_all(encoder, source), dtype, source_hash, source.label)
@@ -350,30 +358,39 @@ def _split(paths: dict[str, Path], dtype: np.dtype, rows: slice, context_length:
     )
     mask = np.memmap(paths["mask"], dtype=np.uint8, mode="r", offset=lo, shape=(hi - lo,))
     starts, lengths, counts = conversation_windows(mask, offsets - lo, context_length)
-    return ChatSplit(tokens, mask, starts, lengths, counts)
+    kept = set(np.searchsorted(offsets - lo, starts).tolist())  # the row each window starts
+    skipped = [row for row in range(len(offsets) - 1) if row not in kept]
+    return ChatSplit(tokens, mask, starts, lengths, counts, skipped)
 
 
 def _check_windows(
-    name: str, split: ChatSplit, template: ChatTemplate, context_length: int, hint: str
+    name: str, split: ChatSplit, template: ChatTemplate, context_length: int, wheres: list[str]
 ) -> None:
+    """Refuse a split with nothing to learn from; warn of the conversations left out, by
+    `wheres` (each of the split's rows' place, "file line N")."""
     if not split.mask.any():  # nothing to learn however long the context
         raise InputError(
             f"{template.origin} marks none of the {name} split's tokens as the assistant's: "
             "put each assistant message and its end-of-turn token inside {% generation %}"
             "...{% endgeneration %}, as the built-in template does, for the loss to be on them."
         )
+    why = (
+        f"no assistant turn of theirs ends within model.context_length + 1 "
+        f"({counted(context_length + 1, 'token')})"
+    )
+    fix = "To learn from them, raise model.context_length or shorten them."
+    skipped = [wheres[row] for row in split.skipped_rows]
+    note = skipped_rows_note(name, ("conversation", "conversations"), skipped, why, fix)
     if len(split.starts) == 0:
-        raise InputError(
-            f"the {name} split has no conversation whose first assistant turn ends within "
-            f"model.context_length + 1 ({context_length + 1}) tokens "
-            f"({split.counts['conversations']} conversations, all skipped): {hint}"
-        )
+        raise InputError(f"nothing left to learn from: {note}")
+    if note:
+        log.warning("%s", note)
 
 
 def _describe(name: str, counts: dict[str, int]) -> str:
     return (
-        f"{name} {counts['conversations']} conversations: {counts['kept']} kept, "
-        f"{counts['truncated']} truncated at a turn's end, {counts['skipped']} skipped"
+        f"{name} {counted(counts['conversations'], 'conversation')}: {counts['kept']:,} kept, "
+        f"{counts['truncated']:,} truncated at a turn's end, {counts['skipped']:,} skipped"
     )
 
 
@@ -411,6 +428,7 @@ def prepare_chat_data(
     dtype = token_dtype(tok.vocab_size)
     cached = [_cached(encoder, s, h, cache) for s, h in zip(sources, hashes, strict=True)]
     (train_paths, n_rows) = cached[0]
+    n_train = n_rows
     if val_src is None:
         n_train = rows_to_train(n_rows, data_cfg.val_fraction, train_src.label, "conversations")
         train = _split(train_paths, dtype, slice(0, n_train), context_length)
@@ -418,9 +436,9 @@ def prepare_chat_data(
     else:
         train = _split(train_paths, dtype, slice(0, None), context_length)
         val = _split(cached[1][0], dtype, slice(0, None), context_length)
-    hint = "raise model.context_length, or shorten the conversations."
-    _check_windows("train", train, template, context_length, hint)
-    _check_windows("validation", val, template, context_length, hint)
+    val_wheres = train_src.wheres[n_train:] if val_src is None else val_src.wheres
+    _check_windows("train", train, template, context_length, train_src.wheres)
+    _check_windows("validation", val, template, context_length, val_wheres)
     chat = ChatData(template, train, val, pad_id=encoder.end_id)
     log.info(
         "chat data: %s; %s", _describe("train", train.counts), _describe("validation", val.counts)

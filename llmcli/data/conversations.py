@@ -124,17 +124,29 @@ def read_jsonl_rows(
     except OSError as exc:
         raise InputError(f"cannot read {str(path)!r} ({exc.strerror}).") from None
     with fh:
+        offset = 0  # of the line in the file, for the byte a message names
         for line_no, raw in enumerate(fh, start=1):
             where = f"{path} line {line_no}"
             try:
                 line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise InputError(f"{where}: the text is not UTF-8.") from None
+            except UnicodeDecodeError as exc:
+                raise InputError(
+                    f"{where} is not UTF-8 text (byte {raw[exc.start]:#04x} at offset "
+                    f"{offset + exc.start} of the file): is it a binary file? JSONL is UTF-8 "
+                    f"text, one row of {shape} a line (text in another encoding converts with "
+                    "e.g. `iconv -f latin1 -t utf-8`)."
+                ) from None
+            offset += len(raw)
             if line.strip():
                 yield _row(line, where, keys, shape), where
 
 
 def _row(line: str, where: str, keys: Sequence[str], shape: str) -> dict[str, Any]:
+    if "\x00" in line:  # valid UTF-8, but no text file holds one
+        raise InputError(
+            f"{where} holds NUL bytes: is it a binary file? JSONL is UTF-8 text, one row of "
+            f"{shape} a line."
+        )
     try:
         row = json.loads(line)
     except json.JSONDecodeError as exc:

@@ -14,12 +14,14 @@ import glob
 import hashlib
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from llmcli.config.shipped import shipped_data
 from llmcli.errors import InputError
 from llmcli.fileio import refuse_special_file
+from llmcli.progress import counted, first_few
 
 if TYPE_CHECKING:
     from llmcli.config import DataConfig
@@ -351,6 +353,25 @@ def _read_utf8_blocks(path: Path, progress: Callable[[int], None]) -> Iterator[s
                 return
 
 
+def skipped_rows_note(
+    split: str, what: tuple[str, str], where: Sequence[str], why: str, fix: str
+) -> str | None:
+    """The warning for a split's rows (prompts, pairs, conversations) that are left out, naming
+    the first few by file and line, the rule they broke and what to do; None when none were.
+
+    Args:
+        split: "train" or "validation".
+        what: the rows' noun, singular and plural ("prompt", "prompts").
+        where: each skipped row's place ("data/p.jsonl line 3").
+        why: the rule, naming the setting ("longer than model.context_length (64 tokens)").
+        fix: what to do.
+    """
+    if not where:
+        return None
+    rows = counted(len(where), *what)
+    return f"{rows} of the {split} split skipped as {why}: {first_few(where)}. {fix}"
+
+
 def rows_to_train(n_rows: int, val_fraction: float, label: str, what: str) -> int:
     """How many of `n_rows` rows (conversations, pairs, prompts) train when the last
     `data.val_fraction` of them are held out for validation, as rows without a `data.val_path`
@@ -363,7 +384,8 @@ def rows_to_train(n_rows: int, val_fraction: float, label: str, what: str) -> in
     n_train = int(n_rows * (1 - val_fraction))
     if n_train < 1 or n_train == n_rows:
         raise InputError(
-            f"{label} holds {n_rows} {what}: too few to hold out the last data.val_fraction "
+            f"{label} holds {counted(n_rows, what.removesuffix('s'), what)}: too few to hold "
+            "out the last data.val_fraction "
             f"({val_fraction}) for validation. Add {what}, change data.val_fraction, or give "
             "data.val_path."
         )
@@ -372,8 +394,9 @@ def rows_to_train(n_rows: int, val_fraction: float, label: str, what: str) -> in
 
 def resolve_files(spec: str, key: str, suffix: str = ".txt", what: str = "text") -> list[Path]:
     """A file, a folder (every file ending in `suffix` below it) or a glob, as a sorted list
-    of files; `what` names their content in messages ("text", "JSONL")."""
-    p = Path(spec).expanduser()
+    of files; `what` names their content in messages ("text", "JSONL"). A relative `data/...`
+    missing here is the file shipped with llmcli (`shipped_data`)."""
+    p = shipped_data(spec)
     if _GLOB_CHARS.search(spec) and not p.exists():
         files = sorted(Path(f) for f in glob.glob(str(p), recursive=True) if Path(f).is_file())
         if not files:

@@ -33,7 +33,7 @@ import torch
 
 from llmcli.data.batches import RowSampler
 from llmcli.data.chat_template import ChatTemplate
-from llmcli.data.corpus import _load_dataset, resolve_files, rows_to_train
+from llmcli.data.corpus import _load_dataset, resolve_files, rows_to_train, skipped_rows_note
 from llmcli.data.preferences import (
     SHAPE,
     EncodedPair,
@@ -51,6 +51,7 @@ from llmcli.data.prepared import (
 )
 from llmcli.data.tokenizer import Tokenizer
 from llmcli.errors import InputError
+from llmcli.progress import counted
 
 if TYPE_CHECKING:
     from llmcli.config import DataConfig
@@ -172,8 +173,8 @@ def _some(pairs: list[Preference], label: str) -> list[Preference]:
 
 def _describe(name: str, counts: dict[str, int]) -> str:
     return (
-        f"{name} {counts['pairs']} pairs: {counts['kept']} kept, {counts['truncated']} with "
-        f"their completions cut, {counts['skipped']} skipped"
+        f"{name} {counted(counts['pairs'], 'pair')}: {counts['kept']:,} kept, "
+        f"{counts['truncated']:,} with their completions cut, {counts['skipped']:,} skipped"
     )
 
 
@@ -200,16 +201,22 @@ def prepare_preference_data(
         train_pairs, val_pairs = train_pairs[:n_train], train_pairs[n_train:]
     train = encode_split(train_pairs, encoder, context_length)
     val = encode_split(val_pairs, encoder, context_length)
+    why = (
+        "too long: within model.context_length + 1 "
+        f"({counted(context_length + 1, 'token')}) the prompt leaves no room for a completion, "
+        "or the completions cut to fit are the same"
+    )
+    fix = "To learn from them, raise model.context_length or shorten their prompts."
     for name, split in (("train", train), ("validation", val)):
+        note = skipped_rows_note(name, ("pair", "pairs"), split.skipped_at, why, fix)
         if len(split) == 0:
-            raise InputError(
-                f"the {name} split has no preference pair whose prompt leaves room for its "
-                f"completions within model.context_length + 1 ({context_length + 1}) tokens "
-                f"({split.counts['pairs']} pairs, all skipped): raise model.context_length, or "
-                "shorten the prompts."
-            )
+            raise InputError(f"nothing left to learn from: {note}")
+        if note:
+            log.warning("%s", note)
     log.info(
-        "preference data: %s; %s", _describe("train", train.counts), _describe("val", val.counts)
+        "preference data: %s; %s",
+        _describe("train", train.counts),
+        _describe("validation", val.counts),
     )
     return PreferenceData(train, val, encoder.pad_id, template)
 

@@ -68,6 +68,7 @@ class ChatSplit:
         lengths: `(K,)` int64, each window's tokens (at most `context_length + 1`).
         counts: `conversations`, and of them `kept` whole, `truncated` at a turn's end and
             `skipped` (no assistant turn ends within the window).
+        skipped_rows: the split's rows (0-based) left out, for messages that name them.
     """
 
     tokens: np.ndarray
@@ -75,6 +76,7 @@ class ChatSplit:
     starts: np.ndarray
     lengths: np.ndarray
     counts: dict[str, int]
+    skipped_rows: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -141,13 +143,14 @@ class PromptSplit:
     reads before its completion), the answer its reward checks against (None where the row
     gives none), its text as the reward reads it (the rendered conversation or the text) and
     its row ("prompts.jsonl line 4"). `counts`: prompts, kept, skipped (no room left in the
-    context for a completion)."""
+    context for a completion); `skipped_at` names the rows left out."""
 
     ids: list[np.ndarray]
     answers: list[str | None]
     texts: list[str]
     where: list[str]
     counts: dict[str, int]
+    skipped_at: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.ids)

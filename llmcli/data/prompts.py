@@ -28,10 +28,11 @@ import torch
 from llmcli.data.batches import RowSampler
 from llmcli.data.chat_template import ChatTemplate
 from llmcli.data.conversations import ConversationEncoder, Messages, check_messages, read_jsonl_rows
-from llmcli.data.corpus import resolve_files, rows_to_train
+from llmcli.data.corpus import resolve_files, rows_to_train, skipped_rows_note
 from llmcli.data.prepared import PromptData, PromptSplit, TokenData
 from llmcli.data.tokenizer import Tokenizer
 from llmcli.errors import InputError
+from llmcli.progress import counted
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -119,17 +120,18 @@ def encode_prompts(
 ) -> PromptSplit:
     """The rows encoded, those whose prompt leaves at least one token of the context for a
     completion kept (the others counted as skipped)."""
-    ids, answers, texts, where = [], [], [], []
+    ids, answers, texts, where, skipped_at = [], [], [], [], []
     for row in rows:
         tokens, text = encoder.encode(row)
         if len(tokens) >= context_length:
+            skipped_at.append(row.where)
             continue
         ids.append(np.asarray(tokens, dtype=np.int64))
         answers.append(row.answer)
         texts.append(text)
         where.append(row.where)
     counts = {"prompts": len(rows), "kept": len(ids), "skipped": len(rows) - len(ids)}
-    return PromptSplit(ids, answers, texts, where, counts)
+    return PromptSplit(ids, answers, texts, where, counts, skipped_at)
 
 
 def _read(spec: str, key: str) -> list[PromptRow]:
@@ -164,21 +166,19 @@ def prepare_prompt_data(
         n_train = rows_to_train(len(train_rows), data_cfg.val_fraction, label, "prompts")
         train_rows, val_rows = train_rows[:n_train], train_rows[n_train:]
     splits = [encode_prompts(rows, encoder, context_length) for rows in (train_rows, val_rows)]
-    for name, split in zip(("train", "validation"), splits, strict=True):
-        if len(split) == 0:
-            raise InputError(
-                f"the {name} split has no prompt shorter than model.context_length "
-                f"({context_length}) tokens ({split.counts['prompts']} prompts, all skipped): "
-                "raise model.context_length, or shorten the prompts."
-            )
-    train, val = splits
-    log.info(
-        "prompts: train %d (%d skipped as too long), val %d (%d skipped)",
-        len(train),
-        train.counts["skipped"],
-        len(val),
-        val.counts["skipped"],
+    why = (
+        f"they fill model.context_length ({counted(context_length, 'token')}), leaving no "
+        "room for a completion"
     )
+    fix = "To learn from them, raise model.context_length or shorten them."
+    for name, split in zip(("train", "validation"), splits, strict=True):
+        note = skipped_rows_note(name, ("prompt", "prompts"), split.skipped_at, why, fix)
+        if len(split) == 0:
+            raise InputError(f"nothing left to learn from: {note}")
+        if note:
+            log.warning("%s", note)
+    train, val = splits
+    log.info("prompts: %s to train on, %s to validate on", f"{len(train):,}", f"{len(val):,}")
     return PromptData(train, val, encoder.end_id, template)
 
 

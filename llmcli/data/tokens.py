@@ -613,7 +613,10 @@ def _prepare_text(
         val = np.memmap(val_file, dtype=dtype, mode="r", shape=(n_val,))
         files = [train_file, val_file]
     log.info(
-        "data: %d train + %d validation tokens, vocab_size %d", len(train), len(val), tok.vocab_size
+        "data: %s train + %s validation tokens, vocab_size %s",
+        f"{len(train):,}",
+        f"{len(val):,}",
+        f"{tok.vocab_size:,}",
     )
     return TokenData(
         tokenizer=tok,

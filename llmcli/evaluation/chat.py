@@ -40,7 +40,7 @@ from llmcli.errors import InputError
 from llmcli.evaluation.metrics import perplexity
 from llmcli.evaluation.text import token_losses
 from llmcli.generation.replies import replies
-from llmcli.progress import Progress
+from llmcli.progress import Progress, counted
 
 if TYPE_CHECKING:
     from llmcli.runs.loading import LoadedRun
@@ -388,7 +388,7 @@ def format_chat_result(result: ChatEvalResult) -> str:
     """A few human-readable lines (`--json` has each conversation and each answer)."""
     text = (
         f"run {result.run_dir} (step {result.step}, {Path(result.weights).name})\n"
-        f"data: {result.data}: {result.conversations:,} conversations "
+        f"data: {result.data}: {counted(result.conversations, 'conversation')} "
         f"({result.truncated:,} truncated at a turn boundary, {result.skipped:,} skipped "
         f"as longer than the context), {result.tokens:,} assistant tokens scored\n"
         f"assistant loss {result.loss:.4f} nats/token, perplexity {result.perplexity:.3f}"

@@ -51,6 +51,7 @@ from llmcli.fileio import refuse_special_file
 from llmcli.objectives import objective_for
 from llmcli.objectives.dpo_losses import DPOLoss, dpo_loss, mean_logit
 from llmcli.objectives.preference_scores import PairLogps, score_pairs
+from llmcli.progress import counted
 from llmcli.runs.directory import CONFIG_FILE
 from llmcli.runs.loading import LoadedRun, load_run, load_tokenizer_file
 
@@ -359,7 +360,8 @@ def format_preference_result(result: PreferenceEvalResult) -> str:
     f = result.figures
     text = (
         f"run {result.run_dir} (step {result.step}, {Path(result.weights).name})\n"
-        f"data: {result.data}: {result.pairs:,} preference pairs scored ({result.truncated:,} "
+        f"data: {result.data}: {counted(result.pairs, 'preference pair')} scored "
+        f"({result.truncated:,} "
         f"with their completions cut to fit, {result.skipped:,} skipped as longer than the "
         "context)\n"
     )

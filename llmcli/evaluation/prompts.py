@@ -28,6 +28,7 @@ from llmcli.evaluation.preferences import first_row_keys
 from llmcli.objectives import objective_for
 from llmcli.objectives.grpo import greedy_figures
 from llmcli.objectives.rewards import load_rewards
+from llmcli.progress import counted
 from llmcli.runs.loading import LoadedRun
 
 
@@ -133,7 +134,7 @@ def format_prompt_result(result: PromptEvalResult) -> str:
     """A few human-readable lines (`--json` has each prompt's reply)."""
     return (
         f"run {result.run_dir} (step {result.step}, {Path(result.weights).name})\n"
-        f"data: {result.data}: {result.prompts:,} prompts answered greedily "
+        f"data: {result.data}: {counted(result.prompts, 'prompt')} answered greedily "
         f"({result.skipped:,} skipped as longer than the context)\n"
         f"pass@1 ({result.reward_name}): {result.passed:,} of {result.answered:,} replies pass "
         f"({100 * result.pass_at_1:.1f}%); mean reward {result.reward:.4f}"

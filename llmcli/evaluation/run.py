@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 from torch import nn
 
+from llmcli.config.shipped import shipped_data
 from llmcli.device import check_threads, resolve_device, torch_threads
 from llmcli.errors import InputError
 from llmcli.evaluation.chat import (
@@ -213,6 +214,7 @@ def evaluate_run(
     if options.ablate_feature and hooks is None:
         raise ValueError("options.ablate_feature names what `hooks` remove: pass the hooks too.")
     t0 = time.perf_counter()
+    data = None if data is None else shipped_data(data)  # the docs' `data/...` from anywhere
     dev = resolve_device(options.device, what="--device")
     run = load_run(checkpoint, weights=options.weights, device=dev, notify=notify)
     with torch_threads(options.threads or run.config.train.threads):

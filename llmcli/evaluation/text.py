@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from llmcli.config.shipped import shipped_data
 from llmcli.data.chat_batches import IGNORE
 from llmcli.data.tokens import prepare_data
 from llmcli.errors import InputError
@@ -50,7 +51,7 @@ def read_text(path: str | Path) -> str:
     Raises:
         InputError: missing, a directory, unreadable, not UTF-8 (names the byte offset), empty.
     """
-    p = Path(path)
+    p = shipped_data(path)
     text = read_user_text(p, "--data", hint="give a UTF-8 text file")
     if not text:
         raise InputError(f"--data {str(p)!r} is empty: give a file with text in it.")

@@ -38,7 +38,13 @@ from llmcli.data.chat_template import CHAT_TOKENS, require_run_template
 from llmcli.data.conversations import ConversationEncoder, Messages, check_messages
 from llmcli.errors import InputError, did_you_mean
 from llmcli.generation.batching import Sample, SampleJob, SampleOptions, sample_batch
-from llmcli.generation.interactive import apply_command, format_settings, is_quit
+from llmcli.generation.interactive import (
+    CTRL_C_AT_PROMPT,
+    apply_command,
+    complete_command,
+    format_settings,
+    is_quit,
+)
 from llmcli.generation.prompts import crop_chat_prompt, unescape
 from llmcli.generation.sample import load_for_sampling
 from llmcli.generation.streaming import TextSink
@@ -55,7 +61,8 @@ starting with // is a message starting with /).
   /settings     show the sampling settings; /KEY VALUE changes one ({keys})
   /quit         end the session, as Ctrl-D does (also /exit, /bye, `quit` or `exit` alone)
   /help         this text
-Ctrl-C stops the current reply; it is left out of the conversation."""
+Ctrl-C stops the current reply (it is left out of the conversation); at the prompt it drops
+the line. Ctrl-D ends the session."""
 
 
 def reply_room(config: SampleConfig, context_length: int) -> int:
@@ -273,7 +280,8 @@ def session_command(session: ChatSession, line: str) -> tuple[str | None, bool]:
     if is_quit(line):
         return None, True
     name, _, raw = line[1:].strip().partition(" ")
-    key = name.replace("-", "_")
+    commands = ("reset", "system", "settings", "help", *SETTING_KEYS)
+    key = complete_command(name.replace("-", "_"), commands)
     if key == "reset":
         session.reset()
         return "the conversation is forgotten" + (
@@ -288,13 +296,15 @@ def session_command(session: ChatSession, line: str) -> tuple[str | None, bool]:
         return format_settings(session.config), False
     if key not in SETTING_KEYS:
         commands = ("reset", "system", "quit", "settings", *SETTING_KEYS)
-        hint = did_you_mean(key, commands, " Did you mean /{}?")
+        hint = did_you_mean(f"/{key}", [f"/{c}" for c in commands], " Did you mean {}?")
         raise InputError(
             f"unknown command /{name}.{hint} The commands are /reset, /system TEXT, /quit, "
             "/settings, /KEY VALUE for a sampling setting; /help says more (a message starting "
             "with / is typed //)."
         )
-    session.config, message = apply_command(session.config, line, session.run.model.context_length)
+    session.config, message = apply_command(
+        session.config, f"/{key} {raw}", session.run.model.context_length
+    )
     return message, False
 
 
@@ -360,3 +370,5 @@ def chat(
                 replied += 1
         except InputError as exc:
             notify(f"error: {exc}")
+        except KeyboardInterrupt:
+            notify(CTRL_C_AT_PROMPT)

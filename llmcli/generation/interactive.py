@@ -7,10 +7,11 @@ seeded with the current `seed`. A line starting with `/` changes a setting inste
 (`/temperature 0.5`, `/top_k 50`, `/seed 1`, any `SampleConfig` key, its value a YAML scalar as
 in `--set`), checked by `SampleConfig` through `dataclasses.replace`: a bad value is reported and
 the previous one kept. `/settings` shows them, `/help` the commands with each setting's help
-from `SampleConfig`. Ctrl-C (`KeyboardInterrupt`) during an answer stops that answer; the end of
-the input (Ctrl-D) or a quit line (`is_quit`: /quit, /exit, /bye, `quit` or `exit`, as in
-`llmcli chat`) ends the session. A line that cannot be answered (bytes that are not UTF-8,
-characters outside the vocabulary, a bad command) gets its reason and the session goes on; a
+from `SampleConfig`. Ctrl-C (`KeyboardInterrupt`) during an answer stops that answer, and at the
+prompt drops the line (`CTRL_C_AT_PROMPT`): it never ends the session. The end of the input
+(Ctrl-D) or a quit line (`is_quit`: /quit, /exit, /bye, `quit` or `exit`, as in `llmcli chat`)
+ends the session. A line that cannot be answered (bytes that are not UTF-8, characters outside
+the vocabulary, a bad command) gets its reason and the session goes on; a
 prompt longer than the context is answered from its last `context_length` tokens, with a notice.
 
 Answers go to `write` (stdout), everything else (settings, errors, help) to `notify` (stderr),
@@ -25,10 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-import yaml
-
 from llmcli.config import SampleConfig
-from llmcli.config.loading import parse_scalar
+from llmcli.config.loading import format_scalar, parse_scalar
 from llmcli.config.sample import SETTING_KEYS, broken_rule, setting_info
 from llmcli.errors import InputError, did_you_mean
 from llmcli.generation.batching import SampleOptions, sample_texts
@@ -41,6 +40,10 @@ logger = logging.getLogger(__name__)
 _WIDTH = 79  # of /help's lines
 # The lines that end an interactive session (`sample --interactive`, `chat`), as Ctrl-D does.
 QUIT_LINES = ("/quit", "/exit", "/bye", "/q", "quit", "exit")
+# Said for a Ctrl-C that lands outside an answer (at the prompt, or just after an answer
+# stopped): as in Python's REPL and a shell, it drops the line and never ends the session, so
+# that a press just as an answer ends cannot take the session with it.
+CTRL_C_AT_PROMPT = "Ctrl-C: the line is dropped; Ctrl-D or /quit ends the session"
 
 
 def is_quit(line: str) -> bool:
@@ -50,7 +53,7 @@ def is_quit(line: str) -> bool:
 
 def help_text(config: SampleConfig) -> str:
     """`/help`: a command per setting, with its current value and its help from `SampleConfig`."""
-    commands = {f"/{key} {_scalar(getattr(config, key))}": key for key in SETTING_KEYS}
+    commands = {f"/{key} {format_scalar(getattr(config, key))}": key for key in SETTING_KEYS}
     width = max(map(len, commands)) + 4  # the column of the help texts
     nullable = " and ".join(key for key in SETTING_KEYS if broken_rule(key, None) is None)
     changing = (
@@ -72,19 +75,24 @@ def help_text(config: SampleConfig) -> str:
             ),
             "  /settings  show the settings    /help  this text",
             "  /quit      end the session (also /exit, /bye, or `quit` or `exit` alone)",
-            "Ctrl-C stops the current answer; Ctrl-D (end of input) exits too.",
+            "Ctrl-C stops the current answer (at the prompt, drops the line); Ctrl-D exits too.",
         ]
     )
-
-
-def _scalar(value: Any) -> str:
-    """A setting's value as YAML writes it: `null`, `true`, `0.8`."""
-    return yaml.safe_dump(value, default_flow_style=True).removesuffix("\n...\n").strip()
 
 
 def format_settings(config: SampleConfig) -> str:
     """The settings as one line: `temperature=0.8 top_k=200 ...`."""
     return " ".join(f"{key}={getattr(config, key)}" for key in SETTING_KEYS)
+
+
+def complete_command(name: str, commands: tuple[str, ...]) -> str:
+    """The command `name` stands for: itself when it is one, else the only one of `commands` it
+    begins (`temp` -> `temperature`, as a shell completes), else `name` as it is (an unknown
+    or ambiguous prefix, which the caller reports with its near matches)."""
+    if name in commands:
+        return name
+    started = [command for command in commands if name and command.startswith(name)]
+    return started[0] if len(started) == 1 else name
 
 
 def apply_command(config: SampleConfig, line: str, context_length: int) -> tuple[SampleConfig, str]:
@@ -101,20 +109,20 @@ def apply_command(config: SampleConfig, line: str, context_length: int) -> tuple
             one `SampleConfig` refuses (its message names the setting, the value and the rule).
     """
     name, _, raw = line[1:].strip().partition(" ")
-    key = name.replace("-", "_")
+    key = complete_command(name.replace("-", "_"), ("help", "settings", *SETTING_KEYS))
     if key in ("help", "h", "?"):
         return config, help_text(config)
     if key == "settings":
         return config, format_settings(config)
     if key not in SETTING_KEYS:
-        hint = did_you_mean(key, SETTING_KEYS, " Did you mean /{}?")
+        hint = did_you_mean(f"/{key}", [f"/{k}" for k in SETTING_KEYS], " Did you mean {}?")
         raise InputError(
             f"unknown command /{name}.{hint} The settings are /{', /'.join(SETTING_KEYS)}; "
             "/settings shows them, /help the commands, /quit ends the session."
         )
     if not raw.strip():
         raise InputError(f"/{key} needs a value, e.g. /{key} {getattr(config, key)}")
-    value = parse_scalar(raw, f"/{name} {raw.strip()}", f'/{name} "..."')
+    value = parse_scalar(raw, f"/{key} {raw.strip()}", f'/{key} "..."')
     new = replace(config, **{key: value})
     new.keep_for(context_length)
     return new, f"{key} = {getattr(new, key)}"
@@ -226,3 +234,5 @@ def interactive(
                 answered += 1
         except InputError as exc:
             notify(f"error: {exc}")
+        except KeyboardInterrupt:
+            notify(CTRL_C_AT_PROMPT)

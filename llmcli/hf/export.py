@@ -174,6 +174,16 @@ def _check_out_dir(out: Path, run_dir: Path, force: bool) -> None:
         )
 
 
+def _check_merge(run: LoadedRun, merge: bool) -> None:
+    """Refuse `--merge` on a run without adapters: there is nothing to merge."""
+    if merge and run.config.train.lora is None:
+        raise InputError(
+            f"--merge folds a LoRA run's adapters into its weights, and '{run.run_dir}' has "
+            "none (it was not trained with train.lora): there is nothing to merge. Leave out "
+            "--merge; the export is the run's plain model either way."
+        )
+
+
 def export_hf(
     checkpoint: str | Path | None,
     out: str | Path,
@@ -200,15 +210,17 @@ def export_hf(
             `llmcli.hf.architectures.FORMATS`.
         force: write into a non-empty `out`, replacing the files of a previous export.
         weights: "best" or "last", as `llmcli sample`.
-        merge: a LoRA run's adapters folded into the weights (no effect on other runs).
+        merge: a LoRA run's adapters folded into the weights (refused for other runs).
         notify: called with lines for the user (the run picked, version warnings).
 
     Raises:
         InputError: a bad run, options no (or not the asked) architecture computes exactly,
             an `out` that is not usable, or a LoRA run whose adapters cannot be exported
-            unmerged (the message says to pass `--merge`).
+            unmerged (the message says to pass `--merge`), or `merge` for a run without
+            adapters.
     """
     run = load_run(checkpoint, weights=weights, device="cpu", notify=notify)
+    _check_merge(run, merge)
     out = Path(out)
     _check_out_dir(out, run.run_dir, force)
     arch = choose(run.config.model, fmt)

@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from llmcli.config import Config, DataConfig, ModelConfig
+from llmcli.config.shipped import shipped_configs
 from llmcli.data.tokenizer import Tokenizer, load_tokenizer
 from llmcli.errors import CheckpointError, InputError
 from llmcli.hf.architectures import for_model_type
@@ -86,6 +87,24 @@ def _weights_files(folder: Path) -> list[Path]:
     return []
 
 
+def _missing_base_hint(folder: Path) -> str:
+    """What to do about a `train.init_from` folder that does not exist: where it was looked
+    for, and the command that makes it when it is a shipped config's run
+    (`checkpoints/chat`: `llmcli train chat`)."""
+    looked = f"no folder '{folder.absolute()}'"
+    if folder.parent == Path("checkpoints") and folder.name in shipped_configs():
+        return (
+            f"{looked}. It is the run that `llmcli train {folder.name}` makes: train it "
+            "first, in this folder (or point train.init_from at that run, e.g. --set "
+            "train.init_from=DIR)."
+        )
+    return (
+        f"{looked}. Train that run first, or give an llmcli run directory (config.yaml, "
+        "tokenizer.json, model.safetensors) or a Hugging Face model folder (config.json, "
+        "model.safetensors, tokenizer.json)."
+    )
+
+
 def check_hf_folder(path: str | Path) -> tuple[Path, dict[str, Any]]:
     """Check that `path` is a Hugging Face model folder and read its `config.json`.
 
@@ -104,11 +123,7 @@ def check_hf_folder(path: str | Path) -> tuple[Path, dict[str, Any]]:
     if not folder.exists() and split_hub_name(str(path)) is not None:
         folder = resolve_pretrained(path, what="train.init_from", patterns=HUB_FILES)
     if not folder.exists():
-        raise InputError(
-            f"{what} does not exist: give an llmcli run directory (config.yaml, "
-            "tokenizer.json, model.safetensors) or a local Hugging Face model folder "
-            "(config.json, model.safetensors, tokenizer.json)."
-        )
+        raise InputError(f"{what} does not exist: {_missing_base_hint(folder)}")
     if not folder.is_dir():
         raise InputError(
             f"{what} is a file: give the folder that holds config.json, "

@@ -126,6 +126,11 @@ def load_reward(spec: str, timeout: float | None = None) -> Reward:
     try:
         sys.modules[module_name] = module  # dataclasses and pickling look a module up there
         loader.loader.exec_module(module)
+    except SystemExit as exc:  # a script's `sys.exit()` at import must not end the run
+        raise InputError(
+            f"train.reward: importing '{file}' called sys.exit({exc.code!r}): a reward file is "
+            'imported, not run; put its script part under `if __name__ == "__main__":`.'
+        ) from None
     except Exception as exc:  # noqa: BLE001 (the user's code: any error is theirs to fix)
         raise InputError(
             f"train.reward: importing '{file}' failed: {type(exc).__name__}: {exc}"

@@ -216,11 +216,21 @@ def _check_recorded(records: dict[Path, list[dict[str, Any]]], metric: str, x: s
         hint = (
             " (it is logged at evaluations with train.head_metrics: true)"
             if metric in HEAD_METRICS
+            else " (it is logged at evaluations, every train.eval_interval steps: a run stopped "
+            "before its first has none)"
+            if metric.startswith("val_")
             else ""
         )
+        # What every run does record, train_loss first: the curve that can be drawn instead.
+        recorded = [
+            m
+            for m in ("train_loss", *METRICS)
+            if m != metric and all(_points(recs, m, x) for recs in records.values())
+        ]
+        instead = f" Every run records {recorded[0]}: --metric {recorded[0]}." if recorded else ""
         raise InputError(
             f"metric {metric!r} (against {x}) is not in the metrics.jsonl of: "
-            f"{', '.join(missing)}{hint}."
+            f"{', '.join(missing)}{hint}.{instead}"
         )
 
 
@@ -292,7 +302,7 @@ def format_table(comparison: Comparison) -> str:
     runs = comparison.runs
     # tokens over the run's whole time (start-up and evaluations too), not the training loop's
     # own rate that `llmcli train` prints
-    rows = [["run", "best val", "at step", "steps", "tokens", "time s", "tok/run-s"]]
+    rows = [["run", "best val", "at step", "steps", "tokens", "time s", "tokens/s"]]
     figures = any(r.best_figures for r in runs)  # an objective's own (GRPO's reward, ...)
     if figures:
         rows[0].append("at best")

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from llmcli.data.chat_template import TEMPLATE_FILE
-from llmcli.progress import format_bytes
+from llmcli.progress import counted, format_bytes
 from llmcli.runs.directory import ADAPTER_CONFIG_FILE, METRICS_FILE
 from llmcli.runs.loading import load_run
 from llmcli.runs.metrics import best_eval, best_figures, format_figures, read_metrics
@@ -158,8 +158,9 @@ def describe_chat(chat: dict[str, Any]) -> str:
     train = (chat.get("data") or {}).get("train")
     if train:
         text += (
-            f"; {train['conversations']:,} training conversations: {train['kept']:,} kept, "
-            f"{train['truncated']:,} truncated, {train['skipped']:,} skipped"
+            f"; {counted(train['conversations'], 'training conversation')}: "
+            f"{train['kept']:,} kept, {train['truncated']:,} truncated, "
+            f"{train['skipped']:,} skipped"
         )
     return text
 
@@ -197,7 +198,7 @@ def describe_grpo(grpo: dict[str, Any]) -> str:
     )
     train = (grpo.get("data") or {}).get("train")
     if train:
-        text += f"; {train['prompts']:,} training prompts: {train['kept']:,} kept, "
+        text += f"; {counted(train['prompts'], 'training prompt')}: {train['kept']:,} kept, "
         text += f"{train['skipped']:,} skipped"
     return text
 
@@ -244,7 +245,7 @@ def describe_preference(preference: dict[str, Any]) -> str:
     train = (preference.get("data") or {}).get("train")
     if train:
         text += (
-            f"; {train['pairs']:,} training pairs: {train['kept']:,} kept, "
+            f"; {counted(train['pairs'], 'training pair')}: {train['kept']:,} kept, "
             f"{train['truncated']:,} truncated, {train['skipped']:,} skipped"
         )
     return text

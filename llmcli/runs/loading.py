@@ -65,14 +65,36 @@ def find_latest_run(root: str | Path = Path("checkpoints"), kind: str | None = N
     return weights.parent
 
 
-def latest_run_notice(run_dir: Path, root: str | Path = Path("checkpoints")) -> str:
-    """The line that says which run a command took by default, of which kind, and the newer
-    run of the other kind it left aside, if any (how to pick that one instead)."""
-    kind = run_kind(run_dir)
-    line = f"using the latest {kind} run: {run_dir}"
+# The kinds of run a command for each kind reads: text is sampled from a chat run too, but a
+# chat needs a chat template, which only a chat run holds.
+ACCEPTED_KINDS = {None: ("text", "chat"), "text": ("text", "chat"), "chat": ("chat",)}
+
+
+def run_progress(run_dir: Path) -> str:
+    """Where a run got to, from its `meta.json`: ", at step 115 of 2,000 (unfinished)",
+    ", at step 2,000", or "" when the run does not say."""
+    meta = read_meta(run_dir / META_FILE)
+    step, last = meta.get("step"), meta.get("max_steps")
+    if step is None:
+        return ""
+    if last is None or step >= last:
+        return f", at step {step:,}"
+    return f", at step {step:,} of {last:,} (unfinished)"
+
+
+def latest_run_notice(
+    run_dir: Path, root: str | Path = Path("checkpoints"), kind: str | None = None
+) -> str:
+    """The line that says which run a command took by default, of which kind and at which
+    step, and the newer run it left aside, if any, when the command (for runs of `kind`)
+    would take that one too (how to pick it instead)."""
+    line = f"using the latest {run_kind(run_dir)} run: {run_dir}{run_progress(run_dir)}"
     newer = find_latest_run(root)
-    if newer != run_dir:
-        line += f" (the newer {run_kind(newer)} run is {newer}: --checkpoint {newer} picks it)"
+    if newer != run_dir and run_kind(newer) in ACCEPTED_KINDS[kind]:
+        line += (
+            f" (the newer {run_kind(newer)} run is {newer}{run_progress(newer)}: "
+            f"--checkpoint {newer} picks it)"
+        )
     return line
 
 
@@ -164,7 +186,7 @@ def load_run(
     if run_dir is None:
         run_dir = find_latest_run(kind=kind)
         if notify is not None:
-            notify(latest_run_notice(run_dir))
+            notify(latest_run_notice(run_dir, kind=kind))
     run = _load_run_files(Path(run_dir), weights, device)
     if notify is not None:
         for line in versions.warnings_for(run.meta.get("versions")):

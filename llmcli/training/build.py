@@ -65,7 +65,13 @@ from llmcli.training.lora import adapt_model, lora_meta, trains_base
 from llmcli.training.memory import check_memory, out_of_memory_is_bad_input
 from llmcli.training.plan import measure_step
 from llmcli.training.precision import Precision
-from llmcli.training.state import ResumeState, RunFacts, TrainState, seed_everything
+from llmcli.training.state import (
+    ResumeState,
+    RunFacts,
+    TrainState,
+    describe_changes,
+    seed_everything,
+)
 from llmcli.training.step import Trainer, make_trainer
 
 logger = logging.getLogger(__name__)
@@ -339,6 +345,9 @@ def _prepare(
     assert data is not None
     if saved is not None:
         saved.check_fits(config, run_dir, int(data.tokenizer.vocab_size))
+        changes = saved.changed_settings(config)
+        if changes and info.main:
+            logger.warning("%s", describe_changes(changes))
         if saved.source_hash not in (None, data.source_hash) and info.main:
             logger.warning(
                 "the corpus changed since this run was saved: the resumed run will "

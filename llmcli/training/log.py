@@ -337,14 +337,14 @@ def _announce(config: Config, facts: RunFacts) -> None:
     for note in config.train.short_run_notes():
         logger.warning(note)
     logger.info(
-        "%s run '%s': %s parameters, %s on %s%s, %d tokens per step, steps %d..%d",
+        "%s run '%s': %s parameters, %s on %s%s, %s tokens per step, steps %d..%d",
         "resuming" if facts.resumed_from is not None else "starting",
         facts.run_dir,
         format_count(facts.n_params),
         facts.dtype,
         facts.device,
         f" x{facts.world_size}" if facts.world_size > 1 else "",
-        facts.tokens_per_step,
+        f"{facts.tokens_per_step:,}",
         (facts.resumed_from or 0) + 1,
         config.train.max_steps,
     )

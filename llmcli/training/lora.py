@@ -50,13 +50,13 @@ def adapt(model: Transformer, lora: LoraConfig, init_from: str, seed: int) -> li
     rows = train_token_rows(model, base_vocab)
     counts = parameter_counts(model, base_vocab)
     logger.info(
-        "LoRA: %d adapter parameters (rank %d on %s)%s; %d of %d parameters train",
-        counts["adapters"],
+        "LoRA: %s adapter parameters (rank %d on %s)%s; %s of %s parameters train",
+        f"{counts['adapters']:,}",
         lora.rank,
         ", ".join(lora.targets),
         f", and the new token rows of {', '.join(rows)}" if rows else "",
-        counts["trainable"],
-        model.num_parameters(),
+        f"{counts['trainable']:,}",
+        f"{model.num_parameters():,}",
     )
     return rows
 

@@ -35,11 +35,41 @@ import torch
 from torch import nn
 
 from llmcli.config import Config
+from llmcli.config.loading import format_scalar
 from llmcli.errors import CheckpointError, InputError
 from llmcli.runs.directory import CONFIG_FILE, STATE_FILE
 from llmcli.runs.formats import check_weights, load_state
 
 logger = logging.getLogger(__name__)
+
+
+# Settings a resume may change without changing what the run learns: where it runs and writes.
+_NOT_COMPARED = {"init_from", "out_dir", "device", "threads", "compile", "logger"}
+# What a changed setting does to the rest of a resumed run; others change what they name.
+_EFFECTS = {
+    "train.max_steps": "where the run ends, and the learning-rate schedule stretched to it",
+    "train.lr": "the learning rate from here on",
+    "train.min_lr": "the learning rate the schedule decays to",
+    "train.warmup_steps": "the learning-rate schedule",
+    "train.batch_size": "the rows each step reads, so the data order too",
+    "train.grad_accum": "the rows each step reads, so the data order too",
+    "train.seed": "nothing already drawn (the saved generators continue)",
+}
+
+
+def describe_changes(changes: list[tuple[str, Any, Any]]) -> str:
+    """A resume's changed settings (`ResumeState.changed_settings`) as one message: each with
+    its saved and new value and what it changes, and the `--set`s that keep the saved ones."""
+    said = "; ".join(
+        f"{key} {saved!r} -> {now!r}" + (f" ({_EFFECTS[key]})" if key in _EFFECTS else "")
+        for key, saved, now in changes
+    )
+    keep = " ".join(f"--set {key}={format_scalar(saved)}" for key, saved, _ in changes)
+    return (
+        f"resuming with settings that differ from the saved run's: {said}. The command's "
+        "settings apply from here on (as nanoGPT's and litgpt's resumes do), so the run will not "
+        f"match an uninterrupted one; to continue as it was saved, resume with {keep}."
+    )
 
 
 @dataclass
@@ -306,6 +336,18 @@ class ResumeState:
                 f"cannot resume '{run_dir}': its tokenizer has {vocab} tokens but the saved "
                 f"model has {self.vocab_size}; the run's files come from different runs."
             )
+
+    def changed_settings(self, config: Config) -> list[tuple[str, Any, Any]]:
+        """The `train` and `sample` settings of `config` that differ from the saved run's, as
+        `(key, saved, now)`, in the config's order (the model's are `check_fits`'s to refuse;
+        a changed corpus is told by its hash)."""
+        now = config.to_dict()
+        return [
+            (f"{section}.{key}", self.config.get(section, {}).get(key), value)
+            for section in ("train", "sample")
+            for key, value in now[section].items()
+            if key not in _NOT_COMPARED and self.config.get(section, {}).get(key, value) != value
+        ]
 
     def check_parts(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Check the saved weights and optimizer state against the run they go into, before

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from llmcli.claim import claimed_folder, missing_folders
 from llmcli.data.batches import BatchSampler
@@ -344,7 +345,9 @@ def _loop(training: _Training, log: JsonLinesLog, progress: bool) -> TrainSummar
     last: dict[str, float] = {}
     # Ctrl-C or SIGTERM asks for a stop at the end of the step: a step cut short would save
     # a sampler one batch ahead of the weights (or half an optimizer update).
-    with StopRequest() as stop, bar:
+    # Log lines (Ctrl-C's notice among them) go through the bar, as in `llmcli train`: written
+    # over it, not after the "^C" the terminal echoed at its end.
+    with StopRequest() as stop, logging_redirect_tqdm(), bar:
         while training.step < config.steps:
             x, _ = training.sampler.next()  # (B, T)
             acts = read_activations(model, config.hook, x)  # (B * T, d_in)
