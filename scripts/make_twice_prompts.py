@@ -12,10 +12,10 @@ capitals). The chat data says twice words of 3 to 7 letters, and the chat run cu
 longer ones (3.5% of the validation prompts right greedily); these are the plays' words of 8 to
 11 letters seen at least `MIN_COUNT` times, none of them a word of the chat data. (Spelling the
 same words, `w-o-r-d`, was the first candidate: the chat run stops every spelling by its seventh
-letter, so no sampled reply is ever right and GRPO has nothing to learn from.) As in `make_prompts.py`, half the training rows ask the chat data's own
-tasks on its training words and names (their answers keep what the run knows in place), and the
-words are split before any row is made: a validation row asks only for words that no training row
-holds. Deterministic: sorted lists, `random.Random(SEED)`.
+letter, so no sampled reply is ever right and GRPO has nothing to learn from.) As in
+`make_prompts.py`, half the training rows ask the chat data's own tasks on its training words and
+names (their answers keep what the run knows in place), and the words are split before any row is
+made: a validation row asks only for words that no training row holds. Deterministic: sorted lists, `random.Random(SEED)`.
 """
 
 import random
