@@ -15,7 +15,8 @@ same words, `w-o-r-d`, was the first candidate: the chat run stops every spellin
 letter, so no sampled reply is ever right and GRPO has nothing to learn from.) As in
 `make_prompts.py`, half the training rows ask the chat data's own tasks on its training words and
 names (their answers keep what the run knows in place), and the words are split before any row is
-made: a validation row asks only for words that no training row holds. Deterministic: sorted lists, `random.Random(SEED)`.
+made: a validation row asks only for words that no training row holds. Deterministic: sorted
+lists, `random.Random(SEED)`.
 """
 
 import random
