@@ -12,8 +12,9 @@ autoencoders"). The modules, bottom to top:
   putting rows back, and the hook's name in TransformerLens's spelling;
 - `folder`: the SAE folder in SAELens's format (`cfg.json`, `sae_weights.safetensors`), which
   SAELens loads as it is;
-- `train`: the training loop on activations streamed from the run's own training data, with
-  checkpoints and exact resume (its resume state: `state`);
+- `loop`: the training loop that SAEs and transcoders share, with checkpoints and exact resume
+  (its resume state: `state`);
+- `train`: an SAE's training on activations streamed from the run's own training data;
 - `evaluate`: explained variance, L0, dead features and the loss with the SAE spliced in;
 - `features`: each feature's top contexts, density and logit effect; `page` draws them as an
   offline HTML page;

@@ -246,6 +246,19 @@ def read_batches(
     return tokens, starts, list(window_batches(tokens, ctx, starts, device)), label
 
 
+def measured(
+    run: LoadedRun,
+    options: ReadOptions,
+    device: torch.device,
+    measure: Callable[[list[tuple[Tensor, Tensor]]], dict[str, Any]],
+) -> tuple[dict[str, Any], str]:
+    """`measure`'s figures on the batches `options` ask for (`read_batches`), with the run's
+    `train.threads` unless `--threads`, and the batches' label."""
+    with torch_threads(options.threads or run.config.train.threads):
+        _, _, batches, label = read_batches(run, options, device)
+        return measure(batches), label
+
+
 def evaluate_sae(
     options: ReadOptions = ReadOptions(),
     *,
@@ -259,9 +272,9 @@ def evaluate_sae(
     """
     t0 = time.perf_counter()
     loaded, run, device = open_sae(options, notify)
-    with torch_threads(options.threads or run.config.train.threads):
-        _, _, batches, label = read_batches(run, options, device)
-        figures = measure(loaded, run, batches, progress=progress)
+    figures, label = measured(
+        run, options, device, lambda batches: measure(loaded, run, batches, progress=progress)
+    )
     return SAEEval(
         sae=str(loaded.folder),
         run=str(run.run_dir),

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from llmcli.device import resolve_device, torch_threads
+from llmcli.device import resolve_device
 from llmcli.errors import InputError
-from llmcli.inspection.sae.evaluate import ReadOptions, loss_sum, read_batches, run_of
+from llmcli.inspection.sae.evaluate import ReadOptions, loss_sum, measured, run_of
 from llmcli.inspection.sae.transcoder_folder import LoadedTranscoders, load_transcoders
 from llmcli.model.hooks import HookFn
 from llmcli.progress import Progress
@@ -157,9 +157,12 @@ def evaluate_transcoders(
     t0 = time.perf_counter()
     loaded, run = open_transcoder_set(options, notify)
     device = next(run.model.parameters()).device
-    with torch_threads(options.threads or run.config.train.threads):
-        _, _, batches, label = read_batches(run, options, device)
-        figures = measure_transcoders(loaded, run, batches, progress=progress)
+    figures, label = measured(
+        run,
+        options,
+        device,
+        lambda batches: measure_transcoders(loaded, run, batches, progress=progress),
+    )
     return TranscoderEval(
         transcoders=str(loaded.folder),
         run=str(run.run_dir),
