@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -177,7 +177,11 @@ def sae_train_command(
         summary = train(config, options, progress=progress, notify=notify)
     except Preempted:  # saved: the status schedulers read as "preempted, requeue"
         raise typer.Exit(EXIT_TERMINATED) from None
-    what = "transcoders" if config.kind == "transcoder" else "SAE"
+    _echo_summary(summary, "transcoders" if config.kind == "transcoder" else "SAE")
+
+
+def _echo_summary(summary: Any, what: str) -> None:
+    """`sae train`'s closing lines: where, how far, and the last log line's figures."""
     typer.echo(
         f"{what} {summary.folder}: step {summary.step}/{summary.steps}, {summary.tokens:,} "
         f"activations, {summary.elapsed_s:.0f} s"
