@@ -6,10 +6,16 @@ import pytest
 import torch
 from model_helpers import assert_close, gen, randomize_, tiny_model
 
+from llmcli.config import ModelConfig
 from llmcli.config.train import DPO_LOSS_TYPES
+from llmcli.model.gpt import Transformer
 from llmcli.objectives.dpo import dpo_step
 from llmcli.objectives.dpo_losses import LOSSES, DPOLoss, dpo_loss
-from llmcli.objectives.preference_scores import CompletionScores, sequence_logps
+from llmcli.objectives.preference_scores import (
+    CompletionScores,
+    completion_logps,
+    sequence_logps,
+)
 
 BETA = 0.1
 SIGMOID = DPOLoss(BETA)
@@ -228,3 +234,27 @@ def test_dpo_step_from_the_reference_itself_is_log_2_with_no_reward():
     loss, metrics = dpo_step(policy, policy, ids, mask, SIGMOID)
     assert_close(loss, torch.tensor(np.log(2.0), dtype=torch.float32), "loss")
     assert metrics["rewards/margins"] == 0 and metrics["rewards/accuracies"] == 0
+
+
+def test_a_batch_cut_to_its_longest_pair_scores_as_one_padded_to_the_context() -> None:
+    """Mixed lengths: the rows the sampler now cuts to the batch's longest give the same
+    log-probabilities, loss and gradients as the same pairs padded to the whole context."""
+    torch.manual_seed(0)
+    config = ModelConfig(n_layer=1, n_head=2, n_embed=16, context_length=32, dropout=0.0)
+    model = Transformer(config, 40)
+    lengths = [7, 12, 19, 9]  # a row's tokens; its completion the last 4
+    ids = torch.full((4, 33), 0, dtype=torch.long)
+    mask = torch.zeros(4, 33, dtype=torch.bool)
+    for row, n in enumerate(lengths):
+        ids[row, :n] = torch.randint(1, 40, (n,))
+        mask[row, n - 4 : n] = True
+    cut = max(lengths)
+    full = completion_logps(model, ids, mask)
+    (full.sum()).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    short = completion_logps(model, ids[:, :cut], mask[:, :cut])
+    short.sum().backward()
+    torch.testing.assert_close(short, full, rtol=0, atol=1e-6)
+    for got, p in zip(grads, model.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, got, rtol=1e-5, atol=1e-6)

@@ -81,7 +81,9 @@ def test_pairs_are_split_counted_and_drawn_as_chosen_then_rejected_rows(tmp_path
     T = 64
     sampler = PreferenceSampler(data.train, data.pad_id, batch_size=3, context_length=T, seed=0)
     x, mask = sampler.next()
-    assert x.shape == mask.shape == (6, T + 1)
+    # Rows as long as the batch's longest sequence, which one row fills: no padding to T + 1.
+    longest = max(int(mask[i].nonzero()[-1]) + 1 for i in range(6))
+    assert x.shape == mask.shape == (6, longest) and longest < T + 1
     assert (x.dtype, mask.dtype) == (torch.int64, torch.bool)
     for i in range(3):
         chosen, rejected = x[i], x[3 + i]

@@ -264,9 +264,11 @@ class PreferenceSampler(RowSampler):
     """Random batches of preference pairs, drawn with the sampler's own generator.
 
     Each batch is B pairs as `2B` rows, the chosen sequences then the rejected ones in the same
-    order (row i and row B + i are pair i), each padded to `context_length + 1` tokens: what
-    `llmcli.objectives.dpo` scores. Its state is saved and loaded as `BatchSampler`'s, so a
-    resumed run sees the batches an uninterrupted one would.
+    order (row i and row B + i are pair i), each padded to the batch's longest sequence (at most
+    `context_length + 1` tokens: padding after a sequence's end changes none of its scores under
+    the causal mask, so a longer row would only cost time): what `llmcli.objectives.dpo`
+    scores. Its state is saved and loaded as `BatchSampler`'s, so a resumed run sees the
+    batches an uninterrupted one would.
 
     Args:
         split: the split's pairs (`PreferenceSplit`).
@@ -294,11 +296,12 @@ class PreferenceSampler(RowSampler):
         self.device = torch.device(device)
 
     def next(self) -> tuple[torch.Tensor, ...]:
-        """The next batch: `ids` `(2B, T+1)` int64 and `completion_mask` `(2B, T+1)` bool, True
-        on each completion's tokens; rows `:B` are the chosen sequences, `B:` the rejected. When
-        the split holds the reference's scores, they follow: `(2B,)` float32, in row order."""
+        """The next batch: `ids` `(2B, L)` int64 and `completion_mask` `(2B, L)` bool, True on
+        each completion's tokens, `L` the batch's longest sequence; rows `:B` are the chosen
+        sequences, `B:` the rejected. When the split holds the reference's scores, they follow:
+        `(2B,)` float32, in row order."""
         picks = torch.randint(len(self.split), (self.batch_size,), generator=self.generator)
-        ids, mask = pair_batch(self.split, picks.tolist(), self.pad_id, self.context_length + 1)
+        ids, mask = pair_batch(self.split, picks.tolist(), self.pad_id)
         self.batches += 1
         batch = [ids.to(self.device), mask.to(self.device)]
         if self.split.reference_logps is not None:

@@ -87,9 +87,8 @@ def score_pairs_once(
     draws = tc.max_steps * tc.batch_size * tc.grad_accum * world_size
     if draws <= len(pairs.train):
         return False
-    length = config.model.context_length + 1  # padded as the steps pad their rows
     for split in (pairs.train, pairs.val):  # in order, as `llmcli eval` scores pairs
-        scores = score_pairs(reference, None, split, pairs.pad_id, tc.batch_size, length=length)
+        scores = score_pairs(reference, None, split, pairs.pad_id, tc.batch_size)
         both = [scores.chosen.logps, scores.rejected.logps]
         split.reference_logps = torch.stack(both, dim=1).numpy()
     return True
