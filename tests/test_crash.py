@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CHILD = Path(__file__).with_name("crash_child.py")  # the killable `llmcli` process
 MAX_STEPS, EVAL_INTERVAL = 12, 4
 SAVES = list(range(EVAL_INTERVAL, MAX_STEPS + 1, EVAL_INTERVAL))  # 4, 8, 12
-VOLATILE = ("elapsed_s", "tok_per_s")
+VOLATILE = ("elapsed_s", "tok_per_s", "mfu")
 
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]

@@ -39,7 +39,7 @@ from llmcli.training.loop import train
 ROOT = Path(__file__).resolve().parents[1]
 ELASTIC_CHILD = Path(__file__).with_name("elastic_child.py")
 MAX_STEPS = 20
-VOLATILE = ("elapsed_s", "tok_per_s")
+VOLATILE = ("elapsed_s", "tok_per_s", "mfu")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

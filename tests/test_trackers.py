@@ -29,7 +29,7 @@ from llmcli.runs.trackers import TENSORBOARD_DIR, WANDB_ID_FILE, tags
 from llmcli.training.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
-TIMED = {"train/tokens_per_s", "progress/elapsed_s"}
+TIMED = {"train/tokens_per_s", "train/mfu", "progress/elapsed_s"}
 # The tags docs/training.md ("Tracking runs") names, and the metrics.jsonl field each carries, by
 # the kind of record: written out here, the reference the trackers are held to.
 TAGS = {
@@ -38,6 +38,7 @@ TAGS = {
         "train/lr": "lr",
         "train/grad_norm": "grad_norm",
         "train/tokens_per_s": "tok_per_s",
+        "train/mfu": "mfu",
         "progress/tokens": "tokens",
         "progress/elapsed_s": "elapsed_s",
     },
@@ -98,6 +99,7 @@ def test_each_record_field_goes_under_its_documented_tag() -> None:
         "lr": 3e-4,
         "train_loss": 2.5,
         "tok_per_s": 307.2,
+        "mfu": 0.25,
         "grad_norm": 0.75,
         "layers": {
             "blocks.0": {"grad_norm": 0.5, "update_ratio": 0.002},
@@ -109,6 +111,7 @@ def test_each_record_field_goes_under_its_documented_tag() -> None:
         "train/lr": 3e-4,
         "train/grad_norm": 0.75,
         "train/tokens_per_s": 307.2,
+        "train/mfu": 0.25,
         "progress/tokens": 384.0,
         "progress/elapsed_s": 1.25,
         "layers/blocks.0/grad_norm": 0.5,

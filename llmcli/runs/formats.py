@@ -285,6 +285,8 @@ _META_FIELDS: dict[str, Callable[[Any], bool]] = {
     "n_params": _count,
     "world_size": _count,
     "elapsed_s": lambda v: _number(v) and v >= 0,
+    "flops_per_token": _count,
+    "peak_flops": lambda v: _number(v) and v >= 0,
     "best_val_loss": _number,
     "best_step": _count,
     "device": lambda v: isinstance(v, str),

@@ -69,6 +69,9 @@ def run_info(
             "best_figures": figures,
             "device": meta.get("device"),
             "dtype": meta.get("dtype"),
+            # the model FLOPs utilisation at the last log step, and the peak it divides by
+            "mfu": next((r["mfu"] for r in reversed(records) if "mfu" in r), None),
+            "peak_flops": meta.get("peak_flops"),
         },
         "tokenizer": {
             "kind": config["data"]["tokenizer"],
@@ -120,6 +123,7 @@ def format_info(info: dict[str, Any]) -> str:
             f"{training['elapsed_s']:.1f} s" if training["elapsed_s"] is not None else "unknown",
         ),
         *_best_rows(training),
+        *_mfu_rows(training),
         ("tokenizer", describe_tokenizer(info["tokenizer"])),
         ("chat template", describe_chat(info["chat"])),
         *([("dpo", describe_preference(info["preference"]))] if info["preference"] else []),
@@ -137,6 +141,15 @@ def format_info(info: dict[str, Any]) -> str:
         )
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+def _mfu_rows(training: dict[str, Any]) -> list[tuple[str, str]]:
+    """The model FLOPs utilisation at the last log step, against the measured peak (runs from
+    before llmcli measured it have none)."""
+    mfu, peak = training.get("mfu"), training.get("peak_flops")
+    if mfu is None or not peak:
+        return []
+    return [("mfu", f"{100 * mfu:.1f}% at the last log step, of {peak / 1e9:,.0f} GFLOP/s")]
 
 
 def _best_rows(training: dict[str, Any]) -> list[tuple[str, str]]:

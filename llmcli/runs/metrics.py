@@ -93,6 +93,7 @@ NUMBER_FIELDS = (
     "train_loss",
     "grad_norm",
     "tok_per_s",
+    "mfu",
     "val_loss",
     "val_ppl",
     "induction_max",

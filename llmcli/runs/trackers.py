@@ -58,6 +58,7 @@ _TRAIN_TAGS = {
     "lr": "train/lr",
     "grad_norm": "train/grad_norm",
     "tok_per_s": "train/tokens_per_s",
+    "mfu": "train/mfu",
     "tokens": "progress/tokens",
     "elapsed_s": "progress/elapsed_s",
 }

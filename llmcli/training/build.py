@@ -62,8 +62,9 @@ from llmcli.training.evaluate import EVAL_SEED_OFFSET, Evaluator, split_sampler
 from llmcli.training.guard import Divergence, SpikeGuard
 from llmcli.training.init_from import load_init_weights, reference_model, resolve_init_from
 from llmcli.training.lora import adapt_model, lora_meta, trains_base
-from llmcli.training.memory import check_memory, out_of_memory_is_bad_input
-from llmcli.training.plan import measure_step
+from llmcli.training.memory import check_memory, estimate_memory, out_of_memory_is_bad_input
+from llmcli.training.mfu import peak_flops
+from llmcli.training.plan import flops_per_token, measure_step
 from llmcli.training.precision import Precision
 from llmcli.training.state import (
     ResumeState,
@@ -263,11 +264,13 @@ def _facts(
     """What the run is, for its `meta.json`, log lines and summary (before the DDP wrapper:
     `trainer.model` is `model` unless compiled); a resumed run's tokenizer comes from the run,
     and how it was made from its `meta.json`."""
-    tc = config.train
+    tc, precision = config.train, trainer.precision
+    vocab = int(data.tokenizer.vocab_size)
+    memory = estimate_memory(config, vocab, precision.device.type, precision.name, info.world_size)
     return RunFacts(
         run_dir=run_dir,
         n_params=model.num_parameters(),
-        vocab_size=int(data.tokenizer.vocab_size),
+        vocab_size=vocab,
         device=str(trainer.precision.device),
         dtype=trainer.precision.name,
         world_size=info.world_size,
@@ -283,6 +286,8 @@ def _facts(
         meta_rows=objective_for(config).meta_rows(data) | lora_meta(model, tc.init_from),
         metrics_bytes=saved.metrics_bytes if saved is not None else None,
         head_metrics_bytes=saved.head_metrics_bytes if saved is not None else None,
+        flops_per_token=flops_per_token(config, memory),
+        peak_flops=peak_flops(precision.device, getattr(torch, precision.name)),
     )
 
 

@@ -163,6 +163,9 @@ class Checkpointer:
             "config_name": facts.config_name,
             "tokenizer_training": facts.tokenizer_training,
             "compiled": facts.compiled,  # train.compile's choice, which a resumed run keeps
+            # what a log step's `mfu` divides by (llmcli.training.mfu)
+            "flops_per_token": facts.flops_per_token,
+            "peak_flops": facts.peak_flops,
         }
         return meta | facts.meta_rows  # how many examples fit; a LoRA run's parameters
 

@@ -147,10 +147,12 @@ def fit(run: Run, log: TrainLog, progress: bool, on_step: Callable[[int], None])
             tok_s = speed.read(state.tokens)
             if due.log:  # (a stop between log steps writes no record)
                 metrics_now = losses.read_metrics(info)
-                log.train_step(state, lr, step_losses[-1], tok_s, norm, watch, metrics_now)
+                mfu = run.facts.mfu(tok_s)
+                used = {"mfu": round(mfu, 5)} if mfu is not None else {}
+                log.train_step(state, lr, step_losses[-1], tok_s, norm, watch, metrics_now | used)
                 loss_now = step_losses[-1]
                 figures = log.bar_figures(metrics_now)  # the objective's: GRPO's reward, ...
-                speed_lr = {"tok/s": f"{tok_s:,.0f}", "lr": f"{lr:.2e}"}
+                speed_lr = {"tok/s": f"{tok_s:,.0f}", **_mfu_text(mfu), "lr": f"{lr:.2e}"}
                 bar.report({"loss": f"{loss_now:.4f}", **figures, **speed_lr})
             if flags.stop:  # save at once; an evaluation due now waits for the resumed run
                 state.eval_pending = due.evaluate
@@ -166,6 +168,11 @@ def fit(run: Run, log: TrainLog, progress: bool, on_step: Callable[[int], None])
     session_s = time.perf_counter() - loop_start
     tokens = (state.step - loop_step) * run.facts.tokens_per_step
     return _summary(run, state.elapsed, tokens / session_s if session_s > 0 else None)
+
+
+def _mfu_text(mfu: float | None) -> dict[str, str]:
+    """The bar's MFU, as nanoGPT prints it: a percentage of the measured peak."""
+    return {} if mfu is None else {"mfu": f"{100 * mfu:.1f}%"}
 
 
 def _quit_at_once(bar: Progress, checkpoints: Checkpointer, state: TrainState) -> None:

@@ -83,15 +83,7 @@ class Plan:
 
     @property
     def flops_per_token(self) -> int:
-        """Training FLOPs per token, `6 N + 12 L T C` (N: non-embedding parameters;
-        Kaplan et al. 2020, PaLM's appendix B): the forward's 2 N, the backward's 2 N for the
-        inputs' gradients and 2 N for the weights'. A LoRA run computes no weight gradient for
-        its frozen base: `4 N + 6 N_lora`, its adapters' `N_lora` costing all three."""
-        m, mem = self.config.model, self.memory
-        attention = 12 * m.n_layer * m.context_length * m.n_embed
-        if mem.adapters:  # the frozen base's weights get no gradient
-            return 4 * mem.params_non_embedding + 6 * mem.adapters + attention
-        return 6 * mem.params_non_embedding + attention
+        return flops_per_token(self.config, self.memory)
 
     @property
     def flops_formula(self) -> str:
@@ -183,6 +175,18 @@ def make_plan(config: Config, device_name: str | None = None, measure_s: float =
         timing=timing,
         full_memory=full_memory,
     )
+
+
+def flops_per_token(config: Config, memory: MemoryEstimate) -> int:
+    """Training FLOPs per token, `6 N + 12 L T C` (N: non-embedding parameters; Kaplan et al.
+    2020, PaLM's appendix B): the forward's 2 N, the backward's 2 N for the inputs' gradients
+    and 2 N for the weights'. A LoRA run computes no weight gradient for its frozen base:
+    `4 N + 6 N_lora`, its adapters' `N_lora` costing all three."""
+    m = config.model
+    attention = 12 * m.n_layer * m.context_length * m.n_embed
+    if memory.adapters:  # the frozen base's weights get no gradient
+        return 4 * memory.params_non_embedding + 6 * memory.adapters + attention
+    return 6 * memory.params_non_embedding + attention
 
 
 def plan_vocab(config: Config) -> tuple[int, str | None]:

@@ -143,6 +143,9 @@ class RunFacts:
             `base_vocab_size` (`llmcli.training.lora.lora_meta`).
         metrics_bytes, head_metrics_bytes: the logs' sizes at the save a run resumed from,
             where it cuts them back (`llmcli.training.log.TrainLog.open`); None: not known.
+        flops_per_token: training FLOPs per token (`llmcli.training.plan.flops_per_token`).
+        peak_flops: the device's measured matrix-product FLOPs per second at the run's
+            precision (`llmcli.training.mfu.peak_flops`); 0: not measured.
     """
 
     run_dir: Path
@@ -161,6 +164,15 @@ class RunFacts:
     meta_rows: dict = field(default_factory=dict)
     metrics_bytes: int | None = None
     head_metrics_bytes: int | None = None
+    flops_per_token: int = 0
+    peak_flops: float = 0.0
+
+    def mfu(self, tokens_per_s: float) -> float | None:
+        """The model FLOPs utilisation of training `tokens_per_s` tokens a second over every
+        rank (`llmcli.training.mfu`); None where the peak was not measured."""
+        if not self.peak_flops:
+            return None
+        return self.flops_per_token * tokens_per_s / self.world_size / self.peak_flops
 
 
 # The keys every resume state holds, with their types: checked before any of it is used.
