@@ -196,6 +196,18 @@ def init_encoding(config: Config) -> tuple[Tokenizer, ChatTemplate | None]:
     return load_tokenizer(data.tokenizer), template
 
 
+def read_with_init_encoding(
+    config: Config, name: str, resumed: Tokenizer | None, read: Callable[..., TokenData]
+) -> TokenData:
+    """Rows `read(data_cfg, context_length, tokenizer, template)` encodes with the
+    `train.init_from` run's tokenizer and template (DPO's pairs, GRPO's prompts); a resumed
+    run's own tokenizer (`resumed`) must still be that one (`check_init_tokenizer`)."""
+    ours, template = init_encoding(config)
+    if resumed is not None:
+        check_init_tokenizer(config, name, ours, resumed)
+    return read(config.data, config.model.context_length, ours, template)
+
+
 def check_init_tokenizer(config: Config, name: str, ours: Tokenizer, resumed: Tokenizer) -> None:
     """Refuse a resumed run whose `train.init_from` now has another tokenizer than the run's
     (`resumed`): its rows are encoded with the base's (`ours`)."""

@@ -31,13 +31,7 @@ from llmcli.config import Config, TrainConfig
 from llmcli.data.preference_data import PreferenceSampler, preference_token_data
 from llmcli.data.prepared import PreferenceData, TokenData
 from llmcli.data.tokenizer import Tokenizer
-from llmcli.objectives.base import (
-    MemoryTerms,
-    Objective,
-    SumRanks,
-    check_init_tokenizer,
-    init_encoding,
-)
+from llmcli.objectives.base import MemoryTerms, Objective, SumRanks, read_with_init_encoding
 from llmcli.objectives.dpo_losses import DPOLoss, dpo_loss
 from llmcli.objectives.preference_scores import completion_logps, completion_scores, score_pairs
 
@@ -130,11 +124,7 @@ class DPO(Objective):
         return True
 
     def read_data(self, tokenizer: Tokenizer | None) -> TokenData:
-        config = self.config
-        ours, template = init_encoding(config)
-        if tokenizer is not None:
-            check_init_tokenizer(config, self.name, ours, tokenizer)
-        return preference_token_data(config.data, config.model.context_length, ours, template)
+        return read_with_init_encoding(self.config, self.name, tokenizer, preference_token_data)
 
     def sampler(
         self,

@@ -51,13 +51,7 @@ from llmcli.data.tokenizer import Tokenizer
 from llmcli.errors import InputError
 from llmcli.generation.replies import replies
 from llmcli.generation.sampling import make_generators
-from llmcli.objectives.base import (
-    MemoryTerms,
-    Objective,
-    SumRanks,
-    check_init_tokenizer,
-    init_encoding,
-)
+from llmcli.objectives.base import MemoryTerms, Objective, SumRanks, read_with_init_encoding
 from llmcli.objectives.grpo_loss import (
     advantages,
     aggregate,
@@ -521,11 +515,7 @@ class GRPO(Objective):
         return self.config.train.grpo_beta > 0  # the KL penalty's reference
 
     def read_data(self, tokenizer: Tokenizer | None) -> TokenData:
-        config = self.config
-        ours, template = init_encoding(config)
-        if tokenizer is not None:
-            check_init_tokenizer(config, self.name, ours, tokenizer)
-        return prompt_token_data(config.data, config.model.context_length, ours, template)
+        return read_with_init_encoding(self.config, self.name, tokenizer, prompt_token_data)
 
     def sampler(
         self,
