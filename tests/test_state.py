@@ -254,3 +254,19 @@ def test_a_resume_with_other_settings_says_what_they_change_and_how_to_keep_the_
     assert "train.max_steps 6 -> 8" in err and "train.lr" not in err
     err = _train(capsys, config, run, "--resume", "--set", "train.max_steps=8")
     assert "differ from the saved run's" not in err
+
+
+def test_a_resumed_automatic_batch_is_no_changed_setting(small_corpus, tmp_path, capsys) -> None:
+    config = tmp_path / "run.yaml"
+    raw = small_run_config(small_corpus, max_steps=4, eval_interval=2, eval_steps=1)
+    raw["train"].update(batch_size="auto", tokens_per_step=4 * 16, memory_limit="1GiB")
+    config.write_text(yaml.safe_dump(raw))
+    run = tmp_path / "run"
+    _train(capsys, config, run, "--set", "train.max_steps=2")
+    saved = yaml.safe_load((run / "config.yaml").read_text())["train"]
+    assert isinstance(saved["batch_size"], int)  # the run resolved it
+    # Resolved again as the saved run's numbers: only max_steps differs.
+    err = " ".join(_train(capsys, config, run, "--resume").split())
+    differ = err[err.index("settings that differ") : err.index("The command's settings apply")]
+    assert "train.max_steps 2 -> 4" in differ
+    assert "train.batch_size" not in differ and "train.grad_accum" not in differ

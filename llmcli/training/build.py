@@ -179,6 +179,10 @@ def build_run(
     auto_batch = tc.batch_size == "auto"
     config = _resolve_batch(config, vocab, precision, info, saved)
     tc = config.train
+    if saved is not None and info.main:  # resolved as the saved run's: batch_size auto is a number
+        changes = saved.changed_settings(config)
+        if changes:
+            logger.warning("%s", describe_changes(changes))
     with agreed(info, device):  # a step that cannot fit: refused before the folder is made
         check_memory(config, vocab, device, precision.name, info.world_size)
     with agreed(info, device):
@@ -350,9 +354,6 @@ def _prepare(
     assert data is not None
     if saved is not None:
         saved.check_fits(config, run_dir, int(data.tokenizer.vocab_size))
-        changes = saved.changed_settings(config)
-        if changes and info.main:
-            logger.warning("%s", describe_changes(changes))
         if saved.source_hash not in (None, data.source_hash) and info.main:
             logger.warning(
                 "the corpus changed since this run was saved: the resumed run will "
