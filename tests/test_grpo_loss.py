@@ -18,6 +18,7 @@ from test_grpo import REWARD, base, grpo_config, objective_for  # noqa: F401 (ba
 from llmcli.config import config_from_dict
 from llmcli.data.prompts import PromptSampler
 from llmcli.errors import ConfigError
+from llmcli.objectives.grpo import GRPOStream
 from llmcli.objectives.grpo_loss import advantages
 from llmcli.runs.formats import read_weights
 from llmcli.runs.metrics import read_metrics
@@ -234,3 +235,20 @@ def test_several_rewards_are_summed_with_their_weights_and_each_logged(
         grpo_config(base, tmp_path, reward=specs, reward_weights=[1.0])
     with pytest.raises(ConfigError, match="weighs GRPO's rewards"):
         config_from_dict({"train": {"reward_weights": [1.0]}})
+
+
+def test_a_smaller_micro_batch_after_running_out_of_memory_splits_the_next_step_in_more_parts(
+    base: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    config = grpo_config(base, tmp_path, batch_size=4)
+    objective, _, _, prompts, _ = objective_for(config)
+    stream = GRPOStream(objective, PromptSampler(prompts.train, 4, seed=3), parts=1)
+    assert stream.batch_size == 4 and len(stream.next().completions.rewards) == 16
+    stream.batch_size = 2  # as llmcli.training.batch.shrink_micro_batch tells the sampler
+    first, second = stream.next(), stream.next()
+    G = config.train.group_size
+    assert len(first.completions.rewards) == len(second.completions.rewards) == 2 * G
+    assert first.step_tokens == second.step_tokens  # one step's dapo normaliser, halved
+    tokens = first.completions.mask[:, 1:].sum() + second.completions.mask[:, 1:].sum()
+    assert first.step_tokens == pytest.approx(float(tokens) / 2)

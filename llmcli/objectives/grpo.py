@@ -455,12 +455,26 @@ class GRPOStream:
         self._served = 0  # its shares handed out so far, over all its steps
 
     def next(self) -> StepShare:
-        if self._served == len(self._shares) * self.objective.iterations:
+        if self._served >= len(self._shares) * self.objective.iterations:  # (fewer on resume)
             self._shares = self.objective.shares(self.prompts.next(), self.parts)
             self._served = 0
         share = self._shares[self._served % len(self._shares)]
         self._served += 1
         return share
+
+    @property
+    def batch_size(self) -> int:
+        """Prompts a micro-batch takes: the step's, over its micro-batches."""
+        return self.prompts.batch_size // self.parts
+
+    @batch_size.setter
+    def batch_size(self, batch: int) -> None:
+        """A smaller micro-batch after running out of memory (`llmcli.training.batch`): the
+        step's prompts split in more parts; the failed step's sample is dropped, as its
+        gradients are, and the next step samples afresh."""
+        assert self.prompts.batch_size % batch == 0
+        self.parts = self.prompts.batch_size // batch
+        self._shares, self._served = [], 0
 
     def state_dict(self) -> dict[str, Any]:
         state = self.prompts.state_dict()
