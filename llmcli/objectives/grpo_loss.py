@@ -8,8 +8,9 @@ completions and calls these; tests/test_grpo_loss.py holds each against TRL's co
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
+
+from llmcli.objectives.preference_scores import each_target_logp
 
 
 def advantages(rewards: Tensor, group_size: int, scale: bool) -> Tensor:
@@ -27,8 +28,7 @@ def token_logps(model: nn.Module, ids: Tensor, temperature: float = 1.0) -> Tens
     divided by `temperature` (the distribution a completion sampled at that temperature was
     drawn from): `(R, L)` ids -> `(R, L - 1)` float32, position t scoring token t + 1."""
     logits, _ = model(ids[:, :-1])  # (R, L - 1, V)
-    logps = F.log_softmax(logits.float() / temperature, dim=-1)
-    return logps.gather(-1, ids[:, 1:, None]).squeeze(-1)  # (R, L - 1)
+    return each_target_logp(logits, ids[:, 1:], temperature)  # (R, L - 1)
 
 
 def per_token_loss(

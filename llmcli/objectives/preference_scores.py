@@ -84,13 +84,17 @@ def target_logps(logits: Tensor, targets: Tensor, target_mask: Tensor) -> Tensor
     Returns:
         `(B,)` float32.
     """
+    return torch.where(target_mask, each_target_logp(logits, targets), 0.0).sum(dim=1)
+
+
+def each_target_logp(logits: Tensor, targets: Tensor, temperature: float = 1.0) -> Tensor:
+    """The log-probability of each target, `logits[:, t]` (divided by `temperature`) scoring
+    `targets[:, t]`: `(B, T, V)`, `(B, T)` -> `(B, T)` float32."""
     B, T, V = logits.shape
     # cross_entropy is log_softmax and gather in one, without a (B, T, V) log-probability copy;
     # float32 so that a bf16 run's sums over long replies keep their precision.
-    token_logps = -F.cross_entropy(
-        logits.reshape(-1, V).float(), targets.reshape(-1), reduction="none"
-    ).view(B, T)  # (B, T): the log-probability of each target
-    return torch.where(target_mask, token_logps, 0.0).sum(dim=1)
+    scaled = logits.float() if temperature == 1.0 else logits.float() / temperature
+    return -F.cross_entropy(scaled.reshape(-1, V), targets.reshape(-1), reduction="none").view(B, T)
 
 
 def target_scores(logits: Tensor, targets: Tensor, target_mask: Tensor) -> CompletionScores:

@@ -39,6 +39,7 @@ from llmcli.config.loading import format_scalar
 from llmcli.errors import CheckpointError, InputError
 from llmcli.runs.directory import CONFIG_FILE, STATE_FILE
 from llmcli.runs.formats import check_weights, load_state
+from llmcli.training.mfu import mfu
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +173,7 @@ class RunFacts:
         rank (`llmcli.training.mfu`); None where the peak was not measured."""
         if not self.peak_flops:
             return None
-        return self.flops_per_token * tokens_per_s / self.world_size / self.peak_flops
+        return mfu(self.flops_per_token, tokens_per_s, self.peak_flops, self.world_size)
 
 
 # The keys every resume state holds, with their types: checked before any of it is used.
