@@ -252,3 +252,21 @@ def test_a_smaller_micro_batch_after_running_out_of_memory_splits_the_next_step_
     assert first.step_tokens == second.step_tokens  # one step's dapo normaliser, halved
     tokens = first.completions.mask[:, 1:].sum() + second.completions.mask[:, 1:].sum()
     assert first.step_tokens == pytest.approx(float(tokens) / 2)
+
+
+def test_the_sampling_policys_log_probabilities_are_taken_in_the_steps_precision(
+    base: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Under bf16 autocast (a GPU run's), the first update of a reused sample has a ratio of 1
+    exactly: its denominator was computed in the step's precision, not in float32."""
+    config = grpo_config(base, tmp_path, num_iterations=2)
+    objective, model, sampler, _, _ = objective_for(config)
+    objective.autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+    (share,) = objective.shares(sampler.next(), 1)
+    with objective.autocast():
+        loss, _ = objective(model, share)
+    m = share.completions.mask[:, 1:].float()
+    assert float(loss.detach()) == pytest.approx(
+        float(-(share.advantages[:, None] * m).sum() / m.sum()), abs=1e-6
+    )

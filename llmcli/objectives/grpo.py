@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import reprlib
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -272,6 +272,9 @@ class GRPOObjective:
         self.end_id, self.reference = data.end_id, reference
         self.eval_batch = tc.batch_size * tc.group_size
         self.world_size, self.sum_ranks = world_size, sum_ranks
+        # The step's autocast (`Precision.autocast`), set by `GRPO.wire`: sampling and the
+        # sampling policy's log-probabilities run in the precision the step's forwards do.
+        self.autocast: Callable[[], AbstractContextManager] = nullcontext
         check_rewards(reward, tc.reward_specs, data)
 
     def __call__(self, model: nn.Module, share: StepShare) -> tuple[Tensor, dict[str, Tensor]]:
@@ -330,7 +333,7 @@ class GRPOObjective:
         ]
         if self.iterations > 1:  # the ratio's denominator: the policy that sampled them
             device = next(self.policy.parameters()).device
-            with self._generating():
+            with self._generating(), self.autocast():
                 for share in shares:
                     ids = share.completions.ids.to(device)
                     share.old_logps = token_logps(self.policy, ids, self.sampling.temperature)
@@ -367,7 +370,7 @@ class GRPOObjective:
         """Each prompt's reply from the policy in eval mode, without gradients, within the
         room its row has (`context_length + 1` tokens) and `sample.max_new_tokens`."""
         budgets = reply_budgets(prompts, sample.max_new_tokens, self.context_length)
-        with self._generating():
+        with self._generating(), self.autocast():
             return replies(
                 self.policy,
                 prompts,
@@ -569,6 +572,7 @@ class GRPO(Objective):
             world_size,
             sum_ranks,
         )
+        objective.autocast = trainer.precision.autocast
         trainer.loss_fn = objective
         trainer.batches = GRPOStream(objective, trainer.batches, tc.grad_accum)
 
