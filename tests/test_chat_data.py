@@ -331,9 +331,11 @@ def test_packing_fills_the_rows_with_whole_conversations() -> None:
     split, B, T, pad = synthetic_split(), 8, 64, 60000
     sampler = PackedChatSampler(split, pad, B, T, seed=3)
     first = {int(s): k for k, s in enumerate(split.starts)}
-    shares = []
+    shares, read = [], 0
     for _ in range(30):
         x, y, segments = sampler.next()
+        read += int((segments != 0).sum())
+        assert sampler.tokens_drawn == read  # the log's tokens: the padding left out
         placed = 0
         for row in range(B):
             seg = segments[row].tolist()

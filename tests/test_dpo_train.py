@@ -144,6 +144,16 @@ def test_dpo_run_starts_at_log_2_learns_the_pairs_and_never_moves_the_reference(
         if name != "rewards/accuracies":
             assert records[0][name] == pytest.approx(value.item(), abs=1e-5), name
     assert records[-1]["rewards/accuracies"] > 0.5 and records[-1]["rewards/margins"] > 0
+    # The log's tokens are those the model read: each row up to its last token (the
+    # completion's end, which is only a target), none of the padding after it.
+    draws = PreferenceSampler(data.preference.train, data.preference.pad_id, 4, 32, seed=5)
+    read = 0
+    for record in records:
+        _, drawn = draws.next()  # (2B, L): True on each completion, which ends its row
+        ends = drawn.shape[1] - drawn.flip(1).int().argmax(dim=1)  # one past each row's end
+        read += int((ends - 1).sum())
+        assert record["tokens"] == read, (record["step"], record["tokens"], read)
+    assert read < 8 * 4 * 2 * 32  # padded to the context, a step would count 2 x 4 x 32
 
     # The last evaluation by hand: the final weights against the reference on the validation
     # pairs the evaluation sampler draws (its own seed), TRL's metrics under "val_".
@@ -281,6 +291,10 @@ def test_ddp_dpo_on_two_processes_is_one_process_on_the_union_of_their_pairs(
                 torch.cat([a[:half], b[:half], a[half:], b[half:]])
                 for a, b in zip(*parts, strict=True)
             )
+
+        @property
+        def tokens_drawn(self):
+            return sum(part.tokens_drawn for part in self.parts)
 
         def state_dict(self):
             return {"parts": [part.state_dict() for part in self.parts]}

@@ -131,14 +131,17 @@ def test_a_steps_loss_is_the_formula_on_its_own_completions_rewards_and_logps(
     loss, metrics = objective(model, share)
     G = config.train.group_size
     # Each row is its prompt, the completion drawn, and the end token when it ended.
+    read = 0  # positions the model reads: each row's tokens but its last, no padding
     for i, k in enumerate(r for r in batch.picks for _ in range(G)):
         n = len(prompts.train.ids[k])
         assert done.ids[i, :n].tolist() == prompts.train.ids[k].tolist()
         completion = done.ids[i][done.mask[i]].tolist()
+        read += n + len(completion) - 1
         if done.ended[i]:
             assert completion[-1] == prompts.end_id
             completion = completion[:-1]
         assert tokenizer.decode(completion) == done.texts[i]
+    assert done.positions == read < done.ids.numel()  # the log's tokens
     rewards = np.array([t.count("a") + len(t) / 8 for t in done.texts])
     assert np.allclose(done.rewards.numpy(), rewards)
     assert rewards.reshape(-1, G).std(axis=1).min() > 0  # every group has something to learn

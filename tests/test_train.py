@@ -704,6 +704,10 @@ def test_ddp_two_processes_match_one_process_with_the_union_of_their_batches(
             xs, ys = zip(*(p.next() for p in self.parts), strict=True)
             return torch.cat(xs), torch.cat(ys)
 
+        @property
+        def tokens_drawn(self):
+            return sum(p.tokens_drawn for p in self.parts)
+
         def state_dict(self):
             return {"parts": [p.state_dict() for p in self.parts]}
 

@@ -81,6 +81,7 @@ class BatchSampler:
         self.device = torch.device(device)
         self.generator = rank_generator(batch_size, seed, rank, world_size)
         self.batches = 0
+        self.tokens_drawn = 0  # input positions handed out, padding left out (the log's tokens)
         self.reader = WindowReader(tokens, context_length + 1)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,6 +92,7 @@ class BatchSampler:
         x = windows[:, :-1].contiguous()  # (B, T)
         y = windows[:, 1:].contiguous()  # (B, T)
         self.batches += 1
+        self.tokens_drawn += x.numel()
         return to_device(x, y, device=self.device)
 
     __next__ = next
@@ -124,6 +126,7 @@ class RowSampler:
         self.batch_size = batch_size
         self.generator = rank_generator(batch_size, seed, rank, world_size)
         self.batches = 0
+        self.tokens_drawn = 0  # input positions handed out, padding left out (the log's tokens)
 
     def __next__(self) -> Any:
         return self.next()  # each subclass draws its own kind of batch

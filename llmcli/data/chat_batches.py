@@ -72,6 +72,7 @@ class ChatSampler:
         self.device = torch.device(device)
         self.generator = rank_generator(batch_size, seed, rank, world_size)
         self.batches = 0
+        self.tokens_drawn = 0  # input positions handed out, padding left out (the log's tokens)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next batch: `x` `(B, T)` int64 and `y` `(B, T)` int64, where `y[:, t]` is
@@ -81,7 +82,7 @@ class ChatSampler:
         x = np.full((self.batch_size, T), self.pad_id, dtype=np.int64)  # (B, T)
         y = np.full((self.batch_size, T), IGNORE, dtype=np.int64)  # (B, T)
         for row, k in enumerate(picks.tolist()):
-            conversation_into(split, k, x[row], y[row])
+            self.tokens_drawn += conversation_into(split, k, x[row], y[row])
         self.batches += 1
         return to_device(torch.from_numpy(x), torch.from_numpy(y), device=self.device)
 
@@ -166,6 +167,7 @@ class PackedChatSampler(ChatSampler):
                 n = conversation_into(split, self.pool[i], x[row, at:], y[row, at:])
                 segments[row, at : at + n] = segment
                 at += n
+            self.tokens_drawn += at
         self.pool = [self.pool[i] for i in left]
         self.batches += 1
         tensors = (torch.from_numpy(a) for a in (x, y, segments))

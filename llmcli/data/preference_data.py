@@ -240,16 +240,15 @@ def preference_token_data(
 
 
 def pair_batch(
-    split: PreferenceSplit, picks: Sequence[int], pad_id: int, length: int | None = None
+    split: PreferenceSplit, picks: Sequence[int], pad_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pairs `picks` of `split` as one batch: `ids` `(2B, L)` int64 and `completion_mask`
     `(2B, L)` bool, True on each completion's tokens; rows `:B` are the chosen sequences, `B:`
     the rejected ones (row i and row B + i are pair `picks[i]`), each padded with `pad_id`
-    after its end to `length` tokens (None: the batch's longest sequence)."""
+    after its end to the batch's longest sequence."""
     B = len(picks)
     halves = ((split.chosen, split.chosen_offsets), (split.rejected, split.rejected_offsets))
-    if length is None:
-        length = max(int(np.diff(offsets)[list(picks)].max()) for _, offsets in halves)
+    length = max(int(np.diff(offsets)[list(picks)].max()) for _, offsets in halves)
     ids = np.full((2 * B, length), pad_id, dtype=np.int64)  # (2B, L)
     mask = np.zeros(ids.shape, dtype=bool)  # (2B, L)
     for half, (tokens, offsets) in enumerate(halves):
@@ -258,6 +257,13 @@ def pair_batch(
             ids[row, : stop - start] = tokens[start:stop]
             mask[row, split.prompt_lengths[k] : stop - start] = True
     return torch.from_numpy(ids), torch.from_numpy(mask)
+
+
+def pair_positions(split: PreferenceSplit, picks: Sequence[int]) -> int:
+    """The positions the model reads of pairs `picks`' rows, padding left out: each sequence's
+    length - 1, its last token being only a target."""
+    halves = (split.chosen_offsets, split.rejected_offsets)
+    return sum(int((np.diff(offsets)[list(picks)] - 1).sum()) for offsets in halves)
 
 
 class PreferenceSampler(RowSampler):
@@ -303,6 +309,7 @@ class PreferenceSampler(RowSampler):
         picks = torch.randint(len(self.split), (self.batch_size,), generator=self.generator)
         ids, mask = pair_batch(self.split, picks.tolist(), self.pad_id)
         self.batches += 1
+        self.tokens_drawn += pair_positions(self.split, picks.tolist())
         batch = [ids.to(self.device), mask.to(self.device)]
         if self.split.reference_logps is not None:
             scores = torch.from_numpy(self.split.reference_logps[picks.numpy()])  # (B, 2)

@@ -78,6 +78,9 @@ class Objective:
     reward_specs: tuple[str, ...] = ("exact",)
     reward_weights: list[float] | None = None
     examples = "sequences"  # what one of `train.batch_size` is, for `llmcli plan`
+    # whether every row fills the context: else a step's rows are cut to their batch's longest
+    # (or packed), and its real tokens, which the log counts, vary under `train.example_tokens`
+    full_rows = True
     # The evaluation's figures that say how the run does, as metrics.jsonl names them ("val_":
     # the validation split's), which `meta.json` lists for `llmcli info`; and the step's own
     # figures the progress bar shows beside the loss (TRL's names).

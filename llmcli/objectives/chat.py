@@ -68,6 +68,7 @@ class Chat(Objective):
     (`ChatSampler`), whose losses compare with an unpacked run's."""
 
     name = "chat"
+    full_rows = False
     by_position = False  # positions follow the template's turns, not the use of context
     templated = True
     eval_data = "conversations"

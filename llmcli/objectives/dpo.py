@@ -109,6 +109,7 @@ class DPO(Objective):
     run's frozen weights (the reference, which training builds and passes to `wire`)."""
 
     name = "dpo"
+    full_rows = False
     has_perplexity = False  # DPO's loss is no next-token loss
     head_metrics = False  # a preference loss says nothing of the induction heads
     by_position = False

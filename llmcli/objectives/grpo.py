@@ -143,6 +143,14 @@ class Completions:
         """`(R,)` each completion's tokens, the end token included."""
         return self.mask.sum(dim=1)
 
+    @property
+    def positions(self) -> int:
+        """The positions the model reads of these rows, padding left out: each row's prompt and
+        completion up to its last completion token, which is only a target."""
+        L = self.mask.shape[1]
+        ends = L - self.mask.flip(1).int().argmax(dim=1)  # one past each row's last True
+        return int((ends - 1).sum())
+
     def rows(self, part: slice) -> Completions:
         """The completions of the rows `part`, cut to their longest row (padding after a row's
         end changes none of its tokens' log-probabilities under the causal mask)."""
@@ -456,6 +464,7 @@ class GRPOStream:
         self.objective, self.prompts, self.parts = objective, prompts, parts
         self._shares: list[StepShare] = []  # the sample being served
         self._served = 0  # its shares handed out so far, over all its steps
+        self.tokens_drawn = 0  # input positions handed out, padding left out (the log's tokens)
 
     def next(self) -> StepShare:
         if self._served >= len(self._shares) * self.objective.iterations:  # (fewer on resume)
@@ -463,6 +472,7 @@ class GRPOStream:
             self._served = 0
         share = self._shares[self._served % len(self._shares)]
         self._served += 1
+        self.tokens_drawn += share.completions.positions
         return share
 
     @property
@@ -505,6 +515,7 @@ class GRPO(Objective):
     prompts greedily: reward and pass@1, its loss the negated mean reward."""
 
     name = "grpo"
+    full_rows = False
     has_perplexity = False  # the loss is a policy gradient's, no next-token loss
     head_metrics = False  # rewards say nothing of the induction heads
     by_position = False

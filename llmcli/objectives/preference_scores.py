@@ -160,13 +160,12 @@ def score_pairs(
     batch_size: int,
     *,
     count: int | None = None,
-    length: int | None = None,
     progress: bool = False,
 ) -> PairLogps:
     """The first `count` pairs of `split` (None: all) scored in order, `batch_size` at a time,
-    each batch padded to its longest sequence (`pair_batch`; or to `length` tokens, as training
-    pads them, which gives its steps' scores to the last bit): attention is causal, so the
-    padding after a sequence changes none of its logits, and it is never in the mask."""
+    each batch padded to its longest sequence (`pair_batch`), as training's batches are:
+    attention is causal, so the padding after a sequence changes none of its logits, and it is
+    never in the mask."""
     device = next(model.parameters()).device
     count = len(split) if count is None else min(count, len(split))
     starts = range(0, count, batch_size)
@@ -175,7 +174,7 @@ def score_pairs(
     ref: list[tuple[Tensor, Tensor]] = []
     for lo in starts:
         picks = range(lo, min(lo + batch_size, count))
-        ids, mask = pair_batch(split, picks, pad_id, length)  # (2B, L)
+        ids, mask = pair_batch(split, picks, pad_id)  # (2B, L)
         ids, mask = ids.to(device), mask.to(device)
         scores = completion_scores(model, ids, mask)  # (2B,) each
         policy.append(scores.to("cpu").halves())

@@ -344,7 +344,7 @@ def _announce(config: Config, facts: RunFacts) -> None:
         facts.dtype,
         facts.device,
         f" x{facts.world_size}" if facts.world_size > 1 else "",
-        f"{facts.tokens_per_step:,}",
+        f"{'' if objective_for(config).full_rows else 'up to '}{facts.tokens_per_step:,}",
         (facts.resumed_from or 0) + 1,
         config.train.max_steps,
     )

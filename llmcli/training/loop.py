@@ -101,7 +101,7 @@ def fit(run: Run, log: TrainLog, progress: bool, on_step: Callable[[int], None])
         enabled=progress and info.main,
         bar_format=WITHOUT_RATE,  # tok/s instead
     )
-    losses, loop_start, loop_step = LossLog(), time.perf_counter(), state.step
+    losses, loop_start, loop_tokens = LossLog(), time.perf_counter(), state.tokens
     speed = TokenRate(loop_start, state.tokens)
     stopped, on_quit = None, partial(_quit_at_once, bar, checkpoints, state)  # a 2nd Ctrl-C
     with StopRequest(not info.enabled, on_quit) as stop, logging_redirect_tqdm(), bar:
@@ -111,6 +111,7 @@ def fit(run: Run, log: TrainLog, progress: bool, on_step: Callable[[int], None])
             lr = apply_lr(trainer.optimizer, state.step, tc, lr_scale)
             due = _due(state.step + 1, tc)  # known before the step: a log step's layers
             watch = log.layer_watch(run.model, due.log)
+            drawn = trainer.batches.tokens_drawn  # the step's real tokens: what it draws now
             try:
                 loss, norm, applied, metrics = train_step(
                     trainer, before_update=all_of(watch, guard)
@@ -132,7 +133,7 @@ def fit(run: Run, log: TrainLog, progress: bool, on_step: Callable[[int], None])
                 continue
             losses.add(loss, metrics)
             state.step += 1
-            state.tokens += run.facts.tokens_per_step
+            state.tokens += (trainer.batches.tokens_drawn - drawn) * info.world_size
             bar.update(1)
             on_step(state.step)
 
@@ -166,7 +167,7 @@ def fit(run: Run, log: TrainLog, progress: bool, on_step: Callable[[int], None])
     if stopped is not None:  # once the bar is closed: the last line says how the run ended
         checkpoints.stop(state, preempted=stopped.terminated)
     session_s = time.perf_counter() - loop_start
-    tokens = (state.step - loop_step) * run.facts.tokens_per_step
+    tokens = state.tokens - loop_tokens
     return _summary(run, state.elapsed, tokens / session_s if session_s > 0 else None)
 
 

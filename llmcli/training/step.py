@@ -44,7 +44,9 @@ class Trainer:
         optimizer: updates them (`llmcli.training.optim`).
         precision: the autocast context and the GradScaler (which does nothing unless fp16).
         batches: the training stream; `next()` gives a batch on the device: `(x, y)`, each
-            `(B, T)`, for next-token training; `(ids, completion_mask)` for DPO.
+            `(B, T)`, for next-token training; `(ids, completion_mask)` for DPO. Its
+            `tokens_drawn` counts the positions its batches hold, padding left out (the
+            loop's tokens and tokens per second).
         grad_accum: micro-batches per step.
         grad_clip: the largest global gradient norm (0: no clipping).
         loss_fn: a micro-batch's loss (`train.objective`: `next_token_loss`, or DPO's,
