@@ -285,7 +285,8 @@ def test_train_refuses_a_limit_smaller_than_the_model_with_exit_2(
 
 
 def test_bench_asks_for_a_given_micro_batch(tmp_path: Path) -> None:
-    from llmcli.bench import BenchSettings, bench_and_report
+    from llmcli.bench.measure import BenchSettings
+    from llmcli.bench.report import bench_and_report
 
     config = _config(batch_size="auto", tokens_per_step=4 * 32)
     with pytest.raises(InputError, match=r"--set train.batch_size=N \(`llmcli plan` says"):

@@ -263,7 +263,8 @@ def test_every_sample_setting_makes_its_option_and_request_field_with_its_help_a
     from typer.main import get_command
 
     from llmcli.cli import app, main
-    from llmcli.serve.protocol import SAMPLE_FIELDS, APIError, Limits, parse_completion
+    from llmcli.serve.request import SAMPLE_FIELDS, Limits, parse_completion
+    from llmcli.serve.response import APIError
 
     assert set(REFUSED) == set(SETTING_KEYS)
     request_field = {key: name for name, key in SAMPLE_FIELDS.items()}

@@ -28,14 +28,11 @@ from llmcli.data.chat_template import default_template
 from llmcli.data.conversations import add_chat_tokens
 from llmcli.data.tokenizer import BPETokenizer, CharTokenizer
 from llmcli.runs.loading import LoadedRun, load_run
-from llmcli.serve.app import (
-    ChatEncoding,
-    ServeSettings,
-    create_app,
-    error_response,
-    request_prompt_ids,
-)
-from llmcli.serve.protocol import APIError, Limits, parse_chat_completion, parse_completion
+from llmcli.serve.answer import error_response
+from llmcli.serve.app import ServeSettings, create_app
+from llmcli.serve.encoding import ChatEncoding, request_prompt_ids
+from llmcli.serve.request import Limits, parse_chat_completion, parse_completion
+from llmcli.serve.response import APIError
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 

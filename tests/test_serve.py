@@ -36,7 +36,8 @@ from llmcli.runs.loading import load_run
 from llmcli.serve.app import ServeSettings, create_app
 from llmcli.serve.batcher import Batcher, Done, End, Text, Work
 from llmcli.serve.logprobs import RowLogprobs, TokenTexts, step_logprobs
-from llmcli.serve.protocol import APIError, Limits, parse_completion
+from llmcli.serve.request import Limits, parse_completion
+from llmcli.serve.response import APIError
 from llmcli.serve.server import bind
 
 pytestmark = pytest.mark.usefixtures("one_thread")

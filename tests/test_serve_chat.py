@@ -25,7 +25,7 @@ from llmcli.data.tokenizer import CharTokenizer
 from llmcli.generation.prompts import unescape
 from llmcli.runs.loading import load_run
 from llmcli.serve.app import ServeSettings, create_app
-from llmcli.serve.protocol import Limits
+from llmcli.serve.request import Limits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

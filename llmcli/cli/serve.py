@@ -55,7 +55,7 @@ def serve_command(
             "pip install 'llmcli[serve]'"
         ) from None
     from llmcli.serve.app import ServeSettings
-    from llmcli.serve.protocol import Limits
+    from llmcli.serve.request import Limits
     from llmcli.serve.server import serve
 
     if not 0 <= port <= 65535:

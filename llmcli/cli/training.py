@@ -230,7 +230,8 @@ def bench_command(
     progress: ProgressOption = True,
 ) -> None:
     """Training and sampling speed, forward latency and peak memory per head count and length."""
-    from llmcli.bench import BenchSettings, bench_and_report, format_table, parse_int_list
+    from llmcli.bench.measure import BenchSettings, parse_int_list
+    from llmcli.bench.report import bench_and_report, format_table
     from llmcli.config import load_config
 
     log_to_stderr()

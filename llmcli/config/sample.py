@@ -63,7 +63,7 @@ class SampleConfig:
 
     Each field is declared once, with its help and its rule (`_setting`): `llmcli sample`'s
     options, the server's request fields and the interactive prompt's `/` commands are made from
-    these fields (`llmcli.cli.generation`, `llmcli.serve.protocol`,
+    these fields (`llmcli.cli.generation`, `llmcli.serve.request`,
     `llmcli.generation.interactive`).
     """
 

@@ -552,6 +552,3 @@ def _hub_commit(name: str, revision: str | None, label: str) -> str:
             "check the name and the network, or give local files."
         ) from None
     return info.sha or revision or "main"
-
-
-# --- Tokenizing into the cache -------------------------------------------------------------

@@ -32,7 +32,8 @@ from llmcli.serve.logprobs import (
     prompt_logprobs,
     step_logprobs,
 )
-from llmcli.serve.protocol import APIError, CompletionRequest
+from llmcli.serve.request import CompletionRequest
+from llmcli.serve.response import APIError
 
 logger = logging.getLogger(__name__)
 

@@ -1,11 +1,9 @@
-"""OpenAI's completions protocol: a request body checked into a `CompletionRequest` (or, for chat
-completions, a `ChatRequest`), and the JSON of responses, stream chunks and errors.
+"""A completions request body checked into a `CompletionRequest` (a chat one, a `ChatRequest`).
 
 Plain Python (no FastAPI), so that every rule is reached without a server. A request's settings
 are the run's `sample:` config with the request's fields applied, as `llmcli sample`'s options are,
 except `seed`: an omitted seed is a fresh one per request (as OpenAI's), so that repeated requests
-differ. Errors are `APIError`s with OpenAI's status codes and error JSON
-(`{"error": {"message", "type", "param", "code"}}`).
+differ. A refusal is an `APIError` (`llmcli.serve.response`) naming the field at fault.
 """
 
 from __future__ import annotations
@@ -22,6 +20,7 @@ from llmcli.config.rules import is_int
 from llmcli.config.sample import broken_rule
 from llmcli.data.conversations import check_messages
 from llmcli.errors import InputError
+from llmcli.serve.response import APIError
 
 MAX_STOPS = 4  # OpenAI's limit on stop strings
 MAX_LOGPROBS = 5  # OpenAI's limit on the top log-probs of each token
@@ -31,44 +30,6 @@ MAX_SEED = 2**63 - 1  # the largest seed `SampleConfig` takes: a fresh seed is b
 # 900 deep gives a short message (and no RecursionError).
 _QUOTE = reprlib.Repr()
 _QUOTE.maxlevel, _QUOTE.maxstring, _QUOTE.maxother, _QUOTE.maxlong = 3, 60, 60, 40
-
-
-class APIError(Exception):
-    """A request the server refuses, as OpenAI's error JSON with an HTTP status.
-
-    Args:
-        status: the HTTP status (400 bad request, 401, 404, 413, 499 client gone, 500).
-        message: what is wrong and what to send instead.
-        param: the request field at fault, if one is.
-        code: a short machine-readable reason (`"invalid_type"`, `"context_length_exceeded"`).
-        kind: OpenAI's error type.
-    """
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        kind: str = "invalid_request_error",
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.kind = kind
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.kind,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
 
 
 @dataclass(frozen=True)
@@ -503,58 +464,3 @@ def _messages(messages: Any) -> list[dict[str, str]]:
         return check_messages(messages, "messages", complete=False)
     except InputError as exc:
         raise APIError(400, str(exc), param="messages", code="invalid_value") from None
-
-
-# ----------------------------------------------------------------------------- responses
-
-
-def usage_json(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def choice_json(
-    index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None
-) -> dict[str, Any]:
-    return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish_reason}
-
-
-def completion_json(
-    completion_id: str,
-    created: int,
-    model_id: str,
-    choices: list[dict[str, Any]],
-    usage: dict[str, int] | None,
-    kind: str = "text_completion",
-) -> dict[str, Any]:
-    """A completion, or (with `usage` None, or empty `choices`) one chunk of a stream; `kind`
-    is its `object` ("chat.completion", "chat.completion.chunk" for chat)."""
-    out: dict[str, Any] = {
-        "id": completion_id,
-        "object": kind,
-        "created": created,
-        "model": model_id,
-        "choices": choices,
-    }
-    if usage is not None:
-        out["usage"] = usage
-    return out
-
-
-def chat_choice_json(index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
-    """A chat completion's choice: the assistant's message."""
-    return {
-        "index": index,
-        "message": {"role": "assistant", "content": text},
-        "logprobs": None,
-        "finish_reason": finish_reason,
-    }
-
-
-def chat_delta_json(index: int, delta: dict[str, str], finish_reason: str | None) -> dict[str, Any]:
-    """A chat stream chunk's choice: what the message gained (`{"role": "assistant"}` first,
-    then `{"content": ...}` pieces, `{}` with the finish reason last)."""
-    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}

@@ -1,4 +1,5 @@
-"""`llmcli bench` (llmcli/bench.py): combinations, table, JSON and PNG on a tiny config.
+"""`llmcli bench`'s measurements (llmcli/bench/measure.py): combinations, speeds and errors on a
+tiny config.
 
 Speeds are never compared with a threshold: measured ones are checked positive and finite, and
 their arithmetic exact under a fake clock.
@@ -10,20 +11,16 @@ import json
 import math
 from pathlib import Path
 
-import matplotlib.image
 import pytest
 import torch
 
-import llmcli.bench
+import llmcli.bench.measure
 import llmcli.device
-from llmcli.bench import (
-    BenchResult,
+from llmcli.bench.measure import (
     BenchSettings,
-    format_table,
     parse_int_list,
     run_bench,
     vocab_size_for,
-    write_report,
 )
 from llmcli.cli import main
 from llmcli.config import config_from_dict
@@ -130,9 +127,9 @@ def test_speeds_are_the_work_over_the_time_it_took(monkeypatch) -> None:
         built.register_forward_hook(forward_ran)
         return built
 
-    monkeypatch.setattr(llmcli.bench, "train_step", step)
-    monkeypatch.setattr(llmcli.bench, "generate", sample)
-    monkeypatch.setattr(llmcli.bench, "Transformer", model)
+    monkeypatch.setattr(llmcli.bench.measure, "train_step", step)
+    monkeypatch.setattr(llmcli.bench.measure, "generate", sample)
+    monkeypatch.setattr(llmcli.bench.measure, "Transformer", model)
     settings = BenchSettings(train_steps=3, sample_tokens=10, forward_reps=3, vocab_size=11)
     results = run_bench(
         small_config(), [2], [8, 16], "cpu", settings, isolate=False, progress=False
@@ -174,56 +171,6 @@ def test_bad_settings_are_input_errors() -> None:
         )
 
 
-def test_table_json_and_png(tmp_path: Path) -> None:
-    results = [
-        BenchResult(
-            2,
-            64,
-            head_size=8,
-            n_params=100,
-            train_tokens_per_s=1234.5,
-            sample_tokens_per_s=50.25,
-            forward_ms=1.5,
-            peak_memory_mb=300.0,
-            memory_growth_mb=20.0,
-            memory_kind="cpu_peak_rss",
-        ),
-        BenchResult(
-            2,
-            128,
-            head_size=8,
-            n_params=164,
-            train_tokens_per_s=1000.0,
-            sample_tokens_per_s=40.0,
-            forward_ms=2.5,
-            peak_memory_mb=310.0,
-            memory_growth_mb=30.0,
-            memory_kind="cpu_peak_rss",
-        ),
-        BenchResult(3, 64, status="invalid", message="n_embed (16) not divisible by 3"),
-        BenchResult(3, 128, status="invalid", message="n_embed (16) not divisible by 3"),
-    ]
-    table = format_table(results).splitlines()
-    assert table[0].split()[:2] == ["heads", "seq"]
-    assert table[1].split() == ["2", "64", "8", "1,234", "50.2", "1.50", "300", "20"]
-    assert table[3].split()[:4] == ["3", "64", "-", "invalid"]
-    assert table[-1] == "heads=3 (seq 64, 128) invalid: n_embed (16) not divisible by 3"
-
-    json_path, png_path = write_report(results, tmp_path / "out", {"benchmark": "test"})
-    report = json.loads(json_path.read_text())
-    assert report["benchmark"] == "test"
-    assert [(r["n_head"], r["context_length"], r["status"]) for r in report["results"]] == [
-        (2, 64, "ok"),
-        (2, 128, "ok"),
-        (3, 64, "invalid"),
-        (3, 128, "invalid"),
-    ]
-    assert report["results"][1]["train_tokens_per_s"] == 1000.0
-    image = matplotlib.image.imread(png_path)
-    assert image.shape[0] > 100 and image.shape[1] > 100
-    assert not list((tmp_path / "out").glob(".*"))  # no temp files left behind
-
-
 def test_vocab_size_for(tmp_path: Path) -> None:
     corpus = tmp_path / "c.txt"
     corpus.write_text("abcab\n")
@@ -235,37 +182,6 @@ def test_vocab_size_for(tmp_path: Path) -> None:
         == 300
     )
     assert vocab_size_for(config_from_dict({"data": {"path": str(tmp_path)}})) == 256
-
-
-def test_cli_bench_writes_report(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    config = tmp_path / "small.yaml"
-    config.write_text(json.dumps(SMALL))
-    with pytest.raises(SystemExit) as exit_:
-        main(
-            [
-                "bench",
-                str(config),
-                "--heads",
-                "2,3",
-                "--seq",
-                "8",
-                "--steps",
-                "1",
-                "--sample-tokens",
-                "3",
-                "--no-isolate",
-                "--no-progress",
-                "--out",
-                str(tmp_path / "out"),
-            ]
-        )
-    out = capsys.readouterr()
-    assert exit_.value.code == 0, out.err
-    assert "invalid" in out.out and "wrote" in out.out
-    report = json.loads((tmp_path / "out" / "bench.json").read_text())
-    assert [r["status"] for r in report["results"]] == ["ok", "invalid"]
-    assert report["config"]["model"]["n_embed"] == 16
-    assert (tmp_path / "out" / "bench.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize(
