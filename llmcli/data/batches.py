@@ -128,6 +128,10 @@ class RowSampler:
         self.batches = 0
         self.tokens_drawn = 0  # input positions handed out, padding left out (the log's tokens)
 
+    def draw(self, n: int) -> list[int]:
+        """The next batch's rows: `batch_size` indices below `n`, uniform, with replacement."""
+        return torch.randint(n, (self.batch_size,), generator=self.generator).tolist()
+
     def __next__(self) -> Any:
         return self.next()  # each subclass draws its own kind of batch
 

@@ -306,12 +306,12 @@ class PreferenceSampler(RowSampler):
         each completion's tokens, `L` the batch's longest sequence; rows `:B` are the chosen
         sequences, `B:` the rejected. When the split holds the reference's scores, they follow:
         `(2B,)` float32, in row order."""
-        picks = torch.randint(len(self.split), (self.batch_size,), generator=self.generator)
-        ids, mask = pair_batch(self.split, picks.tolist(), self.pad_id)
+        picks = self.draw(len(self.split))
+        ids, mask = pair_batch(self.split, picks, self.pad_id)
         self.batches += 1
-        self.tokens_drawn += pair_positions(self.split, picks.tolist())
+        self.tokens_drawn += pair_positions(self.split, picks)
         batch = [ids.to(self.device), mask.to(self.device)]
         if self.split.reference_logps is not None:
-            scores = torch.from_numpy(self.split.reference_logps[picks.numpy()])  # (B, 2)
+            scores = torch.from_numpy(self.split.reference_logps[picks])  # (B, 2)
             batch.append(scores.T.reshape(-1).to(self.device))  # (2B,): chosen, then rejected
         return tuple(batch)

@@ -230,7 +230,7 @@ class PromptSampler(RowSampler):
         self.split = split
 
     def next(self) -> PromptBatch:
-        picks = torch.randint(len(self.split), (self.batch_size,), generator=self.generator)
+        picks = self.draw(len(self.split))
         seed = int(torch.randint(2**62, (1,), generator=self.generator))
         self.batches += 1
-        return PromptBatch(self.split, picks.tolist(), seed)
+        return PromptBatch(self.split, picks, seed)
