@@ -88,8 +88,9 @@ def _rate(nbytes: int, seconds: float) -> float:
 
 def tokenization(mb: float, tmp: Path, cap_s: float) -> dict:
     from llmcli.config import DataConfig
+    from llmcli.data.token_cache import BATCH_CHARS, _pieces
     from llmcli.data.tokenizer import BPETokenizer
-    from llmcli.data.tokens import BATCH_CHARS, _pieces, prepare_data
+    from llmcli.data.tokens import prepare_data
 
     corpus = CORPUS.read_text(encoding="utf-8")
     t0 = time.perf_counter()

@@ -42,10 +42,10 @@ sys.path.insert(0, str(ROOT))
 from llmcli.config import load_config  # noqa: E402
 from llmcli.device import resolve_device  # noqa: E402
 from llmcli.training.build import build_run  # noqa: E402
+from llmcli.training.counters import TrainState  # noqa: E402
 from llmcli.training.distributed import DistInfo  # noqa: E402
 from llmcli.training.guard import SpikeGuard  # noqa: E402
 from llmcli.training.precision import Precision  # noqa: E402
-from llmcli.training.state import TrainState  # noqa: E402
 from llmcli.training.step import train_step  # noqa: E402
 
 

@@ -36,7 +36,7 @@ import pytest
 import torch
 import yaml
 
-import llmcli.data.tokens
+import llmcli.data.token_cache
 import llmcli.training.checkpoint
 import llmcli.training.log
 import llmcli.training.loop
@@ -376,12 +376,13 @@ def test_a_full_disk_for_the_run_files_or_the_token_cache_is_a_clear_error(
         def __exit__(self, *exc) -> None:
             self.fh.close()
 
-    # The token cache is written through llmcli.data.tokens's own `open` of the temporary file.
+    # The token cache is written through llmcli.data.token_cache's own `open` of the temporary
+    # file.
     def open_full(file, mode="r", *args, **kwargs):
         fh = real_open(file, mode, *args, **kwargs)
         return Full(fh) if "w" in mode else fh
 
-    monkeypatch.setattr(llmcli.data.tokens, "open", open_full, raising=False)
+    monkeypatch.setattr(llmcli.data.token_cache, "open", open_full, raising=False)
     with pytest.raises(SystemExit) as exit_info:
         main(
             [

@@ -22,12 +22,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmcli.config import DataConfig
-from llmcli.data import corpus
+from llmcli.data import corpus, tokenizer_cache
+from llmcli.data import token_cache as D
 from llmcli.data import tokenizer as tokenizer_module
-from llmcli.data import tokens as D
 from llmcli.data.batches import BatchSampler
+from llmcli.data.prepared import TokenData, default_cache_dir
 from llmcli.data.tokenizer import BPETokenizer, CharTokenizer
-from llmcli.data.tokens import TokenData, default_cache_dir, prepare_data
+from llmcli.data.tokens import prepare_data
 from llmcli.errors import ConfigError, InputError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,7 +107,7 @@ def test_two_prepares_of_one_entry_at_once_tokenize_it_once(
     path = write(tmp_path / "corpus.txt", text)
     alone = prep(tmp_path / "alone", path=str(path), tokenizer="bpe", vocab_size=300)
     trainings, tokenizings, inside, waited = [], [], threading.Event(), threading.Event()
-    real_train, real_tokenize = D.train_tokenizer, D._tokenize_to_file
+    real_train, real_tokenize = tokenizer_cache.train_tokenizer, D._tokenize_to_file
 
     def tokenize(*args):  # the first prepare, holding the entry's claim, waits for the second
         tokenizings.append(threading.current_thread().name)
@@ -119,7 +120,9 @@ def test_two_prepares_of_one_entry_at_once_tokenize_it_once(
             if "which is writing the token cache entry" in record.getMessage():
                 waited.set()
 
-    monkeypatch.setattr(D, "train_tokenizer", lambda *a: trainings.append(1) or real_train(*a))
+    monkeypatch.setattr(
+        tokenizer_cache, "train_tokenizer", lambda *a: trainings.append(1) or real_train(*a)
+    )
     monkeypatch.setattr(D, "_tokenize_to_file", tokenize)
     results = {}
 
@@ -666,9 +669,9 @@ def test_streaming_missing_text_column_exits_2_naming_it(tmp_path: Path, capsys)
 STREAM_WRAPPER = """\
 import sys
 
-from llmcli.data import tokens
+from llmcli.data import token_cache
 
-tokens.STREAM_PIECE_ROWS = int(sys.argv[1])  # small pieces: many moments to be killed in
+token_cache.STREAM_PIECE_ROWS = int(sys.argv[1])  # small pieces: many moments to be killed in
 from llmcli.cli import main
 
 main(sys.argv[2:])

@@ -7,7 +7,7 @@ import torch
 from model_helpers import assert_close, gen, randomize_, tiny_model
 
 from llmcli.config import ModelConfig
-from llmcli.config.train import DPO_LOSS_TYPES
+from llmcli.config.objective_settings import DPO_LOSS_TYPES
 from llmcli.model.gpt import Transformer
 from llmcli.objectives.dpo import dpo_step
 from llmcli.objectives.dpo_losses import LOSSES, DPOLoss, dpo_loss

@@ -22,7 +22,7 @@ from conftest import save_tiny_run
 from hf_helpers import make_run
 
 from llmcli.cli import main
-from llmcli.config.train import DPO_LOSS_TYPES, SMOOTHED_LOSS_TYPES
+from llmcli.config.objective_settings import DPO_LOSS_TYPES, SMOOTHED_LOSS_TYPES
 from llmcli.data.chat_template import default_template
 from llmcli.data.preferences import PreferenceEncoder, read_preferences
 from llmcli.evaluation.run import EvalOptions, evaluate_run

@@ -43,12 +43,13 @@ from llmcli.runs.info import format_info, run_info
 from llmcli.runs.loading import load_config_file
 from llmcli.runs.metrics import NUMBER_FIELDS, plot_losses, read_metrics
 from llmcli.training.checkpoint import restore
+from llmcli.training.counters import TrainState
 from llmcli.training.distributed import DistInfo
 from llmcli.training.loop import train
 from llmcli.training.memory import check_memory
 from llmcli.training.optim import build_optimizer
 from llmcli.training.precision import Precision
-from llmcli.training.state import ResumeState, TrainState
+from llmcli.training.state import ResumeState
 from llmcli.training.step import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

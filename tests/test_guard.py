@@ -27,10 +27,10 @@ from llmcli.runs.directory import STATE_FILE
 from llmcli.runs.formats import load_state, load_weights
 from llmcli.runs.metrics import read_metrics
 from llmcli.runs.trackers import tags
+from llmcli.training.counters import TrainState
 from llmcli.training.guard import DivergenceError, SpikeGuard
 from llmcli.training.loop import train
 from llmcli.training.optim import lr_at
-from llmcli.training.state import TrainState
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -20,7 +20,9 @@ from llmcli.cli import main
 from llmcli.errors import CheckpointError
 from llmcli.runs.directory import STATE_FILE
 from llmcli.runs.formats import WEIGHTS_FORMAT, load_state, save_state
-from llmcli.training.state import ResumeState, TrainState, rng_state, set_rng_state
+from llmcli.training.counters import TrainState
+from llmcli.training.rng import rng_state
+from llmcli.training.state import ResumeState
 
 # The keys of `state.pt`, in the order llmcli writes them (those before "head_metrics_bytes" in
 # the order every llmcli so far has written them).
@@ -70,19 +72,6 @@ def make_state() -> ResumeState:
         rng=[rng_state(torch.device("cpu"))] * 2,
         sampler=[{"rng_state": torch.Generator().get_state(), "batches": 20}] * 2,
     )
-
-
-def test_an_evaluation_is_the_best_only_below_the_best_so_far() -> None:
-    """A tie keeps the earlier best (and its `best.safetensors`); any lower loss replaces it."""
-    state = TrainState(step=10)
-    assert state.record_eval({"train": 2.0, "val": 1.5})
-    state.step = 20
-    assert not state.record_eval({"train": 1.9, "val": 1.5})
-    assert (state.best_val_loss, state.best_step) == (1.5, 10)
-    assert state.last_eval == {"train": 1.9, "val": 1.5}
-    state.step = 30
-    assert state.record_eval({"train": 1.8, "val": math.nextafter(1.5, 0.0)})
-    assert state.best_step == 30
 
 
 def test_the_file_holds_the_keys_earlier_versions_wrote_and_reads_back(tmp_path: Path) -> None:
@@ -210,18 +199,6 @@ def test_a_state_that_loads_but_does_not_fit_is_refused_with_exit_2(
     err = capsys.readouterr().err
     assert exit_info.value.code == 2, err
     assert str(run / STATE_FILE) in err and "Traceback" not in err
-
-
-def test_the_rng_state_on_mps_holds_and_restores_the_mps_generator(monkeypatch) -> None:
-    generator = {"state": torch.arange(8, dtype=torch.uint8)}  # an MPS generator, mocked
-    monkeypatch.setattr(torch.mps, "get_rng_state", lambda: generator["state"].clone())
-    monkeypatch.setattr(torch.mps, "set_rng_state", lambda s: generator.update(state=s.clone()))
-    saved = rng_state(torch.device("mps"))
-    assert torch.equal(saved["mps"], torch.arange(8, dtype=torch.uint8))
-    assert "mps" not in rng_state(torch.device("cpu"))
-    generator["state"] = torch.zeros(8, dtype=torch.uint8)
-    set_rng_state(saved, torch.device("mps"))
-    assert torch.equal(generator["state"], torch.arange(8, dtype=torch.uint8))
 
 
 def _train(capsys, config: Path, out: Path, *args: str) -> str:

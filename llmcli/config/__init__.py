@@ -1,7 +1,9 @@
 """The run configuration: one typed, validated section per module (`model`, `data`, `train`,
-`sample`) and the whole `Config` (`sections`), with the rules they share (`rules`); reading YAML
-and `--set` overrides into them and writing them back (`loading`); and the configs shipped with
-llmcli with the corpora they train on (`shipped`).
+`sample`; DPO's and GRPO's train settings checked in `objective_settings`) and the whole
+`Config` (`sections`), with the rules they share (`rules`, and `lists` for settings given as a
+list or a comma-separated text); reading YAML and `--set` overrides into them and writing them
+back (`loading`); and the configs shipped with llmcli with the corpora they train on
+(`shipped`).
 
 `from llmcli.config import ...` is how the rest of llmcli, the tests and the benchmarks reach
 every name below.

@@ -6,72 +6,16 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from llmcli.config.lists import names, numbers
 from llmcli.config.lora import LoraConfig
-from llmcli.config.rules import check_choices, require, require_size, size_bytes
-from llmcli.errors import ConfigError, did_you_mean
-
-# GRPO's built-in verifiers (`train.reward`; llmcli.objectives.rewards).
-VERIFIERS = ("exact", "number", "contains")
-
-
-def check_reward_spec(spec: str) -> None:
-    """`train.reward` is a built-in verifier or `FILE.py:FUNCTION` (the file is read later)."""
-    if spec in VERIFIERS:
-        return
-    path, _, name = str(spec).rpartition(":")
-    if not path.endswith(".py") or not name.isidentifier():
-        hint = did_you_mean(str(spec), VERIFIERS)
-        raise ConfigError(
-            f"train.reward: {spec!r} is neither a built-in verifier ({', '.join(VERIFIERS)})"
-            f" nor FILE.py:FUNCTION, a function of your own file.{hint}"
-        )
-
-
-# DPO's loss types (`train.loss_type`), TRL 1.16's `DPOConfig.loss_type` values but discopop,
-# whose tau llmcli does not carry; the formulas are llmcli.objectives.dpo_losses'.
-DPO_LOSS_TYPES = (
-    "sigmoid",
-    "hinge",
-    "ipo",
-    "exo_pair",
-    "nca_pair",
-    "robust",
-    "bco_pair",
-    "sppo_hard",
-    "aot",
-    "aot_unpaired",
-    "apo_zero",
-    "apo_down",
-    "sft",
-    "sigmoid_norm",
+from llmcli.config.objective_settings import (
+    LOSS_TYPES,
+    check_iterations,
+    check_loss_type,
+    check_rewards,
 )
-# The loss types that read train.label_smoothing (TRL's): to the others it changes nothing.
-SMOOTHED_LOSS_TYPES = ("robust", "exo_pair", "aot", "aot_unpaired")
-
-# `train.loss_type`'s choices by objective, TRL 1.16's names, the first the default
-# (llmcli.objectives.grpo, llmcli.objectives.dpo_losses).
-LOSS_TYPES = {"grpo": ("dapo", "bnpo", "grpo", "dr_grpo"), "dpo": DPO_LOSS_TYPES}
-
-
-def _numbers(value: list[float] | str | None, key: str, what: str) -> list[float] | None:
-    """A list of weights as numbers: a list as it is, a text "1.0,0.5" split, None for null.
-    Raises `ConfigError` naming `train.key` for a text with something else in it, or a number
-    that is not finite."""
-    if value is None:
-        return None
-    try:
-        values = [float(w) for w in (value.split(",") if isinstance(value, str) else value)]
-    except (TypeError, ValueError):
-        values = [math.nan]
-    require(
-        all(math.isfinite(v) for v in values),
-        "train",
-        key,
-        value,
-        f"must be numbers, {what}: a list, or a text like 1.0,0.5",
-    )
-    return values
-
+from llmcli.config.rules import check_choices, require, require_size, size_bytes
+from llmcli.errors import ConfigError
 
 # The experiment trackers train.logger may name (llmcli.runs.trackers runs them).
 TRACKERS = ("none", "tensorboard", "wandb")
@@ -225,34 +169,28 @@ class TrainConfig:
     @property
     def reward_specs(self) -> list[str]:
         """The rewards `reward` names, in order."""
-        names = self.reward.split(",") if isinstance(self.reward, str) else self.reward
-        return [str(name).strip() for name in names]
+        return names(self.reward)
 
     @property
     def reward_weight_values(self) -> list[float] | None:
         """`reward_weights` as numbers (a text "1.0,0.5" split; None for null)."""
-        return _numbers(self.reward_weights, "reward_weights", "one per reward")
+        return numbers(self.reward_weights, "train", "reward_weights", "one per reward")
 
     @property
     def loss_types(self) -> list[str]:
         """The loss types `loss_type` names, in order (empty for null: the objective's own)."""
-        names = self.loss_type.split(",") if isinstance(self.loss_type, str) else self.loss_type
-        return [name.strip() for name in names or []]
+        return names(self.loss_type)
 
     @property
     def loss_weight_values(self) -> list[float] | None:
         """`loss_weights` as numbers (a text "1.0,0.5" split; None for null). Raises
         `ConfigError` for a text with something other than numbers in it."""
-        return _numbers(self.loss_weights, "loss_weights", "one per loss type")
+        return numbers(self.loss_weights, "train", "loss_weights", "one per loss type")
 
     @property
     def loggers(self) -> list[str]:
         """The trackers `logger` names, in order, without "none" and repeats."""
-        return list(dict.fromkeys(n for n in self._logger_names() if n != "none"))
-
-    def _logger_names(self) -> list[str]:
-        names = self.logger if isinstance(self.logger, list) else self.logger.split(",")
-        return [n.strip() for n in names if n.strip()]
+        return list(dict.fromkeys(n for n in names(self.logger) if n and n != "none"))
 
     def validate(self) -> None:
         check_choices("train", self)
@@ -371,9 +309,9 @@ class TrainConfig:
             self.grpo_beta,
             "must be >= 0 (0: no KL penalty)",
         )
-        self._validate_rewards()
-        self._validate_loss_type()
-        self._validate_iterations()
+        check_rewards(self.objective, self.reward, self.reward_weights)
+        check_loss_type(self.objective, self.loss_type, self.loss_weights, self.label_smoothing)
+        check_iterations(self.objective, self.num_iterations, self.epsilon, self.epsilon_high)
         require(
             self.reward_timeout is None
             or (math.isfinite(self.reward_timeout) and self.reward_timeout > 0),
@@ -391,112 +329,6 @@ class TrainConfig:
                     "train from scratch)."
                 )
 
-    def _validate_rewards(self) -> None:
-        """Each of `reward`'s specs, and `reward_weights` one per reward (GRPO's)."""
-        specs, weights = self.reward_specs, self.reward_weight_values
-        require(specs and all(specs), "train", "reward", self.reward, "must name a reward")
-        for spec in specs:
-            check_reward_spec(spec)
-        if weights is not None:
-            if self.objective != "grpo":
-                raise ConfigError(
-                    f"train.reward_weights ({self.reward_weights!r}) weighs GRPO's rewards, and "
-                    f"this run's objective is {self.objective}: remove it."
-                )
-            require(
-                len(weights) == len(specs),
-                "train",
-                "reward_weights",
-                self.reward_weights,
-                f"must have one weight per reward ({len(specs)}: {', '.join(specs)})",
-            )
-
-    def _validate_iterations(self) -> None:
-        """GRPO's `num_iterations` and its clip's bounds."""
-        require(
-            self.num_iterations >= 1,
-            "train",
-            "num_iterations",
-            self.num_iterations,
-            "must be >= 1 (optimizer steps each sample of completions serves)",
-        )
-        require(
-            0 < self.epsilon < 1,
-            "train",
-            "epsilon",
-            self.epsilon,
-            "must be in (0, 1): the ratio is clipped to [1 - epsilon, 1 + epsilon_high]",
-        )
-        require(
-            self.epsilon_high is None or self.epsilon_high > 0,
-            "train",
-            "epsilon_high",
-            self.epsilon_high,
-            "must be > 0, or null for epsilon",
-        )
-        if self.objective != "grpo" and self.num_iterations != 1:
-            raise ConfigError(
-                f"train.num_iterations ({self.num_iterations}) reuses GRPO's sampled completions,"
-                f" and this run's objective is {self.objective}: remove it."
-            )
-
-    def _validate_loss_type(self) -> None:
-        """`loss_type` against its objective's choices (TRL's names), and DPO's `loss_weights`
-        and `label_smoothing`."""
-        types, weights = self.loss_types, self.loss_weight_values
-        choices = LOSS_TYPES.get(self.objective)
-        if self.loss_type is not None:
-            if choices is None:
-                raise ConfigError(
-                    f"train.loss_type ({self.loss_type!r}) chooses a DPO or GRPO loss, and "
-                    f"train.objective is {self.objective!r}: remove train.loss_type."
-                )
-            require(
-                len(types) > 0 and all(types),
-                "train",
-                "loss_type",
-                self.loss_type,
-                f"must name a loss type (null: {choices[0]})",
-            )
-            require(
-                len(types) == 1 or self.objective == "dpo",
-                "train",
-                "loss_type",
-                self.loss_type,
-                f"names {len(types)} loss types, and {self.objective} takes one",
-            )
-            for name in types:
-                if name not in choices:
-                    hint = did_you_mean(name, choices)
-                    raise ConfigError(
-                        f"train.loss_type ({name!r}) is not one of {self.objective}'s: "
-                        f"{', '.join(choices)} (TRL's names; the first is the default).{hint}"
-                    )
-        given = [
-            f"train.{key} ({getattr(self, key)!r})"
-            for key, unset in (
-                ("loss_weights", weights is None),
-                ("label_smoothing", self.label_smoothing == 0.0),
-            )
-            if not unset
-        ]
-        if self.objective != "dpo":
-            if given:
-                raise ConfigError(
-                    f"{' and '.join(given)} applies to train.objective: dpo (TRL's DPO loss "
-                    f"types), and this run's objective is {self.objective}: remove it, or set "
-                    "train.objective: dpo."
-                )
-            return
-        types = types or [DPO_LOSS_TYPES[0]]
-        if weights is not None and len(weights) != len(types):
-            raise ConfigError(
-                f"train.loss_weights ({self.loss_weights!r}) has {len(weights)} weight(s) for "
-                f"{len(types)} loss type(s) ({', '.join(types)}): give one per loss type, in "
-                "the same order, or null for 1.0 each."
-            )
-        self._validate_label_smoothing(types)
-
     @property
     def resolved_loss_types(self) -> list[str]:
         """The loss types `loss_type` names, or the objective's default (none for next-token
@@ -510,34 +342,6 @@ class TrainConfig:
         training; DPO's may be several, `resolved_loss_types`)."""
         types = self.resolved_loss_types
         return types[0] if types else None
-
-    def _validate_label_smoothing(self, types: list[str]) -> None:
-        eps = self.label_smoothing
-        smoothed = [name for name in types if name in SMOOTHED_LOSS_TYPES]
-        if eps != 0.0 and not smoothed:
-            raise ConfigError(
-                f"train.label_smoothing ({eps}) changes nothing with loss type "
-                f"{', '.join(types)}: only {', '.join(SMOOTHED_LOSS_TYPES)} read it (TRL 1.16's "
-                "sigmoid has no label smoothing): set loss_type: robust for noisy labels, or "
-                "remove label_smoothing."
-            )
-        require(0 <= eps < 1, "train", "label_smoothing", eps, "must be in [0, 1)")
-        require(
-            "robust" not in types or eps < 0.5,
-            "train",
-            "label_smoothing",
-            eps,
-            "must be below 0.5 with the robust loss: it is the share of flipped labels, and the "
-            "loss divides by 1 - 2 * label_smoothing",
-        )
-        require(
-            "exo_pair" not in types or eps > 0,
-            "train",
-            "label_smoothing",
-            eps,
-            "must be > 0 with the exo_pair loss: it is EXO's epsilon, whose log the loss takes "
-            "(the EXO paper recommends 1e-3)",
-        )
 
     def _validate_guard(self) -> None:
         for key, ok, rule in (
@@ -596,7 +400,7 @@ class TrainConfig:
         return size_bytes(self.memory_limit)
 
     def _validate_loggers(self) -> None:
-        unknown = [n for n in self._logger_names() if n not in TRACKERS]
+        unknown = [n for n in names(self.logger) if n and n not in TRACKERS]
         if unknown:
             raise ConfigError(
                 f"train.logger ({self.logger!r}): {', '.join(map(repr, unknown))} is not a "

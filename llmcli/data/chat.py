@@ -7,7 +7,7 @@ template (`data.chat_template`, default the built-in one) and encoded with its l
 on the tokens the model is trained to write, the assistant's text and its end-of-turn token.
 
 The ids, the mask and the conversations' offsets go into the token cache
-(`llmcli.data.tokens`), as `tokens/<key>.bin` (the ids, uint16/uint32), `<key>.mask.bin` (one
+(`llmcli.data.token_cache`), as `tokens/<key>.bin` (the ids, uint16/uint32), `<key>.mask.bin` (one
 uint8 per token) and `<key>.offsets.bin` (int64, conversation i is `offsets[i]:offsets[i+1]`),
 with `<key>.json` written last: the record that the three are whole. The key hashes the
 conversations, the template and the tokenizer, not the context length, so one cache serves

@@ -16,8 +16,8 @@ Every `tokenizer.json` llmcli writes is a Hugging Face `tokenizers` file:
   before wrote llmcli's own format, `{"kind": "llmcli-char", "version": 2, "chars": [...],
   "eot": "<|endoftext|>"}`, or version 1 (no end-of-text token): both still load as they were,
   and are written in the Hugging Face format when saved again. The trained-tokenizer cache
-  (`llmcli.data.tokens`) keeps its "char-v2" key: a cached file in the old format loads to a
-  tokenizer equal to a newly trained one (same characters, same end-of-text token, same
+  (`llmcli.data.tokenizer_cache`) keeps its "char-v2" key: a cached file in the old format loads
+  to a tokenizer equal to a newly trained one (same characters, same end-of-text token, same
   `to_json()`), so it is still right to reuse; only what identifies the tokenizer matters there,
   not the file's layout. (The token cache is keyed by `to_json()` itself, so a char corpus is
   tokenized once more after the change, to the same ids.)

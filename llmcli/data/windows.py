@@ -1,8 +1,8 @@
 """Reading windows of a token stream for the batches, with memory flat however large it is.
 
 `WindowReader` reads windows of consecutive tokens at given starts: from a token file's
-`np.memmap` (the token cache, `llmcli.data.tokens`) with `os.pread`, so that no page of the file
-is ever mapped into the process; from any other array by indexing.
+`np.memmap` (the token cache, `llmcli.data.token_cache`) with `os.pread`, so that no page of the
+file is ever mapped into the process; from any other array by indexing.
 """
 
 from __future__ import annotations

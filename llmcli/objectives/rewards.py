@@ -35,7 +35,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from llmcli.config.train import VERIFIERS
+from llmcli.config.objective_settings import VERIFIERS
 from llmcli.errors import InputError
 
 Reward = Callable[[str, str, "str | None"], float]

@@ -295,7 +295,7 @@ _META_FIELDS: dict[str, Callable[[Any], bool]] = {
     "versions": lambda v: (
         isinstance(v, dict) and all(isinstance(x, (str, type(None))) for x in v.values())
     ),
-    # How the tokenizer was made (`llmcli.data.tokens.TokenData.tokenizer_training`).
+    # How the tokenizer was made (`llmcli.data.prepared.TokenData.tokenizer_training`).
     "tokenizer_training": lambda v: isinstance(v, dict) and isinstance(v.get("kind"), str),
     # A LoRA run's parameter counts (`llmcli.training.lora.parameter_counts`).
     "lora": lambda v: isinstance(v, dict) and all(map(_count, v.values())),

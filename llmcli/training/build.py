@@ -50,6 +50,7 @@ from llmcli.runs.trackers import check_available
 from llmcli.training.batch import resolve_batch, with_micro_batch
 from llmcli.training.checkpoint import Checkpointer, restore
 from llmcli.training.compiling import MEASURE_S, choose, compile_key, compiled, inductor_cache
+from llmcli.training.counters import TrainState
 from llmcli.training.distributed import (
     DistInfo,
     agreed,
@@ -66,13 +67,9 @@ from llmcli.training.memory import check_memory, estimate_memory, out_of_memory_
 from llmcli.training.mfu import peak_flops
 from llmcli.training.plan import flops_per_token, measure_step
 from llmcli.training.precision import Precision
-from llmcli.training.state import (
-    ResumeState,
-    RunFacts,
-    TrainState,
-    describe_changes,
-    seed_everything,
-)
+from llmcli.training.rng import seed_everything
+from llmcli.training.run_facts import RunFacts
+from llmcli.training.state import ResumeState, describe_changes
 from llmcli.training.step import Trainer, make_trainer
 
 logger = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ the last save back in the middle of a run for the spike guard (`llmcli.training.
 the same path, leaving the batch sampler and the random streams where they are.
 
 What `meta.json` records beyond the counters is fixed when the run is built
-(`llmcli.training.state.RunFacts`).
+(`llmcli.training.run_facts.RunFacts`).
 """
 
 from __future__ import annotations
@@ -27,11 +27,14 @@ from llmcli.model.lora import adapted_layers, adapter_state_dict, merged_state_d
 from llmcli.runs.directory import BEST_ADAPTER_FILE, STATE_FILE, save_checkpoint
 from llmcli.runs.formats import load_weights, weights_bytes
 from llmcli.runs.versions import record as record_versions
+from llmcli.training.counters import TrainState
 from llmcli.training.distributed import DistInfo, agreed, gather
 from llmcli.training.guard import Divergence, SpikeGuard
 from llmcli.training.interrupt import Preempted
 from llmcli.training.log import TrainLog
-from llmcli.training.state import ResumeState, RunFacts, TrainState, rng_state, set_rng_state
+from llmcli.training.rng import rng_state, set_rng_state
+from llmcli.training.run_facts import RunFacts
+from llmcli.training.state import ResumeState
 from llmcli.training.step import Trainer
 
 logger = logging.getLogger(__name__)

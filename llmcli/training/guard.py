@@ -49,8 +49,8 @@ import torch
 
 from llmcli.config import TrainConfig
 from llmcli.errors import InputError
+from llmcli.training.counters import TrainState
 from llmcli.training.distributed import DistInfo, mean_over_ranks
-from llmcli.training.state import TrainState
 
 Action = Literal["apply", "skip", "rollback", "stop"]
 

@@ -45,12 +45,13 @@ from llmcli.runs.directory import (
 from llmcli.runs.head_metrics import cut_to_step
 from llmcli.runs.metrics import JsonLinesLog, plot_losses
 from llmcli.runs.trackers import open_trackers
+from llmcli.training.counters import TrainState
 from llmcli.training.distributed import DistInfo, mean_over_ranks
 from llmcli.training.evaluate import Evaluation
 from llmcli.training.guard import SpikeGuard
 from llmcli.training.interrupt import StopRequest
 from llmcli.training.layers import LayerWatch
-from llmcli.training.state import RunFacts, TrainState
+from llmcli.training.run_facts import RunFacts
 
 logger = logging.getLogger(__name__)
 

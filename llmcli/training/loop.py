@@ -35,10 +35,10 @@ from llmcli.progress import WITHOUT_RATE, Progress
 from llmcli.training.batch import may_shrink, shrink_micro_batch
 from llmcli.training.build import Run, started
 from llmcli.training.checkpoint import Checkpointer
+from llmcli.training.counters import TrainState
 from llmcli.training.interrupt import StopRequest
 from llmcli.training.log import LossLog, TokenRate, TrainLog, TrainSummary, agreed_flags
 from llmcli.training.optim import apply_lr
-from llmcli.training.state import TrainState
 from llmcli.training.step import all_of, train_step
 
 logger = logging.getLogger(__name__)

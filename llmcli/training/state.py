@@ -1,12 +1,12 @@
-"""What a training run carries across a save: its counters and every random number generator;
-and what it is (`RunFacts`: its folder, size and device, fixed when it is built).
+"""The resume state: what `state.pt` holds, and its checks before a run continues from it.
 
-`TrainState` holds the loop's counters during a session. `ResumeState` is what a save writes to
-`state.pt` and a resume reads back: the counters, the model, the optimizer, the precision scaler,
-every rank's RNG and batch-sampler states, and the spike guard's state. It owns the file's keys
-(`to_dict`), the checks on reading them back (`load`), whether a run can continue from them
-(`check_fits`, and before any part is loaded `check_parts`: the weights and optimizer state
-against the built run) and the message of a part that still does not fit (`load_part`); the
+`ResumeState` is what a save writes to `state.pt` and a resume reads back: the loop's counters
+(`llmcli.training.counters.TrainState`), the model, the optimizer, the precision scaler, every
+rank's RNG (`llmcli.training.rng`) and batch-sampler states, and the spike guard's state. It owns
+the file's keys (`to_dict`), the checks on reading them back (`load`), whether a run can continue
+from them (`check_fits`, and before any part is loaded `check_parts`: the weights and optimizer
+state against the built run), the settings a resume changes (`changed_settings`,
+`describe_changes`) and the message of a part that still does not fit (`load_part`); the
 checkpointer (`llmcli.training.checkpoint`) makes one at a save and puts one back on a resume.
 `llmcli.runs.formats` writes and reads the file itself (`torch.save` to a temporary name renamed
 into place; `torch.load(weights_only=True)`).
@@ -20,17 +20,13 @@ random numbers and, on CPU, ends with bitwise-identical weights.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
-import random
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -39,7 +35,8 @@ from llmcli.config.loading import format_scalar
 from llmcli.errors import CheckpointError, InputError
 from llmcli.runs.directory import CONFIG_FILE, STATE_FILE
 from llmcli.runs.formats import check_weights, load_state
-from llmcli.training.mfu import mfu
+from llmcli.training.counters import TrainState
+from llmcli.training.rng import generator_state_ok, rng_state_ok
 
 logger = logging.getLogger(__name__)
 
@@ -71,109 +68,6 @@ def describe_changes(changes: list[tuple[str, Any, Any]]) -> str:
         "settings apply from here on (as nanoGPT's and litgpt's resumes do), so the run will not "
         f"match an uninterrupted one; to continue as it was saved, resume with {keep}."
     )
-
-
-@dataclass
-class TrainState:
-    """The training loop's counters: saved with every checkpoint (`ResumeState`), restored by
-    `--resume`.
-
-    Attributes:
-        step: optimizer steps done.
-        tokens: training tokens seen, over every rank.
-        elapsed_base: training seconds of the sessions before this one.
-        best_val_loss: the lowest validation loss so far (inf before the first evaluation).
-        best_step: the step of `best_val_loss`.
-        last_eval: the latest evaluation's mean loss per split ("train", "val").
-        eval_pending: the evaluation due at `step` has not run yet (a stop saved before it: the
-            resumed run makes it first).
-        last_saved: the step of the latest save in this run (-1: none yet); not saved.
-        session_start: `time.perf_counter()` when this session started; not saved.
-    """
-
-    step: int = 0
-    tokens: int = 0
-    elapsed_base: float = 0.0
-    best_val_loss: float = math.inf
-    best_step: int | None = None
-    last_eval: dict[str, float] = field(default_factory=dict)
-    eval_pending: bool = False
-    last_saved: int = -1
-    session_start: float = field(default_factory=time.perf_counter)
-
-    @property
-    def elapsed(self) -> float:
-        """Training seconds so far, earlier sessions included."""
-        return self.elapsed_base + time.perf_counter() - self.session_start
-
-    def take(self, other: TrainState, but: tuple[str, ...]) -> None:
-        """Take `other`'s counters, in place (others hold this object), `but` those named."""
-        for counter in dataclasses.fields(self):
-            if counter.name not in but:
-                setattr(self, counter.name, getattr(other, counter.name))
-
-    def record_eval(self, losses: dict[str, float]) -> bool:
-        """Keep an evaluation's losses; True when its val loss is the best so far."""
-        self.last_eval = losses
-        best = losses["val"] < self.best_val_loss
-        if best:
-            self.best_val_loss, self.best_step = losses["val"], self.step
-        return best
-
-
-@dataclass(frozen=True)
-class RunFacts:
-    """What a run is, fixed when it is built: its folder, model, device and data.
-
-    Attributes:
-        run_dir: the run directory.
-        n_params: the model's parameters.
-        vocab_size: the tokenizer's size.
-        device, dtype: where and in what precision the steps run.
-        world_size, rank: the DDP processes, and this one.
-        tokens_per_step: training tokens per optimizer step, over every rank.
-        resumed_from: the step a resumed run started from (None: a fresh start).
-        config_name: the config's name (a shipped config's finds its reference curve).
-        compiled: whether the step runs torch.compile's graphs (`train.compile`).
-        source_hash: the corpus's content hash (a resume warns when it changed).
-        tokenizer_training: how the tokenizer was made, as `meta.json` records it.
-        meta_rows: the objective's rows of `meta.json` (`Objective.meta_rows`: a chat run's
-            `chat_data`, conversations kept, cut, left out; DPO's `preference_data`, GRPO's
-            `prompt_data`), and a LoRA run's `lora`: its `adapters` and `trainable` parameter
-            counts (with the token matrices whose new rows train) and the base's
-            `base_vocab_size` (`llmcli.training.lora.lora_meta`).
-        metrics_bytes, head_metrics_bytes: the logs' sizes at the save a run resumed from,
-            where it cuts them back (`llmcli.training.log.TrainLog.open`); None: not known.
-        flops_per_token: training FLOPs per token (`llmcli.training.plan.flops_per_token`).
-        peak_flops: the device's measured matrix-product FLOPs per second at the run's
-            precision (`llmcli.training.mfu.peak_flops`); 0: not measured.
-    """
-
-    run_dir: Path
-    n_params: int
-    vocab_size: int
-    device: str
-    dtype: str
-    world_size: int
-    rank: int
-    tokens_per_step: int
-    resumed_from: int | None
-    config_name: str
-    compiled: bool
-    source_hash: str | None
-    tokenizer_training: dict | None
-    meta_rows: dict = field(default_factory=dict)
-    metrics_bytes: int | None = None
-    head_metrics_bytes: int | None = None
-    flops_per_token: int = 0
-    peak_flops: float = 0.0
-
-    def mfu(self, tokens_per_s: float) -> float | None:
-        """The model FLOPs utilisation of training `tokens_per_s` tokens a second over every
-        rank (`llmcli.training.mfu`); None where the peak was not measured."""
-        if not self.peak_flops:
-            return None
-        return mfu(self.flops_per_token, tokens_per_s, self.peak_flops, self.world_size)
 
 
 # The keys every resume state holds, with their types: checked before any of it is used.
@@ -448,62 +342,13 @@ def _malformed(saved: dict[str, Any]) -> list[str]:
     rng, sampler = saved["rng"], saved["sampler"]
     if not (rng and len(rng) == len(sampler) and all(isinstance(x, dict) for x in rng + sampler)):
         return [*bad, "rng", "sampler"]
-    if not all(_rng_ok(x) for x in rng):
+    if not all(rng_state_ok(x) for x in rng):
         bad.append("rng")
     if not all(
-        _generator_state_ok(x.get("rng_state")) and _is_count(x.get("batches", 0)) for x in sampler
+        generator_state_ok(x.get("rng_state")) and _is_count(x.get("batches", 0)) for x in sampler
     ):
         bad.append("sampler")
     return bad
-
-
-# The sizes of a CPU generator's state and of the Mersenne Twister's (NumPy's key and Python's
-# internal state, whose last entry is the position in the key).
-_TORCH_STATE_BYTES = torch.Generator().get_state().numel()
-_MT_WORDS = 624
-
-
-def _rng_ok(state: dict[str, Any]) -> bool:
-    """Whether `state` is what `rng_state` returns, each part of the form `set_rng_state`
-    reads: torch's state (and CUDA's, if any) as bytes, NumPy's 5 parts (the MT19937 key of
-    624 words), Python's 3 (625 words, the last the position)."""
-    numpy_state, python_state = state.get("numpy"), state.get("python")
-    if not (
-        _generator_state_ok(state.get("torch"))
-        and isinstance(state.get("cuda", torch.zeros(0, dtype=torch.uint8)), torch.Tensor)
-        and isinstance(numpy_state, (tuple, list))
-        and len(numpy_state) == 5
-        and isinstance(python_state, (tuple, list))
-        and len(python_state) == 3
-    ):
-        return False
-    name, keys, pos, has_gauss, cached = numpy_state
-    version, internal, gauss = python_state
-    return (
-        name == "MT19937"
-        and isinstance(keys, torch.Tensor)
-        and keys.shape == (_MT_WORDS,)
-        and not keys.is_floating_point()
-        and type(pos) is int
-        and 0 <= pos <= _MT_WORDS
-        and type(has_gauss) is int
-        and isinstance(cached, (int, float))
-        and type(version) is int
-        and isinstance(internal, (tuple, list))
-        and len(internal) == _MT_WORDS + 1
-        and all(type(w) is int and 0 <= w < 2**32 for w in internal)
-        and internal[-1] <= _MT_WORDS
-        and (gauss is None or isinstance(gauss, float))
-    )
-
-
-def _generator_state_ok(value: Any) -> bool:
-    """A torch generator's state: the bytes `torch.Generator.get_state` returns."""
-    return (
-        isinstance(value, torch.Tensor)
-        and value.dtype == torch.uint8
-        and value.shape == (_TORCH_STATE_BYTES,)
-    )
 
 
 def _is_count(value: Any) -> bool:
@@ -554,44 +399,3 @@ def _state_problem(
                 f"parameter {pid} has state {sorted(entry)}, others of its group {sorted(others)}"
             )
     return None
-
-
-def seed_everything(seed: int) -> None:
-    """Seed torch's, Python's and NumPy's global generators (dropout and friends use them)."""
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-
-
-def rng_state(device: torch.device) -> dict[str, Any]:
-    """Every RNG state this process uses, as tensors and plain data (weights_only-loadable)."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "numpy": (
-            name,
-            torch.from_numpy(keys.astype(np.int64)),
-            int(pos),
-            int(has_gauss),
-            float(cached),
-        ),
-        "python": random.getstate(),
-    }
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    if device.type == "mps":  # dropout on MPS draws from its own generator
-        state["mps"] = torch.mps.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
-    """Restore what `rng_state` returned."""
-    torch.set_rng_state(state["torch"])
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
-    if device.type == "mps" and "mps" in state:
-        torch.mps.set_rng_state(state["mps"])
