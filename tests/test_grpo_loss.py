@@ -18,8 +18,8 @@ from test_grpo import REWARD, base, grpo_config, objective_for  # noqa: F401 (ba
 from llmcli.config import config_from_dict
 from llmcli.data.prompts import PromptSampler
 from llmcli.errors import ConfigError
-from llmcli.objectives.grpo import GRPOStream
 from llmcli.objectives.grpo_loss import advantages
+from llmcli.objectives.grpo_samples import GRPOStream
 from llmcli.runs.formats import read_weights
 from llmcli.runs.metrics import read_metrics
 from llmcli.training.loop import train

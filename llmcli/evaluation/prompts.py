@@ -26,7 +26,7 @@ from llmcli.errors import InputError
 from llmcli.evaluation.chat import is_conversations
 from llmcli.evaluation.preferences import first_row_keys
 from llmcli.objectives import objective_for
-from llmcli.objectives.grpo import greedy_figures
+from llmcli.objectives.greedy_answers import greedy_figures
 from llmcli.objectives.rewards import load_rewards
 from llmcli.progress import counted
 from llmcli.runs.loading import LoadedRun

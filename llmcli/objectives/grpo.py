@@ -34,11 +34,8 @@ completion the run's reward passes (gives 1 or more).
 
 from __future__ import annotations
 
-import dataclasses
-import reprlib
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,10 +45,10 @@ from llmcli.config import SampleConfig
 from llmcli.data.prepared import PromptData, PromptSplit, TokenData
 from llmcli.data.prompts import PromptBatch, PromptSampler, prompt_token_data
 from llmcli.data.tokenizer import Tokenizer
-from llmcli.errors import InputError
 from llmcli.generation.replies import replies
 from llmcli.generation.sampling import make_generators
 from llmcli.objectives.base import MemoryTerms, Objective, SumRanks, read_with_init_encoding
+from llmcli.objectives.greedy_answers import greedy_figures, reply_budgets
 from llmcli.objectives.grpo_loss import (
     advantages,
     aggregate,
@@ -60,191 +57,8 @@ from llmcli.objectives.grpo_loss import (
     per_token_loss,
     token_logps,
 )
-from llmcli.objectives.rewards import (
-    BUILT_IN,
-    Reward,
-    Rewards,
-    load_rewards,
-    parse_number,
-    score,
-)
-from llmcli.progress import Progress
-
-
-def reply_budgets(prompts: list[list[int]], max_new_tokens: int, context_length: int) -> list[int]:
-    """Each prompt's most reply tokens: `max_new_tokens`, or the room its row has (the model
-    reads `context_length` tokens, so a row holds at most `context_length + 1`)."""
-    return [min(max_new_tokens, context_length + 1 - len(p)) for p in prompts]
-
-
-def greedy_figures(
-    model: Any,
-    split: PromptSplit,
-    end_id: int,
-    sample: Any,
-    reward: Reward,
-    decode_text: Any,
-    batch_size: int,
-    *,
-    progress: bool = False,
-) -> dict[str, Any]:
-    """Greedy replies to the prompts of `split`: their mean `reward`, `pass@1` (NaN when there
-    are none) of the `answered` prompts (those with an answer, for a built-in verifier; every
-    prompt, for a function of the user's), `passed` of them (reward 1 or more), and each
-    prompt's `replies` (text, whether it ended, reward). The model must be in eval mode."""
-    picks = list(range(len(split)))
-    greedy = dataclasses.replace(sample, temperature=0.0)
-    bar = Progress(len(picks), desc="answers", unit="prompt", enabled=progress, tenths=True)
-    rows = []
-    for lo in range(0, len(picks), batch_size):
-        batch = picks[lo : lo + batch_size]
-        prompts = [split.ids[k].tolist() for k in batch]
-        budgets = reply_budgets(prompts, sample.max_new_tokens, model.context_length)
-        got = replies(model, prompts, budgets, end_id, greedy, model.vocab_size)
-        for k, (ids, ended) in zip(batch, got, strict=True):
-            text = decode_text(ids)
-            value = score(reward, split.texts[k], text, split.answers[k], split.where[k])
-            rows.append({"where": split.where[k], "reply": text, "ended": ended, "reward": value})
-        bar.update(len(batch))
-    bar.close()
-    # Built-in verifiers judge only a prompt with an answer; a function of the user's any.
-    verifier = reward.needs_answer if isinstance(reward, Rewards) else reward in BUILT_IN.values()
-    answered = [
-        float(r["reward"] >= 1.0)
-        for k, r in zip(picks, rows, strict=True)
-        if split.answers[k] is not None or not verifier
-    ]
-    return {
-        "reward": sum(r["reward"] for r in rows) / len(rows),
-        "pass@1": sum(answered) / len(answered) if answered else float("nan"),
-        "passed": int(sum(answered)),
-        "answered": len(answered),
-        "replies": rows,
-    }
-
-
-@dataclass
-class Completions:
-    """Sampled completions, group by group: rows `g * G .. (g + 1) * G - 1` are prompt g's.
-    `ids` `(R, L)` holds each prompt then its completion (and its end token when it ended),
-    padded after; `mask` `(R, L)` is True on the completion's tokens and the end token;
-    `rewards` `(R,)`."""
-
-    ids: Tensor
-    mask: Tensor
-    rewards: Tensor
-    ended: Tensor  # (R,) bool: ended with the end token (False: cut at its budget)
-    texts: list[str]
-    # (R, F) each reward function's score (train.reward's list), weighed into `rewards`
-    per_reward: Tensor | None = None
-
-    @property
-    def lengths(self) -> Tensor:
-        """`(R,)` each completion's tokens, the end token included."""
-        return self.mask.sum(dim=1)
-
-    @property
-    def positions(self) -> int:
-        """The positions the model reads of these rows, padding left out: each row's prompt and
-        completion up to its last completion token, which is only a target."""
-        L = self.mask.shape[1]
-        ends = L - self.mask.flip(1).int().argmax(dim=1)  # one past each row's last True
-        return int((ends - 1).sum())
-
-    def rows(self, part: slice) -> Completions:
-        """The completions of the rows `part`, cut to their longest row (padding after a row's
-        end changes none of its tokens' log-probabilities under the causal mask)."""
-        mask = self.mask[part]
-        width = int(mask.any(dim=0).nonzero().max()) + 1 if mask.any() else 1
-        return Completions(
-            self.ids[part, :width],
-            mask[:, :width],
-            self.rewards[part],
-            self.ended[part],
-            self.texts[part],
-            None if self.per_reward is None else self.per_reward[part],
-        )
-
-
-@dataclass
-class StepShare:
-    """One micro-batch's share of a step: its completions and their advantages, the step's
-    completion tokens over every rank (`dapo`'s normaliser) and the step's figures (the same
-    in each share, so the step's mean of them is the step's)."""
-
-    completions: Completions
-    advantages: Tensor  # (R,)
-    step_tokens: float
-    figures: dict[str, Tensor]
-    # (R, L-1) the sampling policy's log-probabilities, kept when a step's completions serve
-    # several updates (`train.num_iterations` > 1); None: the policy's own, detached.
-    old_logps: Tensor | None = None
-
-    def state(self) -> dict[str, Any]:
-        """What a save keeps of a share still to serve (tensors, numbers, strings)."""
-        done = self.completions
-        return {
-            "ids": done.ids,
-            "mask": done.mask,
-            "rewards": done.rewards,
-            "ended": done.ended,
-            "texts": done.texts,
-            "advantages": self.advantages,
-            "step_tokens": self.step_tokens,
-            "figures": self.figures,
-            "old_logps": self.old_logps,
-        }
-
-    @classmethod
-    def from_state(cls, state: dict[str, Any]) -> StepShare:
-        done = Completions(
-            state["ids"], state["mask"], state["rewards"], state["ended"], list(state["texts"])
-        )
-        return cls(
-            done, state["advantages"], state["step_tokens"], state["figures"], state["old_logps"]
-        )
-
-
-def check_rewards(rewards: Rewards, specs: list[str], data: PromptData) -> None:
-    """`check_reward` for each of `train.reward`'s rewards."""
-    for fn, spec in zip(rewards.functions, specs, strict=True):
-        check_reward(fn, spec, data)
-
-
-def check_reward(reward: Reward, spec: str, data: PromptData) -> None:
-    """Before the first step: a built-in verifier has an answer to check every prompt against
-    (`number`: an answer that `parse_number` reads), and the reward scores an empty completion
-    of the first prompt (a function that raises, hangs or gives no number is found now, not
-    after minutes of training).
-
-    Raises:
-        InputError: a prompt without an answer, or with no number for `number` (the first such
-            row named, and their count), or the reward's failure.
-    """
-    if spec in BUILT_IN:
-        for split in (data.train, data.val):
-            pairs = zip(split.where, split.answers, strict=True)
-            missing = [where for where, answer in pairs if answer is None]
-            if missing:
-                raise InputError(
-                    f"{missing[0]}: the prompt has no answer for train.reward {spec!r} to check "
-                    f'completions against ({len(missing)} such rows): add an "answer", or '
-                    "name a reward function of your own (FILE.py:FUNCTION) that needs none."
-                )
-    if spec == "number":
-        for split in (data.train, data.val):
-            pairs = zip(split.where, split.answers, strict=True)
-            bad = [(where, answer) for where, answer in pairs if parse_number(answer) is None]
-            if bad:
-                where, answer = bad[0]
-                raise InputError(
-                    f"{where}: the answer {reprlib.repr(answer)} holds no number for "
-                    f"train.reward 'number' to compare replies with ({len(bad)} such rows): "
-                    'give the number ("72", "1,234", "-3.5", or GSM8K\'s "... #### 72"), or '
-                    "choose train.reward: exact or contains for answers that are text."
-                )
-    split = data.train
-    score(reward, split.texts[0], "", split.answers[0], split.where[0])
+from llmcli.objectives.grpo_samples import Completions, GRPOStream, StepShare
+from llmcli.objectives.rewards import Rewards, check_rewards_on_prompts, load_rewards
 
 
 class GRPOObjective:
@@ -283,7 +97,7 @@ class GRPOObjective:
         # The step's autocast (`Precision.autocast`), set by `GRPO.wire`: sampling and the
         # sampling policy's log-probabilities run in the precision the step's forwards do.
         self.autocast: Callable[[], AbstractContextManager] = nullcontext
-        check_rewards(reward, tc.reward_specs, data)
+        check_rewards_on_prompts(reward, tc.reward_specs, data)
 
     def __call__(self, model: nn.Module, share: StepShare) -> tuple[Tensor, dict[str, Tensor]]:
         """The step's `loss_fn`: a micro-batch's share of the step (`GRPOStream`), its loss
@@ -447,64 +261,6 @@ class GRPOObjective:
             figures[f"rewards/{name}/mean"] = done.per_reward[:, j].mean()
             figures[f"rewards/{name}/std"] = done.per_reward[:, j].std()
         return figures
-
-
-class GRPOStream:
-    """GRPO's training stream: a step's prompts (`train.batch_size x train.grad_accum`, drawn at
-    once) sampled and rewarded together, then handed to the step one micro-batch's share at a
-    time (`GRPOObjective.shares`), so that how a step is split changes nothing it computes.
-    With `train.num_iterations` > 1 the same shares serve that many steps in a row (TRL's
-    `num_iterations`), each update measured against the policy that sampled them.
-
-    Its state is the prompt sampler's, and the shares still to serve: a save between two steps
-    of one sample keeps them, so a resumed run goes on with the completions it had.
-    """
-
-    def __init__(self, objective: GRPOObjective, prompts: PromptSampler, parts: int) -> None:
-        self.objective, self.prompts, self.parts = objective, prompts, parts
-        self._shares: list[StepShare] = []  # the sample being served
-        self._served = 0  # its shares handed out so far, over all its steps
-        self.tokens_drawn = 0  # input positions handed out, padding left out (the log's tokens)
-
-    def next(self) -> StepShare:
-        if self._served >= len(self._shares) * self.objective.iterations:  # (fewer on resume)
-            self._shares = self.objective.shares(self.prompts.next(), self.parts)
-            self._served = 0
-        share = self._shares[self._served % len(self._shares)]
-        self._served += 1
-        self.tokens_drawn += share.completions.positions
-        return share
-
-    @property
-    def batch_size(self) -> int:
-        """Prompts a micro-batch takes: the step's, over its micro-batches."""
-        return self.prompts.batch_size // self.parts
-
-    @batch_size.setter
-    def batch_size(self, batch: int) -> None:
-        """A smaller micro-batch after running out of memory (`llmcli.training.batch`): the
-        step's prompts split in more parts; the failed step's sample is dropped, as its
-        gradients are, and the next step samples afresh."""
-        assert self.prompts.batch_size % batch == 0
-        self.parts = self.prompts.batch_size // batch
-        self._shares, self._served = [], 0
-
-    def state_dict(self) -> dict[str, Any]:
-        state = self.prompts.state_dict()
-        if self._served < len(self._shares) * self.objective.iterations:
-            state["grpo_shares"] = [share.state() for share in self._shares]
-            state["grpo_served"] = self._served
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        state = dict(state)
-        shares, served = state.pop("grpo_shares", []), state.pop("grpo_served", 0)
-        self.prompts.load_state_dict(state)
-        self._shares = [StepShare.from_state(share) for share in shares]
-        self._served = served
-
-    def close(self) -> None:
-        self.prompts.close()
 
 
 class GRPO(Objective):

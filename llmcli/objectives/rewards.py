@@ -28,6 +28,7 @@ import importlib.util
 import math
 import numbers
 import re
+import reprlib
 import sys
 import threading
 from collections.abc import Callable
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from llmcli.config.objective_settings import VERIFIERS
+from llmcli.data.prepared import PromptData
 from llmcli.errors import InputError
 
 Reward = Callable[[str, str, "str | None"], float]
@@ -246,3 +248,45 @@ def score(reward: Reward, prompt: str, completion: str, answer: str | None, wher
             f"{completion!r} of the prompt at {where}: return an int or a float."
         )
     return float(value)
+
+
+def check_rewards_on_prompts(rewards: Rewards, specs: list[str], data: PromptData) -> None:
+    """`check_reward_on_prompts` for each of `train.reward`'s rewards."""
+    for fn, spec in zip(rewards.functions, specs, strict=True):
+        check_reward_on_prompts(fn, spec, data)
+
+
+def check_reward_on_prompts(reward: Reward, spec: str, data: PromptData) -> None:
+    """Before the first step: a built-in verifier has an answer to check every prompt against
+    (`number`: an answer that `parse_number` reads), and the reward scores an empty completion
+    of the first prompt (a function that raises, hangs or gives no number is found now, not
+    after minutes of training).
+
+    Raises:
+        InputError: a prompt without an answer, or with no number for `number` (the first such
+            row named, and their count), or the reward's failure.
+    """
+    if spec in BUILT_IN:
+        for split in (data.train, data.val):
+            pairs = zip(split.where, split.answers, strict=True)
+            missing = [where for where, answer in pairs if answer is None]
+            if missing:
+                raise InputError(
+                    f"{missing[0]}: the prompt has no answer for train.reward {spec!r} to check "
+                    f'completions against ({len(missing)} such rows): add an "answer", or '
+                    "name a reward function of your own (FILE.py:FUNCTION) that needs none."
+                )
+    if spec == "number":
+        for split in (data.train, data.val):
+            pairs = zip(split.where, split.answers, strict=True)
+            bad = [(where, answer) for where, answer in pairs if parse_number(answer) is None]
+            if bad:
+                where, answer = bad[0]
+                raise InputError(
+                    f"{where}: the answer {reprlib.repr(answer)} holds no number for "
+                    f"train.reward 'number' to compare replies with ({len(bad)} such rows): "
+                    'give the number ("72", "1,234", "-3.5", or GSM8K\'s "... #### 72"), or '
+                    "choose train.reward: exact or contains for answers that are text."
+                )
+    split = data.train
+    score(reward, split.texts[0], "", split.answers[0], split.where[0])
