@@ -16,7 +16,7 @@ from model_helpers import randomize_, tiny_model
 from llmcli.config import SampleConfig
 from llmcli.errors import InputError
 from llmcli.generation import compiled_decode
-from llmcli.generation.compiled_decode import CompiledDecoder, compile_key
+from llmcli.generation.compiled_decode import CompiledDecoder, decode_key
 from llmcli.generation.engine import generate_ids
 from llmcli.generation.loop import generate as plain_generate
 
@@ -89,8 +89,8 @@ def test_the_compiled_step_is_kept_and_reused(compiled, monkeypatch) -> None:
         model, PROMPTS, config, decode=decoder
     )
     other = randomize_(tiny_model(n_layer=1, pos_emb="rope", qk_norm=True), seed=1)
-    assert compile_key(other, 3, 16) != compile_key(model, 3, 16)
-    assert compile_key(model, 2, 16) != compile_key(model, 3, 16)
+    assert decode_key(other, 3, 16) != decode_key(model, 3, 16)
+    assert decode_key(model, 2, 16) != decode_key(model, 3, 16)
 
 
 def test_a_compile_that_fails_names_the_fix(tmp_path, monkeypatch) -> None:
@@ -103,7 +103,7 @@ def test_a_compile_that_fails_names_the_fix(tmp_path, monkeypatch) -> None:
     with pytest.raises(InputError, match=r"RuntimeError: g\+\+: command not found\).*--compile"):
         CompiledDecoder.for_model(model, 1, cache_dir=tmp_path, notify=lambda _: None)
     assert not any(tmp_path.rglob("*.pt2"))
-    damaged = tmp_path / "decode" / f"{compile_key(model, 1, model.context_length)}.pt2"
+    damaged = tmp_path / "decode" / f"{decode_key(model, 1, model.context_length)}.pt2"
     damaged.parent.mkdir(exist_ok=True)
     damaged.write_bytes(b"not a package")
     with pytest.raises(InputError, match="could not load the compiled decode step .*delete it"):

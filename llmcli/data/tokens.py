@@ -44,13 +44,13 @@ from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
 
+from llmcli.cache import default_cache_dir
 from llmcli.claim import claimed
 from llmcli.data.chat import prepare_chat_data
 from llmcli.data.corpus import FileSource, Source, StreamSource, open_sources
 from llmcli.data.prepared import (
     TokenData,
     cache_folder,
-    default_cache_dir,
     read_cache_json,
     token_dtype,
 )

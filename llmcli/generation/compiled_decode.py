@@ -9,8 +9,8 @@ shape and about 0.95x on 6 layers of 384; with 8 rows of the latter it is slower
 (Inductor's products for 8 rows against MKL's, and attention over every column of the cache)
 (benchmarks/decode_vs_llama_cpp.py). What it costs: about a minute of compiling per model and
 batch size the first time, and a C++ compiler. The compiled step is kept in the compile cache
-(`<cache>/decode/`, `llmcli.data.prepared.default_cache_dir`), under a key that hashes the
-weights, the model's config, the rows and torch's version, so the next `--compile` on the same
+(`decode/` in `llmcli.cache.compile_cache_dir`), under a key that hashes the weights, the
+model's config, the rows and torch's version (`decode_key`), so the next `--compile` on the same
 run starts at once. A package is written whole or not at all (`llmcli.fileio.atomic_path`).
 
 The exported function is `Transformer.forward` with `_StaticCache`, a stand-in for `KVCache`
@@ -26,8 +26,6 @@ order), not bit for bit; tests/test_compiled_decode.py checks the tokens against
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
 import os
 import sys
@@ -39,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from llmcli.data.prepared import default_cache_dir
+from llmcli.cache import compile_cache_dir, compile_key
 from llmcli.errors import InputError, describe_os_error
 from llmcli.fileio import atomic_path
 from llmcli.generation.fast_decode import FastDecoder, through_forward
@@ -107,24 +105,18 @@ class _Step(nn.Module):
         return logits[:, -1]  # (B, 1, V) -> (B, V)
 
 
-def compile_key(model: Transformer, rows: int, max_len: int) -> str:
-    """What a compiled step depends on, hashed: the weights, the config, the rows and cache
-    length, torch's version, the compile options and `STEP_FORMAT`."""
-    digest = hashlib.sha256()
+def decode_key(model: Transformer, rows: int, max_len: int) -> str:
+    """What a compiled step depends on (`llmcli.cache.compile_key`): the weights, the config,
+    the rows and cache length, torch's version, the compile options and `STEP_FORMAT`."""
     about = {
         "config": dataclasses.asdict(model.config),
         "vocab_size": model.vocab_size,
         "rows": rows,
         "max_len": max_len,
-        "torch": torch.__version__,
         "options": INDUCTOR_OPTIONS,
         "format": STEP_FORMAT,
     }
-    digest.update(json.dumps(about, sort_keys=True, default=str).encode())
-    for name, tensor in model.state_dict().items():
-        digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()[:32]
+    return compile_key(about, model.state_dict())
 
 
 def compile_step(model: Transformer, rows: int, max_len: int, path: Path) -> None:
@@ -204,15 +196,16 @@ class CompiledDecoder:
         if last is not None and last.model is model and last.rows == rows:
             return last
         max_len = model.context_length
-        folder = (cache_dir or default_cache_dir()) / "decode"
-        path = folder / f"{compile_key(model, rows, max_len)}.pt2"
+        folder = (cache_dir or compile_cache_dir()) / "decode"
+        path = folder / f"{decode_key(model, rows, max_len)}.pt2"
         if not path.exists():
             try:
                 folder.mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 raise InputError(
                     f"cannot write the compiled decode step in '{folder}': "
-                    f"{describe_os_error(e)}; set $LLMCLI_CACHE to a folder you can write"
+                    f"{describe_os_error(e)}; set $LLMCLI_CACHE (or $TORCHINDUCTOR_CACHE_DIR) "
+                    "to a folder you can write"
                 ) from None
             notify(
                 f"compiling the decode step for {rows} row(s) (about a minute the first time; "
