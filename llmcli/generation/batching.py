@@ -24,7 +24,7 @@ from llmcli.config import SampleConfig
 from llmcli.data.tokenizer import Tokenizer
 from llmcli.device import check_threads
 from llmcli.errors import InputError
-from llmcli.generation.compiled_decode import CompiledDecoder
+from llmcli.generation.compiled_decode import decode_step
 from llmcli.generation.detokenize import TextState
 from llmcli.generation.engine import generate
 from llmcli.generation.prompts import encode_prompts
@@ -94,7 +94,8 @@ class SampleOptions:
             `llmcli.runs.loading.load_run`).
         device: where `sample_run` runs the model: "auto", "cpu", "cuda" or "mps".
         compile: `sample_texts` decodes with the compiled step
-            (`llmcli.generation.compiled_decode`), compiled first if the cache lacks it.
+            (`llmcli.generation.compiled_decode`) where it measured faster (`pays`: a small
+            model, few rows; elsewhere the default step), compiled first if the cache lacks it.
     """
 
     num_samples: int = 1
@@ -220,7 +221,7 @@ def sample_batch(
         generators=[make_generators(1, job.seed)[0] for job in batch],
         vocab_size=vocab,
         observe=observe,
-        decode=CompiledDecoder.for_model(model, len(batch)) if options.compile else "auto",
+        decode=decode_step(model, len(batch)) if options.compile else "auto",
     )
     rows = _Rows(states, [job.r for job in batch], sink, live)
     seconds = _stream(steps, rows, start)
