@@ -11,9 +11,9 @@ server's `n`):
 
 - `llmcli`: as `llmcli sample` runs it, `generate_ids(model, prompts, config)` at temperature 0:
   the fast step (`llmcli.generation.fast_decode`), its default;
-- `llmcli_compiled`: as `llmcli sample --compile` runs it, the step compiled by AOTInductor
-  (`llmcli.generation.compiled_decode`; compiled once per run and rows, before the timing, and
-  kept in the compile cache);
+- `llmcli_compiled`: the step compiled by AOTInductor (`llmcli.generation.compiled_decode`;
+  compiled once per run and rows, before the timing, and kept in the compile cache), in every
+  case: `llmcli sample --compile` takes it only where it pays (benchmarks/compiled_step.py);
 - `llmcli_forward`: every step through the model's forward (`decode=None`);
 - `llama_cpp`: llama.cpp through `llama-cpp-python`'s C API (its model, context and batch, an
   f32 KV cache, flash attention off: its faster setting here): the prompt's tokens of every row

@@ -15,8 +15,9 @@ the step itself: no process-wide switch), so the others (the baseline revision, 
 1. `long_generation`: batch 1 from a 1-token prompt far past the context: the tiny model
    (4L/128, context 64) for 2,000 tokens and 6L/384 at context 256 for 1,000 tokens. Contestants:
    `shift` (keep context // 2, re-prefill, decode with the cache), `exact` (the last
-   context_length tokens recomputed each step past the context), `full_recompute` (`generate`
-   under `exact` without a cache: the whole window every step, the nanoGPT way), `nanogpt` (tiny
+   context_length tokens recomputed each step past the context), `full_recompute` (the plain
+   loop, `llmcli.generation.loop.generate`, one token a call: no cache, the whole window every
+   step, the nanoGPT way), `nanogpt` (tiny
    only: nanoGPT's loop, crop / forward / sample / cat, drawing with llmcli's sampler so that
    tokens compare) and `today` (`generate` as it was at the baseline revision, before the context
    policies). Tokens/s, ms per token and per decode step, ratios; `exact`, `full_recompute`,
@@ -61,6 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from llmcli.config import ModelConfig, SampleConfig  # noqa: E402
 from llmcli.generation.engine import generate  # noqa: E402
 from llmcli.generation.fast_decode import FastDecoder  # noqa: E402
+from llmcli.generation.loop import generate as plain_generate  # noqa: E402
 from llmcli.generation.sampling import sample_next  # noqa: E402
 from llmcli.generation.threads import threads_for, torch_threads  # noqa: E402
 from llmcli.model.gpt import Transformer  # noqa: E402
@@ -146,6 +148,16 @@ def nanogpt_steps(model: Transformer, prompt: list[int], n: int, **sampling) -> 
         yield next_id[:, 0]
 
 
+def plain_loop_steps(model: Transformer, prompt: list[int], n: int, **sampling) -> Iterator:
+    """llmcli's plain loop (`llmcli.generation.loop.generate`: no cache, the whole window every
+    step), one new token a call so that its steps can be timed like the others'."""
+    g = torch.Generator().manual_seed(SEED)  # what llmcli's row 0 draws from
+    idx = torch.tensor([prompt])  # (1, T)
+    for _ in range(n):
+        idx = plain_generate(model, idx, 1, g, **sampling)  # (1, T + 1)
+        yield idx[:, -1]
+
+
 def schedule(policy: str, prompt: int, n: int, C: int, keep: int) -> list[str]:
     """What each step of a batch-1 run computes: prefill, decode (one cached token), or
     recompute (`exact` past the context: the whole window, no cache)."""
@@ -228,9 +240,7 @@ def long_generation(shape: dict, n: int, rounds: int, baseline: dict | None, nan
     contestants = {
         "shift": policy("shift"),
         "exact": policy("exact"),
-        "full_recompute": Contestant(
-            lambda: sample_steps(model, [[1]], configs["exact"], use_cache=False)
-        ),
+        "full_recompute": Contestant(lambda: plain_loop_steps(model, [1], n, **SAMPLING)),
     }
     if nanogpt:
         contestants["nanogpt"] = Contestant(lambda: nanogpt_steps(model, [1], n, **SAMPLING))

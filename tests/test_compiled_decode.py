@@ -16,7 +16,7 @@ from model_helpers import randomize_, tiny_model
 from llmcli.config import SampleConfig
 from llmcli.errors import InputError
 from llmcli.generation import compiled_decode
-from llmcli.generation.compiled_decode import CompiledDecoder, compile_key
+from llmcli.generation.compiled_decode import CompiledDecoder, decode_key
 from llmcli.generation.engine import generate_ids
 from llmcli.generation.loop import generate as plain_generate
 
@@ -89,8 +89,8 @@ def test_the_compiled_step_is_kept_and_reused(compiled, monkeypatch) -> None:
         model, PROMPTS, config, decode=decoder
     )
     other = randomize_(tiny_model(n_layer=1, pos_emb="rope", qk_norm=True), seed=1)
-    assert compile_key(other, 3, 16) != compile_key(model, 3, 16)
-    assert compile_key(model, 2, 16) != compile_key(model, 3, 16)
+    assert decode_key(other, 3, 16) != decode_key(model, 3, 16)
+    assert decode_key(model, 2, 16) != decode_key(model, 3, 16)
 
 
 def test_a_compile_that_fails_names_the_fix(tmp_path, monkeypatch) -> None:
@@ -103,7 +103,7 @@ def test_a_compile_that_fails_names_the_fix(tmp_path, monkeypatch) -> None:
     with pytest.raises(InputError, match=r"RuntimeError: g\+\+: command not found\).*--compile"):
         CompiledDecoder.for_model(model, 1, cache_dir=tmp_path, notify=lambda _: None)
     assert not any(tmp_path.rglob("*.pt2"))
-    damaged = tmp_path / "decode" / f"{compile_key(model, 1, model.context_length)}.pt2"
+    damaged = tmp_path / "decode" / f"{decode_key(model, 1, model.context_length)}.pt2"
     damaged.parent.mkdir(exist_ok=True)
     damaged.write_bytes(b"not a package")
     with pytest.raises(InputError, match="could not load the compiled decode step .*delete it"):
@@ -114,3 +114,33 @@ def test_a_compile_that_fails_names_the_fix(tmp_path, monkeypatch) -> None:
         CompiledDecoder.for_model(model, 1, cache_dir=a_file, notify=lambda _: None)
     with pytest.raises(InputError, match="model on the CPU only"):
         CompiledDecoder.for_model(torch.nn.Linear(2, 2), 1, cache_dir=tmp_path)
+
+
+def test_compile_is_used_only_where_it_measured_faster(tmp_path, monkeypatch) -> None:
+    """`sample --compile` takes the compiled step for a small model and few rows only
+    (benchmarks/compiled_step.py); elsewhere it says so and keeps the default step, compiling
+    nothing."""
+    small = tiny_model(n_layer=1)
+    big = tiny_model(n_layer=2, n_embed=256)
+    assert sum(p.numel() for p in big.parameters()) > compiled_decode.PAYS_PARAMETERS
+    rows = compiled_decode.PAYS_ROWS
+    assert compiled_decode.pays(small, rows) and compiled_decode.pays(small, 1)
+    assert not compiled_decode.pays(small, rows + 1) and not compiled_decode.pays(big, 1)
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("compiled where it does not pay")
+
+    monkeypatch.setattr(compiled_decode, "compile_step", no_compile)
+    for model, n in ((small, rows + 1), (big, 1)):
+        notes: list[str] = []
+        assert compiled_decode.decode_step(model, n, cache_dir=tmp_path, notify=notes.append) == (
+            "auto"
+        )
+        assert len(notes) == 1 and "no faster than the default" in notes[0]
+    asked: list[int] = []
+    monkeypatch.setattr(
+        CompiledDecoder, "for_model", classmethod(lambda cls, m, r, **kw: asked.append(r) or "c")
+    )
+    assert compiled_decode.decode_step(small, rows, cache_dir=tmp_path) == "c" and asked == [rows]
+    with pytest.raises(InputError, match="model on the CPU only"):
+        compiled_decode.decode_step(torch.nn.Linear(2, 2), 1)

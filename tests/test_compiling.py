@@ -19,10 +19,10 @@ from llmcli.training.compiling import (
     SAVING,
     WARM_S,
     choose,
-    compile_key,
     inductor_cache,
     pays,
     remember,
+    step_key,
 )
 from llmcli.training.loop import train
 
@@ -70,12 +70,12 @@ def test_the_inductor_cache_is_llmclis_unless_the_user_set_one(tmp_path, monkeyp
 def test_the_key_changes_with_what_changes_the_graphs() -> None:
     config = config_from_dict({"model": {"n_layer": 2}})
     cpu = torch.device("cpu")
-    key = compile_key(config, 65, cpu)
-    assert key == compile_key(config_from_dict({"model": {"n_layer": 2}}), 65, cpu)
-    assert key != compile_key(config, 66, cpu)
-    assert key != compile_key(config_from_dict({"model": {"n_layer": 3}}), 65, cpu)
+    key = step_key(config, 65, cpu)
+    assert key == step_key(config_from_dict({"model": {"n_layer": 2}}), 65, cpu)
+    assert key != step_key(config, 66, cpu)
+    assert key != step_key(config_from_dict({"model": {"n_layer": 3}}), 65, cpu)
     bigger = config_from_dict({"model": {"n_layer": 2}, "train": {"batch_size": 64}})
-    assert key != compile_key(bigger, 65, cpu)
+    assert key != step_key(bigger, 65, cpu)
 
 
 @pytest.mark.usefixtures("one_thread")

@@ -21,12 +21,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from llmcli.cache import default_cache_dir
 from llmcli.config import DataConfig
 from llmcli.data import corpus, tokenizer_cache
 from llmcli.data import token_cache as D
 from llmcli.data import tokenizer as tokenizer_module
 from llmcli.data.batches import BatchSampler
-from llmcli.data.prepared import TokenData, default_cache_dir
+from llmcli.data.prepared import TokenData
 from llmcli.data.tokenizer import BPETokenizer, CharTokenizer
 from llmcli.data.tokens import prepare_data
 from llmcli.errors import ConfigError, InputError

@@ -189,15 +189,21 @@ PROMPTS = [[3], [1, 2, 3, 4, 5], list(range(1, 13)), [7, 7, 2]]  # 12 > context_
 
 @pytest.mark.parametrize("pos_emb", ["learned", "rope"])
 @pytest.mark.parametrize("settings", SETTINGS, ids=["greedy", "sampled", "top-k-p"])
-@pytest.mark.parametrize("use_cache", [True, False])
-def test_padded_batch_equals_each_prompt_alone(pos_emb, settings, use_cache) -> None:
+def test_padded_batch_equals_each_prompt_alone(pos_emb, settings) -> None:
+    """Each row is its prompt alone through the engine and through the plain loop (no cache,
+    the whole window recomputed every step)."""
     model = make_model(pos_emb)
     seed = settings.get("seed", 0)
+    config = sample_config(20, **settings)
     # 20 new tokens: the window slides, and the buffer (8 + 2 * 8 columns) is compacted.
-    batch = generate_ids(model, PROMPTS, sample_config(20, **settings), use_cache=use_cache)
+    batch = generate_ids(model, PROMPTS, config)
     for i, prompt in enumerate(PROMPTS):
-        [alone] = generate_ids(model, [prompt], sample_config(20, **{**settings, "seed": seed + i}))
+        row_settings = {**settings, "seed": seed + i}
+        [alone] = generate_ids(model, [prompt], sample_config(20, **row_settings))
         assert batch[i] == alone, f"prompt {i}"
+        keep = config.keep_for(CONTEXT)
+        plain = reference(model, prompt, 20, policy="shift", keep=keep, **row_settings)
+        assert batch[i] == plain, f"prompt {i}, the plain loop"
 
 
 def test_generate_streams_one_column_per_step() -> None:
@@ -270,10 +276,8 @@ def test_exact_is_the_crop_and_recompute_loop(pos_emb, settings) -> None:
     model = make_model(pos_emb)
     for prompt in ([4, 9, 1], list(range(1, 12))):  # 11 tokens start beyond context_length 8
         expected = reference(model, prompt, 20, policy="exact", **settings)
-        for use_cache in (True, False):
-            config = sample_config(20, context_policy="exact", **settings)
-            got = generate_ids(model, [prompt], config, use_cache=use_cache)
-            assert got[0] == expected
+        config = sample_config(20, context_policy="exact", **settings)
+        assert generate_ids(model, [prompt], config)[0] == expected
 
 
 @pytest.mark.parametrize(
@@ -298,8 +302,7 @@ def test_exact_padded_batch_equals_each_prompt_alone(pos_emb, seed, prompts, set
         reference(model, prompt, 24, policy="exact", **{**settings, "seed": settings["seed"] + i})
         for i, prompt in enumerate(prompts)
     ]
-    for use_cache in (True, False):
-        assert generate_ids(model, prompts, config, use_cache=use_cache) == alone, use_cache
+    assert generate_ids(model, prompts, config) == alone
 
 
 # ----------------------------------------------------------------------------- shift
@@ -312,10 +315,9 @@ def test_shift_is_the_keep_and_recompute_loop(pos_emb, settings, keep) -> None:
     model = make_model(pos_emb)
     for prompt in ([4, 9, 1], list(range(1, 12)), [5] * CONTEXT):
         expected = reference(model, prompt, 25, policy="shift", keep=keep, **settings)
-        for use_cache in (True, False):
-            config = sample_config(25, context_policy="shift", context_keep=keep, **settings)
-            got = generate_ids(model, [prompt], config, use_cache=use_cache)
-            assert got[0] == expected, f"prompt {prompt}, use_cache={use_cache}"
+        config = sample_config(25, context_policy="shift", context_keep=keep, **settings)
+        got = generate_ids(model, [prompt], config)
+        assert got[0] == expected, f"prompt {prompt}"
 
 
 def test_shift_differs_from_exact_past_the_context_only() -> None:
@@ -351,15 +353,14 @@ SHIFT_PROMPTS = [[3], [1, 2, 3, 4, 5], list(range(1, 13)), [7, 7, 2], list(range
 @pytest.mark.parametrize("pos_emb", ["learned", "rope"])
 @pytest.mark.parametrize("settings", SETTINGS[:2], ids=SETTING_IDS[:2])
 @pytest.mark.parametrize("keep", [1, 4])
-@pytest.mark.parametrize("use_cache", [True, False])
-def test_shift_padded_batch_equals_each_prompt_alone(pos_emb, settings, keep, use_cache) -> None:
+def test_shift_padded_batch_equals_each_prompt_alone(pos_emb, settings, keep) -> None:
     """Rows of 1, 3, 5, 7 and 8 tokens reach the context at different steps: each row shifts
     when its own length fills the context and the others keep all their tokens meanwhile."""
     model = make_model(pos_emb)
     seed = settings.get("seed", 0)
     kw = dict(context_policy="shift", context_keep=keep)
     config = sample_config(30, **kw, **settings)
-    batch = generate_ids(model, SHIFT_PROMPTS, config, use_cache=use_cache)
+    batch = generate_ids(model, SHIFT_PROMPTS, config)
     for i, prompt in enumerate(SHIFT_PROMPTS):
         alone = reference(
             model, prompt, 30, policy="shift", keep=keep, **{**settings, "seed": seed + i}

@@ -75,7 +75,7 @@ def test_the_engine_draws_the_loops_tokens_for_prompts_alone_and_together(
 ) -> None:
     """Row b of the engine's batch, seeded `seed + b`, is prompt b alone through the loop with a
     generator seeded `seed + b`: through the cache and the `FastDecoder` step as `llmcli sample`
-    runs it, through the model's forward, and without the cache."""
+    runs it (the default step), and through the model's forward."""
     model = make_model(pos_emb)
     seed = settings.get("seed", 0)
     alone = [
@@ -85,7 +85,7 @@ def test_the_engine_draws_the_loops_tokens_for_prompts_alone_and_together(
     config = sample_config(24, context_policy="exact", **settings)
     for decode in (FastDecoder.for_model(model), None):
         assert generate_ids(model, PROMPTS, config, decode=decode) == alone, decode
-    assert generate_ids(model, PROMPTS, config, use_cache=False) == alone
+    assert generate_ids(model, PROMPTS, config) == alone  # the default step ("auto")
     for b, prompt in enumerate(PROMPTS):  # and each prompt alone through the engine
         one = sample_config(24, context_policy="exact", **{**settings, "seed": seed + b})
         decode = FastDecoder.for_model(model)

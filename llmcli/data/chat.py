@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from llmcli.cache import default_cache_dir
 from llmcli.claim import claimed
 from llmcli.data.chat_template import CHAT_TOKENS, ChatTemplate, chat_template
 from llmcli.data.conversations import (
@@ -49,7 +50,6 @@ from llmcli.data.prepared import (
     ChatSplit,
     TokenData,
     cache_folder,
-    default_cache_dir,
     read_cache_json,
     token_dtype,
 )

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from llmcli.cache import default_cache_dir
 from llmcli.data.batches import RowSampler
 from llmcli.data.chat_template import ChatTemplate
 from llmcli.data.corpus import _load_dataset, resolve_files, rows_to_train, skipped_rows_note
@@ -47,7 +48,6 @@ from llmcli.data.prepared import (
     PreferenceSplit,
     TokenData,
     cache_folder,
-    default_cache_dir,
 )
 from llmcli.data.tokenizer import Tokenizer
 from llmcli.errors import InputError

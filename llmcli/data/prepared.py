@@ -5,12 +5,12 @@ memory maps of the cache's token files, with the tokenizer and the key of the so
 conversations (`data.format: chat`, `llmcli.data.chat`) also `ChatData`, each split's loss mask
 and windows; for preference pairs (`data.format: preference`, `llmcli.data.preference_data`)
 `PreferenceData`. The cache folder is the `cache_dir` argument, else `data.cache_dir`, else
-`$LLMCLI_CACHE`, else `$XDG_CACHE_HOME/llmcli`, else `~/.cache/llmcli`.
+llmcli's (`llmcli.cache.default_cache_dir`: `$LLMCLI_CACHE`, else `$XDG_CACHE_HOME/llmcli`,
+else `~/.cache/llmcli`).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,14 +20,6 @@ from llmcli.data.chat_template import ChatTemplate
 from llmcli.data.tokenizer import Tokenizer
 from llmcli.errors import InputError
 from llmcli.fileio import JSONFileError, read_json
-
-
-def default_cache_dir() -> Path:
-    """`$LLMCLI_CACHE`, else `$XDG_CACHE_HOME/llmcli`, else `~/.cache/llmcli`."""
-    if os.environ.get("LLMCLI_CACHE"):
-        return Path(os.environ["LLMCLI_CACHE"])
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "llmcli"
 
 
 def cache_folder(cache: Path) -> Path:

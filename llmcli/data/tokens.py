@@ -27,9 +27,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from llmcli.cache import default_cache_dir
 from llmcli.data.chat import prepare_chat_data
 from llmcli.data.corpus import FileSource, Source, open_sources
-from llmcli.data.prepared import TokenData, cache_folder, default_cache_dir, token_dtype
+from llmcli.data.prepared import TokenData, cache_folder, token_dtype
 from llmcli.data.token_cache import PROGRESS_MIN, cached_tokens
 from llmcli.data.tokenizer import Tokenizer
 from llmcli.data.tokenizer_cache import trained_tokenizer

@@ -24,7 +24,7 @@ from llmcli.config import SampleConfig
 from llmcli.data.tokenizer import Tokenizer
 from llmcli.device import check_threads
 from llmcli.errors import InputError
-from llmcli.generation.compiled_decode import CompiledDecoder
+from llmcli.generation.compiled_decode import decode_step
 from llmcli.generation.detokenize import TextState
 from llmcli.generation.engine import generate
 from llmcli.generation.prompts import encode_prompts
@@ -88,21 +88,20 @@ class SampleOptions:
         stop_ids: a sample ends when it generates one of these ids (not part of its text);
             `sample_run` adds the run's end-of-text id.
         batch_size: most samples generated at once.
-        use_cache: use the KV cache (see `llmcli.generation.engine.generate`).
         threads: CPU threads while `sample_run` generates (None:
             `llmcli.generation.threads.threads_for` picks).
         weights: the weights `sample_run` loads, "best" or "last" (see
             `llmcli.runs.loading.load_run`).
         device: where `sample_run` runs the model: "auto", "cpu", "cuda" or "mps".
         compile: `sample_texts` decodes with the compiled step
-            (`llmcli.generation.compiled_decode`), compiled first if the cache lacks it.
+            (`llmcli.generation.compiled_decode`) where it measured faster (`pays`: a small
+            model, few rows; elsewhere the default step), compiled first if the cache lacks it.
     """
 
     num_samples: int = 1
     stop: Sequence[str] = ()
     stop_ids: Sequence[int] = ()
     batch_size: int = BATCH_SIZE
-    use_cache: bool = True
     threads: int | None = None
     weights: str = "best"
     device: str = "auto"
@@ -199,7 +198,7 @@ def sample_batch(
         model, tokenizer: the run's.
         batch: the samples; their prompts' ids already fit the context.
         config: the settings they share (its `seed` is unused: each job has its own).
-        options: stop strings and ids, KV cache, the compiled step (`num_samples` and
+        options: stop strings and ids, the compiled step (`num_samples` and
             `batch_size` are unused).
         sink: receives each sample's text as it becomes final, under `job.r`, then `end(job.r)`.
         live: checked for every unfinished sample at every step with its `job.r`; a sample
@@ -220,10 +219,9 @@ def sample_batch(
         [job.ids for job in batch],
         config,
         generators=[make_generators(1, job.seed)[0] for job in batch],
-        use_cache=options.use_cache,
         vocab_size=vocab,
         observe=observe,
-        decode=CompiledDecoder.for_model(model, len(batch)) if options.compile else "auto",
+        decode=decode_step(model, len(batch)) if options.compile else "auto",
     )
     rows = _Rows(states, [job.r for job in batch], sink, live)
     seconds = _stream(steps, rows, start)

@@ -3,14 +3,16 @@ forward for one new token per row, exported with a static KV cache (`torch.expor
 compiled to C++ by AOTInductor, the weights frozen in and its matrix products autotuned.
 
 On a small model a decode step's time goes to eager PyTorch's cost per operation (Python,
-dispatch, allocation), not to arithmetic; compiled, the whole step is one call. At one row and
-one thread it takes about half the time of `llmcli.generation.fast_decode`'s step on the `tiny`
-shape and about 0.95x on 6 layers of 384; with 8 rows of the latter it is slower than that step
-(Inductor's products for 8 rows against MKL's, and attention over every column of the cache)
-(benchmarks/decode_vs_llama_cpp.py). What it costs: about a minute of compiling per model and
+dispatch, allocation), not to arithmetic; compiled, the whole step is one call. Timed against
+`llmcli.generation.fast_decode`'s step after the compile (benchmarks/compiled_step.py, one
+thread), it takes 0.92x its time at one row of the `tiny` shape and 0.75x at 8 rows, but on 6
+layers of 384 it is slower at every row count (1.04x at one row, 1.6x at 8: Inductor's products
+against MKL's, and attention over every column of the cache). So `sample --compile` takes it
+only there (`pays`: at most `PAYS_PARAMETERS` weights and `PAYS_ROWS` rows) and keeps the
+default step elsewhere (`decode_step`). What it costs: about a minute of compiling per model and
 batch size the first time, and a C++ compiler. The compiled step is kept in the compile cache
-(`<cache>/decode/`, `llmcli.data.prepared.default_cache_dir`), under a key that hashes the
-weights, the model's config, the rows and torch's version, so the next `--compile` on the same
+(`decode/` in `llmcli.cache.compile_cache_dir`), under a key that hashes the weights, the
+model's config, the rows and torch's version (`decode_key`), so the next `--compile` on the same
 run starts at once. A package is written whole or not at all (`llmcli.fileio.atomic_path`).
 
 The exported function is `Transformer.forward` with `_StaticCache`, a stand-in for `KVCache`
@@ -26,20 +28,18 @@ order), not bit for bit; tests/test_compiled_decode.py checks the tokens against
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
 import os
 import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
-from llmcli.data.prepared import default_cache_dir
+from llmcli.cache import compile_cache_dir, compile_key
 from llmcli.errors import InputError, describe_os_error
 from llmcli.fileio import atomic_path
 from llmcli.generation.fast_decode import FastDecoder, through_forward
@@ -107,24 +107,18 @@ class _Step(nn.Module):
         return logits[:, -1]  # (B, 1, V) -> (B, V)
 
 
-def compile_key(model: Transformer, rows: int, max_len: int) -> str:
-    """What a compiled step depends on, hashed: the weights, the config, the rows and cache
-    length, torch's version, the compile options and `STEP_FORMAT`."""
-    digest = hashlib.sha256()
+def decode_key(model: Transformer, rows: int, max_len: int) -> str:
+    """What a compiled step depends on (`llmcli.cache.compile_key`): the weights, the config,
+    the rows and cache length, torch's version, the compile options and `STEP_FORMAT`."""
     about = {
         "config": dataclasses.asdict(model.config),
         "vocab_size": model.vocab_size,
         "rows": rows,
         "max_len": max_len,
-        "torch": torch.__version__,
         "options": INDUCTOR_OPTIONS,
         "format": STEP_FORMAT,
     }
-    digest.update(json.dumps(about, sort_keys=True, default=str).encode())
-    for name, tensor in model.state_dict().items():
-        digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()[:32]
+    return compile_key(about, model.state_dict())
 
 
 def compile_step(model: Transformer, rows: int, max_len: int, path: Path) -> None:
@@ -156,6 +150,52 @@ def compile_step(model: Transformer, rows: int, max_len: int, path: Path) -> Non
             os.replace(package, tmp)
     finally:
         sys.setrecursionlimit(limit)
+
+
+#: Where the compiled step measured faster than `FastDecoder`'s once compiled
+#: (benchmarks/compiled_step.py, one thread, interleaved rounds): models of at most
+#: `PAYS_PARAMETERS` weights (the `tiny` shape, 0.8M; not 6 layers of 384, 11M) decoding at most
+#: `PAYS_ROWS` rows at a time. Elsewhere it was no faster, or slower, and `sample --compile` keeps
+#: the default step (`decode_step`).
+PAYS_PARAMETERS = 1_000_000
+PAYS_ROWS = 8
+
+
+def pays(model: Transformer, rows: int) -> bool:
+    """Whether the compiled step measured faster than the default one for `rows` rows of a
+    model of `model`'s size (`PAYS_PARAMETERS`, `PAYS_ROWS`)."""
+    return rows <= PAYS_ROWS and sum(p.numel() for p in model.parameters()) <= PAYS_PARAMETERS
+
+
+def decode_step(
+    model: Any,
+    rows: int,
+    *,
+    cache_dir: Path | None = None,
+    notify: Callable[[str], Any] = logger.warning,
+) -> CompiledDecoder | Literal["auto"]:
+    """What `sample --compile` decodes `rows` rows of `model` with: the compiled step
+    (`CompiledDecoder.for_model`) where it `pays`, else "auto" (`generate`'s default step), said
+    through `notify`, with nothing compiled.
+
+    Raises:
+        InputError: as `CompiledDecoder.for_model`.
+    """
+    check_compilable(model)
+    if not pays(model, rows):
+        notify(
+            f"--compile: the compiled decode step is no faster than the default one for {rows} "
+            f"row(s) of a model this size (benchmarks/compiled_step.py: it pays up to "
+            f"{PAYS_ROWS} rows of {PAYS_PARAMETERS:,} weights); sampling with the default step"
+        )
+        return "auto"
+    return CompiledDecoder.for_model(model, rows, cache_dir=cache_dir, notify=notify)
+
+
+def check_compilable(model: Any) -> None:
+    """Raise `InputError` unless `model` is a `Transformer` on the CPU (what is compiled)."""
+    if not isinstance(model, Transformer) or model.wte.weight.device.type != "cpu":
+        raise InputError("--compile compiles the decode step of a model on the CPU only")
 
 
 class CompiledDecoder:
@@ -198,21 +238,21 @@ class CompiledDecoder:
         Raises:
             InputError: not a CPU `Transformer`, or compiling failed (no C++ compiler, ...).
         """
-        if not isinstance(model, Transformer) or model.wte.weight.device.type != "cpu":
-            raise InputError("--compile compiles the decode step of a model on the CPU only")
+        check_compilable(model)
         last = CompiledDecoder.last
         if last is not None and last.model is model and last.rows == rows:
             return last
         max_len = model.context_length
-        folder = (cache_dir or default_cache_dir()) / "decode"
-        path = folder / f"{compile_key(model, rows, max_len)}.pt2"
+        folder = (cache_dir or compile_cache_dir()) / "decode"
+        path = folder / f"{decode_key(model, rows, max_len)}.pt2"
         if not path.exists():
             try:
                 folder.mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 raise InputError(
                     f"cannot write the compiled decode step in '{folder}': "
-                    f"{describe_os_error(e)}; set $LLMCLI_CACHE to a folder you can write"
+                    f"{describe_os_error(e)}; set $LLMCLI_CACHE (or $TORCHINDUCTOR_CACHE_DIR) "
+                    "to a folder you can write"
                 ) from None
             notify(
                 f"compiling the decode step for {rows} row(s) (about a minute the first time; "

@@ -33,8 +33,8 @@ it token for token); what it adds is speed and batches:
   Rotary keys could instead be rotated in place to their new positions, which equals the
   re-prefill in the first layer only (deeper layers' keys also hold what the dropped tokens
   contributed); the re-prefill keeps `shift` exactly "the model run on the kept tokens", which
-  the tests check against a plain loop. With or without the cache, a policy is the same
-  computation.
+  the tests check against a plain loop. Without the cache (every step the whole window
+  recomputed) the computation is `llmcli.generation.loop`'s: that loop is the uncached path.
 - one prefill per prompt: rows that repeat a prompt (`llmcli sample --num-samples`, the server's
   `n`, a group of completions drawn per prompt) need its keys and values only once. The
   prefill runs on each distinct row (`distinct_rows`: the same tokens after the same padding)
@@ -72,7 +72,6 @@ def generate(
     config: SampleConfig,
     *,
     generators: Sequence[torch.Generator] | None = None,
-    use_cache: bool = True,
     vocab_size: int | None = None,
     observe: Callable[[Tensor, Tensor], Any] | None = None,
     decode: DecodeStep | Literal["auto"] | None = "auto",
@@ -97,8 +96,6 @@ def generate(
             go on with the cache) or "exact" (the last `context_length` tokens, recomputed
             every step), see `ContextWindow`.
         generators: B generators, one per row, advanced in place.
-        use_cache: prefill a KV cache and feed one token per step (False: recompute the whole
-            window each step, the nanoGPT way; same tokens, slower).
         vocab_size: sample only among ids `< vocab_size` (a model's vocabulary may be padded
             beyond its tokenizer's).
         observe: called at every step with the logits `(B, V)` the step drew from (cropped to
@@ -128,8 +125,7 @@ def generate(
         decode = FastDecoder.for_model(model)
     with torch.inference_mode():
         # exact: a prompt that fills the context slides the window at the first step already.
-        cached = use_cache and (shift or max(map(len, rows)) < ctx)
-        cache = model.new_kv_cache(B) if cached else None
+        cache = model.new_kv_cache(B) if shift or max(map(len, rows)) < ctx else None
         window = ContextWindow(rows, n, ctx, device, cache=cache, keep=keep if shift else None)
     for _ in range(n):
         with torch.inference_mode():
@@ -242,7 +238,8 @@ class ContextWindow:
         max_new_tokens: the steps to come (the buffer's size).
         context_length: the model's.
         device: the model's.
-        cache: a KV cache for the batch, empty; None: every step recomputes the window.
+        cache: a KV cache for the batch, empty; None (`exact` once the window slides): every
+            step recomputes the window.
         keep: the `shift` policy's tokens kept past the context; None: the `exact` policy.
         share_prefill: a prefill gives each distinct row once where rows repeat; False: every
             row.

@@ -49,7 +49,7 @@ from llmcli.runs.loading import load_tokenizer_file
 from llmcli.runs.trackers import check_available
 from llmcli.training.batch import resolve_batch, with_micro_batch
 from llmcli.training.checkpoint import Checkpointer, restore
-from llmcli.training.compiling import MEASURE_S, choose, compile_key, compiled, inductor_cache
+from llmcli.training.compiling import MEASURE_S, choose, compiled, inductor_cache, step_key
 from llmcli.training.counters import TrainState
 from llmcli.training.distributed import (
     DistInfo,
@@ -386,7 +386,7 @@ def _compiled(
 ) -> nn.Module:
     """The model the step runs: compiled or not by `train.compile` (`llmcli.training.compiling`);
     a resumed run keeps the choice its `meta.json` records (`recorded`)."""
-    key = compile_key(config, vocab, precision.device)
+    key = step_key(config, vocab, precision.device)
     choice = choose(
         config.train.compile,
         key,

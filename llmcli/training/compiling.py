@@ -5,9 +5,9 @@ and drops most of the Python between them, but its warm-up is long on a CPU (35 
 model on 2 cores) and there it gains little: 1.2% of the small config's step (1,165 against
 1,179 ms), and nothing beyond the noise in tiny's whole loop. Inductor keeps what it compiled
 in a cache, by default in `/tmp/torchinductor_<user>`, which a reboot empties; llmcli points it
-at `<llmcli cache>/inductor` (`$LLMCLI_CACHE`, else `~/.cache/llmcli`) unless
-`TORCHINDUCTOR_CACHE_DIR` is set, so that a machine pays a model's warm-up once: compiling the
-tiny model again takes 2.5 s.
+at its compile cache (`llmcli.cache.compile_cache_dir`: `<llmcli cache>/inductor`, with
+`$LLMCLI_CACHE`, else `~/.cache/llmcli`) unless `TORCHINDUCTOR_CACHE_DIR` is set, so that a
+machine pays a model's warm-up once: compiling the tiny model again takes 2.5 s.
 
 `train.compile: auto` compiles when the time compiling is expected to save is more than its
 warm-up: the device's `SAVING` of the eager step time (measured on the config's model for
@@ -21,8 +21,6 @@ one does.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
 import os
 from collections.abc import Callable
@@ -33,13 +31,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmcli.cache import CACHE_ENV, compile_cache_dir, compile_key
 from llmcli.config import Config
-from llmcli.data.prepared import default_cache_dir
 from llmcli.fileio import JSONFileError, atomic_write_json, read_json
 
 log = logging.getLogger(__name__)
 
-CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 RECORD = "llmcli-compiled.json"  # the keys of the models compiled with this cache
 COLD_S = 60.0  # the warm-up of a model the cache has not seen (35 s for tiny on 2 CPU cores)
 WARM_S = 5.0  # the warm-up of one it has (2.5 s for tiny)
@@ -51,23 +48,23 @@ MEASURE_S = 2.0  # seconds of eager steps timed to decide
 
 
 def inductor_cache() -> Path:
-    """The inductor cache folder, `$TORCHINDUCTOR_CACHE_DIR` or llmcli's (set for this process
-    when unset, before anything compiles)."""
-    if not os.environ.get(CACHE_ENV):
-        os.environ[CACHE_ENV] = str(default_cache_dir() / "inductor")
-    return Path(os.environ[CACHE_ENV])
+    """The inductor cache folder, the compile cache (`llmcli.cache.compile_cache_dir`), set for
+    this process when `$TORCHINDUCTOR_CACHE_DIR` is unset, before anything compiles."""
+    cache = compile_cache_dir()
+    os.environ[CACHE_ENV] = str(cache)
+    return cache
 
 
-def compile_key(config: Config, vocab_size: int, device: torch.device) -> str:
-    """What makes inductor's graphs for a run's step: the model, the batch, the device, torch."""
+def step_key(config: Config, vocab_size: int, device: torch.device) -> str:
+    """What makes inductor's graphs for a run's step (`llmcli.cache.compile_key`): the model,
+    the batch, the device, torch."""
     what = {
         "model": dataclasses.asdict(config.model),
         "vocab_size": vocab_size,
         "batch_size": config.train.batch_size,
         "device": device.type,
-        "torch": torch.__version__,
     }
-    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return compile_key(what)
 
 
 def _compiled_keys(cache: Path) -> set[str]:
