@@ -260,6 +260,70 @@ def worker(args: argparse.Namespace) -> None:
     print("RESULT " + json.dumps(out))
 
 
+def packing(work: Path, threads: int, rounds: int = 15) -> dict[str, float]:
+    """A DPO step's forward and backward on the benchmark's 8 pairs as llmcli batches them (16
+    rows cut to the longest) against the same rows packed whole into rows of the context with a
+    block-diagonal mask (as packed chat SFT trains): fewer positions, a masked attention."""
+    import torch
+
+    from llmcli.data.chat_batches import best_fit
+    from llmcli.data.preference_data import pair_batch
+    from llmcli.model.gpt import Transformer
+    from llmcli.objectives import objective_for
+    from llmcli.objectives.chat import packed_next_token_loss
+    from llmcli.training.init_from import load_init_weights, resolve_init_from
+
+    torch.set_num_threads(threads)
+    config = resolve_init_from(llmcli_config(work, "dpo", 1, threads, False))
+    data = objective_for(config).read_data(None)
+    pairs = data.preference
+    ids, mask = pair_batch(pairs.train, list(range(PAIRS)), pairs.pad_id)  # (2B, L)
+    lengths = [int(row.nonzero().max()) + 1 for row in mask]  # each row ends its completion
+    model = Transformer(config.model, data.tokenizer.vocab_size)
+    load_init_weights(model, str(work / "base"))
+    x, y = ids[:, :-1], ids[:, 1:].clone()
+    for row, n in enumerate(lengths):
+        y[row, n - 1 :] = -1
+    T = config.model.context_length
+    placed, _ = best_fit([n - 1 for n in lengths], len(lengths), T)
+    placed = [items for items in placed if items]
+    px = torch.full((len(placed), T), pairs.pad_id)
+    py = torch.full((len(placed), T), -1)
+    segments = torch.zeros((len(placed), T), dtype=torch.long)
+    for r, items in enumerate(placed):
+        at = 0
+        for segment, i in enumerate(items, start=1):
+            n = lengths[i] - 1
+            px[r, at : at + n], py[r, at : at + n] = x[i, :n], y[i, :n]
+            segments[r, at : at + n] = segment
+            at += n
+
+    def cut() -> None:
+        model(x, y)[1].backward()
+
+    def packed() -> None:
+        packed_next_token_loss(model, (px, py, segments))[0].backward()
+
+    times: dict[str, list[float]] = {"cut": [], "packed": []}
+    for way in (cut, packed):  # warm-up
+        way()
+    for r in range(rounds):
+        for name, way in (("cut", cut), ("packed", packed))[:: 1 if r % 2 == 0 else -1]:
+            start = time.perf_counter()
+            for _ in range(5):
+                way()
+            times[name].append((time.perf_counter() - start) / 5)
+    cut_s, packed_s = (statistics.median(times[k]) for k in ("cut", "packed"))
+    return {
+        "positions_cut": int(x.numel()),
+        "positions_packed": int(px.numel()),
+        "positions_real": sum(n - 1 for n in lengths),
+        "cut_s": round(cut_s, 5),
+        "packed_s": round(packed_s, 5),
+        "packed_over_cut": round(packed_s / cut_s, 3),
+    }
+
+
 # --- the parent: rounds of workers, then the figures -------------------------------------------
 
 
@@ -346,6 +410,7 @@ def main() -> None:
         theirs = spawn(work, "dpo", "trl_no_checkpointing", EQUAL["steps"], 1, True)["losses"]
         result["dpo_losses"] = {"llmcli": ours, "trl": theirs}
         result["dpo_loss_max_diff"] = max(abs(a - b) for a, b in zip(ours, theirs, strict=True))
+        result["dpo_packing_1t"] = packing(work, 1)
     for objective in args.objective:
         for threads in args.threads:
             result[f"{objective}_{threads}t"] = measure(
