@@ -46,11 +46,8 @@ from llmcli.config import load_config  # noqa: E402
 from llmcli.data.chat_batches import ChatSampler, PackedChatSampler  # noqa: E402
 from llmcli.data.tokens import prepare_data  # noqa: E402
 from llmcli.model.gpt import Transformer  # noqa: E402
-from llmcli.objectives.chat import (  # noqa: E402
-    packed_next_token_loss,
-    segment_mask,
-    segment_positions,
-)
+from llmcli.objectives.chat import packed_next_token_loss  # noqa: E402
+from llmcli.objectives.packing import segment_mask, segment_positions  # noqa: E402
 from llmcli.training.init_from import load_init_weights, resolve_init_from  # noqa: E402
 from llmcli.training.optim import build_optimizer  # noqa: E402
 from llmcli.training.precision import Precision  # noqa: E402

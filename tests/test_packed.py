@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from llmcli.config import ModelConfig
 from llmcli.model.gpt import Transformer
-from llmcli.objectives.chat import packed_next_token_loss, segment_mask, segment_positions
+from llmcli.objectives.chat import packed_next_token_loss
+from llmcli.objectives.packing import segment_mask, segment_positions
 
 VOCAB = 13
 

@@ -4,8 +4,9 @@ attends only to itself, its positions counted from 0.
 
 A packed batch (`llmcli.data.chat_batches.PackedChatSampler`) is `(x, y, segments)`, each
 `(B, T)`, where `segments` numbers a row's conversations 1, 2, ... and its padding 0. From it
-`segment_mask` builds the block-diagonal causal mask and `segment_positions` the positions,
-which the model's forward takes as any caller's (`mask`, `input_pos`): a conversation's logits,
+`segment_mask` builds the block-diagonal causal mask and `segment_positions` the positions
+(`llmcli.objectives.packing`), which the model's forward takes as any caller's (`mask`,
+`input_pos`): a conversation's logits,
 loss and gradients are then those of the same conversation alone at the start of a row. The
 training step calls `packed_next_token_loss` as its `loss_fn`; evaluation keeps the padded
 rows of `ChatSampler`, whose losses compare with a padded run's.
@@ -28,28 +29,8 @@ from torch import Tensor, nn
 
 from llmcli.data.chat_batches import ChatSampler, PackedChatSampler
 from llmcli.data.prepared import TokenData
-from llmcli.model.gpt import causal_mask
 from llmcli.objectives.base import Objective, SumRanks, next_token_loss
-
-
-def segment_mask(segments: Tensor) -> Tensor:
-    """Who may attend to whom: `(B, T)` segment ids -> `(B, 1, T, T)` bool, True where the
-    key is at or before the query and in the same segment (padding, one segment, attends
-    within itself, so that every query has a key)."""
-    T = segments.shape[1]
-    same = segments[:, :, None] == segments[:, None, :]  # (B, T, T)
-    causal = causal_mask(T, T, segments.device)  # (T, T)
-    return (same & causal).unsqueeze(1)  # (B, 1, T, T)
-
-
-def segment_positions(segments: Tensor) -> Tensor:
-    """Each position counted from its segment's first: `(B, T)` segment ids -> `(B, T)` long."""
-    B, T = segments.shape
-    t = torch.arange(T, device=segments.device).expand(B, T)  # (B, T)
-    first = torch.ones_like(segments, dtype=torch.bool)  # (B, T)
-    first[:, 1:] = segments[:, 1:] != segments[:, :-1]
-    start = torch.where(first, t, 0).cummax(dim=1).values  # (B, T): its segment's first
-    return t - start
+from llmcli.objectives.packing import segment_mask, segment_positions
 
 
 def packed_next_token_loss(

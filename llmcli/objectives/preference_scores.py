@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from llmcli.data.preference_data import PreferenceSplit, pair_batch
+from llmcli.objectives.packing import Packing, context_of
 from llmcli.progress import Progress
 
 
@@ -105,11 +106,18 @@ def target_scores(logits: Tensor, targets: Tensor, target_mask: Tensor) -> Compl
         targets: `(B, T)` int64.
         target_mask: `(B, T)` bool.
     """
-    logps = target_logps(logits, targets, target_mask)
     with torch.no_grad():  # a metric: TRL's fused head computes it without gradient too
         mean_logits = logits.mean(dim=-1, dtype=torch.float32)  # (B, T): over the vocabulary
-        logits_sum = torch.where(target_mask, mean_logits, 0.0).sum(dim=1)
-    return CompletionScores(logps, target_mask.sum(dim=1).float(), logits_sum)
+    return _summed(each_target_logp(logits, targets), mean_logits, target_mask)
+
+
+def _summed(logps: Tensor, mean_logits: Tensor, target_mask: Tensor) -> CompletionScores:
+    """Each row's sums over its scored targets: `(B, T)` each -> `CompletionScores`."""
+    return CompletionScores(
+        torch.where(target_mask, logps, 0.0).sum(dim=1),
+        target_mask.sum(dim=1).float(),
+        torch.where(target_mask, mean_logits, 0.0).sum(dim=1).detach(),
+    )
 
 
 def completion_scores(model: nn.Module, ids: Tensor, completion_mask: Tensor) -> CompletionScores:
@@ -120,13 +128,22 @@ def completion_scores(model: nn.Module, ids: Tensor, completion_mask: Tensor) ->
         ids: `(R, T+1)` int64, prompts then completions, padded after their ends.
         completion_mask: `(R, T+1)` bool, True on the completions' tokens.
     """
-    logits, _ = model(ids[:, :-1])  # (R, T, V)
-    return target_scores(logits, ids[:, 1:], completion_mask[:, 1:])
+    packing = _packing(model, completion_mask)
+    if packing is None:
+        logits, _ = model(ids[:, :-1])  # (R, T, V)
+        return target_scores(logits, ids[:, 1:], completion_mask[:, 1:])
+    logits = packing.logits(model, ids[:, :-1])  # (P, T_ctx, V)
+    logps = packing.unpack(each_target_logp(logits, packing.pack(ids[:, 1:])))  # (R, T)
+    with torch.no_grad():
+        mean_logits = packing.unpack(logits.mean(dim=-1, dtype=torch.float32))  # (R, T)
+    return _summed(logps, mean_logits, completion_mask[:, 1:])
 
 
 def completion_logps(model: nn.Module, ids: Tensor, completion_mask: Tensor) -> Tensor:
     """Each row's summed completion log-probability under `model`, which reads the first `T`
     tokens of rows of `T + 1` (its logits score the next ones, as a chat batch is scored).
+    Where it reads fewer positions so, the rows are packed whole into rows of the context, each
+    attending only to itself (`llmcli.objectives.packing`): the same scores, less padding.
 
     Args:
         model: `model(idx) -> (logits, loss)`.
@@ -136,8 +153,22 @@ def completion_logps(model: nn.Module, ids: Tensor, completion_mask: Tensor) -> 
     Returns:
         `(R,)` float32 (with gradients, unless the caller turned them off).
     """
-    logits, _ = model(ids[:, :-1])  # (R, T, V)
-    return target_logps(logits, ids[:, 1:], completion_mask[:, 1:])
+    packing = _packing(model, completion_mask)
+    if packing is None:
+        logits, _ = model(ids[:, :-1])  # (R, T, V)
+        return target_logps(logits, ids[:, 1:], completion_mask[:, 1:])
+    logps = each_target_logp(packing.logits(model, ids[:, :-1]), packing.pack(ids[:, 1:]))
+    return torch.where(completion_mask[:, 1:], packing.unpack(logps), 0.0).sum(dim=1)
+
+
+def _packing(model: nn.Module, completion_mask: Tensor) -> Packing | None:
+    """How rows whose completions end them pack into rows of the model's context, or None
+    where that does not pay (`Packing.plan`). A row's inputs run up to its last completion
+    token, which is only a target."""
+    R, L = completion_mask.shape
+    ends = L - completion_mask.flip(1).int().argmax(dim=1)  # (R,): one past each row's end
+    lengths = (ends - 1).tolist()
+    return Packing.plan(lengths, L - 1, context_of(model), completion_mask.device)
 
 
 @dataclass
