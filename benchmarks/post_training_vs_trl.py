@@ -17,7 +17,8 @@ steps warm the allocator, and llmcli scores the reference once before them). The
 interleaved rounds, their order rotating, so that a busy machine slows each alike:
 
 - DPO, 8 pairs of `data/dpo-train.jsonl` a step (beta 0.1): `llmcli` (`train.objective: dpo`:
-  rows cut to their batch's longest, the reference's scores computed once), `trl` (DPOTrainer
+  rows packed whole into rows of the context, the reference's scores computed once), `trl`
+  (DPOTrainer
   with its defaults: the reference's forward in every step, activation checkpointing) and
   `trl_no_checkpointing` (the same without checkpointing). `speed_vs_*` is TRL's step time over
   llmcli's: above 1, llmcli is faster.
@@ -26,6 +27,9 @@ interleaved rounds, their order rotating, so that a busy machine slows each alik
   answer's characters a completion holds: the sampling (llmcli's `GRPOObjective.shares`; TRL's
   `_generate_and_score_completions`: generation, rewards and advantages in both) is timed apart
   from the step, and `update` is the step less its sampling.
+
+`dpo_packing_1t` times DPO's forward and backward on those rows packed (llmcli's way) against
+the rows cut to their batch's longest, one a row, in one process.
 
 Equal losses: with `--equal` (run by default first), both train 10 steps on the same 8 pairs
 at every step with the same optimizer (AdamW, lr 1e-4 constant, betas 0.9 and 0.999, no
@@ -261,16 +265,17 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def packing(work: Path, threads: int, rounds: int = 15) -> dict[str, float]:
-    """A DPO step's forward and backward on the benchmark's 8 pairs as llmcli batches them (16
-    rows cut to the longest) against the same rows packed whole into rows of the context with a
-    block-diagonal mask (as packed chat SFT trains): fewer positions, a masked attention."""
+    """A DPO step's forward and backward (`llmcli.objectives.dpo.dpo_step`, the reference's
+    scores given) on the benchmark's 8 pairs, the 16 rows packed whole into rows of the context
+    (what llmcli does where it saves positions: `llmcli.objectives.packing`) against the rows
+    cut to their longest, one a row."""
     import torch
 
-    from llmcli.data.chat_batches import best_fit
     from llmcli.data.preference_data import pair_batch
     from llmcli.model.gpt import Transformer
-    from llmcli.objectives import objective_for
-    from llmcli.objectives.chat import packed_next_token_loss
+    from llmcli.objectives import objective_for, preference_scores
+    from llmcli.objectives.dpo import dpo_step
+    from llmcli.objectives.dpo_losses import DPOLoss
     from llmcli.training.init_from import load_init_weights, resolve_init_from
 
     torch.set_num_threads(threads)
@@ -278,46 +283,34 @@ def packing(work: Path, threads: int, rounds: int = 15) -> dict[str, float]:
     data = objective_for(config).read_data(None)
     pairs = data.preference
     ids, mask = pair_batch(pairs.train, list(range(PAIRS)), pairs.pad_id)  # (2B, L)
-    lengths = [int(row.nonzero().max()) + 1 for row in mask]  # each row ends its completion
     model = Transformer(config.model, data.tokenizer.vocab_size)
     load_init_weights(model, str(work / "base"))
-    x, y = ids[:, :-1], ids[:, 1:].clone()
-    for row, n in enumerate(lengths):
-        y[row, n - 1 :] = -1
-    T = config.model.context_length
-    placed, _ = best_fit([n - 1 for n in lengths], len(lengths), T)
-    placed = [items for items in placed if items]
-    px = torch.full((len(placed), T), pairs.pad_id)
-    py = torch.full((len(placed), T), -1)
-    segments = torch.zeros((len(placed), T), dtype=torch.long)
-    for r, items in enumerate(placed):
-        at = 0
-        for segment, i in enumerate(items, start=1):
-            n = lengths[i] - 1
-            px[r, at : at + n], py[r, at : at + n] = x[i, :n], y[i, :n]
-            segments[r, at : at + n] = segment
-            at += n
+    loss = DPOLoss.from_config(config.train)
+    with torch.no_grad():
+        reference = preference_scores.completion_logps(model, ids, mask)
+    plan = preference_scores._packing
+    packed = plan(model, mask)
+    assert packed is not None, "the benchmark's pairs should pack"
 
-    def cut() -> None:
-        model(x, y)[1].backward()
-
-    def packed() -> None:
-        packed_next_token_loss(model, (px, py, segments))[0].backward()
+    def step(way: str) -> None:
+        preference_scores._packing = plan if way == "packed" else (lambda model, mask: None)
+        dpo_step(model, reference, ids, mask, loss)[0].backward()
 
     times: dict[str, list[float]] = {"cut": [], "packed": []}
-    for way in (cut, packed):  # warm-up
-        way()
+    for way in times:  # warm-up
+        step(way)
     for r in range(rounds):
-        for name, way in (("cut", cut), ("packed", packed))[:: 1 if r % 2 == 0 else -1]:
+        for way in ("cut", "packed")[:: 1 if r % 2 == 0 else -1]:
             start = time.perf_counter()
             for _ in range(5):
-                way()
-            times[name].append((time.perf_counter() - start) / 5)
+                step(way)
+            times[way].append((time.perf_counter() - start) / 5)
+    preference_scores._packing = plan
     cut_s, packed_s = (statistics.median(times[k]) for k in ("cut", "packed"))
     return {
-        "positions_cut": int(x.numel()),
-        "positions_packed": int(px.numel()),
-        "positions_real": sum(n - 1 for n in lengths),
+        "positions_cut": int(ids[:, 1:].numel()),
+        "positions_packed": int(packed.real.numel()),
+        "positions_real": int(packed.real.sum()),
         "cut_s": round(cut_s, 5),
         "packed_s": round(packed_s, 5),
         "packed_over_cut": round(packed_s / cut_s, 3),
