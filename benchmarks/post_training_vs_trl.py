@@ -18,9 +18,8 @@ interleaved rounds, their order rotating, so that a busy machine slows each alik
 
 - DPO, 8 pairs of `data/dpo-train.jsonl` a step (beta 0.1): `llmcli` (`train.objective: dpo`:
   rows packed whole into rows of the context, the reference's scores computed once), `trl`
-  (DPOTrainer
-  with its defaults: the reference's forward in every step, activation checkpointing) and
-  `trl_no_checkpointing` (the same without checkpointing). `speed_vs_*` is TRL's step time over
+  (DPOTrainer with its defaults: the reference's forward in every step, activation
+  checkpointing) and `trl_no_checkpointing` (the same without checkpointing). `speed_vs_*` is TRL's step time over
   llmcli's: above 1, llmcli is faster.
 - GRPO, 4 prompts of `data/grpo-train.jsonl` x 8 completions of up to 32 tokens at temperature
   1 (TRL's defaults otherwise: beta 0, loss `dapo`, one iteration), rewarded by the share of the
@@ -31,7 +30,7 @@ interleaved rounds, their order rotating, so that a busy machine slows each alik
 `dpo_packing_1t` times DPO's forward and backward on those rows packed (llmcli's way) against
 the rows cut to their batch's longest, one a row, in one process.
 
-Equal losses: with `--equal` (run by default first), both train 10 steps on the same 8 pairs
+Equal losses: first, both train 10 steps on the same 8 pairs
 at every step with the same optimizer (AdamW, lr 1e-4 constant, betas 0.9 and 0.999, no
 weight decay, gradients clipped to 1.0), and `dpo_loss_max_diff` is the largest difference of
 their per-step losses. GRPO's loss is TRL's by `tests/test_grpo_loss.py` (TRL's own loss on the
