@@ -19,8 +19,8 @@ interleaved rounds, their order rotating, so that a busy machine slows each alik
 - DPO, 8 pairs of `data/dpo-train.jsonl` a step (beta 0.1): `llmcli` (`train.objective: dpo`:
   rows packed whole into rows of the context, the reference's scores computed once), `trl`
   (DPOTrainer with its defaults: the reference's forward in every step, activation
-  checkpointing) and `trl_no_checkpointing` (the same without checkpointing). `speed_vs_*` is TRL's step time over
-  llmcli's: above 1, llmcli is faster.
+  checkpointing) and `trl_no_checkpointing` (the same without checkpointing). `speed_vs_*` is
+  TRL's step time over llmcli's: above 1, llmcli is faster.
 - GRPO, 4 prompts of `data/grpo-train.jsonl` x 8 completions of up to 32 tokens at temperature
   1 (TRL's defaults otherwise: beta 0, loss `dapo`, one iteration), rewarded by the share of the
   answer's characters a completion holds: the sampling (llmcli's `GRPOObjective.shares`; TRL's
@@ -287,12 +287,12 @@ def packing(work: Path, threads: int, rounds: int = 15) -> dict[str, float]:
     loss = DPOLoss.from_config(config.train)
     with torch.no_grad():
         reference = preference_scores.completion_logps(model, ids, mask)
-    plan = preference_scores._packing
+    plan = preference_scores.packing_for
     packed = plan(model, mask)
     assert packed is not None, "the benchmark's pairs should pack"
 
     def step(way: str) -> None:
-        preference_scores._packing = plan if way == "packed" else (lambda model, mask: None)
+        preference_scores.packing_for = plan if way == "packed" else (lambda model, mask: None)
         dpo_step(model, reference, ids, mask, loss)[0].backward()
 
     times: dict[str, list[float]] = {"cut": [], "packed": []}
@@ -304,7 +304,7 @@ def packing(work: Path, threads: int, rounds: int = 15) -> dict[str, float]:
             for _ in range(5):
                 step(way)
             times[way].append((time.perf_counter() - start) / 5)
-    preference_scores._packing = plan
+    preference_scores.packing_for = plan
     cut_s, packed_s = (statistics.median(times[k]) for k in ("cut", "packed"))
     return {
         "positions_cut": int(ids[:, 1:].numel()),

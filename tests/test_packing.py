@@ -11,7 +11,8 @@ from llmcli.model.gpt import Transformer
 from llmcli.objectives import preference_scores
 from llmcli.objectives.dpo import dpo_step
 from llmcli.objectives.dpo_losses import DPOLoss
-from llmcli.objectives.packing import MIN_SAVING, Packing
+from llmcli.objectives.grpo_loss import token_logps
+from llmcli.objectives.packing import MIN_SAVING, Packing, packing_for
 from llmcli.objectives.preference_scores import (
     completion_logps,
     completion_scores,
@@ -84,7 +85,7 @@ def test_packing_is_refused_where_it_saves_too_little() -> None:
 def test_packed_scores_and_their_gradients_are_the_rows_scored_alone() -> None:
     policy = model(0)
     ids, mask = pair_rows(LENGTHS)
-    assert preference_scores._packing(policy, mask) is not None  # these rows do pack
+    assert packing_for(policy, mask) is not None  # these rows do pack
     packed = completion_scores(policy, ids, mask)
     packed.logps.sum().backward()
     packed_grads = [p.grad.clone() for p in policy.parameters()]
@@ -107,9 +108,21 @@ def test_dpo_losses_on_packed_rows_equal_the_rows_one_a_row(monkeypatch) -> None
     ids, mask = pair_rows(LENGTHS)
     loss = DPOLoss.from_config(config_from_dict({}).train)
     packed_loss, packed_metrics = dpo_step(policy, reference, ids, mask, loss)
-    monkeypatch.setattr(preference_scores, "_packing", lambda model, mask: None)
+    monkeypatch.setattr(preference_scores, "packing_for", lambda model, mask: None)
     alone_loss, alone_metrics = dpo_step(policy, reference, ids, mask, loss)
     assert abs(packed_loss.item() - alone_loss.item()) < 1e-6
     assert alone_loss.item() > 0.1  # the two models disagree: a loss that could differ
     for name, value in alone_metrics.items():
         assert packed_metrics[name].item() == pytest.approx(value.item(), abs=1e-5), name
+
+
+def test_grpo_token_logps_on_packed_rows_are_each_rows_own() -> None:
+    policy = model(3)
+    ids, mask = pair_rows(LENGTHS, prompt=5)
+    assert packing_for(policy, mask) is not None
+    packed = token_logps(policy, ids, 0.7, mask)  # (R, L - 1)
+    alone = token_logps(policy, ids, 0.7)
+    scored = mask[:, 1:]
+    torch.testing.assert_close(packed[scored], alone[scored], rtol=0, atol=1e-5)
+    for row, marks in zip(packed, scored, strict=True):  # past a row's end: 0, not padding's
+        assert (row[int(marks.nonzero().max()) + 1 :] == 0).all()

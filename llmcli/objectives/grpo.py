@@ -109,9 +109,9 @@ class GRPOObjective:
         figures: the step's, and this share's `kl` against the reference."""
         device = next(self.policy.parameters()).device
         done = share.completions
-        ids, mask = done.ids.to(device), done.mask[:, 1:].to(device)
-        temperature = self.sampling.temperature
-        logps = token_logps(model, ids, temperature)
+        ids, rows = done.ids.to(device), done.mask.to(device)
+        mask, temperature = rows[:, 1:], self.sampling.temperature
+        logps = token_logps(model, ids, temperature, rows)
         old = None if share.old_logps is None else share.old_logps.to(device)
         per_token, low, high = per_token_loss(
             logps, share.advantages.to(device), old, self.epsilon, self.epsilon_high
@@ -123,7 +123,7 @@ class GRPOObjective:
             figures["clip_ratio/region_mean"] = masked_mean((low | high).float(), mask)
         if self.reference is not None:
             with torch.no_grad():
-                ref = token_logps(self.reference, ids, temperature)
+                ref = token_logps(self.reference, ids, temperature, rows)
             kl = kl_per_token(logps, ref)
             per_token = per_token + self.beta * kl
             figures["kl"] = masked_mean(kl, mask).detach()
@@ -157,8 +157,9 @@ class GRPOObjective:
             device = next(self.policy.parameters()).device
             with self._generating(), self.autocast():
                 for share in shares:
-                    ids = share.completions.ids.to(device)
-                    share.old_logps = token_logps(self.policy, ids, self.sampling.temperature)
+                    ids, rows = share.completions.ids.to(device), share.completions.mask.to(device)
+                    temperature = self.sampling.temperature
+                    share.old_logps = token_logps(self.policy, ids, temperature, rows)
         return shares
 
     def sample(self, batch: PromptBatch) -> Completions:

@@ -1,7 +1,7 @@
 """Sequences packed whole into rows of the context, each attending only to itself: the
 block-diagonal causal mask and each sequence's own positions (what packed chat SFT trains on),
-and a batch of rows cut to their longest (DPO's pairs) packed that way when it reads fewer
-positions so (`Packing`).
+and a batch of rows cut to their longest (DPO's pairs, GRPO's completions) packed that way
+when it reads fewer positions so (`Packing`, `packing_for`).
 
 A row packed among others computes what it computes alone: its tokens see only its own earlier
 tokens, at positions counted from its start, so its logits are the same up to the last bits of
@@ -101,6 +101,12 @@ class Packing:
         return model(self.pack(rows), mask=mask, input_pos=positions)[0]
 
 
-def context_of(model: nn.Module) -> int:
-    """The model's context length, under DDP's wrapper too (a compiled model forwards it)."""
-    return int(getattr(model, "module", model).context_length)
+def packing_for(model: nn.Module, completion_mask: Tensor) -> Packing | None:
+    """How rows that end at their last completion token (`completion_mask` `(R, L)`: DPO's
+    pairs, GRPO's completions) pack into rows of the model's context, or None where that does
+    not pay (`Packing.plan`). A row's inputs run up to its last completion token, which is
+    only a target."""
+    R, L = completion_mask.shape
+    ends = L - completion_mask.flip(1).int().argmax(dim=1)  # (R,): one past each row's end
+    context = int(getattr(model, "module", model).context_length)  # under DDP's wrapper too
+    return Packing.plan((ends - 1).tolist(), L - 1, context, completion_mask.device)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from llmcli.data.preference_data import PreferenceSplit, pair_batch
-from llmcli.objectives.packing import Packing, context_of
+from llmcli.objectives.packing import packing_for
 from llmcli.progress import Progress
 
 
@@ -128,7 +128,7 @@ def completion_scores(model: nn.Module, ids: Tensor, completion_mask: Tensor) ->
         ids: `(R, T+1)` int64, prompts then completions, padded after their ends.
         completion_mask: `(R, T+1)` bool, True on the completions' tokens.
     """
-    packing = _packing(model, completion_mask)
+    packing = packing_for(model, completion_mask)
     if packing is None:
         logits, _ = model(ids[:, :-1])  # (R, T, V)
         return target_scores(logits, ids[:, 1:], completion_mask[:, 1:])
@@ -153,22 +153,12 @@ def completion_logps(model: nn.Module, ids: Tensor, completion_mask: Tensor) -> 
     Returns:
         `(R,)` float32 (with gradients, unless the caller turned them off).
     """
-    packing = _packing(model, completion_mask)
+    packing = packing_for(model, completion_mask)
     if packing is None:
         logits, _ = model(ids[:, :-1])  # (R, T, V)
         return target_logps(logits, ids[:, 1:], completion_mask[:, 1:])
     logps = each_target_logp(packing.logits(model, ids[:, :-1]), packing.pack(ids[:, 1:]))
     return torch.where(completion_mask[:, 1:], packing.unpack(logps), 0.0).sum(dim=1)
-
-
-def _packing(model: nn.Module, completion_mask: Tensor) -> Packing | None:
-    """How rows whose completions end them pack into rows of the model's context, or None
-    where that does not pay (`Packing.plan`). A row's inputs run up to its last completion
-    token, which is only a target."""
-    R, L = completion_mask.shape
-    ends = L - completion_mask.flip(1).int().argmax(dim=1)  # (R,): one past each row's end
-    lengths = (ends - 1).tolist()
-    return Packing.plan(lengths, L - 1, context_of(model), completion_mask.device)
 
 
 @dataclass
