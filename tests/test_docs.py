@@ -337,6 +337,7 @@ class _Reader:
             self.failures.append(f"{where}: {' '.join(words)} exited {code}: {err[-600:]}")
 
 
+@pytest.mark.slow  # about a hundred commands: a minute on a busy machine
 def test_every_cheap_command_of_every_page_runs_as_a_new_user_types_it(
     tmp_path, monkeypatch, capsys
 ) -> None:
