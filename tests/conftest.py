@@ -16,6 +16,7 @@ from hypothesis import settings
 
 from llmcli.config import config_from_dict
 from llmcli.data.tokenizer import Tokenizer
+from llmcli.device import usable_cpus
 from llmcli.model.gpt import Transformer
 from llmcli.runs.directory import save_model_run
 
@@ -25,6 +26,56 @@ ROOT = Path(__file__).resolve().parents[1]
 # settings do not say so: a failure is then reproducible rather than luck.
 settings.register_profile("derandomized", derandomize=True)
 settings.load_profile("derandomized")
+
+
+# --- parallel workers (pytest-xdist, `-n auto` in pyproject.toml) -------------------------------
+
+_THREADS_BEFORE = pytest.StashKey[str | None]()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    """`-n auto`: one worker per CPU this process may use (a container's quota and `taskset`
+    count, the host's other CPUs do not), and none with a single CPU, where a worker would
+    only add its start-up: the tests then run in this process. PYTEST_XDIST_AUTO_NUM_WORKERS,
+    where set, is xdist's to read."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None
+    cpus = usable_cpus()
+    return cpus if cpus > 1 else 0
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """In the process that starts workers: each worker's torch, and every process its tests
+    start, gets its share of the CPUs (one thread for one worker a CPU), set before the workers
+    start, as torch and OpenMP read OMP_NUM_THREADS once, at start-up; two workers with a
+    thread a CPU each would only wait for each other."""
+    workers = getattr(config.option, "numprocesses", None)
+    if not workers or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    config.stash[_THREADS_BEFORE] = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(max(1, usable_cpus() // workers))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _THREADS_BEFORE not in config.stash:
+        return
+    before = config.stash[_THREADS_BEFORE]
+    if before is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = before
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In a worker: the files holding slow tests first. Workers take whole files in collection
+    order (`--dist loadfile --no-loadscope-reorder`); started first, the long files run beside
+    the many short ones, and no worker is left running one alone at the end. A run without
+    workers keeps the files' order."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)  # stable: the rest keep their order
 
 
 @pytest.fixture(scope="session", autouse=True)

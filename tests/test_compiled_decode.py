@@ -49,6 +49,7 @@ def alone(model, prompt: list[int], n: int, temperature: float, seed: int) -> li
     return out[0, len(prompt) :].tolist()
 
 
+@pytest.mark.slow  # compiles (`compiled`)
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_a_padded_batch_gets_the_plain_loops_tokens(compiled, temperature) -> None:
     """Padding masks and per-row positions go through the compiled step as the forward takes
@@ -61,6 +62,7 @@ def test_a_padded_batch_gets_the_plain_loops_tokens(compiled, temperature) -> No
         assert got[b] == alone(model, prompt, 10, temperature, 4 + b), f"prompt {b}"
 
 
+@pytest.mark.slow  # compiles (`compiled`)
 def test_steps_past_the_context_and_other_batch_sizes_still_match(compiled) -> None:
     """Past the context the `shift` policy re-prefills and decodes again with the compiled step;
     a batch of another size takes the fast step: the tokens are those of the plain forward."""
@@ -74,6 +76,7 @@ def test_steps_past_the_context_and_other_batch_sizes_still_match(compiled) -> N
     )
 
 
+@pytest.mark.slow  # compiles (`compiled`)
 def test_the_compiled_step_is_kept_and_reused(compiled, monkeypatch) -> None:
     """The same model and rows: the decoder made before; a new process (here: the last decoder
     cleared) loads the cached step without compiling; other weights make another key."""

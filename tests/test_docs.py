@@ -337,6 +337,7 @@ class _Reader:
             self.failures.append(f"{where}: {' '.join(words)} exited {code}: {err[-600:]}")
 
 
+@pytest.mark.slow  # about a hundred commands: a minute on a busy machine
 def test_every_cheap_command_of_every_page_runs_as_a_new_user_types_it(
     tmp_path, monkeypatch, capsys
 ) -> None:
@@ -370,15 +371,23 @@ def _build_site(site: Path) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
 
 
+@pytest.fixture(scope="module")
+def built_site(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The site, built once for the tests that read it (a build takes seconds): its folder and
+    the build's outcome, which each test checks."""
+    site = tmp_path_factory.mktemp("site")
+    return site, _build_site(site)
+
+
 @pytest.mark.slow
-def test_the_site_builds_strictly_and_fails_on_a_broken_link(tmp_path) -> None:
-    built = _build_site(tmp_path / "site")
+def test_the_site_builds_strictly_and_fails_on_a_broken_link(built_site, tmp_path) -> None:
+    site, built = built_site
     assert built.returncode == 0, built.stderr
-    home = (tmp_path / "site" / "index.html").read_text(encoding="utf-8")
+    home = (site / "index.html").read_text(encoding="utf-8")
     # README's links lead to the site's pages, and files outside docs/ come in under repo/.
     assert 'href="getting-started.html"' in home
     assert 'href="reference/commands.html#llmcli-sample"' in home
-    assert (tmp_path / "site" / "repo" / "configs" / "tiny.yaml").is_file()
+    assert (site / "repo" / "configs" / "tiny.yaml").is_file()
     # The same validation settings on a page whose link's heading is not there.
     config = yaml.safe_load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"))
     docs = tmp_path / "docs"
@@ -399,12 +408,12 @@ def test_the_site_builds_strictly_and_fails_on_a_broken_link(tmp_path) -> None:
 
 
 @needs_chromium
-def test_the_built_home_page_and_a_guide_render_in_chromium(browser, tmp_path) -> None:
+def test_the_built_home_page_and_a_guide_render_in_chromium(browser, built_site, tmp_path) -> None:
     """Screenshots of the home page and the training guide (kept where LLMCLI_DOCS_SCREENSHOTS
     says, to be looked at), each checked to have rendered: Material's header and navigation
     styled, the page's own heading and pictures shown, no console errors."""
-    site = tmp_path / "site"
-    assert _build_site(site).returncode == 0
+    site, built = built_site
+    assert built.returncode == 0, built.stderr
     keep = Path(os.environ.get("LLMCLI_DOCS_SCREENSHOTS", tmp_path))
     keep.mkdir(parents=True, exist_ok=True)
     for name, heading in (("index", "llmcli"), ("training", "Training")):

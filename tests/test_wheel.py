@@ -23,7 +23,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.slow
-NOT_SOURCES = (".git", "build", "dist", "*.egg-info", "checkpoints", ".*cache*", "__pycache__")
+# Not copied to build from: outputs, caches, a virtual environment made in the checkout (README's
+# `.venv`: gigabytes), and Hypothesis' folder, which a parallel worker's tests may be writing.
+NOT_SOURCES = (
+    *(".git", "build", "dist", "*.egg-info", "checkpoints", ".*cache*", "__pycache__"),
+    *(".venv", ".hypothesis"),
+)
 
 
 def run(args: list, cwd: Path, env: dict[str, str], timeout: float = 300):
