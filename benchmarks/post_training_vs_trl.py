@@ -25,7 +25,9 @@ interleaved rounds, their order rotating, so that a busy machine slows each alik
   1 (TRL's defaults otherwise: beta 0, loss `dapo`, one iteration), rewarded by the share of the
   answer's characters a completion holds: the sampling (llmcli's `GRPOObjective.shares`; TRL's
   `_generate_and_score_completions`: generation, rewards and advantages in both) is timed apart
-  from the step, and `update` is the step less its sampling.
+  from the step, and `update` is the step less its sampling; `token_speed_vs_*` compares the
+  updates per completion token (each library stops a reply at its own end tokens, so their
+  replies' mean lengths, `*_completion_length`, differ a little).
 
 `dpo_packing_1t` times DPO's forward and backward on those rows packed (llmcli's way) against
 the rows cut to their batch's longest, one a row, in one process.
@@ -43,6 +45,7 @@ Prints one JSON object.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -91,8 +94,9 @@ def prepare(work: Path) -> None:
     )
     save_model_run(work / "base", config, tokenizer, model)
     default_template().save(work / "base")
-    try:
-        llmcli_main(["export", "--checkpoint", str(work / "base"), "--out", str(work / "hf")])
+    try:  # its report on stderr: stdout is the benchmark's one JSON object
+        with contextlib.redirect_stdout(sys.stderr):
+            llmcli_main(["export", "--checkpoint", str(work / "base"), "--out", str(work / "hf")])
     except SystemExit as exc:
         assert exc.code == 0, exc.code
     for name, source, n in (("pairs", "dpo-train", PAIRS), ("prompts", "grpo-train", 64)):
@@ -371,6 +375,10 @@ def measure(work: Path, objective: str, threads: int, rounds: int, steps: int) -
         if objective == "grpo":
             total = result[f"{peer}_step_s"] / result["llmcli_step_s"]
             result[f"step_speed_vs_{peer}"] = round(total, 3)
+            # the update's time per completion token: the two sample replies of other lengths
+            ours = result["llmcli_update_s"] / result["llmcli_completion_length"]
+            theirs = result[f"{peer}_update_s"] / result[f"{peer}_completion_length"]
+            result[f"token_speed_vs_{peer}"] = round(theirs / ours, 3)
     return result
 
 
