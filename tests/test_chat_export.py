@@ -9,6 +9,7 @@ with gguf's `GGUFReader`, must hold the template and the end-of-turn id.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -137,6 +138,37 @@ def test_generate_stops_at_the_end_of_a_turn(tmp_path):
     with torch.no_grad():
         ids = theirs.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)
     assert ids[0, len(prompt) :].tolist() == [end_id]
+
+
+def test_a_reply_ends_at_the_end_of_text_in_llmcli_as_in_the_exports_generate(tmp_path):
+    """A model whose every next token is the end of text: the export's `generate` (TRL's GRPO
+    samples with it) stops after it, and so do llmcli's replies (GRPO's, `llmcli eval
+    --answers`), which leave it out of the reply and say which token ended it."""
+    from transformers import AutoModelForCausalLM
+
+    from llmcli.generation.replies import replies
+
+    run_dir = save_chat_run(tmp_path / "run", tie_embeddings=False)
+    run = load_run(run_dir)
+    encoder = encoder_of(run_dir)
+    eot = run.tokenizer.eot_id
+    assert encoder.reply_end_ids == (encoder.end_id, eot)
+    with torch.no_grad():  # the final norm outputs ones; only the end of text's row sees them
+        run.model.ln_f.weight.zero_()
+        run.model.ln_f.bias.fill_(1.0)
+        run.model.lm_head.weight.zero_()
+        run.model.lm_head.weight[eot] = 1.0
+    save_model_run(run_dir, run.config, run.tokenizer, run.model)
+    out = tmp_path / "hf"
+    assert cli("export", "--checkpoint", run_dir, "--out", out) == 0
+    theirs = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    prompt = encoder.prompt(CONVERSATIONS[0][:-1])
+    with torch.no_grad():
+        ids = theirs.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)
+    assert ids[0, len(prompt) :].tolist() == [eot]
+    greedy = dataclasses.replace(run.config.sample, temperature=0.0)
+    ours = replies(run.model.eval(), [prompt], [10], encoder.reply_end_ids, greedy)
+    assert ours == [([], eot)]
 
 
 def test_text_run_export_into_a_chat_export_leaves_no_template(exported, tmp_path):

@@ -137,9 +137,11 @@ def test_a_steps_loss_is_the_formula_on_its_own_completions_rewards_and_logps(
         assert done.ids[i, :n].tolist() == prompts.train.ids[k].tolist()
         completion = done.ids[i][done.mask[i]].tolist()
         read += n + len(completion) - 1
-        if done.ended[i]:
-            assert completion[-1] == prompts.end_id
+        if done.ended[i]:  # at one of the tokens that end a reply, the row's last
+            assert completion[-1] in prompts.end_ids
             completion = completion[:-1]
+        else:
+            assert not set(completion) & set(prompts.end_ids)
         assert tokenizer.decode(completion) == done.texts[i]
     assert done.positions == read < done.ids.numel()  # the log's tokens
     rewards = np.array([t.count("a") + len(t) / 8 for t in done.texts])
@@ -257,7 +259,7 @@ def test_evaluation_reports_greedy_pass_at_1_as_the_replies_made_apart(
     model.eval()
     budgets = [min(config.sample.max_new_tokens, 32 + 1 - len(ids)) for ids in split.ids]
     got = [
-        greedy_replies(model, [ids.tolist()], [n], prompts.end_id, config.sample)[0]
+        greedy_replies(model, [ids.tolist()], [n], prompts.end_ids, config.sample)[0]
         for ids, n in zip(split.ids, budgets, strict=True)
     ]
     texts = [tokenizer.decode(ids) for ids, _ in got]
@@ -274,7 +276,7 @@ def test_evaluation_reports_greedy_pass_at_1_as_the_replies_made_apart(
     n = load_run(base).config.sample.max_new_tokens
     got = [
         greedy_replies(
-            model, [ids.tolist()], [min(n, 33 - len(ids))], prompts.end_id, config.sample
+            model, [ids.tolist()], [min(n, 33 - len(ids))], prompts.end_ids, config.sample
         )
         for ids in split.ids
     ]
@@ -306,10 +308,10 @@ def test_evaluation_scores_with_the_runs_reward_where_exact_match_would_not(
     # llmcli eval on the prompts file: a GRPO run's reward (number), else exact match.
     greedy_figures = prompts_module.greedy_figures
 
-    def written_replies(model, split, end_id, sample, reward, decode_text, *args, **kwargs):
+    def written_replies(model, split, end_ids, sample, reward, decode_text, *args, **kwargs):
         texts = iter(replies)
         return greedy_figures(
-            model, split, end_id, sample, reward, lambda ids: next(texts), *args, **kwargs
+            model, split, end_ids, sample, reward, lambda ids: next(texts), *args, **kwargs
         )
 
     monkeypatch.setattr(prompts_module, "greedy_figures", written_replies)

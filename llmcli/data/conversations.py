@@ -197,6 +197,13 @@ class ConversationEncoder:
                 "chat tokens (add_chat_tokens adds them)."
             )
         self.end_id: int = self._hf.token_to_id(CHAT_TOKENS[-1])
+        # The tokens that end a reply: the end of turn, and the end of text where the tokenizer
+        # has one (a model may write it too). The Hugging Face export lists both as its
+        # `eos_token_id`, so generation there (TRL's included) stops at either, as llmcli's does.
+        eot = tokenizer.eot_id
+        self.reply_end_ids: tuple[int, ...] = (
+            (self.end_id,) if eot is None or eot == self.end_id else (self.end_id, eot)
+        )
         # What the template reads as bos_token and eos_token: the export's, so that its
         # apply_chat_template renders the text (and ids) encoded here.
         self.special_tokens = special_tokens(eot_text(tokenizer))

@@ -156,14 +156,19 @@ class PromptSplit:
 
 @dataclass
 class PromptData:
-    """Both splits of GRPO's prompts, the token that ends a completion (the chat template's end
-    of turn, or the end-of-text token), and the template the prompts were rendered with (None:
-    text prompts only)."""
+    """Both splits of GRPO's prompts, the tokens that end a completion (the chat template's end
+    of turn, then the end-of-text token where there is one; for text prompts the end-of-text
+    token alone), and the template the prompts were rendered with (None: text prompts only)."""
 
     train: PromptSplit
     val: PromptSplit
-    end_id: int
+    end_ids: tuple[int, ...]
     template: ChatTemplate | None = None
+
+    @property
+    def end_id(self) -> int:
+        """The first end token: the one that pads a batch's rows after their ends."""
+        return self.end_ids[0]
 
     def counts(self) -> dict[str, dict[str, int]]:
         """Each split's prompt counts (for meta.json): prompts, kept, skipped."""

@@ -101,6 +101,8 @@ class PromptEncoder:
                 "GRPO from a run trained since llmcli added one, or from a chat run."
             )
         self.end_id: int = end_id
+        # every token that ends a completion (the first, `end_id`, also pads the rows)
+        self.end_ids = self.chat.reply_end_ids if self.chat is not None else (end_id,)
 
     def encode(self, row: PromptRow) -> tuple[list[int], str]:
         """A prompt's ids and its text as a reward function reads it."""
@@ -179,7 +181,7 @@ def prepare_prompt_data(
             log.warning("%s", note)
     train, val = splits
     log.info("prompts: %s to train on, %s to validate on", f"{len(train):,}", f"{len(val):,}")
-    return PromptData(train, val, encoder.end_id, template)
+    return PromptData(train, val, encoder.end_ids, template)
 
 
 def prompt_token_data(

@@ -270,10 +270,10 @@ def answer_turns(
             len(encoder.tokenizer.encode(expected)) + ANSWER_MARGIN for *_, expected in batch
         ]
         vocab = encoder.tokenizer.vocab_size
-        replies = greedy_replies(model, prompts, budgets, encoder.end_id, sample, vocab)
-        for (where, turn, _, expected), (ids, ended) in zip(batch, replies, strict=True):
+        replies = greedy_replies(model, prompts, budgets, encoder.reply_end_ids, sample, vocab)
+        for (where, turn, _, expected), (ids, end) in zip(batch, replies, strict=True):
             got = encoder.tokenizer.decode(ids)
-            answers.append(Answer(where, turn, expected, got, ended and got == expected))
+            answers.append(Answer(where, turn, expected, got, end is not None and got == expected))
         bar.update(len(batch))
     bar.close()
     return answers
@@ -283,14 +283,14 @@ def greedy_replies(
     model: Any,
     prompts: list[list[int]],
     budgets: list[int],
-    end_id: int,
+    end_ids: tuple[int, ...],
     sample: Any,
     vocab_size: int | None = None,
-) -> list[tuple[list[int], bool]]:
-    """Each prompt's greedy reply before the end-of-turn token `end_id` (`replies` at
-    temperature 0), and whether it came within the prompt's budget of tokens."""
+) -> list[tuple[list[int], int | None]]:
+    """Each prompt's greedy reply before its first token of `end_ids` (`replies` at temperature
+    0), and that token, where it came within the prompt's budget (None: cut there)."""
     greedy = dataclasses.replace(sample, temperature=0.0)
-    return replies(model, prompts, budgets, end_id, greedy, vocab_size)
+    return replies(model, prompts, budgets, end_ids, greedy, vocab_size)
 
 
 # --- The whole evaluation --------------------------------------------------------------------

@@ -107,7 +107,7 @@ def evaluate_prompts(
     figures = greedy_figures(
         run.model,
         split,
-        encoder.end_id,
+        encoder.end_ids,
         config.sample,
         reward,
         run.tokenizer.decode,

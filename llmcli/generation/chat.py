@@ -105,8 +105,9 @@ def fit_history(
 
 
 def reply_stop_ids(encoder: ConversationEncoder) -> tuple[int, ...]:
-    """The ids that end a reply: `<|end|>` and the role markers (each the start of a turn)."""
-    ids = [encoder.end_id]
+    """The ids that end a reply: the tokens every reply ends at (`<|end|>`, the end of text:
+    `ConversationEncoder.reply_end_ids`) and the role markers (each the start of a turn)."""
+    ids = list(encoder.reply_end_ids)
     for token in CHAT_TOKENS:
         piece = encoder.tokenizer.encode(token)
         if len(piece) == 1 and piece[0] not in ids:

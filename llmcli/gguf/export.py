@@ -144,7 +144,7 @@ def export_gguf(
     model = run.model
     arch = choose(run.config.model)
     vocab = gguf_vocab(run.tokenizer, model.vocab_size)
-    template, end_id = run_chat(run.run_dir, run.tokenizer)
+    template, end_ids = run_chat(run.run_dir, run.tokenizer)
     tensors = gguf_tensors(model, arch)
     eps = getattr(model.ln_f, "eps", NORM_EPS)
     try:
@@ -153,8 +153,8 @@ def export_gguf(
             _add_metadata(writer, arch, model, eps, run.run_dir.name)
             writer.add_file_type(int(gguf.LlamaFileType.MOSTLY_F16 if dtype == "f16" else 0))
             _add_vocab(writer, vocab)
-            if template is not None and end_id is not None:
-                _add_chat(writer, template, end_id)
+            if template is not None and end_ids is not None:
+                _add_chat(writer, template, end_ids[0])  # the end of turn
             for name, tensor in tensors.items():
                 array = tensor.numpy()
                 if dtype == "f16" and array.ndim == 2:

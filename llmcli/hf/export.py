@@ -106,9 +106,12 @@ def hf_tokenizer_files(
     return files
 
 
-def run_chat(run_dir: Path, tokenizer: Tokenizer) -> tuple[ChatTemplate | None, int | None]:
-    """A chat run's template and its end-of-turn token id, which both exports carry; `(None,
-    None)` for a run trained on plain text.
+def run_chat(
+    run_dir: Path, tokenizer: Tokenizer
+) -> tuple[ChatTemplate | None, tuple[int, ...] | None]:
+    """A chat run's template and the tokens that end a reply (its end of turn first:
+    `ConversationEncoder.reply_end_ids`), which both exports carry; `(None, None)` for a run
+    trained on plain text.
 
     Raises:
         InputError: an unreadable template, or a tokenizer without the chat tokens (named).
@@ -117,14 +120,14 @@ def run_chat(run_dir: Path, tokenizer: Tokenizer) -> tuple[ChatTemplate | None, 
     if template is None:
         return None, None
     # A chat run's tokenizer holds the chat tokens (the encoder says which it lacks otherwise).
-    return template, ConversationEncoder(template, tokenizer).end_id
+    return template, ConversationEncoder(template, tokenizer).reply_end_ids
 
 
 def _generation_config(
-    config: Config, eot_id: int | None, end_id: int | None = None
+    config: Config, eot_id: int | None, end_ids: tuple[int, ...] | None = None
 ) -> dict[str, Any]:
-    """The run's sampling defaults as a `generation_config.json`; a chat run's (`end_id`, the
-    end-of-turn token) stops at the end of a reply too."""
+    """The run's sampling defaults as a `generation_config.json`; a chat run's stops at each
+    token that ends a reply (`end_ids`), as llmcli's replies do."""
     sample = config.sample
     gen: dict[str, Any] = {"max_new_tokens": sample.max_new_tokens}
     if sample.temperature > 0:
@@ -135,8 +138,8 @@ def _generation_config(
         gen["do_sample"] = False
     if eot_id is not None:
         gen.update(bos_token_id=eot_id, eos_token_id=eot_id, pad_token_id=eot_id)
-    if end_id is not None:
-        gen["eos_token_id"] = [end_id] if eot_id is None else [end_id, eot_id]
+    if end_ids is not None:
+        gen["eos_token_id"] = list(end_ids)
     return gen
 
 
@@ -280,10 +283,10 @@ def _folder_files(run: LoadedRun, arch: ModuleType, model: Transformer, out: Pat
         )
     eps = getattr(model.ln_f, "eps", NORM_EPS)
     hf_config = arch.hf_config(run.config.model, model.vocab_size, eot_id, eps)
-    template, end_id = run_chat(run.run_dir, tokenizer)
+    template, end_ids = run_chat(run.run_dir, tokenizer)
     files: dict[str, bytes] = {
         HF_CONFIG_FILE: _json_bytes(hf_config),
-        HF_GENERATION_FILE: _json_bytes(_generation_config(run.config, eot_id, end_id)),
+        HF_GENERATION_FILE: _json_bytes(_generation_config(run.config, eot_id, end_ids)),
         HF_WEIGHTS_FILE: save(arch.to_hf(model), metadata={"format": "pt"}),
     }
     context_length = run.config.model.context_length

@@ -21,7 +21,7 @@ def reply_budgets(prompts: list[list[int]], max_new_tokens: int, context_length:
 def greedy_figures(
     model: Any,
     split: PromptSplit,
-    end_id: int,
+    end_ids: tuple[int, ...],
     sample: Any,
     reward: Reward,
     decode_text: Any,
@@ -41,10 +41,11 @@ def greedy_figures(
         batch = picks[lo : lo + batch_size]
         prompts = [split.ids[k].tolist() for k in batch]
         budgets = reply_budgets(prompts, sample.max_new_tokens, model.context_length)
-        got = replies(model, prompts, budgets, end_id, greedy, model.vocab_size)
-        for k, (ids, ended) in zip(batch, got, strict=True):
+        got = replies(model, prompts, budgets, end_ids, greedy, model.vocab_size)
+        for k, (ids, end) in zip(batch, got, strict=True):
             text = decode_text(ids)
             value = score(reward, split.texts[k], text, split.answers[k], split.where[k])
+            ended = end is not None
             rows.append({"where": split.where[k], "reply": text, "ended": ended, "reward": value})
         bar.update(len(batch))
     bar.close()

@@ -91,7 +91,7 @@ class GRPOObjective:
         self.iterations, self.epsilon = tc.num_iterations, tc.epsilon
         self.epsilon_high = tc.epsilon if tc.epsilon_high is None else tc.epsilon_high
         self.sampling, self.context_length = config.sample, config.model.context_length
-        self.end_id, self.reference = data.end_id, reference
+        self.end_ids, self.reference = data.end_ids, reference
         self.eval_batch = tc.batch_size * tc.group_size
         self.world_size, self.sum_ranks = world_size, sum_ranks
         # The step's autocast (`Precision.autocast`), set by `GRPO.wire`: sampling and the
@@ -170,8 +170,11 @@ class GRPOObjective:
         G, split = self.group_size, batch.split
         prompts = [ids for ids in batch.prompts for _ in range(G)]
         drawn = self._replies(prompts, self.sampling, make_generators(len(prompts), batch.seed))
-        rows = [p + c + [self.end_id] * ended for p, (c, ended) in zip(prompts, drawn, strict=True)]
-        ids = torch.full((len(rows), max(map(len, rows))), self.end_id, dtype=torch.long)
+        # each row: its prompt, the completion, and the end token it ended with (if it did)
+        rows = [
+            p + c + ([e] if e is not None else []) for p, (c, e) in zip(prompts, drawn, strict=True)
+        ]
+        ids = torch.full((len(rows), max(map(len, rows))), self.end_ids[0], dtype=torch.long)
         mask = torch.zeros(ids.shape, dtype=torch.bool)  # (R, L)
         texts, scores = [], []
         for i, (row, prompt, (completion, _)) in enumerate(zip(rows, prompts, drawn, strict=True)):
@@ -184,7 +187,7 @@ class GRPOObjective:
             )
         per_reward = torch.tensor(scores, dtype=torch.float32)  # (R, F)
         rewards = per_reward @ torch.tensor(self.reward.weights, dtype=torch.float32)  # (R,)
-        ended = torch.tensor([e for _, e in drawn])
+        ended = torch.tensor([e is not None for _, e in drawn])
         return Completions(ids, mask, rewards, ended, texts, per_reward)
 
     def _replies(
@@ -198,7 +201,7 @@ class GRPOObjective:
                 self.policy,
                 prompts,
                 budgets,
-                self.end_id,
+                self.end_ids,
                 sample,
                 self.policy.vocab_size,
                 generators=generators,
@@ -223,7 +226,7 @@ class GRPOObjective:
             figures = greedy_figures(
                 self.policy,
                 split.first(limit),
-                self.end_id,
+                self.end_ids,
                 self.sampling,
                 self.reward,
                 self.decode_text,
