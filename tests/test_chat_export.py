@@ -114,36 +114,12 @@ def test_exported_model_computes_llmclis_logits_on_a_conversation(exported):
         assert_close(actual, expected, "chat logits")
 
 
-def test_generate_stops_at_the_end_of_a_turn(tmp_path):
-    """A model whose every next token is `<|end|>`: `generate` stops after it, on the end-of-turn
-    id that generation_config.json lists beside the end of text."""
-    from transformers import AutoModelForCausalLM
-
-    run_dir = save_chat_run(tmp_path / "run", tie_embeddings=False)
-    run = load_run(run_dir)
-    end_id = encoder_of(run_dir).end_id
-    with torch.no_grad():  # the final norm outputs ones; only <|end|>'s head row sees them
-        run.model.ln_f.weight.zero_()
-        run.model.ln_f.bias.fill_(1.0)
-        run.model.lm_head.weight.zero_()
-        run.model.lm_head.weight[end_id] = 1.0
-    save_model_run(run_dir, run.config, run.tokenizer, run.model)
-    out = tmp_path / "hf"
-    assert cli("export", "--checkpoint", run_dir, "--out", out) == 0
-    generation = json.loads((out / "generation_config.json").read_text(encoding="utf-8"))
-    assert generation["eos_token_id"] == [end_id, run.tokenizer.eot_id]
-
-    theirs = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
-    prompt = encoder_of(run_dir).prompt(CONVERSATIONS[0][:-1])
-    with torch.no_grad():
-        ids = theirs.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)
-    assert ids[0, len(prompt) :].tolist() == [end_id]
-
-
-def test_a_reply_ends_at_the_end_of_text_in_llmcli_as_in_the_exports_generate(tmp_path):
-    """A model whose every next token is the end of text: the export's `generate` (TRL's GRPO
-    samples with it) stops after it, and so do llmcli's replies (GRPO's, `llmcli eval
-    --answers`), which leave it out of the reply and say which token ended it."""
+@pytest.mark.parametrize("writes", ["end of turn", "end of text"])
+def test_a_reply_ends_at_either_end_token_in_the_exports_generate_and_in_llmcli(tmp_path, writes):
+    """A model whose every next token is `<|end|>` (or the end of text): the export's
+    `generate` stops after it, on the ids generation_config.json lists (TRL's GRPO samples so),
+    and llmcli's replies (GRPO's, `llmcli eval --answers`) stop alike, leaving it out of the
+    reply and saying which token ended it."""
     from transformers import AutoModelForCausalLM
 
     from llmcli.generation.replies import replies
@@ -151,24 +127,29 @@ def test_a_reply_ends_at_the_end_of_text_in_llmcli_as_in_the_exports_generate(tm
     run_dir = save_chat_run(tmp_path / "run", tie_embeddings=False)
     run = load_run(run_dir)
     encoder = encoder_of(run_dir)
-    eot = run.tokenizer.eot_id
-    assert encoder.reply_end_ids == (encoder.end_id, eot)
-    with torch.no_grad():  # the final norm outputs ones; only the end of text's row sees them
+    end_id, eot = encoder.end_id, run.tokenizer.eot_id
+    assert encoder.reply_end_ids == (end_id, eot)
+    written = end_id if writes == "end of turn" else eot
+    with torch.no_grad():  # the final norm outputs ones; only the written token's row sees them
         run.model.ln_f.weight.zero_()
         run.model.ln_f.bias.fill_(1.0)
         run.model.lm_head.weight.zero_()
-        run.model.lm_head.weight[eot] = 1.0
+        run.model.lm_head.weight[written] = 1.0
     save_model_run(run_dir, run.config, run.tokenizer, run.model)
     out = tmp_path / "hf"
     assert cli("export", "--checkpoint", run_dir, "--out", out) == 0
+    generation = json.loads((out / "generation_config.json").read_text(encoding="utf-8"))
+    assert generation["eos_token_id"] == [end_id, eot]
+
     theirs = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
     prompt = encoder.prompt(CONVERSATIONS[0][:-1])
     with torch.no_grad():
         ids = theirs.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)
-    assert ids[0, len(prompt) :].tolist() == [eot]
+    assert ids[0, len(prompt) :].tolist() == [written]
     greedy = dataclasses.replace(run.config.sample, temperature=0.0)
-    ours = replies(run.model.eval(), [prompt], [10], encoder.reply_end_ids, greedy)
-    assert ours == [([], eot)]
+    assert replies(run.model.eval(), [prompt], [10], encoder.reply_end_ids, greedy) == [
+        ([], written)
+    ]
 
 
 def test_text_run_export_into_a_chat_export_leaves_no_template(exported, tmp_path):
