@@ -42,6 +42,7 @@ import random
 import re
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 from make_chat import SEED, SHOUT, held_out, split, turn, write
@@ -81,16 +82,24 @@ def chat_row(words: list[str], names: list[str], rng: random.Random) -> dict:
     }
 
 
-def make(text: str, seed: int = SEED) -> tuple[list[dict], list[dict]]:
+def mixed(
+    text: str, items: list[str], task_row: Callable, seed: int = SEED
+) -> tuple[list[dict], list[dict]]:
+    """A task's prompts on `items` (`task_row(items, rng)`), split into held-out and training
+    items; the training rows mixed with the chat data's own tasks (`KEEP` of them)."""
     rng = random.Random(seed)
-    train_names, val_names = split(long_names(text), rng)
+    train_items, val_items = split(items, rng)
     (chat_words, _), (chat_names, _) = held_out(text, random.Random(SEED))
     train = [
-        chat_row(chat_words, chat_names, rng) if rng.random() < KEEP else row(train_names, rng)
+        chat_row(chat_words, chat_names, rng) if rng.random() < KEEP else task_row(train_items, rng)
         for _ in range(TRAIN_ROWS)
     ]
-    val = [row(val_names, rng) for _ in range(VAL_ROWS)]
+    val = [task_row(val_items, rng) for _ in range(VAL_ROWS)]
     return train, val
+
+
+def make(text: str, seed: int = SEED) -> tuple[list[dict], list[dict]]:
+    return mixed(text, long_names(text), row, seed)
 
 
 if __name__ == "__main__":

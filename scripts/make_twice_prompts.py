@@ -25,8 +25,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from make_chat import SEED, SHOUT, held_out, split, write
-from make_prompts import KEEP, chat_row
+from make_chat import SEED, SHOUT, write
+from make_prompts import mixed
 
 TRAIN_ROWS, VAL_ROWS = 2000, 200
 MIN_COUNT = 5
@@ -51,15 +51,7 @@ def row(words: list[str], rng: random.Random) -> dict:
 
 
 def make(text: str, seed: int = SEED) -> tuple[list[dict], list[dict]]:
-    rng = random.Random(seed)
-    train_words, val_words = split(long_words(text), rng)
-    (chat_words, _), (chat_names, _) = held_out(text, random.Random(SEED))
-    train = [
-        chat_row(chat_words, chat_names, rng) if rng.random() < KEEP else row(train_words, rng)
-        for _ in range(TRAIN_ROWS)
-    ]
-    val = [row(val_words, rng) for _ in range(VAL_ROWS)]
-    return train, val
+    return mixed(text, long_words(text), row, seed)
 
 
 if __name__ == "__main__":
