@@ -115,31 +115,3 @@ class BatchSampler:
             raise InputError("the data sampler state has no valid 'rng_state' (a uint8 tensor).")
         self.generator.set_state(rng.cpu())
         self.batches = int(state.get("batches", 0))
-
-
-class RowSampler:
-    """What the samplers of rows held in memory share (preference pairs, GRPO's prompts): their
-    own seeded generator and count of batches, saved and loaded as `BatchSampler`'s state, so a
-    resumed run draws what an uninterrupted one would. A subclass defines `next()`."""
-
-    def __init__(self, batch_size: int, seed: int, rank: int, world_size: int) -> None:
-        self.batch_size = batch_size
-        self.generator = rank_generator(batch_size, seed, rank, world_size)
-        self.batches = 0
-        self.tokens_drawn = 0  # input positions handed out, padding left out (the log's tokens)
-
-    def draw(self, n: int) -> list[int]:
-        """The next batch's rows: `batch_size` indices below `n`, uniform, with replacement."""
-        return torch.randint(n, (self.batch_size,), generator=self.generator).tolist()
-
-    def __next__(self) -> Any:
-        return self.next()  # each subclass draws its own kind of batch
-
-    def __iter__(self) -> RowSampler:
-        return self
-
-    def close(self) -> None:
-        """Nothing to close: the rows are in memory."""
-
-    state_dict = BatchSampler.state_dict
-    load_state_dict = BatchSampler.load_state_dict

@@ -24,8 +24,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from llmcli.data.batches import BatchSampler, rank_generator, to_device
+from llmcli.data.batches import to_device
 from llmcli.data.prepared import ChatSplit
+from llmcli.data.row_sampler import RowSampler
 from llmcli.errors import InputError
 
 IGNORE = -1  # a target the loss leaves out (the model's `ignore_index`)
@@ -44,7 +45,7 @@ def conversation_into(split: ChatSplit, k: int, x: np.ndarray, y: np.ndarray) ->
     return length - 1
 
 
-class ChatSampler:
+class ChatSampler(RowSampler):
     """Random `(x, y)` conversation windows, drawn with the sampler's own generator.
 
     Args:
@@ -66,39 +67,22 @@ class ChatSampler:
     ) -> None:
         if len(split.starts) == 0:
             raise InputError("the split has no conversation window to draw from.")
+        super().__init__(batch_size, seed, rank, world_size)
         self.split, self.pad_id = split, pad_id
-        self.batch_size = batch_size
         self.context_length = context_length
         self.device = torch.device(device)
-        self.generator = rank_generator(batch_size, seed, rank, world_size)
-        self.batches = 0
-        self.tokens_drawn = 0  # input positions handed out, padding left out (the log's tokens)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next batch: `x` `(B, T)` int64 and `y` `(B, T)` int64, where `y[:, t]` is
         `x[:, t+1]` on the tokens the model writes and -1 elsewhere."""
         T, split = self.context_length, self.split
-        picks = torch.randint(len(split.starts), (self.batch_size,), generator=self.generator)
+        picks = self.draw(len(split.starts))
         x = np.full((self.batch_size, T), self.pad_id, dtype=np.int64)  # (B, T)
         y = np.full((self.batch_size, T), IGNORE, dtype=np.int64)  # (B, T)
-        for row, k in enumerate(picks.tolist()):
+        for row, k in enumerate(picks):
             self.tokens_drawn += conversation_into(split, k, x[row], y[row])
         self.batches += 1
         return to_device(torch.from_numpy(x), torch.from_numpy(y), device=self.device)
-
-    __next__ = next
-
-    def __iter__(self) -> ChatSampler:
-        return self
-
-    def close(self) -> None:
-        """Nothing to close: the split's memory maps belong to its data."""
-
-    def state_dict(self) -> dict[str, torch.Tensor | int]:
-        """Generator state and batch count, as `BatchSampler.state_dict`."""
-        return {"rng_state": self.generator.get_state(), "batches": self.batches}
-
-    load_state_dict = BatchSampler.load_state_dict
 
 
 def best_fit(sizes: list[int], rows: int, room: int) -> tuple[list[list[int]], list[int]]:
@@ -173,17 +157,14 @@ class PackedChatSampler(ChatSampler):
         tensors = (torch.from_numpy(a) for a in (x, y, segments))
         return to_device(*tensors, device=self.device)
 
-    __next__ = next
-
     def state_dict(self) -> dict[str, torch.Tensor | int]:
         """Generator state, batch count and the pool's windows."""
-        pool = torch.tensor(self.pool, dtype=torch.int64)
-        return {"rng_state": self.generator.get_state(), "batches": self.batches, "pool": pool}
+        return {**super().state_dict(), "pool": torch.tensor(self.pool, dtype=torch.int64)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the stream saved by `state_dict()` (a state without a pool, saved by
         `ChatSampler`, starts from an empty one)."""
-        BatchSampler.load_state_dict(self, state)
+        super().load_state_dict(state)
         pool = state.get("pool")
         self.pool = [] if pool is None else [int(k) for k in pool.tolist()]
         if any(not 0 <= k < len(self.split.starts) for k in self.pool):

@@ -32,7 +32,6 @@ import numpy as np
 import torch
 
 from llmcli.cache import default_cache_dir
-from llmcli.data.batches import RowSampler
 from llmcli.data.chat_template import ChatTemplate
 from llmcli.data.corpus import _load_dataset, resolve_files, rows_to_train, skipped_rows_note
 from llmcli.data.preferences import (
@@ -49,6 +48,7 @@ from llmcli.data.prepared import (
     TokenData,
     cache_folder,
 )
+from llmcli.data.row_sampler import RowSampler
 from llmcli.data.tokenizer import Tokenizer
 from llmcli.errors import InputError
 from llmcli.progress import counted

@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from llmcli.data.batches import RowSampler
 from llmcli.data.chat_template import ChatTemplate
 from llmcli.data.conversations import ConversationEncoder, Messages, check_messages, read_jsonl_rows
 from llmcli.data.corpus import resolve_files, rows_to_train, skipped_rows_note
 from llmcli.data.prepared import PromptData, PromptSplit, TokenData
+from llmcli.data.row_sampler import RowSampler
 from llmcli.data.tokenizer import Tokenizer
 from llmcli.errors import InputError
 from llmcli.progress import counted
