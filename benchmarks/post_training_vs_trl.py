@@ -276,7 +276,7 @@ def packing(work: Path, threads: int, rounds: int = 15) -> dict[str, float]:
 
     from llmcli.data.preference_data import pair_batch
     from llmcli.model.gpt import Transformer
-    from llmcli.objectives import objective_for, preference_scores
+    from llmcli.objectives import dpo, objective_for, preference_scores
     from llmcli.objectives.dpo import dpo_step
     from llmcli.objectives.dpo_losses import DPOLoss
     from llmcli.training.init_from import load_init_weights, resolve_init_from
@@ -291,12 +291,12 @@ def packing(work: Path, threads: int, rounds: int = 15) -> dict[str, float]:
     loss = DPOLoss.from_config(config.train)
     with torch.no_grad():
         reference = preference_scores.completion_logps(model, ids, mask)
-    plan = preference_scores.packing_for
+    plan = dpo.packing_for
     packed = plan(model, mask)
     assert packed is not None, "the benchmark's pairs should pack"
 
     def step(way: str) -> None:
-        preference_scores.packing_for = plan if way == "packed" else (lambda model, mask: None)
+        dpo.packing_for = plan if way == "packed" else (lambda model, mask: None)
         dpo_step(model, reference, ids, mask, loss)[0].backward()
 
     times: dict[str, list[float]] = {"cut": [], "packed": []}
@@ -308,7 +308,7 @@ def packing(work: Path, threads: int, rounds: int = 15) -> dict[str, float]:
             for _ in range(5):
                 step(way)
             times[way].append((time.perf_counter() - start) / 5)
-    preference_scores.packing_for = plan
+    dpo.packing_for = plan
     cut_s, packed_s = (statistics.median(times[k]) for k in ("cut", "packed"))
     return {
         "positions_cut": int(ids[:, 1:].numel()),

@@ -8,7 +8,7 @@ import torch
 
 from llmcli.config import config_from_dict
 from llmcli.model.gpt import Transformer
-from llmcli.objectives import preference_scores
+from llmcli.objectives import dpo
 from llmcli.objectives.dpo import dpo_step
 from llmcli.objectives.dpo_losses import DPOLoss
 from llmcli.objectives.grpo_loss import token_logps
@@ -85,8 +85,9 @@ def test_packing_is_refused_where_it_saves_too_little() -> None:
 def test_packed_scores_and_their_gradients_are_the_rows_scored_alone() -> None:
     policy = model(0)
     ids, mask = pair_rows(LENGTHS)
-    assert packing_for(policy, mask) is not None  # these rows do pack
-    packed = completion_scores(policy, ids, mask)
+    packing = packing_for(policy, mask)
+    assert packing is not None  # these rows do pack
+    packed = completion_scores(policy, ids, mask, packing)
     packed.logps.sum().backward()
     packed_grads = [p.grad.clone() for p in policy.parameters()]
     policy.zero_grad()
@@ -100,15 +101,17 @@ def test_packed_scores_and_their_gradients_are_the_rows_scored_alone() -> None:
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
     with torch.no_grad():
         want = target_logps(policy(ids[:, :-1])[0], ids[:, 1:], mask[:, 1:])
-        torch.testing.assert_close(completion_logps(policy, ids, mask), want, rtol=0, atol=1e-5)
+        got = completion_logps(policy, ids, mask, packing)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
 def test_dpo_losses_on_packed_rows_equal_the_rows_one_a_row(monkeypatch) -> None:
     policy, reference = model(1), model(2)
     ids, mask = pair_rows(LENGTHS)
     loss = DPOLoss.from_config(config_from_dict({}).train)
+    assert packing_for(policy, mask) is not None  # dpo_step packs these rows
     packed_loss, packed_metrics = dpo_step(policy, reference, ids, mask, loss)
-    monkeypatch.setattr(preference_scores, "packing_for", lambda model, mask: None)
+    monkeypatch.setattr(dpo, "packing_for", lambda model, mask: None)
     alone_loss, alone_metrics = dpo_step(policy, reference, ids, mask, loss)
     assert abs(packed_loss.item() - alone_loss.item()) < 1e-6
     assert alone_loss.item() > 0.1  # the two models disagree: a loss that could differ
@@ -119,8 +122,9 @@ def test_dpo_losses_on_packed_rows_equal_the_rows_one_a_row(monkeypatch) -> None
 def test_grpo_token_logps_on_packed_rows_are_each_rows_own() -> None:
     policy = model(3)
     ids, mask = pair_rows(LENGTHS, prompt=5)
-    assert packing_for(policy, mask) is not None
-    packed = token_logps(policy, ids, 0.7, mask)  # (R, L - 1)
+    packing = packing_for(policy, mask)
+    assert packing is not None
+    packed = token_logps(policy, ids, 0.7, packing)  # (R, L - 1)
     alone = token_logps(policy, ids, 0.7)
     scored = mask[:, 1:]
     torch.testing.assert_close(packed[scored], alone[scored], rtol=0, atol=1e-5)

@@ -33,6 +33,7 @@ from llmcli.data.prepared import PreferenceData, TokenData
 from llmcli.data.tokenizer import Tokenizer
 from llmcli.objectives.base import MemoryTerms, Objective, SumRanks, read_with_init_encoding
 from llmcli.objectives.dpo_losses import DPOLoss, dpo_loss
+from llmcli.objectives.packing import packing_for
 from llmcli.objectives.preference_scores import completion_logps, completion_scores, score_pairs
 
 
@@ -60,12 +61,13 @@ def dpo_step(
         loss: the loss types, their weights and beta (`DPOLoss.from_config`).
     """
     B = ids.shape[0] // 2
-    chosen, rejected = completion_scores(policy, ids, completion_mask).halves()  # (B,) each
+    packing = packing_for(policy, completion_mask)  # the rows' packing, for both models
+    chosen, rejected = completion_scores(policy, ids, completion_mask, packing).halves()
     if isinstance(reference, Tensor):
         ref_logps = reference
     else:
         with torch.no_grad():
-            ref_logps = completion_logps(reference, ids, completion_mask)  # (2B,)
+            ref_logps = completion_logps(reference, ids, completion_mask, packing)  # (2B,)
     return dpo_loss(chosen, rejected, ref_logps[:B], ref_logps[B:], loss)
 
 

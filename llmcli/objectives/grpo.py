@@ -58,6 +58,7 @@ from llmcli.objectives.grpo_loss import (
     token_logps,
 )
 from llmcli.objectives.grpo_samples import Completions, GRPOStream, StepShare
+from llmcli.objectives.packing import packing_for
 from llmcli.objectives.rewards import Rewards, check_rewards_on_prompts, load_rewards
 
 
@@ -111,7 +112,8 @@ class GRPOObjective:
         done = share.completions
         ids, rows = done.ids.to(device), done.mask.to(device)
         mask, temperature = rows[:, 1:], self.sampling.temperature
-        logps = token_logps(model, ids, temperature, rows)
+        packing = packing_for(model, rows)  # planned once, for the policy and the reference
+        logps = token_logps(model, ids, temperature, packing)
         old = None if share.old_logps is None else share.old_logps.to(device)
         per_token, low, high = per_token_loss(
             logps, share.advantages.to(device), old, self.epsilon, self.epsilon_high
@@ -123,7 +125,7 @@ class GRPOObjective:
             figures["clip_ratio/region_mean"] = masked_mean((low | high).float(), mask)
         if self.reference is not None:
             with torch.no_grad():
-                ref = token_logps(self.reference, ids, temperature, rows)
+                ref = token_logps(self.reference, ids, temperature, packing)
             kl = kl_per_token(logps, ref)
             per_token = per_token + self.beta * kl
             figures["kl"] = masked_mean(kl, mask).detach()
@@ -159,7 +161,8 @@ class GRPOObjective:
                 for share in shares:
                     ids, rows = share.completions.ids.to(device), share.completions.mask.to(device)
                     temperature = self.sampling.temperature
-                    share.old_logps = token_logps(self.policy, ids, temperature, rows)
+                    packing = packing_for(self.policy, rows)
+                    share.old_logps = token_logps(self.policy, ids, temperature, packing)
         return shares
 
     def sample(self, batch: PromptBatch) -> Completions:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from llmcli.objectives.packing import packing_for
+from llmcli.objectives.packing import Packing
 from llmcli.objectives.preference_scores import each_target_logp
 
 
@@ -25,15 +25,14 @@ def advantages(rewards: Tensor, group_size: int, scale: bool) -> Tensor:
 
 
 def token_logps(
-    model: nn.Module, ids: Tensor, temperature: float = 1.0, mask: Tensor | None = None
+    model: nn.Module, ids: Tensor, temperature: float = 1.0, packing: Packing | None = None
 ) -> Tensor:
     """Each token's log-probability under `model` given the tokens before it, from the logits
     divided by `temperature` (the distribution a completion sampled at that temperature was
-    drawn from): `(R, L)` ids -> `(R, L - 1)` float32, position t scoring token t + 1. With the
-    completions' `mask` `(R, L)`, the rows are packed whole into rows of the context where that
-    reads fewer positions (`llmcli.objectives.packing`), and positions past a row's last
-    completion token are 0."""
-    packing = None if mask is None else packing_for(model, mask)
+    drawn from): `(R, L)` ids -> `(R, L - 1)` float32, position t scoring token t + 1. With
+    `packing` (`llmcli.objectives.packing.packing_for` of the completions' mask) the rows are
+    packed whole into rows of the context, and positions past a row's last completion token
+    are 0."""
     if packing is None:
         logits, _ = model(ids[:, :-1])  # (R, L - 1, V)
         return each_target_logp(logits, ids[:, 1:], temperature)  # (R, L - 1)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from llmcli.data.preference_data import PreferenceSplit, pair_batch
-from llmcli.objectives.packing import packing_for
+from llmcli.objectives.packing import Packing, packing_for
 from llmcli.progress import Progress
 
 
@@ -120,15 +120,18 @@ def _summed(logps: Tensor, mean_logits: Tensor, target_mask: Tensor) -> Completi
     )
 
 
-def completion_scores(model: nn.Module, ids: Tensor, completion_mask: Tensor) -> CompletionScores:
+def completion_scores(
+    model: nn.Module, ids: Tensor, completion_mask: Tensor, packing: Packing | None = None
+) -> CompletionScores:
     """`completion_logps` with what the policy's side of DPO also reads (`target_scores`).
 
     Args:
         model: `model(idx) -> (logits, loss)`.
         ids: `(R, T+1)` int64, prompts then completions, padded after their ends.
         completion_mask: `(R, T+1)` bool, True on the completions' tokens.
+        packing: the rows packed whole into rows of the context (`packing_for`); None: scored
+            as they are.
     """
-    packing = packing_for(model, completion_mask)
     if packing is None:
         logits, _ = model(ids[:, :-1])  # (R, T, V)
         return target_scores(logits, ids[:, 1:], completion_mask[:, 1:])
@@ -139,21 +142,24 @@ def completion_scores(model: nn.Module, ids: Tensor, completion_mask: Tensor) ->
     return _summed(logps, mean_logits, completion_mask[:, 1:])
 
 
-def completion_logps(model: nn.Module, ids: Tensor, completion_mask: Tensor) -> Tensor:
+def completion_logps(
+    model: nn.Module, ids: Tensor, completion_mask: Tensor, packing: Packing | None = None
+) -> Tensor:
     """Each row's summed completion log-probability under `model`, which reads the first `T`
     tokens of rows of `T + 1` (its logits score the next ones, as a chat batch is scored).
-    Where it reads fewer positions so, the rows are packed whole into rows of the context, each
-    attending only to itself (`llmcli.objectives.packing`): the same scores, less padding.
+    With `packing` the rows are packed whole into rows of the context, each attending only to
+    itself (`llmcli.objectives.packing`): the same scores, less padding.
 
     Args:
         model: `model(idx) -> (logits, loss)`.
         ids: `(R, T+1)` int64, prompts then completions, padded after their ends.
         completion_mask: `(R, T+1)` bool, True on the completions' tokens.
+        packing: the rows' packing (`packing_for`, planned once for every model that scores
+            them); None: scored as they are.
 
     Returns:
         `(R,)` float32 (with gradients, unless the caller turned them off).
     """
-    packing = packing_for(model, completion_mask)
     if packing is None:
         logits, _ = model(ids[:, :-1])  # (R, T, V)
         return target_logps(logits, ids[:, 1:], completion_mask[:, 1:])
@@ -197,10 +203,11 @@ def score_pairs(
         picks = range(lo, min(lo + batch_size, count))
         ids, mask = pair_batch(split, picks, pad_id)  # (2B, L)
         ids, mask = ids.to(device), mask.to(device)
-        scores = completion_scores(model, ids, mask)  # (2B,) each
+        packing = packing_for(model, mask)
+        scores = completion_scores(model, ids, mask, packing)  # (2B,) each
         policy.append(scores.to("cpu").halves())
         if reference is not None:
-            ref.append(completion_logps(reference, ids, mask).cpu().chunk(2))  # (B,) each
+            ref.append(completion_logps(reference, ids, mask, packing).cpu().chunk(2))  # (B,) each
         bar.update()
     bar.close()
     chosen, rejected = (CompletionScores.cat([pair[k] for pair in policy]) for k in (0, 1))
