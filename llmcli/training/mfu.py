@@ -12,9 +12,9 @@ with 2 threads) the tiny config reached 42% at 29,000 tokens/s.
 
 from __future__ import annotations
 
-import time
-
 import torch
+
+from llmcli.device import timed
 
 # A process measures each (device, dtype, threads) once.
 _PEAKS: dict[tuple[str, torch.dtype, int], float] = {}
@@ -28,22 +28,9 @@ def peak_flops(device: torch.device, dtype: torch.dtype, repeats: int = 3) -> fl
         n = 1024 if device.type == "cpu" else 4096
         gen = torch.Generator().manual_seed(0)
         a, b = (torch.randn(n, n, generator=gen).to(device, dtype) for _ in range(2))
-        best = float("inf")
-        for _ in range(repeats + 1):
-            _sync(device)
-            start = time.perf_counter()
-            a @ b
-            _sync(device)
-            best = min(best, time.perf_counter() - start)
+        best = min(timed(lambda: a @ b, device) for _ in range(repeats + 1))
         _PEAKS[key] = 2 * n**3 / best
     return _PEAKS[key]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
 
 
 def mfu(flops_per_token: int, tokens_per_s: float, peak: float, world_size: int = 1) -> float:
