@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from llmcli.objectives.packing import Packing
-from llmcli.objectives.preference_scores import each_target_logp
+from llmcli.objectives.preference_scores import target_positions
 
 
 def advantages(rewards: Tensor, group_size: int, scale: bool) -> Tensor:
@@ -29,15 +29,9 @@ def token_logps(
 ) -> Tensor:
     """Each token's log-probability under `model` given the tokens before it, from the logits
     divided by `temperature` (the distribution a completion sampled at that temperature was
-    drawn from): `(R, L)` ids -> `(R, L - 1)` float32, position t scoring token t + 1. With
-    `packing` (`llmcli.objectives.packing.packing_for` of the completions' mask) the rows are
-    packed whole into rows of the context, and positions past a row's last completion token
-    are 0."""
-    if packing is None:
-        logits, _ = model(ids[:, :-1])  # (R, L - 1, V)
-        return each_target_logp(logits, ids[:, 1:], temperature)  # (R, L - 1)
-    logits = packing.logits(model, ids[:, :-1])  # (P, T, V)
-    return packing.unpack(each_target_logp(logits, packing.pack(ids[:, 1:]), temperature))
+    drawn from): `(R, L)` ids -> `(R, L - 1)` float32, position t scoring token t + 1
+    (`target_positions`; with `packing`, the rows packed whole into rows of the context)."""
+    return target_positions(model, ids, packing, temperature)[0]
 
 
 def per_token_loss(

@@ -10,6 +10,7 @@ from typing import Any
 from torch import Tensor
 
 from llmcli.data.prompts import PromptSampler
+from llmcli.objectives.packing import row_ends
 
 
 @dataclass
@@ -36,9 +37,7 @@ class Completions:
     def positions(self) -> int:
         """The positions the model reads of these rows, padding left out: each row's prompt and
         completion up to its last completion token, which is only a target."""
-        L = self.mask.shape[1]
-        ends = L - self.mask.flip(1).int().argmax(dim=1)  # one past each row's last True
-        return int((ends - 1).sum())
+        return int((row_ends(self.mask) - 1).sum())
 
     def rows(self, part: slice) -> Completions:
         """The completions of the rows `part`, cut to their longest row (padding after a row's

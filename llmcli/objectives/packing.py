@@ -11,6 +11,7 @@ the sums (`tests/test_packing.py` holds DPO's scores within 1e-6).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor, nn
@@ -95,10 +96,22 @@ class Packing:
         out = out.index_put((self.index[self.real],), packed[self.real])
         return out.view(self.shape)
 
+    @cached_property
+    def attention(self) -> tuple[Tensor, Tensor]:
+        """The packed rows' mask and positions (`segment_mask`, `segment_positions`), made once
+        for every model that reads them."""
+        return segment_mask(self.segments), segment_positions(self.segments)
+
     def logits(self, model: nn.Module, rows: Tensor) -> Tensor:
         """`model`'s logits of the packed `rows` `(R, L)`: `(P, T, V)`, each sequence alone."""
-        mask, positions = segment_mask(self.segments), segment_positions(self.segments)
+        mask, positions = self.attention
         return model(self.pack(rows), mask=mask, input_pos=positions)[0]
+
+
+def row_ends(completion_mask: Tensor) -> Tensor:
+    """`(R, L)` bool -> `(R,)`: one past each row's last True (a row ends at its last
+    completion token)."""
+    return completion_mask.shape[1] - completion_mask.flip(1).int().argmax(dim=1)
 
 
 def packing_for(model: nn.Module, completion_mask: Tensor) -> Packing | None:
@@ -106,7 +119,7 @@ def packing_for(model: nn.Module, completion_mask: Tensor) -> Packing | None:
     pairs, GRPO's completions) pack into rows of the model's context, or None where that does
     not pay (`Packing.plan`). A row's inputs run up to its last completion token, which is
     only a target."""
-    R, L = completion_mask.shape
-    ends = L - completion_mask.flip(1).int().argmax(dim=1)  # (R,): one past each row's end
+    L = completion_mask.shape[1]
+    ends = row_ends(completion_mask)
     context = int(getattr(model, "module", model).context_length)  # under DDP's wrapper too
     return Packing.plan((ends - 1).tolist(), L - 1, context, completion_mask.device)

@@ -120,6 +120,31 @@ def _summed(logps: Tensor, mean_logits: Tensor, target_mask: Tensor) -> Completi
     )
 
 
+def target_positions(
+    model: nn.Module,
+    ids: Tensor,
+    packing: Packing | None = None,
+    temperature: float = 1.0,
+    means: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Each position's log-probability of the next token under `model`: `(R, L)` ids ->
+    `(R, L - 1)` float32, position t scoring token t + 1 from the logits divided by
+    `temperature`; with `means`, the mean over the vocabulary of the logits there too
+    (detached), else None. With `packing` (`llmcli.objectives.packing.packing_for`) the rows
+    are packed whole into rows of the context, and positions past a row's end are 0."""
+    if packing is None:
+        logits = model(ids[:, :-1])[0]  # (R, L - 1, V)
+        logps = each_target_logp(logits, ids[:, 1:], temperature)
+    else:
+        logits = packing.logits(model, ids[:, :-1])  # (P, T, V)
+        logps = packing.unpack(each_target_logp(logits, packing.pack(ids[:, 1:]), temperature))
+    if not means:
+        return logps, None
+    with torch.no_grad():  # a metric: TRL's fused head computes it without gradient too
+        mean_logits = logits.mean(dim=-1, dtype=torch.float32)
+    return logps, mean_logits if packing is None else packing.unpack(mean_logits)
+
+
 def completion_scores(
     model: nn.Module, ids: Tensor, completion_mask: Tensor, packing: Packing | None = None
 ) -> CompletionScores:
@@ -132,13 +157,8 @@ def completion_scores(
         packing: the rows packed whole into rows of the context (`packing_for`); None: scored
             as they are.
     """
-    if packing is None:
-        logits, _ = model(ids[:, :-1])  # (R, T, V)
-        return target_scores(logits, ids[:, 1:], completion_mask[:, 1:])
-    logits = packing.logits(model, ids[:, :-1])  # (P, T_ctx, V)
-    logps = packing.unpack(each_target_logp(logits, packing.pack(ids[:, 1:])))  # (R, T)
-    with torch.no_grad():
-        mean_logits = packing.unpack(logits.mean(dim=-1, dtype=torch.float32))  # (R, T)
+    logps, mean_logits = target_positions(model, ids, packing, means=True)
+    assert mean_logits is not None
     return _summed(logps, mean_logits, completion_mask[:, 1:])
 
 
@@ -160,11 +180,8 @@ def completion_logps(
     Returns:
         `(R,)` float32 (with gradients, unless the caller turned them off).
     """
-    if packing is None:
-        logits, _ = model(ids[:, :-1])  # (R, T, V)
-        return target_logps(logits, ids[:, 1:], completion_mask[:, 1:])
-    logps = each_target_logp(packing.logits(model, ids[:, :-1]), packing.pack(ids[:, 1:]))
-    return torch.where(completion_mask[:, 1:], packing.unpack(logps), 0.0).sum(dim=1)
+    logps, _ = target_positions(model, ids, packing)
+    return torch.where(completion_mask[:, 1:], logps, 0.0).sum(dim=1)
 
 
 @dataclass
