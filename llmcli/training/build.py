@@ -395,4 +395,4 @@ def _compiled(
         device=precision.device.type,
         resumed=recorded if isinstance(recorded, bool) else None,
     )
-    return compiled(model, choice, key)
+    return compiled(model, choice, key, objective_for(config).full_rows)

@@ -132,15 +132,20 @@ def choose(
     return pays(measure_step_s(), steps_left, warm, device)
 
 
-def compiled(model: nn.Module, choice: Choice, key: str) -> nn.Module:
+def compiled(model: nn.Module, choice: Choice, key: str, full_rows: bool = True) -> nn.Module:
     """`model` compiled (with inductor's cache on disk) when `choice` says so, else itself; the
-    cache's record notes `key` once the first compiled forward has run."""
+    cache's record notes `key` once the first compiled forward has run. A step whose rows all
+    fill the context (`full_rows`) gets static graphs; for the others (DPO's and GRPO's rows,
+    cut to each batch's longest or packed, change width from batch to batch) torch.compile
+    marks a size dynamic once it changes, where static graphs would recompile at every new
+    width up to torch.compile's limit, then run eager."""
     if choice.reason:
         log.info("%s", choice.reason)
     if not choice.compile:
         return model
     cache = inductor_cache()
-    module = torch.compile(model, dynamic=False)  # eval and probe batches: graphs of their own
+    # full rows: eval and probe batches get graphs of their own
+    module = torch.compile(model, dynamic=False if full_rows else None)
 
     def noted(*_: Any) -> None:
         remember(cache, key)
