@@ -71,13 +71,28 @@ def test_graph_prints_the_paths_and_writes_graph_pt(run, folder, tmp_path, capsy
         (["--transcoders", "{tmp}/none"], "train them with `llmcli sae train --kind transcoder"),
         (["--node-threshold", "1.5"], "--node-threshold (1.5) must be between 0 and 1"),
         (["--max-logits", "0"], "--max-logits (0) must be at least 1"),
+        (
+            ["--page", "{tmp}/none/g.html"],
+            "the folder of --page '{tmp}/none/g.html' does not exist",
+        ),
+        (["--frontend", "{tmp}/none/site"], "the folder of --frontend '{tmp}/none/site' does"),
+        (["--frontend", "{tmp}/site", "--slug", "a/b"], "--slug 'a/b' must be a name"),
+        (
+            ["--frontend", "{tmp}/broken"],
+            "graph-metadata.json' cannot be read: it is not valid JSON",
+        ),
+        (["--frontend", "{tmp}/other"], "is not circuit-tracer's listing"),
     ],
 )
 def test_bad_input_exits_2_naming_the_fix_and_writes_nothing(
     run, folder, tmp_path, capsys, args, message
 ) -> None:
     out = tmp_path / "graph.pt"
+    for name, listing in (("broken", "{not json"), ("other", '{"graphs": 3}')):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "graph-metadata.json").write_text(listing)
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    message = message.replace("{tmp}", str(tmp_path))
     base = ["graph", "--checkpoint", str(run), "--out", str(out), "--no-progress"]
     if "--prompt" not in args:
         base += ["--prompt", PROMPT]

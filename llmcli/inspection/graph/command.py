@@ -27,7 +27,7 @@ from llmcli.errors import InputError
 from llmcli.fileio import atomic_path
 from llmcli.generation.prompts import encode_prompt
 from llmcli.inspection.graph.attribute import AttributionGraph, attribute_graph, graph_to_dict
-from llmcli.inspection.graph.frontend import frontend_graph, write_frontend_files
+from llmcli.inspection.graph.frontend import frontend_graph, listed_graphs, write_frontend_files
 from llmcli.inspection.graph.options import GraphOptions
 from llmcli.inspection.graph.page import page_data, write_graph_page
 from llmcli.inspection.graph.paths import node_labels, top_paths
@@ -95,13 +95,31 @@ class GraphRequest:
         ):
             if value is not None and value < 1:
                 raise InputError(f"{option} ({value}) must be at least 1.")
+        if self.context_steps < 1:
+            raise InputError(f"--context-steps ({self.context_steps}) must be at least 1.")
+        self._check_outputs()
+
+    def _check_outputs(self) -> None:
+        """The files and folder the graph goes to, checked before it is computed, not when
+        it is written, minutes later."""
         if self.frontend is not None and Path(self.frontend).is_file():
             raise InputError(f"--frontend '{self.frontend}' is a file: give a folder.")
         for option, path in (("--out", self.out), ("--page", self.page)):
             if path is not None and Path(path).is_dir():
                 raise InputError(f"{option} '{path}' is a folder: give a file name.")
-        if self.context_steps < 1:
-            raise InputError(f"--context-steps ({self.context_steps}) must be at least 1.")
+        for option, path in (
+            ("--out", self.out),
+            ("--page", self.page),
+            ("--frontend", self.frontend),
+        ):
+            if path is not None and not Path(path).absolute().parent.is_dir():
+                raise InputError(
+                    f"the folder of {option} '{path}' does not exist: create it first."
+                )
+        if self.frontend is not None:
+            listed_graphs(self.frontend)  # a listing it cannot add to: said now
+        if not self.slug or "/" in self.slug or "\\" in self.slug or self.slug in (".", ".."):
+            raise InputError(f"--slug '{self.slug}' must be a name, without a folder in it.")
 
 
 @dataclass

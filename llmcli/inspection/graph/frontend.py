@@ -15,7 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from llmcli.fileio import atomic_write_text
+from llmcli.errors import InputError, describe_os_error
+from llmcli.fileio import JSONFileError, atomic_write_text, read_json
 
 
 def _cantor(x: int, y: int) -> int:
@@ -88,15 +89,47 @@ def frontend_graph(result: Any, slug: str, node_threshold: float) -> dict[str, A
     return {"metadata": metadata, "qParams": qparams, "nodes": used, "links": links}
 
 
+def listed_graphs(folder: str | Path) -> list[dict[str, Any]]:
+    """The graphs `graph-metadata.json` in `folder` lists ([] without one).
+
+    Raises:
+        InputError: a listing that cannot be read, or that holds no list of graphs.
+    """
+    listing = Path(folder) / "graph-metadata.json"
+    if not listing.exists():
+        return []
+    try:
+        graphs = read_json(listing)["graphs"]
+    except JSONFileError as exc:
+        raise InputError(f"--frontend: '{listing}' cannot be read: {exc}.") from None
+    except (TypeError, KeyError):
+        graphs = None
+    if not isinstance(graphs, list) or not all(isinstance(g, dict) for g in graphs):
+        raise InputError(
+            f"--frontend: '{listing}' is not circuit-tracer's listing (an object whose "
+            '"graphs" is a list of objects): give another folder, or remove the file.'
+        )
+    return graphs
+
+
 def write_frontend_files(data: dict[str, Any], folder: str | Path) -> Path:
     """Write `<slug>.json` and add the graph to `graph-metadata.json` (replacing one of the same
-    slug) in `folder`; returns the graph's file."""
+    slug) in `folder`; returns the graph's file.
+
+    Raises:
+        InputError: the folder cannot be made or written (the reason named), or its listing
+            read (`listed_graphs`).
+    """
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{data['metadata']['slug']}.json"
-    atomic_write_text(path, json.dumps(data, indent=2, ensure_ascii=False))
-    listing = folder / "graph-metadata.json"
-    graphs = json.loads(listing.read_text(encoding="utf-8"))["graphs"] if listing.exists() else []
-    graphs = [g for g in graphs if g.get("slug") != data["metadata"]["slug"]]
-    atomic_write_text(listing, json.dumps({"graphs": [*graphs, data["metadata"]]}, indent=2))
+    graphs = [g for g in listed_graphs(folder) if g.get("slug") != data["metadata"]["slug"]]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(data, indent=2, ensure_ascii=False))
+        listing = folder / "graph-metadata.json"
+        atomic_write_text(listing, json.dumps({"graphs": [*graphs, data["metadata"]]}, indent=2))
+    except OSError as exc:
+        raise InputError(
+            f"--frontend '{folder}' cannot be written: {describe_os_error(exc)}."
+        ) from None
     return path
