@@ -16,7 +16,7 @@ from model_helpers import assert_close
 from sae_helpers import small_run
 from safetensors.torch import load_file
 
-from llmcli.errors import InputError
+from llmcli.errors import CheckpointError, InputError
 from llmcli.inspection.sae import transcoder_train
 from llmcli.inspection.sae.config import SAEConfig
 from llmcli.inspection.sae.folder import METRICS_FILE, STATE_FILE
@@ -221,3 +221,22 @@ def test_eval_replaces_every_mlp_at_once_as_a_forward_written_out_does(run, tmp_
     assert figures["nmse"][1] == pytest.approx(nmse.item(), rel=1e-4)
     assert figures["l0"][1] == pytest.approx(l0.item())
     assert 0 < figures["ce_recovered"] <= 1.5
+
+
+def test_a_damaged_config_is_refused_naming_the_file(run, tmp_path) -> None:
+    folder = trained(run, tmp_path / "tc", layers="1", steps=2)
+    good = yaml.safe_load((folder / CONFIG_FILE).read_text())
+    bad_k = {**good, "llmcli": {**good["llmcli"], "settings": {"k": "many"}}}
+    no_layers = {**good, "llmcli": {**good["llmcli"], "layers": []}}
+    for text, message in (
+        ("", "is not an llmcli transcoder set"),
+        ("- a list\n", "is not an llmcli transcoder set"),
+        (yaml.safe_dump(bad_k), "lacks or misreads invalid literal for int()"),
+        (yaml.safe_dump(no_layers), "lists no layer"),
+    ):
+        (folder / CONFIG_FILE).write_text(text)
+        with pytest.raises(CheckpointError) as exc:
+            load_transcoders(folder)
+        assert message in str(exc.value) and str(folder / CONFIG_FILE) in str(exc.value)
+    (folder / CONFIG_FILE).write_text(yaml.safe_dump(good))
+    assert load_transcoders(folder).transcoders.layers == [1]

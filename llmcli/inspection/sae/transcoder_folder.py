@@ -128,7 +128,7 @@ def _read_config(path: Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise CheckpointError(f"transcoder config '{path}' cannot be read ({exc}).") from None
     meta = cfg.get("llmcli") if isinstance(cfg, dict) else None
-    if cfg.get("model_kind") != "transcoder_set" or not isinstance(meta, dict):
+    if not isinstance(meta, dict) or cfg.get("model_kind") != "transcoder_set":
         raise CheckpointError(
             f"transcoder config '{path}' is not an llmcli transcoder set (model_kind "
             "transcoder_set with an llmcli section): `llmcli sae train --kind transcoder` "
@@ -147,14 +147,23 @@ def load_transcoders(folder: str | Path) -> LoadedTranscoders:
     folder = Path(folder)
     cfg = _read_config(folder / CONFIG_FILE)
     meta = cfg["llmcli"]
-    settings = dict(meta.get("settings") or {})
     try:
+        settings = dict(meta.get("settings") or {})
         layers = [int(layer) for layer in meta["layers"]]
         d_model, d_transcoder = int(meta["d_model"]), int(meta["d_transcoder"])
+        k = int(settings.get("k") or 1)
     except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"transcoder config '{folder / CONFIG_FILE}' lacks {exc}.") from None
+        raise CheckpointError(
+            f"transcoder config '{folder / CONFIG_FILE}' lacks or misreads {exc}: write it "
+            "again with `llmcli sae train --kind transcoder`."
+        ) from None
+    if not layers:
+        raise CheckpointError(
+            f"transcoder config '{folder / CONFIG_FILE}' lists no layer: a transcoder set "
+            "has one a layer (`llmcli sae train --kind transcoder --layers all`)."
+        )
     activation = str(settings.get("activation", "topk"))
-    skip, k = bool(settings.get("skip", False)), int(settings.get("k") or 1)
+    skip = bool(settings.get("skip", False))
     built = []
     for layer in layers:
         tc = Transcoder(d_model, d_transcoder, k, activation, skip)
