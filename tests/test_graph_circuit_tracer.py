@@ -117,6 +117,7 @@ def test_circuit_tracers_frontend_files_are_what_llmcli_writes(
     assert [n["node_id"] for n in ours["nodes"]] == [n["node_id"] for n in theirs["nodes"]]
     for a, b in zip(ours["nodes"], theirs["nodes"], strict=True):
         for key in ("influence", "activation", "token_prob"):
+            assert (a[key] is None) == (b[key] is None), (a["node_id"], key)
             if a[key] is not None:
                 assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["node_id"], key)
         assert {
