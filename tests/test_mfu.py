@@ -15,10 +15,10 @@ from conftest import small_run_config
 from llmcli.config import config_from_dict
 from llmcli.runs.formats import read_meta
 from llmcli.runs.info import format_info, run_info
+from llmcli.runs.loading import load_run
 from llmcli.runs.metrics import read_metrics
 from llmcli.training.loop import train
 from llmcli.training.mfu import mfu, peak_flops
-from llmcli.training.plan import make_plan
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -38,7 +38,12 @@ def test_each_training_record_carries_its_mfu_and_info_shows_the_last(
     config = config_from_dict(small_run_config(small_corpus, max_steps=6, log_interval=2))
     train(config, out_dir=tmp_path / "run", progress=False)
     meta = read_meta(tmp_path / "run" / "meta.json")
-    assert meta["flops_per_token"] == make_plan(config, "cpu", measure_s=0).flops_per_token
+    # 6 N + 12 L T C written out: N the parameters without the position embeddings (the token
+    # embedding is the tied LM head's weight)
+    model = load_run(tmp_path / "run").model
+    n = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
+    m = config.model
+    assert meta["flops_per_token"] == 6 * n + 12 * m.n_layer * m.context_length * m.n_embed
     assert meta["peak_flops"] == peak_flops(torch.device("cpu"), torch.float32)
     records = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "train"]
     assert len(records) == 3
