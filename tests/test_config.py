@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ from llmcli.config import (
     shipped_configs,
 )
 from llmcli.config import shipped as shipped_module
+from llmcli.config.loading import apply_overrides, set_options
 from llmcli.config.sample import SETTING_KEYS, option_name, setting_info
 from llmcli.errors import ConfigError
 from llmcli.training.optim import lr_at
@@ -458,3 +460,27 @@ def test_dpo_config_errors_name_the_fix(data: dict, train: dict, pattern: str) -
     raw = {"data": {**DPO["data"], **data}, "train": {**DPO["train"], **train}}
     with pytest.raises(ConfigError, match=pattern):
         config_from_dict(raw)
+
+
+def test_set_options_give_back_the_values_they_write_through_a_shell() -> None:
+    """What a resume tells the user to pass (`describe_changes`): lists, mappings and scalars,
+    as a shell splits them, read back by `--set` to the same values."""
+    values = {
+        "train.reward": ["exact", "number"],
+        "train.reward_weights": [1.0, 0.5],
+        "train.lora": {"rank": 8, "alpha": 8.0},
+        "train.lr": 0.0003,
+        "train.init_from": "runs/my chat",
+    }
+    args = [arg for key, value in values.items() for arg in set_options(key, value)]
+    overrides = shlex.split(" ".join(args))[1::2]  # the texts after each --set
+    raw = apply_overrides({"train": {"objective": "grpo"}}, overrides)
+    for key, value in values.items():
+        section, name = key.split(".")
+        got = raw[section][name]
+        if name == "lora":
+            assert {k: got[k] for k in value} == value
+        elif isinstance(value, list):
+            assert [x.strip() for x in str(got).split(",")] == [str(v) for v in value]
+        else:
+            assert got == value

@@ -14,6 +14,7 @@ import dataclasses
 import math
 import re
 import reprlib
+import shlex
 import types
 import typing
 from pathlib import Path
@@ -138,6 +139,16 @@ def format_scalar(value: Any) -> str:
     """A setting's value as YAML writes it, as `parse_scalar` reads it back: `null`, `true`,
     `0.8`."""
     return yaml.safe_dump(value, default_flow_style=True).removesuffix("\n...\n").strip()
+
+
+def set_options(key: str, value: Any) -> list[str]:
+    """The `--set KEY=VALUE` arguments that give `key` its `value`, quoted for a shell: a list
+    as comma text (`train.reward=exact,number`), a mapping as one `--set` a key
+    (`train.lora.rank=8`), anything else as `format_scalar` writes it."""
+    if isinstance(value, dict):
+        return [arg for k, v in value.items() for arg in set_options(f"{key}.{k}", v)]
+    text = ",".join(map(format_scalar, value)) if isinstance(value, list) else format_scalar(value)
+    return ["--set", shlex.quote(f"{key}={text}")]
 
 
 def parse_scalar(raw: str, what: str, quoted: str) -> Any:

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from llmcli.config import Config
-from llmcli.config.loading import format_scalar
+from llmcli.config.loading import set_options
 from llmcli.errors import CheckpointError, InputError
 from llmcli.runs.directory import CONFIG_FILE, STATE_FILE
 from llmcli.runs.formats import check_weights, load_state
@@ -62,7 +62,7 @@ def describe_changes(changes: list[tuple[str, Any, Any]]) -> str:
         f"{key} {saved!r} -> {now!r}" + (f" ({_EFFECTS[key]})" if key in _EFFECTS else "")
         for key, saved, now in changes
     )
-    keep = " ".join(f"--set {key}={format_scalar(saved)}" for key, saved, _ in changes)
+    keep = " ".join(arg for key, saved, _ in changes for arg in set_options(key, saved))
     return (
         f"resuming with settings that differ from the saved run's: {said}. The command's "
         "settings apply from here on (as nanoGPT's and litgpt's resumes do), so the run will not "
