@@ -17,9 +17,10 @@ from test_grpo import REWARD, base, grpo_config, objective_for  # noqa: F401 (ba
 
 from llmcli.config import config_from_dict
 from llmcli.data.prompts import PromptSampler
-from llmcli.errors import ConfigError
+from llmcli.errors import ConfigError, InputError
 from llmcli.objectives.grpo_loss import advantages
 from llmcli.objectives.grpo_samples import GRPOStream
+from llmcli.objectives.rewards import Rewards
 from llmcli.runs.formats import read_weights
 from llmcli.runs.metrics import read_metrics
 from llmcli.training.loop import train
@@ -270,3 +271,13 @@ def test_the_sampling_policys_log_probabilities_are_taken_in_the_steps_precision
     assert float(loss.detach()) == pytest.approx(
         float(-(share.advantages[:, None] * m).sum() / m.sum()), abs=1e-6
     )
+
+
+def test_several_rewards_weigh_each_functions_checked_score() -> None:
+    """`Rewards.total`, what evaluations score replies with: the weighted sum of the scores,
+    each checked as a single reward's is (a text "1" is refused, not summed as 1)."""
+    rewards = Rewards([("one", lambda p, c, a: 1), ("two", lambda p, c, a: 2.0)], [1.0, 0.25])
+    assert rewards.total("p", "c", None, "row 1") == 1.5
+    text = Rewards([("one", lambda p, c, a: 1), ("text", lambda p, c, a: "1")], [1.0, 1.0])
+    with pytest.raises(InputError, match=r"gave '1', not a finite number.*at row 3"):
+        text.total("p", "c", None, "row 3")

@@ -8,7 +8,7 @@ from typing import Any
 
 from llmcli.data.prepared import PromptSplit
 from llmcli.generation.replies import replies
-from llmcli.objectives.rewards import BUILT_IN, Reward, Rewards, score
+from llmcli.objectives.rewards import Rewards
 from llmcli.progress import Progress
 
 
@@ -23,7 +23,7 @@ def greedy_figures(
     split: PromptSplit,
     end_ids: tuple[int, ...],
     sample: Any,
-    reward: Reward,
+    reward: Rewards,
     decode_text: Any,
     batch_size: int,
     *,
@@ -44,17 +44,15 @@ def greedy_figures(
         got = replies(model, prompts, budgets, end_ids, greedy, model.vocab_size)
         for k, (ids, end) in zip(batch, got, strict=True):
             text = decode_text(ids)
-            value = score(reward, split.texts[k], text, split.answers[k], split.where[k])
+            value = reward.total(split.texts[k], text, split.answers[k], split.where[k])
             ended = end is not None
             rows.append({"where": split.where[k], "reply": text, "ended": ended, "reward": value})
         bar.update(len(batch))
     bar.close()
-    # Built-in verifiers judge only a prompt with an answer; a function of the user's any.
-    verifier = reward.needs_answer if isinstance(reward, Rewards) else reward in BUILT_IN.values()
-    answered = [
+    answered = [  # built-in verifiers judge only a prompt with an answer
         float(r["reward"] >= 1.0)
         for k, r in zip(picks, rows, strict=True)
-        if split.answers[k] is not None or not verifier
+        if split.answers[k] is not None or not reward.needs_answer
     ]
     return {
         "reward": sum(r["reward"] for r in rows) / len(rows),

@@ -151,8 +151,8 @@ def load_reward(spec: str, timeout: float | None = None) -> Reward:
 
 class Rewards:
     """Several rewards and their weights, as TRL's `reward_funcs` and `reward_weights`: a
-    completion's reward is the weighted sum of each function's (`__call__`, which makes it a
-    `Reward` wherever one is taken); `scores` gives each function's apart, for its figures.
+    completion's reward is the weighted sum of each function's (`total`); `scores` gives each
+    function's apart, for its figures.
 
     Args:
         named: each reward's name (a built-in verifier's, or FUNCTION of `FILE.py:FUNCTION`) and
@@ -172,11 +172,10 @@ class Rewards:
         """Each reward's score of one completion (`score`: a failure names the prompt)."""
         return [score(fn, prompt, completion, answer, where) for fn in self.functions]
 
-    def __call__(self, prompt: str, completion: str, answer: str | None) -> float:
-        parts = [fn(prompt, completion, answer) for fn in self.functions]
-        if len(parts) == 1:
-            return parts[0]  # as it came: `score` checks it is a number
-        return sum(w * float(part) for w, part in zip(self.weights, parts, strict=True))
+    def total(self, prompt: str, completion: str, answer: str | None, where: str) -> float:
+        """One completion's reward: each function's score (checked, as `scores`), weighted."""
+        parts = self.scores(prompt, completion, answer, where)
+        return sum(w * part for w, part in zip(self.weights, parts, strict=True))
 
 
 def load_rewards(
