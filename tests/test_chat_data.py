@@ -95,18 +95,19 @@ def test_a_long_conversation_is_cut_after_the_last_assistant_turn_that_fits(
     spell = "U\nSpell cat.E\nA\nc-a-tE"  # the first 22 ids of the second, to its first turn end
     assert (len(system_first), len(spell)) == (29, 22)
     config = chat_config(tmp_path, tokenizer_file, CONVERSATIONS, CONVERSATIONS)
-    cases = {  # context_length: (kept, truncated, skipped), window lengths
-        43: ((2, 0, 0), [29, 44]),
-        30: ((1, 1, 0), [29, 22]),
-        25: ((0, 1, 1), [22]),
+    cases = {  # context_length: (kept, truncated, skipped), window lengths, rows left out
+        43: ((2, 0, 0), [29, 44], []),
+        30: ((1, 1, 0), [29, 22], []),
+        25: ((0, 1, 1), [22], [0]),
     }
-    for context_length, (counts, lengths) in cases.items():
+    for context_length, (counts, lengths, left_out) in cases.items():
         data = prepare_chat_data(config, context_length)
         for split in (data.chat.train, data.chat.val):
             got = split.counts
             assert (got["kept"], got["truncated"], got["skipped"]) == counts, context_length
             assert got["conversations"] == 2
             assert split.lengths.tolist() == lengths
+            assert split.skipped_rows == left_out  # the rows the warning names
     # Context 30: the second conversation's window ends with the first reply's <|end|>.
     data = prepare_chat_data(config, 30)
     sampler = ChatSampler(data.chat.train, data.chat.pad_id, 8, 30, seed=1)

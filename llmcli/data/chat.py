@@ -358,8 +358,8 @@ def _split(paths: dict[str, Path], dtype: np.dtype, rows: slice, context_length:
     )
     mask = np.memmap(paths["mask"], dtype=np.uint8, mode="r", offset=lo, shape=(hi - lo,))
     starts, lengths, counts = conversation_windows(mask, offsets - lo, context_length)
-    kept = set(np.searchsorted(offsets - lo, starts).tolist())  # the row each window starts
-    skipped = [row for row in range(len(offsets) - 1) if row not in kept]
+    # a kept conversation's window starts where it does (every conversation holds tokens)
+    skipped = np.flatnonzero(~np.isin(offsets[:-1] - lo, starts)).tolist()
     return ChatSplit(tokens, mask, starts, lengths, counts, skipped)
 
 
