@@ -113,7 +113,7 @@ def test_transcoders_of_another_run_width_or_missing_a_layer_are_refused(
     same_width = small_run(tmp_path / "twin", small_corpus)  # another run, the same shape
     out = tmp_path / "graph.pt"
     for checkpoint, transcoders, message in (
-        (run, wide, "read 32 channels and run"),
+        (run, wide, "(width 32, layers [0, 1]) do not fit run"),
         (run, partial, "lacks layer(s) 0: a graph replaces every MLP"),
         (same_width, moved, "were trained on run"),
     ):
@@ -132,6 +132,15 @@ def test_transcoders_of_another_run_width_or_missing_a_layer_are_refused(
         )
         assert code == 2, err
         assert message in " ".join(err.split()) and not out.exists()
+    # `sae eval` measures a set on another run's weights, saying so; one that cannot read them
+    # is refused as the graph refuses it.
+    sae_eval = ["sae", "eval", "--steps", "1", "--no-progress", "--json", "--sae"]
+    code, out_text, err = cli(capsys, *sae_eval, str(moved), "--checkpoint", str(same_width))
+    assert code == 0, err
+    assert "were trained on run" in err and "the figures measure them on these weights" in err
+    assert json.loads(out_text)["ce_clean"] > 0
+    code, _, err = cli(capsys, *sae_eval, str(wide), "--checkpoint", str(run))
+    assert code == 2 and "(width 32, layers [0, 1]) do not fit run" in " ".join(err.split())
 
 
 def test_sae_features_reads_one_layers_transcoder_features(run, folder, capsys) -> None:

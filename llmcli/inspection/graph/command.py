@@ -36,6 +36,7 @@ from llmcli.inspection.sae.evaluate import ReadOptions
 from llmcli.inspection.sae.features import feature_report
 from llmcli.inspection.sae.transcoder_folder import (
     LoadedTranscoders,
+    check_fits,
     is_transcoder_folder,
     load_transcoders,
 )
@@ -191,22 +192,11 @@ def open_transcoders(run: LoadedRun, folder: str | Path | None) -> LoadedTransco
             f"`{TRAIN_COMMAND} --checkpoint {run.run_dir}`, or pass --transcoders DIR."
         )
     loaded = load_transcoders(folder)
-    tcs, info = loaded.transcoders, loaded.info
-    if tcs.transcoders[0].d_model != run.model.n_embed:
-        raise InputError(
-            f"the transcoders in '{folder}' read {tcs.transcoders[0].d_model} channels and run "
-            f"'{run.run_dir}' has {run.model.n_embed}: they belong to another run; train its "
-            f"own with `{TRAIN_COMMAND} --checkpoint {run.run_dir}`."
-        )
-    inside = run.run_dir.resolve() in folder.resolve().parents
-    same_run = inside or Path(info.run).resolve() == run.run_dir.resolve()
-    if not same_run or info.run_step != run.step:
-        raise InputError(
-            f"the transcoders in '{folder}' were trained on run '{info.run}' at step "
-            f"{info.run_step}, not on '{run.run_dir}' at step {run.step}: "
-            f"train this run's with `{TRAIN_COMMAND} --checkpoint {run.run_dir}`."
-        )
-    missing = sorted(set(range(run.model.n_layer)) - set(tcs.layers))
+    fix = f"train this run's with `{TRAIN_COMMAND} --checkpoint {run.run_dir}`."
+    stale = check_fits(loaded, run, fix)
+    if stale is not None:  # a graph is exact only on the weights its transcoders read
+        raise InputError(f"{stale}: {fix}")
+    missing = sorted(set(range(run.model.n_layer)) - set(loaded.transcoders.layers))
     if missing:
         raise InputError(
             f"the transcoder set in '{folder}' lacks layer(s) {', '.join(map(str, missing))}: a "

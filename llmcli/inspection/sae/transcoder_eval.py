@@ -26,9 +26,12 @@ import torch
 from torch import Tensor
 
 from llmcli.device import resolve_device
-from llmcli.errors import InputError
 from llmcli.inspection.sae.evaluate import ReadOptions, loss_sum, measured, run_of
-from llmcli.inspection.sae.transcoder_folder import LoadedTranscoders, load_transcoders
+from llmcli.inspection.sae.transcoder_folder import (
+    LoadedTranscoders,
+    check_fits,
+    load_transcoders,
+)
 from llmcli.model.hooks import HookFn
 from llmcli.progress import Progress
 from llmcli.runs.loading import LoadedRun, load_run
@@ -65,13 +68,9 @@ def open_transcoder_set(
     loaded = load_transcoders(options.sae)
     checkpoint = options.checkpoint or run_of(loaded)
     run = load_run(checkpoint, weights=options.weights, device=device, notify=notify)
-    width = loaded.transcoders.transcoders[0].d_model
-    if width != run.model.n_embed or max(loaded.transcoders.layers) >= run.model.n_layer:
-        raise InputError(
-            f"the transcoders '{loaded.folder}' (width {width}, layers {loaded.transcoders.layers})"
-            f" do not fit run '{run.run_dir}' (width {run.model.n_embed}, {run.model.n_layer} "
-            "layers): they were trained on another run."
-        )
+    stale = check_fits(loaded, run, "evaluate them on the run they were trained on.")
+    if stale is not None:  # measured all the same: how well they read these weights
+        notify(f"{stale}: the figures measure them on these weights")
     loaded.transcoders.to(device)
     return loaded, run
 

@@ -32,6 +32,7 @@ from llmcli.fileio import atomic_write_bytes, atomic_write_text
 from llmcli.inspection.sae.folder import LoadedSAE, SAEInfo
 from llmcli.inspection.sae.transcoder import Transcoder, TranscoderSet
 from llmcli.runs.formats import read_weights
+from llmcli.runs.loading import LoadedRun
 
 CONFIG_FILE = "config.yaml"
 THRESHOLD = "activation_function.threshold"
@@ -211,3 +212,25 @@ def layer_as_sae(loaded: LoadedTranscoders, layer: int | None) -> LoadedSAE:
         tokens=loaded.info.tokens,
     )
     return LoadedSAE(loaded.transcoders[layer], info, loaded.folder)  # type: ignore[arg-type]
+
+
+def check_fits(loaded: LoadedTranscoders, run: LoadedRun, fix: str) -> str | None:
+    """Whether the set `loaded` reads `run`'s model: an `InputError` ending with `fix` when it
+    cannot (another width, a layer the run lacks); what differs when it was trained on another
+    run or at another step of this one (None: on these weights), for the caller to refuse or
+    to say."""
+    tcs, info = loaded.transcoders, loaded.info
+    width = tcs.transcoders[0].d_model
+    if width != run.model.n_embed or max(tcs.layers) >= run.model.n_layer:
+        raise InputError(
+            f"the transcoders in '{loaded.folder}' (width {width}, layers {tcs.layers}) do not "
+            f"fit run '{run.run_dir}' (width {run.model.n_embed}, {run.model.n_layer} layers): "
+            f"they belong to another run; {fix}"
+        )
+    inside = run.run_dir.resolve() in Path(loaded.folder).resolve().parents
+    if (inside or Path(info.run).resolve() == run.run_dir.resolve()) and info.run_step == run.step:
+        return None
+    return (
+        f"the transcoders in '{loaded.folder}' were trained on run '{info.run}' at step "
+        f"{info.run_step}, not on '{run.run_dir}' at step {run.step}"
+    )
