@@ -164,6 +164,19 @@ def aux_reconstruction(
     return bag_sum(sae.W_dec, rows, features, F.relu(values.flatten()), len(residual))
 
 
+def auxk_loss(
+    sae: SparseAutoencoder, pre: Tensor, dead: Tensor, residual: Tensor
+) -> tuple[Tensor, float]:
+    """AuxK's loss (Gao et al. 2024, appendix B.1): the squared error, summed over channels
+    and averaged over rows, with which the `d / 2` largest dead features (`d` the residual's
+    width, `dead` some) reconstruct `residual` (`aux_reconstruction`), and its scale, smaller
+    when fewer features are dead (taken before `k_aux` is cut to their count)."""
+    n_dead = int(dead.sum())
+    k_aux = max(1, residual.shape[-1] // 2)
+    aux_hat = aux_reconstruction(sae, pre, dead, residual, min(k_aux, n_dead))  # (N, d)
+    return (aux_hat - residual).pow(2).sum(-1).mean(), min(n_dead / k_aux, 1.0)
+
+
 def bag_sum(W: Tensor, rows: Tensor, features: Tensor, values: Tensor, n: int) -> Tensor:
     """`out[r] = sum of values[i] * W[features[i]] over the i with rows[i] == r`.
 

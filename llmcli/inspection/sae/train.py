@@ -5,7 +5,7 @@ Each step draws random windows of the run's training split (`BatchSampler`, its 
 the model up to the hook point only (`points.read_activations`), and takes one Adam step of the
 SAE on those activations: no activation is stored beyond the step that uses it. The loss is the
 reconstruction's squared error (summed over channels, averaged over tokens) plus AuxK
-(`model.aux_reconstruction`, weight `aux_coef`): the features that have not fired for
+(`model.auxk_loss`, weight `aux_coef`): the features that have not fired for
 `dead_tokens` tokens reconstruct what the live ones missed, which gives them a gradient back to
 life. Dead features are counted, not resampled: `dead_fraction` in `metrics.jsonl` and in `sae
 eval` is the share of features that have not fired for `dead_tokens` tokens (in eval: on any
@@ -40,7 +40,7 @@ from llmcli.inspection.sae.config import SAEConfig
 from llmcli.inspection.sae.folder import CFG_FILE, STATE_FILE, SAEInfo, save_sae
 from llmcli.inspection.sae.loop import Training, TrainSummary, Wording, start, train_in_folder
 from llmcli.inspection.sae.loop import lr_at as lr_at  # where it was, for its users
-from llmcli.inspection.sae.model import SparseAutoencoder, aux_reconstruction
+from llmcli.inspection.sae.model import SparseAutoencoder, auxk_loss
 from llmcli.inspection.sae.points import check_hook, read_activations
 from llmcli.runs.loading import LoadedRun, load_run
 
@@ -110,13 +110,8 @@ def sae_step(
     loss, aux = mse, torch.zeros(())
     n_dead = int(dead.sum())
     if n_dead and aux_coef > 0:
-        # Gao et al. (2024), appendix B.1: the d_in / 2 largest dead features, and a loss
-        # scaled down when fewer are dead (the scale is taken before k_aux is cut to n_dead).
-        k_aux = max(1, sae.d_in // 2)
-        residual = (x - x_hat).detach()  # (N, d_in)
-        aux_hat = aux_reconstruction(sae, pre, dead, residual, min(k_aux, n_dead))  # (N, d_in)
-        aux = (aux_hat - residual).pow(2).sum(-1).mean()
-        loss = loss + aux_coef * min(n_dead / k_aux, 1.0) * aux
+        aux, scale = auxk_loss(sae, pre, dead, (x - x_hat).detach())
+        loss = loss + aux_coef * scale * aux
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     sae.remove_parallel_grad_()

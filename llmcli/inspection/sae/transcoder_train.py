@@ -8,7 +8,7 @@ transcoder predicts the output from the input, and one Adam step takes the sum o
 (the layers share no parameter, so this is each layer's own step). A layer's loss is the squared
 error of the prediction (summed over channels, averaged over tokens), plus relu's or tanh's
 sparsity penalty (weight `sparsity_coef`), or, for topk and batchtopk, AuxK on the features dead
-for `dead_tokens` tokens (`model.aux_reconstruction`, weight `aux_coef`). The learning rate is
+for `dead_tokens` tokens (`model.auxk_loss`, weight `aux_coef`). The learning rate is
 `loop.lr_at`'s, as for an SAE.
 
 A save writes the set in circuit-tracer's layout (`transcoder_folder`), then the resume state
@@ -34,7 +34,7 @@ from llmcli.device import resolve_device
 from llmcli.errors import InputError
 from llmcli.inspection.sae.config import SAEConfig
 from llmcli.inspection.sae.loop import Training, TrainSummary, Wording, start, train_in_folder
-from llmcli.inspection.sae.model import aux_reconstruction
+from llmcli.inspection.sae.model import auxk_loss
 from llmcli.inspection.sae.points import read_points
 from llmcli.inspection.sae.train import DEFAULT_EXPANSION, TrainOptions, check_folder
 from llmcli.inspection.sae.transcoder import Transcoder, TranscoderSet
@@ -100,11 +100,8 @@ def transcoder_step(
         extra = config.sparsity_coef * tc.penalty(pre)
         n_dead = int(dead[i].sum())
         if tc.activation in ("topk", "batchtopk") and n_dead and config.aux_coef > 0:
-            k_aux = max(1, tc.d_model // 2)  # as an SAE's AuxK (train.sae_step)
-            residual = (y - y_hat).detach()  # (N, C)
-            aux_hat = aux_reconstruction(tc, pre, dead[i], residual, min(k_aux, n_dead))
-            extra = config.aux_coef * min(n_dead / k_aux, 1.0) * (aux_hat - residual).pow(2)
-            extra = extra.sum(-1).mean()
+            aux, scale = auxk_loss(tc, pre, dead[i], (y - y_hat).detach())  # as an SAE's
+            extra = config.aux_coef * scale * aux
         loss = loss + mse + extra
         active = values > 0
         fired[i, features[active]] = True
