@@ -17,7 +17,7 @@ from llmcli.cli.options import (
     RunThreadsOption,
     WeightsOption,
 )
-from llmcli.inspection.graph.options import GraphOptions
+from llmcli.inspection.graph.options import EDGE_THRESHOLD, NODE_THRESHOLD, GraphOptions
 
 # The defaults are circuit-tracer's, declared once in `GraphOptions`.
 _DEFAULT = GraphOptions()
@@ -105,8 +105,8 @@ def graph_command(
     max_logits: MaxLogitsOption = _DEFAULT.max_logits,
     logit_probability: LogitProbabilityOption = _DEFAULT.logit_probability,
     max_feature_nodes: MaxFeatureNodesOption = None,
-    node_threshold: NodeThresholdOption = 0.8,
-    edge_threshold: EdgeThresholdOption = 0.98,
+    node_threshold: NodeThresholdOption = NODE_THRESHOLD,
+    edge_threshold: EdgeThresholdOption = EDGE_THRESHOLD,
     batch_size: BatchSizeOption = _DEFAULT.batch_size,
     out: OutOption = None,
     page: PageOption = None,

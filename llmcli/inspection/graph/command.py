@@ -28,7 +28,7 @@ from llmcli.fileio import atomic_path
 from llmcli.generation.prompts import encode_prompt
 from llmcli.inspection.graph.attribute import AttributionGraph, attribute_graph, graph_to_dict
 from llmcli.inspection.graph.frontend import frontend_graph, listed_graphs, write_frontend_files
-from llmcli.inspection.graph.options import GraphOptions
+from llmcli.inspection.graph.options import EDGE_THRESHOLD, NODE_THRESHOLD, GraphOptions
 from llmcli.inspection.graph.page import page_data, write_graph_page
 from llmcli.inspection.graph.paths import node_labels, top_paths
 from llmcli.inspection.graph.prune import Pruned, prune
@@ -69,8 +69,8 @@ class GraphRequest:
     checkpoint: str | Path | None = None
     transcoders: str | Path | None = None
     options: GraphOptions = field(default_factory=GraphOptions)
-    node_threshold: float = 0.8
-    edge_threshold: float = 0.98
+    node_threshold: float = NODE_THRESHOLD
+    edge_threshold: float = EDGE_THRESHOLD
     out: str | Path | None = None
     page: str | Path | None = None
     frontend: str | Path | None = None

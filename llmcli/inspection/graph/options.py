@@ -5,6 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# How much of the influence on the logits the pruned graph keeps, in its nodes and its edges
+# (circuit-tracer's `prune_graph` defaults).
+NODE_THRESHOLD = 0.8
+EDGE_THRESHOLD = 0.98
+
 
 @dataclass(frozen=True)
 class GraphOptions:

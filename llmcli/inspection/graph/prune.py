@@ -16,6 +16,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from llmcli.inspection.graph.options import EDGE_THRESHOLD, NODE_THRESHOLD
+
 
 def normalize_matrix(matrix: Tensor) -> Tensor:
     """Rows of `|matrix|` scaled to sum 1 (an all-zero row stays 0)."""
@@ -75,8 +77,8 @@ def prune(
     probabilities: Tensor,
     n_features: int,
     n_tokens: int,
-    node_threshold: float = 0.8,
-    edge_threshold: float = 0.98,
+    node_threshold: float = NODE_THRESHOLD,
+    edge_threshold: float = EDGE_THRESHOLD,
 ) -> Pruned:
     """Prune a graph (module doc): `adjacency` `(N, N)`, the logits' `probabilities` `(k,)`,
     `n_features` feature nodes first, `n_tokens` token nodes before the `k` logits."""
