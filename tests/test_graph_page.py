@@ -4,6 +4,8 @@ its label, activation, influence and its top contexts from `sae features`."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from browser_helpers import needs_chromium, open_page, severe_messages
 from graph_helpers import PROMPT, transcoders_for
@@ -29,6 +31,18 @@ def test_the_page_holds_the_pruned_graph(drawn) -> None:
     assert result.written == [page]
     text = page.read_text(encoding="utf-8")
     assert "__GRAPH_DATA__" not in text and "http" not in text.split("<script")[1][:200]
+    # The inlined data: the nodes the pruning kept and the edges between them, each edge its
+    # adjacency weight.
+    inlined = text.split('<script id="graph-data" type="application/json">')[1]
+    data = json.loads(inlined.split("</script>")[0])
+    kept = result.pruned.node_mask
+    assert len(data["nodes"]) == int(kept.sum()) > 0 and data["total_nodes"] == len(kept)
+    edges = result.pruned.edge_mask & kept[:, None] & kept[None, :]
+    assert len(data["edges"]) == int(edges.sum()) > 0
+    adjacency = result.graph.adjacency_matrix
+    for edge in data["edges"]:
+        assert edges[edge["target"], edge["source"]]
+        assert edge["weight"] == pytest.approx(float(adjacency[edge["target"], edge["source"]]))
 
 
 @needs_chromium
