@@ -211,8 +211,15 @@ def test_eval_replaces_every_mlp_at_once_as_a_forward_written_out_does(run, tmp_
             h = h + tcs[layer](block.ln2(h).flatten(0, 1)).view_as(h)
         replaced = F.cross_entropy(model.to_logits(h).flatten(0, 1), y.flatten())
         clean = F.cross_entropy(model(x)[0].flatten(0, 1), y.flatten())
+        h = model.embedding(x)  # and each MLP's output zeroed
+        for block in model.blocks:
+            h = h + block.attn(block.ln1(h))
+        zero = F.cross_entropy(model.to_logits(h).flatten(0, 1), y.flatten())
     assert figures["ce_replaced"] == pytest.approx(replaced.item(), rel=1e-5)
     assert figures["ce_clean"] == pytest.approx(clean.item(), rel=1e-5)
+    assert figures["ce_zero"] == pytest.approx(zero.item(), rel=1e-5)
+    recovered = (zero - replaced) / (zero - clean)
+    assert figures["ce_recovered"] == pytest.approx(recovered.item(), rel=1e-4)
     rows = read_points(model, ["blocks.1.mlp_in", "blocks.1.mlp_out"], x)
     inp, out = rows["blocks.1.mlp_in"], rows["blocks.1.mlp_out"]
     with torch.no_grad():
@@ -220,7 +227,8 @@ def test_eval_replaces_every_mlp_at_once_as_a_forward_written_out_does(run, tmp_
         l0 = (tcs[1].encode(inp) != 0).float().sum(-1).mean()
     assert figures["nmse"][1] == pytest.approx(nmse.item(), rel=1e-4)
     assert figures["l0"][1] == pytest.approx(l0.item())
-    assert 0 < figures["ce_recovered"] <= 1.5
+    fired = (tcs[1].encode(inp) != 0).any(0).float().mean()  # features active on some token
+    assert figures["dead_fraction"][1] == pytest.approx(1 - fired.item())
 
 
 def test_a_damaged_config_is_refused_naming_the_file(run, tmp_path) -> None:
