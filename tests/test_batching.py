@@ -114,3 +114,27 @@ def test_sample_options_refuse_a_batch_of_no_samples() -> None:
     for bad in (0, -2, True):
         with pytest.raises(InputError, match=rf"batch_size \({bad}\) must be an integer >= 1"):
             SampleOptions(batch_size=bad)
+
+
+def test_compile_is_chosen_once_for_every_batch(monkeypatch, caplog) -> None:
+    """`--compile` where it does not pay for the largest batch (more rows than it measured
+    faster for): said once, and no batch, the smaller last one included, compiles."""
+    from llmcli.generation import compiled_decode
+
+    asked: list[int] = []
+
+    def no_compile(cls, model, rows, **kwargs):
+        asked.append(rows)
+        raise AssertionError("compiled where it does not pay")
+
+    monkeypatch.setattr(compiled_decode.CompiledDecoder, "for_model", classmethod(no_compile))
+    model = make_model(vocab=CHARS.vocab_size).eval()
+    rows = compiled_decode.PAYS_ROWS + 1
+    options = SampleOptions(num_samples=2 * rows + 2, batch_size=rows, compile=True)
+    config = SampleConfig(max_new_tokens=3, temperature=1.0, seed=5)
+    with caplog.at_level(logging.WARNING):
+        samples = sample_texts(model, CHARS, ["ab"], config, options)
+    plain = sample_texts(model, CHARS, ["ab"], config, SampleOptions(num_samples=2 * rows + 2))
+    assert [s.completion for s in samples] == [s.completion for s in plain]
+    notes = [r.getMessage() for r in caplog.records if "no faster" in r.getMessage()]
+    assert len(notes) == 1 and asked == []

@@ -12,6 +12,7 @@ characters split over byte tokens), sending it to a `llmcli.generation.streaming
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Generator, Sequence
@@ -171,6 +172,9 @@ def sample_texts(
         for i in range(len(prompts))
         for j in range(n)
     ]
+    rows = min(len(jobs), options.batch_size)  # the largest batch
+    if options.compile and decode_step(model, rows) == "auto":  # said once, for every batch
+        options = dataclasses.replace(options, compile=False)
     samples: list[Sample] = []
     for first in range(0, len(jobs), options.batch_size):
         batch = jobs[first : first + options.batch_size]
